@@ -1,0 +1,10 @@
+"""Typed, validated run configuration loaded from YAML with dotted overrides."""
+from jaxpar.config.errors import ConfigError
+from jaxpar.config.load import config_from_dict, load_config, save_config
+from jaxpar.config.schema import (CheckpointConfig, Config, DataConfig, MeshConfig, ModelConfig,
+                                  OptimizerConfig, PrecisionConfig, TrainConfig)
+from jaxpar.config.validate import validate_config
+
+__all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig",
+           "OptimizerConfig", "PrecisionConfig", "TrainConfig", "config_from_dict", "load_config",
+           "save_config", "validate_config"]

@@ -1,0 +1,158 @@
+"""Load a `Config` from YAML files and dotted command-line overrides.
+
+    cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=4", "train.steps=50"])
+
+A YAML file may name `base: other.yaml` (path relative to the file) whose values it extends; nested sections
+merge key by key. Files are read with `yaml.safe_load`. Unknown keys and values of the wrong type raise
+`ConfigError` naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, Sequence
+
+import yaml
+
+from jaxpar.config.errors import ConfigError
+from jaxpar.config.schema import Config
+
+_MAX_BASE_DEPTH = 8
+
+
+def _read_yaml(path: str, depth: int = 0) -> dict:
+    """Reads `path`, resolving its `base:` chain; returns the merged mapping (without `base`)."""
+    if depth > _MAX_BASE_DEPTH:
+        raise ConfigError(f"{path}: `base` chain deeper than {_MAX_BASE_DEPTH}; is there a cycle?")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass a path such as configs/tiny.yaml")
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections (model:, mesh:, ...)")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
+    base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+    return _merge(_read_yaml(base_path, depth + 1), raw)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Splits `section.key=value` into (["section", "key"], value parsed as a YAML scalar)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. mesh.fsdp=4")
+    key, value = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {key!r} must be section.key, e.g. train.steps=50")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not a YAML scalar: {e}") from e
+    return parts, parsed
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Checks `value` against the type hint of field `key`; ints are accepted for floats."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {hint}, got {value!r} ({type(value).__name__})")
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is str and isinstance(value, str):
+        return value
+    raise ConfigError(
+        f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r} ({type(value).__name__}); "
+        f"fix the value in the YAML file or the override")
+
+
+def _build(cls: type, values: dict, prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]}; valid keys in {prefix or 'the top level'}: "
+            f"{', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else name
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: must be a mapping of keys, got {value!r}")
+            kwargs[name] = _build(hint, value, key)
+        else:
+            kwargs[name] = _coerce(value, hint, key)
+    return cls(**kwargs)
+
+
+def config_from_dict(values: dict) -> Config:
+    """Builds a `Config` from nested mappings (no cross-field validation). Raises ConfigError."""
+    return _build(Config, values, "")
+
+
+def load_config(path: str | None, overrides: Sequence[str] = (), *, validate: bool = True,
+                num_devices: int | None = None) -> Config:
+    """Loads `path` (or the defaults when None), applies dotted overrides, validates.
+
+    Args:
+      path: YAML file; may name a `base` file it extends.
+      overrides: strings like `mesh.fsdp=4`.
+      validate: run `validate_config` (divisibility, ranges, mesh against device count).
+      num_devices: devices the mesh must cover; None means `jax.device_count()` at validation.
+
+    Raises:
+      ConfigError: unknown key, wrong type, or an impossible combination; the message names the key and the fix.
+    """
+    values = _read_yaml(path) if path else {}
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        sec = values.setdefault(section, {})
+        if not isinstance(sec, dict):
+            raise ConfigError(f"{section}: must be a mapping of keys")
+        sec[key] = value
+    cfg = config_from_dict(values)
+    if validate:
+        from jaxpar.config.validate import validate_config
+        validate_config(cfg, num_devices=num_devices)
+    return cfg
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Writes the resolved config as YAML (every field, no `base`), loadable by `load_config`."""
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)

@@ -1,0 +1,200 @@
+"""Typed configuration tree of a jaxpar run.
+
+One frozen dataclass per section. Every field has a default, so a YAML file names only what it changes.
+Loading, dotted overrides and type checking live in `jaxpar.config.load`; checks that need several fields
+(divisibility, mesh size against device count) live in `jaxpar.config.validate`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape (Llama style).
+
+    Attributes:
+      vocab_size: rows of the embedding table; at least the tokenizer's vocabulary (259 for bytes).
+      d_model: model width D.
+      n_layers: transformer blocks L, stacked on a leading `layers` axis and run with a scan.
+      n_heads: query heads H; D need not equal H * head_dim.
+      n_kv_heads: key/value heads (grouped-query attention); null means n_heads. Must divide n_heads.
+      head_dim: per-head width K; null means d_model // n_heads.
+      d_ff: SwiGLU hidden width F.
+      rope_theta: rotary embedding base (RoFormer, Su et al. 2021).
+      norm_eps: RMSNorm epsilon.
+      tie_embeddings: share the embedding table with the output projection.
+      init_std: standard deviation of the normal initialiser for weight matrices.
+      remat: activation checkpointing per block: `none`, `full` (recompute the block) or `dots`
+        (save matmul outputs, recompute the rest).
+    """
+
+    vocab_size: int = 264
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    remat: str = "none"
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Sizes of the four mesh axes; at most one may be -1 (fills the remaining devices).
+
+    Device order, outermost to innermost: data, pipeline, fsdp, tensor (see `jaxpar.mesh`).
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    pipeline: int = 1
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Numeric formats.
+
+    Attributes:
+      compute_dtype: dtype of matmuls and activations: `float32`, `bfloat16`, or `auto` (bfloat16 on GPU/TPU,
+        float32 on CPU).
+      layout: `fp32` keeps fp32 parameters and gradients (16 bytes/param with Adam); `16p` is the ZeRO paper's
+        mixed-precision layout: bf16 working parameters and gradients, fp32 master parameters and Adam moments
+        (2 + 2 + 12 = 16 bytes/param; Rajbhandari et al. 2019, section 3.1).
+      reduce_dtype: dtype in which gradients are reduce-scattered and all-reduced (`float32` or `bfloat16`).
+    """
+
+    compute_dtype: str = "auto"
+    layout: str = "fp32"
+    reduce_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup then decay, global-norm clipping, and ZeRO partitioning over the `data` axis.
+
+    Attributes:
+      zero_stage: what is partitioned across `data`: 0 nothing (DDP), 1 optimizer state, 2 optimizer state and
+        gradients, 3 parameters too. The `fsdp` axis always partitions all three.
+      decay: learning-rate decay after warmup: `cosine`, `linear` or `constant`.
+      min_lr_ratio: final learning rate as a fraction of `learning_rate`.
+      grad_clip_norm: clip by global L2 norm; 0 disables clipping.
+    """
+
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    decay: str = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip_norm: float = 1.0
+    zero_stage: int = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from and how they are packed.
+
+    Attributes:
+      source: `stdlib` (the running interpreter's standard-library .py files), `text` (a directory or glob of
+        text files), `jsonl` (JSON lines with a text field) or `tokens` (flat binary file of token ids).
+      path: directory, glob or file for `text`, `jsonl`, `tokens`; ignored for `stdlib`.
+      text_field: JSONL key holding the text.
+      token_dtype: `uint16` or `uint32` for `tokens`.
+      seq_len: tokens per packed training sequence T.
+      validation_fraction: share of files (of tokens for `tokens`) held out for validation.
+      max_bytes: stop reading text after this many bytes (0: no limit); keeps CPU runs quick.
+      seed: shuffle seed.
+    """
+
+    source: str = "stdlib"
+    path: str = ""
+    text_field: str = "text"
+    token_dtype: str = "uint16"
+    seq_len: int = 128
+    validation_fraction: float = 0.05
+    max_bytes: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpointing.
+
+    Attributes:
+      every_steps: save every K steps (and at the last step); 0 disables checkpoints.
+      keep: number of most recent checkpoints kept.
+      async_save: write in a background thread while training continues.
+      restore_from: a checkpoint step directory or manager directory to start from instead of RUN_DIR's latest.
+    """
+
+    every_steps: int = 100
+    keep: int = 3
+    async_save: bool = True
+    restore_from: str = ""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop.
+
+    Attributes:
+      run_dir: where config, metrics, TensorBoard events and checkpoints go.
+      steps: optimizer steps.
+      global_batch_size: sequences per optimizer step, over all devices.
+      grad_accum_steps: microbatches each device's batch is split into (gradient accumulation).
+      seed: parameter-initialisation seed.
+      log_every: write metrics every N steps.
+      eval_every: validation loss every N steps (and at the end); 0 only at the end.
+      eval_batches: global batches of validation data per evaluation.
+      peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
+      progress_bar: show a tqdm progress bar.
+      sample_tokens: tokens to generate from the trained model at the end (0: none).
+    """
+
+    run_dir: str = "runs/default"
+    steps: int = 200
+    global_batch_size: int = 16
+    grad_accum_steps: int = 1
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    peak_flops_per_device: float = 0.0
+    progress_bar: bool = True
+    sample_tokens: int = 120
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole run. `base` is only meaningful in YAML (a file this one extends) and is resolved at load."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def replace(self, **sections) -> "Config":
+        return dataclasses.replace(self, **sections)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

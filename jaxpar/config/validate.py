@@ -1,0 +1,142 @@
+"""Cross-field checks of a `Config`, run at load before any device work.
+
+Each failure raises `ConfigError` with the dotted key at fault and how to fix it.
+"""
+from __future__ import annotations
+
+from jaxpar.config.errors import ConfigError
+from jaxpar.config.schema import Config
+
+BYTE_VOCAB = 259  # 256 byte values + PAD, BOS, EOS (jaxpar.data.tokenizer)
+TENSOR_ISSUE = "issue #3 (tensor parallelism)"
+PIPELINE_ISSUE = "issue #4 (pipeline parallelism)"
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
+    """Returns {axis: size} for data, fsdp, tensor, pipeline with any -1 filled in.
+
+    Raises:
+      ConfigError: more than one -1, a size below -1 or 0, or a product that does not equal `num_devices`.
+    """
+    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor,
+             "pipeline": cfg.mesh.pipeline}
+    fill = [a for a, s in sizes.items() if s == -1]
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size}: a mesh axis size is a positive integer, or -1 to fill")
+    if len(fill) > 1:
+        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + a for a in fill)}")
+    fixed = 1
+    for axis, size in sizes.items():
+        if size != -1:
+            fixed *= size
+    if fill:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to {fixed}, "
+                f"which does not divide {num_devices}; change the other mesh sizes")
+        sizes[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(
+            f"mesh: data*fsdp*tensor*pipeline = {fixed} but there are {num_devices} devices; make the product "
+            f"equal the device count (or set one axis to -1), e.g. mesh.fsdp=-1")
+    return sizes
+
+
+def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, int]:
+    """Checks ranges and combinations; returns the resolved mesh shape.
+
+    Args:
+      cfg: the config to check.
+      num_devices: total devices of the run; None asks `jax.device_count()`.
+
+    Raises:
+      ConfigError: naming the key and the fix.
+    """
+    m, o, d, t, p, c = cfg.model, cfg.optimizer, cfg.data, cfg.train, cfg.precision, cfg.checkpoint
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
+        _positive(f"model.{key}", getattr(m, key))
+    _positive("model.rope_theta", m.rope_theta)
+    _positive("model.norm_eps", m.norm_eps)
+    _positive("model.init_std", m.init_std)
+    _choice("model.remat", m.remat, ("none", "full", "dots"))
+    if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.head_dim is None and m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
+                          f"change one or set model.head_dim")
+    if m.head_width % 2:
+        raise ConfigError(f"head width {m.head_width} must be even for rotary embeddings; set model.head_dim")
+    if d.source != "tokens" and m.vocab_size < BYTE_VOCAB:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
+                          f"set model.vocab_size >= {BYTE_VOCAB}")
+
+    _choice("precision.compute_dtype", p.compute_dtype, ("auto", "float32", "bfloat16"))
+    _choice("precision.layout", p.layout, ("fp32", "16p"))
+    _choice("precision.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
+
+    if o.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"optimizer.zero_stage={o.zero_stage} must be 0 (DDP), 1, 2 or 3")
+    _choice("optimizer.decay", o.decay, ("cosine", "linear", "constant"))
+    _positive("optimizer.learning_rate", o.learning_rate)
+    _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+    _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optimizer.grad_clip_norm", o.grad_clip_norm, allow_zero=True)
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
+    if not (0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0):
+        raise ConfigError("optimizer.b1 and optimizer.b2 must lie in [0, 1)")
+
+    _choice("data.source", d.source, ("stdlib", "text", "jsonl", "tokens"))
+    _choice("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
+    if d.source != "stdlib" and not d.path:
+        raise ConfigError(f"data.path is required for data.source={d.source}; give a directory, glob or file")
+    _positive("data.seq_len", d.seq_len)
+    _positive("data.max_bytes", d.max_bytes, allow_zero=True)
+    if not 0.0 < d.validation_fraction < 1.0:
+        raise ConfigError(f"data.validation_fraction={d.validation_fraction} must lie strictly between 0 and 1")
+
+    _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
+    _positive("checkpoint.keep", c.keep)
+    for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    _positive("train.eval_every", t.eval_every, allow_zero=True)
+    _positive("train.peak_flops_per_device", t.peak_flops_per_device, allow_zero=True)
+    _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
+
+    if num_devices is None:
+        import jax
+        num_devices = jax.device_count()
+    shape = resolve_mesh_shape(cfg, num_devices)
+    if shape["tensor"] > 1:
+        raise ConfigError(f"mesh.tensor={shape['tensor']}: tensor parallelism is not implemented yet "
+                          f"({TENSOR_ISSUE} lifts this); set mesh.tensor=1")
+    if shape["pipeline"] > 1:
+        raise ConfigError(f"mesh.pipeline={shape['pipeline']}: pipeline parallelism is not implemented yet "
+                          f"({PIPELINE_ISSUE} lifts this); set mesh.pipeline=1")
+
+    # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
+    # data too for the ZeRO stages that partition something (jaxpar.sharding).
+    state_shards = shape["fsdp"] * (shape["data"] if o.zero_stage >= 1 else 1)
+    if m.d_model % state_shards:
+        what = "mesh.fsdp" if o.zero_stage == 0 else "mesh.fsdp * mesh.data"
+        raise ConfigError(
+            f"model.d_model={m.d_model} must be divisible by {what}={state_shards} (state is sharded along "
+            f"the embed dimension); change the mesh, model.d_model or optimizer.zero_stage")
+    replicas = shape["data"] * shape["fsdp"]
+    if t.global_batch_size % (replicas * t.grad_accum_steps):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be divisible by mesh.data*mesh.fsdp "
+            f"({replicas}) times train.grad_accum_steps ({t.grad_accum_steps}) = "
+            f"{replicas * t.grad_accum_steps}; change the batch size or the accumulation steps")
+    return shape
