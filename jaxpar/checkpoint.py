@@ -1,0 +1,229 @@
+"""Save and restore the training state with Orbax: sharded arrays plus two JSON items.
+
+A checkpoint directory holds one sub-directory per step, written by `orbax.checkpoint.CheckpointManager`:
+
+    <directory>/<step>/state/    the state pytree (jax Arrays, optax states, int32 step), OCDBT/Zarr
+    <directory>/<step>/data/     JSON: the data iterator position, e.g. {"next_sample": 123}
+    <directory>/<step>/config/   JSON: the run config as a plain dict
+
+Completeness. On a local or POSIX filesystem Orbax writes a step into `<step>.orbax-checkpoint-tmp`, writes
+`commit_success.txt` into it, then renames it to `<step>` (orbax/checkpoint/_src/path/atomicity.py,
+`AtomicRenameTemporaryPath.finalize`). By default Orbax's step finder accepts any local directory whose name
+lacks the tmp suffix; this module also requires the `commit_success.txt` marker (and gives Orbax's finder a
+`CommitFileTemporaryPath` step-name format, so its retention count agrees), so a half-copied or hand-made step
+directory is never taken as a checkpoint. A writable `Checkpointer` removes left-over tmp directories when it
+opens (`cleanup_tmp_directories=True`; done in the background, awaited by the first save), so a step can be
+saved again after a crash mid-save.
+
+Async failures. A background write failure is raised by the next `wait()`, `save()` or `close()`, once.
+Restores check the target against the saved metadata first and raise a `ValueError` naming every mismatched
+key (Orbax's own shape error does not name the key, and it silently casts dtypes).
+
+Restoring onto a different mesh or layout is supported: every leaf of `abstract_state` is a
+`jax.ShapeDtypeStruct` with a `.sharding`, and the arrays come back with exactly that sharding.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+_STATE, _DATA, _CONFIG = "state", "data", "config"
+_STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # Orbax's default step directory name: no prefix, no padding
+_COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
+
+
+def _is_complete_step_dir(path: str) -> bool:
+    """True if `path` is `<int>` (no tmp suffix) and holds Orbax's commit marker."""
+    name = os.path.basename(os.path.normpath(path))
+    if _STEP_NAME.fullmatch(name) is None or not os.path.isdir(path):
+        return False
+    return os.path.isfile(os.path.join(path, _COMMIT_MARKER))
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Maps Orbax's dotted leaf names ("opt.0.mu.w") to (shape, dtype name); works for targets and metadata."""
+    flat = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(tree, keep_empty_nodes=True), sep=".")
+    return {k: (tuple(v.shape), str(jax.numpy.dtype(v.dtype))) for k, v in flat.items() if hasattr(v, "shape")}
+
+
+def _check_target(saved_tree: Any, abstract_state: Any, where: str) -> None:
+    """Raise ValueError naming every key whose presence, shape or dtype differs between checkpoint and target."""
+    saved, want = _flat_shapes(saved_tree), _flat_shapes(abstract_state)
+    problems = [f"  {k}: in the checkpoint, missing from the target" for k in sorted(saved.keys() - want.keys())]
+    problems += [f"  {k}: in the target, missing from the checkpoint" for k in sorted(want.keys() - saved.keys())]
+    for k in sorted(saved.keys() & want.keys()):
+        (s_shape, s_dtype), (w_shape, w_dtype) = saved[k], want[k]
+        if s_shape != w_shape:
+            problems.append(f"  {k}: checkpoint shape {s_shape} != target shape {w_shape}")
+        if s_dtype != w_dtype:
+            problems.append(f"  {k}: checkpoint dtype {s_dtype} != target dtype {w_dtype}")
+    if problems:
+        raise ValueError(f"checkpoint {where} does not match the restore target:\n" + "\n".join(problems))
+
+
+def _check_has_shardings(abstract_state: Any) -> None:
+    leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+    missing = [jax.tree_util.keystr(p) for p, x in leaves if getattr(x, "sharding", None) is None]
+    if missing:
+        raise ValueError(f"abstract_state leaves need a .sharding (jax.ShapeDtypeStruct(..., sharding=...)): "
+                         f"{missing}")
+
+
+class Checkpointer:
+    """Periodic, optionally asynchronous checkpoints of (state, data_state, config), keeping the last `keep`.
+
+    Args:
+      directory: checkpoint root; made absolute (Orbax requires it). Created unless `read_only`.
+      every_steps: save when `step % every_steps == 0` (or on a preemption signal); >= 1.
+      keep: number of most recent checkpoints kept; older ones are deleted after a newer one commits; >= 1.
+      async_save: write arrays in a background thread; `save` returns once device buffers are copied to host.
+      read_only: only restore; never create, save, delete, or clean up tmp directories.
+
+    Raises:
+      ValueError: `every_steps` or `keep` < 1.
+
+    All processes of a multi-process run must call `save`/`restore`/`wait` (Orbax syncs them); the directory must
+    be shared.
+    """
+
+    def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True,
+                 read_only: bool = False):
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.every_steps = every_steps
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            save_interval_steps=every_steps,
+            enable_async_checkpointing=async_save,
+            read_only=read_only,
+            create=not read_only,
+            cleanup_tmp_directories=not read_only,
+            # Only for finding steps: a step counts once it holds commit_success.txt. Writing still uses the
+            # default atomic rename of <step>.orbax-checkpoint-tmp.
+            step_name_format=ocp.path.step.standard_name_format(
+                temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath),
+        )
+        handlers = {_STATE: ocp.StandardCheckpointHandler(), _DATA: ocp.JsonCheckpointHandler(),
+                    _CONFIG: ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
+        # Newest step saved or in flight; should_save reads this, not the filesystem, each step.
+        self._last_saved: int | None = self.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete (committed) checkpoint on disk, ascending; [] if the directory is missing."""
+        if not os.path.isdir(self.directory):
+            return []
+        names = os.listdir(self.directory)
+        return sorted(int(n) for n in names if _is_complete_step_dir(os.path.join(self.directory, n)))
+
+    def latest_step(self) -> int | None:
+        """Latest complete checkpoint step on disk, or None. An in-flight async save is not counted until it commits."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def should_save(self, step: int) -> bool:
+        """True if `step % every_steps == 0` (or a preemption was signalled) and `step` is newer than any save so far,
+        including one still in flight."""
+        if self._last_saved is not None and step <= self._last_saved:
+            return False
+        return step % self.every_steps == 0 or self._manager.reached_preemption(step)
+
+    def save(self, step: int, state: Any, *, data_state: dict, config: dict, force: bool = False) -> bool:
+        """Save `state` (pytree of jax Arrays) and the JSON dicts `data_state`, `config` as step `step`.
+
+        Returns:
+          True if a save was started; False if `should_save(step)` is False and not `force`.
+        Raises:
+          orbax.checkpoint.checkpoint_manager.StepAlreadyExistsError (a ValueError): the step was already saved.
+          TypeError: `data_state` or `config` is not JSON-serialisable.
+          Any failure of the previous async save (Orbax waits for it first).
+        """
+        if not force and not self.should_save(step):
+            return False
+        for name, item in ((_DATA, data_state), (_CONFIG, config)):
+            try:  # fail here, not later in Orbax's background thread
+                json.dumps(item)
+            except TypeError as e:
+                raise TypeError(f"checkpoint item {name!r} is not JSON-serialisable: {e}") from e
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(state), _DATA: ocp.args.JsonSave(data_state),
+                                     _CONFIG: ocp.args.JsonSave(config)})
+        saved = bool(self._manager.save(step, args=args, force=True))
+        if saved:
+            self._last_saved = step if self._last_saved is None else max(step, self._last_saved)
+        return saved
+
+    def restore(self, step: int | None, abstract_state: Any) -> tuple[Any, dict, dict]:
+        """Restore step `step` (None: the latest complete one) onto `abstract_state`'s shapes, dtypes and shardings.
+
+        Args:
+          abstract_state: pytree of `jax.ShapeDtypeStruct` with `.sharding`, same structure as the saved state.
+        Returns:
+          (state, data_state, config): the state's arrays carry exactly the target shardings.
+        Raises:
+          FileNotFoundError: no complete checkpoint (for `step`) in the directory.
+          ValueError: structure, shape or dtype mismatch (the message names the keys), or leaves without sharding.
+        """
+        _check_has_shardings(abstract_state)
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        step_dir = os.path.join(self.directory, str(step))
+        if not _is_complete_step_dir(step_dir):
+            raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory} "
+                                    f"(complete steps: {self.all_steps()})")
+        where = f"{step_dir}/{_STATE}"
+        saved = self._manager.item_metadata(step)[_STATE]
+        _check_target(saved.tree if hasattr(saved, "tree") else saved, abstract_state, where)
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract_state), _DATA: ocp.args.JsonRestore(),
+                                     _CONFIG: ocp.args.JsonRestore()})
+        try:
+            restored = self._manager.restore(step, args=args)
+        except ValueError as e:  # e.g. an empty optax state where the checkpoint has arrays
+            raise ValueError(f"checkpoint {where} does not match the restore target: {e}") from e
+        return restored[_STATE], dict(restored[_DATA]), dict(restored[_CONFIG])
+
+    def wait(self) -> None:
+        """Block until async saves have committed (and old steps are deleted); re-raise a background save failure.
+
+        Orbax raises a given background failure once; later calls return normally.
+        """
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        finally:  # nothing is in flight any more: a failed step no longer blocks `should_save`
+            self._last_saved = self.latest_step()
+
+    def close(self) -> None:
+        """Wait for pending saves (re-raising their failure), then release Orbax's threads."""
+        self._manager.close()
+
+
+def restore_from_path(path: str, abstract_state: Any) -> tuple[Any, dict, dict]:
+    """Restore (state, data_state, config) from a checkpoint root (latest step) or one step directory `.../<step>`.
+
+    Raises:
+      FileNotFoundError: `path` does not exist, or holds no complete checkpoint.
+      ValueError: as `Checkpointer.restore`.
+    """
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    name = os.path.basename(path)
+    if _STEP_NAME.fullmatch(name) and os.path.isdir(os.path.join(path, _STATE)):
+        root, step = os.path.dirname(path), int(name)
+    else:
+        root, step = path, None
+    ckpt = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    try:
+        return ckpt.restore(step, abstract_state)
+    finally:
+        ckpt.close()

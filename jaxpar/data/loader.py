@@ -1,0 +1,143 @@
+"""Global batches of packed sequences as sharded jax Arrays, with exactly resumable state.
+
+Shape key: G global batch size (sequences per step over all devices), T sequence length, N packed sequences.
+
+The sample order is a Grain `MapDataset`: the N sequence ids, shuffled, repeated forever with a fresh shuffle
+each epoch (Grain folds the epoch into the seed). Global batch k reads G consecutive positions of that stream;
+a batch never straddles an epoch boundary (the last N mod G positions of each epoch are skipped), so no
+sequence appears twice in one batch. The state is one integer, the next stream position, so a run resumes
+exactly and the order does not depend on the number of processes.
+
+Each process gathers only the rows its addressable devices hold and assembles the global array with
+`jax.make_array_from_process_local_data`. Every process reads and packs the whole corpus (cheap at this
+library's scale).
+"""
+from __future__ import annotations
+
+import grain
+import jax
+import numpy as np
+
+from jaxpar.config import ConfigError, DataConfig
+from jaxpar.data.packing import pack
+from jaxpar.data.sources import load_tokens
+from jaxpar.data.stats import unigram_entropy
+
+BATCH_KEYS = ("inputs", "targets", "loss_mask")
+
+
+class DataLoader:
+    """Serves global batches {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}.
+
+    Args:
+      packed: output of `jaxpar.data.pack`, N sequences of T tokens.
+      global_batch_size: G, sequences per batch over all processes.
+      sharding: NamedSharding of each [G, T] batch array, typically P(("data", "fsdp"), None).
+      seed: shuffle seed (taken modulo 2**32).
+      shuffle: False keeps the packed order (validation).
+      split: name used in error messages ("train" or "validation").
+
+    Raises:
+      ConfigError: N < G, so a batch could not hold G distinct sequences.
+      ValueError: `packed` lacks a key or its arrays disagree in shape.
+    """
+
+    def __init__(self, packed: dict[str, np.ndarray], global_batch_size: int,
+                 sharding: jax.sharding.NamedSharding, seed: int, shuffle: bool = True, split: str = "train"):
+        missing = [k for k in BATCH_KEYS if k not in packed]
+        if missing:
+            raise ValueError(f"packed data lacks {missing}; build it with jaxpar.data.pack")
+        shapes = {packed[k].shape for k in BATCH_KEYS}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"packed arrays must share one [N, T] shape, got {sorted(shapes)}")
+        self.num_sequences, self.seq_len = next(iter(shapes))
+        self.global_batch_size = global_batch_size
+        if self.num_sequences < global_batch_size:
+            raise ConfigError(
+                f"the {split} split has {self.num_sequences} sequences of {self.seq_len} tokens, fewer than "
+                f"train.global_batch_size={global_batch_size}; lower train.global_batch_size or data.seq_len, "
+                f"or add data (data.max_bytes, data.validation_fraction)")
+        self._packed = {k: packed[k] for k in BATCH_KEYS}
+        self._sharding = sharding
+        self._global_shape = (global_batch_size, self.seq_len)
+        self._local_rows = _process_rows(sharding, self._global_shape)
+        order = grain.MapDataset.range(self.num_sequences)
+        if shuffle:
+            order = order.shuffle(seed=seed % 2**32)
+        self._order = order.repeat()
+        self._next_sample = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """floor(N / G): full batches per pass over the data."""
+        return self.num_sequences // self.global_batch_size
+
+    def next_batch(self) -> dict[str, jax.Array]:
+        """Returns the next global batch, each array of shape [G, T] placed with `sharding`."""
+        n, g = self.num_sequences, self.global_batch_size
+        epoch, offset = divmod(self._next_sample, n)
+        if offset + g > n:  # the batch would cross into the next epoch: skip the remainder
+            epoch, offset = epoch + 1, 0
+        start = epoch * n + offset
+        ids = np.fromiter((self._order[start + r] for r in self._local_rows), dtype=np.int64,
+                          count=len(self._local_rows))
+        self._next_sample = start + g
+        return {k: jax.make_array_from_process_local_data(self._sharding, v[ids], self._global_shape)
+                for k, v in self._packed.items()}
+
+    def get_state(self) -> dict:
+        """Returns {"next_sample": int}, the next position in the shuffled, repeated sample stream (JSON-safe)."""
+        return {"next_sample": int(self._next_sample)}
+
+    def set_state(self, state: dict) -> None:
+        """Resumes from a `get_state` dict; the following `next_batch` equals the one the saver would have served.
+
+        Raises:
+          ValueError: `state` lacks a non-negative integer "next_sample".
+        """
+        value = state.get("next_sample") if isinstance(state, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"data loader state must be {{'next_sample': int >= 0}}, got {state!r}")
+        self._next_sample = int(value)
+
+
+def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> np.ndarray:
+    """Batch rows this process's devices hold, in the layout make_array_from_process_local_data expects.
+
+    That layout is the distinct row blocks of the addressable shards (several devices may hold the same
+    block), sorted by their first row and concatenated.
+    """
+    blocks = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        blocks.add(index[0].indices(global_shape[0])[:2])
+    blocks = sorted(blocks)
+    if len({stop - start for start, stop in blocks}) != 1:
+        raise ValueError(f"uneven batch-row blocks {blocks} for global shape {global_shape}; shard the batch "
+                         f"dimension evenly")
+    return np.concatenate([np.arange(start, stop) for start, stop in blocks])
+
+
+def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sharding.NamedSharding
+                  ) -> tuple[DataLoader, DataLoader, dict]:
+    """Reads, splits and packs the corpus; returns (train_loader, val_loader, info).
+
+    The train loader shuffles with `data.seed`; the validation loader keeps file order (shuffle=False).
+    info: {"train_tokens", "val_tokens", "train_sequences", "val_sequences", "seq_len"} (ints) and
+    "val_unigram_entropy" (nats/token, see `jaxpar.data.unigram_entropy`).
+
+    Raises:
+      ConfigError: from `load_tokens`, or a split with fewer than `global_batch_size` sequences.
+    """
+    train_tokens, val_tokens = load_tokens(data_cfg)
+    train, val = pack(train_tokens, data_cfg.seq_len), pack(val_tokens, data_cfg.seq_len)
+    train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
+    val_loader = DataLoader(val, global_batch_size, sharding, data_cfg.seed, shuffle=False, split="validation")
+    info = {
+        "train_tokens": int(len(train_tokens)),
+        "val_tokens": int(len(val_tokens)),
+        "train_sequences": train_loader.num_sequences,
+        "val_sequences": val_loader.num_sequences,
+        "seq_len": data_cfg.seq_len,
+        "val_unigram_entropy": unigram_entropy(val_tokens),
+    }
+    return train_loader, val_loader, info

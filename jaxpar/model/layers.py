@@ -1,0 +1,102 @@
+"""Transformer building blocks in Flax NNX: RMSNorm, rotary embedding, attention, SwiGLU MLP, token embedding.
+
+Shape letters: B batch, T sequence, D model width, H query heads, G key/value heads, K head width,
+F MLP hidden width, V vocabulary.
+
+Every parameter is an `nnx.Param` carrying `logical_axes`, one name per dimension from
+{embed, mlp, heads, kv, vocab}; `jaxpar.sharding` maps these to mesh axes. Modules read their head counts and
+widths from the weights they hold, so the same code runs on whole weights or on tensor-parallel shards.
+Weights are cast to the activation dtype at use; parameters keep their storage dtype.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
+    return std * jax.random.normal(rngs.params(), shape, jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * scale, computed in fp32. x: [..., D]."""
+
+    def __init__(self, d: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=("embed",))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x_BTHK: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (RoFormer, Su et al. 2021, eq. 34), rotating the two halves of K."""
+    half = x_BTHK.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_TK = positions_T.astype(jnp.float32)[:, None] * freq[None, :]
+    sin, cos = jnp.sin(angle_TK)[None, :, None, :], jnp.cos(angle_TK)[None, :, None, :]
+    x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTHK.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head attention with optional grouped-query attention (G key/value heads, G divides H)."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, std: float,
+                 rngs: nnx.Rngs):
+        self.wq = nnx.Param(_normal(rngs, (d, n_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
+        self.wk = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
+        self.wv = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
+        self.wo = nnx.Param(_normal(rngs, (n_heads, head_dim, d), std), logical_axes=("heads", "kv", "embed"))
+        self.rope_theta = rope_theta
+
+    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt))
+        q = rotary(q, positions_T, self.rope_theta)
+        k = rotary(k, positions_T, self.rope_theta)
+        out_BTHK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return jnp.einsum("bthk,hkd->btd", out_BTHK, self.wo[...].astype(dt))
+
+
+class SwiGLU(nnx.Module):
+    """Gated MLP (Shazeer 2020): down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, d: int, f: int, std: float, rngs: nnx.Rngs):
+        self.w_gate = nnx.Param(_normal(rngs, (d, f), std), logical_axes=("embed", "mlp"))
+        self.w_up = nnx.Param(_normal(rngs, (d, f), std), logical_axes=("embed", "mlp"))
+        self.w_down = nnx.Param(_normal(rngs, (f, d), std), logical_axes=("mlp", "embed"))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        h_BTF = jax.nn.silu(x_BTD @ self.w_gate[...].astype(dt)) * (x_BTD @ self.w_up[...].astype(dt))
+        return h_BTF @ self.w_down[...].astype(dt)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]; `attend` projects activations back onto the vocabulary (tied head)."""
+
+    def __init__(self, vocab: int, d: int, std: float, rngs: nnx.Rngs):
+        self.table = nnx.Param(_normal(rngs, (vocab, d), std), logical_axes=("vocab", "embed"))
+
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        return jnp.take(self.table[...], tokens_BT, axis=0).astype(dtype)
+
+    def attend(self, x_BTD: jax.Array) -> jax.Array:
+        return x_BTD @ self.table[...].astype(x_BTD.dtype).T
+
+
+class LMHead(nnx.Module):
+    """Untied output projection [D, V]."""
+
+    def __init__(self, d: int, vocab: int, std: float, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_normal(rngs, (d, vocab), std), logical_axes=("embed", "vocab"))
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return x_BTD @ self.kernel[...].astype(x_BTD.dtype)

@@ -1,0 +1,116 @@
+"""Decoder-only Llama-style transformer in Flax NNX with a stacked, scanned layer axis.
+
+Shape letters: B batch, T sequence, D model width, V vocabulary, L layers.
+
+The L blocks are created with `nnx.vmap`, so every block parameter has a leading `layers` dimension, and run
+with `jax.lax.scan`: compile time does not grow with depth and a pipeline can split the stack into stages.
+
+Parallelism enters through one hook: `gather(module) -> module` is applied to each submodule right before it
+is used (the embedding, each block inside the scan, the final norm and head). On one device it is the
+identity; inside the train step's `shard_map` it all-gathers the module's fsdp-sharded weights
+(`jaxpar.parallel.gather`), and its transpose reduce-scatters their gradients.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config.schema import ModelConfig
+from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
+
+Gather = Callable[[nnx.Module], nnx.Module]
+GATHERED_WEIGHT = "gathered_weight"  # checkpoint name of all-gathered weights: never saved for backward
+
+
+def _identity(module: nnx.Module) -> nnx.Module:
+    return module
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.rope_theta,
+                              cfg.init_std, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
+
+    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+
+
+_REMAT_POLICIES = {
+    # Activations are saved; only the all-gathered weights are recomputed (re-gathered) in the backward,
+    # which is what FSDP / ZeRO-3 do.
+    "none": jax.checkpoint_policies.save_anything_except_these_names(GATHERED_WEIGHT),
+    # Recompute the whole block in the backward from its input.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Save matmul outputs without batch dimensions, recompute the rest.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Transformer(nnx.Module):
+    """Token ids [B, T] int32 -> logits [B, T, V] in the compute dtype.
+
+    Attributes:
+      embed: `Embed` table [V, D].
+      blocks: L stacked `Block`s (leading `layers` dimension on every parameter).
+      final_norm: `RMSNorm` [D].
+      lm_head: `LMHead` [D, V], or None with tied embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(block_rngs: nnx.Rngs) -> Block:
+            return Block(cfg, block_rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.d_model, cfg.vocab_size, cfg.init_std, rngs)
+
+    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather = _identity) -> jax.Array:
+        """Token ids [B, T] -> activations [B, T, D] in `dtype`."""
+        return gather(self.embed)(tokens_BT, dtype)
+
+    def run_blocks(self, x_BTD: jax.Array, gather: Gather = _identity) -> jax.Array:
+        """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]."""
+        graphdef, stacked = nnx.split(self.blocks)
+        positions_T = jnp.arange(x_BTD.shape[1])
+
+        def body(x, layer_state):
+            block = gather(nnx.merge(graphdef, layer_state))
+            return block(x, positions_T), None
+
+        body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
+        x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
+        return x_BTD
+
+    def logits(self, x_BTD: jax.Array, gather: Gather = _identity) -> jax.Array:
+        """Final norm and output projection: [B, T, D] -> [B, T, V]."""
+        x_BTD = gather(self.final_norm)(x_BTD)
+        if self.lm_head is None:
+            return gather(self.embed).attend(x_BTD)
+        return gather(self.lm_head)(x_BTD)
+
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32,
+                 gather: Gather = _identity) -> jax.Array:
+        x_BTD = self.embed_tokens(tokens_BT, dtype, gather)
+        return self.logits(self.run_blocks(x_BTD, gather), gather)
+
+
+def token_loss_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+    """Sum over tokens of mask * cross-entropy(logits, target), in fp32 nats. A zero mask contributes 0."""
+    logits = logits_BTV.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.sum((log_z - target_logit) * mask_BT.astype(jnp.float32))

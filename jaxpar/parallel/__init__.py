@@ -1,0 +1,1 @@
+"""Explicit collectives used inside the train step's `jax.shard_map`."""

@@ -1,0 +1,1 @@
+"""The train step, its optimizer and train-state construction."""

@@ -1,0 +1,240 @@
+"""The train step: forward/backward inside one `jax.shard_map` over the whole mesh, optax update outside it.
+
+Shape letters: G global batch (sequences), A gradient-accumulation microbatches, b microbatch rows per device,
+T sequence length.
+
+Inside the shard_map every collective is explicit:
+  * fsdp (and data under ZeRO-3): each module's weights are all-gathered right before use and their gradients
+    reduce-scattered by the gather's transpose (`jaxpar.parallel.gather`);
+  * data: the accumulated gradients are reduced once per step, after all microbatches: an all-reduce (`psum`)
+    when gradients stay replicated over `data` (ZeRO-0/1), a reduce-scatter (`psum_scatter`) when they end
+    partitioned (ZeRO-2); under ZeRO-3 the gather's transpose already did it.
+The optimizer update then runs on global arrays with fixed `NamedSharding`s; it is elementwise, so the compiler
+adds only the all-gather of updated parameters that ZeRO-1/2 need.
+
+The loss is the mean cross-entropy over every valid (mask = 1) token of the global batch: each microbatch's
+summed loss is divided by the global count of valid tokens, so accumulation over any split is exact and an
+all-masked microbatch contributes zero (no NaN).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxpar.config.schema import Config
+from jaxpar.mesh import DATA_PARALLEL_AXES
+from jaxpar.model import ModelDef, init_params, logical_axes, model_def, token_loss_sum
+from jaxpar.parallel.gather import module_gatherer
+from jaxpar.sharding import activation_spec, gathered_axes, named, param_specs, partitioned_over_data
+from jaxpar.train.optimizer import build_optimizer, learning_rate_schedule
+
+BATCH_KEYS = ("inputs", "targets", "loss_mask")
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def compute_dtype(cfg: Config) -> jnp.dtype:
+    """`precision.compute_dtype`, with `auto` = bfloat16 on GPU/TPU and float32 on CPU."""
+    if cfg.precision.compute_dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return _DTYPES[cfg.precision.compute_dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything static about the step on one mesh: model structure, optimizer, specs and shardings.
+
+    Attributes:
+      specs: PartitionSpec trees for "params", "grads" and "opt_state" (also used for the fp32 master copy).
+      state_shardings: NamedSharding tree matching `init_state`'s output.
+      batch_sharding: NamedSharding of each [G, T] batch array (rows over data x fsdp).
+    """
+
+    cfg: Config
+    mesh: Mesh
+    mdef: ModelDef
+    logical: dict
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    compute_dtype: Any
+    reduce_dtype: Any
+    param_dtype: Any
+    specs: dict
+    state_shardings: dict
+    batch_sharding: NamedSharding
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    @property
+    def has_master(self) -> bool:
+        return self.cfg.precision.layout == "16p"
+
+
+def build_plan(cfg: Config, mesh: Mesh) -> StepPlan:
+    """Derives model structure, optimizer and every sharding for `cfg` on `mesh` (no device work)."""
+    logical = logical_axes(cfg.model)
+    zero = cfg.optimizer.zero_stage
+    specs = {kind: param_specs(logical, kind, zero) for kind in ("params", "grads", "opt_state")}
+    tx = build_optimizer(cfg.optimizer, logical, cfg.train.steps)
+    param_dtype = jnp.bfloat16 if cfg.precision.layout == "16p" else jnp.float32
+    abstract_params = jax.eval_shape(lambda: init_params(cfg.model, 0))
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract_opt, specs["opt_state"],
+                                      transform_non_params=lambda _: P(),
+                                      is_leaf=lambda x: isinstance(x, P))
+    state_specs = {"step": P(), "params": specs["params"], "opt_state": opt_specs}
+    if cfg.precision.layout == "16p":
+        state_specs["master"] = specs["opt_state"]
+    return StepPlan(cfg=cfg, mesh=mesh, mdef=model_def(cfg.model), logical=logical, tx=tx,
+                    schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
+                    compute_dtype=compute_dtype(cfg), reduce_dtype=_DTYPES[cfg.precision.reduce_dtype],
+                    param_dtype=param_dtype, specs=specs, state_shardings=named(mesh, state_specs),
+                    batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")))
+
+
+def init_state(plan: StepPlan, seed: int) -> dict:
+    """Creates the sharded train state {"step", "params", "opt_state"[, "master"]} directly on the mesh.
+
+    Parameters come out identical for every mesh layout (see `jaxpar.model.init_params`).
+    """
+
+    def init():
+        params = init_params(plan.cfg.model, seed)
+        state = {"step": jnp.zeros((), jnp.int32)}
+        if plan.has_master:
+            state["master"] = params
+            state["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), params)
+        else:
+            state["params"] = params
+        state["opt_state"] = plan.tx.init(params)
+        return state
+
+    return jax.jit(init, out_shardings=plan.state_shardings)()
+
+
+def _split_microbatches(batch: dict, n: int) -> dict:
+    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
+
+
+def _loss_body(plan: StepPlan) -> Callable:
+    gather = module_gatherer(plan.mesh_shape, partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
+                             plan.compute_dtype, plan.reduce_dtype)
+
+    def loss_sum(params: dict, mb: dict) -> jax.Array:
+        logits = plan.mdef.bind(params)(mb["inputs"], plan.compute_dtype, gather)
+        return token_loss_sum(logits, mb["targets"], mb["loss_mask"])
+
+    return loss_sum
+
+
+def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
+    """The one data-parallel gradient reduction of the step (see the module docstring)."""
+    zero = plan.cfg.optimizer.zero_stage
+    if plan.mesh_shape["data"] == 1 or zero == 3:
+        return grads
+    if zero in (0, 1):
+        # all-reduce over data: every replica keeps the whole (fsdp-sharded) gradient.
+        return jax.tree.map(lambda g: jax.lax.psum(g, "data"), grads)
+
+    # ZeRO-2, reduce-scatter over data: each replica keeps 1/data of the gradient, along the dimension its
+    # optimizer state is partitioned on.
+    def scatter(g, spec):
+        (dim, _), = [(d, a) for d, a in gathered_axes(spec) if "data" in a]
+        return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
+
+    return jax.tree.map(scatter, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
+
+
+def make_grad_fn(plan: StepPlan) -> Callable:
+    """Returns `grad_fn(params, batch) -> (grads, loss_sum, n_tokens)` as one shard_map over the mesh.
+
+    Args (of the returned function):
+      params: parameter tree sharded as `plan.specs["params"]`.
+      batch: {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} sharded as `plan.batch_sharding`.
+
+    Returns:
+      grads of the global token-mean loss, sharded as `plan.specs["grads"]`, in the parameter dtype;
+      loss_sum: summed token cross-entropy over the global batch divided by n_tokens (so: the mean), fp32;
+      n_tokens: global count of valid tokens, fp32.
+    """
+    loss_sum = _loss_body(plan)
+    accum = plan.cfg.train.grad_accum_steps
+
+    def body(params, batch):
+        # psum over the batch-splitting axes: the global count of valid tokens normalises every microbatch.
+        n_tokens = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
+        denom = jnp.maximum(n_tokens, 1.0)
+
+        def micro(carry, mb):
+            g_acc, l_acc = carry
+            loss, g = jax.value_and_grad(lambda p: loss_sum(p, mb) / denom)(params)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            return (g_acc, l_acc + loss), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
+                                        _split_microbatches(batch, accum))
+        grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
+        grads = _reduce_over_data(plan, grads)
+        grads = jax.tree.map(lambda g: g.astype(plan.param_dtype), grads)
+        # psum over the batch-splitting axes: each device summed only its own rows.
+        loss = jax.lax.psum(loss, DATA_PARALLEL_AXES)
+        return grads, loss, n_tokens
+
+    batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
+    return jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec),
+                         out_specs=(plan.specs["grads"], P(), P()), check_vma=False)
+
+
+def make_train_step(plan: StepPlan) -> Callable:
+    """Returns the jitted `train_step(state, batch) -> (state, metrics)`; the input state is donated.
+
+    metrics: {"loss": token-mean loss (nats), "grad_norm": global L2 norm before clipping,
+              "learning_rate": rate used for this update, "tokens": valid tokens in the batch}, fp32 scalars.
+    """
+    grad_fn = make_grad_fn(plan)
+
+    def train_step(state, batch):
+        grads, loss, n_tokens = grad_fn(state["params"], batch)
+        grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        grad_norm = optax.global_norm(grads32)
+        target = state["master"] if plan.has_master else state["params"]
+        updates, opt_state = plan.tx.update(grads32, state["opt_state"], target)
+        target = optax.apply_updates(target, updates)
+        new = {"step": state["step"] + 1, "opt_state": opt_state}
+        if plan.has_master:
+            new["master"] = target
+            new["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), target)
+        else:
+            new["params"] = target
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": plan.schedule(state["step"]),
+                   "tokens": n_tokens}
+        return new, metrics
+
+    batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
+    replicated = NamedSharding(plan.mesh, P())
+    return jax.jit(train_step, in_shardings=(plan.state_shardings, batch_shardings),
+                   out_shardings=(plan.state_shardings, replicated), donate_argnums=0)
+
+
+def make_eval_step(plan: StepPlan) -> Callable:
+    """Returns jitted `eval_step(params, batch) -> (loss_sum, n_tokens)`: summed token loss (fp32 nats) and
+    valid-token count of a global batch, for a token-mean over several batches."""
+    loss_sum = _loss_body(plan)
+
+    def body(params, batch):
+        # psum over the batch-splitting axes: each device saw only its own rows.
+        total = jax.lax.psum(loss_sum(params, batch), DATA_PARALLEL_AXES)
+        count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
+        return total, count
+
+    batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec),
+                       out_specs=(P(), P()), check_vma=False)
+    return jax.jit(fn)

@@ -1,0 +1,175 @@
+"""Checkpointer on 8 simulated CPU devices: round trip, resharding, retention, completeness, mismatches, async."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxpar.checkpoint import Checkpointer, restore_from_path
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)")
+    return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _state(mesh, seed=0):
+    """params sharded (data, fsdp) and (fsdp,), adam state over them, scalar int32 step."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {
+        "w_DF": jax.device_put(jax.random.normal(k1, (8, 16)), NamedSharding(mesh, P("data", "fsdp"))),
+        "b_F": jax.device_put(jax.random.normal(k2, (16,)), NamedSharding(mesh, P("fsdp"))),
+    }
+    opt = optax.adam(1e-3)
+    opt_state = opt.init(params)
+    _, opt_state = opt.update(params, opt_state, params)  # non-zero mu/nu
+    step = jax.device_put(jnp.array(7 + seed, jnp.int32), NamedSharding(mesh, P()))
+    return {"params": params, "opt_state": opt_state, "step": step}
+
+
+def _abstract(state, sharding_fn):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_fn(x)), state)
+
+
+def _assert_bitwise_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_same_and_different_sharding(tmp_path, mesh):
+    state = _state(mesh)
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=2, async_save=False)
+    assert ckpt.save(1, state, data_state={"next_sample": 123}, config={"model": {"d_model": 8}, "lr": 1e-3})
+
+    same = _abstract(state, lambda x: x.sharding)
+    restored, data, config = ckpt.restore(1, same)
+    _assert_bitwise_equal(restored, state)
+    assert isinstance(restored["opt_state"][0], optax.ScaleByAdamState)
+    assert data == {"next_sample": 123} and config == {"model": {"d_model": 8}, "lr": 1e-3}
+    for r, a in zip(jax.tree.leaves(restored), jax.tree.leaves(same)):
+        assert r.sharding == a.sharding
+
+    # Different layouts: fully replicated, and the matrix sharded over the transposed axes.
+    for fn in (lambda x: NamedSharding(mesh, P()),
+               lambda x: NamedSharding(mesh, P("fsdp", "data") if x.ndim == 2 else P())):
+        target = _abstract(state, fn)
+        assert any(t.sharding != s.sharding for t, s in zip(jax.tree.leaves(target), jax.tree.leaves(state)))
+        resharded, _, _ = ckpt.restore(None, target)
+        _assert_bitwise_equal(resharded, state)
+        for r, a in zip(jax.tree.leaves(resharded), jax.tree.leaves(target)):
+            assert r.sharding == a.sharding
+    ckpt.close()
+
+
+def test_keep_last_n_and_should_save(tmp_path, mesh):
+    state = _state(mesh)
+    ckpt = Checkpointer(str(tmp_path), every_steps=2, keep=2, async_save=False)
+    assert [s for s in range(0, 7) if ckpt.should_save(s)] == [0, 2, 4, 6]
+    assert not ckpt.save(3, state, data_state={}, config={})  # not on the interval
+    for step in (2, 4, 6):
+        assert ckpt.save(step, state, data_state={"next_sample": step}, config={})
+    assert ckpt.save(7, state, data_state={"next_sample": 7}, config={}, force=True)
+    ckpt.wait()
+    assert ckpt.all_steps() == [6, 7]
+    assert sorted(os.listdir(tmp_path)) == ["6", "7"]
+    assert not ckpt.should_save(6)  # already saved
+    with pytest.raises(TypeError, match="'data'"):
+        ckpt.save(8, state, data_state={"rng": np.zeros(2)}, config={})
+    ckpt.close()
+
+
+def test_latest_step_ignores_incomplete(tmp_path, mesh):
+    assert Checkpointer(str(tmp_path / "missing"), every_steps=1, keep=3, read_only=True).latest_step() is None
+    ckpt = Checkpointer(str(tmp_path / "ck"), every_steps=1, keep=3, async_save=False)
+    assert ckpt.latest_step() is None
+    state = _state(mesh)
+    ckpt.save(5, state, data_state={"next_sample": 5}, config={})
+    # A crash mid-save leaves Orbax's tmp directory (<step>.orbax-checkpoint-tmp); a hand-made or half-copied
+    # step directory lacks the commit_success.txt marker. Neither counts.
+    os.makedirs(tmp_path / "ck" / "8.orbax-checkpoint-tmp" / "state")
+    os.makedirs(tmp_path / "ck" / "9" / "state")
+    assert ckpt.latest_step() == 5 and ckpt.all_steps() == [5]
+    _, data, _ = ckpt.restore(None, _abstract(state, lambda x: x.sharding))
+    assert data == {"next_sample": 5}
+    with pytest.raises(FileNotFoundError, match="step 9"):
+        ckpt.restore(9, _abstract(state, lambda x: x.sharding))
+    ckpt.close()
+    # Re-opening for writing removes the stale tmp directory (in the background, awaited by the next save),
+    # so step 8 can be saved again.
+    ckpt = Checkpointer(str(tmp_path / "ck"), every_steps=1, keep=3, async_save=False)
+    assert ckpt.save(8, state, data_state={}, config={})
+    assert not (tmp_path / "ck" / "8.orbax-checkpoint-tmp").exists()
+    assert ckpt.latest_step() == 8
+    ckpt.close()
+
+
+def test_structure_and_shape_mismatch_names_keys(tmp_path, mesh):
+    state = _state(mesh)
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
+    ckpt.save(1, state, data_state={}, config={})
+    repl = lambda x: NamedSharding(mesh, P())  # noqa: E731
+
+    extra = dict(_abstract(state, repl), extra_key=jax.ShapeDtypeStruct((2,), jnp.float32, sharding=repl(None)))
+    with pytest.raises(ValueError, match="extra_key"):
+        ckpt.restore(1, extra)
+
+    missing = _abstract(state, repl)
+    missing["params"] = {"w_DF": missing["params"]["w_DF"]}
+    with pytest.raises(ValueError, match=r"params\.b_F"):
+        ckpt.restore(1, missing)
+
+    wrong_shape = _abstract(state, repl)
+    wrong_shape["params"]["w_DF"] = jax.ShapeDtypeStruct((8, 32), jnp.float32, sharding=repl(None))
+    with pytest.raises(ValueError, match=r"params\.w_DF: checkpoint shape \(8, 16\) != target shape \(8, 32\)"):
+        ckpt.restore(1, wrong_shape)
+
+    wrong_dtype = _abstract(state, repl)
+    wrong_dtype["params"]["b_F"] = jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=repl(None))
+    with pytest.raises(ValueError, match=r"params\.b_F: checkpoint dtype float32 != target dtype bfloat16"):
+        ckpt.restore(1, wrong_dtype)
+
+    no_sharding = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    with pytest.raises(ValueError, match="sharding"):
+        ckpt.restore(1, no_sharding)
+    ckpt.close()
+
+
+def test_async_save_then_wait_and_restore_from_path(tmp_path, mesh):
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=True)
+    states = {s: _state(mesh, seed=s) for s in (1, 2)}
+    for s, st in states.items():
+        assert ckpt.save(s, st, data_state={"next_sample": 10 * s}, config={"seed": s})
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.close()
+
+    target = _abstract(states[1], lambda x: NamedSharding(mesh, P()))
+    latest, data, config = restore_from_path(str(tmp_path), target)
+    _assert_bitwise_equal(latest, states[2])
+    assert data == {"next_sample": 20} and config == {"seed": 2}
+    first, data, _ = restore_from_path(str(tmp_path / "1"), target)
+    _assert_bitwise_equal(first, states[1])
+    assert data == {"next_sample": 10}
+
+
+def test_background_failure_surfaces_in_wait(tmp_path, mesh, monkeypatch):
+    async def failing_finalize(self, *args, **kwargs):
+        raise OSError("disk full (injected)")
+
+    # The commit (write commit_success.txt, rename <step>.orbax-checkpoint-tmp -> <step>) runs in the background.
+    monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "finalize", failing_finalize)
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=True)
+    assert ckpt.save(3, _state(mesh), data_state={}, config={})  # returns before the failure
+    with pytest.raises(OSError, match="injected"):
+        ckpt.wait()
+    assert ckpt.latest_step() is None and ckpt.all_steps() == []
+    assert ckpt.should_save(3)  # the failed step may be retried
+    ckpt.close()
