@@ -104,6 +104,10 @@ def init_state(plan: StepPlan, seed: int) -> dict:
     Parameters come out identical for every mesh layout (see `jaxpar.model.init_params`).
     """
 
+    return jax.jit(_state_initializer(plan, seed), out_shardings=plan.state_shardings)()
+
+
+def _state_initializer(plan: StepPlan, seed: int) -> Callable[[], dict]:
     def init():
         params = init_params(plan.cfg.model, seed)
         state = {"step": jnp.zeros((), jnp.int32)}
@@ -115,7 +119,7 @@ def init_state(plan: StepPlan, seed: int) -> dict:
         state["opt_state"] = plan.tx.init(params)
         return state
 
-    return jax.jit(init, out_shardings=plan.state_shardings)()
+    return init
 
 
 def _split_microbatches(batch: dict, n: int) -> dict:
@@ -238,3 +242,10 @@ def make_eval_step(plan: StepPlan) -> Callable:
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec),
                        out_specs=(P(), P()), check_vma=False)
     return jax.jit(fn)
+
+
+def abstract_state(plan: StepPlan) -> dict:
+    """`init_state`'s output as ShapeDtypeStructs carrying their shardings (a restore target; no device work)."""
+    shapes = jax.eval_shape(_state_initializer(plan, 0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        plan.state_shardings)

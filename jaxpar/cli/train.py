@@ -1,0 +1,54 @@
+"""`jaxpar-train CONFIG [section.key=value ...]`: train a model from a YAML config.
+
+Examples:
+  jaxpar-train configs/tiny.yaml --cpu-devices 8
+  jaxpar-train configs/tiny.yaml mesh.data=4 mesh.fsdp=2 optimizer.zero_stage=2 train.steps=50
+  jaxpar-train configs/tiny.yaml --restore-from runs/tiny/checkpoints/100
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="jaxpar-train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as mesh.fsdp=4 train.steps=50")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="simulate N CPU devices (sets JAX_NUM_CPU_DEVICES before jax starts)")
+    p.add_argument("--restore-from", default=None,
+                   help="checkpoint directory (or one step directory) to start from instead of RUN_DIR's latest")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.cpu_devices is not None:
+        if args.cpu_devices < 1:
+            print("jaxpar-train: --cpu-devices must be >= 1", file=sys.stderr)
+            return 2
+        os.environ["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
+    from jaxpar.config import ConfigError, load_config  # jax is imported only after the device count is set
+    from jaxpar.train.loop import train
+
+    overrides = list(args.overrides)
+    if args.restore_from:
+        overrides.append(f"checkpoint.restore_from={args.restore_from}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"jaxpar-train: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(cfg)
+    except ConfigError as e:
+        print(f"jaxpar-train: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

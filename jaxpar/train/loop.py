@@ -1,0 +1,189 @@
+"""The training loop behind `jaxpar-train`: data, compiled step, validation, metrics, checkpoints, resume.
+
+    result = train(load_config("configs/tiny.yaml", ["train.steps=50"]))
+
+A run directory holds `config.yaml` (the resolved config), `metrics.jsonl`, `tensorboard/` and
+`checkpoints/<step>/`. Starting in a directory that has complete checkpoints resumes from the latest one
+(parameters, optimizer state, step and data position), so a resumed run reproduces the uninterrupted one.
+The train step is lowered and compiled once, ahead of time, and that executable runs every step: a state whose
+sharding drifted would raise instead of silently recompiling.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar import flops as flops_lib
+from jaxpar.checkpoint import Checkpointer, restore_from_path
+from jaxpar.config import Config, save_config
+from jaxpar.data import build_loaders
+from jaxpar.generate import sample_text
+from jaxpar.mesh import build_mesh, describe
+from jaxpar.metrics import MetricsWriter
+from jaxpar.train.step import StepPlan, abstract_state, build_plan, init_state, make_eval_step, make_train_step
+
+CHECKPOINT_DIR = "checkpoints"
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run produced. Losses are token-mean cross-entropy in nats."""
+
+    losses: dict[int, float]           # step (1-based, after the update) -> training loss of that step
+    val_loss: float | None
+    initial_val_loss: float | None
+    val_unigram_entropy: float
+    tokens_per_s: float | None
+    start_step: int
+    sample: str
+    state: Any = dataclasses.field(repr=False, default=None)
+
+
+def _log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+def evaluate(eval_step, params, loader, batches: int) -> float:
+    """Token-mean validation loss (nats) over the first `batches` global batches of `loader`."""
+    loader.set_state({"next_sample": 0})
+    total = count = 0.0
+    for _ in range(batches):
+        loss_sum, n = eval_step(params, loader.next_batch())
+        total, count = total + float(loss_sum), count + float(n)
+    return total / max(count, 1.0)
+
+
+def _memory_bytes(compiled) -> dict[str, int | None]:
+    """Per-device memory: the allocator's peak where the backend reports it, and the compiled step's need."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    analysis = compiled.memory_analysis()
+    planned = None
+    if analysis is not None:
+        planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+                      + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+    return {"memory_peak_bytes": stats.get("peak_bytes_in_use"), "memory_step_bytes": planned}
+
+
+def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
+    """Returns (state, data_state) from `checkpoint.restore_from`, else RUN_DIR's latest checkpoint, else None."""
+    target = abstract_state(plan)
+    if cfg.checkpoint.restore_from:
+        state, data_state, _ = restore_from_path(cfg.checkpoint.restore_from, target)
+        return state, data_state
+    if ckpt is not None and ckpt.latest_step() is not None:
+        state, data_state, _ = ckpt.restore(None, target)
+        return state, data_state
+    return None, None
+
+
+def train(cfg: Config) -> TrainResult:
+    """Runs `cfg.train.steps` optimizer steps (resuming if RUN_DIR has checkpoints); returns a `TrainResult`.
+
+    Raises:
+      ConfigError: a data source or batch size that the corpus cannot serve (before any device work).
+      ValueError / FileNotFoundError: a checkpoint that does not match the model, or a missing restore path.
+    """
+    t, run_dir = cfg.train, cfg.train.run_dir
+    mesh = build_mesh(cfg)
+    plan = build_plan(cfg, mesh)
+    _log(f"jaxpar: process {jax.process_index()}/{jax.process_count()}, {jax.local_device_count()} local "
+         f"devices, mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
+         f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
+    train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding)
+    _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
+         f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens")
+
+    if jax.process_index() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    ckpt = None
+    if cfg.checkpoint.every_steps > 0:
+        ckpt = Checkpointer(os.path.join(run_dir, CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
+                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    state, data_state = _restore(cfg, plan, ckpt)
+    if state is None:
+        state = init_state(plan, t.seed)
+    else:
+        train_loader.set_state(data_state)
+    start = int(state["step"])
+    if start:
+        _log(f"resumed at step {start} (data position {train_loader.get_state()['next_sample']})")
+
+    n_params = flops_lib.count_params(state["params"])
+    flops_per_token = flops_lib.flops_per_token(
+        flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model,
+        cfg.data.seq_len)
+    peak = flops_lib.peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
+    _log(f"model: {n_params:,} parameters; {flops_per_token:,.0f} FLOPs/token (6N + 12*L*h*s, PaLM app. B); "
+         f"peak {'unknown, MFU null' if peak is None else f'{peak:.3g} FLOP/s per device'}")
+
+    first_batch = train_loader.next_batch()
+    compiled = make_train_step(plan).lower(state, first_batch).compile()
+    eval_step = make_eval_step(plan)
+    memory = _memory_bytes(compiled)
+    writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
+    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+
+    initial_val = evaluate(eval_step, state["params"], val_loader, t.eval_batches) if start == 0 else None
+    if initial_val is not None:
+        _log(f"step 0: val_loss {initial_val:.4f}")
+
+    losses: dict[int, float] = {}
+    tokens_per_s = None
+    bar = None
+    if t.progress_bar and jax.process_index() == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    batch, last_time, last_step = first_batch, time.perf_counter(), start
+    val_loss = None
+    try:
+        for step in range(start + 1, t.steps + 1):
+            if batch is None:
+                batch = train_loader.next_batch()
+            state, metrics = compiled(state, batch)
+            batch = None
+            evaluate_now = bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
+            if step % t.log_every == 0 or evaluate_now:
+                m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
+                step_time = (time.perf_counter() - last_time) / (step - last_step)
+                tokens_per_s = tokens_per_step / step_time
+                losses[step] = m["loss"]
+                val_loss = evaluate(eval_step, state["params"], val_loader, t.eval_batches) if evaluate_now else None
+                writer.write(step, {"loss": m["loss"], "val_loss": val_loss, "learning_rate": m["learning_rate"],
+                                    "grad_norm": m["grad_norm"], "tokens_per_s": tokens_per_s,
+                                    "step_time_s": step_time, "tokens": m["tokens"],
+                                    "mfu": flops_lib.mfu(tokens_per_s, flops_per_token, mesh.size, peak), **memory})
+                if bar is not None:
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
+                                    **({"val": f"{val_loss:.3f}"} if val_loss is not None else {}))
+                last_time, last_step = time.perf_counter(), step  # evaluation time is not step time
+            if bar is not None:
+                bar.update(1)
+            if ckpt is not None and (ckpt.should_save(step) or step == t.steps):
+                ckpt.save(step, state, data_state=train_loader.get_state(), config=cfg.to_dict(), force=True)
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+        if ckpt is not None:
+            ckpt.close()
+
+    final_val = val_loss if val_loss is not None else evaluate(eval_step, state["params"], val_loader,
+                                                               t.eval_batches)
+    entropy = info["val_unigram_entropy"]
+    _log(f"final val_loss {final_val:.4f} nats/token vs validation unigram entropy {entropy:.4f} "
+         f"(ratio {final_val / entropy:.3f})")
+    sample = ""
+    if t.sample_tokens > 0:
+        sample = sample_text(plan, state["params"], prompt="def ", num_tokens=t.sample_tokens, seed=t.seed)
+        _log("sample:\n" + sample)
+    return TrainResult(losses=losses, val_loss=final_val, initial_val_loss=initial_val,
+                       val_unigram_entropy=entropy, tokens_per_s=tokens_per_s, start_step=start, sample=sample,
+                       state=state)
