@@ -21,7 +21,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="simulate N CPU devices (sets JAX_NUM_CPU_DEVICES before jax starts)")
     p.add_argument("--restore-from", default=None,
                    help="checkpoint directory (or one step directory) to start from instead of RUN_DIR's latest")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

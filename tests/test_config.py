@@ -1,0 +1,92 @@
+"""Every shipped config loads and validates; bad configs raise ConfigError naming the key and the fix."""
+import glob
+import os
+
+import pytest
+import yaml
+
+from jaxpar.config import ConfigError, load_config, save_config
+from jaxpar.config.validate import resolve_mesh_shape
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def test_configs_exist():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"tiny.yaml", "llama_125m.yaml", "llama_1b.yaml", "llama_7b.yaml", "llama_70b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_loads_and_validates(path):
+    cfg = load_config(path, num_devices=8)
+    shape = resolve_mesh_shape(cfg, 8)
+    assert shape["data"] * shape["fsdp"] * shape["tensor"] * shape["pipeline"] == 8
+
+
+def test_base_chain_and_overrides():
+    cfg = load_config(os.path.join(ROOT, "configs", "llama_70b.yaml"), ["train.steps=7", "mesh.fsdp=-1"],
+                      num_devices=8)
+    assert cfg.model.d_model == 8192 and cfg.model.n_kv_heads == 8  # from llama_70b.yaml
+    assert cfg.model.remat == "full"                                 # from llama_7b.yaml
+    assert cfg.data.source == "tokens"                                # from llama_125m.yaml
+    assert cfg.checkpoint.every_steps == 1000 and cfg.train.steps == 7
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(TINY, ["mesh.fsdp=2", "mesh.data=4", "optimizer.zero_stage=3"], num_devices=8)
+    out = tmp_path / "config.yaml"
+    save_config(cfg, str(out))
+    assert "base" not in yaml.safe_load(out.read_text())
+    assert load_config(str(out), num_devices=8) == cfg
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.hidden=3"], "unknown config key model.hidden"),
+    (["trainer.steps=3"], "unknown config key trainer"),
+    (["train.steps=ten"], "train.steps: expected int"),
+    (["model.tie_embeddings=3"], "model.tie_embeddings: expected bool"),
+    (["mesh.fsdp=3"], "make the product equal the device count"),
+    (["mesh.fsdp=-1", "mesh.data=-1"], "only one axis may be -1"),
+    (["mesh.data=3", "mesh.fsdp=-1"], "cannot fill 8 devices"),
+    (["mesh.data=0"], "mesh.data=0"),
+    (["mesh.tensor=2", "mesh.fsdp=2"], "issue #3"),
+    (["mesh.pipeline=2", "mesh.fsdp=2"], "issue #4"),
+    (["optimizer.zero_stage=4"], "optimizer.zero_stage=4 must be 0 (DDP), 1, 2 or 3"),
+    (["optimizer.zero_stage=-1"], "optimizer.zero_stage=-1"),
+    (["model.n_heads=3", "model.n_kv_heads=1"], "model.d_model=128 is not divisible by model.n_heads=3"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
+    (["model.vocab_size=200"], "set model.vocab_size >= 259"),
+    (["model.d_model=100", "model.n_heads=2", "model.n_kv_heads=1"], "must be divisible by mesh.fsdp * mesh.data=8"),
+    (["train.global_batch_size=12"], "train.global_batch_size=12 must be divisible"),
+    (["train.grad_accum_steps=3"], "train.grad_accum_steps (3)"),
+    (["data.source=jsonl"], "data.path is required"),
+    (["data.source=web"], "data.source='web' is not one of"),
+    (["precision.layout=fp8"], "precision.layout='fp8'"),
+    (["model.remat=some"], "model.remat='some'"),
+    (["data.validation_fraction=1.5"], "data.validation_fraction"),
+])
+def test_bad_config_names_key_and_fix(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides, num_devices=8)
+    assert needle in str(err.value)
+
+
+def test_bad_override_syntax_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(TINY, ["steps50"], num_devices=8)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.yaml"), num_devices=8)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad), num_devices=8)
+    loop = tmp_path / "loop.yaml"
+    loop.write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(str(loop), num_devices=8)
+    python_tag = tmp_path / "tag.yaml"
+    python_tag.write_text("model: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):  # safe_load refuses arbitrary objects
+        load_config(str(python_tag), num_devices=8)
