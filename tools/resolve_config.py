@@ -1,0 +1,32 @@
+"""Print the fully resolved config (base files and overrides applied, validated) as YAML.
+
+    python tools/resolve_config.py configs/llama_7b.yaml mesh.fsdp=8 --devices 64
+
+Validation uses `--devices` instead of the local device count, so a config can be checked for a cluster from a
+laptop.
+"""
+import argparse
+import sys
+
+import yaml
+
+from jaxpar.config import ConfigError, load_config
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--devices", type=int, required=True, help="device count the mesh must cover")
+    args = p.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides, num_devices=args.devices)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    yaml.safe_dump(cfg.to_dict(), sys.stdout, sort_keys=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
