@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxpar.data.tokenizer import BOS_ID, ByteTokenizer
 
@@ -18,12 +19,14 @@ def sample_text(plan, params: dict, *, prompt: str, num_tokens: int, seed: int, 
 
     Args:
       plan: the run's `StepPlan` (model structure, compute dtype, sequence length).
-      params: parameters (any sharding; gathered to the host here).
+      params: parameters (any sharding, on any number of processes; gathered to every host here).
       temperature: softmax temperature (> 0).
       top_k: sample among the k most likely tokens.
     """
     tok = ByteTokenizer()
     window = plan.cfg.data.seq_len
+    if jax.process_count() > 1:  # shards live on other processes: all-gather them to every host
+        params = multihost_utils.process_allgather(params, tiled=True)
     host = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
     forward = jax.jit(lambda p, ids: plan.mdef.bind(p)(ids, plan.compute_dtype))
     ids = [BOS_ID] + [int(i) for i in tok.encode(prompt)]
