@@ -46,6 +46,7 @@ def test_resolved_config_round_trips(tmp_path):
     (["model.hidden=3"], "unknown config key model.hidden"),
     (["trainer.steps=3"], "unknown config key trainer"),
     (["train.steps=ten"], "train.steps: expected int"),
+    (["optimizer.eps=tiny"], "optimizer.eps: expected float"),
     (["model.tie_embeddings=3"], "model.tie_embeddings: expected bool"),
     (["mesh.fsdp=3"], "make the product equal the device count"),
     (["mesh.fsdp=-1", "mesh.data=-1"], "only one axis may be -1"),
@@ -90,3 +91,8 @@ def test_bad_override_syntax_and_files(tmp_path):
     python_tag.write_text("model: !!python/object/apply:os.system ['true']\n")
     with pytest.raises(ConfigError, match="not valid YAML"):  # safe_load refuses arbitrary objects
         load_config(str(python_tag), num_devices=8)
+
+
+def test_exponent_floats_without_dot_parse():
+    cfg = load_config(TINY, ["optimizer.eps=1e-3", "optimizer.learning_rate=3e-4"], num_devices=8)
+    assert cfg.optimizer.eps == 1e-3 and cfg.optimizer.learning_rate == 3e-4

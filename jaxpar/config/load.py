@@ -87,6 +87,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected {hint}, got {value!r} ({type(value).__name__})")
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
     if hint is bool and isinstance(value, bool):

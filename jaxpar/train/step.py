@@ -207,7 +207,7 @@ def make_train_step(plan: StepPlan) -> Callable:
     def train_step(state, batch):
         grads, loss, n_tokens = grad_fn(state["params"], batch)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        grad_norm = optax.global_norm(grads32)
+        grad_norm = optax.tree.norm(grads32)
         target = state["master"] if plan.has_master else state["params"]
         updates, opt_state = plan.tx.update(grads32, state["opt_state"], target)
         target = optax.apply_updates(target, updates)
