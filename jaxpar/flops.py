@@ -5,10 +5,9 @@ Source: PaLM (Chowdhery et al. 2022), appendix B; Kaplan et al. 2020, section 2.
 """
 from __future__ import annotations
 
-from typing import Any
 
-import jax
-import numpy as np
+
+from jaxpar.model.params import param_count
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity). Matched by lower-cased substring of
 # `jax.Device.device_kind`; longer keys are tried first so "v5p" wins over a shorter overlapping key.
@@ -51,11 +50,6 @@ def hardware_flops_per_token(n_params_non_embedding: int, n_layers: int, d_model
     return 8.0 * n_params_non_embedding + 16.0 * n_layers * d_model * seq_len
 
 
-def count_params(params: Any) -> int:
-    """Total number of elements over all array leaves of a pytree (arrays or ShapeDtypeStructs)."""
-    return int(sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
-
-
 def count_non_embedding_params(params: dict, embedding_keys: tuple[str, ...] = ("embed", "lm_head")) -> int:
     """Parameters outside the top-level subtrees named in `embedding_keys` (the N of `flops_per_token`).
 
@@ -64,7 +58,7 @@ def count_non_embedding_params(params: dict, embedding_keys: tuple[str, ...] = (
     """
     if not hasattr(params, "items"):
         raise TypeError(f"params must be a nested dict, got {type(params).__name__}")
-    return sum(count_params(v) for k, v in params.items() if k not in embedding_keys)
+    return sum(param_count(v) for k, v in params.items() if k not in embedding_keys)
 
 
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:

@@ -116,7 +116,30 @@ def _memory_analysis(compiled) -> Any:
     return stats
 
 
-def measured_state_bytes(plan: StepPlan, state: dict, batch: dict) -> dict:
+def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batch: dict) -> dict:
+    """Bytes per device of the train state held across steps, from an already compiled train step.
+
+    Returns "persistent" (memory_analysis arguments minus the batch), "params" (shard bytes), "scalars",
+    "opt_state" (persistent - params - scalars) and "temp"; see `measured_state_bytes`.
+    """
+    batch_bytes = _shard_bytes({k: batch[k] for k in BATCH_KEYS}, {k: plan.batch_sharding for k in BATCH_KEYS})
+    analysis = _memory_analysis(compiled_step)
+    persistent = int(analysis.argument_size_in_bytes) - batch_bytes
+    params = _shard_bytes(state["params"], plan.state_shardings["params"])
+    scalars = _scalar_bytes(state)
+    return {"persistent": persistent, "params": params, "scalars": scalars,
+            "opt_state": persistent - params - scalars, "temp": int(analysis.temp_size_in_bytes)}
+
+
+def gradient_bytes_from_shardings(plan: StepPlan, params: Any) -> int:
+    """Per-device bytes of the step's gradients from their shardings (`plan.specs["grads"]`), without compiling;
+    `measured_state_bytes` measures the same number from the compiled gradient function."""
+    shardings = jax.tree.map(lambda spec: jax.sharding.NamedSharding(plan.mesh, spec), plan.specs["grads"],
+                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    return _shard_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, plan.param_dtype), params), shardings)
+
+
+def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_options: dict | None = None) -> dict:
     """Model-state bytes per device as XLA allocates them for the compiled train step and gradient function.
 
     Compiles (never runs) `make_train_step(plan)` on (state, batch) and `make_grad_fn(plan)` on
@@ -126,6 +149,9 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict) -> dict:
       plan: the step plan.
       state: train state from `init_state` (arrays or ShapeDtypeStructs); laid out as `plan.state_shardings`.
       batch: {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} (arrays or ShapeDtypeStructs).
+      compiler_options: passed to `Lowered.compile`. {"xla_backend_optimization_level": 0} compiles about
+        3x faster on CPU and changes only code generation, not buffer assignment: every number below was
+        identical with and without it for this step (checked on CPU, jax 0.10).
 
     Returns:
       bytes per device (int):
@@ -141,27 +167,23 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict) -> dict:
     Raises:
       RuntimeError: the backend reports no memory analysis.
     """
-    batch_bytes = _shard_bytes({k: batch[k] for k in BATCH_KEYS}, {k: plan.batch_sharding for k in BATCH_KEYS})
-    step = _memory_analysis(make_train_step(plan).lower(state, batch).compile())
-    persistent = int(step.argument_size_in_bytes) - batch_bytes
-    params = _shard_bytes(state["params"], plan.state_shardings["params"])
-    scalars = _scalar_bytes(state)
-
-    grad_compiled = jax.jit(make_grad_fn(plan)).lower(state["params"], batch).compile()
+    step = make_train_step(plan).lower(state, batch).compile(compiler_options)
+    out = persistent_state_bytes(plan, step, state, batch)
+    grad_compiled = jax.jit(make_grad_fn(plan)).lower(state["params"], batch).compile(compiler_options)
     n_outputs = len(jax.tree.leaves(grad_compiled.out_info))
     grad_out = int(_memory_analysis(grad_compiled).output_size_in_bytes)
     table = POINTER_BYTES * n_outputs if n_outputs > 1 else 0  # XLA's tuple index table
-    grads = grad_out - table - 2 * 4  # and the fp32 loss and n_tokens
-
-    out = {"persistent": persistent, "params": params, "scalars": scalars,
-           "opt_state": persistent - params - scalars, "grads": grads,
-           "temp": int(step.temp_size_in_bytes)}
+    out["grads"] = grad_out - table - 2 * 4  # and the fp32 loss and n_tokens
     out["total"] = out["params"] + out["grads"] + out["opt_state"]
     return out
 
 
-def memory_table(plan: StepPlan, state: dict, batch: dict) -> list[dict]:
+def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None = None,
+                 compiler_options: dict | None = None) -> list[dict]:
     """Measured (`measured_state_bytes`) against formula (`state_bytes_formula`) bytes per device.
+
+    `measured` reuses an earlier `measured_state_bytes(plan, state, batch)` result instead of compiling again;
+    `compiler_options` is passed on to it otherwise.
 
     Returns:
       rows {"kind", "measured_bytes", "formula_bytes", "ratio" (measured / formula), "formula" (per-kind
@@ -173,7 +195,8 @@ def memory_table(plan: StepPlan, state: dict, batch: dict) -> list[dict]:
     shape = plan.mesh_shape
     n_params = param_count(state["params"])
     formula = state_bytes_formula(n_params, layout, zero, shape["data"], shape["fsdp"])
-    measured = measured_state_bytes(plan, state, batch)
+    if measured is None:
+        measured = measured_state_bytes(plan, state, batch, compiler_options)
     expression = formula_expression(layout, zero, shape["fsdp"])
     rows = []
     for kind in (*STATE_KINDS, "total", "scalars", "temp"):

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxpar import flops
+from jaxpar.model import param_count
 
 
 def test_flops_per_token_by_hand():
@@ -26,7 +27,7 @@ def test_param_counts_exclude_top_level_embeddings():
         "norm": {"scale": jax.ShapeDtypeStruct((4,), jnp.float32)},  # 4
         "lm_head": {"w": jnp.zeros((4, 10))},                        # 40
     }
-    assert flops.count_params(params) == 124
+    assert param_count(params) == 124
     assert flops.count_non_embedding_params(params) == 44
     assert flops.count_non_embedding_params(params, embedding_keys=("embed",)) == 84
     with pytest.raises(TypeError):

@@ -6,9 +6,9 @@ The train state, the optimizer, checkpoints and sharding all see parameters as a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
@@ -63,5 +63,5 @@ def logical_axes(cfg: ModelConfig) -> dict:
 
 
 def param_count(params: dict) -> int:
-    """Number of scalar parameters in a nested dict of arrays or ShapeDtypeStructs."""
-    return int(sum(jnp.size(x) if hasattr(x, "size") else 0 for x in jax.tree.leaves(params)))
+    """Number of scalar parameters in a pytree of arrays or ShapeDtypeStructs."""
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))

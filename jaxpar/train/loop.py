@@ -11,7 +11,6 @@ sharding drifted would raise instead of silently recompiling.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Any
@@ -25,7 +24,9 @@ from jaxpar.config import Config, save_config
 from jaxpar.data import build_loaders
 from jaxpar.generate import sample_text
 from jaxpar.mesh import build_mesh, describe
+from jaxpar.memory import format_memory_table, gradient_bytes_from_shardings, memory_table, persistent_state_bytes
 from jaxpar.metrics import MetricsWriter
+from jaxpar.model import param_count
 from jaxpar.train.step import StepPlan, abstract_state, build_plan, init_state, make_eval_step, make_train_step
 
 CHECKPOINT_DIR = "checkpoints"
@@ -116,7 +117,7 @@ def train(cfg: Config) -> TrainResult:
     if start:
         _log(f"resumed at step {start} (data position {train_loader.get_state()['next_sample']})")
 
-    n_params = flops_lib.count_params(state["params"])
+    n_params = param_count(state["params"])
     flops_per_token = flops_lib.flops_per_token(
         flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model,
         cfg.data.seq_len)
@@ -128,6 +129,11 @@ def train(cfg: Config) -> TrainResult:
     compiled = make_train_step(plan).lower(state, first_batch).compile()
     eval_step = make_eval_step(plan)
     memory = _memory_bytes(compiled)
+    measured = persistent_state_bytes(plan, compiled, state, first_batch)
+    measured["grads"] = gradient_bytes_from_shardings(plan, state["params"])
+    measured["total"] = measured["params"] + measured["grads"] + measured["opt_state"]
+    _log("model state per device (parameters and optimizer state measured from the compiled step, gradients "
+         "from their shardings):\n" + format_memory_table(memory_table(plan, state, first_batch, measured)))
     writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
 
