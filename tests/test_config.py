@@ -52,7 +52,6 @@ def test_resolved_config_round_trips(tmp_path):
     (["mesh.fsdp=-1", "mesh.data=-1"], "only one axis may be -1"),
     (["mesh.data=3", "mesh.fsdp=-1"], "cannot fill 8 devices"),
     (["mesh.data=0"], "mesh.data=0"),
-    (["mesh.tensor=2", "mesh.fsdp=2"], "issue #3"),
     (["mesh.pipeline=2", "mesh.fsdp=2"], "issue #4"),
     (["optimizer.zero_stage=4"], "optimizer.zero_stage=4 must be 0 (DDP), 1, 2 or 3"),
     (["optimizer.zero_stage=-1"], "optimizer.zero_stage=-1"),

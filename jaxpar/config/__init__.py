@@ -2,9 +2,9 @@
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.load import config_from_dict, load_config, save_config
 from jaxpar.config.schema import (CheckpointConfig, Config, DataConfig, MeshConfig, ModelConfig,
-                                  OptimizerConfig, PrecisionConfig, TrainConfig)
+                                  OptimizerConfig, PrecisionConfig, TensorConfig, TrainConfig)
 from jaxpar.config.validate import validate_config
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig",
-           "OptimizerConfig", "PrecisionConfig", "TrainConfig", "config_from_dict", "load_config",
+           "OptimizerConfig", "PrecisionConfig", "TensorConfig", "TrainConfig", "config_from_dict", "load_config",
            "save_config", "validate_config"]

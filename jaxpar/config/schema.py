@@ -66,6 +66,19 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class TensorConfig:
+    """Tensor parallelism over the `tensor` mesh axis (Megatron-LM; see `jaxpar.parallel.tensor`).
+
+    Attributes:
+      sequence_parallel: shard activations between blocks over the sequence on `tensor` (all-gather before
+        each column-parallel block, reduce-scatter after each row-parallel one; Korthikanti et al. 2022).
+        null: on whenever mesh.tensor > 1.
+    """
+
+    sequence_parallel: bool | None = None
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Numeric formats.
 
@@ -187,6 +200,7 @@ class Config:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    tensor: TensorConfig = field(default_factory=TensorConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -8,7 +8,6 @@ from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import Config
 
 BYTE_VOCAB = 259  # 256 byte values + PAD, BOS, EOS (jaxpar.data.tokenizer)
-TENSOR_ISSUE = "issue #3 (tensor parallelism)"
 PIPELINE_ISSUE = "issue #4 (pipeline parallelism)"
 
 
@@ -20,6 +19,13 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def sequence_parallel(cfg: Config, tensor_size: int) -> bool:
+    """`tensor.sequence_parallel`, with null meaning: on whenever the tensor axis is larger than 1."""
+    if cfg.tensor.sequence_parallel is None:
+        return tensor_size > 1
+    return cfg.tensor.sequence_parallel and tensor_size > 1
 
 
 def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
@@ -118,9 +124,21 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         import jax
         num_devices = jax.device_count()
     shape = resolve_mesh_shape(cfg, num_devices)
-    if shape["tensor"] > 1:
-        raise ConfigError(f"mesh.tensor={shape['tensor']}: tensor parallelism is not implemented yet "
-                          f"({TENSOR_ISSUE} lifts this); set mesh.tensor=1")
+    tp = shape["tensor"]
+    if tp > 1:
+        for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.d_ff", m.d_ff)):
+            if value % tp:
+                hint = (" (grouped-query attention needs at least one key/value head per tensor rank)"
+                        if key == "model.n_kv_heads" else "")
+                raise ConfigError(f"{key}={value} must be divisible by mesh.tensor={tp}{hint}; lower mesh.tensor "
+                                  f"or change {key}")
+        if m.vocab_size % tp:
+            raise ConfigError(f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={tp} (the "
+                              f"vocabulary is sharded over tensor); round it up, e.g. model.vocab_size="
+                              f"{-(-m.vocab_size // tp) * tp}")
+        if sequence_parallel(cfg, tp) and d.seq_len % tp:
+            raise ConfigError(f"data.seq_len={d.seq_len} must be divisible by mesh.tensor={tp} with sequence "
+                              f"parallelism; change data.seq_len or set tensor.sequence_parallel=false")
     if shape["pipeline"] > 1:
         raise ConfigError(f"mesh.pipeline={shape['pipeline']}: pipeline parallelism is not implemented yet "
                           f"({PIPELINE_ISSUE} lifts this); set mesh.pipeline=1")

@@ -7,12 +7,18 @@ Every parameter is an `nnx.Param` carrying `logical_axes`, one name per dimensio
 {embed, mlp, heads, kv, vocab}; `jaxpar.sharding` maps these to mesh axes. Modules read their head counts and
 widths from the weights they hold, so the same code runs on whole weights or on tensor-parallel shards.
 Weights are cast to the activation dtype at use; parameters keep their storage dtype.
+
+Tensor parallelism (`jaxpar.parallel.tensor`): attention splits heads and the MLP its hidden width over
+`tensor` (column-parallel in, row-parallel out); the embedding and output projection split the vocabulary.
+Each `__call__` takes the `TensorParallel` context; its default (size 1) adds no collective.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -54,15 +60,21 @@ class Attention(nnx.Module):
         self.wo = nnx.Param(_normal(rngs, (n_heads, head_dim, d), std), logical_axes=("heads", "kv", "embed"))
         self.rope_theta = rope_theta
 
-    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """x: [B, T/t or T, D] -> [B, T/t or T, D]. Q, K, V are column-parallel (H/t and G/t local heads), the
+        output projection row-parallel."""
         dt = x_BTD.dtype
+        x_BTD = tp.enter(x_BTD)
+        positions_T = jnp.arange(x_BTD.shape[1])
         q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt))
         q = rotary(q, positions_T, self.rope_theta)
         k = rotary(k, positions_T, self.rope_theta)
         out_BTHK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        return jnp.einsum("bthk,hkd->btd", out_BTHK, self.wo[...].astype(dt))
+        b, t, h, kw = out_BTHK.shape
+        wo_FD = self.wo[...].reshape(h * kw, -1)
+        return row_parallel(out_BTHK.reshape(b, t, h * kw), wo_FD, None, tp)
 
 
 class SwiGLU(nnx.Module):
@@ -73,10 +85,12 @@ class SwiGLU(nnx.Module):
         self.w_up = nnx.Param(_normal(rngs, (d, f), std), logical_axes=("embed", "mlp"))
         self.w_down = nnx.Param(_normal(rngs, (f, d), std), logical_axes=("mlp", "embed"))
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """x: [B, T/t or T, D] -> same. Gate and up are column-parallel (F/t local), down row-parallel."""
         dt = x_BTD.dtype
+        x_BTD = tp.enter(x_BTD)
         h_BTF = jax.nn.silu(x_BTD @ self.w_gate[...].astype(dt)) * (x_BTD @ self.w_up[...].astype(dt))
-        return h_BTF @ self.w_down[...].astype(dt)
+        return row_parallel(h_BTF, self.w_down[...], None, tp)
 
 
 class Embed(nnx.Module):
@@ -85,11 +99,14 @@ class Embed(nnx.Module):
     def __init__(self, vocab: int, d: int, std: float, rngs: nnx.Rngs):
         self.table = nnx.Param(_normal(rngs, (vocab, d), std), logical_axes=("vocab", "embed"))
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        return jnp.take(self.table[...], tokens_BT, axis=0).astype(dtype)
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """Token ids [B, T] -> [B, T/t or T, D] in `dtype`; the table's rows may be a vocabulary shard."""
+        return tp.embed(self.table[...].astype(dtype), tokens_BT)
 
-    def attend(self, x_BTD: jax.Array) -> jax.Array:
-        return x_BTD @ self.table[...].astype(x_BTD.dtype).T
+    def attend(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """[B, T/t or T, D] -> logits [B, T, V/t] over this rank's vocabulary shard."""
+        return tp.enter(x_BTD) @ self.table[...].astype(x_BTD.dtype).T
 
 
 class LMHead(nnx.Module):
@@ -98,5 +115,6 @@ class LMHead(nnx.Module):
     def __init__(self, d: int, vocab: int, std: float, rngs: nnx.Rngs):
         self.kernel = nnx.Param(_normal(rngs, (d, vocab), std), logical_axes=("embed", "vocab"))
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return x_BTD @ self.kernel[...].astype(x_BTD.dtype)
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """[B, T/t or T, D] -> logits [B, T, V/t]: column-parallel over the vocabulary."""
+        return tp.enter(x_BTD) @ self.kernel[...].astype(x_BTD.dtype)

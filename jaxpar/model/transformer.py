@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
 Gather = Callable[[nnx.Module], nnx.Module]
 GATHERED_WEIGHT = "gathered_weight"  # checkpoint name of all-gathered weights: never saved for backward
@@ -39,9 +40,9 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
 
-    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_T)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD))
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD), tp)
 
 
 _REMAT_POLICIES = {
@@ -78,39 +79,40 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.d_model, cfg.vocab_size, cfg.init_std, rngs)
 
-    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather = _identity) -> jax.Array:
-        """Token ids [B, T] -> activations [B, T, D] in `dtype`."""
-        return gather(self.embed)(tokens_BT, dtype)
+    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather = _identity,
+                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """Token ids [B, T] -> activations [B, T, D] (T/t under sequence parallelism) in `dtype`."""
+        return gather(self.embed)(tokens_BT, dtype, tp)
 
-    def run_blocks(self, x_BTD: jax.Array, gather: Gather = _identity) -> jax.Array:
+    def run_blocks(self, x_BTD: jax.Array, gather: Gather = _identity,
+                   tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
         """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]."""
         graphdef, stacked = nnx.split(self.blocks)
-        positions_T = jnp.arange(x_BTD.shape[1])
 
         def body(x, layer_state):
             block = gather(nnx.merge(graphdef, layer_state))
-            return block(x, positions_T), None
+            return block(x, tp), None
 
         body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat], prevent_cse=False)
         x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
         return x_BTD
 
-    def logits(self, x_BTD: jax.Array, gather: Gather = _identity) -> jax.Array:
-        """Final norm and output projection: [B, T, D] -> [B, T, V]."""
+    def logits(self, x_BTD: jax.Array, gather: Gather = _identity,
+               tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """Final norm and output projection: [B, T, D] -> [B, T, V] (V/t, this rank's vocabulary shard)."""
         x_BTD = gather(self.final_norm)(x_BTD)
         if self.lm_head is None:
-            return gather(self.embed).attend(x_BTD)
-        return gather(self.lm_head)(x_BTD)
+            return gather(self.embed).attend(x_BTD, tp)
+        return gather(self.lm_head)(x_BTD, tp)
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32,
-                 gather: Gather = _identity) -> jax.Array:
-        x_BTD = self.embed_tokens(tokens_BT, dtype, gather)
-        return self.logits(self.run_blocks(x_BTD, gather), gather)
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, gather: Gather = _identity,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        x_BTD = self.embed_tokens(tokens_BT, dtype, gather, tp)
+        return self.logits(self.run_blocks(x_BTD, gather, tp), gather, tp)
 
 
-def token_loss_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-    """Sum over tokens of mask * cross-entropy(logits, target), in fp32 nats. A zero mask contributes 0."""
-    logits = logits_BTV.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z - target_logit) * mask_BT.astype(jnp.float32))
+def token_loss_sum(logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array,
+                   tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    """Sum over tokens of mask * cross-entropy(logits, target), in fp32 nats. A zero mask contributes 0.
+    With tensor parallelism the logits are this rank's vocabulary shard (see `TensorParallel`)."""
+    return tp.cross_entropy_sum(logits_BTV, targets_BT, mask_BT)

@@ -29,7 +29,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxpar.config.schema import Config
 from jaxpar.mesh import DATA_PARALLEL_AXES
 from jaxpar.model import ModelDef, init_params, logical_axes, model_def, token_loss_sum
+from jaxpar.config.validate import sequence_parallel
 from jaxpar.parallel.gather import module_gatherer
+from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS, TensorParallel
 from jaxpar.sharding import activation_spec, gathered_axes, named, param_specs, partitioned_over_data
 from jaxpar.train.optimizer import build_optimizer, learning_rate_schedule
 
@@ -70,6 +72,11 @@ class StepPlan:
     @property
     def mesh_shape(self) -> dict[str, int]:
         return dict(self.mesh.shape)
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        size = self.mesh_shape["tensor"]
+        return TensorParallel(size=size, sequence_parallel=sequence_parallel(self.cfg, size))
 
     @property
     def has_master(self) -> bool:
@@ -130,11 +137,27 @@ def _loss_body(plan: StepPlan) -> Callable:
     gather = module_gatherer(plan.mesh_shape, partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
                              plan.compute_dtype, plan.reduce_dtype)
 
+    tp = plan.tensor_parallel
+
     def loss_sum(params: dict, mb: dict) -> jax.Array:
-        logits = plan.mdef.bind(params)(mb["inputs"], plan.compute_dtype, gather)
-        return token_loss_sum(logits, mb["targets"], mb["loss_mask"])
+        logits = plan.mdef.bind(params)(mb["inputs"], plan.compute_dtype, gather, tp)
+        return token_loss_sum(logits, mb["targets"], mb["loss_mask"], tp)
 
     return loss_sum
+
+
+def _reduce_replicated_over_tensor(plan: StepPlan, grads: dict) -> dict:
+    """With sequence parallelism, parameters replicated over `tensor` (norm scales) saw only this rank's slice of
+    the sequence: all-reduce their gradients over tensor. Without it every rank computed the full gradient."""
+    if not plan.tensor_parallel.sequence_parallel:
+        return grads
+
+    def reduce(g, spec):
+        on_tensor = any(TENSOR_AXIS in ((a,) if isinstance(a, str) else tuple(a or ())) for a in spec)
+        # psum over tensor: sum the per-sequence-slice partial gradients of a tensor-replicated parameter.
+        return g if on_tensor else jax.lax.psum(g, TENSOR_AXIS)
+
+    return jax.tree.map(reduce, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
 
 
 def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
@@ -185,6 +208,7 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
                                         _split_microbatches(batch, accum))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
+        grads = _reduce_replicated_over_tensor(plan, grads)
         grads = _reduce_over_data(plan, grads)
         grads = jax.tree.map(lambda g: g.astype(plan.param_dtype), grads)
         # psum over the batch-splitting axes: each device summed only its own rows.

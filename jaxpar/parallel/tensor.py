@@ -1,0 +1,186 @@
+"""Megatron tensor parallelism with explicit collectives over the `tensor` mesh axis, for use inside shard_map.
+
+Shape letters: B batch, T sequence, D model width, V vocabulary, t tensor-parallel size.
+Sources: Shoeybi et al. 2019 (Megatron-LM, arXiv 1909.08053, section 3: the f and g operators, vocab-parallel
+embedding and cross-entropy); Korthikanti et al. 2022 (arXiv 2205.05198, section 4.2: sequence parallelism).
+
+A column-parallel linear splits its output features over `tensor`; a row-parallel linear splits its input
+features and leaves a partial sum on each rank. Around each column -> row pair sit two collectives:
+
+    sequence_parallel   before the column-parallel op (enter)       after the row-parallel op (exit)
+    False               identity; backward all-reduce (Megatron f)   all-reduce (psum); backward identity (g)
+    True                all-gather over T; backward reduce-scatter   reduce-scatter over T; backward all-gather
+
+With sequence parallelism the activations between blocks are [B, T/t, D]: each rank holds a slice of the
+sequence, and norm parameters (replicated over `tensor`) receive partial gradients that the train step sums
+over `tensor` (`jaxpar.train.step`). Every op here degenerates to plain math when t == 1, so the same model code
+runs on one device outside shard_map.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+AXIS = "tensor"
+SEQ_DIM = 1  # activations are [B, T, ...]
+
+
+@jax.custom_vjp
+def _copy_to_tensor(x):
+    return x
+
+
+def _copy_fwd(x):
+    return x, None
+
+
+def _copy_bwd(_, g):
+    # all-reduce over tensor: every rank's column shard contributed to the gradient of the shared input.
+    return (jax.lax.psum(g, AXIS),)
+
+
+_copy_to_tensor.defvjp(_copy_fwd, _copy_bwd)
+
+
+@jax.custom_vjp
+def _reduce_from_tensor(x):
+    # all-reduce over tensor: sum the row-parallel partial results.
+    return jax.lax.psum(x, AXIS)
+
+
+def _reduce_fwd(x):
+    return _reduce_from_tensor(x), None
+
+
+def _reduce_bwd(_, g):
+    return (g,)  # the sum's output is replicated; each rank's partial gets the same gradient
+
+
+_reduce_from_tensor.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+@jax.custom_vjp
+def _gather_sequence(x):
+    # all-gather over tensor along T: the column-parallel op needs the whole sequence.
+    return jax.lax.all_gather(x, AXIS, axis=SEQ_DIM, tiled=True)
+
+
+def _gather_seq_fwd(x):
+    return _gather_sequence(x), None
+
+
+def _gather_seq_bwd(_, g):
+    # reduce-scatter over tensor along T: sum the ranks' gradients and keep this rank's sequence slice.
+    return (jax.lax.psum_scatter(g, AXIS, scatter_dimension=SEQ_DIM, tiled=True),)
+
+
+_gather_sequence.defvjp(_gather_seq_fwd, _gather_seq_bwd)
+
+
+@jax.custom_vjp
+def _scatter_sequence(x):
+    # reduce-scatter over tensor along T: sum the row-parallel partials, keep this rank's sequence slice.
+    return jax.lax.psum_scatter(x, AXIS, scatter_dimension=SEQ_DIM, tiled=True)
+
+
+def _scatter_seq_fwd(x):
+    return _scatter_sequence(x), None
+
+
+def _scatter_seq_bwd(_, g):
+    # all-gather over tensor along T: every rank's partial fed every sequence slice.
+    return (jax.lax.all_gather(g, AXIS, axis=SEQ_DIM, tiled=True),)
+
+
+_scatter_sequence.defvjp(_scatter_seq_fwd, _scatter_seq_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """The tensor-parallel context handed to every layer.
+
+    Attributes:
+      size: t, the `tensor` mesh axis size; 1 means no tensor parallelism (no collectives at all).
+      sequence_parallel: shard activations between blocks over the sequence on `tensor`.
+    """
+
+    size: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    def enter(self, x_BTD: jax.Array) -> jax.Array:
+        """Input of a column-parallel op: [B, T/t or T, D] -> [B, T, D] replicated over `tensor`."""
+        if not self.active:
+            return x_BTD
+        return _gather_sequence(x_BTD) if self.sequence_parallel else _copy_to_tensor(x_BTD)
+
+    def exit(self, y_BTD: jax.Array) -> jax.Array:
+        """Output of a row-parallel op (a partial sum on each rank) -> the block output [B, T/t or T, D]."""
+        if not self.active:
+            return y_BTD
+        return _scatter_sequence(y_BTD) if self.sequence_parallel else _reduce_from_tensor(y_BTD)
+
+    def vocab_start(self, vocab_local: int) -> jax.Array | int:
+        """First vocabulary id held by this rank (its shard is [start, start + vocab_local))."""
+        return jax.lax.axis_index(AXIS) * vocab_local if self.active else 0
+
+    def embed(self, table_VD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
+        """Vocab-parallel lookup: each rank holds rows [start, start + V/t) of the table, looks up the tokens in
+        its range (zeros elsewhere) and `exit` sums (or reduce-scatters over T) the partial embeddings."""
+        if not self.active:
+            return jnp.take(table_VD, tokens_BT, axis=0)
+        v_local = table_VD.shape[0]
+        local = tokens_BT - self.vocab_start(v_local)
+        mine = (local >= 0) & (local < v_local)
+        x_BTD = jnp.take(table_VD, jnp.clip(local, 0, v_local - 1), axis=0) * mine[..., None].astype(table_VD.dtype)
+        return self.exit(x_BTD)
+
+    def cross_entropy_sum(self, logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+        """Sum over tokens of mask * cross-entropy, in fp32 nats, from logits sharded over the vocabulary.
+
+        Each rank holds logits [B, T, V/t]; the max, the sum of exponentials and the target logit are reduced
+        over `tensor` (pmax / psum of [B, T] values), so the full logits are never materialised on one rank.
+        """
+        logits = logits_BTV.astype(jnp.float32)
+        v_local = logits.shape[-1]
+        local = targets_BT - self.vocab_start(v_local)
+        mine = (local >= 0) & (local < v_local)
+        target_logit = jnp.take_along_axis(logits, jnp.clip(local, 0, v_local - 1)[..., None], axis=-1)[..., 0]
+        target_logit = target_logit * mine.astype(jnp.float32)
+        # The max only shifts the exponentials for stability; it carries no gradient.
+        shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+        if self.active:
+            shift = jax.lax.pmax(shift, AXIS)  # max over tensor: the global max logit of each token
+        sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
+        if self.active:
+            # all-reduce over tensor of [B, T] partial sums (forward psum, backward identity: Megatron g)
+            sum_exp = _reduce_from_tensor(sum_exp)
+            target_logit = _reduce_from_tensor(target_logit)
+        log_z = jnp.log(sum_exp) + shift
+        return jnp.sum((log_z - target_logit) * mask_BT.astype(jnp.float32))
+
+
+NO_TENSOR_PARALLEL = TensorParallel()
+
+
+def column_parallel(x_BTD: jax.Array, w_DF: jax.Array, b_F: jax.Array | None, tp: TensorParallel) -> jax.Array:
+    """Column-parallel linear: `enter`, then x @ w + b with w [D, F/t] and b [F/t] local to each rank.
+
+    Returns [B, T, F/t]: this rank's slice of the output features.
+    """
+    y = tp.enter(x_BTD) @ w_DF.astype(x_BTD.dtype)
+    return y if b_F is None else y + b_F.astype(y.dtype)
+
+
+def row_parallel(h_BTF: jax.Array, w_FD: jax.Array, b_D: jax.Array | None, tp: TensorParallel) -> jax.Array:
+    """Row-parallel linear: h @ w with h [B, T, F/t] and w [F/t, D] local, `exit` (sum over ranks), then + b.
+
+    The bias [D] is replicated and added once, after the reduction, never on every rank before it.
+    """
+    y = tp.exit(h_BTF @ w_FD.astype(h_BTF.dtype))
+    return y if b_D is None else y + b_D.astype(y.dtype)
