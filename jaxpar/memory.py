@@ -178,6 +178,21 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     return out
 
 
+def tensor_rank_params(plan: StepPlan, params: Any) -> int:
+    """P as one tensor-parallel rank holds it: parameters sharded over `tensor` (heads, MLP hidden, vocabulary)
+    count 1/t, replicated ones (norm scales) fully. Equals the parameter count when mesh.tensor == 1; the ZeRO
+    formulas then apply unchanged to this P (Megatron's tensor split comes before ZeRO's data split)."""
+    t = plan.mesh_shape["tensor"]
+
+    def rank_size(x, spec):
+        on_tensor = any("tensor" in ((a,) if isinstance(a, str) else tuple(a or ())) for a in spec)
+        return math.prod(x.shape) // (t if on_tensor else 1)
+
+    leaves = jax.tree.leaves(jax.tree.map(rank_size, params, plan.specs["params"],
+                                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+    return int(sum(leaves))
+
+
 def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None = None,
                  compiler_options: dict | None = None) -> list[dict]:
     """Measured (`measured_state_bytes`) against formula (`state_bytes_formula`) bytes per device.
@@ -193,7 +208,7 @@ def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None
     cfg = plan.cfg
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     shape = plan.mesh_shape
-    n_params = param_count(state["params"])
+    n_params = tensor_rank_params(plan, state["params"])
     formula = state_bytes_formula(n_params, layout, zero, shape["data"], shape["fsdp"])
     if measured is None:
         measured = measured_state_bytes(plan, state, batch, compiler_options)
@@ -215,7 +230,8 @@ def format_memory_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     head = rows[0]
-    lines = [f"{head['expression']}   (P={head['n_params']:,}, N=data={head['data']}, F=fsdp={head['fsdp']};"
+    lines = [f"{head['expression']}   (P={head['n_params']:,} per tensor rank, N=data={head['data']}, "
+             f"F=fsdp={head['fsdp']};"
              " bytes per device)",
              f"{'kind':<10} | {'measured':>14} | {'formula':>14} | {'ratio':>7} | term"]
     for r in rows:

@@ -59,7 +59,7 @@ _MEASURED: dict = {}
 
 
 def _plan_state_batch(zero: int, layout: str, data: int = 8, fsdp: int = 1):
-    overrides = SMALL + [f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"optimizer.zero_stage={zero}",
+    overrides = SMALL + ["mesh.tensor=1", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"optimizer.zero_stage={zero}",
                          f"precision.layout={layout}"]
     cfg = load_config("configs/tiny.yaml", overrides, num_devices=8)
     plan = build_plan(cfg, build_mesh(cfg))
