@@ -35,7 +35,7 @@ def test_base_chain_and_overrides():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(TINY, ["mesh.fsdp=2", "mesh.data=4", "optimizer.zero_stage=3"], num_devices=8)
+    cfg = load_config(TINY, ["mesh.fsdp=2", "mesh.data=4", "mesh.tensor=1", "optimizer.zero_stage=3"], num_devices=8)
     out = tmp_path / "config.yaml"
     save_config(cfg, str(out))
     assert "base" not in yaml.safe_load(out.read_text())
@@ -52,14 +52,14 @@ def test_resolved_config_round_trips(tmp_path):
     (["mesh.fsdp=-1", "mesh.data=-1"], "only one axis may be -1"),
     (["mesh.data=3", "mesh.fsdp=-1"], "cannot fill 8 devices"),
     (["mesh.data=0"], "mesh.data=0"),
-    (["mesh.pipeline=2", "mesh.fsdp=2"], "issue #4"),
+    (["mesh.pipeline=2", "mesh.fsdp=1"], "issue #4"),
     (["optimizer.zero_stage=4"], "optimizer.zero_stage=4 must be 0 (DDP), 1, 2 or 3"),
     (["optimizer.zero_stage=-1"], "optimizer.zero_stage=-1"),
     (["model.n_heads=3", "model.n_kv_heads=1"], "model.d_model=128 is not divisible by model.n_heads=3"),
     (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
     (["model.vocab_size=200"], "set model.vocab_size >= 259"),
-    (["model.d_model=100", "model.n_heads=2", "model.n_kv_heads=1"], "must be divisible by mesh.fsdp * mesh.data=8"),
-    (["train.global_batch_size=12"], "train.global_batch_size=12 must be divisible"),
+    (["mesh.tensor=1", "model.d_model=100", "model.n_heads=2", "model.n_kv_heads=1"], "must be divisible by mesh.fsdp * mesh.data=8"),
+    (["train.global_batch_size=10"], "train.global_batch_size=10 must be divisible"),
     (["train.grad_accum_steps=3"], "train.grad_accum_steps (3)"),
     (["data.source=jsonl"], "data.path is required"),
     (["data.source=web"], "data.source='web' is not one of"),

@@ -81,7 +81,8 @@ def run_sharded(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, ct, 
 
     Inside the shard_map each rank differentiates sum(local out * local cotangent) with respect to its local
     `args[:n_diff]` (sharded args: this rank's shard; replicated args: the whole array). Replicated results come
-    back stacked per rank ([t, ...]); `local_shapes` are the args' shapes the body saw, recorded at trace time.
+    back stacked per rank ([t, ...]); `local_shapes` lists the shapes of the args' leaves as the body saw them
+    (recorded at trace time).
     """
     tp = TensorParallel(size=t, sequence_parallel=sp)
     mesh = jax.make_mesh((t,), ("tensor",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:t])
@@ -89,7 +90,7 @@ def run_sharded(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, ct, 
     diff_specs = tuple(specs[:n_diff])
 
     def body(ct_local, *local):
-        seen.append(jax.tree.map(lambda x: x.shape, local))
+        seen.append([x.shape for x in jax.tree.leaves(local)])
 
         def scalar(*diff):
             out = fn(tp, *diff, *local[n_diff:])
@@ -130,7 +131,7 @@ def check_block(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, t: i
     split = 0
     for (path, x), spec, local in zip(jax.tree_util.tree_flatten_with_path(tuple(args))[0],
                                       jax.tree.leaves(tuple(specs), is_leaf=_is_spec),
-                                      jax.tree.leaves(local_shapes, is_leaf=lambda s: isinstance(s, tuple))):
+                                      local_shapes, strict=True):
         name = jax.tree_util.keystr(path)
         assert local == _local_shape(x.shape, spec, t), f"{name}: local {local} for global {x.shape}, {spec}"
         if _on_tensor(spec):
