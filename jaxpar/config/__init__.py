@@ -2,9 +2,10 @@
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.load import config_from_dict, load_config, save_config
 from jaxpar.config.schema import (CheckpointConfig, Config, DataConfig, MeshConfig, ModelConfig,
-                                  OptimizerConfig, PrecisionConfig, TensorConfig, TrainConfig)
+                                  OptimizerConfig, PipelineConfig, PrecisionConfig, TensorConfig,
+                                  TrainConfig)
 from jaxpar.config.validate import validate_config
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig",
-           "OptimizerConfig", "PrecisionConfig", "TensorConfig", "TrainConfig", "config_from_dict", "load_config",
+           "OptimizerConfig", "PipelineConfig", "PrecisionConfig", "TensorConfig", "TrainConfig", "config_from_dict", "load_config",
            "save_config", "validate_config"]

@@ -79,6 +79,21 @@ class TensorConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over the `pipeline` mesh axis (see `jaxpar.parallel.pipeline`).
+
+    Attributes:
+      schedule: `1f1b` (one forward, one backward per clock tick after warm-up; PipeDream-Flush, Narayanan et
+        al. 2021) or `gpipe` (all forwards, then all backwards; Huang et al. 2019).
+      microbatches: M, microbatches each device's batch (per accumulation step) is split into for the pipeline.
+        With mesh.pipeline == 1 they simply add to gradient accumulation.
+    """
+
+    schedule: str = "1f1b"
+    microbatches: int = 1
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Numeric formats.
 
@@ -201,6 +216,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     tensor: TensorConfig = field(default_factory=TensorConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)

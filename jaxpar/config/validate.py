@@ -8,7 +8,6 @@ from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import Config
 
 BYTE_VOCAB = 259  # 256 byte values + PAD, BOS, EOS (jaxpar.data.tokenizer)
-PIPELINE_ISSUE = "issue #4 (pipeline parallelism)"
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -139,9 +138,12 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         if sequence_parallel(cfg, tp) and d.seq_len % tp:
             raise ConfigError(f"data.seq_len={d.seq_len} must be divisible by mesh.tensor={tp} with sequence "
                               f"parallelism; change data.seq_len or set tensor.sequence_parallel=false")
-    if shape["pipeline"] > 1:
-        raise ConfigError(f"mesh.pipeline={shape['pipeline']}: pipeline parallelism is not implemented yet "
-                          f"({PIPELINE_ISSUE} lifts this); set mesh.pipeline=1")
+    stages = shape["pipeline"]
+    _choice("pipeline.schedule", cfg.pipeline.schedule, ("1f1b", "gpipe"))
+    _positive("pipeline.microbatches", cfg.pipeline.microbatches)
+    if m.n_layers % stages:
+        raise ConfigError(f"model.n_layers={m.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
+                          f"equal depth); change model.n_layers or mesh.pipeline")
 
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
     # data too for the ZeRO stages that partition something (jaxpar.sharding).
@@ -152,9 +154,11 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             f"model.d_model={m.d_model} must be divisible by {what}={state_shards} (state is sharded along "
             f"the embed dimension); change the mesh, model.d_model or optimizer.zero_stage")
     replicas = shape["data"] * shape["fsdp"]
-    if t.global_batch_size % (replicas * t.grad_accum_steps):
+    splits = replicas * t.grad_accum_steps * cfg.pipeline.microbatches
+    if t.global_batch_size % splits:
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be divisible by mesh.data*mesh.fsdp "
-            f"({replicas}) times train.grad_accum_steps ({t.grad_accum_steps}) = "
-            f"{replicas * t.grad_accum_steps}; change the batch size or the accumulation steps")
+            f"({replicas}) times train.grad_accum_steps ({t.grad_accum_steps}) times pipeline.microbatches "
+            f"({cfg.pipeline.microbatches}) = {splits}; change the batch size, the accumulation steps or the "
+            f"microbatches")
     return shape

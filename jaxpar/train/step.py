@@ -31,6 +31,7 @@ from jaxpar.mesh import DATA_PARALLEL_AXES
 from jaxpar.model import ModelDef, init_params, logical_axes, model_def, token_loss_sum
 from jaxpar.config.validate import sequence_parallel
 from jaxpar.parallel.gather import module_gatherer
+from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS, TensorParallel
 from jaxpar.sharding import activation_spec, gathered_axes, named, param_specs, partitioned_over_data
 from jaxpar.train.optimizer import build_optimizer, learning_rate_schedule
@@ -146,16 +147,27 @@ def _loss_body(plan: StepPlan) -> Callable:
     return loss_sum
 
 
-def _reduce_replicated_over_tensor(plan: StepPlan, grads: dict) -> dict:
-    """With sequence parallelism, parameters replicated over `tensor` (norm scales) saw only this rank's slice of
-    the sequence: all-reduce their gradients over tensor. Without it every rank computed the full gradient."""
-    if not plan.tensor_parallel.sequence_parallel:
+def _reduce_replicated(plan: StepPlan, grads: dict) -> dict:
+    """All-reduce the gradients of parameters replicated over an axis whose ranks saw different work.
+
+    * tensor, with sequence parallelism: norm scales saw only this rank's slice of the sequence (without it,
+      every rank computed the full gradient);
+    * pipeline: the embedding, final norm and head are used by the first or last stage only; the other stages
+      hold zeros.
+    """
+    axes = []
+    if plan.tensor_parallel.sequence_parallel:
+        axes.append(TENSOR_AXIS)
+    if plan.mesh_shape["pipeline"] > 1:
+        axes.append(pipeline_lib.AXIS)
+    if not axes:
         return grads
 
     def reduce(g, spec):
-        on_tensor = any(TENSOR_AXIS in ((a,) if isinstance(a, str) else tuple(a or ())) for a in spec)
-        # psum over tensor: sum the per-sequence-slice partial gradients of a tensor-replicated parameter.
-        return g if on_tensor else jax.lax.psum(g, TENSOR_AXIS)
+        used = {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
+        missing = tuple(a for a in axes if a not in used)
+        # psum over the axes this parameter is replicated on: sum the ranks' partial gradients.
+        return jax.lax.psum(g, missing) if missing else g
 
     return jax.tree.map(reduce, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
 
@@ -178,6 +190,30 @@ def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
     return jax.tree.map(scatter, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
 
 
+def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
+    """Gradients and scaled loss of one accumulation step's local batch through the configured pipeline
+    schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches."""
+    gather = module_gatherer(plan.mesh_shape, partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
+                             plan.compute_dtype, plan.reduce_dtype)
+    tp = plan.tensor_parallel
+
+    def stage(prm, x_in, mb, is_first, is_last):
+        model = plan.mdef.bind(prm)
+        h = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
+        h = jnp.where(is_first, h, x_in)
+        h = model.run_blocks(h, gather, tp)
+        loss = token_loss_sum(model.logits(h, gather, tp), mb["targets"], mb["loss_mask"], tp)
+        return h, jnp.where(is_last, loss, 0.0)
+
+    m = plan.cfg.pipeline.microbatches
+    mbs = _split_microbatches(batch, m)
+    b, seq = mbs["inputs"].shape[1:]
+    act_shape = (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
+    schedule = pipeline_lib.one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
+    return schedule(stage, params, mbs, p=plan.mesh_shape["pipeline"], m=m, act_shape=act_shape,
+                    act_dtype=plan.compute_dtype, loss_scale=loss_scale)
+
+
 def make_grad_fn(plan: StepPlan) -> Callable:
     """Returns `grad_fn(params, batch) -> (grads, loss_sum, n_tokens)` as one shard_map over the mesh.
 
@@ -191,7 +227,10 @@ def make_grad_fn(plan: StepPlan) -> Callable:
       n_tokens: global count of valid tokens, fp32.
     """
     loss_sum = _loss_body(plan)
-    accum = plan.cfg.train.grad_accum_steps
+    stages, pipe_mb = plan.mesh_shape["pipeline"], plan.cfg.pipeline.microbatches
+    # Without a pipeline its microbatches are just more gradient accumulation.
+    accum = plan.cfg.train.grad_accum_steps * (pipe_mb if stages == 1 else 1)
+    loss_axes = DATA_PARALLEL_AXES + ((pipeline_lib.AXIS,) if stages > 1 else ())
 
     def body(params, batch):
         # psum over the batch-splitting axes: the global count of valid tokens normalises every microbatch.
@@ -200,7 +239,10 @@ def make_grad_fn(plan: StepPlan) -> Callable:
 
         def micro(carry, mb):
             g_acc, l_acc = carry
-            loss, g = jax.value_and_grad(lambda p: loss_sum(p, mb) / denom)(params)
+            if stages > 1:
+                g, loss = _pipeline_grads(plan, params, mb, 1.0 / denom)
+            else:
+                loss, g = jax.value_and_grad(lambda p: loss_sum(p, mb) / denom)(params)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             return (g_acc, l_acc + loss), None
 
@@ -208,11 +250,12 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
                                         _split_microbatches(batch, accum))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
-        grads = _reduce_replicated_over_tensor(plan, grads)
+        grads = _reduce_replicated(plan, grads)
         grads = _reduce_over_data(plan, grads)
         grads = jax.tree.map(lambda g: g.astype(plan.param_dtype), grads)
-        # psum over the batch-splitting axes: each device summed only its own rows.
-        loss = jax.lax.psum(loss, DATA_PARALLEL_AXES)
+        # psum over the batch-splitting axes (each device summed only its own rows) and over pipeline (only
+        # the last stage computed a loss).
+        loss = jax.lax.psum(loss, loss_axes)
         return grads, loss, n_tokens
 
     batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
