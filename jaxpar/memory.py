@@ -33,7 +33,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.model import param_count
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.train.step import BATCH_KEYS, StepPlan, make_grad_fn, make_train_step
 

@@ -18,8 +18,8 @@ from jaxpar.train.step import BATCH_KEYS, StepPlan, build_plan
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Compile time (not the model) dominates these tests, so the model is as small as the checks allow:
 # d_model = 64 divides by 8 for every state sharding, vocab 264 is the byte tokenizer's minimum.
-TINY = ("mesh.tensor=1", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-        "data.seq_len=8")
+TINY = ("mesh.tensor=1", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.d_ff=128", "data.seq_len=8")
 # Adam's first step maps g to about g / (|g| + eps): with the default eps = 1e-8, fp32 rounding noise in
 # near-zero gradient entries becomes an update of a sizable fraction of the learning rate, so two correct
 # layouts disagree there. eps = 1e-3 keeps the update a well-conditioned function of the gradient.

@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from jaxpar.config import ConfigError, load_config
+from jaxpar.config import ConfigError, load_config, resolve_config
 
 
 def main(argv=None) -> int:
@@ -20,7 +20,7 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, required=True, help="device count the mesh must cover")
     args = p.parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.config, args.overrides, num_devices=args.devices)
+        cfg = resolve_config(load_config(args.config, args.overrides, num_devices=args.devices), args.devices)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

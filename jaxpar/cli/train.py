@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("jaxpar-train: interrupted; the run resumes from its latest complete checkpoint when started "
+              "again", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -4,8 +4,8 @@ from jaxpar.config.load import config_from_dict, load_config, save_config
 from jaxpar.config.schema import (CheckpointConfig, Config, DataConfig, MeshConfig, ModelConfig,
                                   OptimizerConfig, PipelineConfig, PrecisionConfig, TensorConfig,
                                   TrainConfig)
-from jaxpar.config.validate import validate_config
+from jaxpar.config.validate import resolve_config, validate_config
 
 __all__ = ["CheckpointConfig", "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig",
-           "OptimizerConfig", "PipelineConfig", "PrecisionConfig", "TensorConfig", "TrainConfig", "config_from_dict", "load_config",
-           "save_config", "validate_config"]
+           "OptimizerConfig", "PipelineConfig", "PrecisionConfig", "TensorConfig", "TrainConfig",
+           "config_from_dict", "load_config", "resolve_config", "save_config", "validate_config"]

@@ -4,6 +4,9 @@ Each failure raises `ConfigError` with the dotted key at fault and how to fix it
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import Config
 
@@ -111,6 +114,9 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     if not 0.0 < d.validation_fraction < 1.0:
         raise ConfigError(f"data.validation_fraction={d.validation_fraction} must lie strictly between 0 and 1")
 
+    if c.restore_from and not os.path.isdir(c.restore_from):
+        raise ConfigError(f"checkpoint.restore_from={c.restore_from!r} (--restore-from) is not a directory; give a "
+                          f"run's checkpoints/ directory or one of its step directories")
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep", c.keep)
     for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
@@ -162,3 +168,18 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             f"({cfg.pipeline.microbatches}) = {splits}; change the batch size, the accumulation steps or the "
             f"microbatches")
     return shape
+
+
+def resolve_config(cfg: Config, num_devices: int) -> Config:
+    """`cfg` with every derived value made concrete: mesh sizes (no -1), `model.n_kv_heads`, `model.head_dim`
+    and `tensor.sequence_parallel`. This is the config saved beside a run.
+
+    Raises:
+      ConfigError: as `validate_config`.
+    """
+    shape = validate_config(cfg, num_devices)
+    m = cfg.model
+    return dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, **shape),
+        model=dataclasses.replace(m, n_kv_heads=m.kv_heads, head_dim=m.head_width),
+        tensor=dataclasses.replace(cfg.tensor, sequence_parallel=sequence_parallel(cfg, shape["tensor"])))

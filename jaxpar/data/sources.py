@@ -107,6 +107,9 @@ def _match_files(cfg: DataConfig) -> tuple[str, list[str]]:
         files = glob.glob(path, recursive=True)
         root = os.path.commonpath([os.path.dirname(f) or "." for f in files]) if files else ""
     files = [f for f in files if os.path.isfile(f)]
+    if not files and os.path.isdir(path):
+        raise ConfigError(f"data.path={cfg.path!r} is a directory with no files in it; put text files there or "
+                          f"point data.path at another directory, file or glob pattern")
     if not files:
         raise ConfigError(f"data.path={cfg.path!r} matches no file for data.source={cfg.source}; give an "
                           f"existing directory, file or glob pattern (e.g. 'corpus/**/*.txt')")

@@ -20,14 +20,15 @@ import numpy as np
 
 from jaxpar import flops as flops_lib
 from jaxpar.checkpoint import Checkpointer, restore_from_path
-from jaxpar.config import Config, save_config
+from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.data import build_loaders
 from jaxpar.generate import sample_text
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.memory import format_memory_table, gradient_bytes_from_shardings, memory_table, persistent_state_bytes
 from jaxpar.metrics import MetricsWriter
 from jaxpar.model import param_count
-from jaxpar.train.step import StepPlan, abstract_state, build_plan, init_state, make_eval_step, make_train_step
+from jaxpar.train.step import (StepPlan, abstract_state, build_plan, compute_dtype, init_state, make_eval_step,
+                               make_train_step)
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -73,14 +74,31 @@ def _memory_bytes(compiled) -> dict[str, int | None]:
 
 
 def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
-    """Returns (state, data_state) from `checkpoint.restore_from`, else RUN_DIR's latest checkpoint, else None."""
+    """Returns (state, data_state) from `checkpoint.restore_from`, else RUN_DIR's latest checkpoint, else
+    (None, None).
+
+    Raises:
+      ConfigError: the path holds no complete checkpoint, or the checkpoint's arrays do not fit this config.
+    """
     target = abstract_state(plan)
-    if cfg.checkpoint.restore_from:
-        state, data_state, _ = restore_from_path(cfg.checkpoint.restore_from, target)
-        return state, data_state
-    if ckpt is not None and ckpt.latest_step() is not None:
-        state, data_state, _ = ckpt.restore(None, target)
-        return state, data_state
+    source = cfg.checkpoint.restore_from or (ckpt.directory if ckpt is not None else "")
+    try:
+        if cfg.checkpoint.restore_from:
+            state, data_state, _ = restore_from_path(cfg.checkpoint.restore_from, target)
+            return state, data_state
+        if ckpt is not None and ckpt.latest_step() is not None:
+            state, data_state, _ = ckpt.restore(None, target)
+            return state, data_state
+    except FileNotFoundError as e:
+        raise ConfigError(f"{e}; pass a run's checkpoints/ directory or one of its step directories to "
+                          f"--restore-from (checkpoint.restore_from)") from e
+    except ValueError as e:
+        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        lines.sort(key=lambda line: not line.startswith("params."))  # parameters say most about the model
+        raise ConfigError(
+            f"the checkpoint in {source} does not fit this config ({len(lines)} arrays differ, e.g. "
+            f"{'; '.join(lines[:3])}); run with the config it was saved with (config.yaml beside it), or start "
+            f"a fresh run in another train.run_dir") from e
     return None, None
 
 
@@ -91,6 +109,10 @@ def train(cfg: Config) -> TrainResult:
       ConfigError: a data source or batch size that the corpus cannot serve (before any device work).
       ValueError / FileNotFoundError: a checkpoint that does not match the model, or a missing restore path.
     """
+    cfg = resolve_config(cfg, jax.device_count())
+    if cfg.precision.compute_dtype == "auto":
+        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(
+            cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name))
     t, run_dir = cfg.train, cfg.train.run_dir
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh)
@@ -101,9 +123,6 @@ def train(cfg: Config) -> TrainResult:
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
          f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens")
 
-    if jax.process_index() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
     ckpt = None
     if cfg.checkpoint.every_steps > 0:
         ckpt = Checkpointer(os.path.join(run_dir, CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
@@ -114,6 +133,9 @@ def train(cfg: Config) -> TrainResult:
     else:
         train_loader.set_state(data_state)
     start = int(state["step"])
+    if jax.process_index() == 0:  # only once the state fits: a failed restore leaves the old config.yaml
+        os.makedirs(run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
     if start:
         _log(f"resumed at step {start} (data position {train_loader.get_state()['next_sample']})")
 

@@ -1,0 +1,48 @@
+"""In-process runs of `train`: restoring a checkpoint that does not fit the config fails with a ConfigError
+before any step and leaves the run directory's config.yaml as it was; the saved config is fully resolved."""
+import os
+
+import pytest
+import yaml
+
+from jaxpar.config import ConfigError, load_config
+from jaxpar.train.loop import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=300000", "data.validation_fraction=0.3",
+         "train.global_batch_size=8", "train.eval_batches=1", "train.progress_bar=false", "train.sample_tokens=0",
+         "train.steps=2", "checkpoint.every_steps=2", "checkpoint.async_save=false"]
+
+
+def _cfg(run_dir, *overrides):
+    return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*SMALL, f"train.run_dir={run_dir}", *overrides])
+
+
+def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
+    result = train(_cfg(tmp_path))
+    assert result.start_step == 0 and sorted(result.losses) == [2]
+    saved = (tmp_path / "config.yaml").read_text()
+    resolved = yaml.safe_load(saved)
+    assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1}  # -1 filled in
+    assert resolved["model"]["head_dim"] == 32 and resolved["tensor"]["sequence_parallel"] is True
+    assert resolved["precision"]["compute_dtype"] == "float32"
+
+    mismatch = (r"does not fit this config \(36 arrays differ, e\.g\. params\.blocks\.attn\.wk: checkpoint shape "
+                r"\(2, 128, 2, 32\) != target shape \(2, 64, 2, 16\).*train\.run_dir")
+    with pytest.raises(ConfigError, match=mismatch):
+        train(_cfg(tmp_path, "model.d_model=64", "train.steps=4"))
+    assert (tmp_path / "config.yaml").read_text() == saved
+
+    resumed = train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=3"))
+    assert resumed.start_step == 2 and sorted(resumed.losses) == [3]
+
+
+def test_restore_from_bad_paths_fail_at_load_or_before_steps(tmp_path):
+    with pytest.raises(ConfigError, match="is not a directory"):
+        _cfg(tmp_path / "run", f"checkpoint.restore_from={tmp_path / 'missing'}")
+    empty = tmp_path / "not_a_checkpoint"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("hello")
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        train(_cfg(tmp_path / "run", f"checkpoint.restore_from={empty}"))
+    assert not (tmp_path / "run" / "config.yaml").exists()
