@@ -62,14 +62,14 @@ class Term:
 
 
 def tensor_parallel_terms(*, rows: int, seq_len: int, d_model: int, n_layers: int, microbatches: int,
-                          tensor: int, sequence_parallel: bool, compute_dtype, fsdp_shards: int = 1,
-                          remat: str = "none") -> list[Term]:
+                          tensor: int, sequence_parallel: bool, compute_dtype, reduce_dtype=jnp.float32,
+                          fsdp_shards: int = 1, remat: str = "none") -> list[Term]:
     """The collectives over the `tensor` axis of one jaxpar train step (forward + backward), as `Term`s.
 
     Args:
       rows: b, microbatch rows per device; seq_len: s; d_model: h; n_layers: L; microbatches: A.
       tensor: t; sequence_parallel: Korthikanti et al. sequence parallelism on or off.
-      compute_dtype: dtype of the activations (b*s*h collectives).
+      compute_dtype: dtype of the activations (b*s*h collectives); reduce_dtype: of the norm-gradient reduction.
       fsdp_shards: number of shards a norm-scale gradient is split into when it is all-reduced over tensor
         (fsdp, times data under ZeRO-3); only used with sequence parallelism.
       remat: `model.remat`; `full` recomputes the forward of each block in the backward, which re-runs the
@@ -82,7 +82,7 @@ def tensor_parallel_terms(*, rows: int, seq_len: int, d_model: int, n_layers: in
         2 all-reduces of x; with SP 2 reduce-scatters (embedding forward, head backward) + 2 all-gathers.
       cross-entropy: pmax and two psums of [b, s] fp32 statistics: 3 all-reduces of b*s*4 bytes.
       norm gradients (SP only, once per step): the tensor-replicated norm scales saw 1/t of the sequence, their
-        fp32 gradients (2L + 1 vectors of h / fsdp_shards) are all-reduced over tensor: one all-reduce.
+        gradients (reduce_dtype) (2L + 1 vectors of h / fsdp_shards) are all-reduced over tensor: one all-reduce.
     Not included: the optimizer's global gradient norm, whose per-parameter scalar partial sums the compiler
     all-reduces over tensor (a few bytes; the bench reports the HLO total, which includes them).
 
@@ -102,7 +102,8 @@ def tensor_parallel_terms(*, rows: int, seq_len: int, d_model: int, n_layers: in
                  Term("layers", "reduce-scatter", a * layers * (4 + extra_rs), x),
                  Term("embedding+head", "all-gather", a * 2, x),
                  Term("embedding+head", "reduce-scatter", a * 2, x),
-                 Term("norm grads", "all-reduce", 1, (2 * layers + 1) * d_model // fsdp_shards * 4)]
+                 Term("norm grads", "all-reduce", 1,
+                      (2 * layers + 1) * d_model // fsdp_shards * jnp.dtype(reduce_dtype).itemsize)]
     else:
         # remat full re-runs the attention exit; the MLP exit only feeds the block output, dead in the backward.
         extra = 1 if remat == "full" else 0

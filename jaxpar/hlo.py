@@ -284,7 +284,9 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 # (operands..., results...[, scratch]) tuple: the results follow the operands.
                 results = results[len(operands):len(operands) + len(operands)] or results
             groups = parse_replica_groups(i.attrs, num_partitions)
-            n = len(groups[0])
+            # A permute's components can differ in size (a device mapped to itself is a group of one); a device
+            # that sends at all sends its whole operand, so its bytes are those of the largest component.
+            n = max(len(g) for g in groups) if kind == "collective-permute" else len(groups[0])
             if kind == "all-gather":
                 size = sum(a.bytes for a in results)
             else:
@@ -341,3 +343,17 @@ def collectives_by_axis(hlo_text: str, mesh: Mesh, per_step: bool = True,
         entry["count"] += times
         entry["bytes"] += times * c.bytes_per_device
     return out
+
+
+def format_axis_table(tables: dict[str, dict]) -> str:
+    """Side-by-side text table of several `collectives_by_axis` results (column name -> table): one row per
+    (mesh axes, kind), each column `count` and `bytes` per device."""
+    keys = sorted({k for t in tables.values() for k in t}, key=lambda k: (str(k[0]), k[1]))
+    head = f"{'mesh axes':<18}{'collective':<20}" + "".join(f"{name + ' count':>22}{'bytes':>14}" for name in tables)
+    lines = [head, "-" * len(head)]
+    for axes, kind in keys:
+        label = "?" if axes is None else ",".join(axes) or "(size 1)"
+        rows = [t.get((axes, kind), {"count": 0, "bytes": 0.0}) for t in tables.values()]
+        cells = "".join(f"{r['count']:>22}{r['bytes']:>14,.0f}" for r in rows)
+        lines.append(f"{label:<18}{kind:<20}{cells}")
+    return "\n".join(lines)

@@ -16,7 +16,7 @@ every replicated output's by t) on top of them.
 Every replicated result (an output, or a gradient of a replicated argument) comes back once per rank, so each
 rank's copy is checked. Under sequence parallelism a weight replicated over `tensor` (the row-parallel bias)
 receives on each rank the gradient of its sequence slice only; the train step sums those over `tensor`
-(`_reduce_replicated_over_tensor`), and so does the check here.
+(`jaxpar.train.step._reduce_replicated`), and so does the check here.
 
 Shape letters: B batch, T sequence, D model width, F hidden width, H query heads, G key/value heads,
 K head width, V vocabulary, t tensor size.
@@ -32,7 +32,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from step_helpers import assert_tree_close, compile_fast
+from step_helpers import assert_tree_close, compile_fast, quick_compile
 from jaxpar.model.layers import Attention, Embed, LMHead, SwiGLU
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, column_parallel, row_parallel
 
@@ -115,7 +115,8 @@ def reference(fn: Callable, args: Sequence, ct, n_diff: int):
         out = fn(NO_TENSOR_PARALLEL, *diff, *args[n_diff:])
         return jnp.sum(out * ct), out
 
-    grads, out = jax.jit(jax.grad(scalar, argnums=tuple(range(n_diff)), has_aux=True))(*args[:n_diff])
+    ref = jax.jit(jax.grad(scalar, argnums=tuple(range(n_diff)), has_aux=True))
+    grads, out = compile_fast(ref, *args[:n_diff])(*args[:n_diff])
     return out, grads
 
 
@@ -146,14 +147,14 @@ def check_block(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, t: i
         assert out.shape == (t, *ref_out.shape)
         for rank in range(t):
             assert_tree_close(out[rank], ref_out, RTOL)
-    for spec, g, ref_g in zip(specs[:n_diff], grads, ref_grads):
+    for spec, g, ref_g in zip(specs[:n_diff], grads, ref_grads, strict=True):
         for (path, gx), s, rx in zip(jax.tree_util.tree_flatten_with_path(g)[0],
-                                     jax.tree.leaves(spec, is_leaf=_is_spec), jax.tree.leaves(ref_g)):
+                                     jax.tree.leaves(spec, is_leaf=_is_spec), jax.tree.leaves(ref_g), strict=True):
             if _on_tensor(s):
                 assert_tree_close(gx, rx, RTOL)
             elif sp:  # a tensor-replicated weight under sequence parallelism: per-rank partials, summed
                 assert gx.shape == (t, *rx.shape)
-                assert_tree_close(jnp.sum(gx, axis=0), rx, RTOL)
+                assert_tree_close(np.sum(np.asarray(gx, np.float64), axis=0), rx, RTOL)
             else:  # replicated input or weight: every rank holds the whole gradient
                 assert gx.shape == (t, *rx.shape)
                 for rank in range(t):
@@ -169,13 +170,20 @@ def _ct(fn: Callable, args: Sequence, seed: int) -> jax.Array:
 
 # --- modules: NNX state as a pure dict, split as its logical axes say, bound back inside the body ---
 
-def module_parts(module: nnx.Module):
-    """(graphdef, state template, params as a pure dict, params' PartitionSpecs)."""
-    graphdef, state = nnx.split(module)
+def module_parts(make: Callable[[], nnx.Module], std: float, seed: int):
+    """(graphdef, abstract state, params as a pure dict, params' PartitionSpecs) of the module `make` builds.
+
+    The module is built abstractly and its weights drawn with numpy (normal, `std`): eager `jax.random` would
+    compile a sampler per weight shape, which costs more than the test.
+    """
+    graphdef, template = nnx.split(nnx.eval_shape(make))
+    shapes = nnx.to_pure_dict(template)
+    leaves, treedef = jax.tree.flatten(shapes)
+    params = jax.tree.unflatten(treedef, [_normal(seed + i, *x.shape, std=std) for i, x in enumerate(leaves)])
     specs = jax.tree.map(
         lambda v: P(*("tensor" if a in TENSOR_LOGICAL else None for a in v.get_metadata()["logical_axes"])),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return graphdef, state, nnx.to_pure_dict(state), nnx.to_pure_dict(specs)
+        template, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return graphdef, template, params, nnx.to_pure_dict(specs)
 
 
 def bind(graphdef, template, params: dict) -> nnx.Module:
@@ -183,6 +191,12 @@ def bind(graphdef, template, params: dict) -> nnx.Module:
     state = jax.tree.map(lambda v: v, template, is_leaf=lambda x: isinstance(x, nnx.Variable))
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _quick_compile():
+    with quick_compile():
+        yield
 
 
 # --- column- and row-parallel linears ---
@@ -231,9 +245,9 @@ def test_row_parallel(t, sp, bias):
                                             for t, g in ((2, 4), (2, 2), (4, 4)) for sp in (False, True)])
 def test_attention(t, sp, n_kv_heads):
     # std 0.3: scores of order 1, so the softmax is far from uniform and the causal mask matters.
-    module = Attention(D, n_heads=4, n_kv_heads=n_kv_heads, head_dim=HEAD_DIM, rope_theta=10_000.0, std=0.3,
-                       rngs=nnx.Rngs(7))
-    graphdef, template, params, pspecs = module_parts(module)
+    graphdef, template, params, pspecs = module_parts(
+        lambda: Attention(D, n_heads=4, n_kv_heads=n_kv_heads, head_dim=HEAD_DIM, rope_theta=10_000.0, std=0.3,
+                          rngs=nnx.Rngs(0)), std=0.3, seed=70)
     assert pspecs["wq"] == P(None, "tensor", None) and pspecs["wo"] == P("tensor", None, None)
 
     def fn(tp, params, x):
@@ -244,7 +258,7 @@ def test_attention(t, sp, n_kv_heads):
 
 @pytest.mark.parametrize("t,sp", SIZES_SP)
 def test_swiglu(t, sp):
-    graphdef, template, params, pspecs = module_parts(SwiGLU(D, F, std=0.3, rngs=nnx.Rngs(9)))
+    graphdef, template, params, pspecs = module_parts(lambda: SwiGLU(D, F, std=0.3, rngs=nnx.Rngs(0)), 0.3, 90)
     assert pspecs["w_gate"] == P(None, "tensor") and pspecs["w_down"] == P("tensor", None)
 
     def fn(tp, params, x):
@@ -255,7 +269,7 @@ def test_swiglu(t, sp):
 
 @pytest.mark.parametrize("t,sp", SIZES_SP)
 def test_embed_lookup(t, sp):
-    graphdef, template, params, pspecs = module_parts(Embed(V, D, std=1.0, rngs=nnx.Rngs(11)))
+    graphdef, template, params, pspecs = module_parts(lambda: Embed(V, D, std=1.0, rngs=nnx.Rngs(0)), 1.0, 110)
     assert pspecs["table"] == P("tensor", None)
     # [2B, T] ids: every vocabulary id twice, shuffled, so every rank's rows are looked up and some rows'
     # gradients accumulate over two positions.
@@ -266,13 +280,13 @@ def test_embed_lookup(t, sp):
     def fn(tp, params, tokens):
         return bind(graphdef, template, params)(tokens, jnp.float32, tp)
 
-    # The token ids are replicated, not differentiated; the output [B, T/t or T, D] is split like an activation.
+    # The token ids are replicated, not differentiated; the output [2B, T/t or T, D] is split like an activation.
     check_block(fn, (params, tokens_BT), (pspecs, P()), _act_spec(sp), t, sp, n_diff=1)
 
 
 @pytest.mark.parametrize("t,sp", SIZES_SP)
 def test_embed_attend(t, sp):
-    graphdef, template, params, pspecs = module_parts(Embed(V, D, std=0.3, rngs=nnx.Rngs(13)))
+    graphdef, template, params, pspecs = module_parts(lambda: Embed(V, D, std=0.3, rngs=nnx.Rngs(0)), 0.3, 130)
 
     def fn(tp, params, x):
         return bind(graphdef, template, params).attend(x, tp)
@@ -282,7 +296,7 @@ def test_embed_attend(t, sp):
 
 @pytest.mark.parametrize("t,sp", SIZES_SP)
 def test_lm_head(t, sp):
-    graphdef, template, params, pspecs = module_parts(LMHead(D, V, std=0.3, rngs=nnx.Rngs(15)))
+    graphdef, template, params, pspecs = module_parts(lambda: LMHead(D, V, std=0.3, rngs=nnx.Rngs(0)), 0.3, 150)
     assert pspecs["kernel"] == P(None, "tensor")
 
     def fn(tp, params, x):

@@ -26,8 +26,9 @@ class ModelConfig:
       norm_eps: RMSNorm epsilon.
       tie_embeddings: share the embedding table with the output projection.
       init_std: standard deviation of the normal initialiser for weight matrices.
-      remat: activation checkpointing per block: `none`, `full` (recompute the block) or `dots`
-        (save matmul outputs, recompute the rest).
+      remat: activation checkpointing per block: `none` (save every matmul output, recompute only elementwise
+        ops and the fsdp weight all-gathers), `dots` (save only matmul outputs without batch dimensions:
+        attention scores are recomputed too) or `full` (save only the block input, recompute the block).
     """
 
     vocab_size: int = 264

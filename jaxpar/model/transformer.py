@@ -45,10 +45,33 @@ class Block(nnx.Module):
         return x_BTD + self.mlp(self.mlp_norm(x_BTD), tp)
 
 
+STORAGE_AXES = ("fsdp", "data")  # mesh axes whose weight shards are all-gathered right before use
+
+
+def _is_weight_gather(params: dict) -> bool:
+    """Whether a custom-VJP call is `jaxpar.parallel.gather.gather_weight`: its body all-gathers over fsdp/data."""
+    for eqn in params["call_jaxpr"].jaxpr.eqns if "call_jaxpr" in params else ():
+        if eqn.primitive.name == "all_gather":
+            axes = eqn.params["axis_name"]
+            if set((axes,) if isinstance(axes, str) else axes) & set(STORAGE_AXES):
+                return True
+    return False
+
+
+def _save_dots_and_tensor_collectives(prim, *avals, **params) -> bool:
+    """Saves matmul outputs and the outputs of the tensor-parallel collectives (custom VJPs over `tensor`), so the
+    backward recomputes neither a matmul nor a tensor collective; never saves an all-gathered weight."""
+    if prim.name == "custom_vjp_call":
+        return not _is_weight_gather(params)
+    return jax.checkpoint_policies.dots_saveable(prim, *avals, **params)
+
+
 _REMAT_POLICIES = {
-    # Activations are saved; only the all-gathered weights are recomputed (re-gathered) in the backward,
-    # which is what FSDP / ZeRO-3 do.
-    "none": jax.checkpoint_policies.save_anything_except_these_names(GATHERED_WEIGHT),
+    # Every matmul output and tensor-collective output is saved, so neither is recomputed; elementwise ops
+    # (norms, rotary, SwiGLU gate) are recomputed, and so are the all-gathered weights: they are re-gathered in
+    # the backward instead of being kept, which is what FSDP / ZeRO-3 do. (A "save everything except the
+    # gathered weights" policy keeps them anyway: a cast or reshape of a gathered weight is saveable.)
+    "none": _save_dots_and_tensor_collectives,
     # Recompute the whole block in the backward from its input.
     "full": jax.checkpoint_policies.nothing_saveable,
     # Save matmul outputs without batch dimensions, recompute the rest.

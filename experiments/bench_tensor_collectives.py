@@ -1,0 +1,142 @@
+"""Collectives of one train step read from the compiled HLO, against the Megatron analytic count, and the explicit
+(shard_map) tensor parallelism against the compiler's own choice from sharding annotations.
+
+    python experiments/bench_tensor_collectives.py [CONFIG] [--steps 5 --rounds 3] [key=value ...]
+
+CONFIG defaults to configs/tiny.yaml with mesh.tensor=2; without a `tensor.sequence_parallel=` override both
+settings are measured. For each: bytes per device per step by (mesh axes, collective) from the HLO of the
+jaxpar step, next to the same for a step where the compiler picks the collectives (one jit over global arrays,
+parameters placed by plan.specs["params"], no shard_map, no tensor-parallel context); then the tensor-axis
+bytes against `jaxpar.comm.tensor_parallel_terms` (ratio HLO / analytic, target <= 1.02), and the median step
+time explicit / compiler-chosen measured in one interleaved run.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before jax is imported: 8 simulated CPU devices
+
+import argparse  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jaxpar.bench import interleaved_step_times, median_seconds, round_medians  # noqa: E402
+from jaxpar.comm import tensor_parallel_bytes, tensor_parallel_terms  # noqa: E402
+from jaxpar.config import load_config  # noqa: E402
+from jaxpar.hlo import collectives_by_axis, format_axis_table  # noqa: E402
+from jaxpar.mesh import build_mesh, describe  # noqa: E402
+from jaxpar.model import token_loss_sum  # noqa: E402
+from jaxpar.sharding import partitioned_over_data  # noqa: E402
+from jaxpar.train.step import BATCH_KEYS, abstract_state, build_plan, init_state, make_train_step  # noqa: E402
+
+
+def compiler_chosen_step(plan):
+    """The same loss, gradient and optax update as `make_train_step`, jitted on global arrays: the partitioner
+    inserts every collective from the parameter and batch shardings alone."""
+
+    def loss_fn(params, batch):
+        logits = plan.mdef.bind(params)(batch["inputs"], plan.compute_dtype)
+        return token_loss_sum(logits, batch["targets"], batch["loss_mask"]) / jnp.maximum(
+            jnp.sum(batch["loss_mask"]), 1.0)
+
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        target = state["master"] if plan.has_master else state["params"]
+        updates, opt_state = plan.tx.update(grads, state["opt_state"], target)
+        target = optax.apply_updates(target, updates)
+        new = {"step": state["step"] + 1, "opt_state": opt_state, "params": target}
+        if plan.has_master:
+            new["master"] = target
+            new["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), target)
+        return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(plan.state_shardings, batch_shardings),
+                   out_shardings=(plan.state_shardings, NamedSharding(plan.mesh, P())), donate_argnums=0)
+
+
+def random_batch(cfg, sharding, seed: int = 0) -> dict:
+    g, t, v = cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    batch = {"inputs": jax.random.randint(k1, (g, t), 0, v, jnp.int32),
+             "targets": jax.random.randint(k2, (g, t), 0, v, jnp.int32),
+             "loss_mask": jnp.ones((g, t), jnp.float32)}
+    return jax.device_put(batch, sharding)
+
+
+def analytic(plan) -> tuple[list, dict]:
+    cfg, shape = plan.cfg, plan.mesh_shape
+    accum = cfg.train.grad_accum_steps
+    rows = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum)
+    shards = shape["fsdp"] * (shape["data"] if partitioned_over_data("grads", cfg.optimizer.zero_stage) else 1)
+    terms = tensor_parallel_terms(rows=rows, seq_len=cfg.data.seq_len, d_model=cfg.model.d_model,
+                                  n_layers=cfg.model.n_layers, microbatches=accum, tensor=shape["tensor"],
+                                  sequence_parallel=plan.tensor_parallel.sequence_parallel,
+                                  compute_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype,
+                                  fsdp_shards=shards, remat=cfg.model.remat)
+    return terms, tensor_parallel_bytes(terms, shape["tensor"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", nargs="?", default="configs/tiny.yaml")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides (default adds mesh.tensor=2)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round and contender")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    overrides = args.overrides or ["mesh.tensor=2"]
+    sp_settings = [None] if any(o.startswith("tensor.sequence_parallel=") for o in overrides) else [False, True]
+
+    compiler = None
+    for sp in sp_settings:
+        extra = [] if sp is None else [f"tensor.sequence_parallel={str(sp).lower()}"]
+        cfg = load_config(args.config, overrides + extra, num_devices=jax.device_count())
+        plan = build_plan(cfg, build_mesh(cfg))
+        batch = random_batch(cfg, plan.batch_sharding)
+        explicit = make_train_step(plan).lower(abstract_state(plan), batch).compile()
+        if compiler is None:  # independent of sequence parallelism: compile and keep once
+            compiler = compiler_chosen_step(plan).lower(abstract_state(plan), batch).compile()
+        tables = {"explicit": collectives_by_axis(explicit.as_text(), plan.mesh),
+                  "compiler": collectives_by_axis(compiler.as_text(), plan.mesh)}
+        print(f"\n=== {describe(plan.mesh)}  sequence_parallel={plan.tensor_parallel.sequence_parallel}  "
+              f"remat={cfg.model.remat}  compute={jnp.dtype(plan.compute_dtype).name}")
+        print("Per step, bytes sent per device (ring formulas, FORMULAS.md):")
+        print(format_axis_table(tables))
+
+        terms, want = analytic(plan)
+        print("\nTensor axis, HLO (explicit step) vs Megatron analytic:")
+        for t in terms:
+            print(f"  analytic term {t.name:<16}{t.kind:<16}x{t.count:<4} S={t.size_bytes:,.0f} B")
+        got = {kind: v["bytes"] for (axes, kind), v in tables["explicit"].items() if axes == ("tensor",)}
+        for kind in sorted(set(want) | set(got)):
+            g, w = got.get(kind, 0.0), want.get(kind, 0.0)
+            ratio = f"{g / w:.4f}" if w else "n/a"
+            print(f"  {kind:<16} HLO {g:>12,.0f}  analytic {w:>12,.0f}  ratio {ratio}")
+        total_g, total_w = sum(got.values()), sum(want.values())
+        if total_w:
+            print(f"  {'total':<16} HLO {total_g:>12,.0f}  analytic {total_w:>12,.0f}  ratio {total_g / total_w:.4f}"
+                  f"  (target <= 1.02)")
+
+        state = {"explicit": init_state(plan, 0), "compiler": init_state(plan, 0)}
+        programs = {"explicit": explicit, "compiler": compiler}
+
+        def runner(name, state=state, programs=programs, batch=batch):
+            def run():  # one step; keeps the (donated) state between calls
+                state[name], metrics = programs[name](state[name], batch)
+                return metrics
+            return run
+
+        times = interleaved_step_times({n: runner(n) for n in programs}, args.steps, args.rounds)
+        med = {n: median_seconds(r) for n, r in times.items()}
+        for n, r in times.items():
+            print(f"  {n:<9} median step {med[n] * 1e3:8.2f} ms  (round medians "
+                  f"{', '.join(f'{x * 1e3:.2f}' for x in round_medians(r))} ms)")
+        print(f"  step time explicit / compiler-chosen: {med['explicit'] / med['compiler']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
