@@ -15,6 +15,10 @@ With sequence parallelism the activations between blocks are [B, T/t, D]: each r
 sequence, and norm parameters (replicated over `tensor`) receive partial gradients that the train step sums
 over `tensor` (`jaxpar.train.step`). Every op here degenerates to plain math when t == 1, so the same model code
 runs on one device outside shard_map.
+
+The custom VJPs are written for gradients taken inside the shard_map (as the train step does): with
+`check_vma=False`, differentiating through the shard_map boundary from outside adds jax's own transposes of the
+boundary on top of them.
 """
 from __future__ import annotations
 

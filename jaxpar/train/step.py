@@ -305,8 +305,13 @@ def make_eval_step(plan: StepPlan) -> Callable:
         count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
         return total, count
 
+    # The forward here runs the whole layer stack on every device, so the blocks split into pipeline stages
+    # enter whole: the shard_map boundary all-gathers them over `pipeline` (one stage's layers alone are not
+    # the model).
+    whole_stack = jax.tree.map(lambda spec: P(*(None if dim == pipeline_lib.AXIS else dim for dim in spec)),
+                               plan.specs["params"], is_leaf=lambda x: isinstance(x, P))
     batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec),
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(whole_stack, batch_spec),
                        out_specs=(P(), P()), check_vma=False)
     return jax.jit(fn)
 
