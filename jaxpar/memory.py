@@ -178,14 +178,15 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
 
 
 def tensor_rank_params(plan: StepPlan, params: Any) -> int:
-    """P as one tensor-parallel rank holds it: parameters sharded over `tensor` (heads, MLP hidden, vocabulary)
-    count 1/t, replicated ones (norm scales) fully. Equals the parameter count when mesh.tensor == 1; the ZeRO
-    formulas then apply unchanged to this P (Megatron's tensor split comes before ZeRO's data split)."""
-    t = plan.mesh_shape["tensor"]
+    """P as one model-parallel rank holds it: parameters sharded over `tensor` (heads, MLP hidden, vocabulary)
+    count 1/t and those sharded over `pipeline` (the stacked layers) 1/p; replicated ones count fully. Equals the
+    parameter count when mesh.tensor == mesh.pipeline == 1; the ZeRO formulas then apply unchanged to this P
+    (the tensor and pipeline splits come before ZeRO's data split)."""
+    shape = plan.mesh_shape
 
     def rank_size(x, spec):
-        on_tensor = any("tensor" in ((a,) if isinstance(a, str) else tuple(a or ())) for a in spec)
-        return math.prod(x.shape) // (t if on_tensor else 1)
+        used = {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
+        return math.prod(x.shape) // math.prod(shape[a] for a in ("tensor", "pipeline") if a in used)
 
     leaves = jax.tree.leaves(jax.tree.map(rank_size, params, plan.specs["params"],
                                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
@@ -229,7 +230,7 @@ def format_memory_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     head = rows[0]
-    lines = [f"{head['expression']}   (P={head['n_params']:,} per tensor rank, N=data={head['data']}, "
+    lines = [f"{head['expression']}   (P={head['n_params']:,} per tensor/pipeline rank, N=data={head['data']}, "
              f"F=fsdp={head['fsdp']};"
              " bytes per device)",
              f"{'kind':<10} | {'measured':>14} | {'formula':>14} | {'ratio':>7} | term"]
