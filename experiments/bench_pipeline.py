@@ -1,0 +1,139 @@
+"""Pipeline schedules (1F1B, GPipe) against data parallelism on the same devices: compiled temp memory,
+activations in flight, clock ticks, bubble, and step time.
+
+    python experiments/bench_pipeline.py [--config configs/tiny.yaml] [--stages 2 4] [--microbatches 4 8 16 32]
+        [--steps 5] [--rounds 3] [--micro-rows 2] [--optimized] [key=value ...]
+
+For each p (stages) and m (microbatches) the microbatch size is fixed (global batch = m * micro_rows), and
+three train steps run on the same p simulated CPU devices, interleaved and timed in one run:
+  * 1F1B and GPipe on mesh pipeline=p (data=fsdp=tensor=1), pipeline.microbatches=m;
+  * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
+    (pipeline.microbatches=1), ZeRO-0 unless overridden.
+"meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
+`jaxpar.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.pipeline_report`.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before jax is imported: 8 simulated CPU devices
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxpar.bench import interleaved_step_times, median_seconds  # noqa: E402
+from jaxpar.config import load_config  # noqa: E402
+from jaxpar.mesh import build_mesh  # noqa: E402
+from jaxpar.pipeline_report import format_table, report_row  # noqa: E402
+from jaxpar.train.step import BATCH_KEYS, build_plan, init_state, make_train_step  # noqa: E402
+
+# Small enough that the whole default grid compiles and runs in a few minutes on 2 CPU cores.
+SMALL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+         "data.seq_len=32", "optimizer.zero_stage=0"]
+
+
+def mesh_overrides(p: int, pipelined: bool, schedule: str, m: int, rows: int) -> list[str]:
+    axes = ["mesh.fsdp=1", "mesh.tensor=1"]
+    axes += ["mesh.data=1", f"mesh.pipeline={p}"] if pipelined else [f"mesh.data={p}", "mesh.pipeline=1"]
+    return axes + [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m if pipelined else 1}",
+                   f"train.global_batch_size={m * rows}", "train.grad_accum_steps=1"]
+
+
+def random_batch(rows: int, seq: int, vocab: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"inputs": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
+            "targets": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
+            "loss_mask": np.ones((rows, seq), np.float32)}
+
+
+# XLA:CPU options that cut compile time about 4x (the grid compiles 3 steps per (p, m)): the legacy elemental
+# emitters and no LLVM optimisation, as tests/step_helpers.FAST_COMPILE. HLO passes (SPMD partitioning, fusion,
+# buffer assignment) still run, so temp bytes stay within a few percent of an optimised build; step times roughly
+# double for every contender alike. `--optimized` compiles normally.
+FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
+                "xla_llvm_disable_expensive_passes": True}
+
+
+class Contender:
+    """One compiled train step with its own state (the step donates it) and batch on its mesh.
+
+    `states` caches one initial state per state sharding, so each mesh's init compiles once; every contender
+    runs on its own copy."""
+
+    def __init__(self, cfg, devices, host_batch: dict, compiler_options: dict, states: dict):
+        self.plan = build_plan(cfg, build_mesh(cfg, devices))
+        self.batch = {k: jax.device_put(host_batch[k], self.plan.batch_sharding) for k in BATCH_KEYS}
+        key = (len(devices), cfg.mesh.pipeline)
+        if key not in states:
+            states[key] = init_state(self.plan, cfg.train.seed)
+        self.state = jax.tree.map(lambda x: x.copy(), states[key])
+        t0 = time.perf_counter()
+        self.step = make_train_step(self.plan).lower(self.state, self.batch).compile(
+            compiler_options=compiler_options)
+        self.compile_s = time.perf_counter() - t0
+        self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)
+
+    def __call__(self):
+        self.state, metrics = self.step(self.state, self.batch)
+        return metrics["loss"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round and contender")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--micro-rows", type=int, default=2, help="rows (sequences) per microbatch, b")
+    ap.add_argument("--optimized", action="store_true", help="compile with XLA's default options (slower)")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.n_layers=8")
+    args = ap.parse_args()
+
+    rows, all_rows, states = args.micro_rows, [], {}
+    options = {} if args.optimized else FAST_COMPILE
+    t_start = time.perf_counter()
+    for p in args.stages:
+        devices = jax.devices()[:p]
+        for m in args.microbatches:
+            def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
+                return load_config(args.config, SMALL + args.overrides + mesh_overrides(p, pipelined, sched, m, rows),
+                                   num_devices=p)
+
+            cfg = load(False)
+            host = random_batch(m * rows, cfg.data.seq_len, cfg.model.vocab_size, cfg.train.seed)
+            contenders = {"dp": Contender(cfg, devices, host, options, states)}
+            for sched in ("1f1b", "gpipe"):
+                contenders[sched] = Contender(load(True, sched), devices, host, options, states)
+            losses = {name: float(c()) for name, c in contenders.items()}  # first step: same loss expected
+            times = interleaved_step_times(contenders, args.steps, args.rounds)
+            med = {name: median_seconds(t) for name, t in times.items()}
+            plan = contenders["1f1b"].plan
+            for sched in ("1f1b", "gpipe"):
+                row = report_row(sched, p, m, rows, cfg.data.seq_len, cfg.model.d_model,
+                                 jnp.dtype(plan.compute_dtype).itemsize)
+                row.update(temp_bytes=contenders[sched].temp_bytes, time_ratio=med[sched] / med["dp"])
+                all_rows.append(row)
+            print(f"p={p} m={m}: median step ms dp {med['dp'] * 1e3:.2f}, 1f1b {med['1f1b'] * 1e3:.2f}, "
+                  f"gpipe {med['gpipe'] * 1e3:.2f}; dp temp {contenders['dp'].temp_bytes / 1024:.1f} KiB; "
+                  f"compile s " + " ".join(f"{n} {c.compile_s:.1f}" for n, c in contenders.items())
+                  + "; first-step loss " + " ".join(f"{n} {v:.6f}" for n, v in losses.items()), flush=True)
+
+    print(f"\nmodel {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, seq {cfg.data.seq_len}, "
+          f"b = {rows} rows per microbatch, compute {jnp.dtype(plan.compute_dtype).name}, "
+          f"{jax.devices()[0].device_kind} ({jax.default_backend()}); {args.rounds} rounds x {args.steps} steps; "
+          f"baseline dp = mesh data=p, same global batch m*b; "
+          f"{'optimised' if args.optimized else 'fast (unoptimised) XLA:CPU'} compile; "
+          f"total {time.perf_counter() - t_start:.0f} s")
+    print("temp: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: stage "
+          "inputs kept for the backward on stage 0 (live at once / buffers reserved); ticks (half): clock ticks "
+          "run (of which forward-only or backward-only)")
+    print(format_table(all_rows))
+
+
+if __name__ == "__main__":
+    main()

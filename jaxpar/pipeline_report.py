@@ -1,0 +1,119 @@
+"""Pipeline schedule arithmetic for reports: bubble, clock ticks, activations in flight, ideal step-time ratio.
+
+Shape letters: p stages, m microbatches per step, b microbatch rows, T' activation sequence length, D model width.
+
+Sources (see /work/shared/FORMULAS.md, "Pipeline parallelism"): GPipe (Huang et al. 2019) and PipeDream-Flush /
+1F1B (Narayanan et al. 2021, arXiv 2104.04473, section 2.2): both have the bubble (p - 1)/(m + p - 1); the worst
+stage holds m microbatches' activations under GPipe and p under 1F1B with separate programs per stage. The
+numbers for the lockstep single-program loop (`jaxpar.parallel.pipeline`) are derived from its tick schedule:
+at tick k stage s runs the forward of microbatch k - s and the backward of microbatch k - (2p - 2 - s).
+
+All functions are pure integer/float arithmetic (no jax), so they are cheap to test.
+"""
+from __future__ import annotations
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+def _check(schedule: str, p: int, m: int) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if p < 1 or m < 1:
+        raise ValueError(f"need p >= 1 and m >= 1, got p={p} m={m}")
+
+
+def bubble_fraction(p: int, m: int) -> float:
+    """Idle fraction of a step, (p - 1)/(m + p - 1), for GPipe and 1F1B alike (GPipe section 2.3;
+    arXiv 2104.04473 section 2.2). Raises ValueError for p or m < 1."""
+    _check("1f1b", p, m)
+    return (p - 1) / (m + p - 1)
+
+
+def tick_counts(schedule: str, p: int, m: int) -> dict[str, int]:
+    """Clock ticks of one step of the lockstep loop.
+
+    Returns {"ticks": ticks run, "half_ticks": ticks doing only a forward or only a backward,
+    "full_equivalent": ticks' worth of forward + backward, "formula": m + p - 1}.
+      1F1B: m + 2p - 2 ticks; the p - 1 warm-up (forward only) and p - 1 cool-down (backward only) ticks are
+        half ticks, so the step is worth m + p - 1 full ticks.
+      GPipe: m + p - 1 forward ticks, then m + p - 1 backward ticks (autodiff of the forward loop); counted as
+        2(m + p - 1) half ticks = m + p - 1 full ticks.
+    Raises ValueError for an unknown schedule or p, m < 1.
+    """
+    _check(schedule, p, m)
+    formula = m + p - 1
+    if schedule == "1f1b":
+        return {"ticks": m + 2 * p - 2, "half_ticks": 2 * (p - 1), "full_equivalent": formula, "formula": formula}
+    return {"ticks": 2 * formula, "half_ticks": 2 * formula, "full_equivalent": formula, "formula": formula}
+
+
+def stage_inputs_in_flight(schedule: str, p: int, m: int) -> dict[str, int]:
+    """Microbatch stage inputs ([b, T', D] each) kept for the backward, on the worst stage (stage 0).
+
+    Returns {"allocated": buffers the program reserves, "live": most that hold a needed input at once}.
+      1F1B: a ring of 2p - 1 slots whatever m; stage s keeps each input 2p - 2 - 2s ticks, so stage 0 has up
+        to min(m, 2p - 1) live (stage s: min(m, 2p - 1 - 2s)). Separate per-stage programs need only p
+        (arXiv 2104.04473); the lockstep loop pays 2p - 1 for having every stage run the same tick.
+      GPipe: autodiff of the forward scan saves every tick's stage input (m + p - 1 buffers, m of them real
+        microbatches) plus each tick's layer residuals, which this count leaves out.
+    Raises ValueError for an unknown schedule or p, m < 1.
+    """
+    _check(schedule, p, m)
+    if schedule == "1f1b":
+        return {"allocated": 2 * p - 1, "live": min(m, 2 * p - 1)}
+    return {"allocated": m + p - 1, "live": m}
+
+
+def activation_bytes(b: int, seq: int, d_model: int, dtype_bytes: int) -> int:
+    """Bytes of one microbatch's stage input [b, T', D]: b * T' * D * dtype_bytes (FORMULAS.md, ppermute row)."""
+    return b * seq * d_model * dtype_bytes
+
+
+def ideal_time_ratio(schedule: str, p: int, m: int) -> float:
+    """Compute-bound step time of the lockstep loop over a data-parallel step on the same p devices with the
+    same global batch (m * b rows), counting a backward as 2 forwards and ignoring communication and the
+    embedding/head work every stage repeats.
+
+    Unit: one stage forward on b rows; data parallel does 3m units per device.
+      1F1B: warm-up p - 1 ticks x 1 (F), steady m x 4 (F + recomputed F + B), cool-down p - 1 x 3 -> 4(m + p - 1);
+        ratio 4(m + p - 1) / 3m (the 4/3 is the recompute of DESIGN.md's stage-input stash).
+      GPipe: (m + p - 1) x 3 (masked ticks still compute) -> ratio (m + p - 1) / m = 1 / (1 - bubble).
+    """
+    _check(schedule, p, m)
+    units = 4 * (m + p - 1) if schedule == "1f1b" else 3 * (m + p - 1)
+    return units / (3 * m)
+
+
+def report_row(schedule: str, p: int, m: int, b: int, seq: int, d_model: int, dtype_bytes: int) -> dict:
+    """The formula columns of one benchmark row (schedule, p, m, ticks, stage inputs in flight and their
+    bytes, bubble, ideal time ratio); the benchmark adds measured temp bytes and step-time ratios."""
+    ticks = tick_counts(schedule, p, m)
+    flight = stage_inputs_in_flight(schedule, p, m)
+    one = activation_bytes(b, seq, d_model, dtype_bytes)
+    return {"schedule": schedule, "p": p, "m": m, **ticks, "in_flight": flight["live"],
+            "in_flight_alloc": flight["allocated"], "in_flight_bytes": flight["live"] * one,
+            "bubble": bubble_fraction(p, m), "ideal_ratio": ideal_time_ratio(schedule, p, m)}
+
+
+COLUMNS = (("schedule", "sched", "{}"), ("p", "p", "{}"), ("m", "m", "{}"),
+           ("temp_bytes", "temp KiB", "{:.1f}"), ("in_flight", "live/alloc inputs", "{}"),
+           ("in_flight_bytes", "live KiB", "{:.1f}"), ("ticks", "ticks (half)", "{}"),
+           ("full_equivalent", "full-tick eq", "{}"), ("bubble", "bubble", "{:.3f}"),
+           ("ideal_ratio", "ideal t/dp", "{:.2f}"), ("time_ratio", "meas t/dp", "{:.2f}"))
+
+
+def format_table(rows: list[dict]) -> str:
+    """Fixed-width text table of `report_row` dicts, with "temp_bytes" and "time_ratio" added (bytes as KiB)."""
+    def cell(row, key, fmt):
+        if key == "in_flight":
+            return f"{row['in_flight']}/{row['in_flight_alloc']}"
+        if key == "ticks":
+            return f"{row['ticks']} ({row['half_ticks']})"
+        value = row.get(key)
+        if value is None:
+            return "-"
+        return fmt.format(value / 1024 if key.endswith("bytes") else value)
+
+    table = [[head for _, head, _ in COLUMNS]] + [[cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in table)
