@@ -28,7 +28,8 @@ class ModelConfig:
       init_std: standard deviation of the normal initialiser for weight matrices.
       remat: activation checkpointing per block: `none` (save every matmul output, recompute only elementwise
         ops and the fsdp weight all-gathers), `dots` (save only matmul outputs without batch dimensions:
-        attention scores are recomputed too) or `full` (save only the block input, recompute the block).
+        attention scores are recomputed too), `names` (save only the named attention context and MLP hidden
+        activations) or `full` (save only the block input, recompute the block).
     """
 
     vocab_size: int = 264

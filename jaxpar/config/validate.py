@@ -77,7 +77,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     _positive("model.rope_theta", m.rope_theta)
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
-    _choice("model.remat", m.remat, ("none", "full", "dots"))
+    _choice("model.remat", m.remat, ("none", "dots", "names", "full"))
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.head_dim is None and m.d_model % m.n_heads:

@@ -17,8 +17,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
+
+
+# Checkpoint names of the activations the `names` remat policy keeps (inputs of the row-parallel projections).
+ATTENTION_CONTEXT = "attention_context"
+MLP_HIDDEN = "mlp_hidden"
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -74,7 +80,8 @@ class Attention(nnx.Module):
         out_BTHK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         b, t, h, kw = out_BTHK.shape
         wo_FD = self.wo[...].reshape(h * kw, -1)
-        return row_parallel(out_BTHK.reshape(b, t, h * kw), wo_FD, None, tp)
+        context_BTF = checkpoint_name(out_BTHK.reshape(b, t, h * kw), ATTENTION_CONTEXT)
+        return row_parallel(context_BTF, wo_FD, None, tp)
 
 
 class SwiGLU(nnx.Module):
@@ -90,7 +97,7 @@ class SwiGLU(nnx.Module):
         dt = x_BTD.dtype
         x_BTD = tp.enter(x_BTD)
         h_BTF = jax.nn.silu(x_BTD @ self.w_gate[...].astype(dt)) * (x_BTD @ self.w_up[...].astype(dt))
-        return row_parallel(h_BTF, self.w_down[...], None, tp)
+        return row_parallel(checkpoint_name(h_BTF, MLP_HIDDEN), self.w_down[...], None, tp)
 
 
 class Embed(nnx.Module):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
+from jaxpar.model.layers import ATTENTION_CONTEXT, MLP_HIDDEN, Attention, Embed, LMHead, RMSNorm, SwiGLU
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
 Gather = Callable[[nnx.Module], nnx.Module]
@@ -76,6 +76,9 @@ _REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     # Save matmul outputs without batch dimensions, recompute the rest.
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # Save only the named activations (attention context and MLP hidden, the inputs of the row-parallel
+    # projections): the backward recomputes the rest of the block but not the attention itself.
+    "names": jax.checkpoint_policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN),
 }
 
 
