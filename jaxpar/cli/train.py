@@ -31,14 +31,17 @@ def main(argv: list[str] | None = None) -> int:
             print("jaxpar-train: --cpu-devices must be >= 1", file=sys.stderr)
             return 2
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
-    from jaxpar.config import ConfigError, load_config  # jax is imported only after the device count is set
+    from jaxpar import distributed  # jax is imported only after the device count is set
+    from jaxpar.config import ConfigError, load_config, validate_config
     from jaxpar.train.loop import train
 
     overrides = list(args.overrides)
     if args.restore_from:
         overrides.append(f"checkpoint.restore_from={args.restore_from}")
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, validate=False)
+        distributed.initialize(cfg.distributed)  # before anything asks jax for devices
+        validate_config(cfg)
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2

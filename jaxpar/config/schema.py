@@ -212,6 +212,26 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (`jaxpar.distributed`). Empty values fall back to the JAXPAR_* environment variables
+    that `jaxpar-launch` sets, then to jax's own cluster detection (SLURM, ...).
+
+    Attributes:
+      coordinator_address: host:port of process 0's coordinator.
+      num_processes: processes in the run (0: from the environment).
+      process_id: this process's index (-1: from the environment).
+      auto_detect: let jax detect a cluster environment when no address is given.
+      initialization_timeout_s: seconds to wait for every process to join.
+    """
+
+    coordinator_address: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    auto_detect: bool = True
+    initialization_timeout_s: int = 300
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole run. `base` is only meaningful in YAML (a file this one extends) and is resolved at load."""
 
@@ -224,6 +244,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def replace(self, **sections) -> "Config":
         return dataclasses.replace(self, **sections)

@@ -22,6 +22,7 @@ from jaxpar import flops as flops_lib
 from jaxpar.checkpoint import Checkpointer, restore_from_path
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.data import build_loaders
+from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.memory import format_memory_table, gradient_bytes_from_shardings, memory_table, persistent_state_bytes
@@ -116,8 +117,8 @@ def train(cfg: Config) -> TrainResult:
     t, run_dir = cfg.train, cfg.train.run_dir
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh)
-    _log(f"jaxpar: process {jax.process_index()}/{jax.process_count()}, {jax.local_device_count()} local "
-         f"devices, mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
+    print(f"jaxpar: {describe_process()}", flush=True)  # every process, once
+    _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
          f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
     train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding)
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
