@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
     from jaxpar import distributed  # jax is imported only after the device count is set
     from jaxpar.config import ConfigError, load_config, validate_config
-    from jaxpar.train.loop import train
+    from jaxpar.train.loop import TrainingDiverged, train
 
     overrides = list(args.overrides)
     if args.restore_from:
@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"jaxpar-train: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("jaxpar-train: interrupted; the run resumes from its latest complete checkpoint when started "
               "again", file=sys.stderr)

@@ -196,6 +196,7 @@ class TrainConfig:
       peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
       progress_bar: show a tqdm progress bar.
       sample_tokens: tokens to generate from the trained model at the end (0: none).
+      max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient.
     """
 
     run_dir: str = "runs/default"
@@ -209,6 +210,7 @@ class TrainConfig:
     peak_flops_per_device: float = 0.0
     progress_bar: bool = True
     sample_tokens: int = 120
+    max_bad_steps: int = 10
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,15 @@ from jaxpar.mesh import build_mesh, describe
 from jaxpar.memory import format_memory_table, gradient_bytes_from_shardings, memory_table, persistent_state_bytes
 from jaxpar.metrics import MetricsWriter
 from jaxpar.model import param_count
+from jaxpar.train.preemption import PreemptionWatch
 from jaxpar.train.step import (StepPlan, abstract_state, build_plan, compute_dtype, init_state, make_eval_step,
                                make_train_step)
 
 CHECKPOINT_DIR = "checkpoints"
+
+
+class TrainingDiverged(RuntimeError):
+    """`train.max_bad_steps` consecutive updates were skipped for non-finite gradients."""
 
 
 @dataclasses.dataclass
@@ -45,6 +50,7 @@ class TrainResult:
     tokens_per_s: float | None
     start_step: int
     sample: str
+    preempted_at: int | None = None    # step saved and stopped at after a SIGTERM
     state: Any = dataclasses.field(repr=False, default=None)
 
 
@@ -171,13 +177,23 @@ def train(cfg: Config) -> TrainResult:
         from tqdm import tqdm
         bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     batch, last_time, last_step = first_batch, time.perf_counter(), start
-    val_loss = None
+    val_loss = preempted_at = previous = None
+    watch = PreemptionWatch()
     try:
+        watch.__enter__()
         for step in range(start + 1, t.steps + 1):
             if batch is None:
                 batch = train_loader.next_batch()
             state, metrics = compiled(state, batch)
             batch = None
+            if previous is not None:  # the previous step's counter: reading it does not wait for this step
+                bad = int(previous["bad_steps_in_a_row"])
+                if bad >= t.max_bad_steps:
+                    raise TrainingDiverged(
+                        f"{bad} consecutive updates up to step {step - 1} had NaN or inf gradients and were "
+                        f"skipped (train.max_bad_steps={t.max_bad_steps}); lower optimizer.learning_rate or "
+                        f"restart from an earlier checkpoint with --restore-from")
+            previous = metrics
             evaluate_now = bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
             if step % t.log_every == 0 or evaluate_now:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
@@ -186,7 +202,8 @@ def train(cfg: Config) -> TrainResult:
                 losses[step] = m["loss"]
                 val_loss = evaluate(eval_step, state["params"], val_loader, t.eval_batches) if evaluate_now else None
                 writer.write(step, {"loss": m["loss"], "val_loss": val_loss, "learning_rate": m["learning_rate"],
-                                    "grad_norm": m["grad_norm"], "tokens_per_s": tokens_per_s,
+                                    "grad_norm": m["grad_norm"], "skipped_steps": int(m["skipped_steps"]),
+                                    "tokens_per_s": tokens_per_s,
                                     "step_time_s": step_time, "tokens": m["tokens"],
                                     "mfu": flops_lib.mfu(tokens_per_s, flops_per_token, mesh.size, peak), **memory})
                 if bar is not None:
@@ -195,15 +212,25 @@ def train(cfg: Config) -> TrainResult:
                 last_time, last_step = time.perf_counter(), step  # evaluation time is not step time
             if bar is not None:
                 bar.update(1)
-            if ckpt is not None and (ckpt.should_save(step) or step == t.steps):
+            if watch.reached(step):
+                preempted_at = step
+            if ckpt is not None and (ckpt.should_save(step) or step == t.steps or preempted_at):
                 ckpt.save(step, state, data_state=train_loader.get_state(), config=cfg.to_dict(), force=True)
+            if preempted_at:
+                break
     finally:
+        watch.__exit__(None, None, None)
         if bar is not None:
             bar.close()
         writer.close()
         if ckpt is not None:
             ckpt.close()
 
+    if preempted_at:
+        _log(f"preempted: saved step {preempted_at} and stopped; run the same command to resume")
+        return TrainResult(losses=losses, val_loss=None, initial_val_loss=initial_val,
+                           val_unigram_entropy=info["val_unigram_entropy"], tokens_per_s=tokens_per_s,
+                           start_step=start, sample="", state=state, preempted_at=preempted_at)
     final_val = val_loss if val_loss is not None else evaluate(eval_step, state["params"], val_loader,
                                                                t.eval_batches)
     entropy = info["val_unigram_entropy"]

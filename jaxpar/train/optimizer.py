@@ -35,13 +35,15 @@ def weight_decay_mask(logical: dict) -> dict:
 
 
 def build_optimizer(cfg: OptimizerConfig, logical: dict, total_steps: int) -> optax.GradientTransformation:
-    """optax chain: clip by global norm (when `grad_clip_norm` > 0), then AdamW with the schedule and mask.
+    """optax chain: clip by global norm (when `grad_clip_norm` > 0), then AdamW with the schedule and mask,
+    skipped as a whole on non-finite gradients (`optax.apply_if_finite`).
 
     Clipping runs on global arrays outside `shard_map`, so a replicated leaf is counted once and a sharded
     leaf's shards are summed: the norm equals the single-device norm whatever the layout.
     """
     adamw = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=weight_decay_mask(logical))
-    if cfg.grad_clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw)
-    return adamw
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw) if cfg.grad_clip_norm > 0 else adamw
+    # A step whose gradients hold a NaN or inf leaves parameters and optimizer state untouched and is counted
+    # (ApplyIfFiniteState.notfinite_count / total_notfinite); the training loop decides when to stop.
+    return optax.apply_if_finite(tx, max_consecutive_errors=2**31 - 1)

@@ -267,7 +267,9 @@ def make_train_step(plan: StepPlan) -> Callable:
     """Returns the jitted `train_step(state, batch) -> (state, metrics)`; the input state is donated.
 
     metrics: {"loss": token-mean loss (nats), "grad_norm": global L2 norm before clipping,
-              "learning_rate": rate used for this update, "tokens": valid tokens in the batch}, fp32 scalars.
+              "learning_rate": rate used for this update, "tokens": valid tokens in the batch} (fp32 scalars),
+             "bad_steps_in_a_row" and "skipped_steps" (int32): updates skipped for non-finite gradients,
+             consecutive up to this step and in total.
     """
     grad_fn = make_grad_fn(plan)
 
@@ -285,7 +287,8 @@ def make_train_step(plan: StepPlan) -> Callable:
         else:
             new["params"] = target
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": plan.schedule(state["step"]),
-                   "tokens": n_tokens}
+                   "tokens": n_tokens, "bad_steps_in_a_row": opt_state.notfinite_count,
+                   "skipped_steps": opt_state.total_notfinite}
         return new, metrics
 
     batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
