@@ -294,7 +294,8 @@ def make_train_step(plan: StepPlan) -> Callable:
     batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
     replicated = NamedSharding(plan.mesh, P())
     return jax.jit(train_step, in_shardings=(plan.state_shardings, batch_shardings),
-                   out_shardings=(plan.state_shardings, replicated), donate_argnums=0)
+                   out_shardings=(plan.state_shardings, replicated), donate_argnums=0,
+                   keep_unused=True)  # the whole state is an argument, even a flag the update only writes
 
 
 def make_eval_step(plan: StepPlan) -> Callable:
