@@ -30,6 +30,7 @@ def test_non_finite_gradients_are_skipped_then_stop_the_run(tmp_path):
     assert not np.isfinite(rows[0]["grad_norm"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
     cmd = [sys.executable, "-m", "jaxpar.cli.train", os.path.join(ROOT, "configs", "tiny.yaml"), "--cpu-devices",

@@ -75,6 +75,7 @@ def test_init_is_identical_across_layouts():
         _assert_bitwise_equal(to_host(states[name]), ref, name)
 
 
+@pytest.mark.slow
 def test_init_is_identical_with_default_compiler_optimisations():
     """Bitwise equality is a property of the compiled code: check it once on the code that ships (vectorised,
     fused), for the two most different layouts."""

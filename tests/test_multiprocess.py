@@ -22,6 +22,7 @@ def _losses(run_dir):
         return {row["step"]: row["loss"] for row in map(json.loads, f)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_two_processes_train_like_one(tmp_path):
     """2 processes x 4 devices reproduce the 1 x 8 run's losses; both processes save the checkpoint."""
