@@ -45,7 +45,7 @@ def _quick_compile():
 def grad_fns():
     """name -> (plan, compiled grad_fn, params on the plan's mesh), all from the same initial parameters."""
     if jax.device_count() < 2:
-        pytest.skip("needs 2 devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail("needs 2 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
     fns = {}
     host_params = None
     for name, (data, accum) in {"full": (1, 1), **LAYOUTS}.items():

@@ -15,7 +15,7 @@ from jaxpar.checkpoint import Checkpointer, restore_from_path
 @pytest.fixture(scope="module")
 def mesh():
     if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
     return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 

@@ -50,7 +50,7 @@ def _assert_bitwise_equal(state, ref, name: str) -> None:
 @pytest.fixture(autouse=True)
 def _needs_8_devices():
     if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
 
 
 def test_init_is_identical_across_layouts():

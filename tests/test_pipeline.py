@@ -75,7 +75,7 @@ def _w_up(tree):
 
 def _need(n: int) -> None:
     if jax.device_count() < n:
-        pytest.skip(f"needs {n} devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
 
 
 def _assert_pipelined(plan, params, p: int) -> None:
@@ -345,7 +345,7 @@ def test_resume_with_pipeline_reproduces_losses(tmp_path):
     """A 4-step pipelined run, then its step-4 checkpoint and metrics removed and the same config run again in
     the same directory: it resumes at step 2 and steps 3 and 4 reproduce the uninterrupted run bitwise."""
     if jax.device_count() != 8:
-        pytest.skip("needs exactly 8 devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail("needs exactly 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
     from jaxpar.train.loop import train
 
     cfg = load_config(CONFIG, [*RUN, f"train.run_dir={tmp_path}"])

@@ -65,7 +65,7 @@ def _temp_bytes(schedule: str, m: int, g: int) -> int:
 def temp() -> dict:
     """{(regime, schedule, M): temporary bytes per device}, regime "b" (fixed microbatch) or "G" (fixed batch)."""
     if jax.device_count() < P_STAGES:
-        pytest.skip(f"needs {P_STAGES} devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail(f"needs {P_STAGES} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
     out = {}
     with quick_compile():
         for schedule in SCHEDULES:

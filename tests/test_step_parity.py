@@ -83,7 +83,7 @@ def reference():
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 def test_one_step_equals_single_device(mesh_name, zero, reference):
     if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
     data, fsdp = MESHES[mesh_name]
     clipped = mesh_name in CLIPPED_MESHES
     ref = reference(clipped)

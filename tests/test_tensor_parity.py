@@ -126,7 +126,7 @@ def test_one_step_equals_single_device(mesh_name, sp, zero, reference):
     data, fsdp, tensor = MESHES[mesh_name]
     n = data * fsdp * tensor
     if jax.device_count() < n:
-        pytest.skip(f"needs {n} devices (JAX_NUM_CPU_DEVICES=8)")
+        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
     clipped = mesh_name in CLIPPED_MESHES
     ref = reference(_kv_heads(tensor), clipped)
     plan = make_plan(_overrides(data, fsdp, tensor, sp, zero, clipped), jax.devices()[:n])
