@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import Any
 
 import jax
@@ -51,8 +52,12 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     return {k: (tuple(v.shape), str(jax.numpy.dtype(v.dtype))) for k, v in flat.items() if hasattr(v, "shape")}
 
 
+class CheckpointMismatchError(ValueError):
+    """The checkpoint is readable but its arrays do not fit the restore target (another model or optimizer)."""
+
+
 def _check_target(saved_tree: Any, abstract_state: Any, where: str) -> None:
-    """Raise ValueError naming every key whose presence, shape or dtype differs between checkpoint and target."""
+    """Raise CheckpointMismatchError naming every key whose presence, shape or dtype differs between checkpoint and target."""
     saved, want = _flat_shapes(saved_tree), _flat_shapes(abstract_state)
     problems = [f"  {k}: in the checkpoint, missing from the target" for k in sorted(saved.keys() - want.keys())]
     problems += [f"  {k}: in the target, missing from the checkpoint" for k in sorted(want.keys() - saved.keys())]
@@ -63,7 +68,8 @@ def _check_target(saved_tree: Any, abstract_state: Any, where: str) -> None:
         if s_dtype != w_dtype:
             problems.append(f"  {k}: checkpoint dtype {s_dtype} != target dtype {w_dtype}")
     if problems:
-        raise ValueError(f"checkpoint {where} does not match the restore target:\n" + "\n".join(problems))
+        raise CheckpointMismatchError(f"checkpoint {where} does not match the restore target:\n"
+                                      + "\n".join(problems))
 
 
 def _check_has_shardings(abstract_state: Any) -> None:
@@ -99,6 +105,7 @@ class Checkpointer:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.every_steps = every_steps
+        self._read_only = read_only
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             save_interval_steps=every_steps,
@@ -163,19 +170,46 @@ class Checkpointer:
     def restore(self, step: int | None, abstract_state: Any) -> tuple[Any, dict, dict]:
         """Restore step `step` (None: the latest complete one) onto `abstract_state`'s shapes, dtypes and shardings.
 
+        With `step=None`, a latest step that cannot be read (a corrupted file, a truncated array) is skipped and
+        the next older complete step is tried. Once an older step restores, each skipped one is reported with a
+        warning and, by a writable Checkpointer, renamed to `<step>.corrupt` (kept for inspection, never taken as a
+        checkpoint again, no longer blocking a new save of that step). If no step restores, nothing is renamed
+        and the latest step's error is raised.
+
         Args:
           abstract_state: pytree of `jax.ShapeDtypeStruct` with `.sharding`, same structure as the saved state.
         Returns:
           (state, data_state, config): the state's arrays carry exactly the target shardings.
         Raises:
           FileNotFoundError: no complete checkpoint (for `step`) in the directory.
-          ValueError: structure, shape or dtype mismatch (the message names the keys), or leaves without sharding.
+          CheckpointMismatchError (a ValueError): structure, shape or dtype mismatch (the message names the keys).
+          ValueError: leaves without sharding.
+          Whatever reading raised, for an explicit `step`, or for the latest step when no step is readable.
         """
         _check_has_shardings(abstract_state)
-        if step is None:
-            step = self.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        if step is not None:
+            return self._restore_step(step, abstract_state)
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        unreadable: list[tuple[int, Exception]] = []
+        for candidate in reversed(steps):
+            try:
+                restored = self._restore_step(candidate, abstract_state)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any read failure makes this step unusable
+                unreadable.append((candidate, e))
+                continue
+            for bad, e in unreadable:  # an older step fits the target, so these are damaged, not mismatched
+                warnings.warn(f"checkpoint step {bad} in {self.directory} cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:300] if str(e) else ''}); fell back to step {candidate}",
+                              stacklevel=2)
+                self._set_aside(bad)
+            return restored
+        raise unreadable[0][1]
+
+    def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
         step_dir = os.path.join(self.directory, str(step))
         if not _is_complete_step_dir(step_dir):
             raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory} "
@@ -188,8 +222,27 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=args)
         except ValueError as e:  # e.g. an empty optax state where the checkpoint has arrays
-            raise ValueError(f"checkpoint {where} does not match the restore target: {e}") from e
+            if "does not match" in str(e) or "structure" in str(e).lower():
+                raise CheckpointMismatchError(f"checkpoint {where} does not match the restore target: {e}") from e
+            raise
         return restored[_STATE], dict(restored[_DATA]), dict(restored[_CONFIG])
+
+    def _set_aside(self, step: int) -> None:
+        """Renames an unreadable step directory to `<step>.corrupt` (process 0; all processes then agree)."""
+        if self._read_only:
+            return
+        if jax.process_index() == 0:
+            source = os.path.join(self.directory, str(step))
+            target = f"{source}.corrupt"
+            suffix = 1
+            while os.path.exists(target):
+                target, suffix = f"{source}.corrupt{suffix}", suffix + 1
+            os.rename(source, target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices(f"jaxpar_set_aside_{step}")
+        self._manager.reload()
+        self._last_saved = self.latest_step()
 
     def wait(self) -> None:
         """Block until async saves have committed (and old steps are deleted); re-raise a background save failure.

@@ -5,8 +5,6 @@ Source: PaLM (Chowdhery et al. 2022), appendix B; Kaplan et al. 2020, section 2.
 """
 from __future__ import annotations
 
-
-
 from jaxpar.model.params import param_count
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity). Matched by lower-cased substring of
@@ -38,16 +36,43 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, se
     return 6.0 * n_params_non_embedding + 12.0 * n_layers * d_model * seq_len
 
 
-def hardware_flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: int,
-                             *, remat: bool = True) -> float:
-    """FLOPs per token the hardware executes; with full per-block rematerialisation: 8N + 16*L*h*s.
+def recompute_flops_per_token(model, seq_len: int) -> float:
+    """Forward FLOPs per token that `model.remat` runs a second time in the backward pass (hardware only).
 
-    Forward costs 2N + 4*L*h*s, backward twice that (PaLM appendix B); full block remat runs the forward once more,
-    so 4/3 of the model FLOPs. Without remat this equals `flops_per_token`. Use for HFU, never for MFU.
+    Per layer, with D = d_model, H heads, G key/value heads, K head width, F MLP width, s = `seq_len`
+    (a matmul of an [s, a] by [a, b] costs 2ab FLOPs per token; the attention products QK^T and AV cost
+    2sHK each; PaLM appendix B):
+      none  0: every matmul output is saved;
+      dots  4sHK: QK^T and AV have batch dimensions, so `dots_with_no_batch_dims_saveable` recomputes them;
+      names 2D(HK + 2GK) + 2sHK + 2HKD + 4DF: only the attention context and the MLP hidden are saved, so the
+            q/k/v projections and QK^T (for the softmax), the out projection (the MLP norm's backward needs its
+            input) and the gate/up projections (SwiGLU's backward needs them) are recomputed;
+      full  2D(HK + 2GK) + 4sHK + 2HKD + 4DF: the block forward except the down projection, whose output only
+            feeds the residual sum that no backward needs.
+    Checked against XLA's cost analysis of the compiled gradient in tests/test_flops.py.
+
+    Args:
+      model: a `ModelConfig` (uses remat, n_layers, d_model, n_heads, kv_heads, head_width, d_ff).
+    Raises:
+      ValueError: an unknown remat policy.
     """
-    if not remat:
-        return flops_per_token(n_params_non_embedding, n_layers, d_model, seq_len)
-    return 8.0 * n_params_non_embedding + 16.0 * n_layers * d_model * seq_len
+    d, h, g, k, f = model.d_model, model.n_heads, model.kv_heads, model.head_width, model.d_ff
+    qkv, attention = 2 * d * (h * k + 2 * g * k), 2 * seq_len * h * k
+    out, gate_up = 2 * h * k * d, 4 * d * f
+    per_layer = {"none": 0, "dots": 2 * attention, "names": qkv + attention + out + gate_up,
+                 "full": qkv + 2 * attention + out + gate_up}
+    if model.remat not in per_layer:
+        raise ValueError(f"unknown remat policy {model.remat!r}; expected one of {sorted(per_layer)}")
+    return float(model.n_layers * per_layer[model.remat])
+
+
+def hardware_flops_per_token(model_flops_per_token: float, model, seq_len: int, *,
+                             stage_recompute: bool = False) -> float:
+    """FLOPs per token the hardware executes, for HFU (never MFU): model FLOPs plus `recompute_flops_per_token`,
+    plus one more forward (a third of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule rebuilds
+    each stage's forward from its stashed input before the backward; see `jaxpar.parallel.pipeline`)."""
+    extra = model_flops_per_token / 3 if stage_recompute else 0.0
+    return model_flops_per_token + extra + recompute_flops_per_token(model, seq_len)
 
 
 def count_non_embedding_params(params: dict, embedding_keys: tuple[str, ...] = ("embed", "lm_head")) -> int:

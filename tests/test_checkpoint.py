@@ -7,7 +7,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.checkpoint import Checkpointer, restore_from_path
 
@@ -72,7 +73,7 @@ def test_round_trip_same_and_different_sharding(tmp_path, mesh):
 def test_keep_last_n_and_should_save(tmp_path, mesh):
     state = _state(mesh)
     ckpt = Checkpointer(str(tmp_path), every_steps=2, keep=2, async_save=False)
-    assert [s for s in range(0, 7) if ckpt.should_save(s)] == [0, 2, 4, 6]
+    assert [s for s in range(7) if ckpt.should_save(s)] == [0, 2, 4, 6]
     assert not ckpt.save(3, state, data_state={}, config={})  # not on the interval
     for step in (2, 4, 6):
         assert ckpt.save(step, state, data_state={"next_sample": step}, config={})
@@ -115,7 +116,7 @@ def test_structure_and_shape_mismatch_names_keys(tmp_path, mesh):
     state = _state(mesh)
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
     ckpt.save(1, state, data_state={}, config={})
-    repl = lambda x: NamedSharding(mesh, P())  # noqa: E731
+    repl = lambda x: NamedSharding(mesh, P())
 
     extra = dict(_abstract(state, repl), extra_key=jax.ShapeDtypeStruct((2,), jnp.float32, sharding=repl(None)))
     with pytest.raises(ValueError, match="extra_key"):
@@ -172,4 +173,49 @@ def test_background_failure_surfaces_in_wait(tmp_path, mesh, monkeypatch):
         ckpt.wait()
     assert ckpt.latest_step() is None and ckpt.all_steps() == []
     assert ckpt.should_save(3)  # the failed step may be retried
+    ckpt.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate_arrays", "garble_metadata"])
+def test_corrupted_latest_falls_back_to_previous_with_warning(tmp_path, mesh, damage):
+    """A committed step whose files were damaged afterwards is skipped with a warning; the older step restores,
+    the damaged directory is kept as <step>.corrupt, and the step can be saved again."""
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=False)
+    old, new = _state(mesh, seed=0), _state(mesh, seed=1)
+    ckpt.save(2, old, data_state={"next_sample": 2}, config={})
+    ckpt.save(4, new, data_state={"next_sample": 4}, config={})
+    state_dir = tmp_path / "4" / "state"
+    files = [os.path.join(d, f) for d, _, fs in os.walk(state_dir) for f in fs]
+    if damage == "truncate_arrays":
+        targets = [f for f in files if "ocdbt" in f or "/d/" in f]
+        assert targets, files
+        for f in targets:
+            open(f, "wb").close()
+    else:
+        targets = [f for f in files if os.path.basename(f) in ("_METADATA", "_sharding", "manifest.ocdbt")]
+        assert targets, files
+        for f in targets:
+            with open(f, "wb") as fh:
+                fh.write(b"\x00garbage{")
+    assert ckpt.latest_step() == 4  # committed, so it is listed: only reading finds the damage
+    with pytest.warns(UserWarning, match="step 4 .* cannot be read .*fell back to step 2"):
+        restored, data, _ = ckpt.restore(None, _abstract(old, lambda x: x.sharding))
+    _assert_bitwise_equal(restored, old)
+    assert data == {"next_sample": 2}
+    assert sorted(os.listdir(tmp_path)) == ["2", "4.corrupt"]
+    assert ckpt.latest_step() == 2
+    assert ckpt.save(4, new, data_state={"next_sample": 4}, config={})  # not blocked by the damaged copy
+    ckpt.close()
+
+
+def test_unreadable_only_checkpoint_raises_and_renames_nothing(tmp_path, mesh):
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=False)
+    state = _state(mesh)
+    ckpt.save(3, state, data_state={}, config={})
+    for d, _, fs in os.walk(tmp_path / "3" / "state"):
+        for f in fs:
+            open(os.path.join(d, f), "wb").close()
+    with pytest.raises(ValueError, match="Expecting value"):  # the reader's own error (emptied JSON metadata)
+        ckpt.restore(None, _abstract(state, lambda x: x.sharding))
+    assert sorted(os.listdir(tmp_path)) == ["3"]
     ckpt.close()

@@ -30,6 +30,29 @@ def test_non_finite_gradients_are_skipped_then_stop_the_run(tmp_path):
     assert not np.isfinite(rows[0]["grad_norm"])
 
 
+def test_divergence_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """Parameters poisoned with NaN at step 6: steps 6 and 7 are skipped, no checkpoint is taken of the bad
+    state, the run rolls back to step 4 once and finishes with finite losses on later batches."""
+    monkeypatch.setenv("JAXPAR_INJECT_FAULT", "nan@6")
+    overrides = [*SMALL, f"train.run_dir={tmp_path}", "train.steps=10", "train.max_bad_steps=2",
+                 "checkpoint.every_steps=2", "checkpoint.keep=10", "checkpoint.async_save=false"]
+    result = train(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*overrides, "train.divergence_rollbacks=1"]))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10]  # steps 5-7 run again after the rollback to 4
+    assert [r["rollbacks"] for r in rows] == [0] * 7 + [1] * 6
+    assert not np.isfinite(rows[5]["loss"]) and not np.isfinite(rows[6]["loss"])
+    assert all(np.isfinite(r["loss"]) for r in rows[7:])
+    assert rows[7]["loss"] != rows[4]["loss"]  # step 5 again, but on the batch after the skipped ones
+    assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [2, 4, 6, 8, 10]
+    assert result.val_loss is not None and np.isfinite(result.val_loss)
+
+    monkeypatch.setenv("JAXPAR_INJECT_FAULT", "nan@3")  # no rollback allowed: stop, naming the last good step
+    with pytest.raises(TrainingDiverged, match=r"up to step 4 .*last good checkpoint is step 2"):
+        train(load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                          [*overrides, f"train.run_dir={tmp_path / 'stop'}"]))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):

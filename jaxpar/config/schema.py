@@ -197,6 +197,11 @@ class TrainConfig:
       progress_bar: show a tqdm progress bar.
       sample_tokens: tokens to generate from the trained model at the end (0: none).
       max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient.
+      divergence_rollbacks: how many times a run that hits `max_bad_steps` restores its last good checkpoint
+        and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0: stop at once.
+      watchdog_s: seconds without progress (a step, a validation batch or a checkpoint save) after which every
+        process exits with status 124, naming the processes that are missing (`jaxpar.train.watchdog`);
+        0 disables it. Must exceed the slowest checkpoint save and validation batch.
     """
 
     run_dir: str = "runs/default"
@@ -211,6 +216,8 @@ class TrainConfig:
     progress_bar: bool = True
     sample_tokens: int = 120
     max_bad_steps: int = 10
+    divergence_rollbacks: int = 0
+    watchdog_s: float = 900.0
 
 
 @dataclass(frozen=True)

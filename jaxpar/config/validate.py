@@ -124,6 +124,8 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("train.peak_flops_per_device", t.peak_flops_per_device, allow_zero=True)
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
+    _positive("train.divergence_rollbacks", t.divergence_rollbacks, allow_zero=True)
+    _positive("train.watchdog_s", t.watchdog_s, allow_zero=True)
 
     if num_devices is None:
         import jax

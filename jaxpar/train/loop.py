@@ -24,13 +24,27 @@ from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.data import build_loaders
 from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
+from jaxpar.memory import (
+    format_memory_table,
+    gradient_bytes_from_shardings,
+    memory_table,
+    persistent_state_bytes,
+)
 from jaxpar.mesh import build_mesh, describe
-from jaxpar.memory import format_memory_table, gradient_bytes_from_shardings, memory_table, persistent_state_bytes
 from jaxpar.metrics import MetricsWriter
 from jaxpar.model import param_count
+from jaxpar.train.faults import FaultInjector
 from jaxpar.train.preemption import PreemptionWatch
-from jaxpar.train.step import (StepPlan, abstract_state, build_plan, compute_dtype, init_state, make_eval_step,
-                               make_train_step)
+from jaxpar.train.step import (
+    StepPlan,
+    abstract_state,
+    build_plan,
+    compute_dtype,
+    init_state,
+    make_eval_step,
+    make_train_step,
+)
+from jaxpar.train.watchdog import Watchdog
 
 CHECKPOINT_DIR = "checkpoints"
 
@@ -59,14 +73,40 @@ def _log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def evaluate(eval_step, params, loader, batches: int) -> float:
-    """Token-mean validation loss (nats) over the first `batches` global batches of `loader`."""
+def evaluate(eval_step, params, loader, batches: int, beat=None, step: int = 0) -> float:
+    """Token-mean validation loss (nats) over the first `batches` global batches of `loader`.
+
+    `beat(step)`, if given, is called after every batch (the hang watchdog's progress mark).
+    """
     loader.set_state({"next_sample": 0})
     total = count = 0.0
     for _ in range(batches):
         loss_sum, n = eval_step(params, loader.next_batch())
         total, count = total + float(loss_sum), count + float(n)
+        if beat is not None:
+            beat(step)
     return total / max(count, 1.0)
+
+
+def _diverged_message(bad: int, step: int, t, ckpt: Checkpointer | None, rollbacks: int) -> str:
+    last_good = ckpt.latest_step() if ckpt is not None else None
+    where = (f"the last good checkpoint is step {last_good} in {ckpt.directory}" if last_good is not None
+             else "no checkpoint was saved")
+    return (f"{bad} consecutive updates up to step {step} had NaN or inf gradients and were skipped "
+            f"(train.max_bad_steps={t.max_bad_steps}; {rollbacks} of {t.divergence_rollbacks} rollbacks allowed by "
+            f"train.divergence_rollbacks used); {where}. Lower optimizer.learning_rate, raise "
+            f"train.divergence_rollbacks, or restart from an earlier checkpoint with --restore-from")
+
+
+def _roll_back(ckpt: Checkpointer, plan: StepPlan, bad: int, step: int, rollbacks: int, t):
+    """Restores the latest complete checkpoint's state after a divergence; the data position is kept, so the
+    batches since that checkpoint are skipped (PaLM, Chowdhery et al. 2022, section 5.1)."""
+    ckpt.wait()
+    state, _, _ = ckpt.restore(None, abstract_state(plan))
+    _log(f"diverged: {bad} consecutive updates up to step {step} were skipped for NaN or inf gradients; rolled "
+         f"back to step {int(state['step'])} ({rollbacks}/{t.divergence_rollbacks} train.divergence_rollbacks), "
+         f"skipping the batches since")
+    return state
 
 
 def _memory_bytes(compiled) -> dict[str, int | None]:
@@ -150,8 +190,12 @@ def train(cfg: Config) -> TrainResult:
     flops_per_token = flops_lib.flops_per_token(
         flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model,
         cfg.data.seq_len)
+    hardware_flops = flops_lib.hardware_flops_per_token(
+        flops_per_token, cfg.model, cfg.data.seq_len,
+        stage_recompute=cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b")
     peak = flops_lib.peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
-    _log(f"model: {n_params:,} parameters; {flops_per_token:,.0f} FLOPs/token (6N + 12*L*h*s, PaLM app. B); "
+    _log(f"model: {n_params:,} parameters; {flops_per_token:,.0f} model FLOPs/token (6N + 12*L*h*s, PaLM app. B), "
+         f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat}); "
          f"peak {'unknown, MFU null' if peak is None else f'{peak:.3g} FLOP/s per device'}")
 
     first_batch = train_loader.next_batch()
@@ -178,10 +222,17 @@ def train(cfg: Config) -> TrainResult:
         bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     batch, last_time, last_step = first_batch, time.perf_counter(), start
     val_loss = preempted_at = previous = None
-    watch = PreemptionWatch()
+    rollbacks = 0
+    faults = FaultInjector()
+    watch, watchdog = PreemptionWatch(), Watchdog(t.watchdog_s)
+    step = start
     try:
         watch.__enter__()
-        for step in range(start + 1, t.steps + 1):
+        watchdog.__enter__()
+        while step < t.steps:
+            step += 1
+            watchdog.beat(step)
+            state = faults.before_step(step, state)
             if batch is None:
                 batch = train_loader.next_batch()
             state, metrics = compiled(state, batch)
@@ -189,23 +240,27 @@ def train(cfg: Config) -> TrainResult:
             if previous is not None:  # the previous step's counter: reading it does not wait for this step
                 bad = int(previous["bad_steps_in_a_row"])
                 if bad >= t.max_bad_steps:
-                    raise TrainingDiverged(
-                        f"{bad} consecutive updates up to step {step - 1} had NaN or inf gradients and were "
-                        f"skipped (train.max_bad_steps={t.max_bad_steps}); lower optimizer.learning_rate or "
-                        f"restart from an earlier checkpoint with --restore-from")
+                    if rollbacks >= t.divergence_rollbacks or ckpt is None or not ckpt.all_steps():
+                        raise TrainingDiverged(_diverged_message(bad, step - 1, t, ckpt, rollbacks))
+                    rollbacks += 1
+                    state = _roll_back(ckpt, plan, bad, step - 1, rollbacks, t)
+                    step, previous = int(state["step"]), None
+                    continue
             previous = metrics
             evaluate_now = bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
             if step % t.log_every == 0 or evaluate_now:
                 m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
-                step_time = (time.perf_counter() - last_time) / (step - last_step)
+                step_time = (time.perf_counter() - last_time) / max(step - last_step, 1)
                 tokens_per_s = tokens_per_step / step_time
                 losses[step] = m["loss"]
-                val_loss = evaluate(eval_step, state["params"], val_loader, t.eval_batches) if evaluate_now else None
+                val_loss = (evaluate(eval_step, state["params"], val_loader, t.eval_batches, watchdog.beat, step)
+                            if evaluate_now else None)
                 writer.write(step, {"loss": m["loss"], "val_loss": val_loss, "learning_rate": m["learning_rate"],
                                     "grad_norm": m["grad_norm"], "skipped_steps": int(m["skipped_steps"]),
-                                    "tokens_per_s": tokens_per_s,
+                                    "rollbacks": rollbacks, "tokens_per_s": tokens_per_s,
                                     "step_time_s": step_time, "tokens": m["tokens"],
-                                    "mfu": flops_lib.mfu(tokens_per_s, flops_per_token, mesh.size, peak), **memory})
+                                    "mfu": flops_lib.mfu(tokens_per_s, flops_per_token, mesh.size, peak),
+                                    "hfu": flops_lib.mfu(tokens_per_s, hardware_flops, mesh.size, peak), **memory})
                 if bar is not None:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
                                     **({"val": f"{val_loss:.3f}"} if val_loss is not None else {}))
@@ -215,10 +270,15 @@ def train(cfg: Config) -> TrainResult:
             if watch.reached(step):
                 preempted_at = step
             if ckpt is not None and (ckpt.should_save(step) or step == t.steps or preempted_at):
-                ckpt.save(step, state, data_state=train_loader.get_state(), config=cfg.to_dict(), force=True)
+                if int(metrics["bad_steps_in_a_row"]):  # never make a diverging state the one to resume from
+                    _log(f"step {step}: no checkpoint saved, its update was skipped for non-finite gradients")
+                else:
+                    ckpt.save(step, state, data_state=train_loader.get_state(), config=cfg.to_dict(), force=True)
+                watchdog.beat(step)
             if preempted_at:
                 break
     finally:
+        watchdog.__exit__(None, None, None)
         watch.__exit__(None, None, None)
         if bar is not None:
             bar.close()
