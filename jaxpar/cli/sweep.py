@@ -1,0 +1,60 @@
+"""`jaxpar-sweep SWEEP.yaml [--out DIR]`: plan, compile and optionally time every point of a mesh sweep.
+
+Examples:
+  jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml                 # every factorisation of 8 devices
+  jaxpar-sweep configs/sweeps/tiny_two_meshes.yaml --out runs/sweeps/two
+  jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml --list          # print the points, run nothing
+
+Writes DIR/results.json (rewritten after every point), DIR/results.md (a table ranked by the sweep's objective)
+and DIR/plot.png. Run it again to resume: finished points are skipped. The sweep file format is documented in
+jaxpar/sweep.py. Exit status: 0 done, 2 bad sweep file (the message names the key and the fix), 130 interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+PROG = "jaxpar-sweep"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sweep", help="sweep YAML file, e.g. configs/sweeps/tiny_mesh_8.yaml")
+    p.add_argument("--out", default=None, help="output directory (default runs/sweeps/<sweep file name>)")
+    p.add_argument("--list", action="store_true", help="print the points and exit")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    from jaxpar.sweep import SweepError, load_sweep, points, run_sweep
+
+    try:
+        sweep = load_sweep(args.sweep)
+        if args.list:
+            for point in points(sweep):
+                print(point["key"])
+            return 0
+        out = args.out or os.path.join("runs", "sweeps", os.path.splitext(os.path.basename(args.sweep))[0])
+        records = run_sweep(sweep, out)
+    except SweepError as e:
+        print(f"{PROG}: sweep error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted; finished points are in results.json and are skipped when run again",
+              file=sys.stderr)
+        return 130
+    counts: dict = {}
+    for r in records:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    print(f"{PROG}: {len(records)} points ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
+          f"results in {out}/results.json, results.md, plot.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""Analytic plan of one train step: per-device bytes of model state and activations, and the collectives.
+
+Pure arithmetic on a resolved `Config` (`jaxpar.config.resolve_config`): no jax devices, no compilation, so a
+13B model on 64 GPUs is planned on a laptop. `jaxpar.plan_compile` checks the numbers against XLA's compiled
+step, `jaxpar.plan_comm` holds the collective terms, `jaxpar.plan_report` prints them.
+
+Shape letters: b microbatch rows per device, s sequence length (s' = s/t under sequence parallelism), D model
+width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
+stage), t tensor size, p pipeline stages, m pipeline microbatches, A gradient-accumulation steps.
+
+Model state (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3; /work/shared/FORMULAS.md): bytes per
+parameter by precision layout `fp32` (4 + 4 + 8) or `16p` (bf16 params 2 + bf16 grads 2 + fp32 master, Adam m
+and v 12), each kind divided by the fsdp size and, for the kinds the ZeRO stage partitions, by the data size
+(`jaxpar.memory.state_bytes_formula`), applied to P per tensor/pipeline rank (the parameters one rank holds
+before ZeRO's split: tensor-sharded leaves count 1/t, the stacked layers 1/p, the embedding and head are on
+every stage).
+
+Activations: Korthikanti et al. 2022 (arXiv 2205.05198, section 4, Table 2) give, per layer and 16-bit
+activations, s*b*h*(34 + 5*a*s/h) bytes without recomputation (divided by t with tensor + sequence
+parallelism) and 2*s*b*h with full recomputation. jaxpar stores something different (no dropout masks, the
+softmax recomputed from the saved scores, what is kept set by `model.remat`); `activation_bytes` counts what
+its checkpoint policies keep, in the compute dtype (Bc bytes), per layer and microbatch:
+    all policies   the block input, b*s'*D (the layer scan's carry)
+    full           nothing else (recompute the block)
+    names          + attention context b*s*(H/t)*K + MLP hidden b*s*F/t
+    dots           + q, k, v b*s*(H+2G)/t*K + 2 projection outputs 2*b*s*D + gate, up 2*b*s*F/t
+    none           dots + attention scores b*(H/t)*s*s + context b*s*(H/t)*K
+                   (+ with sequence parallelism the 2 gathered block inputs 2*b*s*D)
+plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) in Bc and in fp32 for the
+cross-entropy. Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the
+other); 1F1B holds a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers; GPipe keeps every tick's
+(m + p - 1) layers and stage input (`jaxpar.pipeline_report`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.config.schema import Config
+from jaxpar.memory import formula_expression, state_bytes_formula
+from jaxpar.sharding import PARAM_RULES
+
+MESH_AXES = ("data", "pipeline", "fsdp", "tensor")  # jaxpar.mesh.AXES: the order HLO replica groups follow
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter array: path, global shape and logical axes (`jaxpar.model.logical_axes`)."""
+
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+
+    @property
+    def in_blocks(self) -> bool:
+        return self.axes[0] == "layers"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_leaves(model) -> list[Leaf]:
+    """The parameters of `jaxpar.model.Transformer` for a `ModelConfig`, from its shapes alone (no jax).
+
+    tests/test_plan.py checks this table against `init_params` and `logical_axes`.
+    """
+    d, f, v, n = model.d_model, model.d_ff, model.vocab_size, model.n_layers
+    h, g, k = model.n_heads, model.kv_heads, model.head_width
+    leaves = [Leaf("embed/table", (v, d), ("vocab", "embed")),
+              Leaf("blocks/attn_norm/scale", (n, d), ("layers", "embed")),
+              Leaf("blocks/attn/wq", (n, d, h, k), ("layers", "embed", "heads", "kv")),
+              Leaf("blocks/attn/wk", (n, d, g, k), ("layers", "embed", "heads", "kv")),
+              Leaf("blocks/attn/wv", (n, d, g, k), ("layers", "embed", "heads", "kv")),
+              Leaf("blocks/attn/wo", (n, h, k, d), ("layers", "heads", "kv", "embed")),
+              Leaf("blocks/mlp_norm/scale", (n, d), ("layers", "embed")),
+              Leaf("blocks/mlp/w_gate", (n, d, f), ("layers", "embed", "mlp")),
+              Leaf("blocks/mlp/w_up", (n, d, f), ("layers", "embed", "mlp")),
+              Leaf("blocks/mlp/w_down", (n, f, d), ("layers", "mlp", "embed")),
+              Leaf("final_norm/scale", (d,), ("embed",))]
+    if not model.tie_embeddings:
+        leaves.append(Leaf("lm_head/kernel", (d, v), ("embed", "vocab")))
+    return leaves
+
+
+def local_size(leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = ()) -> int:
+    """Elements of `leaf` on one device: every logical axis divided by the mesh axes `PARAM_RULES` maps it to,
+    restricted to tensor and pipeline plus the `storage` axes (fsdp, data) the caller counts as sharding it."""
+    total = 1
+    for dim, name in zip(leaf.shape, leaf.axes):
+        axes = [a for a in PARAM_RULES[name] if a in ("tensor", "pipeline")]
+        if name == "embed":
+            axes += list(storage)
+        total *= -(-dim // math.prod(shape[a] for a in axes))  # ceil: shard_shape of an uneven split
+    return total
+
+
+def compute_dtype_name(cfg: Config, platform: str) -> str:
+    """`precision.compute_dtype` with `auto` resolved as `jaxpar.train.step.compute_dtype` does: float32 on
+    cpu, bfloat16 elsewhere."""
+    if cfg.precision.compute_dtype != "auto":
+        return cfg.precision.compute_dtype
+    return "float32" if platform == "cpu" else "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The step's sizes as the planner uses them (see the module docstring for the letters)."""
+
+    shape: dict
+    zero: int
+    b: int
+    s: int
+    s_act: int        # s' (s / t with sequence parallelism)
+    sp: bool
+    accum: int        # A
+    m: int            # pipeline microbatches
+    layers_per_stage: int
+    compute_bytes: int
+    reduce_bytes: int
+
+
+def dims(cfg: Config, platform: str) -> Dims:
+    """Sizes of a resolved config (mesh without -1, `tensor.sequence_parallel` concrete)."""
+    shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    if min(shape.values()) < 1:
+        raise ValueError(f"config is not resolved (mesh {shape}); call jaxpar.config.resolve_config first")
+    t, p = shape["tensor"], shape["pipeline"]
+    sp = bool(cfg.tensor.sequence_parallel) and t > 1
+    accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
+    b = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum * m)
+    s = cfg.data.seq_len
+    return Dims(shape=shape, zero=cfg.optimizer.zero_stage, b=b, s=s, s_act=s // t if sp else s, sp=sp,
+                accum=accum, m=m, layers_per_stage=cfg.model.n_layers // p,
+                compute_bytes=DTYPE_BYTES[compute_dtype_name(cfg, platform)],
+                reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype])
+
+
+def rank_params(cfg: Config) -> int:
+    """P per tensor/pipeline rank (see the module docstring); equals `jaxpar.memory.tensor_rank_params`."""
+    shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    return sum(local_size(leaf, shape) for leaf in param_leaves(cfg.model))
+
+
+def state_bytes(cfg: Config) -> dict:
+    """Model-state bytes per device: {"params", "grads", "opt_state" (with the 16p fp32 master), "total",
+    "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank)}. Raises ValueError as
+    `jaxpar.memory.state_bytes_formula`."""
+    n_params = rank_params(cfg)
+    layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
+    out = state_bytes_formula(n_params, layout, zero, cfg.mesh.data, cfg.mesh.fsdp)
+    return {**out, "expression": formula_expression(layout, zero, cfg.mesh.fsdp), "n_params": n_params}
+
+
+def _layer_elements(cfg: Config, d: Dims) -> dict[str, int]:
+    """Elements one layer saves for the backward of one microbatch, by what they are (module docstring)."""
+    mdl, t = cfg.model, d.shape["tensor"]
+    b, s = d.b, d.s
+    h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
+    out = {"block input": b * d.s_act * dm}
+    if mdl.remat == "names":
+        out["context + mlp hidden"] = b * s * (h_t * k + f_t)
+    if mdl.remat in ("dots", "none"):
+        out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t)
+    if mdl.remat == "none":
+        out["attention scores + context"] = b * h_t * s * s + b * s * h_t * k
+        if d.sp:
+            out["gathered block inputs"] = 2 * b * s * dm
+    return out
+
+
+def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
+    """Activation bytes per device held for the backward, as jaxpar stores them (module docstring).
+
+    Args:
+      cfg: resolved config; platform: `cpu` or an accelerator (resolves `precision.compute_dtype: auto`).
+
+    Returns:
+      {"per_layer" (bytes per layer per microbatch), "layers" (all layers and microbatches in flight),
+       "stage_inputs" (pipeline stash), "outside" (embedding output, logits), "total", "in_flight" (microbatches
+       whose layers are held), "formula" (text), "korthikanti" (the paper's 16-bit count for the same layers and
+       microbatches: 34 + 5as/h, or 2sbh with remat full; with tensor parallelism the Table 2 variant)}.
+    """
+    d = dims(cfg, platform)
+    mdl, p, t = cfg.model, d.shape["pipeline"], d.shape["tensor"]
+    bc = d.compute_bytes
+    per_layer = sum(_layer_elements(cfg, d).values()) * bc
+    stage_input = d.b * d.s_act * mdl.d_model * bc
+    outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * (bc + 4)
+    if p == 1:
+        in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
+    elif cfg.pipeline.schedule == "1f1b":
+        in_flight, stash = 1, (2 * p - 1) * stage_input
+        formula_flight = f"1F1B: 1 microbatch's layers + a ring of 2p-1={2 * p - 1} stage inputs"
+    else:
+        in_flight, stash = d.m + p - 1, (d.m + p - 1) * stage_input
+        outside *= in_flight
+        formula_flight = f"GPipe: every tick's layers and stage input, m+p-1={d.m + p - 1}"
+    layers = per_layer * d.layers_per_stage * in_flight
+    # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
+    sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
+    if mdl.remat == "full":
+        ref = 2 * sbh
+    elif t == 1:
+        ref = sbh * (34 + ratio)
+    elif d.sp:
+        ref = sbh * (34 + ratio) / t
+    else:
+        ref = sbh * (10 + 24 / t + ratio / t)
+    terms = " + ".join(_layer_elements(cfg, d))
+    return {"per_layer": per_layer, "layers": layers, "stage_inputs": stash, "outside": outside,
+            "total": layers + stash + outside, "in_flight": in_flight,
+            "formula": f"remat={mdl.remat}: per layer ({terms}) x {bc} B x L/p={d.layers_per_stage} x "
+                       f"{formula_flight}; + embedding output and logits (b={d.b}, s={d.s}, s'={d.s_act})",
+            "korthikanti": ref * d.layers_per_stage * in_flight}
+
+
+def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
+    """Estimate of the step's temporary bytes per device (XLA's `temp_size_in_bytes`): {"activations"
+    (`activation_bytes`), "grad_accumulators" (fp32, one per local parameter shard as stored over fsdp and,
+    under ZeRO-3, data), "grad_outputs" (the step's gradients in the parameter dtype, `state_bytes` grads),
+    "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the peak: one layer's and the largest
+    of embedding and head, all-gathered, in the compute dtype), "total"}. The optimizer update's own
+    temporaries and XLA's fusion scratch are not counted: an estimate, compared with XLA's by
+    `jaxpar.plan_compile`, not a bound."""
+    d = dims(cfg, platform)
+    storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+    leaves = param_leaves(cfg.model)
+    accum = 4 * sum(local_size(x, d.shape, storage) for x in leaves)
+    gathered = 0
+    if math.prod(d.shape[a] for a in storage) > 1:
+        w_out = max(local_size(x, d.shape) for x in leaves if not x.in_blocks)
+        w_layer = sum(local_size(x, d.shape) for x in leaves if x.in_blocks) // d.layers_per_stage
+        gathered = (w_out + w_layer) * d.compute_bytes
+    out = {"activations": activation_bytes(cfg, platform)["total"], "grad_accumulators": accum,
+           "grad_outputs": int(state_bytes(cfg)["grads"]), "gathered_weights": gathered}
+    out["total"] = sum(out.values())
+    return out
+
+
+def plan(cfg: Config, platform: str = "gpu") -> dict:
+    """The analytic plan of a resolved config: memory per device and collectives per step (JSON-ready).
+
+    Args:
+      cfg: resolved config (`resolve_config(cfg, devices)`); platform: `cpu` when comparing with a step compiled
+        on CPU (auto compute dtype = float32 there), else the accelerator the run targets.
+
+    Returns:
+      {"devices", "mesh", "platform", "compute_dtype", "layout", "zero_stage", "batch", "params",
+       "memory": {params, grads, opt_state, model_state, activations, total (model state + activations),
+       peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
+       expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
+       "activations" (see `activation_bytes`),
+       "collectives" (list of `jaxpar.plan_comm.collective_terms` rows), "by_axis" {(axes, kind) label: bytes}}.
+    """
+    from jaxpar.plan_comm import by_axis, collective_terms
+
+    d = dims(cfg, platform)
+    state = state_bytes(cfg)
+    act = activation_bytes(cfg, platform)
+    leaves = param_leaves(cfg.model)
+    total_params = sum(leaf.size for leaf in leaves)
+    embedding = sum(leaf.size for leaf in leaves if leaf.path.startswith(("embed/", "lm_head/")))
+    terms = collective_terms(cfg, platform)
+    model_state = state["total"]
+    temp = temp_bytes(cfg, platform)
+    return {
+        "devices": math.prod(d.shape.values()), "mesh": d.shape, "platform": platform,
+        "compute_dtype": compute_dtype_name(cfg, platform), "layout": cfg.precision.layout,
+        "zero_stage": d.zero, "remat": cfg.model.remat,
+        "pipeline": {"schedule": cfg.pipeline.schedule, "microbatches": d.m, "stages": d.shape["pipeline"]},
+        "sequence_parallel": d.sp,
+        "batch": {"global_batch_size": cfg.train.global_batch_size, "seq_len": d.s, "grad_accum_steps": d.accum,
+                  "rows_per_microbatch": d.b, "tokens_per_step": cfg.train.global_batch_size * d.s},
+        "params": {"total": total_params, "non_embedding": total_params - embedding, "per_rank": state["n_params"]},
+        "memory": {"params": state["params"], "grads": state["grads"], "opt_state": state["opt_state"],
+                   "model_state": model_state, "activations": act["total"],
+                   "total": model_state + act["total"], "expression": state["expression"],
+                   "activation_formula": act["formula"], "korthikanti_activations": act["korthikanti"],
+                   "temp_estimate": temp,
+                   "peak_estimate": state["params"] + state["opt_state"] + temp["total"]},
+        "activations": act,
+        "collectives": [dataclasses.asdict(term) | {"bytes": term.bytes} for term in terms],
+        "by_axis": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(terms).items()},
+    }
+
+
+def zero_exercise(n_params: float = 13e9, devices: int = 8, budget_bytes: float = 24 * GB,
+                  layout: str = "16p") -> dict:
+    """The seed exercise: model-state bytes per device of P parameters on N data-parallel devices under DDP and
+    ZeRO-1/2/3 (`jaxpar.memory.state_bytes_formula`, fsdp = 1), and the smallest N whose ZeRO-3 state fits
+    `budget_bytes`.
+
+    Returns:
+      {"n_params", "devices", "layout", "budget_bytes", "stages": [{"zero_stage", "expression", "bytes"}],
+       "smallest_devices_zero3" (int), "zero3_bytes_at_smallest"}.
+
+    Raises:
+      ValueError: n_params or budget_bytes <= 0, devices < 1, unknown layout.
+    """
+    if n_params <= 0 or budget_bytes <= 0 or devices < 1:
+        raise ValueError(f"need n_params > 0, budget_bytes > 0, devices >= 1; got {n_params}, {budget_bytes}, "
+                         f"{devices}")
+    stages = [{"zero_stage": z, "expression": formula_expression(layout, z),
+               "bytes": state_bytes_formula(n_params, layout, z, devices, 1)["total"]} for z in range(4)]
+    full = state_bytes_formula(n_params, layout, 3, 1, 1)["total"]  # ZeRO-3 state is full / N
+    smallest = max(1, math.ceil(full / budget_bytes))
+    while full / smallest > budget_bytes:  # guard the float ceil
+        smallest += 1
+    return {"n_params": n_params, "devices": devices, "layout": layout, "budget_bytes": budget_bytes,
+            "stages": stages, "smallest_devices_zero3": smallest, "zero3_bytes_at_smallest": full / smallest}
+
+
+def fsdp_config(cfg: Config, devices: int, rows_per_device: int = 1) -> Config:
+    """`cfg` on mesh data=1, fsdp=devices (tensor = pipeline = 1) with `rows_per_device` sequences per device and
+    no accumulation, left unvalidated so that a device count jaxpar could not shard (d_model % N != 0) can
+    still be planned by formula."""
+    return dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, data=1, fsdp=devices, tensor=1, pipeline=1),
+        tensor=dataclasses.replace(cfg.tensor, sequence_parallel=False),
+        pipeline=dataclasses.replace(cfg.pipeline, microbatches=1),
+        train=dataclasses.replace(cfg.train, global_batch_size=devices * rows_per_device, grad_accum_steps=1))
+
+
+def smallest_fitting_devices(cfg: Config, budget_bytes: float, include_temp: bool, shardable: bool,
+                             platform: str = "gpu", max_devices: int = 1 << 16) -> int | None:
+    """Smallest N for which `fsdp_config(cfg, N)` needs at most `budget_bytes` per device: model state plus
+    activations, or with `include_temp` model state plus `temp_bytes` (activations, fp32 gradient accumulators,
+    gradient outputs, gathered weights). `shardable`: only N that divide d_model (jaxpar shards state along the
+    embed dimension). None if no N up to `max_devices` fits (activations alone exceed the budget)."""
+    for n in range(1, max_devices + 1):
+        if shardable and cfg.model.d_model % n:
+            continue
+        c = fsdp_config(cfg, n)
+        state = state_bytes(c)
+        if include_temp:  # the temp estimate holds the gradients that the model state counts as well
+            need = state["params"] + state["opt_state"] + temp_bytes(c, platform)["total"]
+        else:
+            need = state["total"] + activation_bytes(c, platform)["total"]
+        if need <= budget_bytes:
+            return n
+    return None
+
+
+def exercise_activations(cfg: Config, exercise: dict, platform: str = "gpu") -> dict:
+    """What activations add to the seed exercise (`zero_exercise`) for the model shape of `cfg`, with one
+    sequence of `data.seq_len` tokens per device: Korthikanti et al. 2022 (Table 2, 16-bit) without and with full
+    recomputation, jaxpar's own count for `model.remat`, and the smallest N that fits the exercise's budget
+    (`smallest_fitting_devices`). Bytes per device."""
+    n, budget = exercise["smallest_devices_zero3"], exercise["budget_bytes"]
+    mdl, s = cfg.model, cfg.data.seq_len
+    one_layer = s * mdl.d_model * (34 + 5 * mdl.n_heads * s / mdl.d_model)
+    at_n = fsdp_config(cfg, n)
+    return {"n_params": sum(x.size for x in param_leaves(mdl)), "layers": mdl.n_layers, "d_model": mdl.d_model,
+            "heads": mdl.n_heads, "seq_len": s, "remat": mdl.remat,
+            "korthikanti_none": mdl.n_layers * one_layer, "korthikanti_full": 2 * s * mdl.d_model * mdl.n_layers,
+            "one_layer": one_layer, "jaxpar_activations": activation_bytes(at_n, platform)["total"],
+            "accumulators_at_smallest": temp_bytes(at_n, platform)["grad_accumulators"],
+            "fit_state_acts": smallest_fitting_devices(cfg, budget, False, False, platform),
+            "fit_temp": smallest_fitting_devices(cfg, budget, True, False, platform),
+            "fit_temp_shardable": smallest_fitting_devices(cfg, budget, True, True, platform)}

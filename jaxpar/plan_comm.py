@@ -1,0 +1,194 @@
+"""The collectives of one jaxpar train step, counted analytically per mesh axis and kind (bytes per device).
+
+Letters as in `jaxpar.plan`; Bc, Br bytes of the compute and the gradient-reduction dtype; x = b*s*D*Bc, one
+microbatch's activations. Ring costs per op are `jaxpar.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
+all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (FORMULAS.md).
+
+The counts follow jaxpar's step (`jaxpar.train.step`, `jaxpar.parallel`) as XLA compiles it; where XLA hoists
+or drops a collective the rule says so. tests/test_plan.py checks them against the compiled HLO.
+
+Storage axes: fsdp, and data under ZeRO-3 (Rajbhandari et al. 2019, section 5.3; `jaxpar.parallel.gather`).
+  Each layer's weights are all-gathered (Bc) in every forward pass and again in every backward pass (jaxpar
+  re-gathers instead of keeping them); each layer's gradient is reduce-scattered (Br) in every backward pass.
+  Passes per step: A*m forward and A*m backward without a pipeline. 1F1B: A*(m+p-1) forward ticks and
+  A*(m+p-1) backward ticks that first recompute the stage forward: 3 gathers per layer and tick (with m = 1 the
+  one steady tick is unrolled and its unread forward dropped: one fewer). GPipe: the forward gathers are
+  loop-invariant and XLA hoists them out of the tick loop (once per accumulation step), the backward
+  re-gathers in each of the A*(m+p-1) ticks. The embedding, final norm and head are gathered once per step
+  (loop-invariant, hoisted) and reduce-scattered per backward pass. With one layer per stage the layer loop
+  disappears and the block gathers become loop-invariant too: once per step.
+data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the fsdp-sharded gradients,
+  P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*4 (XLA gathers the
+  fp32 optimizer target -- for the 16p layout the fp32 master -- and casts after).
+tensor axis (Megatron; Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2; `jaxpar.comm`):
+  forward pass: the embedding exit and 2 exits per layer (all-reduce of x; with sequence parallelism
+  reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
+  all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
+  reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy but
+  `none` saves no tensor-collective output, so the backward re-runs the attention exit (SP: and both enters).
+  1F1B forward ticks run no head (the loss is unread there); a pipeline with m = 1 embeds the same microbatch
+  every tick, which XLA computes once per accumulation step. With SP the norm-scale gradients (replicated over
+  tensor, each rank saw s/t of the sequence) are all-reduced once per step.
+pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage activation b*s'*D*Bc per tick
+  and direction, m+p-1 each; 1F1B loses an unread shift when its one-tick loop is unrolled (the forward one
+  if m = 1, the backward one if p = 2). The embedding, final-norm and head gradients, which one stage used, are
+  all-reduced over pipeline once per step (the final norm over pipeline x tensor with SP).
+Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums), a few bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.comm import ring_bytes
+from jaxpar.config.schema import Config
+from jaxpar.plan import MESH_AXES, dims, local_size, param_leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveTerm:
+    """`count` collectives of `kind` over the mesh `axes` per step; `size_bytes` is S of the ring formula summed
+    over those ops (ring bytes are linear in S), `group_size` the devices in each group."""
+
+    name: str
+    axes: tuple[str, ...]
+    kind: str
+    count: int
+    size_bytes: float
+    group_size: int
+
+    @property
+    def bytes(self) -> float:
+        """Bytes sent per device per step."""
+        return ring_bytes(self.kind, self.size_bytes, self.group_size)
+
+
+def live_axes(shape: dict[str, int], axes) -> tuple[str, ...]:
+    """`axes` with the size-1 ones dropped, in mesh order (as `jaxpar.hlo.classify_groups` names groups)."""
+    return tuple(a for a in MESH_AXES if a in axes and shape[a] > 1)
+
+
+def _term(out: list, shape: dict, name: str, axes, kind: str, count: int, size: float) -> None:
+    live = live_axes(shape, axes)
+    if live and count > 0 and size > 0:
+        out.append(CollectiveTerm(name, live, kind, int(count), float(size), math.prod(shape[a] for a in live)))
+
+
+def _passes(cfg: Config, d) -> dict[str, int]:
+    """Forward passes (with and without the head), backward passes and stage-weight gathers per layer and step."""
+    p, a, m, per_stage = d.shape["pipeline"], d.accum, d.m, d.layers_per_stage
+    ticks = m + p - 1
+    if p == 1:
+        out = {"fwd": a * m, "fwd_no_head": 0, "bwd": a * m, "gathers": 2 * a * m}
+    elif cfg.pipeline.schedule == "1f1b":
+        # With m = 1 the one steady tick is unrolled and its forward, read by nobody, is dropped.
+        dead = a if m == 1 else 0
+        out = {"fwd": a * ticks, "fwd_no_head": a * ticks - dead, "bwd": a * ticks,
+               "gathers": 3 * a * ticks - dead}
+    else:
+        out = {"fwd": a * ticks, "fwd_no_head": 0, "bwd": a * ticks, "gathers": a * (1 + ticks)}
+    if per_stage == 1:
+        out["gathers"] = 1
+    # The embedding of a pipeline with m = 1 sees the same microbatch every tick: computed once per step.
+    out["embed_fwd"] = a if (p > 1 and m == 1) else out["fwd"] + out["fwd_no_head"]
+    return out
+
+
+def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
+    shape = d.shape
+    axes = ("data", "fsdp") if d.zero == 3 else ("fsdp",)
+    leaves = param_leaves(cfg.model)
+    w_layer = sum(local_size(x, shape) for x in leaves if x.in_blocks) // d.layers_per_stage
+    w_out = sum(local_size(x, shape) for x in leaves if not x.in_blocks)
+    n_block, n_out = sum(x.in_blocks for x in leaves), sum(not x.in_blocks for x in leaves)
+    layers = d.layers_per_stage
+    _term(out, shape, "layer weights", axes, "all-gather", passes["gathers"] * layers * n_block,
+          passes["gathers"] * layers * w_layer * d.compute_bytes)
+    _term(out, shape, "embedding/norm/head weights", axes, "all-gather", n_out, w_out * d.compute_bytes)
+    _term(out, shape, "layer gradients", axes, "reduce-scatter", passes["bwd"] * layers * n_block,
+          passes["bwd"] * layers * w_layer * d.reduce_bytes)
+    _term(out, shape, "embedding/norm/head gradients", axes, "reduce-scatter", passes["bwd"] * n_out,
+          passes["bwd"] * w_out * d.reduce_bytes)
+
+
+def _data_terms(cfg: Config, d, out: list) -> None:
+    if d.zero == 3:
+        return
+    leaves = param_leaves(cfg.model)
+    grads = sum(local_size(x, d.shape, ("fsdp",)) for x in leaves)
+    kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
+    _term(out, d.shape, "gradients", ("data",), kind, len(leaves), grads * d.reduce_bytes)
+    if d.zero in (1, 2):
+        _term(out, d.shape, "updated parameters (fp32)", ("data",), "all-gather", len(leaves), grads * 4)
+
+
+def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
+    shape, layers = d.shape, d.layers_per_stage
+    if shape["tensor"] == 1:
+        return
+    x = d.b * d.s * cfg.model.d_model * d.compute_bytes
+    ce = d.b * d.s * 4
+    # Every policy but `none` keeps no tensor-collective output, so the backward re-runs the attention exit
+    # and (with SP) both enters of each layer; `none` saves them (`jaxpar.model.transformer`).
+    full = cfg.model.remat != "none"
+    fwd, fwd_nh, bwd, embed = passes["fwd"], passes["fwd_no_head"], passes["bwd"], passes["embed_fwd"]
+    tensor = ("tensor",)
+    # Exits: the embedding's and 2 per layer in the forward; enters: 2 per layer and the head's.
+    exits = embed + (fwd + fwd_nh) * 2 * layers
+    enter_grads = bwd * (2 * layers + 1 + (layers if full else 0))
+    if d.sp:
+        ag = fwd * (2 * layers + 1) + fwd_nh * 2 * layers + bwd * (2 * layers + 1 + (2 * layers if full else 0))
+        _term(out, shape, "activations (sequence parallel)", tensor, "reduce-scatter", exits + enter_grads,
+              (exits + enter_grads) * x)
+        _term(out, shape, "activations (sequence parallel)", tensor, "all-gather", ag, ag * x)
+    else:
+        _term(out, shape, "activations", tensor, "all-reduce", exits + enter_grads, (exits + enter_grads) * x)
+    _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * fwd, 3 * fwd * ce)
+    if d.sp:
+        storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+        norm = local_size(param_leaves(cfg.model)[1], shape, storage)  # [L/p, D/shards] of one norm scale
+        final = norm // layers
+        stacked = 2 * norm + (final if shape["pipeline"] == 1 else 0)
+        _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.reduce_bytes)
+
+
+def _pipeline_terms(cfg: Config, d, out: list) -> None:
+    shape, p = d.shape, d.shape["pipeline"]
+    if p == 1:
+        return
+    ticks = d.m + p - 1
+    shifts = 2 * ticks
+    if cfg.pipeline.schedule == "1f1b":
+        shifts -= (1 if d.m == 1 else 0) + (1 if p == 2 else 0)
+    act = d.b * d.s_act * cfg.model.d_model * d.compute_bytes
+    _term(out, shape, "stage activations and their gradients", ("pipeline",), "collective-permute",
+          d.accum * shifts, d.accum * shifts * act)
+    storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+    outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
+    norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
+    rest = [x for x in outside if x not in norms]
+    _term(out, shape, "embedding/head gradients (one stage used them)", ("pipeline",), "all-reduce", len(rest),
+          sum(local_size(x, shape, storage) for x in rest) * d.reduce_bytes)
+    _term(out, shape, "final-norm gradient (one stage, s/t each)", ("pipeline", "tensor"), "all-reduce",
+          len(norms), sum(local_size(x, shape, storage) for x in norms) * d.reduce_bytes)
+
+
+def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:
+    """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
+    docstring). `platform` resolves `precision.compute_dtype: auto` (float32 on cpu, else bfloat16)."""
+    d = dims(cfg, platform)
+    passes = _passes(cfg, d)
+    out: list[CollectiveTerm] = []
+    _storage_terms(cfg, d, passes, out)
+    _data_terms(cfg, d, out)
+    _tensor_terms(cfg, d, passes, out)
+    _pipeline_terms(cfg, d, out)
+    return out
+
+
+def by_axis(terms: list[CollectiveTerm]) -> dict[tuple[tuple[str, ...], str], float]:
+    """Bytes per device per step summed by (mesh axes, kind)."""
+    out: dict = {}
+    for t in terms:
+        out[(t.axes, t.kind)] = out.get((t.axes, t.kind), 0.0) + t.bytes
+    return out

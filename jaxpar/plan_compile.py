@@ -1,0 +1,208 @@
+"""The plan checked against XLA: compile the real train step ahead of time, read its memory analysis and HLO.
+
+Nothing runs on a device for `compiled_plan`: the state and batch are ShapeDtypeStructs carrying their
+shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment (`memory_analysis()`, per device for
+an SPMD program) and the partitioned HLO, whose collectives `jaxpar.hlo` reads by mesh axis. `measure_steps`
+does run K steps (random tokens) for sweeps that ask for throughput.
+
+Needs as many jax devices as the mesh: the CLI (`jaxpar.cli.plan`) sets the simulated CPU device count before
+jax is imported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config.schema import Config
+from jaxpar.hlo import classify_groups, parse_collectives
+from jaxpar.memory import persistent_state_bytes
+from jaxpar.mesh import build_mesh
+from jaxpar.train.step import (
+    BATCH_KEYS,
+    abstract_state,
+    build_plan,
+    init_state,
+    make_train_step,
+)
+
+# Backend (LLVM) optimisation off: compiles several times faster on CPU and changes code generation only, not
+# buffer assignment or the HLO collectives (checked in jaxpar.memory and tests/test_memory.py).
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# Also the legacy XLA:CPU emitters and no expensive LLVM passes: another ~3x faster. Same HLO passes, so the same
+# state bytes and collectives; temp can differ by a few percent (fusion decisions).
+FAST_COMPILER_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False,
+                         "xla_llvm_disable_expensive_passes": True}
+
+
+def _label(axes) -> str:
+    return "?" if axes is None else ",".join(axes) or "(size 1)"
+
+
+def _step_plan(cfg: Config):
+    devices = jax.devices()
+    n = math.prod(getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipeline"))
+    if len(devices) < n:
+        raise RuntimeError(f"the mesh needs {n} devices but jax has {len(devices)}; set JAX_NUM_CPU_DEVICES={n} "
+                           f"before jax is imported (jaxpar-plan --compile does)")
+    return build_plan(cfg, build_mesh(cfg, devices[:n]))
+
+
+def _abstract_batch(cfg: Config, plan) -> dict:
+    g, t = cfg.train.global_batch_size, cfg.data.seq_len
+    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
+    return {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """The train step compiled ahead of time for abstract (state, batch), with what produced it."""
+
+    plan: Any          # jaxpar.train.step.StepPlan
+    state: dict        # abstract state (ShapeDtypeStructs with shardings)
+    batch: dict        # abstract batch
+    executable: Any    # jax.stages.Compiled; callable on real arrays with the same shardings
+    seconds: float     # compile wall time
+
+
+def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledStep:
+    """Lowers and compiles `make_train_step` of resolved `cfg` on the first N jax devices (nothing runs).
+
+    Raises:
+      RuntimeError: fewer jax devices than the mesh needs.
+    """
+    plan = _step_plan(cfg)
+    state, batch = abstract_state(plan), _abstract_batch(cfg, plan)
+    t0 = time.perf_counter()
+    executable = make_train_step(plan).lower(state, batch).compile(
+        COMPILER_OPTIONS if compiler_options is None else compiler_options)
+    return CompiledStep(plan, state, batch, executable, time.perf_counter() - t0)
+
+
+def hlo_collectives(hlo_text: str, mesh) -> dict:
+    """Collectives of compiled HLO per step: {"by_axis": {"axes kind": {"count", "bytes"}} for collectives with
+    an array operand, "scalars": {"count", "bytes", "kinds", "axes"} for those whose operands are all 0-d (loss,
+    token count, grad-norm and finite-check partial sums)}. Bytes are ring bytes sent per device."""
+    by_axis: dict = {}
+    scalars = {"count": 0, "bytes": 0.0, "kinds": set(), "axes": set()}
+    for c in parse_collectives(hlo_text):
+        axes = classify_groups(c.groups, mesh)
+        if axes == ():
+            continue  # a group of one device moves nothing
+        if all(len(a.shape) == 0 for a in c.operands + c.results):
+            scalars["count"] += c.times_per_step
+            scalars["bytes"] += c.times_per_step * c.bytes_per_device
+            scalars["kinds"].add(c.kind)
+            scalars["axes"].add(_label(axes))
+            continue
+        entry = by_axis.setdefault(f"{_label(axes)} {c.kind}", {"count": 0, "bytes": 0.0})
+        entry["count"] += c.times_per_step
+        entry["bytes"] += c.times_per_step * c.bytes_per_device
+    scalars["kinds"], scalars["axes"] = sorted(scalars["kinds"]), sorted(scalars["axes"])
+    return {"by_axis": by_axis, "scalars": scalars}
+
+
+def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = None,
+                  step: CompiledStep | None = None) -> dict:
+    """Compiles the train step of resolved `cfg` on the first N jax devices (`compile_step`; or takes `step`,
+    compiled earlier) and sets it beside `analytic` (`jaxpar.plan.plan(cfg, platform="cpu")` for a CPU compile).
+
+    Returns:
+      {"compile_seconds",
+       "memory_analysis": XLA's per-device {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+         "generated_code_bytes"},
+       "state": {"persistent" (arguments minus the batch), "scalars" (0-d leaves, not in the formula),
+         "params", "params_plus_opt_state" (persistent - scalars), "planned" (plan params + opt_state),
+         "ratio" (compiled / planned)},
+       "temp": {"compiled" (XLA temp), "planned" (`jaxpar.plan.temp_bytes` total), "ratio"},
+       "collectives": rows {"key" ("axes kind"), "compiled_bytes", "compiled_count", "planned_bytes",
+         "planned_count", "ratio"} over the union of both, "scalars" (see `hlo_collectives`)}.
+
+    Raises:
+      RuntimeError: fewer jax devices than the mesh needs; the backend gives no memory analysis.
+    """
+    step = step or compile_step(cfg, compiler_options)
+    plan, state, batch, compiled, seconds = step.plan, step.state, step.batch, step.executable, step.seconds
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError(f"the {jax.default_backend()} backend gives no memory_analysis() for compiled code")
+    persistent = persistent_state_bytes(plan, compiled, state, batch)
+    mem = analytic["memory"]
+    planned_state = mem["params"] + mem["opt_state"]
+    state_bytes = persistent["persistent"] - persistent["scalars"]
+    planned_temp = mem["temp_estimate"]["total"]
+    coll = hlo_collectives(compiled.as_text(), plan.mesh)
+    planned_counts: dict = {}
+    for row in analytic["collectives"]:
+        key = f"{','.join(row['axes'])} {row['kind']}"
+        planned_counts[key] = planned_counts.get(key, 0) + row["count"]
+    rows = []
+    for key in sorted(set(coll["by_axis"]) | set(analytic["by_axis"])):
+        got = coll["by_axis"].get(key, {"count": 0, "bytes": 0.0})
+        want = analytic["by_axis"].get(key, 0.0)
+        rows.append({"key": key, "compiled_bytes": got["bytes"], "compiled_count": got["count"],
+                     "planned_bytes": want, "planned_count": planned_counts.get(key, 0),
+                     "ratio": got["bytes"] / want if want else None})
+    return {"compile_seconds": seconds,
+            "memory_analysis": {"argument_bytes": int(stats.argument_size_in_bytes),
+                                "output_bytes": int(stats.output_size_in_bytes),
+                                "alias_bytes": int(stats.alias_size_in_bytes),
+                                "temp_bytes": int(stats.temp_size_in_bytes),
+                                "generated_code_bytes": int(stats.generated_code_size_in_bytes)},
+            "state": {"persistent": persistent["persistent"], "scalars": persistent["scalars"],
+                      "params": persistent["params"], "params_plus_opt_state": state_bytes,
+                      "planned": planned_state, "ratio": state_bytes / planned_state},
+            "temp": {"compiled": int(stats.temp_size_in_bytes), "planned": planned_temp,
+                     "ratio": stats.temp_size_in_bytes / planned_temp if planned_temp else None},
+            "collectives": rows, "scalars": coll["scalars"]}
+
+
+def measure_steps(cfg: Config, analytic: dict, steps: int, peak_flops_override: float = 0.0,
+                  step: CompiledStep | None = None) -> dict:
+    """Runs `steps` train steps (after one untimed warm-up step) on random tokens and times them, with the
+    executable of `step` when given (no second compile; its compiler options then apply to the timing), else a
+    fresh `jax.jit` of the step.
+
+    Returns:
+      {"steps", "step_time_s" (median seconds), "tokens_per_s" (global tokens per second), "mfu" (model FLOPs
+       utilisation with `jaxpar.flops`: 6N + 12*L*h*s per token over devices x peak; None when the device's
+       peak is unknown, e.g. CPU), "peak_flops_per_device", "peak_memory_bytes" (device 0's allocator peak;
+       None where the backend keeps no statistics, e.g. CPU), "device_kind"}.
+
+    Raises:
+      ValueError: steps < 1.
+    """
+    from jaxpar import flops
+
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    plan = step.plan if step else _step_plan(cfg)
+    run = step.executable if step else make_train_step(plan)
+    state = init_state(plan, cfg.train.seed)
+    g, t, v = cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    k1, k2 = jax.random.split(jax.random.key(0))
+    batch = jax.device_put({"inputs": jax.random.randint(k1, (g, t), 0, v, jnp.int32),
+                            "targets": jax.random.randint(k2, (g, t), 0, v, jnp.int32),
+                            "loss_mask": jnp.ones((g, t), jnp.float32)}, plan.batch_sharding)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = run(state, batch)
+        jax.block_until_ready(metrics)
+        if i:
+            times.append(time.perf_counter() - t0)
+    seconds = statistics.median(times)
+    tokens_per_s = g * t / seconds
+    device = plan.mesh.devices.flat[0]
+    peak = flops.peak_flops(device.device_kind, peak_flops_override or cfg.train.peak_flops_per_device)
+    per_token = flops.flops_per_token(analytic["params"]["non_embedding"], cfg.model.n_layers, cfg.model.d_model,
+                                      t)
+    stats = device.memory_stats() or {}
+    return {"steps": steps, "step_time_s": seconds, "tokens_per_s": tokens_per_s,
+            "mfu": flops.mfu(tokens_per_s, per_token, plan.mesh.size, peak), "peak_flops_per_device": peak,
+            "peak_memory_bytes": stats.get("peak_bytes_in_use"), "device_kind": device.device_kind}

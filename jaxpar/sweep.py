@@ -1,0 +1,383 @@
+"""Mesh sweeps: plan (and optionally compile and time) every point of a grid of mesh shapes and config overrides.
+
+A sweep file (YAML, read with `yaml.safe_load`; relative paths are relative to the file):
+
+    base: ../tiny.yaml                  # required: the config every point starts from
+    overrides: [model.n_layers=2]       # optional: dotted overrides applied to every point
+    devices: 8                          # every factorisation of 8 into data x fsdp x tensor x pipeline ...
+    constraints: {max_tensor: 2, max_pipeline: 2}   # ... pruned by these (only with `devices`)
+    meshes: [{data: 8}, {data: 4, fsdp: 2}]        # ... or an explicit list (missing axes are 1)
+    vary: {optimizer.zero_stage: [1, 3], pipeline.microbatches: [1, 2]}   # cartesian product
+    objective: memory                   # memory | comm_bytes | tokens_per_s | step_time | mfu
+    memory_budget_gb: 24                # or memory_budget_bytes; points planned above it are not compiled or run
+    measure_steps: 0                    # K > 0: also run K steps per point (tokens/s, step time, MFU)
+    compile: true                       # compile each point's step (XLA memory analysis and HLO collectives)
+    fast_compile: false                 # jaxpar-plan --fast-compile (measured steps then run that code)
+    real_devices: false                 # compile/run on jax's own devices instead of simulated CPU devices
+    platform: gpu                       # target of the analytic plan when not compiling (compute_dtype auto)
+    timeout_s: 900                      # per point
+
+Constraints: max_data, max_fsdp, max_tensor, max_pipeline (ints), pipeline_divides_layers and
+tensor_divides_heads (bools, default true). Every point is validated with `jaxpar.config.resolve_config`;
+a point that fails is recorded with its error (status `invalid`), never stops the sweep. A point whose
+analytic peak estimate (`jaxpar.plan`, params + optimizer state + temp) exceeds the budget is recorded as
+`over_budget` and not compiled or run. Compiling and measuring run `python -m jaxpar.cli.plan ... --json` in a
+fresh subprocess per point, because the device count must be set before jax is imported.
+
+Resume: results.json in the output directory is rewritten after every point; a rerun skips points whose key
+(the point's full list of overrides) is already recorded as ok, over_budget or invalid, and retries failed ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import yaml
+
+from jaxpar.config import ConfigError, load_config, resolve_config
+
+AXES = ("data", "fsdp", "tensor", "pipeline")
+OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
+MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
+DONE = ("ok", "over_budget", "invalid")
+_KEYS = ("base", "overrides", "devices", "constraints", "meshes", "vary", "objective", "memory_budget_gb",
+         "memory_budget_bytes", "measure_steps", "compile", "fast_compile", "real_devices", "platform", "timeout_s")
+_CONSTRAINTS = {"max_data": int, "max_fsdp": int, "max_tensor": int, "max_pipeline": int,
+                "pipeline_divides_layers": bool, "tensor_divides_heads": bool}
+
+
+class SweepError(ValueError):
+    """A bad sweep file; the message names the key and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """A parsed sweep file (see the module docstring); `meshes` is the expanded list of {axis: size}."""
+
+    path: str
+    base: str
+    overrides: tuple[str, ...]
+    meshes: tuple[dict, ...]
+    vary: dict
+    objective: str
+    budget_bytes: float | None
+    measure_steps: int
+    compile: bool
+    fast_compile: bool
+    real_devices: bool
+    platform: str
+    timeout_s: float
+
+
+def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int) -> list[dict]:
+    """Every {data, fsdp, tensor, pipeline} with product `devices` that meets `constraints` (module docstring),
+    ordered by pipeline, tensor, fsdp (ascending)."""
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    out = []
+    for p, t, f in itertools.product(divisors, divisors, divisors):
+        if devices % (p * t * f):
+            continue
+        mesh = {"data": devices // (p * t * f), "fsdp": f, "tensor": t, "pipeline": p}
+        if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in AXES):
+            continue
+        if constraints.get("pipeline_divides_layers", True) and n_layers % p:
+            continue
+        if constraints.get("tensor_divides_heads", True) and n_heads % t:
+            continue
+        out.append(mesh)
+    return out
+
+
+def _check_type(key: str, value: Any, kind: type) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SweepError(f"{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _meshes(raw: dict, base_cfg) -> list[dict]:
+    if ("devices" in raw) == ("meshes" in raw):
+        raise SweepError("give exactly one of `devices: D` (all factorisations of D) or `meshes: [{data: 4, "
+                         "fsdp: 2}, ...]`")
+    if "devices" in raw:
+        devices = _check_type("devices", raw["devices"], int)
+        if devices < 1:
+            raise SweepError(f"devices: must be >= 1, got {devices}")
+        constraints = raw.get("constraints") or {}
+        if not isinstance(constraints, dict):
+            raise SweepError(f"constraints: must be a mapping such as {{max_tensor: 2}}, got {constraints!r}")
+        for key, value in constraints.items():
+            if key not in _CONSTRAINTS:
+                raise SweepError(f"unknown constraint constraints.{key}; valid: {', '.join(_CONSTRAINTS)}")
+            _check_type(f"constraints.{key}", value, _CONSTRAINTS[key])
+        out = factorisations(devices, constraints, base_cfg.model.n_layers, base_cfg.model.n_heads)
+        if not out:
+            raise SweepError(f"no factorisation of {devices} devices meets constraints {constraints}; relax them")
+        return out
+    if "constraints" in raw:
+        raise SweepError("constraints: only apply to `devices: D`; with `meshes` list the shapes you want")
+    meshes = raw["meshes"]
+    if not isinstance(meshes, list) or not meshes:
+        raise SweepError(f"meshes: must be a non-empty list of mappings like {{data: 4, fsdp: 2}}, got {meshes!r}")
+    out = []
+    for i, mesh in enumerate(meshes):
+        if not isinstance(mesh, dict) or not mesh:
+            raise SweepError(f"meshes[{i}]: must be a mapping like {{data: 4, fsdp: 2}}, got {mesh!r}")
+        for axis, size in mesh.items():
+            if axis not in AXES:
+                raise SweepError(f"meshes[{i}]: unknown mesh axis {axis!r}; valid: {', '.join(AXES)}")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise SweepError(f"meshes[{i}].{axis}: must be a positive integer, got {size!r}")
+        out.append({a: mesh.get(a, 1) for a in AXES})
+    return out
+
+
+def _vary(raw: Any, base: str, fixed: list[str]) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SweepError(f"vary: must be a mapping of dotted config keys to lists, got {raw!r}")
+    out = {}
+    for key, values in raw.items():
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"vary.{key}: must be a non-empty list of values, e.g. [1, 3]")
+        if str(key).startswith("mesh."):
+            raise SweepError(f"vary.{key}: mesh sizes come from `devices` or `meshes`, not from vary")
+        for value in values:  # the key must exist and every value have the right type
+            try:
+                load_config(base, [*fixed, f"{key}={_yaml_value(value)}"], validate=False)
+            except ConfigError as e:
+                raise SweepError(f"vary.{key}: {e}") from e
+        out[str(key)] = list(values)
+    return out
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else str(value)
+
+
+def load_sweep(path: str) -> Sweep:
+    """Reads and checks a sweep file (module docstring).
+
+    Raises:
+      SweepError: missing file, not YAML, not a mapping, unknown key, missing or bad base config, bad mesh list,
+        unknown vary key or value, unknown objective, a measured objective without measure_steps.
+    """
+    if not os.path.isfile(path):
+        raise SweepError(f"sweep file {path!r} does not exist; see configs/sweeps/ for examples")
+    with open(path, encoding="utf-8") as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise SweepError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise SweepError(f"{path}: the top level must be a mapping (base:, devices: or meshes:, vary:, ...), "
+                         f"got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_KEYS))
+    if unknown:
+        raise SweepError(f"{path}: unknown sweep key {unknown[0]!r}; valid keys: {', '.join(_KEYS)}")
+    if not isinstance(raw.get("base"), str) or not raw["base"]:
+        raise SweepError(f"{path}: `base:` must name the config every point starts from, e.g. base: ../tiny.yaml")
+    base = raw["base"] if os.path.isabs(raw["base"]) else os.path.join(os.path.dirname(path), raw["base"])
+    base = os.path.normpath(base)
+    fixed = raw.get("overrides") or []
+    if not isinstance(fixed, list) or not all(isinstance(o, str) for o in fixed):
+        raise SweepError(f"overrides: must be a list of strings like mesh.tensor=1, got {fixed!r}")
+    try:
+        base_cfg = load_config(base, fixed, validate=False)
+    except ConfigError as e:
+        raise SweepError(f"{path}: base config {raw['base']!r}: {e}") from e
+    objective = raw.get("objective", "memory")
+    if objective not in OBJECTIVES:
+        raise SweepError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
+    measure = _check_type("measure_steps", raw.get("measure_steps", 0), int)
+    if measure < 0:
+        raise SweepError(f"measure_steps: must be >= 0, got {measure}")
+    if objective in MEASURED_OBJECTIVES and not measure:
+        raise SweepError(f"objective {objective} needs measured steps: set measure_steps: K (e.g. 3)")
+    if "memory_budget_gb" in raw and "memory_budget_bytes" in raw:
+        raise SweepError("give memory_budget_gb or memory_budget_bytes, not both")
+    budget = None
+    if "memory_budget_gb" in raw:
+        budget = _check_type("memory_budget_gb", raw["memory_budget_gb"], float) * 1e9
+    elif "memory_budget_bytes" in raw:
+        budget = _check_type("memory_budget_bytes", raw["memory_budget_bytes"], float)
+    if budget is not None and budget <= 0:
+        raise SweepError(f"memory budget must be > 0, got {budget}")
+    platform = raw.get("platform", "gpu")
+    if platform not in ("gpu", "tpu", "cpu"):
+        raise SweepError(f"platform: {platform!r} is not one of gpu, tpu, cpu")
+    return Sweep(path=path, base=base, overrides=tuple(fixed), meshes=tuple(_meshes(raw, base_cfg)),
+                 vary=_vary(raw.get("vary"), base, list(fixed)), objective=objective, budget_bytes=budget,
+                 measure_steps=measure, compile=_check_type("compile", raw.get("compile", True), bool),
+                 fast_compile=_check_type("fast_compile", raw.get("fast_compile", False), bool),
+                 real_devices=_check_type("real_devices", raw.get("real_devices", False), bool),
+                 platform=platform, timeout_s=_check_type("timeout_s", raw.get("timeout_s", 900), float))
+
+
+def points(sweep: Sweep) -> list[dict]:
+    """The sweep's points: {"key" (all overrides, one string), "overrides" (mesh + varied, list), "devices",
+    "mesh"}, meshes outermost, then the cartesian product of `vary` in file order."""
+    out = []
+    names = list(sweep.vary)
+    for mesh in sweep.meshes:
+        for values in itertools.product(*(sweep.vary[k] for k in names)):
+            own = [f"mesh.{a}={mesh[a]}" for a in AXES] + [f"{k}={_yaml_value(v)}" for k, v in zip(names, values)]
+            out.append({"key": " ".join([*sweep.overrides, *own]), "overrides": own,
+                        "devices": math.prod(mesh.values()), "mesh": dict(mesh)})
+    return out
+
+
+def _planned_summary(analytic: dict) -> dict:
+    mem = analytic["memory"]
+    return {"model_state": mem["model_state"], "activations": mem["activations"], "total": mem["total"],
+            "peak_estimate": mem["peak_estimate"], "comm_bytes": sum(analytic["by_axis"].values()),
+            "by_axis": analytic["by_axis"]}
+
+
+def _compiled_summary(compiled: dict) -> dict:
+    ma = compiled["memory_analysis"]
+    rows = compiled["collectives"]
+    planned = sum(r["planned_bytes"] for r in rows)
+    got = sum(r["compiled_bytes"] for r in rows)
+    return {"params_plus_opt_state": compiled["state"]["params_plus_opt_state"],
+            "state_ratio": compiled["state"]["ratio"], "temp_bytes": ma["temp_bytes"],
+            "peak_bytes": ma["argument_bytes"] + ma["output_bytes"] - ma["alias_bytes"] + ma["temp_bytes"],
+            "comm_bytes": got, "comm_ratio": got / planned if planned else None,
+            "collectives": [{k: r[k] for k in ("key", "planned_bytes", "compiled_bytes", "ratio")} for r in rows]}
+
+
+def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
+    n = point["devices"]
+    cmd = [sys.executable, "-m", "jaxpar.cli.plan", sweep.base, *sweep.overrides, *point["overrides"],
+           "--devices", str(n), "--json", "--compile"]
+    cmd += ["--fast-compile"] if sweep.fast_compile else []
+    cmd += ["--measure-steps", str(sweep.measure_steps)] if sweep.measure_steps else []
+    cmd += ["--memory-budget-gb", repr(sweep.budget_bytes / 1e9)] if sweep.budget_bytes else []
+    env = dict(os.environ)
+    if sweep.real_devices:
+        cmd.append("--real-devices")
+    else:  # simulated CPU devices: the count must be set before jax starts, hence a fresh process
+        env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=sweep.timeout_s,
+                          env=env)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def run_point(sweep: Sweep, point: dict,
+              runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess) -> dict:
+    """Plans one point and, if the sweep asks and it fits the budget, compiles (and times) it in a subprocess.
+
+    Returns the point with "status" (ok | over_budget | invalid | failed), "error" (message or None),
+    "planned" (analytic summary, bytes per device), "compiled" and "measured" (None when not done) and
+    "seconds" (wall time of this point).
+    """
+    from jaxpar.plan import plan
+
+    t0 = time.perf_counter()
+    rec = {**point, "status": "ok", "error": None, "planned": None, "compiled": None, "measured": None}
+    try:
+        cfg = resolve_config(load_config(sweep.base, [*sweep.overrides, *point["overrides"]], validate=False),
+                             point["devices"])
+    except ConfigError as e:
+        return {**rec, "status": "invalid", "error": str(e), "seconds": time.perf_counter() - t0}
+    run = sweep.compile or sweep.measure_steps > 0
+    analytic = plan(cfg, "cpu" if run and not sweep.real_devices else sweep.platform)
+    rec["planned"] = _planned_summary(analytic)
+    budget = sweep.budget_bytes
+    if budget is not None and analytic["memory"]["peak_estimate"] > budget:
+        rec.update(status="over_budget", error=f"skipped: over budget (planned peak "
+                   f"{analytic['memory']['peak_estimate']:,.0f} B > {budget:,.0f} B per device)")
+    elif run:
+        try:
+            code, stdout, stderr = runner(sweep, point)
+        except subprocess.TimeoutExpired:
+            code, stdout, stderr = -1, "", f"timed out after {sweep.timeout_s:g} s (timeout_s)"
+        lines = [line for line in stdout.splitlines() if line.strip()]
+        if code != 0 or not lines:
+            tail = "\n".join(stderr.strip().splitlines()[-5:]) or f"exit status {code}"
+            rec.update(status="invalid" if code == 2 else "failed", error=tail)
+        else:
+            out = json.loads(lines[-1])
+            rec["compiled"] = _compiled_summary(out["compiled"])
+            rec["measured"] = out["measured"]
+            if out["over_budget"]:
+                rec.update(status="over_budget", error=f"skipped: over budget (compiled peak "
+                           f"{rec['compiled']['peak_bytes']:,} B > {budget:,.0f} B per device); not measured")
+    rec["seconds"] = time.perf_counter() - t0
+    return rec
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)  # atomic: an interrupted sweep never leaves half a results.json
+
+
+def load_results(path: str, sweep: Sweep) -> dict[str, dict]:
+    """Earlier records of this sweep in results.json, by point key ({} if the file does not exist).
+
+    Raises:
+      SweepError: the file is not a results.json of jaxpar-sweep, or was written for another base config.
+    """
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        records = data["points"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SweepError(f"{path} is not a jaxpar-sweep results file ({e}); delete it or pick another --out") from e
+    if data.get("base") != sweep.base:
+        raise SweepError(f"{path} holds results for base {data.get('base')!r}, not {sweep.base!r}; pick another "
+                         f"--out")
+    return {r["key"]: r for r in records}
+
+
+def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
+              runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess) -> list[dict]:
+    """Runs every point not finished earlier, rewriting out_dir/results.json and results.md after each and
+    drawing plot.png at the end (`jaxpar.sweep_report`). Returns the records in point order.
+
+    `runner(sweep, point) -> (exit status, stdout, stderr)` compiles/measures one point (default: a
+    `python -m jaxpar.cli.plan ... --json` subprocess). Raises SweepError for a foreign results.json."""
+    from jaxpar.sweep_report import write_markdown, write_plot
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "results.json")
+    records = load_results(path, sweep)
+    todo = points(sweep)
+    header = {"sweep": os.path.abspath(sweep.path), "base": sweep.base, "objective": sweep.objective,
+              "budget_bytes": sweep.budget_bytes, "measure_steps": sweep.measure_steps}
+
+    def ordered() -> list[dict]:
+        return [records[p["key"]] for p in todo if p["key"] in records]
+
+    for i, point in enumerate(todo, 1):
+        label = f"[{i}/{len(todo)}] {' '.join(point['overrides'])}"
+        old = records.get(point["key"])
+        if old and old["status"] in DONE:
+            log(f"{label}: done earlier ({old['status']}), skipped")
+            continue
+        rec = run_point(sweep, point, runner)
+        records[point["key"]] = rec
+        _write_json(path, {**header, "points": ordered()})
+        write_markdown(os.path.join(out_dir, "results.md"), header, ordered())
+        log(f"{label}: {rec['status']}{': ' + rec['error'].splitlines()[-1] if rec['error'] else ''} "
+            f"({rec['seconds']:.1f} s)")
+    _write_json(path, {**header, "points": ordered()})
+    write_markdown(os.path.join(out_dir, "results.md"), header, ordered())
+    write_plot(os.path.join(out_dir, "plot.png"), header, ordered())
+    return ordered()
