@@ -10,7 +10,10 @@ three train steps run on the same p simulated CPU devices, interleaved and timed
   * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
 "meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
-`jaxpar.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.pipeline_report`.
+`jaxpar.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.pipeline_report`; the model
+(`PIPELINE_MODEL`), mesh overrides and fast XLA:CPU compile options (`FAST_COMPILE`: about 4x faster compiles,
+temp bytes within a few percent of an optimised build, step times about 2x for every contender alike) in
+`jaxpar.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows.
 """
 from __future__ import annotations
 
@@ -18,29 +21,19 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before jax is imported: 8 simulated CPU devices
 
-import argparse  # noqa: E402
-import time  # noqa: E402
+import argparse
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jaxpar.bench import interleaved_step_times, median_seconds  # noqa: E402
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.mesh import build_mesh  # noqa: E402
-from jaxpar.pipeline_report import format_table, report_row  # noqa: E402
-from jaxpar.train.step import BATCH_KEYS, build_plan, init_state, make_train_step  # noqa: E402
-
-# Small enough that the whole default grid compiles and runs in a few minutes on 2 CPU cores.
-SMALL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-         "data.seq_len=32", "optimizer.zero_stage=0"]
-
-
-def mesh_overrides(p: int, pipelined: bool, schedule: str, m: int, rows: int) -> list[str]:
-    axes = ["mesh.fsdp=1", "mesh.tensor=1"]
-    axes += ["mesh.data=1", f"mesh.pipeline={p}"] if pipelined else [f"mesh.data={p}", "mesh.pipeline=1"]
-    return axes + [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m if pipelined else 1}",
-                   f"train.global_batch_size={m * rows}", "train.grad_accum_steps=1"]
+from jaxpar.bench import interleaved_step_times, median_seconds
+from jaxpar.bench_report import FAST_COMPILE, PIPELINE_MODEL, pipeline_overrides
+from jaxpar.config import load_config
+from jaxpar.mesh import build_mesh
+from jaxpar.pipeline_report import format_table, report_row
+from jaxpar.train.step import BATCH_KEYS, build_plan, init_state, make_train_step
 
 
 def random_batch(rows: int, seq: int, vocab: int, seed: int) -> dict:
@@ -48,14 +41,6 @@ def random_batch(rows: int, seq: int, vocab: int, seed: int) -> dict:
     return {"inputs": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
             "targets": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
             "loss_mask": np.ones((rows, seq), np.float32)}
-
-
-# XLA:CPU options that cut compile time about 4x (the grid compiles 3 steps per (p, m)): the legacy elemental
-# emitters and no LLVM optimisation, as tests/step_helpers.FAST_COMPILE. HLO passes (SPMD partitioning, fusion,
-# buffer assignment) still run, so temp bytes stay within a few percent of an optimised build; step times roughly
-# double for every contender alike. `--optimized` compiles normally.
-FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
-                "xla_llvm_disable_expensive_passes": True}
 
 
 class Contender:
@@ -101,7 +86,7 @@ def main() -> None:
         devices = jax.devices()[:p]
         for m in args.microbatches:
             def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
-                return load_config(args.config, SMALL + args.overrides + mesh_overrides(p, pipelined, sched, m, rows),
+                return load_config(args.config, PIPELINE_MODEL + args.overrides + pipeline_overrides(p, pipelined, sched, m, rows),
                                    num_devices=p)
 
             cfg = load(False)

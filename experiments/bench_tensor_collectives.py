@@ -8,7 +8,9 @@ settings are measured. For each: bytes per device per step by (mesh axes, collec
 jaxpar step, next to the same for a step where the compiler picks the collectives (one jit over global arrays,
 parameters placed by plan.specs["params"], no shard_map, no tensor-parallel context); then the tensor-axis
 bytes against `jaxpar.comm.tensor_parallel_terms` (ratio HLO / analytic, target <= 1.02), and the median step
-time explicit / compiler-chosen measured in one interleaved run.
+time explicit / compiler-chosen measured in one interleaved run. The compiler-chosen step is
+`jaxpar.bench_baselines.compiler_chosen_step` and the analytic count `jaxpar.bench_report.tensor_analytic`;
+experiments/benchmarks.py reports the HLO / analytic ratios with the other benchmarks.
 """
 from __future__ import annotations
 
@@ -16,69 +18,18 @@ import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before jax is imported: 8 simulated CPU devices
 
-import argparse  # noqa: E402
+import argparse
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from jaxpar.bench import interleaved_step_times, median_seconds, round_medians  # noqa: E402
-from jaxpar.comm import tensor_parallel_bytes, tensor_parallel_terms  # noqa: E402
-from jaxpar.config import load_config  # noqa: E402
-from jaxpar.hlo import collectives_by_axis, format_axis_table  # noqa: E402
-from jaxpar.mesh import build_mesh, describe  # noqa: E402
-from jaxpar.model import token_loss_sum  # noqa: E402
-from jaxpar.sharding import partitioned_over_data  # noqa: E402
-from jaxpar.train.step import BATCH_KEYS, abstract_state, build_plan, init_state, make_train_step  # noqa: E402
-
-
-def compiler_chosen_step(plan):
-    """The same loss, gradient and optax update as `make_train_step`, jitted on global arrays: the partitioner
-    inserts every collective from the parameter and batch shardings alone."""
-
-    def loss_fn(params, batch):
-        logits = plan.mdef.bind(params)(batch["inputs"], plan.compute_dtype)
-        return token_loss_sum(logits, batch["targets"], batch["loss_mask"]) / jnp.maximum(
-            jnp.sum(batch["loss_mask"]), 1.0)
-
-    def step(state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        target = state["master"] if plan.has_master else state["params"]
-        updates, opt_state = plan.tx.update(grads, state["opt_state"], target)
-        target = optax.apply_updates(target, updates)
-        new = {"step": state["step"] + 1, "opt_state": opt_state, "params": target}
-        if plan.has_master:
-            new["master"] = target
-            new["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), target)
-        return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-    batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
-    return jax.jit(step, in_shardings=(plan.state_shardings, batch_shardings),
-                   out_shardings=(plan.state_shardings, NamedSharding(plan.mesh, P())), donate_argnums=0)
-
-
-def random_batch(cfg, sharding, seed: int = 0) -> dict:
-    g, t, v = cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    batch = {"inputs": jax.random.randint(k1, (g, t), 0, v, jnp.int32),
-             "targets": jax.random.randint(k2, (g, t), 0, v, jnp.int32),
-             "loss_mask": jnp.ones((g, t), jnp.float32)}
-    return jax.device_put(batch, sharding)
-
-
-def analytic(plan) -> tuple[list, dict]:
-    cfg, shape = plan.cfg, plan.mesh_shape
-    accum = cfg.train.grad_accum_steps
-    rows = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum)
-    shards = shape["fsdp"] * (shape["data"] if partitioned_over_data("grads", cfg.optimizer.zero_stage) else 1)
-    terms = tensor_parallel_terms(rows=rows, seq_len=cfg.data.seq_len, d_model=cfg.model.d_model,
-                                  n_layers=cfg.model.n_layers, microbatches=accum, tensor=shape["tensor"],
-                                  sequence_parallel=plan.tensor_parallel.sequence_parallel,
-                                  compute_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype,
-                                  fsdp_shards=shards, remat=cfg.model.remat)
-    return terms, tensor_parallel_bytes(terms, shape["tensor"])
+from jaxpar.bench import interleaved_step_times, median_seconds, round_medians
+from jaxpar.bench_baselines import compiler_chosen_step, random_batch
+from jaxpar.bench_report import tensor_analytic, tensor_axis_bytes
+from jaxpar.config import load_config
+from jaxpar.hlo import collectives_by_axis, format_axis_table
+from jaxpar.mesh import build_mesh, describe
+from jaxpar.train.step import abstract_state, build_plan, init_state, make_train_step
 
 
 def main() -> None:
@@ -107,11 +58,11 @@ def main() -> None:
         print("Per step, bytes sent per device (ring formulas, FORMULAS.md):")
         print(format_axis_table(tables))
 
-        terms, want = analytic(plan)
+        terms, want = tensor_analytic(plan)
         print("\nTensor axis, HLO (explicit step) vs Megatron analytic:")
         for t in terms:
             print(f"  analytic term {t.name:<16}{t.kind:<16}x{t.count:<4} S={t.size_bytes:,.0f} B")
-        got = {kind: v["bytes"] for (axes, kind), v in tables["explicit"].items() if axes == ("tensor",)}
+        got = tensor_axis_bytes(tables["explicit"])
         for kind in sorted(set(want) | set(got)):
             g, w = got.get(kind, 0.0), want.get(kind, 0.0)
             ratio = f"{g / w:.4f}" if w else "n/a"
