@@ -30,6 +30,7 @@ def test_non_finite_gradients_are_skipped_then_stop_the_run(tmp_path):
     assert not np.isfinite(rows[0]["grad_norm"])
 
 
+@pytest.mark.slow
 def test_divergence_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypatch):
     """Parameters poisoned with NaN at step 6: steps 6 and 7 are skipped, no checkpoint is taken of the bad
     state, the run rolls back to step 4 once and finishes with finite losses on later batches."""

@@ -19,6 +19,7 @@ def test_flops_per_token_by_hand():
     assert flops.flops_per_token(1000, 2, 16, 32) == 18288.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "dots", "names", "full"])
 def test_recompute_flops_match_xla_cost_analysis(policy):
     """The extra FLOPs a remat policy costs equal XLA's count for the compiled gradient, within 1%.

@@ -80,8 +80,10 @@ def _measure(zero: int, layout: str, data: int = 8, fsdp: int = 1):
 
 
 # fp32 at every ZeRO stage on data=8; 16p ZeRO-1 on data=8 and ZeRO-3 on data=4 x fsdp=2 (the F divisor).
-CASES = [(0, "fp32", 8, 1), (1, "fp32", 8, 1), (2, "fp32", 8, 1), (3, "fp32", 8, 1),
-         (1, "16p", 8, 1), (3, "16p", 4, 2)]
+# Three of them run under `-m slow` only, to keep the default suite within its time budget.
+CASES = [pytest.param(0, "fp32", 8, 1, marks=pytest.mark.slow), (1, "fp32", 8, 1),
+         pytest.param(2, "fp32", 8, 1, marks=pytest.mark.slow), (3, "fp32", 8, 1),
+         pytest.param(1, "16p", 8, 1, marks=pytest.mark.slow), (3, "16p", 4, 2)]
 
 
 @pytest.mark.parametrize("zero,layout,data,fsdp", CASES)

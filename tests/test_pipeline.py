@@ -341,6 +341,7 @@ RUN = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "data.seq_len=3
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_resume_with_pipeline_reproduces_losses(tmp_path):
     """A 4-step pipelined run, then its step-4 checkpoint and metrics removed and the same config run again in
     the same directory: it resumes at step 2 and steps 3 and 4 reproduce the uninterrupted run bitwise."""

@@ -79,8 +79,13 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-@pytest.mark.parametrize("mesh_name", list(MESHES))
+# Every ZeRO stage and every mesh runs by default; the other 11 pairs run under `-m slow` (suite time budget).
+DEFAULT_PAIRS = {("data8", 0), ("data8", 1), ("data2_fsdp4", 2), ("data4_fsdp2", 3), ("fsdp8", 3)}
+PAIRS = [pytest.param(m, z, id=f"{m}-{z}", marks=() if (m, z) in DEFAULT_PAIRS else pytest.mark.slow)
+         for m in MESHES for z in (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("mesh_name,zero", PAIRS)
 def test_one_step_equals_single_device(mesh_name, zero, reference):
     if jax.device_count() < 8:
         pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
