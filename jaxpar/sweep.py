@@ -343,7 +343,18 @@ def load_results(path: str, sweep: Sweep) -> dict[str, dict]:
     if data.get("base") != sweep.base:
         raise SweepError(f"{path} holds results for base {data.get('base')!r}, not {sweep.base!r}; pick another "
                          f"--out")
+    saved, now = data.get("settings", {}), _settings(sweep)
+    changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
+    if changed:
+        raise SweepError(f"{path} holds results measured with other settings ({'; '.join(changed)}); finished "
+                         f"points would not be comparable: pick another --out, or delete it to start over")
     return {r["key"]: r for r in records}
+
+
+def _settings(sweep: Sweep) -> dict:
+    """What each point's numbers depend on besides its overrides (a resumed sweep must match them)."""
+    return {"measure_steps": sweep.measure_steps, "compile": sweep.compile, "fast_compile": sweep.fast_compile,
+            "real_devices": sweep.real_devices, "platform": sweep.platform}
 
 
 def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
@@ -360,7 +371,8 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
     records = load_results(path, sweep)
     todo = points(sweep)
     header = {"sweep": os.path.abspath(sweep.path), "base": sweep.base, "objective": sweep.objective,
-              "budget_bytes": sweep.budget_bytes, "measure_steps": sweep.measure_steps}
+              "budget_bytes": sweep.budget_bytes, "measure_steps": sweep.measure_steps,
+              "settings": _settings(sweep)}
 
     def ordered() -> list[dict]:
         return [records[p["key"]] for p in todo if p["key"] in records]

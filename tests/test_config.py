@@ -82,6 +82,14 @@ def test_bad_override_syntax_and_files(tmp_path):
         load_config(TINY, ["steps50"], num_devices=8)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"), num_devices=8)
+    with pytest.raises(ConfigError, match="is a directory; pass a YAML file"):
+        load_config(str(tmp_path), num_devices=8)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00model")
+    with pytest.raises(ConfigError, match="not a UTF-8 text file"):
+        load_config(str(binary), num_devices=8)
+    with pytest.raises(ConfigError, match="simulate devices with --cpu-devices N"):
+        load_config(TINY, num_devices=1)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):

@@ -276,6 +276,16 @@ def test_build_loaders_on_text(tmp_path, sharding):
     assert first[0] == BOS_ID  # validation is unshuffled: row 0 starts the first held-out document
 
 
+def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, sharding):
+    path = tmp_path / "tokens.bin"
+    (np.arange(4000) % 300).astype(np.uint16).tofile(path)  # ids up to 299
+    cfg = DataConfig(source="tokens", path=str(path), token_dtype="uint16", seq_len=16, validation_fraction=0.2)
+    with pytest.raises(ConfigError, match=r"token id 299, but model.vocab_size=264 .*at least 300"):
+        build_loaders(cfg, 8, sharding, vocab_size=264)
+    train, _, _ = build_loaders(cfg, 8, sharding, vocab_size=300)
+    assert train.num_sequences >= 8
+
+
 # --- stats -------------------------------------------------------------------------------------------------
 
 def test_unigram_entropy_uniform_is_log_k():

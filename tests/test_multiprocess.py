@@ -58,7 +58,22 @@ def test_launcher_fails_fast_and_stops_the_others():
     assert time.monotonic() - start < 15  # the sleeping process was terminated, not waited for
 
 
-def test_launcher_needs_a_command():
+def test_launcher_rejects_bad_arguments_with_a_message(capsys):
     from jaxpar.cli.launch import main
     assert main(["-n", "2"]) == 2
+    assert "no COMMAND" in capsys.readouterr().err
     assert main(["-n", "0", "--", "true"]) == 2
+    assert main(["-n", "2", "--devices-per-process", "0", "--", "true"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
+    assert main(["-n", "1", "--", "/nonexistent/command"]) == 127
+    assert "'/nonexistent/command' not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as help_exit:
+        main(["--help"])
+    assert help_exit.value.code == 0 and "--devices-per-process" in capsys.readouterr().out
+
+
+def test_train_cli_rejects_a_bad_fault_spec_before_any_work(monkeypatch, capsys):
+    from jaxpar.cli.train import main
+    monkeypatch.setenv("JAXPAR_INJECT_FAULT", "stall@x")
+    assert main([os.path.join(ROOT, "configs", "tiny.yaml")]) == 2
+    assert "bad entry 'stall@x'" in capsys.readouterr().err

@@ -146,6 +146,13 @@ def test_analytic_sweep_writes_outputs_and_resumes(tmp_path):
     assert all("done earlier" in line for line in logs2) and len(logs2) == 6
     assert again == saved["points"]  # nothing recomputed (same wall times)
 
+    # Changed measurement settings make the finished points incomparable: refused, results.json kept as it was.
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(open(path).read().replace("compile: false", "compile: true"))
+    with pytest.raises(SweepError, match=r"other settings \(compile False -> True\).*another --out"):
+        run_sweep(load_sweep(str(changed)), str(out), log=logs2.append)
+    assert json.loads((out / "results.json").read_text()) == saved
+
 
 def _fake_runner(calls: list, fail_on: set[int] = frozenset(), interrupt_on: int | None = None):
     """Stands in for the `jaxpar-plan --compile --json` subprocess: returns a minimal compiled result."""

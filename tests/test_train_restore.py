@@ -36,6 +36,16 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
     resumed = train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=3"))
     assert resumed.start_step == 2 and sorted(resumed.losses) == [3]
 
+    # The run's own checkpoints win over checkpoint.restore_from (which only seeds a fresh run), so the same
+    # command run again resumes instead of going back to the seed.
+    again = train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=3",
+                       f"checkpoint.restore_from={tmp_path / 'checkpoints' / '2'}"))
+    assert again.start_step == 3 and again.losses == {}
+    saved = (tmp_path / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"already at step 3, past train.steps=2; raise train.steps"):
+        train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=2"))
+    assert (tmp_path / "config.yaml").read_text() == saved
+
 
 def test_restore_from_bad_paths_fail_at_load_or_before_steps(tmp_path):
     with pytest.raises(ConfigError, match="is not a directory"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -94,21 +95,25 @@ def launch(command: list[str], num_processes: int, devices_per_process: int | No
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if "--" not in argv:
-        print("usage: jaxpar-launch -n K [--devices-per-process D] -- COMMAND ...", file=sys.stderr)
-        return 2
-    split = argv.index("--")
+    split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(prog="jaxpar-launch", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=None, help="CPU devices simulated per process")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on failure")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    args = p.parse_args(argv[:split])
+    args = p.parse_args(argv[:split])  # exits 0 for --help, 2 for bad flags
     command = argv[split + 1:]
-    if not command or args.num_processes < 1 or (args.devices_per_process or 1) < 1:
-        print("jaxpar-launch: need -n >= 1, --devices-per-process >= 1 and a COMMAND after --", file=sys.stderr)
+    if not command:
+        print("jaxpar-launch: no COMMAND: put the command to run after `--`, e.g. jaxpar-launch -n 2 -- "
+              "jaxpar-train configs/tiny.yaml", file=sys.stderr)
         return 2
+    if args.num_processes < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
+        print("jaxpar-launch: -n and --devices-per-process must be >= 1", file=sys.stderr)
+        return 2
+    if shutil.which(command[0]) is None:
+        print(f"jaxpar-launch: command {command[0]!r} not found (not on PATH, or not executable)", file=sys.stderr)
+        return 127
     return launch(command, args.num_processes, args.devices_per_process, args.grace, args.port)
 
 

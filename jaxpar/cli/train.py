@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = list(args.overrides)
     if args.restore_from:
         overrides.append(f"checkpoint.restore_from={args.restore_from}")
+    from jaxpar.train import faults
+    try:
+        faults.parse(os.environ.get(faults.ENV, ""))
+    except ValueError as e:
+        print(f"jaxpar-train: {e}", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(args.config, overrides, validate=False)
         distributed.initialize(cfg.distributed)  # before anything asks jax for devices

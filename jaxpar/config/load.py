@@ -26,6 +26,8 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
     """Reads `path`, resolving its `base:` chain; returns the merged mapping (without `base`)."""
     if depth > _MAX_BASE_DEPTH:
         raise ConfigError(f"{path}: `base` chain deeper than {_MAX_BASE_DEPTH}; is there a cycle?")
+    if os.path.isdir(path):
+        raise ConfigError(f"config {path!r} is a directory; pass a YAML file such as configs/tiny.yaml")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist; pass a path such as configs/tiny.yaml")
     with open(path, encoding="utf-8") as f:
@@ -33,6 +35,8 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
             raw = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason}); pass a YAML config") from e
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections (model:, mesh:, ...)")

@@ -23,6 +23,13 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _cpu_hint(num_devices: int) -> str:
+    if num_devices != 1:
+        return ""
+    return ("; on a machine without accelerators, simulate devices with --cpu-devices N (JAX_NUM_CPU_DEVICES=N) "
+            "or use --devices N with jaxpar-plan")
+
+
 def sequence_parallel(cfg: Config, tensor_size: int) -> bool:
     """`tensor.sequence_parallel`, with null meaning: on whenever the tensor axis is larger than 1."""
     if cfg.tensor.sequence_parallel is None:
@@ -52,12 +59,12 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         if num_devices % fixed:
             raise ConfigError(
                 f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to {fixed}, "
-                f"which does not divide {num_devices}; change the other mesh sizes")
+                f"which does not divide {num_devices}; change the other mesh sizes{_cpu_hint(num_devices)}")
         sizes[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ConfigError(
             f"mesh: data*fsdp*tensor*pipeline = {fixed} but there are {num_devices} devices; make the product "
-            f"equal the device count (or set one axis to -1), e.g. mesh.fsdp=-1")
+            f"equal the device count (or set one axis to -1), e.g. mesh.fsdp=-1{_cpu_hint(num_devices)}")
     return sizes
 
 

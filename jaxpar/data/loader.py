@@ -117,8 +117,8 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
     return np.concatenate([np.arange(start, stop) for start, stop in blocks])
 
 
-def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sharding.NamedSharding
-                  ) -> tuple[DataLoader, DataLoader, dict]:
+def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sharding.NamedSharding,
+                  vocab_size: int | None = None) -> tuple[DataLoader, DataLoader, dict]:
     """Reads, splits and packs the corpus; returns (train_loader, val_loader, info).
 
     The train loader shuffles with `data.seed`; the validation loader keeps file order (shuffle=False).
@@ -126,9 +126,17 @@ def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sh
     "val_unigram_entropy" (nats/token, see `jaxpar.data.unigram_entropy`).
 
     Raises:
-      ConfigError: from `load_tokens`, or a split with fewer than `global_batch_size` sequences.
+      ConfigError: from `load_tokens`, a split with fewer than `global_batch_size` sequences, or a token id
+        >= `vocab_size` (when given).
     """
     train_tokens, val_tokens = load_tokens(data_cfg)
+    if vocab_size is not None:
+        largest = int(max(train_tokens.max(), val_tokens.max()))
+        if largest >= vocab_size:
+            raise ConfigError(
+                f"data.source={data_cfg.source} holds token id {largest}, but model.vocab_size={vocab_size} "
+                f"allows ids below {vocab_size}; set model.vocab_size to at least {largest + 1} (a multiple of "
+                f"mesh.tensor), or check data.path and data.token_dtype")
     train, val = pack(train_tokens, data_cfg.seq_len), pack(val_tokens, data_cfg.seq_len)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = DataLoader(val, global_batch_size, sharding, data_cfg.seed, shuffle=False, split="validation")

@@ -121,20 +121,26 @@ def _memory_bytes(compiled) -> dict[str, int | None]:
 
 
 def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
-    """Returns (state, data_state) from `checkpoint.restore_from`, else RUN_DIR's latest checkpoint, else
-    (None, None).
+    """Returns (state, data_state) from RUN_DIR's latest checkpoint, else from `checkpoint.restore_from`, else
+    (None, None). A run's own checkpoints come first, so rerunning a command that seeded the run from another
+    checkpoint resumes where it stopped.
 
     Raises:
       ConfigError: the path holds no complete checkpoint, or the checkpoint's arrays do not fit this config.
     """
     target = abstract_state(plan)
-    source = cfg.checkpoint.restore_from or (ckpt.directory if ckpt is not None else "")
+    own = ckpt is not None and ckpt.latest_step() is not None
+    source = ckpt.directory if own else cfg.checkpoint.restore_from
     try:
+        if own:  # the run's own progress wins over checkpoint.restore_from, which only seeds a fresh run
+            if cfg.checkpoint.restore_from:
+                _log(f"resuming from this run's own checkpoints in {ckpt.directory}; checkpoint.restore_from="
+                     f"{cfg.checkpoint.restore_from} only starts a run that has none")
+            state, data_state, _ = ckpt.restore(None, target)
+            return state, data_state
         if cfg.checkpoint.restore_from:
             state, data_state, _ = restore_from_path(cfg.checkpoint.restore_from, target)
-            return state, data_state
-        if ckpt is not None and ckpt.latest_step() is not None:
-            state, data_state, _ = ckpt.restore(None, target)
+            _log(f"restored from {cfg.checkpoint.restore_from}")
             return state, data_state
     except FileNotFoundError as e:
         raise ConfigError(f"{e}; pass a run's checkpoints/ directory or one of its step directories to "
@@ -166,7 +172,10 @@ def train(cfg: Config) -> TrainResult:
     print(f"jaxpar: {describe_process()}", flush=True)  # every process, once
     _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
          f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
-    train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding)
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"train.run_dir={run_dir!r} is a file; give a directory (it is created if missing)")
+    train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
+                                                   cfg.model.vocab_size)
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
          f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens")
 
@@ -180,6 +189,9 @@ def train(cfg: Config) -> TrainResult:
     else:
         train_loader.set_state(data_state)
     start = int(state["step"])
+    if start > t.steps:
+        raise ConfigError(f"the run in train.run_dir={run_dir!r} is already at step {start}, past train.steps="
+                          f"{t.steps}; raise train.steps to train on, or give another train.run_dir")
     if jax.process_index() == 0:  # only once the state fits: a failed restore leaves the old config.yaml
         os.makedirs(run_dir, exist_ok=True)
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
