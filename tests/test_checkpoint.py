@@ -176,6 +176,8 @@ def test_background_failure_surfaces_in_wait(tmp_path, mesh, monkeypatch):
     ckpt.close()
 
 
+# Orbax's background reader may report its closed event loop after the failed read: noise, not a result.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate_arrays", "garble_metadata"])
 def test_corrupted_latest_falls_back_to_previous_with_warning(tmp_path, mesh, damage):
     """A committed step whose files were damaged afterwards is skipped with a warning; the older step restores,
