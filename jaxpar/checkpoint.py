@@ -261,7 +261,8 @@ class Checkpointer:
 
 
 def restore_from_path(path: str, abstract_state: Any) -> tuple[Any, dict, dict]:
-    """Restore (state, data_state, config) from a checkpoint root (latest step) or one step directory `.../<step>`.
+    """Restore (state, data_state, config) from a run directory or checkpoint root (latest step), or one step
+    directory `.../<step>`.
 
     Raises:
       FileNotFoundError: `path` does not exist, or holds no complete checkpoint.
@@ -270,6 +271,8 @@ def restore_from_path(path: str, abstract_state: Any) -> tuple[Any, dict, dict]:
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if os.path.isdir(os.path.join(path, "checkpoints")) and not os.path.isdir(os.path.join(path, _STATE)):
+        path = os.path.join(path, "checkpoints")  # a run directory: its checkpoints
     name = os.path.basename(path)
     if _STEP_NAME.fullmatch(name) and os.path.isdir(os.path.join(path, _STATE)):
         root, step = os.path.dirname(path), int(name)

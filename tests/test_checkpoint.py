@@ -157,6 +157,10 @@ def test_async_save_then_wait_and_restore_from_path(tmp_path, mesh):
     _assert_bitwise_equal(latest, states[2])
     assert data == {"next_sample": 20} and config == {"seed": 2}
     first, data, _ = restore_from_path(str(tmp_path / "1"), target)
+    run_dir = tmp_path.parent / f"{tmp_path.name}_run"  # a run directory holding checkpoints/ works too
+    os.makedirs(run_dir)
+    os.symlink(tmp_path, run_dir / "checkpoints")
+    assert restore_from_path(str(run_dir), target)[1] == {"next_sample": 20}
     _assert_bitwise_equal(first, states[1])
     assert data == {"next_sample": 10}
 

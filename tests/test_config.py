@@ -70,6 +70,7 @@ def test_resolved_config_round_trips(tmp_path):
     (["precision.layout=fp8"], "precision.layout='fp8'"),
     (["model.remat=some"], "model.remat='some'"),
     (["data.validation_fraction=1.5"], "data.validation_fraction"),
+    (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan must be a finite number"),
 ])
 def test_bad_config_names_key_and_fix(overrides, needle):
     with pytest.raises(ConfigError) as err:

@@ -19,6 +19,8 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value != value or value in (float("inf"), float("-inf")):  # NaN compares false with everything
+        raise ConfigError(f"{key}={value} must be a finite number")
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
@@ -123,7 +125,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
 
     if c.restore_from and not os.path.isdir(c.restore_from):
         raise ConfigError(f"checkpoint.restore_from={c.restore_from!r} (--restore-from) is not a directory; give a "
-                          f"run's checkpoints/ directory or one of its step directories")
+                          f"run directory, its checkpoints/ directory or one of its step directories")
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep", c.keep)
     for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_batches", "max_bad_steps"):

@@ -143,8 +143,8 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
             _log(f"restored from {cfg.checkpoint.restore_from}")
             return state, data_state
     except FileNotFoundError as e:
-        raise ConfigError(f"{e}; pass a run's checkpoints/ directory or one of its step directories to "
-                          f"--restore-from (checkpoint.restore_from)") from e
+        raise ConfigError(f"{e}; pass a run directory, its checkpoints/ directory or one of its step "
+                          f"directories to --restore-from (checkpoint.restore_from)") from e
     except ValueError as e:
         lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
         lines.sort(key=lambda line: not line.startswith("params."))  # parameters say most about the model
