@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
+from jaxpar.train.optimizer import weight_decay_mask
 from jaxpar.train.step import BATCH_KEYS, StepPlan, build_plan
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
@@ -20,11 +21,9 @@ CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "co
 # d_model = 64 divides by 8 for every state sharding, vocab 264 is the byte tokenizer's minimum.
 TINY = ("mesh.tensor=1", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
         "model.d_ff=128", "data.seq_len=8")
-# Adam's first step maps g to about g / (|g| + eps): with the default eps = 1e-8, fp32 rounding noise in
-# near-zero gradient entries becomes an update of a sizable fraction of the learning rate, so two correct
-# layouts disagree there. eps = 1e-3 keeps the update a well-conditioned function of the gradient.
-# No warmup: the default schedule starts at learning rate 0, which would make every update trivially equal.
-WELL_CONDITIONED_ADAM = ("optimizer.eps=1.0e-3", "optimizer.warmup_steps=0")
+# The compared step is the optimizer's first, at the schedule's peak rate: no warmup. Adam keeps its default
+# eps (1e-8); `assert_adam_step_close` carries the gradients' tolerance through Adam's conditioning.
+FIRST_STEP_AT_PEAK = ("optimizer.warmup_steps=0",)
 FP32 = ("precision.compute_dtype=float32", "precision.layout=fp32")
 VOCAB = 264
 
@@ -116,30 +115,85 @@ def assert_tree_close(actual, expected, rtol: float, elementwise: bool = True) -
             np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=name)
 
 
-def assert_update_close(new, expected_new, old, rtol: float, elementwise: bool = True) -> None:
-    """The optimizer update `new - old` against `expected_new - old`, as `assert_tree_close` would compare
-    it, except that elementwise each entry may also differ by one unit in the last place of the parameter.
+# Unit roundoff of fp32 (half an ulp of 1.0): one correctly rounded operation changes a value by at most this
+# fraction of it.
+U32 = 2.0 ** -24
 
-    Both sides store `old + update` in fp32, so an update that agrees to 1e-7 can still round to parameters
-    one ulp apart, and one ulp of a parameter (|p| ~ 0.02: 2e-9) exceeds rtol * max|update| for leaves with
-    small updates. The norm-wise bound stays as strict as `assert_tree_close`'s; `elementwise` as there.
+
+def _adam_constants(opt) -> dict:
+    """AdamW's hyperparameters as the fp32 numbers the compiled step uses (0.9 is 0.89999998 in fp32), in
+    float64 for the host-side arithmetic below."""
+    f32 = lambda x: float(np.float32(x))  # noqa: E731
+    return {"b1": f32(opt.b1), "b2": f32(opt.b2), "eps": f32(opt.eps), "wd": f32(opt.weight_decay)}
+
+
+def assert_adam_step_close(got: dict, want: dict, old_params, rtol: float, *, opt, lr: float, decayed,
+                           elementwise: bool = True) -> None:
+    """One AdamW step from `old_params` (optimizer count 0 -> 1) in a layout under test against the reference.
+
+    `got` and `want` hold "mu", "nu" (Adam's moments after the step) and "params" (after the step: the fp32
+    master copy under the 16p layout), numpy trees; `opt` is the OptimizerConfig, `lr` the rate applied (the
+    step's learning-rate metric), `decayed` the weight-decay mask (`jaxpar.train.optimizer.weight_decay_mask`).
+
+    Every bound follows from what is compared:
+      1. mu = (1 - b1) * g, the (clipped) gradient scaled exactly: `assert_tree_close` at `rtol`, the
+         gradient's own tolerance. The gradients are the only thing a layout changes: reordered sums.
+      2. nu = (1 - b2) * g^2: squaring doubles a relative error, so 2 * rtol.
+      3. The update equals AdamW applied to the layout's own moments, recomputed here in float64: the step
+         computes it in about 8 fp32 roundings of sizes |a| = |m_hat / (sqrt(v_hat) + eps)| and |wd * p|
+         (bias corrections, sqrt, + eps, divide, weight decay, * lr), so |delta u| <= 8 * U32 * lr *
+         (|a| + |wd * p|), plus one ulp of the stored parameter. This checks the optimizer, not the layout.
+      4. The update against the reference's, through Adam's conditioning: at count 1, m_hat = g and
+         sqrt(v_hat) = |g|, so u = -lr * (g / (|g| + eps) + wd * p), whose slope in g is
+         lr * eps / (|g| + eps)^2: at most lr / eps near g = 0 (1e8 * lr with the default eps), so an entry
+         whose gradient is within its tolerance of zero may move by up to that slope times the tolerance,
+         while a gradient far from zero (|g| >> eps) pins the update. The bound per entry is the largest
+         slope over the gradient's tolerance interval [|g| - tol, |g| + tol] (mean value theorem) times
+         tol = rtol * (|g| + max|g|) (the tolerance of 1, elementwise), plus the roundings of 3 on both
+         sides. With `elementwise=False` (bf16 against fp32) 1 and 2 are norm-wise and 4 is skipped: single
+         bf16 entries carry 8-bit rounding, which no elementwise bound through lr / eps can hold.
     """
-    for (path, n), e, o in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(expected_new),
-                               jax.tree.leaves(old)):
+    assert_tree_close(got["mu"], want["mu"], rtol, elementwise)
+    assert_tree_close(got["nu"], want["nu"], 2 * rtol, elementwise)
+    c = _adam_constants(opt)
+    leaves = zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want["params"]),
+                 jax.tree.leaves(old_params), jax.tree.leaves(got["mu"]), jax.tree.leaves(got["nu"]),
+                 jax.tree.leaves(want["mu"]), jax.tree.leaves(decayed))
+    for (path, new), ref_new, old, mu, nu, ref_mu, decay in leaves:
         name = jax.tree_util.keystr(path)
-        n, e, o = np.asarray(n), np.asarray(e), np.asarray(o)
-        assert n.dtype == e.dtype == o.dtype and n.shape == e.shape == o.shape, name
-        got, want = n.astype(np.float64) - o, e.astype(np.float64) - o
-        scale = float(np.max(np.abs(want)))
-        assert scale > 0, f"{name}: the expected update is zero, the comparison would assert nothing"
-        rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-        assert rel <= rtol, f"{name}: update norm-wise relative error {rel:.3g} > {rtol:g}"
+        new, ref_new, old = (np.asarray(x) for x in (new, ref_new, old))
+        assert new.dtype == ref_new.dtype == old.dtype == np.float32 and new.shape == ref_new.shape == old.shape, name
+        p = old.astype(np.float64)
+        wd_p = c["wd"] * p if decay else np.zeros_like(p)
+        # 3. AdamW on the layout's own moments, exactly (float64), at count 1.
+        m_hat = np.asarray(mu, np.float64) / (1.0 - c["b1"])
+        v_hat = np.asarray(nu, np.float64) / (1.0 - c["b2"])
+        a = m_hat / (np.sqrt(v_hat) + c["eps"])
+        expected = -lr * (a + wd_p)
+        got_u = new.astype(np.float64) - p
+        rounding = 8 * U32 * lr * (np.abs(a) + np.abs(wd_p)) + np.spacing(np.abs(new)).astype(np.float64)
+        bad = np.abs(got_u - expected) > rounding
+        assert not bad.any(), (f"{name}: {int(bad.sum())} update entries are not AdamW of this layout's own "
+                               f"moments, e.g. {got_u[bad][:3]} vs {expected[bad][:3]}")
         if not elementwise:
             continue
-        ulp = np.spacing(np.maximum(np.abs(n), np.abs(e))).astype(np.float64)
-        bad = np.abs(got - want) > rtol * np.abs(want) + rtol * scale + ulp
-        assert not bad.any(), (f"{name}: {int(bad.sum())} update entries differ by more than "
-                               f"rtol * (|u| + max|u|) + 1 ulp, e.g. {got[bad][:3]} vs {want[bad][:3]}")
+        # 4. Against the reference update, through Adam's slope over the gradient's tolerance interval.
+        g = np.asarray(ref_mu, np.float64) / (1.0 - c["b1"])
+        tol = rtol * (np.abs(g) + np.max(np.abs(g)))
+        nearest = np.maximum(np.abs(g) - tol, 0.0)
+        slope = lr * c["eps"] / (nearest + c["eps"]) ** 2
+        ref_u = ref_new.astype(np.float64) - p
+        bound = slope * tol + 2 * rounding
+        bad = np.abs(got_u - ref_u) > bound
+        assert not bad.any(), (f"{name}: {int(bad.sum())} update entries differ from the reference by more than "
+                               f"Adam's slope times the gradient tolerance, e.g. {got_u[bad][:3]} vs "
+                               f"{ref_u[bad][:3]} (bound {bound[bad][:3]})")
+
+
+def adam_step_args(plan: StepPlan, metrics: dict) -> dict:
+    """The keyword arguments of `assert_adam_step_close` for a step of `plan` that reported `metrics`."""
+    return {"opt": plan.cfg.optimizer, "lr": float(metrics["learning_rate"]),
+            "decayed": weight_decay_mask(plan.logical)}
 
 
 def assert_scalar_close(actual, expected, rtol: float, name: str) -> None:
