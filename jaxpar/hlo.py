@@ -3,6 +3,9 @@
     compiled = jax.jit(step).lower(*args).compile()
     table = collectives_by_axis(compiled.as_text(), mesh)   # {(("tensor",), "all-reduce"): {...}, ...}
 
+The text can be a compiled executable's (`compiled.as_text()`, after the backend's passes) or an XLA pass dump
+such as the partitioned program (`jaxpar.plan_compile.read_partitioned_hlo`, before them).
+
 `parse_collectives` lists every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (an
 async `-start`/`-done` pair counts once, as its `-start`; a collective wrapped in an async computation counts
 once, inside it) with the computation it lives in, its replica groups, shapes, dtypes and ring bytes per

@@ -30,6 +30,17 @@ plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) i
 cross-entropy. Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the
 other); 1F1B holds a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers; GPipe keeps every tick's
 (m + p - 1) layers and stage input (`jaxpar.pipeline_report`).
+
+Platform (`PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`, default gpu) is the
+machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu, bfloat16
+elsewhere, as `jaxpar.train.step.compute_dtype`) and sets the width of collectives (`collective_bytes`): gpu
+and tpu count each collective in the dtype the partitioned program gives it (the HLO after XLA's SPMD
+partitioner, which every backend receives; the GPU compiler only promotes 16-bit integer all-reduce and
+reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose backend passes widen every bf16
+all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives implement no bf16 reduction) and
+every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32 (XLA's source,
+xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked against
+both programs by tests/test_plan.py). Memory is planned the same on every platform.
 """
 from __future__ import annotations
 
@@ -43,6 +54,28 @@ from jaxpar.sharding import PARAM_RULES
 MESH_AXES = ("data", "pipeline", "fsdp", "tensor")  # jaxpar.mesh.AXES: the order HLO replica groups follow
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 GB = 1e9
+PLATFORMS = ("gpu", "tpu", "cpu")
+# How each platform's compiler leaves the partitioned program's collectives (module docstring).
+COLLECTIVE_DTYPES = {
+    "gpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
+    "tpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
+    "cpu": "as XLA:CPU compiles them: bf16 all-reduce, reduce-scatter, all-gather, collective-permute widened "
+           "to fp32",
+}
+
+
+def check_platform(platform: str) -> str:
+    """`platform` if it is one of `PLATFORMS`; raises ValueError naming them otherwise."""
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform {platform!r} is not one of {', '.join(PLATFORMS)}")
+    return platform
+
+
+def collective_bytes(dtype_bytes: int, platform: str) -> int:
+    """Bytes per element that a collective of a float array `dtype_bytes` wide (2: bf16, 4: fp32) moves when
+    compiled for `platform`: 4 for bf16 on cpu (XLA:CPU widens bf16 collectives to fp32, module docstring),
+    else `dtype_bytes`. Raises ValueError for an unknown platform."""
+    return 4 if check_platform(platform) == "cpu" and dtype_bytes == 2 else dtype_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +151,23 @@ class Dims:
     accum: int        # A
     m: int            # pipeline microbatches
     layers_per_stage: int
-    compute_bytes: int
-    reduce_bytes: int
+    compute_bytes: int    # Bc: bytes of the compute dtype (activations, gathered weights)
+    reduce_bytes: int     # Br: bytes of precision.reduce_dtype (gradient reductions)
+    param_bytes: int      # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
+    platform: str
+
+    def wire(self, dtype_bytes: int) -> int:
+        """Bytes per element a collective of that dtype moves on this platform (`collective_bytes`)."""
+        return collective_bytes(dtype_bytes, self.platform)
 
 
 def dims(cfg: Config, platform: str) -> Dims:
-    """Sizes of a resolved config (mesh without -1, `tensor.sequence_parallel` concrete)."""
+    """Sizes of a resolved config (mesh without -1, `tensor.sequence_parallel` concrete) on `platform`.
+
+    Raises:
+      ValueError: the config is not resolved; platform not one of `PLATFORMS`.
+    """
+    check_platform(platform)
     shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
     if min(shape.values()) < 1:
         raise ValueError(f"config is not resolved (mesh {shape}); call jaxpar.config.resolve_config first")
@@ -135,7 +179,8 @@ def dims(cfg: Config, platform: str) -> Dims:
     return Dims(shape=shape, zero=cfg.optimizer.zero_stage, b=b, s=s, s_act=s // t if sp else s, sp=sp,
                 accum=accum, m=m, layers_per_stage=cfg.model.n_layers // p,
                 compute_bytes=DTYPE_BYTES[compute_dtype_name(cfg, platform)],
-                reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype])
+                reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
+                param_bytes=2 if cfg.precision.layout == "16p" else 4, platform=platform)
 
 
 def rank_params(cfg: Config) -> int:
@@ -244,16 +289,20 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     """The analytic plan of a resolved config: memory per device and collectives per step (JSON-ready).
 
     Args:
-      cfg: resolved config (`resolve_config(cfg, devices)`); platform: `cpu` when comparing with a step compiled
-        on CPU (auto compute dtype = float32 there), else the accelerator the run targets.
+      cfg: resolved config (`resolve_config(cfg, devices)`); platform: one of `PLATFORMS`, the machine the run
+        targets (module docstring): `cpu` when comparing with a step compiled by XLA:CPU.
 
     Returns:
-      {"devices", "mesh", "platform", "compute_dtype", "layout", "zero_stage", "batch", "params",
+      {"devices", "mesh", "platform", "collective_dtypes" (how the platform's compiler leaves the collectives,
+       `COLLECTIVE_DTYPES`), "compute_dtype", "layout", "zero_stage", "batch", "params",
        "memory": {params, grads, opt_state, model_state, activations, total (model state + activations),
        peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
        expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
        "activations" (see `activation_bytes`),
        "collectives" (list of `jaxpar.plan_comm.collective_terms` rows), "by_axis" {(axes, kind) label: bytes}}.
+
+    Raises:
+      ValueError: platform not one of `PLATFORMS`; the config is not resolved.
     """
     from jaxpar.plan_comm import by_axis, collective_terms
 
@@ -268,6 +317,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     temp = temp_bytes(cfg, platform)
     return {
         "devices": math.prod(d.shape.values()), "mesh": d.shape, "platform": platform,
+        "collective_dtypes": COLLECTIVE_DTYPES[platform],
         "compute_dtype": compute_dtype_name(cfg, platform), "layout": cfg.precision.layout,
         "zero_stage": d.zero, "remat": cfg.model.remat,
         "pipeline": {"schedule": cfg.pipeline.schedule, "microbatches": d.m, "stages": d.shape["pipeline"]},

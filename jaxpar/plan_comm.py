@@ -1,11 +1,15 @@
 """The collectives of one jaxpar train step, counted analytically per mesh axis and kind (bytes per device).
 
-Letters as in `jaxpar.plan`; Bc, Br bytes of the compute and the gradient-reduction dtype; x = b*s*D*Bc, one
+Letters as in `jaxpar.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the working-parameter
+dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's platform
+(`jaxpar.plan.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4); x = b*s*D*Bc, one
 microbatch's activations. Ring costs per op are `jaxpar.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
 all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (FORMULAS.md).
 
 The counts follow jaxpar's step (`jaxpar.train.step`, `jaxpar.parallel`) as XLA compiles it; where XLA hoists
-or drops a collective the rule says so. tests/test_plan.py checks them against the compiled HLO.
+or drops a collective the rule says so (generic HLO simplification that CPU and GPU compilers both run). tests/
+test_plan.py checks them against the compiled HLO: the plan for cpu against the XLA:CPU executable, the plan for
+gpu against the partitioned program (the HLO after the SPMD partitioner, before any backend pass).
 
 Storage axes: fsdp, and data under ZeRO-3 (Rajbhandari et al. 2019, section 5.3; `jaxpar.parallel.gather`).
   Each layer's weights are all-gathered (Bc) in every forward pass and again in every backward pass (jaxpar
@@ -18,8 +22,9 @@ Storage axes: fsdp, and data under ZeRO-3 (Rajbhandari et al. 2019, section 5.3;
   (loop-invariant, hoisted) and reduce-scattered per backward pass. With one layer per stage the layer loop
   disappears and the block gathers become loop-invariant too: once per step.
 data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the fsdp-sharded gradients,
-  P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*4 (XLA gathers the
-  fp32 optimizer target -- for the 16p layout the fp32 master -- and casts after).
+  P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*Bp: the partitioner
+  casts the data-sharded fp32 optimizer target (for the 16p layout the fp32 master) to the parameter dtype on
+  each shard and gathers the result (bf16 under 16p; XLA:CPU then widens that gather to fp32).
 tensor axis (Megatron; Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2; `jaxpar.comm`):
   forward pass: the embedding exit and 2 exits per layer (all-reduce of x; with sequence parallelism
   reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
@@ -102,13 +107,14 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     w_out = sum(local_size(x, shape) for x in leaves if not x.in_blocks)
     n_block, n_out = sum(x.in_blocks for x in leaves), sum(not x.in_blocks for x in leaves)
     layers = d.layers_per_stage
+    bc, br = d.wire(d.compute_bytes), d.wire(d.reduce_bytes)
     _term(out, shape, "layer weights", axes, "all-gather", passes["gathers"] * layers * n_block,
-          passes["gathers"] * layers * w_layer * d.compute_bytes)
-    _term(out, shape, "embedding/norm/head weights", axes, "all-gather", n_out, w_out * d.compute_bytes)
+          passes["gathers"] * layers * w_layer * bc)
+    _term(out, shape, "embedding/norm/head weights", axes, "all-gather", n_out, w_out * bc)
     _term(out, shape, "layer gradients", axes, "reduce-scatter", passes["bwd"] * layers * n_block,
-          passes["bwd"] * layers * w_layer * d.reduce_bytes)
+          passes["bwd"] * layers * w_layer * br)
     _term(out, shape, "embedding/norm/head gradients", axes, "reduce-scatter", passes["bwd"] * n_out,
-          passes["bwd"] * w_out * d.reduce_bytes)
+          passes["bwd"] * w_out * br)
 
 
 def _data_terms(cfg: Config, d, out: list) -> None:
@@ -117,16 +123,19 @@ def _data_terms(cfg: Config, d, out: list) -> None:
     leaves = param_leaves(cfg.model)
     grads = sum(local_size(x, d.shape, ("fsdp",)) for x in leaves)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
-    _term(out, d.shape, "gradients", ("data",), kind, len(leaves), grads * d.reduce_bytes)
+    _term(out, d.shape, "gradients", ("data",), kind, len(leaves), grads * d.wire(d.reduce_bytes))
     if d.zero in (1, 2):
-        _term(out, d.shape, "updated parameters (fp32)", ("data",), "all-gather", len(leaves), grads * 4)
+        width = {2: "bf16", 4: "fp32"}
+        name = f"updated parameters ({width[d.param_bytes]}" + (
+            f", {width[d.wire(d.param_bytes)]} on {d.platform})" if d.wire(d.param_bytes) != d.param_bytes else ")")
+        _term(out, d.shape, name, ("data",), "all-gather", len(leaves), grads * d.wire(d.param_bytes))
 
 
 def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape, layers = d.shape, d.layers_per_stage
     if shape["tensor"] == 1:
         return
-    x = d.b * d.s * cfg.model.d_model * d.compute_bytes
+    x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
     ce = d.b * d.s * 4
     # Every policy but `none` keeps no tensor-collective output, so the backward re-runs the attention exit
     # and (with SP) both enters of each layer; `none` saves them (`jaxpar.model.transformer`).
@@ -149,7 +158,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         norm = local_size(param_leaves(cfg.model)[1], shape, storage)  # [L/p, D/shards] of one norm scale
         final = norm // layers
         stacked = 2 * norm + (final if shape["pipeline"] == 1 else 0)
-        _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.reduce_bytes)
+        _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.wire(d.reduce_bytes))
 
 
 def _pipeline_terms(cfg: Config, d, out: list) -> None:
@@ -160,22 +169,25 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     shifts = 2 * ticks
     if cfg.pipeline.schedule == "1f1b":
         shifts -= (1 if d.m == 1 else 0) + (1 if p == 2 else 0)
-    act = d.b * d.s_act * cfg.model.d_model * d.compute_bytes
+    act = d.b * d.s_act * cfg.model.d_model * d.wire(d.compute_bytes)
     _term(out, shape, "stage activations and their gradients", ("pipeline",), "collective-permute",
           d.accum * shifts, d.accum * shifts * act)
     storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
     outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
     norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
     rest = [x for x in outside if x not in norms]
+    br = d.wire(d.reduce_bytes)
     _term(out, shape, "embedding/head gradients (one stage used them)", ("pipeline",), "all-reduce", len(rest),
-          sum(local_size(x, shape, storage) for x in rest) * d.reduce_bytes)
+          sum(local_size(x, shape, storage) for x in rest) * br)
     _term(out, shape, "final-norm gradient (one stage, s/t each)", ("pipeline", "tensor"), "all-reduce",
-          len(norms), sum(local_size(x, shape, storage) for x in norms) * d.reduce_bytes)
+          len(norms), sum(local_size(x, shape, storage) for x in norms) * br)
 
 
 def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
-    docstring). `platform` resolves `precision.compute_dtype: auto` (float32 on cpu, else bfloat16)."""
+    docstring). `platform` (`jaxpar.plan.PLATFORMS`) resolves `precision.compute_dtype: auto` (float32 on cpu,
+    else bfloat16) and sets the collectives' width (`jaxpar.plan.collective_bytes`). Raises ValueError for an
+    unknown platform or an unresolved config."""
     d = dims(cfg, platform)
     passes = _passes(cfg, d)
     out: list[CollectiveTerm] = []

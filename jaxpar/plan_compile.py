@@ -2,8 +2,18 @@
 
 Nothing runs on a device for `compiled_plan`: the state and batch are ShapeDtypeStructs carrying their
 shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment (`memory_analysis()`, per device for
-an SPMD program) and the partitioned HLO, whose collectives `jaxpar.hlo` reads by mesh axis. `measure_steps`
+an SPMD program) and the optimized HLO, whose collectives `jaxpar.hlo` reads by mesh axis. `measure_steps`
 does run K steps (random tokens) for sweeps that ask for throughput.
+
+Two programs are read. The executable's optimized HLO is what the compiling backend runs: on CPU, XLA:CPU has
+widened every bf16 collective to fp32 (`jaxpar.plan`), so it is compared with the plan for cpu. The partitioned
+program -- the HLO right after XLA's SPMD partitioner (pass `spmd-partitioning`), dumped during the same compile
+-- is the last program CPU and GPU compilers share: every collective of the step exists there (jaxpar's explicit
+ones and those the partitioner inserts, e.g. ZeRO-1/2's gather of updated parameters) in the dtype the program
+gives it, and everything after it is a backend's own pipeline. It is compared with the plan for the target
+platform (gpu unless told otherwise) at the compute dtype the step was compiled with. For pipeline layouts it
+still holds the loop-invariant weight gathers, common subexpressions and unread shifts that the backends' generic
+simplification later hoists or drops (`jaxpar.plan_comm` counts after that), so there the two differ in counts.
 
 Needs as many jax devices as the mesh: the CLI (`jaxpar.cli.plan`) sets the simulated CPU device count before
 jax is imported.
@@ -11,8 +21,11 @@ jax is imported.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -23,6 +36,7 @@ from jaxpar.config.schema import Config
 from jaxpar.hlo import classify_groups, parse_collectives
 from jaxpar.memory import persistent_state_bytes
 from jaxpar.mesh import build_mesh
+from jaxpar.plan import check_platform, plan as analytic_plan
 from jaxpar.train.step import (
     BATCH_KEYS,
     abstract_state,
@@ -38,6 +52,9 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # state bytes and collectives; temp can differ by a few percent (fusion decisions).
 FAST_COMPILER_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False,
                          "xla_llvm_disable_expensive_passes": True}
+# The pass after which the program is "partitioned" (module docstring): StatefulRngSpmdPartitioner's name in
+# XLA's CPU and GPU SPMD pipelines.
+PARTITIONER_PASS = "spmd-partitioning"
 
 
 def _label(axes) -> str:
@@ -68,20 +85,44 @@ class CompiledStep:
     batch: dict        # abstract batch
     executable: Any    # jax.stages.Compiled; callable on real arrays with the same shardings
     seconds: float     # compile wall time
+    partitioned_hlo: str | None = None  # HLO text after the SPMD partitioner (module docstring); None if absent
 
 
 def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledStep:
-    """Lowers and compiles `make_train_step` of resolved `cfg` on the first N jax devices (nothing runs).
+    """Lowers and compiles `make_train_step` of resolved `cfg` on the first N jax devices (nothing runs), and
+    keeps the partitioned program: XLA dumps the module after `PARTITIONER_PASS` into a temporary directory
+    (compile options `xla_dump_to`, `xla_dump_hlo_pass_re`; removed after). `partitioned_hlo` is None when no
+    dump was written (a hit in jax's persistent compilation cache skips XLA).
 
     Raises:
       RuntimeError: fewer jax devices than the mesh needs.
     """
     plan = _step_plan(cfg)
     state, batch = abstract_state(plan), _abstract_batch(cfg, plan)
-    t0 = time.perf_counter()
-    executable = make_train_step(plan).lower(state, batch).compile(
-        COMPILER_OPTIONS if compiler_options is None else compiler_options)
-    return CompiledStep(plan, state, batch, executable, time.perf_counter() - t0)
+    options = dict(COMPILER_OPTIONS if compiler_options is None else compiler_options)
+    with tempfile.TemporaryDirectory(prefix="jaxpar-hlo-") as dump:
+        options.update(xla_dump_to=dump, xla_dump_hlo_pass_re=PARTITIONER_PASS, xla_dump_hlo_as_text=True)
+        t0 = time.perf_counter()
+        executable = make_train_step(plan).lower(state, batch).compile(options)
+        seconds = time.perf_counter() - t0
+        partitioned = read_partitioned_hlo(dump)
+    return CompiledStep(plan, state, batch, executable, seconds, partitioned)
+
+
+def read_partitioned_hlo(dump_dir: str, function: str = "train_step") -> str | None:
+    """The HLO text of jitted `function` after `PARTITIONER_PASS` from an XLA dump directory (file
+    `*.jit_<function>.*.after_spmd-partitioning.*.txt`), or None if there is none.
+
+    Raises:
+      RuntimeError: several such files (several modules of that name compiled into one directory).
+    """
+    found = glob.glob(os.path.join(dump_dir, f"*.jit_{function}.*after_{PARTITIONER_PASS}.*.txt"))
+    if len(found) > 1:
+        raise RuntimeError(f"{len(found)} partitioned {function} modules in {dump_dir}: {sorted(found)[:3]}")
+    if not found:
+        return None
+    with open(found[0], encoding="utf-8") as f:
+        return f.read()
 
 
 def hlo_collectives(hlo_text: str, mesh) -> dict:
@@ -107,10 +148,55 @@ def hlo_collectives(hlo_text: str, mesh) -> dict:
     return {"by_axis": by_axis, "scalars": scalars}
 
 
+def compare_collectives(hlo: dict, analytic: dict) -> list[dict]:
+    """Rows of `hlo_collectives(...)["by_axis"]` beside the plan's (`jaxpar.plan.plan`) over the union of both
+    keys: {"key" ("axes kind"), "compiled_bytes", "compiled_count" (in the HLO), "planned_bytes",
+    "planned_count", "ratio" (HLO / planned; None where nothing is planned)}."""
+    planned_counts: dict = {}
+    for row in analytic["collectives"]:
+        key = f"{','.join(row['axes'])} {row['kind']}"
+        planned_counts[key] = planned_counts.get(key, 0) + row["count"]
+    rows = []
+    for key in sorted(set(hlo) | set(analytic["by_axis"])):
+        got = hlo.get(key, {"count": 0, "bytes": 0.0})
+        want = analytic["by_axis"].get(key, 0.0)
+        rows.append({"key": key, "compiled_bytes": got["bytes"], "compiled_count": got["count"],
+                     "planned_bytes": want, "planned_count": planned_counts.get(key, 0),
+                     "ratio": got["bytes"] / want if want else None})
+    return rows
+
+
+def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> dict | None:
+    """The partitioned program's collectives (module docstring) beside the plan for `target` at the compute
+    dtype `step` was compiled with (`precision.compute_dtype: auto` pinned to it, so that a CPU compile of an
+    `auto` config is compared at float32 while the target's collective widths apply).
+
+    Returns:
+      None when `step` holds no partitioned program, else {"platform" (target), "compute_dtype",
+      "collectives" (`compare_collectives` rows), "scalars" (see `hlo_collectives`)}.
+
+    Raises:
+      ValueError: target is `cpu` (the partitioned program is not what XLA:CPU runs: compare the executable)
+        or not one of `jaxpar.plan.PLATFORMS`.
+    """
+    if check_platform(target) == "cpu":
+        raise ValueError("the partitioned program is compared with a plan for gpu or tpu; for cpu compare the "
+                         "executable (compiled_plan's collectives)")
+    if step.partitioned_hlo is None:
+        return None
+    dtype = jnp.dtype(step.plan.compute_dtype).name
+    pinned = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
+    coll = hlo_collectives(step.partitioned_hlo, step.plan.mesh)
+    return {"platform": target, "compute_dtype": dtype,
+            "collectives": compare_collectives(coll["by_axis"], analytic_plan(pinned, target)),
+            "scalars": coll["scalars"]}
+
+
 def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = None,
-                  step: CompiledStep | None = None) -> dict:
+                  step: CompiledStep | None = None, target: str = "gpu") -> dict:
     """Compiles the train step of resolved `cfg` on the first N jax devices (`compile_step`; or takes `step`,
-    compiled earlier) and sets it beside `analytic` (`jaxpar.plan.plan(cfg, platform="cpu")` for a CPU compile).
+    compiled earlier) and sets it beside `analytic` (`jaxpar.plan.plan(cfg, platform="cpu")` for a CPU compile),
+    and its partitioned program beside the plan for `target` (`partitioned_check`).
 
     Returns:
       {"compile_seconds",
@@ -120,12 +206,15 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
          "params", "params_plus_opt_state" (persistent - scalars), "planned" (plan params + opt_state),
          "ratio" (compiled / planned)},
        "temp": {"compiled" (XLA temp), "planned" (`jaxpar.plan.temp_bytes` total), "ratio"},
-       "collectives": rows {"key" ("axes kind"), "compiled_bytes", "compiled_count", "planned_bytes",
-         "planned_count", "ratio"} over the union of both, "scalars" (see `hlo_collectives`)}.
+       "collectives": the executable's, `compare_collectives` rows against `analytic`, "scalars" (see
+         `hlo_collectives`),
+       "partitioned": `partitioned_check(cfg, step, target)` (None when the dump is missing)}.
 
     Raises:
       RuntimeError: fewer jax devices than the mesh needs; the backend gives no memory analysis.
+      ValueError: target is cpu or unknown (`partitioned_check`).
     """
+    check_platform(target)
     step = step or compile_step(cfg, compiler_options)
     plan, state, batch, compiled, seconds = step.plan, step.state, step.batch, step.executable, step.seconds
     stats = compiled.memory_analysis()
@@ -137,17 +226,6 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
     state_bytes = persistent["persistent"] - persistent["scalars"]
     planned_temp = mem["temp_estimate"]["total"]
     coll = hlo_collectives(compiled.as_text(), plan.mesh)
-    planned_counts: dict = {}
-    for row in analytic["collectives"]:
-        key = f"{','.join(row['axes'])} {row['kind']}"
-        planned_counts[key] = planned_counts.get(key, 0) + row["count"]
-    rows = []
-    for key in sorted(set(coll["by_axis"]) | set(analytic["by_axis"])):
-        got = coll["by_axis"].get(key, {"count": 0, "bytes": 0.0})
-        want = analytic["by_axis"].get(key, 0.0)
-        rows.append({"key": key, "compiled_bytes": got["bytes"], "compiled_count": got["count"],
-                     "planned_bytes": want, "planned_count": planned_counts.get(key, 0),
-                     "ratio": got["bytes"] / want if want else None})
     return {"compile_seconds": seconds,
             "memory_analysis": {"argument_bytes": int(stats.argument_size_in_bytes),
                                 "output_bytes": int(stats.output_size_in_bytes),
@@ -159,7 +237,8 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
                       "planned": planned_state, "ratio": state_bytes / planned_state},
             "temp": {"compiled": int(stats.temp_size_in_bytes), "planned": planned_temp,
                      "ratio": stats.temp_size_in_bytes / planned_temp if planned_temp else None},
-            "collectives": rows, "scalars": coll["scalars"]}
+            "collectives": compare_collectives(coll["by_axis"], analytic), "scalars": coll["scalars"],
+            "partitioned": partitioned_check(cfg, step, target)}
 
 
 def measure_steps(cfg: Config, analytic: dict, steps: int, peak_flops_override: float = 0.0,

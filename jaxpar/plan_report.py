@@ -31,9 +31,10 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
     mesh = " ".join(f"{a}={s}" for a, s in p["mesh"].items())
     b, mem, pipe = p["batch"], p["memory"], p["pipeline"]
     lines = [f"jaxpar plan{': ' + title if title else ''}",
-             (f"  mesh {mesh} ({p['devices']} devices); platform {p['platform']}, compute {p['compute_dtype']}, "
+             (f"  mesh {mesh} ({p['devices']} devices); compute {p['compute_dtype']}, "
              f"layout {p['layout']}, ZeRO-{p['zero_stage']}, remat {p['remat']}, "
              f"sequence parallel {'on' if p['sequence_parallel'] else 'off'}"),
+             f"  planned for platform {p['platform']}: {p['collective_dtypes']}",
              (f"  batch {b['global_batch_size']} x {b['seq_len']} = {b['tokens_per_step']:,} tokens/step; "
              f"{b['rows_per_microbatch']} rows per microbatch per device; accumulation {b['grad_accum_steps']}; "
              f"pipeline {pipe['schedule']} p={pipe['stages']} m={pipe['microbatches']}"),
@@ -84,7 +85,8 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
 
 
 def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
-    lines = ["  collectives per step (bytes sent per device, ring formulas; jaxpar.plan_comm)"]
+    lines = [f"  collectives per step (bytes sent per device, ring formulas; jaxpar.plan_comm) planned for "
+             f"{p['platform']}" + (", beside the compiled executable's" if compiled else "")]
     head = f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}"
     if compiled:
         head += f"{'compiled bytes':>17}{'ops':>7}{'ratio':>9}"
@@ -110,10 +112,30 @@ def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
         lines.append(f"  + scalar all-reduces (loss, token count, grad-norm/finite partial sums), not planned: "
                      f"{s['count']} ops, {s['bytes']:,.0f} B over {', '.join(s['axes']) or '-'}")
         lines.append("  (ops: XLA combines small reductions, so compiled op counts can be lower at equal bytes)")
+        lines += _partitioned_lines(compiled.get("partitioned"), p["pipeline"]["stages"] > 1)
     lines.append("  terms:")
     for c in p["collectives"]:
         lines.append(f"    {','.join(c['axes']):<16}{c['kind']:<20}{c['name']:<48} x{c['count']:<6} "
                      f"S={c['size_bytes']:,.0f} B, n={c['group_size']}")
+    return lines
+
+
+def _partitioned_lines(part: dict | None, pipeline: bool) -> list[str]:
+    """The partitioned program's collectives beside the plan for the target (`jaxpar.plan_compile`)."""
+    if part is None:
+        return ["  partitioned program: not available (no XLA dump was written: a compilation-cache hit?)"]
+    lines = [(f"  the partitioned program (HLO after XLA's SPMD partitioner, before any backend pass: what a "
+              f"{part['platform']} compiler receives) beside the plan for {part['platform']} at compute "
+              f"{part['compute_dtype']}"),
+             f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'program bytes':>17}{'ops':>7}"
+             f"{'ratio':>9}"]
+    for r in part["collectives"]:
+        axes, kind = r["key"].split(" ", 1)
+        lines.append(f"  {axes:<17}{kind:<20}{_n(r['planned_bytes']):>16}{r['planned_count']:>7}"
+                     f"{_n(r['compiled_bytes']):>17}{r['compiled_count']:>7}{_ratio(r['ratio']):>9}")
+    if pipeline:
+        lines.append("  (pipeline: the partitioned program still holds loop-invariant weight gathers and unread "
+                     "shifts that every backend's simplifier hoists or drops later; the plan counts after that)")
     return lines
 
 

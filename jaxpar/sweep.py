@@ -14,8 +14,14 @@ A sweep file (YAML, read with `yaml.safe_load`; relative paths are relative to t
     compile: true                       # compile each point's step (XLA memory analysis and HLO collectives)
     fast_compile: false                 # jaxpar-plan --fast-compile (measured steps then run that code)
     real_devices: false                 # compile/run on jax's own devices instead of simulated CPU devices
-    platform: gpu                       # target of the analytic plan when not compiling (compute_dtype auto)
+    platform: gpu                       # machine planned for: gpu, tpu or cpu (jaxpar-plan --platform)
     timeout_s: 900                      # per point
+
+Platform: the comm_bytes objective ranks by the plan for `platform` (compute_dtype auto and the width of
+collectives resolved for it, `jaxpar.plan`). A compiled point is planned for cpu as well, since it compiles on
+simulated CPU devices: that plan sets the budget check and is compared with the CPU executable ("comm ratio"),
+and the partitioned program (before any backend pass) is compared with the plan for `platform` ("partitioned
+ratio"; gpu when platform is cpu).
 
 Constraints: max_data, max_fsdp, max_tensor, max_pipeline (ints), pipeline_divides_layers and
 tensor_divides_heads (bools, default true). Every point is validated with `jaxpar.config.resolve_config`;
@@ -43,6 +49,8 @@ from typing import Any
 import yaml
 
 from jaxpar.config import ConfigError, load_config, resolve_config
+
+PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS (importing jaxpar.plan here would start jax)
 
 AXES = ("data", "fsdp", "tensor", "pipeline")
 OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
@@ -216,8 +224,8 @@ def load_sweep(path: str) -> Sweep:
     if budget is not None and budget <= 0:
         raise SweepError(f"memory budget must be > 0, got {budget}")
     platform = raw.get("platform", "gpu")
-    if platform not in ("gpu", "tpu", "cpu"):
-        raise SweepError(f"platform: {platform!r} is not one of gpu, tpu, cpu")
+    if platform not in PLATFORMS:
+        raise SweepError(f"platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
     return Sweep(path=path, base=base, overrides=tuple(fixed), meshes=tuple(_meshes(raw, base_cfg)),
                  vary=_vary(raw.get("vary"), base, list(fixed)), objective=objective, budget_bytes=budget,
                  measure_steps=measure, compile=_check_type("compile", raw.get("compile", True), bool),
@@ -239,29 +247,40 @@ def points(sweep: Sweep) -> list[dict]:
     return out
 
 
-def _planned_summary(analytic: dict) -> dict:
+def _planned_summary(analytic: dict, target: dict) -> dict:
+    """Memory and communication of `analytic` (the plan the point is checked and budgeted with) and the
+    communication of `target` (the plan for the sweep's platform; the same plan when not compiling)."""
     mem = analytic["memory"]
-    return {"model_state": mem["model_state"], "activations": mem["activations"], "total": mem["total"],
-            "peak_estimate": mem["peak_estimate"], "comm_bytes": sum(analytic["by_axis"].values()),
-            "by_axis": analytic["by_axis"]}
+    return {"platform": analytic["platform"], "model_state": mem["model_state"], "activations": mem["activations"],
+            "total": mem["total"], "peak_estimate": mem["peak_estimate"],
+            "comm_bytes": sum(analytic["by_axis"].values()), "by_axis": analytic["by_axis"],
+            "target_platform": target["platform"], "target_comm_bytes": sum(target["by_axis"].values())}
+
+
+def _ratio(rows: list[dict]) -> tuple[float, float | None]:
+    planned = sum(r["planned_bytes"] for r in rows)
+    got = sum(r["compiled_bytes"] for r in rows)
+    return got, got / planned if planned else None
 
 
 def _compiled_summary(compiled: dict) -> dict:
     ma = compiled["memory_analysis"]
     rows = compiled["collectives"]
-    planned = sum(r["planned_bytes"] for r in rows)
-    got = sum(r["compiled_bytes"] for r in rows)
+    got, ratio = _ratio(rows)
+    part = compiled.get("partitioned")
+    part_got, part_ratio = _ratio(part["collectives"]) if part else (None, None)
     return {"params_plus_opt_state": compiled["state"]["params_plus_opt_state"],
             "state_ratio": compiled["state"]["ratio"], "temp_bytes": ma["temp_bytes"],
             "peak_bytes": ma["argument_bytes"] + ma["output_bytes"] - ma["alias_bytes"] + ma["temp_bytes"],
-            "comm_bytes": got, "comm_ratio": got / planned if planned else None,
+            "comm_bytes": got, "comm_ratio": ratio,
+            "partitioned_comm_bytes": part_got, "partitioned_comm_ratio": part_ratio,
             "collectives": [{k: r[k] for k in ("key", "planned_bytes", "compiled_bytes", "ratio")} for r in rows]}
 
 
 def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
     n = point["devices"]
     cmd = [sys.executable, "-m", "jaxpar.cli.plan", sweep.base, *sweep.overrides, *point["overrides"],
-           "--devices", str(n), "--json", "--compile"]
+           "--devices", str(n), "--json", "--compile", "--platform", sweep.platform]
     cmd += ["--fast-compile"] if sweep.fast_compile else []
     cmd += ["--measure-steps", str(sweep.measure_steps)] if sweep.measure_steps else []
     cmd += ["--memory-budget-gb", repr(sweep.budget_bytes / 1e9)] if sweep.budget_bytes else []
@@ -293,8 +312,9 @@ def run_point(sweep: Sweep, point: dict,
     except ConfigError as e:
         return {**rec, "status": "invalid", "error": str(e), "seconds": time.perf_counter() - t0}
     run = sweep.compile or sweep.measure_steps > 0
-    analytic = plan(cfg, "cpu" if run and not sweep.real_devices else sweep.platform)
-    rec["planned"] = _planned_summary(analytic)
+    target = plan(cfg, sweep.platform)
+    analytic = plan(cfg, "cpu") if run and not sweep.real_devices else target
+    rec["planned"] = _planned_summary(analytic, target)
     budget = sweep.budget_bytes
     if budget is not None and analytic["memory"]["peak_estimate"] > budget:
         rec.update(status="over_budget", error=f"skipped: over budget (planned peak "

@@ -1,4 +1,5 @@
-"""Golden check of the collectives in the compiled train step, per scanned layer, and of the HLO parser.
+"""Golden check of the collectives in the compiled train step, per scanned layer, of the HLO parser, and of
+the collectives XLA:CPU's backend passes widen.
 
 The tiny model (2 layers, fp32) is compiled on (tensor=2) and (fsdp=2, tensor=2), sequence parallelism off and
 on. The layers run in two while loops (trip count = n_layers): the forward scan (op_name `.../jvp()/while`) and
@@ -20,6 +21,8 @@ grad-norm partial sum), so they are only checked in total by experiments/bench_t
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +31,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxpar.comm import ring_bytes
 from jaxpar.hlo import classify_groups, collectives_by_axis, parse_collectives, parse_replica_groups, while_loops
+from jaxpar.plan_compile import PARTITIONER_PASS, read_partitioned_hlo
 from jaxpar.train.step import abstract_state, make_train_step
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan
 
@@ -99,6 +103,43 @@ def test_partition_ids_are_mesh_positions():
     assert found["all-reduce"].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert classify_groups(found["all-reduce"].groups, mesh) == ("a",)
     assert classify_groups(found["all-gather"].groups, mesh) == ("b",)
+
+
+def test_cpu_backend_widens_bf16_collectives(tmp_path):
+    """Which collectives XLA:CPU rewrites, seen in HLO: one bf16 all-reduce, reduce-scatter, all-gather and
+    collective-permute each stay bf16 in the partitioned program (after the SPMD partitioner, before any backend
+    pass) and are fp32 in the CPU executable (AllReducePromotion BF16 -> F32 for the first two, FloatNormalization
+    for the others), the same ops in the same groups; fp32 ones are untouched. jaxpar.plan's cpu platform counts
+    collectives this way (`jaxpar.plan.collective_bytes`)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def body(a, b):
+        out = [jax.lax.psum(a, "x"), jax.lax.psum_scatter(a, "x", tiled=True), jax.lax.all_gather(a, "x", tiled=True),
+               jax.lax.ppermute(a, "x", [(i, (i + 1) % 4) for i in range(4)])]
+        return [*out, jax.lax.psum(b, "x")]
+
+    def collectives(a, b):
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))(a, b)
+
+    lowered = jax.jit(collectives).lower(jnp.ones((16, 8), jnp.bfloat16), jnp.ones((16, 8), jnp.float32))
+    executable = lowered.compile({"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": PARTITIONER_PASS,
+                                  "xla_dump_hlo_as_text": True})
+
+    def table(text):
+        """{(kind, dtype): elements of the operands}, and the number of all-reduce instructions."""
+        out: dict = {}
+        found = parse_collectives(text)
+        for c in found:
+            assert c.groups == ((0, 1, 2, 3),), c
+            for a in c.operands:
+                out[(c.kind, a.dtype)] = out.get((c.kind, a.dtype), 0) + math.prod(a.shape)
+        return out, sum(c.kind == "all-reduce" for c in found)
+
+    program, compiled = table(read_partitioned_hlo(str(tmp_path), "collectives")), table(executable.as_text())
+    kinds, shard = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute"), 16 * 8 // 4
+    assert program == ({**{(k, "bf16"): shard for k in kinds}, ("all-reduce", "f32"): shard}, 2)
+    # The same elements, all in fp32; the two all-reduces are one tuple all-reduce there (combined, not resized).
+    assert compiled == ({**{(k, "f32"): shard for k in kinds}, ("all-reduce", "f32"): 2 * shard}, 1)
 
 
 def test_replica_group_forms():

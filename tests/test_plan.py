@@ -1,12 +1,18 @@
 """The planner (jaxpar.plan, jaxpar.plan_comm) against the model, the hand-computed formulas and the compiled step.
 
 The compiled checks compile the real train step of a small model ahead of time on the 8 simulated CPU devices
-(nothing runs) and compare: params + optimizer state bytes (XLA's arguments minus the batch and the 0-d
-counters) with the plan within 1%, and the (mesh axes, kind) of every array collective in the HLO with the
-plan's list, bytes within 1% overall.
+(nothing runs) and compare like with like: params + optimizer state bytes (XLA's arguments minus the batch and
+the 0-d counters) with the plan within 1%; the (mesh axes, kind) of every array collective in the XLA:CPU
+executable with the plan for cpu, and in the partitioned program (the HLO after the SPMD partitioner, before
+any backend pass, which keeps bf16 collectives bf16) with the plan for gpu. Collective bounds, the same for
+both: the keys equal, the total within 1% and each (axes, kind) within 5%. The 5% is for the executable, whose
+all-reduce combiner can put a few grad-norm scalars (tens of bytes) into a tuple beside an array; the plan is
+integer arithmetic and the partitioned program has no combined ops, so its rows match exactly (ratio 1.0000
+measured), and a dtype error is a factor of 2, far outside either bound.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,6 +34,7 @@ from jaxpar.plan import (
     param_leaves,
     plan,
     rank_params,
+    PLATFORMS,
     smallest_fitting_devices,
     state_bytes,
     zero_exercise,
@@ -182,6 +189,13 @@ def test_cli_plans_64_devices_without_them():
 MESHES = {  # name -> overrides; the first two are in the default suite, the others run with -m slow
     "ddp_data8": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=0"],
     "zero1_d2f2t2_sp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optimizer.zero_stage=1"],
+    # bf16 working parameters and compute: XLA:CPU widens every bf16 collective, so the plans for cpu and gpu
+    # differ by 2x in the updated-parameter gather (ZeRO-1/2), the fsdp weight gathers and the tensor
+    # activations, and with reduce_dtype bf16 (ZeRO-2 below) in the gradient reduce-scatters.
+    "zero1_d2f2t2_16p": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optimizer.zero_stage=1",
+                         "precision.layout=16p", "precision.compute_dtype=bfloat16"],
+    "zero2_d4f2_16p": ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1", "optimizer.zero_stage=2",
+                       "precision.layout=16p", "precision.compute_dtype=bfloat16", "precision.reduce_dtype=bfloat16"],
     "zero3_d4f2_16p": ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1", "optimizer.zero_stage=3",
                        "precision.layout=16p"],
     "zero1_d2f2p2_1f1b": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1", "mesh.pipeline=2", "model.n_layers=4",
@@ -213,22 +227,65 @@ def test_planned_state_equals_compiled(name, capsys):
     assert state["scalars"] > 0  # the 0-d counters are measured and set aside, not absorbed by the tolerance
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MESHES])
-def test_planned_collectives_equal_compiled(name, capsys):
-    out = _compiled(name, capsys)
-    rows = out["compiled"]["collectives"]
+def _assert_rows_match(rows, overrides):
+    """The collective bounds of the module docstring, for `compare_collectives` rows."""
     compiled = {r["key"] for r in rows if r["compiled_bytes"] > 0}
     planned = {r["key"] for r in rows if r["planned_bytes"] > 0}
     assert compiled == planned
-    assert len(planned) >= 1 + ("tensor=2" in " ".join(MESHES[name]))
+    assert len(planned) >= 1 + ("tensor=2" in " ".join(overrides))
     total_c = sum(r["compiled_bytes"] for r in rows)
     total_p = sum(r["planned_bytes"] for r in rows)
     assert total_c == pytest.approx(total_p, rel=0.01)
     for r in rows:
         # Small tuple all-reduces can carry a few grad-norm scalars next to an array (a few bytes): 5%.
         assert r["compiled_bytes"] == pytest.approx(r["planned_bytes"], rel=0.05), r
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in MESHES])
+def test_planned_collectives_equal_compiled(name, capsys):
+    """The plan for cpu against the XLA:CPU executable (bf16 collectives widened to fp32 in both)."""
+    out = _compiled(name, capsys)
+    _assert_rows_match(out["compiled"]["collectives"], MESHES[name])
     # What is left unplanned is scalar all-reduces only.
     assert set(out["compiled"]["scalars"]["kinds"]) <= {"all-reduce"}
+
+
+# The partitioned program still holds what the backends' generic simplifier later hoists or drops in pipeline
+# layouts (loop-invariant gathers, unread shifts; jaxpar.plan_compile), which the plan counts after that.
+PARTITIONED = [n for n in MESHES if "mesh.pipeline=2" not in MESHES[n]]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
+                                  for n in PARTITIONED])
+def test_planned_collectives_for_gpu_equal_partitioned_program(name, capsys):
+    """The plan for gpu against the partitioned program, the HLO every backend receives (bf16 stays bf16)."""
+    out = _compiled(name, capsys)
+    part = out["compiled"]["partitioned"]
+    assert part["platform"] == "gpu" and part["compute_dtype"] == out["plan"]["compute_dtype"]
+    _assert_rows_match(part["collectives"], MESHES[name])
+    assert set(part["scalars"]["kinds"]) <= {"all-reduce"}
+    program = {r["key"]: r["compiled_bytes"] for r in part["collectives"]}
+    executable = {r["key"]: r["compiled_bytes"] for r in out["compiled"]["collectives"]}
+    if "precision.layout=16p" not in MESHES[name]:  # fp32 throughout: XLA:CPU rewrites no collective's width
+        assert program == pytest.approx(executable, rel=0.05)
+
+
+@pytest.mark.parametrize("name", ["zero1_d2f2t2_16p", "zero2_d4f2_16p"])
+def test_updated_parameters_are_gathered_in_bf16_before_the_cpu_backend(name, capsys):
+    """16p ZeRO-1/2: the partitioner gathers the updated parameters over data in bf16, 2 bytes per parameter of
+    the fsdp shard ((n-1)/n of it per device); XLA:CPU widens that gather to fp32. Counted from the model, not
+    from the planner."""
+    out = _compiled(name, capsys)
+    cfg = _cfg(MESHES[name])
+    n = cfg.mesh.data
+    params = jax.eval_shape(lambda: init_params(cfg.model, 0))
+    shard = tensor_rank_params(build_plan(cfg, build_mesh(cfg)), params) / cfg.mesh.fsdp
+    program = {r["key"]: r for r in out["compiled"]["partitioned"]["collectives"]}["data all-gather"]
+    executable = {r["key"]: r for r in out["compiled"]["collectives"]}["data all-gather"]
+    assert program["compiled_bytes"] == pytest.approx(2 * shard * (n - 1) / n, rel=1e-9)
+    assert executable["compiled_bytes"] == pytest.approx(4 * shard * (n - 1) / n, rel=1e-9)
+    assert program["planned_bytes"] == program["compiled_bytes"]  # plan for gpu
+    assert executable["planned_bytes"] == executable["compiled_bytes"]  # plan for cpu
 
 
 @pytest.mark.slow
@@ -242,6 +299,56 @@ def test_cli_compile_in_a_fresh_process():
     line = next(x for x in out.splitlines() if x.strip().startswith("params + optimizer state"))
     assert line.split()[-1] == "1.0000"
     assert "XLA memory_analysis" in out and "tensor           reduce-scatter" in out
+
+
+def _gathered_updates(cfg, platform) -> float:
+    (term,) = [t for t in collective_terms(cfg, platform) if t.name.startswith("updated parameters")]
+    return term.size_bytes
+
+
+def test_13b_zero1_16p_gathers_bf16_updates_on_gpu():
+    """Llama 2 13B, 16p, ZeRO-1 over data=8: the updated parameters are gathered in bf16 on a GPU, 2 bytes per
+    parameter (26.0 GB per step, S of the ring formula); only the plan for cpu counts 4 (XLA:CPU widens)."""
+    cfg = resolve_config(load_config(LLAMA_13B, ["mesh.data=8", "mesh.fsdp=1", "optimizer.zero_stage=1"],
+                                     validate=False), 8)
+    p = sum(leaf.size for leaf in param_leaves(cfg.model))
+    assert p == 13_015_864_320
+    assert _gathered_updates(cfg, "gpu") == 2 * p == _gathered_updates(cfg, "tpu")
+    assert _gathered_updates(cfg, "cpu") == 4 * p
+    out = plan(cfg, "gpu")
+    assert out["by_axis"]["data all-gather"] == pytest.approx(2 * p * 7 / 8)
+    assert out["platform"] == "gpu" and "bf16 stays bf16" in out["collective_dtypes"]
+    # The fp32 layout gathers fp32 on every platform.
+    fp32 = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, layout="fp32"))
+    assert _gathered_updates(fp32, "gpu") == _gathered_updates(fp32, "cpu") == 4 * p
+
+
+def test_cpu_plan_widens_every_bf16_collective():
+    """The plan for cpu is the plan for gpu with each bf16 collective counted at fp32 (XLA:CPU's
+    AllReducePromotion and FloatNormalization); the fp32 cross-entropy statistics stay as they are."""
+    cfg = _cfg(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "precision.layout=16p",
+                "precision.compute_dtype=bfloat16", "precision.reduce_dtype=bfloat16"])
+    gpu, cpu = collective_terms(cfg, "gpu"), collective_terms(cfg, "cpu")
+    assert [t.name.split(" (")[0] for t in gpu] == [t.name.split(" (")[0] for t in cpu]
+    for g, c in zip(gpu, cpu):
+        want = g.size_bytes if g.name == "cross-entropy statistics" else 2 * g.size_bytes
+        assert c.size_bytes == want, (g, c)
+
+
+def test_platform_is_checked_and_stated(capsys):
+    cfg = _cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    with pytest.raises(ValueError, match="'cuda' is not one of gpu, tpu, cpu"):
+        plan(cfg, "cuda")
+    assert plan_cli.PLATFORMS == PLATFORMS
+    assert plan_cli.main([TINY_YAML, *SMALL, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=1",
+                          "precision.layout=16p", "--platform", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "planned for platform cpu: as XLA:CPU compiles them" in out
+    assert "updated parameters (bf16, fp32 on cpu)" in out
+    assert plan_cli.main([TINY_YAML, *SMALL, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=1",
+                          "precision.layout=16p", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["plan"]
+    assert data["platform"] == "gpu" and data["collective_dtypes"].startswith("collectives in the partitioned")
 
 
 def test_plan_is_json_ready():

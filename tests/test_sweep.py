@@ -13,6 +13,7 @@ from jaxpar.cli import sweep as sweep_cli
 from jaxpar.config import load_config, resolve_config
 from jaxpar.plan import plan
 from jaxpar.sweep import SweepError, factorisations, load_sweep, points, run_sweep
+from jaxpar.sweep_report import objective_value
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -192,6 +193,22 @@ def test_interrupted_sweep_resumes_and_retries_failures(tmp_path):
     assert [r["status"] for r in records] == ["ok", "ok", "ok"]
 
 
+def test_comm_objective_ranks_by_the_plan_for_the_platform(tmp_path):
+    """A compiled point is planned for cpu as well (its budget check and the CPU executable's comparison), but
+    ranked by the plan for the sweep's platform: with bf16 collectives the plan for cpu counts them at fp32, as
+    XLA:CPU compiles them, which a GPU does not."""
+    bf16 = [*SMALL, "precision.layout=16p", "precision.compute_dtype=bfloat16"]
+    path = _write(tmp_path, f"base: {{tiny}}\noverrides: {json.dumps(bf16)}\n"
+                            "meshes: [{data: 8}, {data: 4, fsdp: 2}]\nobjective: comm_bytes\nplatform: gpu\n")
+    records = run_sweep(load_sweep(path), str(tmp_path / "out"), log=lambda _: None, runner=_fake_runner([]))
+    for r in records:
+        cfg = resolve_config(load_config(TINY_YAML, [*bf16, *r["overrides"]], validate=False), 8)
+        gpu, cpu = sum(plan(cfg, "gpu")["by_axis"].values()), sum(plan(cfg, "cpu")["by_axis"].values())
+        assert (r["planned"]["platform"], r["planned"]["target_platform"]) == ("cpu", "gpu")
+        assert r["planned"]["comm_bytes"] == cpu and r["planned"]["target_comm_bytes"] == gpu < cpu
+        assert objective_value(r, "comm_bytes") == gpu
+
+
 def test_results_of_another_base_are_not_mixed_in(tmp_path):
     path = _write(tmp_path, "base: {tiny}\noverrides: {small}\nmeshes: [{data: 8}]\ncompile: false\n")
     out = tmp_path / "out"
@@ -217,6 +234,7 @@ def test_two_point_sweep_end_to_end(tmp_path):
         assert r["status"] == "ok" and r["error"] is None
         assert r["compiled"]["state_ratio"] == pytest.approx(1.0, abs=0.01)
         assert r["compiled"]["comm_ratio"] == pytest.approx(1.0, abs=0.01)
+        assert r["compiled"]["partitioned_comm_ratio"] == pytest.approx(1.0, abs=0.01)  # fp32: as the executable
         assert r["measured"]["tokens_per_s"] > 0 and r["measured"]["step_time_s"] > 0
         assert r["measured"]["mfu"] is None  # CPU: no known peak, so no MFU
     md = (out / "results.md").read_text()

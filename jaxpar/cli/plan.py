@@ -8,8 +8,15 @@ Examples:
   jaxpar-plan --exercise-13b                         # the seed exercise: 13B under DDP, ZeRO-1/2/3 on 8 devices
 
 The analytic plan is arithmetic on the config (jaxpar.plan): no devices needed, any --devices N.
+--platform (gpu, tpu or cpu; default gpu) is the machine planned for, stated in the output ("planned for
+platform ..."; JSON "platform"): it resolves `precision.compute_dtype: auto` (float32 on cpu, else bfloat16) and
+the width of collectives (gpu, tpu: the partitioned program's dtypes, bf16 stays bf16; cpu: what XLA:CPU
+compiles, every bf16 collective widened to fp32).
 --compile lowers and compiles the real train step ahead of time on N simulated CPU devices (the count is set
-before jax is imported; the step runs on CPU, so `precision.compute_dtype: auto` is planned as float32 there).
+before jax is imported) and compares like with like: the CPU executable with the plan for cpu (compute_dtype
+auto = float32), and the partitioned program (the HLO after XLA's SPMD partitioner, before any backend pass)
+with the plan for --platform (gpu when --platform cpu) at the compute dtype compiled; JSON "compiled" and
+"compiled.partitioned".
 --measure-steps K also runs K steps on random tokens (tokens/s, MFU where the device's peak is known).
 --exercise-13b: P = 13e9, 16P layout, N = 8: DDP 208 GB, ZeRO-1 71.5 GB, ZeRO-2 48.75 GB, ZeRO-3 26 GB; smallest N
 with ZeRO-3 state <= 24 GB = 9; and what activations add, for the shape of CONFIG (default configs/llama_13b.yaml).
@@ -23,6 +30,8 @@ import math
 import os
 import subprocess
 import sys
+
+PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS, which cannot be imported before jax's device count is set
 
 PROG = "jaxpar-plan"
 DEFAULT_DEVICES = 8
@@ -44,8 +53,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="per-device budget (1e9 bytes); if the planned or compiled peak exceeds it, "
                         "--measure-steps is skipped")
-    p.add_argument("--platform", default="gpu", choices=("gpu", "tpu", "cpu"),
-                   help="target of the analytic plan, resolves compute_dtype auto (--compile plans for cpu)")
+    p.add_argument("--platform", default="gpu", choices=PLATFORMS,
+                   help="machine planned for (default gpu): resolves compute_dtype auto and the width of "
+                        "collectives (cpu: bf16 collectives widened to fp32 as XLA:CPU compiles them); "
+                        "with --compile the CPU executable is compared with the plan for cpu and the "
+                        "partitioned program with the plan for this platform")
     p.add_argument("--real-devices", action="store_true",
                    help="compile/measure on jax's default devices instead of simulated CPU devices")
     p.add_argument("--exercise-13b", action="store_true", help="print the seed exercise (see above)")
@@ -151,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             step = compile_step(cfg, FAST_COMPILER_OPTIONS if args.fast_compile else None)
-            out["compiled"] = compiled = compiled_plan(cfg, analytic, step=step)
+            target = "gpu" if args.platform == "cpu" else args.platform
+            out["compiled"] = compiled = compiled_plan(cfg, analytic, step=step, target=target)
             ma = compiled["memory_analysis"]
             peak = ma["argument_bytes"] + ma["output_bytes"] - ma["alias_bytes"] + ma["temp_bytes"]
             out["over_budget"] = out["over_budget"] or (budget is not None and peak > budget)
