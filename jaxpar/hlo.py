@@ -129,7 +129,9 @@ def _split_call(rest: str) -> tuple[str, str]:
     return rest, ""
 
 
-def _parse_module(text: str) -> tuple[dict[str, list[_Instr]], str, int]:
+def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str, int]:
+    """HLO module text -> ({computation: its instructions in printed (schedule) order}, entry name,
+    num_partitions)."""
     comps: dict[str, list[_Instr]] = {}
     entry, current = "", None
     for line in text.splitlines():
@@ -227,7 +229,7 @@ def _trip_count(instr: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
 
 def while_loops(hlo_text: str) -> list[WhileLoop]:
     """Every while instruction of the module, with its trip count (None where not found)."""
-    comps, _, _ = _parse_module(hlo_text)
+    comps, _, _ = parse_module(hlo_text)
     out = []
     for comp, instrs in comps.items():
         for i in instrs:
@@ -243,15 +245,19 @@ def _op_name(attrs: str) -> str:
     return m.group(1) if m else ""
 
 
+def called_computations(attrs: str) -> list[tuple[str, str]]:
+    """(role, computation) pairs an instruction's attributes call: body, condition, calls, to_apply, branch."""
+    called = [(role, name) for role, name in _CALLED.findall(attrs)]
+    return called + [("branch", b.strip().lstrip("%")) for m in _BRANCHES.findall(attrs) for b in m.split(",")]
+
+
 def _multiplicities(comps: dict[str, list[_Instr]], entry: str) -> dict[str, tuple[int, bool]]:
     """computation -> (executions per program run, all trip counts known), summed over call sites."""
     edges: dict[str, list[tuple[str, int | None]]] = {c: [] for c in comps}
     for comp, instrs in comps.items():
         for i in instrs:
             trips = _trip_count(i, comps) if i.opcode == "while" else 1
-            called = [(role, name) for role, name in _CALLED.findall(i.attrs)]
-            called += [("branch", b.strip().lstrip("%")) for m in _BRANCHES.findall(i.attrs) for b in m.split(",")]
-            for role, name in called:
+            for role, name in called_computations(i.attrs):
                 if name in comps:
                     edges[comp].append((name, trips if role in ("body", "condition") else 1))
     out: dict[str, tuple[int, bool]] = {}
@@ -272,7 +278,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
     Raises:
       ValueError: replica groups in a form not understood.
     """
-    comps, entry, num_partitions = _parse_module(hlo_text)
+    comps, entry, num_partitions = parse_module(hlo_text)
     types = {i.name: i.type_str for instrs in comps.values() for i in instrs}
     mult = _multiplicities(comps, entry)
     out = []
