@@ -14,8 +14,8 @@ SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=1000000", "data.
          "train.global_batch_size=8",
          "train.eval_batches=1", "train.log_every=1", "train.eval_every=0", "train.progress_bar=false",
          "precision.compute_dtype=float32", "optimizer.warmup_steps=5"]
-REQUIRED_METRICS = {"step", "loss", "val_loss", "val_tokens", "learning_rate", "grad_norm", "tokens_per_s", "step_time_s", "mfu",
-                    "memory_peak_bytes", "memory_step_bytes"}
+REQUIRED_METRICS = {"step", "loss", "val_loss", "val_tokens", "learning_rate", "grad_norm", "tokens_per_s",
+                    "step_time_s", "mfu", "memory_peak_bytes", "memory_step_bytes"}
 
 
 def _cmd(run_dir, *overrides):

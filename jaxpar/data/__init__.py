@@ -1,4 +1,5 @@
-"""Data pipeline: byte tokenizer, corpus sources, packing, and a Grain-ordered sharded loader."""
+"""Data pipeline: byte tokenizer, corpus sources, packing, a Grain-ordered sharded loader and a one-pass
+validation loader."""
 from jaxpar.data.loader import DataLoader, EvalLoader, build_loaders
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens, split_documents
