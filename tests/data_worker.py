@@ -9,7 +9,9 @@ trainer's mesh over all devices (data = process count, fsdp = devices per proces
 Each process writes OUT_DIR/process_<index>.json (JSON, never pickle):
     {"process_index", "process_count", "local_devices", "mesh": {axis: size}, "batches_per_epoch",
      "batches": [[[row, id], ...] per batch: the rows of the global batch this process's shards hold],
-     "states": [loader.get_state() after each batch], "start_state": the state it resumed from or null}
+     "states": [loader.get_state() after each batch], "start_state": the state it resumed from or null,
+     "eval_batches": [[[row, id, valid tokens], ...] per batch of one `EvalLoader` pass over the same N
+                      sequences (id -1: a padding row)]}
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from jax.sharding import NamedSharding
 
 from jaxpar import distributed
 from jaxpar.config.schema import Config, DistributedConfig, MeshConfig
-from jaxpar.data import DataLoader
+from jaxpar.data import PAD_ID, DataLoader, EvalLoader
 from jaxpar.mesh import build_mesh
 from jaxpar.sharding import activation_spec
 
@@ -40,6 +42,19 @@ def local_rows(batch_GT: jax.Array) -> list[list[int]]:
         for r, sample_id in enumerate(tokens[:, 0].tolist()):
             held[start + r] = sample_id
     return [[row, held[row]] for row in sorted(held)]
+
+
+def local_eval_rows(batch: dict) -> list[list[int]]:
+    """[row, id, valid tokens] for every global-batch row this process's shards hold; id -1 for padding."""
+    held = {}
+    for inputs, mask in zip(batch["inputs"].addressable_shards, batch["loss_mask"].addressable_shards):
+        assert inputs.index == mask.index
+        start = inputs.index[0].start or 0
+        tokens, valid = np.asarray(inputs.data), np.asarray(mask.data).sum(axis=1)
+        assert (tokens == tokens[:, :1]).all(), "a row mixes two sequences"
+        for r, (sample_id, n) in enumerate(zip(tokens[:, 0].tolist(), valid.tolist())):
+            held[start + r] = [-1 if sample_id == PAD_ID else sample_id, int(n)]
+    return [[row, *held[row]] for row in sorted(held)]
 
 
 def main() -> None:
@@ -73,10 +88,11 @@ def main() -> None:
                                       np.asarray(batch["inputs"].addressable_shards[0].data) + 1)
         batches.append(local_rows(batch["inputs"]))
         states.append(loader.get_state())
+    eval_batches = [local_eval_rows(batch) for batch in EvalLoader(packed, args.global_batch, sharding).batches()]
     result = {"process_index": jax.process_index(), "process_count": jax.process_count(),
               "local_devices": jax.local_device_count(), "mesh": {a: int(n) for a, n in mesh.shape.items()},
               "batches_per_epoch": loader.batches_per_epoch, "batches": batches, "states": states,
-              "start_state": start_state}
+              "start_state": start_state, "eval_batches": eval_batches}
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"process_{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)

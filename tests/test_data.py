@@ -14,8 +14,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import (BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, DataLoader, build_loaders, load_tokens, pack,
-                         unigram_entropy)
+from jaxpar.data import (BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, DataLoader, EvalLoader, build_loaders, load_tokens,
+                         pack, unigram_entropy)
 from jaxpar.data.loader import _process_rows
 
 
@@ -211,6 +211,44 @@ def test_loader_unshuffled_and_too_small(sharding):
         DataLoader(_id_packed(5), G, sharding, seed=0)
 
 
+def _eval_rows(loader):
+    """One pass of an EvalLoader: (ids of the real rows in order, padding rows per batch); checks that a row
+    is either a whole sequence with its mask or padding with mask 0."""
+    ids, pads = [], []
+    for batch in loader.batches():
+        inputs, targets = np.asarray(batch["inputs"]), np.asarray(batch["targets"])
+        mask = np.asarray(batch["loss_mask"])
+        assert inputs.shape == (G, T) and batch["inputs"].sharding == loader._sharding
+        pad = inputs[:, 0] == PAD_ID
+        assert (inputs[pad] == PAD_ID).all() and (targets[pad] == PAD_ID).all() and (mask[pad] == 0).all()
+        assert (mask[~pad] == 1).all()
+        ids += _ids({"inputs": inputs[~pad], "targets": targets[~pad]})
+        pads.append(int(pad.sum()))
+    return ids, pads
+
+
+def test_eval_loader_scores_every_sequence_once_and_pads_the_last_batch(sharding):
+    """37 sequences, G = 8: 5 batches, the last with 5 sequences and 3 masked padding rows; DataLoader would
+    drop those 5 (and repeat)."""
+    whole = EvalLoader(_id_packed(), G, sharding)
+    assert (whole.num_scored, whole.num_batches, whole.num_tokens) == (N, 5, N * T)
+    ids, pads = _eval_rows(whole)
+    assert ids == list(range(N)) and pads == [0, 0, 0, 0, 5 * G - N]
+    assert _eval_rows(whole) == (ids, pads)  # every pass is the same pass: the loader keeps no position
+
+
+def test_eval_batches_caps_and_never_cycles(sharding):
+    first_two = EvalLoader(_id_packed(), G, sharding, max_batches=2)
+    assert _eval_rows(first_two) == (list(range(2 * G)), [0, 0]) and first_two.num_tokens == 2 * G * T
+    more_than_the_split = EvalLoader(_id_packed(), G, sharding, max_batches=10)
+    assert more_than_the_split.num_batches == 5
+    assert _eval_rows(more_than_the_split) == _eval_rows(EvalLoader(_id_packed(), G, sharding))
+    small = EvalLoader(_id_packed(5), G, sharding)  # fewer sequences than one batch: still scored, padded
+    assert _eval_rows(small) == (list(range(5)), [G - 5])
+    with pytest.raises(ConfigError, match="no sequence"):
+        EvalLoader(_id_packed(0), G, sharding)
+
+
 class _FakeSharding:
     """A process whose 4 devices hold batch rows [4:6] twice and [0:2] twice (replicated over another axis)."""
 
@@ -270,7 +308,7 @@ def test_build_loaders_on_text(tmp_path, sharding):
     train, val, info = build_loaders(cfg, 8, sharding)
     assert info["train_sequences"] == train.num_sequences >= 8
     assert info["train_tokens"] > 0 and info["val_tokens"] > 0 and info["val_unigram_entropy"] > 0
-    batch = val.next_batch()
+    batch = next(val.batches())
     assert batch["inputs"].shape == (8, 16)
     first = np.asarray(batch["inputs"])[0]
     assert first[0] == BOS_ID  # validation is unshuffled: row 0 starts the first held-out document

@@ -92,6 +92,25 @@ def test_two_processes_cover_one_epoch_exactly_once(uninterrupted):
 
 
 @pytest.mark.timeout(300)
+def test_two_processes_evaluate_every_sequence_once_with_the_same_padding(uninterrupted):
+    """One `EvalLoader` pass over the N = 37 sequences on 2 processes: ceil(N / G) = 5 global batches, each
+    row held by exactly one process, sequences 0..N-1 in order, the last 3 rows padding with no valid token."""
+    batches = []
+    for b in range(len(uninterrupted[0]["eval_batches"])):
+        rows: dict[int, list[int]] = {}
+        for r in uninterrupted:
+            held = {row: [sample_id, valid] for row, sample_id, valid in r["eval_batches"][b]}
+            assert len(held) == G // 2 and not rows.keys() & held.keys()
+            rows.update(held)
+        assert sorted(rows) == list(range(G))
+        batches.append([rows[i] for i in range(G)])
+    seq_len = 2  # tests/data_worker.py SEQ_LEN
+    flat = [row for batch in batches for row in batch]
+    assert len(batches) == -(-N // G) == 5
+    assert flat == [[i, seq_len] for i in range(N)] + [[-1, 0]] * (5 * G - N)
+
+
+@pytest.mark.timeout(300)
 def test_resume_on_one_process_serves_the_next_global_batch(uninterrupted, tmp_path):
     """A 2-process run stops after 4 batches; 1 process x 2 devices (another process count and data-parallel
     size) resumes from its saved state and serves exactly the batches the uninterrupted run served next."""

@@ -28,6 +28,7 @@ def test_non_finite_gradients_are_skipped_then_stop_the_run(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped_steps"] for r in rows] == [1, 2, 3, 4][:len(rows)] and len(rows) >= 3
     assert not np.isfinite(rows[0]["grad_norm"])
+    assert all(r["learning_rate"] == 0.0 for r in rows)  # no update was applied: the rate applied is 0
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=1000000", "data.
          "train.global_batch_size=8",
          "train.eval_batches=1", "train.log_every=1", "train.eval_every=0", "train.progress_bar=false",
          "precision.compute_dtype=float32", "optimizer.warmup_steps=5"]
-REQUIRED_METRICS = {"step", "loss", "val_loss", "learning_rate", "grad_norm", "tokens_per_s", "step_time_s", "mfu",
-                    "memory_peak_bytes", "memory_step_bytes"}
+REQUIRED_METRICS = {"step", "loss", "val_loss", "val_tokens", "learning_rate", "grad_norm", "tokens_per_s",
+                    "step_time_s", "mfu", "memory_peak_bytes", "memory_step_bytes"}
 
 
 def _cmd(run_dir, *overrides):
@@ -51,6 +51,7 @@ def test_default_config_runs_and_resume_after_kill_reproduces_losses(tmp_path):
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps and REQUIRED_METRICS <= set(rows[0])
     assert rows[-1]["val_loss"] is not None and rows[-1]["loss"] < rows[0]["loss"]
+    assert rows[-1]["val_tokens"] == 8 * 32 and rows[0]["val_tokens"] is None  # eval_batches=1: 8 full sequences
     assert (full / "config.yaml").exists() and os.listdir(full / "tensorboard")
     assert sorted(os.listdir(full / "checkpoints")) == ["20", "40"]
 

@@ -120,8 +120,11 @@ class OptimizerConfig:
     Attributes:
       zero_stage: what is partitioned across `data`: 0 nothing (DDP), 1 optimizer state, 2 optimizer state and
         gradients, 3 parameters too. The `fsdp` axis always partitions all three.
-      decay: learning-rate decay after warmup: `cosine`, `linear` or `constant`.
-      min_lr_ratio: final learning rate as a fraction of `learning_rate`.
+      warmup_steps: W; update k <= W uses `learning_rate` * k / W (update 1 already moves the parameters).
+      decay: learning-rate decay over the updates after warmup, from `learning_rate` at update W + 1:
+        `cosine`, `linear` or `constant` (formula: `jaxpar.train.optimizer.learning_rate_schedule`).
+      min_lr_ratio: the rate the decay reaches after the last update (`train.steps`), as a fraction of
+        `learning_rate`.
       grad_clip_norm: clip by global L2 norm; 0 disables clipping.
     """
 
@@ -192,7 +195,9 @@ class TrainConfig:
       seed: parameter-initialisation seed.
       log_every: write metrics every N steps.
       eval_every: validation loss every N steps (and at the end); 0 only at the end.
-      eval_batches: global batches of validation data per evaluation.
+      eval_batches: how much of the validation split each evaluation scores, in file order, every sequence
+        once (never cycled): 0 the whole split; B > 0 its first min(B * global_batch_size, all) sequences.
+        The last global batch is padded with masked rows; metrics report the tokens covered (`val_tokens`).
       peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
       progress_bar: show a tqdm progress bar.
       sample_tokens: tokens to generate from the trained model at the end (0: none).

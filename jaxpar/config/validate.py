@@ -128,8 +128,9 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
                           f"run directory, its checkpoints/ directory or one of its step directories")
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep", c.keep)
-    for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_batches", "max_bad_steps"):
+    for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
+    _positive("train.eval_batches", t.eval_batches, allow_zero=True)  # 0: the whole validation split
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("train.peak_flops_per_device", t.peak_flops_per_device, allow_zero=True)
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)

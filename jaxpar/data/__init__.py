@@ -1,9 +1,10 @@
-"""Data pipeline: byte tokenizer, corpus sources, packing, and a Grain-ordered sharded loader."""
-from jaxpar.data.loader import DataLoader, build_loaders
+"""Data pipeline: byte tokenizer, corpus sources, packing, a Grain-ordered sharded loader and a one-pass
+validation loader."""
+from jaxpar.data.loader import DataLoader, EvalLoader, build_loaders
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens, split_documents
 from jaxpar.data.stats import unigram_entropy
 from jaxpar.data.tokenizer import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID, ByteTokenizer
 
-__all__ = ["BOS_ID", "BYTE_VOCAB", "ByteTokenizer", "DataLoader", "EOS_ID", "PAD_ID", "build_loaders",
+__all__ = ["BOS_ID", "BYTE_VOCAB", "ByteTokenizer", "DataLoader", "EOS_ID", "EvalLoader", "PAD_ID", "build_loaders",
            "load_tokens", "pack", "split_documents", "unigram_entropy"]

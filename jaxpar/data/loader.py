@@ -8,11 +8,17 @@ a batch never straddles an epoch boundary (the last N mod G positions of each ep
 sequence appears twice in one batch. The state is one integer, the next stream position, so a run resumes
 exactly and the order does not depend on the number of processes.
 
+Validation is served by `EvalLoader` instead: one pass over the split (or its first sequences) in file order,
+every sequence exactly once, the last global batch filled with padding rows of loss_mask 0. Which global batch
+row holds which sequence, or padding, depends on the row's global index alone, so every process agrees.
+
 Each process gathers only the rows its addressable devices hold and assembles the global array with
 `jax.make_array_from_process_local_data`. Every process reads and packs the whole corpus (cheap at this
 library's scale).
 """
 from __future__ import annotations
+
+from typing import Iterator
 
 import grain
 import jax
@@ -22,6 +28,7 @@ from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
 from jaxpar.data.stats import unigram_entropy
+from jaxpar.data.tokenizer import PAD_ID
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask")
 
@@ -34,7 +41,7 @@ class DataLoader:
       global_batch_size: G, sequences per batch over all processes.
       sharding: NamedSharding of each [G, T] batch array, typically P(("data", "fsdp"), None).
       seed: shuffle seed (taken modulo 2**32).
-      shuffle: False keeps the packed order (validation).
+      shuffle: False keeps the packed order.
       split: name used in error messages ("train" or "validation").
 
     Raises:
@@ -101,6 +108,73 @@ class DataLoader:
         self._next_sample = int(value)
 
 
+class EvalLoader:
+    """One pass over a validation split: global batches {"inputs", "targets": int32 [G, T], "loss_mask":
+    float32 [G, T]} in file order, each sequence exactly once, never repeated.
+
+    Batch b holds, in row r, sequence b*G + r while that is below `num_scored`, else a padding row (inputs
+    and targets `PAD_ID`, loss_mask 0), so a token-mean over all batches is the mean over exactly the scored
+    sequences' valid tokens. The rows depend only on the global row index: every process pads the same rows.
+
+    Args:
+      packed: output of `jaxpar.data.pack`, N >= 1 sequences of T tokens.
+      global_batch_size: G, rows per batch over all processes.
+      sharding: NamedSharding of each [G, T] batch array, as for `DataLoader`.
+      max_batches: 0 scores the whole split (ceil(N / G) batches, the last padded); B > 0 scores its first
+        min(B * G, N) sequences (`train.eval_batches`).
+
+    Raises:
+      ConfigError: the split holds no sequence, or `max_batches` < 0.
+      ValueError: `packed` lacks a key or its arrays disagree in shape.
+    """
+
+    def __init__(self, packed: dict[str, np.ndarray], global_batch_size: int,
+                 sharding: jax.sharding.NamedSharding, max_batches: int = 0):
+        missing = [k for k in BATCH_KEYS if k not in packed]
+        if missing:
+            raise ValueError(f"packed data lacks {missing}; build it with jaxpar.data.pack")
+        shapes = {packed[k].shape for k in BATCH_KEYS}
+        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+            raise ValueError(f"packed arrays must share one [N, T] shape, got {sorted(shapes)}")
+        self.num_sequences, self.seq_len = next(iter(shapes))
+        if self.num_sequences == 0:
+            raise ConfigError("the validation split holds no sequence (fewer than 2 tokens); raise "
+                              "data.validation_fraction or add data")
+        if max_batches < 0:
+            raise ConfigError(f"train.eval_batches={max_batches} must be >= 0 (0: the whole validation split)")
+        g = global_batch_size
+        self.global_batch_size = g
+        self.num_scored = self.num_sequences if max_batches == 0 else min(max_batches * g, self.num_sequences)
+        self.num_batches = -(-self.num_scored // g)
+        self._packed = {k: packed[k][: self.num_scored] for k in BATCH_KEYS}
+        self._sharding = sharding
+        self._global_shape = (g, self.seq_len)
+        self._local_rows = _process_rows(sharding, self._global_shape)
+
+    @property
+    def num_tokens(self) -> int:
+        """Valid (loss_mask = 1) target tokens of the scored sequences: what one pass's token-mean covers."""
+        return int(self._packed["loss_mask"].sum())
+
+    def scored(self) -> dict[str, np.ndarray]:
+        """The scored sequences as host arrays {"inputs", "targets", "loss_mask"}: [num_scored, T] each."""
+        return dict(self._packed)
+
+    def batches(self) -> Iterator[dict[str, jax.Array]]:
+        """Yields the `num_batches` global batches of one pass, each array [G, T] placed with `sharding`."""
+        rows = len(self._local_rows)
+        for b in range(self.num_batches):
+            ids = b * self.global_batch_size + self._local_rows
+            real = ids < self.num_scored
+            local = {"inputs": np.full((rows, self.seq_len), PAD_ID, np.int32),
+                     "targets": np.full((rows, self.seq_len), PAD_ID, np.int32),
+                     "loss_mask": np.zeros((rows, self.seq_len), np.float32)}
+            for k in BATCH_KEYS:
+                local[k][real] = self._packed[k][ids[real]]
+            yield {k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)
+                   for k, v in local.items()}
+
+
 def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> np.ndarray:
     """Batch rows this process's devices hold, in the layout make_array_from_process_local_data expects.
 
@@ -118,16 +192,18 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
 
 
 def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sharding.NamedSharding,
-                  vocab_size: int | None = None) -> tuple[DataLoader, DataLoader, dict]:
+                  vocab_size: int | None = None, eval_batches: int = 0) -> tuple[DataLoader, EvalLoader, dict]:
     """Reads, splits and packs the corpus; returns (train_loader, val_loader, info).
 
-    The train loader shuffles with `data.seed`; the validation loader keeps file order (shuffle=False).
-    info: {"train_tokens", "val_tokens", "train_sequences", "val_sequences", "seq_len"} (ints) and
-    "val_unigram_entropy" (nats/token, see `jaxpar.data.unigram_entropy`).
+    The train loader shuffles with `data.seed`; the validation loader is an `EvalLoader` over the first
+    `eval_batches` global batches' worth of validation sequences in file order (0: all of them).
+    info: {"train_tokens", "val_tokens" (stream lengths), "train_sequences", "val_sequences" (packed),
+    "val_scored_sequences", "val_scored_tokens" (what each evaluation covers), "seq_len"} (ints) and
+    "val_unigram_entropy" (nats/token over the scored target tokens, see `jaxpar.data.unigram_entropy`).
 
     Raises:
-      ConfigError: from `load_tokens`, a split with fewer than `global_batch_size` sequences, or a token id
-        >= `vocab_size` (when given).
+      ConfigError: from `load_tokens`, a train split with fewer than `global_batch_size` sequences, an empty
+        validation split, or a token id >= `vocab_size` (when given).
     """
     train_tokens, val_tokens = load_tokens(data_cfg)
     if vocab_size is not None:
@@ -139,13 +215,16 @@ def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sh
                 f"mesh.tensor), or check data.path and data.token_dtype")
     train, val = pack(train_tokens, data_cfg.seq_len), pack(val_tokens, data_cfg.seq_len)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
-    val_loader = DataLoader(val, global_batch_size, sharding, data_cfg.seed, shuffle=False, split="validation")
+    val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
+    scored = val_loader.scored()
     info = {
         "train_tokens": int(len(train_tokens)),
         "val_tokens": int(len(val_tokens)),
         "train_sequences": train_loader.num_sequences,
         "val_sequences": val_loader.num_sequences,
+        "val_scored_sequences": val_loader.num_scored,
+        "val_scored_tokens": val_loader.num_tokens,
         "seq_len": data_cfg.seq_len,
-        "val_unigram_entropy": unigram_entropy(val_tokens),
+        "val_unigram_entropy": unigram_entropy(scored["targets"], scored["loss_mask"]),
     }
     return train_loader, val_loader, info

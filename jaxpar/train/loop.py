@@ -21,7 +21,7 @@ import numpy as np
 from jaxpar import flops as flops_lib
 from jaxpar.checkpoint import Checkpointer, restore_from_path
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
-from jaxpar.data import build_loaders
+from jaxpar.data import EvalLoader, build_loaders
 from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
 from jaxpar.memory import (
@@ -60,7 +60,8 @@ class TrainResult:
     losses: dict[int, float]           # step (1-based, after the update) -> training loss of that step
     val_loss: float | None
     initial_val_loss: float | None
-    val_unigram_entropy: float
+    val_unigram_entropy: float         # of the target tokens val_loss covers
+    val_tokens: int                    # valid tokens every validation figure covers (train.eval_batches)
     tokens_per_s: float | None
     start_step: int
     sample: str
@@ -73,19 +74,19 @@ def _log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def evaluate(eval_step, params, loader, batches: int, beat=None, step: int = 0) -> float:
-    """Token-mean validation loss (nats) over the first `batches` global batches of `loader`.
+def evaluate(eval_step, params, loader: EvalLoader, beat=None, step: int = 0) -> tuple[float, int]:
+    """Token-mean validation loss (nats) over one pass of `loader` (every scored sequence once, padding rows
+    masked out), and the number of valid tokens it covers.
 
     `beat(step)`, if given, is called after every batch (the hang watchdog's progress mark).
     """
-    loader.set_state({"next_sample": 0})
     total = count = 0.0
-    for _ in range(batches):
-        loss_sum, n = eval_step(params, loader.next_batch())
+    for batch in loader.batches():
+        loss_sum, n = eval_step(params, batch)
         total, count = total + float(loss_sum), count + float(n)
         if beat is not None:
             beat(step)
-    return total / max(count, 1.0)
+    return total / max(count, 1.0), int(round(count))
 
 
 def _diverged_message(bad: int, step: int, t, ckpt: Checkpointer | None, rollbacks: int) -> str:
@@ -175,9 +176,11 @@ def train(cfg: Config) -> TrainResult:
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"train.run_dir={run_dir!r} is a file; give a directory (it is created if missing)")
     train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
-                                                   cfg.model.vocab_size)
+                                                   cfg.model.vocab_size, t.eval_batches)
+    val_cover = (f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
+                 f"{info['val_sequences']:,} validation sequences)")
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
-         f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens")
+         f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens; each evaluation scores {val_cover}")
 
     ckpt = None
     if cfg.checkpoint.every_steps > 0:
@@ -222,9 +225,9 @@ def train(cfg: Config) -> TrainResult:
     writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
 
-    initial_val = evaluate(eval_step, state["params"], val_loader, t.eval_batches) if start == 0 else None
+    initial_val = evaluate(eval_step, state["params"], val_loader)[0] if start == 0 else None
     if initial_val is not None:
-        _log(f"step 0: val_loss {initial_val:.4f}")
+        _log(f"step 0: val_loss {initial_val:.4f} over {val_cover}")
 
     losses: dict[int, float] = {}
     tokens_per_s = None
@@ -233,7 +236,7 @@ def train(cfg: Config) -> TrainResult:
         from tqdm import tqdm
         bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     batch, last_time, last_step = first_batch, time.perf_counter(), start
-    val_loss = preempted_at = previous = None
+    val_loss = val_tokens = preempted_at = previous = None
     rollbacks = 0
     faults = FaultInjector()
     watch, watchdog = PreemptionWatch(), Watchdog(t.watchdog_s)
@@ -265,9 +268,10 @@ def train(cfg: Config) -> TrainResult:
                 step_time = (time.perf_counter() - last_time) / max(step - last_step, 1)
                 tokens_per_s = tokens_per_step / step_time
                 losses[step] = m["loss"]
-                val_loss = (evaluate(eval_step, state["params"], val_loader, t.eval_batches, watchdog.beat, step)
-                            if evaluate_now else None)
-                writer.write(step, {"loss": m["loss"], "val_loss": val_loss, "learning_rate": m["learning_rate"],
+                val_loss, val_tokens = (evaluate(eval_step, state["params"], val_loader, watchdog.beat, step)
+                                        if evaluate_now else (None, None))
+                writer.write(step, {"loss": m["loss"], "val_loss": val_loss, "val_tokens": val_tokens,
+                                    "learning_rate": m["learning_rate"],
                                     "grad_norm": m["grad_norm"], "skipped_steps": int(m["skipped_steps"]),
                                     "rollbacks": rollbacks, "tokens_per_s": tokens_per_s,
                                     "step_time_s": step_time, "tokens": m["tokens"],
@@ -301,17 +305,17 @@ def train(cfg: Config) -> TrainResult:
     if preempted_at:
         _log(f"preempted: saved step {preempted_at} and stopped; run the same command to resume")
         return TrainResult(losses=losses, val_loss=None, initial_val_loss=initial_val,
-                           val_unigram_entropy=info["val_unigram_entropy"], tokens_per_s=tokens_per_s,
-                           start_step=start, sample="", state=state, preempted_at=preempted_at)
-    final_val = val_loss if val_loss is not None else evaluate(eval_step, state["params"], val_loader,
-                                                               t.eval_batches)
+                           val_unigram_entropy=info["val_unigram_entropy"], val_tokens=info["val_scored_tokens"],
+                           tokens_per_s=tokens_per_s, start_step=start, sample="", state=state,
+                           preempted_at=preempted_at)
+    final_val = val_loss if val_loss is not None else evaluate(eval_step, state["params"], val_loader)[0]
     entropy = info["val_unigram_entropy"]
-    _log(f"final val_loss {final_val:.4f} nats/token vs validation unigram entropy {entropy:.4f} "
+    _log(f"final val_loss {final_val:.4f} nats/token over {val_cover} vs their unigram entropy {entropy:.4f} "
          f"(ratio {final_val / entropy:.3f})")
     sample = ""
     if t.sample_tokens > 0:
         sample = sample_text(plan, state["params"], prompt="def ", num_tokens=t.sample_tokens, seed=t.seed)
         _log("sample:\n" + sample)
     return TrainResult(losses=losses, val_loss=final_val, initial_val_loss=initial_val,
-                       val_unigram_entropy=entropy, tokens_per_s=tokens_per_s, start_step=start, sample=sample,
-                       state=state)
+                       val_unigram_entropy=entropy, val_tokens=info["val_scored_tokens"], tokens_per_s=tokens_per_s,
+                       start_step=start, sample=sample, state=state)

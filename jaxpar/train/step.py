@@ -34,7 +34,7 @@ from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS, TensorParallel
 from jaxpar.sharding import activation_spec, gathered_axes, named, param_specs, partitioned_over_data
-from jaxpar.train.optimizer import build_optimizer, learning_rate_schedule
+from jaxpar.train.optimizer import applied_learning_rate, build_optimizer, learning_rate_schedule
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -267,7 +267,9 @@ def make_train_step(plan: StepPlan) -> Callable:
     """Returns the jitted `train_step(state, batch) -> (state, metrics)`; the input state is donated.
 
     metrics: {"loss": token-mean loss (nats), "grad_norm": global L2 norm before clipping,
-              "learning_rate": rate used for this update, "tokens": valid tokens in the batch} (fp32 scalars),
+              "learning_rate": the rate this step's update applied, from the optimizer's own update count
+              (`jaxpar.train.optimizer.applied_learning_rate`; 0.0 when the update was skipped),
+              "tokens": valid tokens in the batch} (fp32 scalars),
              "bad_steps_in_a_row" and "skipped_steps" (int32): updates skipped for non-finite gradients,
              consecutive up to this step and in total.
     """
@@ -286,7 +288,9 @@ def make_train_step(plan: StepPlan) -> Callable:
             new["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), target)
         else:
             new["params"] = target
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": plan.schedule(state["step"]),
+        # Not plan.schedule(state["step"]): a skipped update does not advance the optimizer's count.
+        learning_rate = applied_learning_rate(plan.schedule, state["opt_state"], opt_state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
                    "tokens": n_tokens, "bad_steps_in_a_row": opt_state.notfinite_count,
                    "skipped_steps": opt_state.total_notfinite}
         return new, metrics
