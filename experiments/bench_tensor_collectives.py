@@ -55,7 +55,7 @@ def main() -> None:
                   "compiler": collectives_by_axis(compiler.as_text(), plan.mesh)}
         print(f"\n=== {describe(plan.mesh)}  sequence_parallel={plan.tensor_parallel.sequence_parallel}  "
               f"remat={cfg.model.remat}  compute={jnp.dtype(plan.compute_dtype).name}")
-        print("Per step, bytes sent per device (ring formulas, FORMULAS.md):")
+        print("Per step, bytes sent per device (ring formulas, jaxpar.comm.ring_bytes):")
         print(format_axis_table(tables))
 
         terms, want = tensor_analytic(plan)

@@ -2,8 +2,8 @@
 
 Symbols: P parameters, N size of the `data` axis (the group ZeRO partitions over), F size of the `fsdp` axis.
 
-Formula (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3 and Figure 1; /work/shared/FORMULAS.md,
-"Model state per device"). Bytes per parameter of each state kind:
+Formula (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3 and Figure 1). Bytes per parameter of
+each state kind:
 
     layout   params   grads   opt_state
     fp32     4        4       8  (Adam m, v)
@@ -11,7 +11,7 @@ Formula (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3 and Figure 1
 
 Every kind is divided by F (the `fsdp` axis always partitions all three, see `jaxpar.sharding`) and also by N
 when the ZeRO stage partitions it over `data` (1: opt_state; 2: + grads; 3: + params). With F = 1 this is
-the FORMULAS table: 16p DDP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N; fp32 DDP 16P,
+the ZeRO paper's Figure 1: 16p DDP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N; fp32 DDP 16P,
 ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N, ZeRO-3 16P/N.
 
 Measurement (`measured_state_bytes`) comes from XLA's buffer assignment of the compiled programs
@@ -36,7 +36,7 @@ import numpy as np
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.train.step import BATCH_KEYS, StepPlan, make_grad_fn, make_train_step
 
-# Bytes per parameter of each state kind, per precision layout (ZeRO section 3.1; FORMULAS.md).
+# Bytes per parameter of each state kind, per precision layout (ZeRO section 3.1).
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
     "fp32": {"params": 4, "grads": 4, "opt_state": 8},    # fp32 params, fp32 grads, Adam m + v
     "16p": {"params": 2, "grads": 2, "opt_state": 12},    # bf16 params, bf16 grads, fp32 master + m + v

@@ -2,7 +2,7 @@
 
 Shape letters: p stages, m microbatches per step, b microbatch rows, T' activation sequence length, D model width.
 
-Sources (see /work/shared/FORMULAS.md, "Pipeline parallelism"): GPipe (Huang et al. 2019) and PipeDream-Flush /
+Sources: GPipe (Huang et al. 2019) and PipeDream-Flush /
 1F1B (Narayanan et al. 2021, arXiv 2104.04473, section 2.2): both have the bubble (p - 1)/(m + p - 1); the worst
 stage holds m microbatches' activations under GPipe and p under 1F1B with separate programs per stage. The
 numbers for the lockstep single-program loop (`jaxpar.parallel.pipeline`) are derived from its tick schedule:
@@ -65,7 +65,7 @@ def stage_inputs_in_flight(schedule: str, p: int, m: int) -> dict[str, int]:
 
 
 def activation_bytes(b: int, seq: int, d_model: int, dtype_bytes: int) -> int:
-    """Bytes of one microbatch's stage input [b, T', D]: b * T' * D * dtype_bytes (FORMULAS.md, ppermute row)."""
+    """Bytes of one microbatch's stage input [b, T', D]: b * T' * D * dtype_bytes, what one collective-permute sends."""
     return b * seq * d_model * dtype_bytes
 
 
@@ -76,7 +76,7 @@ def ideal_time_ratio(schedule: str, p: int, m: int) -> float:
 
     Unit: one stage forward on b rows; data parallel does 3m units per device.
       1F1B: warm-up p - 1 ticks x 1 (F), steady m x 4 (F + recomputed F + B), cool-down p - 1 x 3 -> 4(m + p - 1);
-        ratio 4(m + p - 1) / 3m (the 4/3 is the recompute of DESIGN.md's stage-input stash).
+        ratio 4(m + p - 1) / 3m (the 4/3 is the stage forward recomputed from its stashed input).
       GPipe: (m + p - 1) x 3 (masked ticks still compute) -> ratio (m + p - 1) / m = 1 / (1 - bubble).
     """
     _check(schedule, p, m)

@@ -8,7 +8,7 @@ Shape letters: b microbatch rows per device, s sequence length (s' = s/t under s
 width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
 stage), t tensor size, p pipeline stages, m pipeline microbatches, A gradient-accumulation steps.
 
-Model state (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3; /work/shared/FORMULAS.md): bytes per
+Model state (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3): bytes per
 parameter by precision layout `fp32` (4 + 4 + 8) or `16p` (bf16 params 2 + bf16 grads 2 + fp32 master, Adam m
 and v 12), each kind divided by the fsdp size and, for the kinds the ZeRO stage partitions, by the data size
 (`jaxpar.memory.state_bytes_formula`), applied to P per tensor/pipeline rank (the parameters one rank holds

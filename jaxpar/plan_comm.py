@@ -4,7 +4,8 @@ Letters as in `jaxpar.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduc
 dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's platform
 (`jaxpar.plan.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4); x = b*s*D*Bc, one
 microbatch's activations. Ring costs per op are `jaxpar.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
-all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (FORMULAS.md).
+all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring algorithms:
+Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
 
 The counts follow jaxpar's step (`jaxpar.train.step`, `jaxpar.parallel`) as XLA compiles it; where XLA hoists
 or drops a collective the rule says so (generic HLO simplification that CPU and GPU compilers both run). tests/

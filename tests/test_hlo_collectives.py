@@ -83,7 +83,7 @@ def test_layer_collectives(fsdp, sp):
     # Per step, each loop body runs once per layer.
     per_step = collectives_by_axis(text, plan.mesh, computations={fwd, bwd})
     assert per_step[(tensor, "reduce-scatter" if sp else "all-reduce")]["count"] == 2 * 2 * N_LAYERS
-    # The activation collectives carry [b, T, D] (b = 8 rows per device / fsdp): ring bytes by FORMULAS.md.
+    # The activation collectives carry [b, T, D] (b = 8 rows per device / fsdp): ring bytes (`jaxpar.comm.ring_bytes`).
     x_bytes = 8 // fsdp * 8 * 64 * 4
     for c in parse_collectives(text):
         if c.computation in (fwd, bwd) and classify_groups(c.groups, plan.mesh) == tensor:

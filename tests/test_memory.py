@@ -14,7 +14,7 @@ GB = 1e9
 SMALL = ["model.n_layers=2", "model.d_model=128", "data.seq_len=16", "train.global_batch_size=8"]
 
 
-# ZeRO paper / FORMULAS.md seed exercise: a 13B model at N=8, 16p layout (2 + 2 + 12 bytes per parameter).
+# The ZeRO paper's exercise (section 3.1): a 13B model at N=8, 16p layout (2 + 2 + 12 bytes per parameter).
 @pytest.mark.parametrize("zero,expected_gb", [(0, 208.0), (1, 71.5), (2, 48.75), (3, 26.0)])
 def test_formula_13b_16p(zero, expected_gb):
     out = state_bytes_formula(13e9, "16p", zero, data=8, fsdp=1)
