@@ -108,3 +108,37 @@ def test_bad_override_syntax_and_files(tmp_path):
 def test_exponent_floats_without_dot_parse():
     cfg = load_config(TINY, ["optimizer.eps=1e-3", "optimizer.learning_rate=3e-4"], num_devices=8)
     assert cfg.optimizer.eps == 1e-3 and cfg.optimizer.learning_rate == 3e-4
+
+
+def test_duplicate_keys_are_refused_naming_key_and_line(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("model:\n  d_model: 64\n  n_layers: 2\n  d_model: 32\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml, line 4: duplicate key 'd_model' \(first at line 2\)"):
+        load_config(str(dup), num_devices=8)
+    top = tmp_path / "top.yaml"
+    top.write_text(f"base: {TINY}\ntrain:\n  steps: 3\nmodel:\n  n_layers: 2\ntrain:\n  steps: 5\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'train'"):
+        load_config(str(top), num_devices=8)
+    with pytest.raises(ConfigError, match=r"duplicate key 'a'"):
+        load_config(TINY, ["train.run_dir={a: 1, a: 2}"], num_devices=8)
+    # A YAML merge key (<<) may be overridden by the mapping's own keys: that is not a duplicate.
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(f"base: {TINY}\ntrain: {{<<: {{steps: 3, log_every: 1}}, steps: 4}}\n")
+    cfg = load_config(str(merged), num_devices=8)
+    assert cfg.train.steps == 4 and cfg.train.log_every == 1
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_empty_config_file_is_refused(tmp_path, text):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    with pytest.raises(ConfigError, match=r"empty\.yaml.* no settings.*configs/tiny\.yaml"):
+        load_config(str(empty), num_devices=8)
+
+
+def test_empty_base_file_is_refused(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    top = tmp_path / "top.yaml"
+    top.write_text("base: empty.yaml\ntrain: {steps: 3}\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml.* no settings"):
+        load_config(str(top), num_devices=8)

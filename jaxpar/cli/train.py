@@ -15,13 +15,18 @@ import sys
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="jaxpar-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    # nargs="?" and a check below: with a required positional followed by nargs="*", argparse would name
+    # `overrides` as missing too when no argument is given.
+    p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as mesh.fsdp=4 train.steps=50")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate N CPU devices (sets JAX_NUM_CPU_DEVICES before jax starts)")
     p.add_argument("--restore-from", default=None,
                    help="checkpoint directory (or one step directory) to start from instead of RUN_DIR's latest")
-    return p.parse_intermixed_args(argv)
+    args = p.parse_intermixed_args(argv)
+    if args.config is None:
+        p.error("a config path is required, e.g. jaxpar-train configs/tiny.yaml")  # exits with status 2
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
