@@ -1,11 +1,13 @@
 """Every shipped config loads and validates; bad configs raise ConfigError naming the key and the fix."""
+import dataclasses
 import glob
 import os
 
 import pytest
 import yaml
 
-from jaxpar.config import ConfigError, load_config, save_config
+from jaxpar.config import Config, ConfigError, load_config, save_config
+from jaxpar.config.load import read_config_file
 from jaxpar.config.validate import resolve_mesh_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,12 +27,35 @@ def test_shipped_config_loads_and_validates(path):
     assert shape["data"] * shape["fsdp"] * shape["tensor"] * shape["pipeline"] == 8
 
 
+GPU_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "llama_*.yaml")))
+
+
+def _base_chain(path: str) -> list[str]:
+    chain = [os.path.basename(path)]
+    while (base := yaml.safe_load(open(path, encoding="utf-8")).get("base")) is not None:
+        path = os.path.join(os.path.dirname(path), base)
+        chain.append(os.path.basename(path))
+    return chain
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=os.path.basename)
+def test_gpu_configs_state_every_key_and_do_not_extend_the_cpu_demo(path):
+    """A GPU-scale config must not change when the CPU demo (tiny.yaml) or a schema default does: its base
+    chain avoids tiny.yaml and states every key of every section."""
+    assert "tiny.yaml" not in _base_chain(path)
+    stated = read_config_file(path)
+    for section in dataclasses.fields(Config):
+        names = {f.name for f in dataclasses.fields(getattr(Config(), section.name))}
+        missing = sorted(names - set(stated.get(section.name, {})))
+        assert not missing, f"{os.path.basename(path)} leaves {section.name}.{missing} to the schema default"
+
+
 def test_base_chain_and_overrides():
     cfg = load_config(os.path.join(ROOT, "configs", "llama_70b.yaml"), ["train.steps=7", "mesh.fsdp=-1"],
                       num_devices=8)
     assert cfg.model.d_model == 8192 and cfg.model.n_kv_heads == 8  # from llama_70b.yaml
     assert cfg.model.remat == "full"                                 # from llama_7b.yaml
-    assert cfg.data.source == "tokens"                                # from llama_125m.yaml
+    assert cfg.data.source == "tokens"                                # from gpu_base.yaml
     assert cfg.checkpoint.every_steps == 1000 and cfg.train.steps == 7
 
 

@@ -56,6 +56,15 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
     return _merge(_read_yaml(base_path, depth + 1), raw)
 
 
+def read_config_file(path: str) -> dict:
+    """The nested mapping that `path` and its `base:` chain state (without `base`), before schema defaults.
+
+    Raises:
+      ConfigError: a missing, empty or unreadable file in the chain, a duplicate key, or a `base` cycle.
+    """
+    return _read_yaml(path)
+
+
 def _merge(base: dict, top: dict) -> dict:
     out = dict(base)
     for k, v in top.items():
