@@ -2,8 +2,9 @@
 
 Examples:
   jaxpar-train configs/tiny.yaml --cpu-devices 8
-  jaxpar-train configs/tiny.yaml mesh.data=4 mesh.fsdp=2 optimizer.zero_stage=2 train.steps=50
-  jaxpar-train configs/tiny.yaml --restore-from runs/tiny/checkpoints/100
+  jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 mesh.fsdp=2 mesh.tensor=1 optimizer.zero_stage=2
+  # a new run on another mesh (data=4 x tensor=2), in its own directory, seeded from runs/tiny's latest checkpoint:
+  jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 train.run_dir=runs/data4 --restore-from runs/tiny
 """
 from __future__ import annotations
 
