@@ -212,6 +212,15 @@ def _readme_fences(path: str, rel: str) -> list[tuple[str, str]]:
     return found
 
 
+def pyproject_section(name: str) -> dict[str, str]:
+    """`key = value` lines of one [section] of pyproject.toml, values as written (Python 3.10 has no tomllib)."""
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        text = f.read()
+    m = re.search(rf"^\[{re.escape(name)}\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    assert m, f"pyproject.toml has no [{name}]"
+    return {k.strip().strip('"'): v.strip() for k, v in re.findall(r"^([\w\"-]+)\s*=\s*(.+)$", m.group(1), re.M)}
+
+
 def source_files() -> list[str]:
     """Every file searched, relative to the repository root."""
     files = ["README.md"]

@@ -39,7 +39,8 @@ directory first. Appended to the words of a part (later arguments win):
   python -m pytest: --collect-only -q -p no:cacheprovider (the suite cannot run itself inside itself;
     collecting imports every test module and applies -m).
   python experiments/X.py: REDUCED[X] (one timed step and round; the smallest point grid).
-Commands that would run the same words after this are run once.
+Parts whose programs parse to the same arguments after this (e.g. `benchmarks.py` and `benchmarks.py --quick`)
+run once.
 """
 from __future__ import annotations
 
@@ -61,8 +62,7 @@ from unittest import mock
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from doc_commands import ROOT, Documented, extract  # noqa: E402
+from doc_commands import ROOT, Documented, extract, pyproject_section
 
 TRAIN_APPEND = ["train.steps=2", "train.eval_batches=1", "train.sample_tokens=0", "train.progress_bar=false"]
 COLLECT_ONLY = ["--collect-only", "-q", "-p", "no:cacheprovider"]
@@ -87,24 +87,16 @@ NOT_RUN = {
 }
 
 
-def _pyproject_section(name: str) -> dict[str, str]:
-    """`key = value` lines of one [section] of pyproject.toml (values as written)."""
-    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
-        text = f.read()
-    m = re.search(rf"^\[{re.escape(name)}\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
-    assert m, f"pyproject.toml has no [{name}]"
-    return {k.strip().strip('"'): v.strip() for k, v in re.findall(r"^([\w\"-]+)\s*=\s*(.+)$", m.group(1), re.M)}
-
-
-SCRIPTS = {k: ast.literal_eval(v) for k, v in _pyproject_section("project.scripts").items()}
-EXTRAS = set(_pyproject_section("project.optional-dependencies"))
+SCRIPTS = {k: ast.literal_eval(v) for k, v in pyproject_section("project.scripts").items()}
+EXTRAS = set(pyproject_section("project.optional-dependencies"))
 
 
 # ---- parts and their classes ------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Part:
-    """One `&&`-part: `env` assignments, `program` (`.venv/bin/` dropped), `args`, and its class."""
+    """One `&&`-part: its `words` as written (with `env` assignments), `program` (`.venv/bin/` dropped), `args`,
+    and its class."""
 
     words: list[str]
     env: list[str]
@@ -126,8 +118,8 @@ class Part:
         return "pytest" if self.program == "pytest" else None
 
 
-def _part(words: list[str], not_run: bool) -> Part:
-    env = []
+def _part(full: list[str], not_run: bool) -> Part:
+    words, env = list(full), []
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
         env.append(words[0])
         words = words[1:]
@@ -146,7 +138,7 @@ def _part(words: list[str], not_run: bool) -> Part:
         kind = "local"
     else:
         kind = "unclassified"
-    return Part(words, env, program, args, kind)
+    return Part(list(full), env, program, args, kind)
 
 
 def parts(cmd: Documented) -> list[Part]:
@@ -312,7 +304,7 @@ def _check_config(parsed: _Parsed, devices: int | None):
 
 def _check_local(part: Part, devices: int | None = None) -> None:
     if part.module == "pytest":  # never parsed in-process: that would run the suite
-        markers = {m.split(":")[0] for m in ast.literal_eval(_pyproject_section("tool.pytest.ini_options")["markers"])}
+        markers = {m.split(":")[0] for m in ast.literal_eval(pyproject_section("tool.pytest.ini_options")["markers"])}
         args = part.args[2:] if part.program != "pytest" else part.args
         for flag, expr in zip(args, args[1:]):
             if flag == "-m":
@@ -552,11 +544,21 @@ def test_analytic_command_runs(cmd, tmp_path, capsys):
 _RUNS: dict[tuple, tuple[int, str, str]] = {}
 
 
+def _meaning(part: Part) -> tuple:
+    """What a part runs: its program (or script) and the namespace its parser makes, for the launched command too."""
+    own, inner = _launch_split(part)
+    if own.module == "pytest":
+        return ("pytest", tuple(own.args))
+    namespace = vars(_parse(own).namespace)
+    return (own.script or own.program, tuple(sorted((k, repr(v)) for k, v in namespace.items())),
+            _meaning(inner) if inner else None)
+
+
 def _run(cmd: Documented, factory) -> tuple[int, str, str]:
-    """Runs the command's local parts in a fresh directory (module docstring); cached by the words run."""
+    """Runs the command's local parts in a fresh directory (module docstring); cached by what they run."""
     local = [p for p in parts(cmd) if p.kind == "local"]
     words = [[*p.words, *_appended(p)] for p in local]
-    key = tuple(tuple(w.removeprefix(".venv/bin/") for w in ws) for ws in words)
+    key = tuple(_meaning(dataclasses.replace(p, words=ws, args=ws[len(p.env) + 1:])) for p, ws in zip(local, words))
     if key in _RUNS:
         return _RUNS[key]
     cwd = _workdir(factory.mktemp("cmd"))

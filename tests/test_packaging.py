@@ -1,6 +1,7 @@
 """An installed jaxpar (a wheel, `pip install .`) ships the configs: `jaxpar-plan --exercise-13b` reads
 configs/llama_13b.yaml and its base chain through the package directory jaxpar/configs, a link to the repository's
 configs/ (one copy of each file)."""
+import ast
 import fnmatch
 import glob
 import os
@@ -12,15 +13,14 @@ import zipfile
 import pytest
 
 from jaxpar.cli import plan as plan_cli
+from doc_commands import pyproject_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jaxpar")
 
 
 def _shipped_globs() -> list[str]:
-    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        return tomllib.load(f)["tool"]["setuptools"]["package-data"]["jaxpar"]
+    return ast.literal_eval(pyproject_section("tool.setuptools.package-data")["jaxpar"])
 
 
 def test_configs_are_package_data_of_one_copy():
