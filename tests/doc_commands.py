@@ -80,11 +80,10 @@ def resolve_brackets(text: str) -> str:
         if not words or any(is_placeholder(w) or ("=" in w and not w.startswith("-")) for w in words):
             return ""
         return inner
-    while True:
-        new = _OPTIONAL.sub(one, text)
-        if new == text:
-            return " ".join(new.split())
-        text = new
+    resolved = text
+    while (new := _OPTIONAL.sub(one, resolved)) != resolved:
+        resolved = new
+    return text if resolved == text else " ".join(resolved.split())
 
 
 def _strip_comment(text: str) -> str:
@@ -105,12 +104,7 @@ def _is_command(text: str) -> bool:
 
 def _from_prose(lines: list[str], first_line: int, rel: str) -> list[tuple[str, str]]:
     """Commands in docstring or comment lines (module docstring); `first_line` is the 1-based line of lines[0]."""
-    found = []
-    joined = "\n".join(lines)
-    for m in _SPAN.finditer(joined):
-        span = " ".join(m.group(1).split())
-        if _is_command(span):
-            found.append((span, f"{rel}:{first_line + joined.count(chr(10), 0, m.start())}"))
+    found = _spans(lines, first_line, rel)
     i = 0
     while i < len(lines):
         line = lines[i]
