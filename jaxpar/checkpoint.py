@@ -84,7 +84,9 @@ class Checkpointer:
     """Periodic, optionally asynchronous checkpoints of (state, data_state, config), keeping the last `keep`.
 
     Args:
-      directory: checkpoint root; made absolute (Orbax requires it). Created unless `read_only`.
+      directory: checkpoint root; made absolute (Orbax requires it). Created by the first `save`, never before,
+        so a run that fails before saving (a restore that does not fit, a missing restore path) leaves no empty
+        directory behind.
       every_steps: save when `step % every_steps == 0` (or on a preemption signal); >= 1.
       keep: number of most recent checkpoints kept; older ones are deleted after a newer one commits; >= 1.
       async_save: write arrays in a background thread; `save` returns once device buffers are copied to host.
@@ -111,7 +113,7 @@ class Checkpointer:
             save_interval_steps=every_steps,
             enable_async_checkpointing=async_save,
             read_only=read_only,
-            create=not read_only,
+            create=False,  # `save` creates the directory: a failed restore must not leave it behind
             cleanup_tmp_directories=not read_only,
             # Only for finding steps: a step counts once it holds commit_success.txt. Writing still uses the
             # default atomic rename of <step>.orbax-checkpoint-tmp.
@@ -162,6 +164,8 @@ class Checkpointer:
                 raise TypeError(f"checkpoint item {name!r} is not JSON-serialisable: {e}") from e
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(state), _DATA: ocp.args.JsonSave(data_state),
                                      _CONFIG: ocp.args.JsonSave(config)})
+        if not self._read_only:  # every process (a shared directory): exist_ok makes concurrent creation safe
+            os.makedirs(self.directory, exist_ok=True)
         saved = bool(self._manager.save(step, args=args, force=True))
         if saved:
             self._last_saved = step if self._last_saved is None else max(step, self._last_saved)

@@ -1,6 +1,6 @@
 """Mesh sweeps: plan (and optionally compile and time) every point of a grid of mesh shapes and config overrides.
 
-A sweep file (YAML, read with `yaml.safe_load`; relative paths are relative to the file):
+A sweep file (YAML, read like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to the file):
 
     base: ../tiny.yaml                  # required: the config every point starts from
     overrides: [model.n_layers=2]       # optional: dotted overrides applied to every point
@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 
 from jaxpar.config import ConfigError, load_config, resolve_config
+from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
 PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS (importing jaxpar.plan here would start jax)
 
@@ -186,7 +187,10 @@ def load_sweep(path: str) -> Sweep:
         raise SweepError(f"sweep file {path!r} does not exist; see configs/sweeps/ for examples")
     with open(path, encoding="utf-8") as f:
         try:
-            raw = yaml.safe_load(f)
+            raw = strict_safe_load(f)
+        except DuplicateKeyError as e:
+            raise SweepError(f"{path}, line {e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
+                             f"keep one of them") from e
         except yaml.YAMLError as e:
             raise SweepError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):

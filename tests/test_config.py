@@ -1,11 +1,13 @@
 """Every shipped config loads and validates; bad configs raise ConfigError naming the key and the fix."""
+import dataclasses
 import glob
 import os
 
 import pytest
 import yaml
 
-from jaxpar.config import ConfigError, load_config, save_config
+from jaxpar.config import Config, ConfigError, load_config, save_config
+from jaxpar.config.load import read_config_file
 from jaxpar.config.validate import resolve_mesh_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,12 +27,35 @@ def test_shipped_config_loads_and_validates(path):
     assert shape["data"] * shape["fsdp"] * shape["tensor"] * shape["pipeline"] == 8
 
 
+GPU_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "llama_*.yaml")))
+
+
+def _base_chain(path: str) -> list[str]:
+    chain = [os.path.basename(path)]
+    while (base := yaml.safe_load(open(path, encoding="utf-8")).get("base")) is not None:
+        path = os.path.join(os.path.dirname(path), base)
+        chain.append(os.path.basename(path))
+    return chain
+
+
+@pytest.mark.parametrize("path", GPU_CONFIGS, ids=os.path.basename)
+def test_gpu_configs_state_every_key_and_do_not_extend_the_cpu_demo(path):
+    """A GPU-scale config must not change when the CPU demo (tiny.yaml) or a schema default does: its base
+    chain avoids tiny.yaml and states every key of every section."""
+    assert "tiny.yaml" not in _base_chain(path)
+    stated = read_config_file(path)
+    for section in dataclasses.fields(Config):
+        names = {f.name for f in dataclasses.fields(getattr(Config(), section.name))}
+        missing = sorted(names - set(stated.get(section.name, {})))
+        assert not missing, f"{os.path.basename(path)} leaves {section.name}.{missing} to the schema default"
+
+
 def test_base_chain_and_overrides():
     cfg = load_config(os.path.join(ROOT, "configs", "llama_70b.yaml"), ["train.steps=7", "mesh.fsdp=-1"],
                       num_devices=8)
     assert cfg.model.d_model == 8192 and cfg.model.n_kv_heads == 8  # from llama_70b.yaml
     assert cfg.model.remat == "full"                                 # from llama_7b.yaml
-    assert cfg.data.source == "tokens"                                # from llama_125m.yaml
+    assert cfg.data.source == "tokens"                                # from gpu_base.yaml
     assert cfg.checkpoint.every_steps == 1000 and cfg.train.steps == 7
 
 
@@ -108,3 +133,37 @@ def test_bad_override_syntax_and_files(tmp_path):
 def test_exponent_floats_without_dot_parse():
     cfg = load_config(TINY, ["optimizer.eps=1e-3", "optimizer.learning_rate=3e-4"], num_devices=8)
     assert cfg.optimizer.eps == 1e-3 and cfg.optimizer.learning_rate == 3e-4
+
+
+def test_duplicate_keys_are_refused_naming_key_and_line(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("model:\n  d_model: 64\n  n_layers: 2\n  d_model: 32\n")
+    with pytest.raises(ConfigError, match=r"dup\.yaml, line 4: duplicate key 'd_model' \(first at line 2\)"):
+        load_config(str(dup), num_devices=8)
+    top = tmp_path / "top.yaml"
+    top.write_text(f"base: {TINY}\ntrain:\n  steps: 3\nmodel:\n  n_layers: 2\ntrain:\n  steps: 5\n")
+    with pytest.raises(ConfigError, match=r"duplicate key 'train'"):
+        load_config(str(top), num_devices=8)
+    with pytest.raises(ConfigError, match=r"duplicate key 'a'"):
+        load_config(TINY, ["train.run_dir={a: 1, a: 2}"], num_devices=8)
+    # A YAML merge key (<<) may be overridden by the mapping's own keys: that is not a duplicate.
+    merged = tmp_path / "merged.yaml"
+    merged.write_text(f"base: {TINY}\ntrain: {{<<: {{steps: 3, log_every: 1}}, steps: 4}}\n")
+    cfg = load_config(str(merged), num_devices=8)
+    assert cfg.train.steps == 4 and cfg.train.log_every == 1
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_empty_config_file_is_refused(tmp_path, text):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text(text)
+    with pytest.raises(ConfigError, match=r"empty\.yaml.* no settings.*configs/tiny\.yaml"):
+        load_config(str(empty), num_devices=8)
+
+
+def test_empty_base_file_is_refused(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    top = tmp_path / "top.yaml"
+    top.write_text("base: empty.yaml\ntrain: {steps: 3}\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml.* no settings"):
+        load_config(str(top), num_devices=8)

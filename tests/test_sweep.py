@@ -88,6 +88,7 @@ def test_points_are_the_cartesian_product(tmp_path):
     ("base: {tiny}\ndevices: 8\nobjective: speed\n", "objective: 'speed' is not one of"),
     ("base: {tiny}\ndevices: 8\nobjective: tokens_per_s\n", "needs measured steps: set measure_steps"),
     ("base: {tiny}\ndevices: 8\nmemory_budget_gb: 1\nmemory_budget_bytes: 5\n", "not both"),
+    ("base: {tiny}\ndevices: 8\nobjective: memory\ndevices: 4\n", "line 4: duplicate key 'devices' (first at line 2)"),
 ])
 def test_bad_sweep_files(tmp_path, text, needle):
     path = _write(tmp_path, text)

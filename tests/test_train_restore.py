@@ -1,5 +1,6 @@
-"""In-process runs of `train`: restoring a checkpoint that does not fit the config fails with a ConfigError
-before any step and leaves the run directory's config.yaml as it was; the saved config is fully resolved."""
+"""In-process runs of `train`: restoring a checkpoint that does not fit the config, or from a path that holds
+none, fails with a ConfigError before any step, leaves the run directory's config.yaml as it was and creates
+nothing that was not there; the saved config is fully resolved."""
 import os
 
 import pytest
@@ -46,6 +47,15 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
         train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=2"))
     assert (tmp_path / "config.yaml").read_text() == saved
 
+    # A fresh run seeded from a checkpoint that does not fit leaves nothing behind: no run directory, no
+    # checkpoints/ inside it, whether or not the run directory existed before.
+    fresh, existing = tmp_path / "fresh" / "run", tmp_path / "existing"
+    existing.mkdir()
+    for run_dir in (fresh, existing):
+        with pytest.raises(ConfigError, match="does not fit this config"):
+            train(_cfg(run_dir, "model.d_model=64", f"checkpoint.restore_from={tmp_path}"))
+    assert not (tmp_path / "fresh").exists() and list(existing.iterdir()) == []
+
 
 def test_restore_from_bad_paths_fail_at_load_or_before_steps(tmp_path):
     with pytest.raises(ConfigError, match="is not a directory"):
@@ -53,6 +63,8 @@ def test_restore_from_bad_paths_fail_at_load_or_before_steps(tmp_path):
     empty = tmp_path / "not_a_checkpoint"
     empty.mkdir()
     (empty / "notes.txt").write_text("hello")
-    with pytest.raises(ConfigError, match="no complete checkpoint"):
-        train(_cfg(tmp_path / "run", f"checkpoint.restore_from={empty}"))
-    assert not (tmp_path / "run" / "config.yaml").exists()
+    for source in (empty, tmp_path / "empty_dir"):
+        source.mkdir(exist_ok=True)
+        with pytest.raises(ConfigError, match="no complete checkpoint"):
+            train(_cfg(tmp_path / "run", f"checkpoint.restore_from={source}"))
+        assert not (tmp_path / "run").exists()  # no run directory, no empty checkpoints/ in it

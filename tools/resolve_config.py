@@ -1,6 +1,6 @@
 """Print the fully resolved config (base files and overrides applied, validated) as YAML.
 
-    python tools/resolve_config.py configs/llama_7b.yaml mesh.fsdp=8 --devices 64
+    python tools/resolve_config.py configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8 --devices 64
 
 Validation uses `--devices` instead of the local device count, so a config can be checked for a cluster from a
 laptop.
@@ -15,10 +15,12 @@ from jaxpar.config import ConfigError, load_config, resolve_config
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
+    p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/llama_7b.yaml")  # checked below
+    p.add_argument("overrides", nargs="*", help="dotted overrides such as mesh.fsdp=8")
     p.add_argument("--devices", type=int, required=True, help="device count the mesh must cover")
     args = p.parse_intermixed_args(argv)
+    if args.config is None:  # a required positional before nargs="*" would name `overrides` as missing too
+        p.error("a config path is required, e.g. configs/tiny.yaml")
     try:
         cfg = resolve_config(load_config(args.config, args.overrides, num_devices=args.devices), args.devices)
     except ConfigError as e:

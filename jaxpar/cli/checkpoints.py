@@ -8,7 +8,7 @@ no array data, no accelerator (jax runs on CPU).
 
 Examples:
   jaxpar-checkpoints runs/tiny
-  jaxpar-checkpoints runs/tiny/checkpoints --step 100 --json
+  jaxpar-checkpoints runs/tiny/checkpoints --json        # the latest complete step; --step N for another
 
 Exit status: 0, or 2 for a missing path, no complete checkpoint, or a step that is not complete.
 """

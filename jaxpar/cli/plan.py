@@ -35,7 +35,9 @@ PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS, which cannot be impo
 
 PROG = "jaxpar-plan"
 DEFAULT_DEVICES = 8
-EXERCISE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "configs",
+# jaxpar/configs links to the repository's configs/ and is shipped as package data (pyproject.toml), so the
+# exercise finds its config in a source checkout, an editable install and a wheel alike.
+EXERCISE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                                "llama_13b.yaml")
 
 
@@ -98,7 +100,8 @@ def _exercise(args) -> int:
         ex = zero_exercise(13e9, args.devices or DEFAULT_DEVICES, args.budget_gb * 1e9, "16p")
     except (ConfigError, ValueError) as e:
         return _fail(f"config error: {e}")
-    acts = {"config": os.path.relpath(path), **exercise_activations(cfg, ex)}
+    shown = os.path.relpath(path) if args.config else "configs/llama_13b.yaml"
+    acts = {"config": shown, **exercise_activations(cfg, ex)}
     print(json.dumps({"exercise": ex, "activations": acts}) if args.json else format_exercise(ex, acts))
     return 0
 

@@ -1,9 +1,9 @@
 """`jaxpar-sweep SWEEP.yaml [--out DIR]`: plan, compile and optionally time every point of a mesh sweep.
 
 Examples:
-  jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml                 # every factorisation of 8 devices
-  jaxpar-sweep configs/sweeps/tiny_two_meshes.yaml --out runs/sweeps/two
-  jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml --list          # print the points, run nothing
+  jaxpar-sweep configs/sweeps/llama_7b_64.yaml                 # analytic: 7B on 64 GPUs, no devices needed
+  jaxpar-sweep configs/sweeps/tiny_two_meshes.yaml --out runs/sweeps/two   # compiles and times 2 meshes
+  jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml --list          # print the points (every factorisation of 8)
 
 Writes DIR/results.json (rewritten after every point), DIR/results.md (a table ranked by the sweep's objective)
 and DIR/plot.png. Run it again to resume: finished points are skipped. The sweep file format is documented in

@@ -2,8 +2,9 @@
 
 Examples:
   jaxpar-train configs/tiny.yaml --cpu-devices 8
-  jaxpar-train configs/tiny.yaml mesh.data=4 mesh.fsdp=2 optimizer.zero_stage=2 train.steps=50
-  jaxpar-train configs/tiny.yaml --restore-from runs/tiny/checkpoints/100
+  jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 mesh.fsdp=2 mesh.tensor=1 optimizer.zero_stage=2
+  # a new run on another mesh (data=4 x tensor=2), in its own directory, seeded from runs/tiny's latest checkpoint:
+  jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 train.run_dir=runs/data4 --restore-from runs/tiny
 """
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ import sys
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="jaxpar-train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config file, e.g. configs/tiny.yaml")
+    # nargs="?" and a check below: with a required positional followed by nargs="*", argparse would name
+    # `overrides` as missing too when no argument is given.
+    p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as mesh.fsdp=4 train.steps=50")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate N CPU devices (sets JAX_NUM_CPU_DEVICES before jax starts)")
     p.add_argument("--restore-from", default=None,
                    help="checkpoint directory (or one step directory) to start from instead of RUN_DIR's latest")
-    return p.parse_intermixed_args(argv)
+    args = p.parse_intermixed_args(argv)
+    if args.config is None:
+        p.error("a config path is required, e.g. jaxpar-train configs/tiny.yaml")  # exits with status 2
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,9 @@
     cfg = load_config("configs/tiny.yaml", ["mesh.fsdp=4", "train.steps=50"])
 
 A YAML file may name `base: other.yaml` (path relative to the file) whose values it extends; nested sections
-merge key by key. Files are read with `yaml.safe_load`. Unknown keys and values of the wrong type raise
-`ConfigError` naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
+merge key by key. Files are read with `yaml.safe_load` semantics, except that a key named twice in one mapping
+(`jaxpar.config.strict_yaml`) and a file that names no settings at all are refused. Unknown keys and values of
+the wrong type raise `ConfigError` naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import yaml
 
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import Config
+from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
 _MAX_BASE_DEPTH = 8
 
@@ -32,12 +34,17 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
         raise ConfigError(f"config file {path!r} does not exist; pass a path such as configs/tiny.yaml")
     with open(path, encoding="utf-8") as f:
         try:
-            raw = yaml.safe_load(f)
+            raw = strict_safe_load(f)
+        except DuplicateKeyError as e:
+            raise ConfigError(f"{path}, line {e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
+                              f"keep one of them") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason}); pass a YAML config") from e
-    raw = {} if raw is None else raw
+    if raw is None or raw == {}:  # an empty or truncated file, or the wrong one: never train on bare defaults
+        raise ConfigError(f"{path}: the file is empty and names no settings; pass a config such as "
+                          f"configs/tiny.yaml, or name what yours changes (e.g. `base: tiny.yaml`)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections (model:, mesh:, ...)")
     base = raw.pop("base", None)
@@ -47,6 +54,15 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
         raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
     base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
     return _merge(_read_yaml(base_path, depth + 1), raw)
+
+
+def read_config_file(path: str) -> dict:
+    """The nested mapping that `path` and its `base:` chain state (without `base`), before schema defaults.
+
+    Raises:
+      ConfigError: a missing, empty or unreadable file in the chain, a duplicate key, or a `base` cycle.
+    """
+    return _read_yaml(path)
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -68,7 +84,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"override key {key!r} must be section.key, e.g. train.steps=50")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = strict_safe_load(value) if value.strip() else ""
+    except DuplicateKeyError as e:
+        raise ConfigError(f"override {text!r}: duplicate key {e.key!r} in its value; keep one of them") from e
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not a YAML scalar: {e}") from e
     return parts, parsed

@@ -1,0 +1,32 @@
+"""Command lines without a config: the error names the missing config path (not `overrides`) and shows the usage."""
+import importlib.util
+import os
+
+import pytest
+
+from jaxpar.cli import train as train_cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _resolve_tool():
+    spec = importlib.util.spec_from_file_location("resolve_config", os.path.join(ROOT, "tools", "resolve_config.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("main, argv, prog", [
+    (train_cli.main, [], "jaxpar-train"),
+    (train_cli.main, ["--cpu-devices", "8"], "jaxpar-train"),
+    (lambda argv: _resolve_tool().main(argv), ["--devices", "8"], ""),  # prog is argv[0], here pytest's
+], ids=["train", "train-flags-only", "resolve_config"])
+def test_missing_config_path_is_named(main, argv, prog, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: {prog}")
+    error_line = err.strip().splitlines()[-1]
+    assert "a config path is required" in error_line and "configs/tiny.yaml" in error_line
+    assert "overrides" not in error_line
