@@ -18,10 +18,12 @@ import pytest
 from optax import tree_utils as otu
 
 from step_helpers import (FIRST_STEP_AT_PEAK, FP32, adam_step_args, assert_adam_step_close, assert_scalar_close,
-                          assert_tree_close,
-                          compile_fast, device_batch, host_batch, make_plan, quick_compile, shard_shape, to_host)
+                          assert_tree_close, compile_fast, device_batch, host_batch, make_plan, quick_compile, shard_shape, to_host)
 from jaxpar.train.step import init_state, make_grad_fn, make_train_step
 
+# Accumulation regroups only the sums over rows (4 microbatches of one row): measured at most 2.3e-7 (wk's
+# gradient, norm-wise) under default, AVX2 and SSE4_2 code generation; 1e-6 keeps a factor of 4, stricter than
+# step_helpers.FP32_RTOL for a whole layout.
 RTOL = 1e-6
 SEED = 5
 T = 8
