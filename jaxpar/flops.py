@@ -14,6 +14,7 @@ PEAK_FLOPS: dict[str, float] = {
     "h100 pcie": 756e12,  # a different chip: never report it at the SXM peak
     "h200": 989e12,
     "a100": 312e12,
+    "b200": 2.25e15,   # HGX B200: 4.5 PFLOP/s FP16/BF16 with 2:4 sparsity, half of it dense
     "tpu v4": 275e12,
     "tpu v5 lite": 197e12,  # v5e reports device_kind "TPU v5 lite"
     "tpu v5e": 197e12,
