@@ -1,0 +1,202 @@
+"""The real train step compiled for a GPU cluster on a machine without GPUs (deviceless ahead-of-time compilation).
+
+jax's CUDA plugin (`pip install -e ".[gpu-compile]"`) builds compile-only devices from a target description
+(`jaxpar.gpu_targets`) and a topology, without a GPU or a driver:
+
+    devices = topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x8x8").devices
+
+The step is then lowered on a mesh over those devices with abstract (ShapeDtypeStruct) state and batch carrying
+their `NamedSharding`s, as `jaxpar.plan_compile` does on simulated CPU devices, and XLA's GPU compiler (the
+same passes, scheduler and buffer assignment as on the cluster; ptxas from the extra turns the kernels into
+cubins) gives the executable's per-device memory analysis and optimized HLO. Nothing runs.
+
+The jax process must not try to start a CUDA backend: with the plugin installed, jax on a machine without a
+driver fails the plugin's CUDA checks and never registers it, unless `JAX_PLATFORMS=cpu` (or
+`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`) is set before jax initialises its backends. `precision.compute_dtype:
+auto` is compiled as on a GPU (bfloat16), not as the CPU process would resolve it.
+
+Differences from the cluster's own compile: no autotuning (no device to time kernels on), so GEMM fusions use
+the compiler's default tile configurations; their scratch may differ a little from an autotuned build.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import math
+import re
+import time
+
+from jaxpar.config.schema import Config
+from jaxpar.gpu_targets import Cluster, cluster as make_cluster
+
+EXTRA = 'pip install -e ".[gpu-compile]"'
+# jax's CUDA PJRT plugin distributions; either provides the "cuda" platform's compile-only topology.
+CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]+)\]")
+_CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
+
+
+class GpuCompileUnavailable(RuntimeError):
+    """The deviceless GPU compile cannot run in this environment (the message says what to install or set)."""
+
+
+def cuda_plugin_version() -> str:
+    """The installed CUDA plugin's version (`CUDA_PLUGIN_DISTRIBUTIONS`), checked against jaxlib's.
+
+    Raises:
+      GpuCompileUnavailable: no CUDA plugin installed, or one of another version than jaxlib (the message names
+        the extra to install).
+    """
+    try:
+        jaxlib_version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib_version = None
+    for dist in CUDA_PLUGIN_DISTRIBUTIONS:
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if jaxlib_version is not None and version != jaxlib_version:
+            raise GpuCompileUnavailable(
+                f"{dist} {version} does not match jaxlib {jaxlib_version}; install the plugin of jaxlib's version: "
+                f"{EXTRA}")
+        return version
+    raise GpuCompileUnavailable(
+        f"compiling for a GPU cluster needs jax's CUDA plugin (no GPU needed), which is not installed: {EXTRA} "
+        f"(about 2.7 GB: the CUDA plugin of the installed jax's version, ptxas and cuDNN)")
+
+
+def compile_devices(clu: Cluster) -> list:
+    """The cluster's compile-only jax devices (`clu.devices` of them, device_kind = the target's).
+
+    Raises:
+      GpuCompileUnavailable: no (matching) CUDA plugin; the plugin did not register because jax tried to start
+        CUDA (set JAX_PLATFORMS=cpu before jax starts).
+      ValueError: the plugin refused the target description (the message carries XLA's reason).
+    """
+    cuda_plugin_version()
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=clu.target.text,
+                                            topology=clu.topology)
+    except NotImplementedError as e:
+        raise GpuCompileUnavailable(
+            f"jax's CUDA plugin is installed but not registered ({e}): on a machine without a usable GPU driver "
+            f"set JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before jax starts") from e
+    except Exception as e:  # jax's JaxRuntimeError: the description or topology was refused
+        raise ValueError(f"the CUDA plugin refused target {clu.target.name!r} topology {clu.topology}: {e}") from e
+    devices = list(topo.devices)
+    if len(devices) != clu.devices:
+        raise RuntimeError(f"topology {clu.topology} gave {len(devices)} devices, expected {clu.devices}")
+    return devices
+
+
+def _gpu_config(cfg: Config, devices: int) -> Config:
+    from jaxpar.config.validate import resolve_config
+    from jaxpar.plan import compute_dtype_name
+
+    dtype = compute_dtype_name(cfg, "gpu")
+    cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
+    return resolve_config(cfg, devices)
+
+
+def attention_scores(hlo_text: str, seq_len: int) -> dict:
+    """Arrays of rank >= 3 ending in [.., seq_len, seq_len] in HLO text: the attention score/probability tensors
+    that the XLA attention path materialises (a fused attention kernel keeps them on chip).
+
+    Returns:
+      {"materialised" (any found), "shapes" (sorted distinct "dtype[dims]"), "largest_bytes" (the biggest one,
+       per device)}.
+    """
+    from jaxpar.hlo import Array
+
+    shapes, largest = set(), 0
+    for dtype, dims in _ARRAY.findall(hlo_text):
+        shape = tuple(int(x) for x in dims.split(","))
+        if len(shape) >= 3 and shape[-2:] == (seq_len, seq_len):
+            shapes.add(f"{dtype}[{dims}]")
+            largest = max(largest, int(Array(dtype, shape).bytes))
+    return {"materialised": bool(shapes), "shapes": sorted(shapes), "largest_bytes": largest}
+
+
+def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
+                    compiler_options: dict | None = None, keep_hlo: bool = False) -> dict:
+    """Compiles the train step of `cfg` for `nodes` x `gpus_per_node` GPUs of `target` (module docstring) and
+    reads what the GPU compiler decided. Bytes are per device; the batch is `cfg.train.global_batch_size` rows
+    of `cfg.data.seq_len` tokens, split as the step splits it.
+
+    Args:
+      cfg: config (resolved here for the cluster's device count; `compute_dtype: auto` becomes bfloat16).
+      target: a `jaxpar.gpu_targets` name ("h100", "h200", "a100", "b200").
+      nodes, gpus_per_node: the cluster's shape (the mesh spans nodes * gpus_per_node devices).
+      compiler_options: XLA options for `compile()` (default none).
+      keep_hlo: also return the optimized HLO text under "hlo".
+
+    Returns:
+      {"cluster" ("h100:8x8"), "target", "device_kind", "devices", "mesh" (axis -> size), "compute_dtype",
+       "compile_seconds",
+       "memory": {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
+         "peak_bytes" (XLA's peak; arguments + outputs - aliased + temporaries where it gives none)},
+       "memory_bytes" (the target's, per GPU), "fraction_of_memory" (peak / memory_bytes), "fits" (peak <=
+       memory_bytes),
+       "collectives": {"axes kind": {"count", "bytes"}} of the optimized GPU HLO per step (ring bytes per device,
+         `jaxpar.plan_compile.hlo_collectives`, built on `jaxpar.hlo.collectives_by_axis`' accounting),
+       "scalars": the 0-d collectives (see `hlo_collectives`),
+       "fused_attention": sorted cuDNN fused-attention custom-call targets in the HLO (empty: XLA's attention),
+       "attention_scores": `attention_scores(hlo, seq_len)`,
+       "planned": {"peak_bytes" (`jaxpar.plan.plan(cfg, "gpu")` peak_estimate), "ratio" (compiled / planned),
+         "collectives" (`jaxpar.plan_compile.compare_collectives` rows: the GPU HLO's beside the plan's)}}.
+
+    Raises:
+      GpuCompileUnavailable: the CUDA plugin is missing, mismatched or not registered (before any compile).
+      ValueError: unknown target, bad node/GPU counts, or a description the plugin refuses.
+      ConfigError: the config does not fit the device count (mesh product, divisibility).
+      RuntimeError: the compiler gives no memory analysis.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpar.mesh import build_mesh
+    from jaxpar.plan import plan as analytic_plan
+    from jaxpar.plan_compile import compare_collectives, hlo_collectives
+    from jaxpar.train.step import BATCH_KEYS, abstract_state, build_plan, make_train_step
+
+    clu = make_cluster(target, nodes, gpus_per_node)
+    cfg = _gpu_config(cfg, clu.devices)
+    devices = compile_devices(clu)
+    mesh = build_mesh(cfg, devices)
+    plan = build_plan(cfg, mesh)
+    state = abstract_state(plan)
+    g, t = cfg.train.global_batch_size, cfg.data.seq_len
+    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
+    batch = {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
+    t0 = time.perf_counter()
+    compiled = make_train_step(plan).lower(state, batch).compile(compiler_options or {})
+    seconds = time.perf_counter() - t0
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise RuntimeError("the CUDA compiler gave no memory_analysis() for the compiled step")
+    memory = {"argument_bytes": int(stats.argument_size_in_bytes), "output_bytes": int(stats.output_size_in_bytes),
+              "alias_bytes": int(stats.alias_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes),
+              "generated_code_bytes": int(stats.generated_code_size_in_bytes)}
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    memory["peak_bytes"] = peak or (memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
+                                    + memory["temp_bytes"])
+    hlo = compiled.as_text()
+    coll = hlo_collectives(hlo, mesh)
+    analytic = analytic_plan(cfg, "gpu")
+    planned = analytic["memory"]["peak_estimate"]
+    out = {"cluster": clu.name, "target": clu.target.name, "device_kind": clu.target.device_kind,
+           "devices": clu.devices, "mesh": dict(mesh.shape), "compute_dtype": jnp.dtype(plan.compute_dtype).name,
+           "compile_seconds": seconds, "memory": memory, "memory_bytes": clu.target.memory_bytes,
+           "fraction_of_memory": memory["peak_bytes"] / clu.target.memory_bytes,
+           "fits": memory["peak_bytes"] <= clu.target.memory_bytes,
+           "collectives": coll["by_axis"], "scalars": coll["scalars"],
+           "fused_attention": sorted({c for c in _CUSTOM_CALL.findall(hlo) if "fmha" in c.lower()}),
+           "attention_scores": attention_scores(hlo, t),
+           "planned": {"peak_bytes": planned, "ratio": memory["peak_bytes"] / planned if planned else math.nan,
+                       "collectives": compare_collectives(coll["by_axis"], analytic)}}
+    if keep_hlo:
+        out["hlo"] = hlo
+    return out
