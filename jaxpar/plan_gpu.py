@@ -32,7 +32,8 @@ from jaxpar.gpu_targets import Cluster, cluster as make_cluster
 EXTRA = 'pip install -e ".[gpu-compile]"'
 # jax's CUDA PJRT plugin distributions; either provides the "cuda" platform's compile-only topology.
 CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+)\[([\d,]+)\]")
+# An HLO instruction whose result is one array and whose opcode is dot: (dtype, dims, the rest of the line).
+_DOT = re.compile(r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+dot\((.*)$", re.MULTILINE)
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -102,19 +103,22 @@ def _gpu_config(cfg: Config, devices: int) -> Config:
 
 
 def attention_scores(hlo_text: str, seq_len: int) -> dict:
-    """Arrays of rank >= 3 ending in [.., seq_len, seq_len] in HLO text: the attention score/probability tensors
-    that the XLA attention path materialises (a fused attention kernel keeps them on chip).
+    """The attention score tensors the program materialises: results of batched matmuls (`dot` with batch
+    dimensions; QK^T and, in the backward, dO V^T) of rank >= 3 ending in [.., seq_len, seq_len]. XLA's
+    attention path writes them to memory; a fused attention kernel (cuDNN) keeps them on chip, so none appear.
+    Shapes alone would not do: with seq_len == d_model (Llama 7B at 4096) the layer scan's stacked block inputs
+    [L, b, T, D] end in [T, T] too.
 
     Returns:
-      {"materialised" (any found), "shapes" (sorted distinct "dtype[dims]"), "largest_bytes" (the biggest one,
-       per device)}.
+      {"materialised" (any found), "shapes" (sorted distinct "dtype[dims]"), "largest_bytes" (the biggest, per
+       device)}.
     """
     from jaxpar.hlo import Array
 
     shapes, largest = set(), 0
-    for dtype, dims in _ARRAY.findall(hlo_text):
+    for dtype, dims, rest in _DOT.findall(hlo_text):
         shape = tuple(int(x) for x in dims.split(","))
-        if len(shape) >= 3 and shape[-2:] == (seq_len, seq_len):
+        if "lhs_batch_dims" in rest and len(shape) >= 3 and shape[-2:] == (seq_len, seq_len):
             shapes.add(f"{dtype}[{dims}]")
             largest = max(largest, int(Array(dtype, shape).bytes))
     return {"materialised": bool(shapes), "shapes": sorted(shapes), "largest_bytes": largest}

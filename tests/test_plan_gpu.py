@@ -46,11 +46,16 @@ def test_a_plugin_of_another_version_is_refused(monkeypatch):
         plan_gpu.cuda_plugin_version()
 
 
-def test_attention_scores_finds_rank3_seq_by_seq_arrays():
-    hlo = "x = bf16[2,4,128,128]{3,2,1,0} fusion(), y = f32[128,128]{1,0} dot(), z = f32[8,128,64] add()"
-    assert plan_gpu.attention_scores(hlo, 128) == {"materialised": True, "shapes": ["bf16[2,4,128,128]"],
-                                                   "largest_bytes": 2 * 4 * 128 * 128 * 2}
-    assert not plan_gpu.attention_scores(hlo, 64)["materialised"]
+def test_attention_scores_are_batched_matmuls_ending_seq_by_seq():
+    hlo = """
+  %dot.1 = f32[2,4,128,128]{3,2,1,0} dot(%q, %k), lhs_batch_dims={0,1}, lhs_contracting_dims={3}, rhs_batch_dims={0,1}
+  %dot.2 = bf16[128,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %stack = bf16[4,1,128,128]{3,2,1,0} dynamic-update-slice(%s, %x, %i, %z, %z, %z)
+  %dot.3 = f32[8,128,64]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}
+"""
+    assert plan_gpu.attention_scores(hlo, 128) == {"materialised": True, "shapes": ["f32[2,4,128,128]"],
+                                                   "largest_bytes": 2 * 4 * 128 * 128 * 4}
+    assert plan_gpu.attention_scores(hlo, 64) == {"materialised": False, "shapes": [], "largest_bytes": 0}
 
 
 def _plugin_missing() -> str | None:
