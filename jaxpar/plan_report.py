@@ -1,4 +1,5 @@
-"""Text reports of a plan (`jaxpar.plan.plan`), its compiled check (`jaxpar.plan_compile`) and the seed exercise.
+"""Text reports of a plan (`jaxpar.plan.plan`), its compiled check (`jaxpar.plan_compile`), its GPU target and
+deviceless GPU compile (`jaxpar.plan_gpu`) and the seed exercise.
 
 Bytes are per device; GB = 1e9 bytes. Ratios are compiled / planned.
 """
@@ -19,6 +20,11 @@ def _gb(x: float | None) -> str:
 
 def _ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.4f}"
+
+
+def _pct(x: float) -> str:
+    """A fraction as a percentage, 3 significant digits: 0.0956 -> 9.56%, 9.6e-5 -> 0.0096%."""
+    return f"{x * 100:.3g}%"
 
 
 def _n(x: float | None) -> str:
@@ -137,6 +143,55 @@ def _partitioned_lines(part: dict | None, pipeline: bool) -> list[str]:
         lines.append("  (pipeline: the partitioned program still holds loop-invariant weight gathers and unread "
                      "shifts that every backend's simplifier hoists or drops later; the plan counts after that)")
     return lines
+
+
+def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
+    """The GPU cluster a plan is for and, when compiled, what XLA's GPU compiler decided, beside the plan.
+
+    Args:
+      target: the CLI's {"cluster", "device_kind", "devices", "memory_bytes" (per GPU), "planned_peak_bytes",
+        "planned_fraction_of_memory", "planned_fits"}.
+      gpu: `jaxpar.plan_gpu.compile_for_gpu`'s result, or None (plan only).
+    """
+    mem = target["memory_bytes"]
+    lines = ["", (f"  target {target['cluster']}: {target['devices']} x {target['device_kind']}, "
+                  f"{_gb(mem)} each; planned peak {_gb(target['planned_peak_bytes'])} = "
+                  f"{_pct(target['planned_fraction_of_memory'])} of it "
+                  f"({'fits' if target['planned_fits'] else 'DOES NOT FIT'})")]
+    if gpu is None:
+        lines.append("  (--compile compiles the step for it with XLA's GPU compiler, no GPU needed)")
+        return "\n".join(lines)
+    m = gpu["memory"]
+    mesh = " ".join(f"{a}={s}" for a, s in gpu["mesh"].items())
+    lines += [(f"  compiled for {gpu['cluster']} by XLA's GPU compiler without GPUs (jaxpar.plan_gpu): mesh {mesh}, "
+               f"compute {gpu['compute_dtype']}, {gpu['compile_seconds']:.1f} s"),
+              f"  {'GPU memory per device':<38}{'compiled bytes':>18}{'':>12}"]
+    for name, key in (("arguments", "argument_bytes"), ("outputs", "output_bytes"), ("aliased (outputs in arguments)",
+                      "alias_bytes"), ("temporaries", "temp_bytes"), ("peak", "peak_bytes")):
+        lines.append(f"  {name:<38}{_n(m[key]):>18}{_gb(m[key]):>12}")
+    lines.append(f"  peak compiled / planned: {_gb(m['peak_bytes'])} / {_gb(gpu['planned']['peak_bytes'])} = "
+                 f"{_ratio(gpu['planned']['ratio'])}")
+    verdict = "fits" if gpu["fits"] else "DOES NOT FIT"
+    lines.append(f"  {verdict}: peak {_gb(m['peak_bytes'])} = {_pct(gpu['fraction_of_memory'])} of the "
+                 f"{_gb(gpu['memory_bytes'])} of one {gpu['device_kind']}")
+    fused = gpu["fused_attention"]
+    scores = gpu["attention_scores"]
+    lines.append(f"  fused attention (cuDNN): {'yes, ' + ', '.join(fused) if fused else 'no (XLA attention path)'}; "
+                 f"attention scores materialised: " + (f"yes, largest {_gb(scores['largest_bytes'])} per device "
+                 f"({', '.join(scores['shapes'])})" if scores["materialised"] else "no"))
+    lines += ["  collectives per step of the GPU HLO (bytes sent per device, ring formulas) beside the plan for gpu",
+              f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'GPU HLO bytes':>17}{'ops':>7}"
+              f"{'ratio':>9}"]
+    for r in gpu["planned"]["collectives"]:
+        axes, kind = r["key"].split(" ", 1)
+        lines.append(f"  {axes:<17}{kind:<20}{_n(r['planned_bytes']):>16}{r['planned_count']:>7}"
+                     f"{_n(r['compiled_bytes']):>17}{r['compiled_count']:>7}{_ratio(r['ratio']):>9}")
+    if not gpu["planned"]["collectives"]:
+        lines.append("  (none: one device, or every axis of size 1)")
+    s = gpu["scalars"]
+    lines.append(f"  + scalar all-reduces, not planned: {s['count']} ops, {s['bytes']:,.0f} B over "
+                 f"{', '.join(s['axes']) or '-'}")
+    return "\n".join(lines)
 
 
 def format_exercise(ex: dict, acts: dict) -> str:

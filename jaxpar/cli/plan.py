@@ -5,6 +5,7 @@ Examples:
   jaxpar-plan configs/llama_7b.yaml --devices 64 mesh.tensor=8 mesh.fsdp=-1
   jaxpar-plan configs/tiny.yaml --compile            # + XLA's memory analysis and HLO collectives, with ratios
   jaxpar-plan configs/tiny.yaml mesh.data=8 mesh.fsdp=1 mesh.tensor=1 --compile --json
+  jaxpar-plan configs/tiny.yaml mesh.fsdp=4 --compile --target h100:2x8   # for 2 nodes x 8 H100s, no GPU needed
   jaxpar-plan --exercise-13b                         # the seed exercise: 13B under DDP, ZeRO-1/2/3 on 8 devices
 
 The analytic plan is arithmetic on the config (jaxpar.plan): no devices needed, any --devices N.
@@ -17,6 +18,14 @@ before jax is imported) and compares like with like: the CPU executable with the
 auto = float32), and the partitioned program (the HLO after XLA's SPMD partitioner, before any backend pass)
 with the plan for --platform (gpu when --platform cpu) at the compute dtype compiled; JSON "compiled" and
 "compiled.partitioned".
+--target KIND:NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 H100s; kinds a100, b200, h100, h200; jaxpar.gpu_targets)
+plans for platform gpu on that many devices and states the target's memory; with --compile it compiles the real
+step for that cluster with XLA's GPU compiler on this machine, without GPUs (jaxpar.plan_gpu; needs the
+gpu-compile extra: pip install -e ".[gpu-compile]") and prints per-device argument, temporary and peak bytes,
+the GPU HLO's collectives per mesh axis and kind beside the plan's, fused attention (cuDNN) and materialised
+attention scores, and whether the peak fits the GPU's memory (JSON "target", "gpu_compiled"). The device count
+follows from the cluster (--devices, if given, must equal it); --platform, --real-devices, --fast-compile and
+--measure-steps do not apply.
 --measure-steps K also runs K steps on random tokens (tokens/s, MFU where the device's peak is known).
 --exercise-13b: P = 13e9, 16P layout, N = 8: DDP 208 GB, ZeRO-1 71.5 GB, ZeRO-2 48.75 GB, ZeRO-3 26 GB; smallest N
 with ZeRO-3 state <= 24 GB = 9; and what activations add, for the shape of CONFIG (default configs/llama_13b.yaml).
@@ -55,7 +64,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="per-device budget (1e9 bytes); if the planned or compiled peak exceeds it, "
                         "--measure-steps is skipped")
-    p.add_argument("--platform", default="gpu", choices=PLATFORMS,
+    p.add_argument("--target", default=None, metavar="KIND:NODESxGPUS",
+                   help="GPU cluster, e.g. h100:8x8 (8 nodes of 8 H100s): plan for it and, with --compile, compile "
+                        "for it without its GPUs (needs the gpu-compile extra)")
+    p.add_argument("--platform", default=None, choices=PLATFORMS,
                    help="machine planned for (default gpu): resolves compute_dtype auto and the width of "
                         "collectives (cpu: bf16 collectives widened to fp32 as XLA:CPU compiles them); "
                         "with --compile the CPU executable is compared with the plan for cpu and the "
@@ -106,7 +118,47 @@ def _exercise(args) -> int:
     return 0
 
 
-def _devices(args, cfg) -> int:
+def gpu_cluster(args: argparse.Namespace):
+    """The `jaxpar.gpu_targets.Cluster` of --target (None without it), checked against the other flags.
+
+    Imports jax (through jaxpar.gpu_targets): with --target, call it after `_deviceless()`.
+
+    Raises:
+      ValueError: not KIND:NODESxGPUS or an unknown kind; --devices other than the cluster's GPU count; a flag
+        that does not apply to a GPU target (the message names it and the fix).
+    """
+    if args.target is None:
+        return None
+    from jaxpar.gpu_targets import parse_cluster
+
+    clu = parse_cluster(args.target)
+    if args.devices is not None and args.devices != clu.devices:
+        raise ValueError(f"--devices {args.devices} conflicts with --target {clu.name} ({clu.nodes} x "
+                         f"{clu.gpus_per_node} = {clu.devices} GPUs): the device count follows from the cluster; "
+                         f"drop --devices or change the cluster")
+    if args.platform not in (None, "gpu"):
+        raise ValueError(f"--platform {args.platform} with --target {clu.name}: a GPU cluster is planned for "
+                         f"platform gpu; drop --platform")
+    for flag, why in (("real_devices", "compiles on this machine's devices, --target for GPUs it does not have"),
+                      ("fast_compile", "sets XLA:CPU options; the GPU compiler takes none"),
+                      ("measure_steps", "runs steps, which needs the GPUs; --target only compiles"),
+                      ("exercise_13b", "is the fixed seed exercise")):
+        if getattr(args, flag):
+            raise ValueError(f"--{flag.replace('_', '-')} does not apply with --target {clu.name}: it {why}; "
+                             f"use one or the other")
+    return clu
+
+
+def _deviceless() -> None:
+    """A compile-only GPU topology needs jax to start without trying CUDA (jaxpar.plan_gpu): set before jax
+    starts; a process that already imported jax keeps its platforms (the compile then says what to set)."""
+    if "jax" not in sys.modules:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _devices(args, cfg, clu=None) -> int:
+    if clu is not None:
+        return clu.devices
     if args.devices is not None:
         return args.devices
     sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipeline]
@@ -123,6 +175,21 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as e:  # argparse already printed the usage and the problem
         return int(e.code or 0)
+    clu = None
+    if args.target is not None:
+        _deviceless()
+        try:
+            clu = gpu_cluster(args)
+        except ValueError as e:
+            return _fail(str(e))
+        if args.compile:
+            from jaxpar.plan_gpu import GpuCompileUnavailable, cuda_plugin_version
+
+            try:
+                cuda_plugin_version()
+            except GpuCompileUnavailable as e:
+                return _fail(f"--compile --target {clu.name}: {e}")
+    args.platform = args.platform or "gpu"
     if args.exercise_13b:
         return _exercise(args)
     if not args.config:
@@ -139,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.config, args.overrides, validate=False)
-        n = _devices(args, cfg)
+        n = _devices(args, cfg, clu)
         cfg = resolve_config(cfg, n)
     except ConfigError as e:
         return _fail(f"config error: {e}")
+    if clu is not None:
+        return _gpu_target(args, cfg, clu)
     compile_ = args.compile or args.measure_steps > 0
     if compile_:
         code = _set_devices(n, argv, args.real_devices)
@@ -184,6 +253,43 @@ def main(argv: list[str] | None = None) -> int:
         print(format_plan(analytic, out["compiled"], out["measured"], title=title))
         if out["over_budget"]:
             print(f"  over budget: planned or compiled peak > {budget:,.0f} B per device; not measured")
+    return 0
+
+
+def _gpu_target(args, cfg, clu) -> int:
+    """The plan for platform gpu on the cluster's devices, its target memory and (--compile) the GPU compile."""
+    from jaxpar.config import ConfigError
+    from jaxpar.plan import plan
+    from jaxpar.plan_report import format_gpu_target, format_plan
+
+    analytic = plan(cfg, "gpu")
+    peak = analytic["memory"]["peak_estimate"]
+    mem = clu.target.memory_bytes
+    target = {"cluster": clu.name, "target": clu.target.name, "device_kind": clu.target.device_kind,
+              "devices": clu.devices, "memory_bytes": mem, "planned_peak_bytes": peak,
+              "planned_fraction_of_memory": peak / mem, "planned_fits": peak <= mem}
+    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
+    out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "target": target,
+           "gpu_compiled": None, "compiled": None, "measured": None,
+           "over_budget": budget is not None and peak > budget}
+    if args.compile:
+        from jaxpar.plan_gpu import GpuCompileUnavailable, compile_for_gpu
+
+        try:
+            out["gpu_compiled"] = gpu = compile_for_gpu(cfg, clu.target.name, clu.nodes, clu.gpus_per_node)
+        except (ConfigError, GpuCompileUnavailable) as e:
+            return _fail(f"--compile --target {clu.name}: {e}")
+        except Exception as e:  # noqa: BLE001 -- a compile failure is reported, not a traceback
+            return _fail(f"compiling for {clu.name} failed: {type(e).__name__}: {e}", 1)
+        out["over_budget"] = out["over_budget"] or (budget is not None and gpu["memory"]["peak_bytes"] > budget)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        title = " ".join([args.config, *args.overrides])
+        print(format_plan(analytic, title=title))
+        print(format_gpu_target(target, out["gpu_compiled"]))
+        if out["over_budget"]:
+            print(f"  over budget: planned or compiled peak > {budget:,.0f} B per device")
     return 0
 
 
