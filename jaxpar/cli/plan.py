@@ -131,7 +131,10 @@ def gpu_cluster(args: argparse.Namespace):
         return None
     from jaxpar.gpu_targets import parse_cluster
 
-    clu = parse_cluster(args.target)
+    try:
+        clu = parse_cluster(args.target)
+    except ValueError as e:
+        raise ValueError(f"--target {args.target}: {e}") from e
     if args.devices is not None and args.devices != clu.devices:
         raise ValueError(f"--devices {args.devices} conflicts with --target {clu.name} ({clu.nodes} x "
                          f"{clu.gpus_per_node} = {clu.devices} GPUs): the device count follows from the cluster; "
