@@ -9,6 +9,11 @@ part of a command is classified:
   cluster  `sbatch --nodes=N SCRIPT ARGS`: N x the script's `#SBATCH --gpus-per-node` devices. The script must
            end by running jaxpar-train with "$@", so ARGS are parsed by jaxpar-train's parser, the config loaded,
            validated and resolved at N x G devices and planned (`jaxpar.plan.plan`, platform gpu).
+  gpu      `jaxpar-plan ... --compile --target KIND:NODESxGPUS`: a compile for a GPU cluster, which needs the
+           gpu-compile extra (jax's CUDA plugin). Checked as the CLI checks it (`jaxpar.cli.plan.gpu_cluster`:
+           the cluster name, --devices equal to its GPU count, no flag that does not apply), the config loaded,
+           validated and resolved at the cluster's GPU count and planned (platform gpu). Run (slow) only where
+           the extra is installed; skipped otherwise, with the reason.
   local    a console script of pyproject.toml's [project.scripts], `python SCRIPT` of the repository, or
            `python -m MODULE`.
   NOT_RUN  synopses (a placeholder such as CONFIG or N is left) and programs that are not jaxpar's
@@ -102,7 +107,7 @@ class Part:
     env: list[str]
     program: str
     args: list[str]
-    kind: str  # install | local | cluster | not_run | unclassified
+    kind: str  # install | local | cluster | gpu | not_run | unclassified
 
     @property
     def script(self) -> str | None:
@@ -134,6 +139,9 @@ def _part(full: list[str], not_run: bool) -> Part:
         kind = "install"
     elif program == "sbatch":
         kind = "cluster"
+    elif program == "jaxpar-plan" and "--compile" in args and any(
+            a == "--target" or a.startswith("--target=") for a in args):
+        kind = "gpu"
     elif program.startswith("jaxpar-") or program == "pytest" or program in ("python", "python3"):
         kind = "local"
     else:
@@ -363,6 +371,21 @@ def _check_cluster(part: Part) -> dict:
     return {"devices": devices, "plan": plan(cfg, "gpu")}
 
 
+def _check_gpu(part: Part) -> dict:
+    """A `gpu` part as jaxpar-plan checks it before compiling, planned at the cluster's GPU count."""
+    from jaxpar.cli.plan import gpu_cluster
+    from jaxpar.config import resolve_config
+    from jaxpar.plan import plan
+
+    parsed = _parse(part)
+    try:
+        clu = gpu_cluster(parsed.namespace)
+    except ValueError as e:
+        raise AssertionError(f"{' '.join(part.words)}: {e}") from e
+    cfg = resolve_config(_check_config(parsed, clu.devices), clu.devices)
+    return {"devices": clu.devices, "cluster": clu.name, "plan": plan(cfg, "gpu")}
+
+
 def _synopsis_flags(cmd: Documented) -> None:
     """Each flag of a synopsis is an option of its program's parser."""
     words = shlex.split(cmd.text.replace("[", " ").replace("]", " "))
@@ -409,13 +432,14 @@ def _appended(part: Part) -> list[str]:
 
 
 def _classified(cmd: Documented) -> list[Part]:
-    return [p for p in parts(cmd) if p.kind in ("local", "cluster")]
+    return [p for p in parts(cmd) if p.kind in ("local", "cluster", "gpu")]
 
 
 FAST = [(c, i) for c, i in zip(COMMANDS, IDS) if any(_fast(p) for p in _classified(c))]
 SLOW = [(c, i) for c, i in zip(COMMANDS, IDS)
         if any(p.kind == "local" and not _fast(p) for p in _classified(c))]
 CLUSTER = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "cluster" for p in parts(c))]
+GPU = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "gpu" for p in parts(c))]
 
 
 # ---- tests ------------------------------------------------------------------------------------------------------
@@ -462,6 +486,8 @@ def _static(cmd: Documented) -> None:
             _check_local(part)
         elif part.kind == "cluster":
             _check_cluster(part)
+        elif part.kind == "gpu":
+            _check_gpu(part)
         elif part.kind == "not_run" and NOT_RUN.get(cmd.text) == SYNOPSIS:
             _synopsis_flags(cmd)
 
@@ -473,6 +499,15 @@ def test_cluster_command_resolves_and_plans(cmd):
             out = _check_cluster(part)
             peak = out["plan"]["memory"]["peak_estimate"]
             assert out["devices"] >= 8 and peak > 0
+
+
+@pytest.mark.parametrize("cmd", [c for c, _ in GPU], ids=[i for _, i in GPU])
+def test_gpu_compile_command_resolves_and_plans(cmd):
+    for part in parts(cmd):
+        if part.kind == "gpu":
+            out = _check_gpu(part)
+            assert out["devices"] >= 8 and out["plan"]["devices"] == out["devices"]
+            assert out["plan"]["platform"] == "gpu" and out["plan"]["memory"]["peak_estimate"] > 0
 
 
 @pytest.mark.parametrize("text", [
@@ -495,6 +530,9 @@ def test_cluster_command_resolves_and_plans(cmd):
     "python -m pytest -m slwo",                                                 # an unregistered marker
     "tensorboard2 --logdir runs/tiny",                                          # not a program known here
     "jaxpar-train CONFIG --cpu-devics N",                                       # a synopsis not listed
+    "jaxpar-plan configs/tiny.yaml --compile --target h100:8",                  # not KIND:NODESxGPUS
+    "jaxpar-plan configs/tiny.yaml --compile --target h100:2x8 --devices 8",    # devices follow from the cluster
+    "jaxpar-plan configs/tiny.yaml mesh.fsdp=2 --compile --target h100:2x8",    # a mesh of 8 on 16 GPUs
 ])
 def test_a_broken_example_fails(text, tmp_path):
     """The checks above refuse each kind of broken example (so the documented commands passing them means
@@ -556,7 +594,7 @@ def _meaning(part: Part) -> tuple:
 
 def _run(cmd: Documented, factory) -> tuple[int, str, str]:
     """Runs the command's local parts in a fresh directory (module docstring); cached by what they run."""
-    local = [p for p in parts(cmd) if p.kind == "local"]
+    local = [p for p in parts(cmd) if p.kind in ("local", "gpu")]
     words = [[*p.words, *_appended(p)] for p in local]
     key = tuple(_meaning(dataclasses.replace(p, words=ws, args=ws[len(p.env) + 1:])) for p, ws in zip(local, words))
     if key in _RUNS:
@@ -579,5 +617,24 @@ def _run(cmd: Documented, factory) -> tuple[int, str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("cmd", [c for c, _ in SLOW], ids=[i for _, i in SLOW])
 def test_local_command_runs(cmd, tmp_path_factory):
+    code, output, _ = _run(cmd, tmp_path_factory)
+    assert code == 0, output[-6000:]
+
+
+def _plugin_missing() -> str | None:
+    from jaxpar.plan_gpu import GpuCompileUnavailable, cuda_plugin_version
+
+    try:
+        cuda_plugin_version()
+    except GpuCompileUnavailable as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_plugin_missing() is not None, reason=f"a gpu command needs the gpu-compile extra: "
+                                                          f"{_plugin_missing()}")
+@pytest.mark.parametrize("cmd", [c for c, _ in GPU], ids=[i for _, i in GPU])
+def test_gpu_compile_command_runs(cmd, tmp_path_factory):
     code, output, _ = _run(cmd, tmp_path_factory)
     assert code == 0, output[-6000:]
