@@ -180,8 +180,8 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
                  f"attention scores materialised: " + (f"yes, largest {_gb(scores['largest_bytes'])} per device "
                  f"({', '.join(scores['shapes'])})" if scores["materialised"] else "no"))
     lines += ["  collectives per step of the GPU HLO (bytes sent per device, ring formulas) beside the plan for gpu",
-              f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'GPU HLO bytes':>17}{'ops':>7}"
-              f"{'ratio':>9}"]
+              (f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'GPU HLO bytes':>17}"
+               f"{'ops':>7}{'ratio':>9}")]
     for r in gpu["planned"]["collectives"]:
         axes, kind = r["key"].split(" ", 1)
         lines.append(f"  {axes:<17}{kind:<20}{_n(r['planned_bytes']):>16}{r['planned_count']:>7}"

@@ -24,8 +24,8 @@ EXTRA = 'pip install -e ".[gpu-compile]"'
 
 @pytest.mark.parametrize("argv, needle", [
     (["--target", "h100"], "--target h100: cluster 'h100': expected KIND:NODESxGPUS such as h100:8x8"),
-    (["--target", "v100:1x8"], "--target v100:1x8: unknown GPU target 'v100'; shipped targets: a100, b200, h100, "
-                                "h200"),
+    (["--target", "v100:1x8"], ("--target v100:1x8: unknown GPU target 'v100'; shipped targets: a100, b200, "
+                                "h100, h200")),
     (["--target", "h100:0x8"], "nodes must be a positive integer"),
     (["--target", "h100:2x8", "--devices", "8"], "--devices 8 conflicts with --target h100:2x8 (2 x 8 = 16 GPUs)"),
     (["--target", "h100:2x8", "--platform", "cpu"], "--platform cpu with --target h100:2x8"),
@@ -123,8 +123,8 @@ def test_compiled_report_through_the_cli(capsys, monkeypatch):
                    "peak                                           7,650,877    7.651 MB",
                    "peak compiled / planned: 7.651 MB / 5.063 MB = 1.5112",
                    "fits: peak 7.651 MB = 0.00956% of the 80 GB of one NVIDIA H100 80GB HBM3",
-                   "fused attention (cuDNN): no (XLA attention path); attention scores materialised: yes, largest "
-                   "524.3 kB per device (f32[8,128,128])",
+                   ("fused attention (cuDNN): no (XLA attention path); attention scores materialised: yes, "
+                    "largest 524.3 kB per device (f32[8,128,128])"),
                    "+ scalar all-reduces, not planned: 2 ops, 14 B over data,fsdp"):
         assert needle in text, needle
     rows = [line.split() for line in text.splitlines()]
