@@ -67,6 +67,15 @@ def cuda_plugin_version() -> str:
         f"(about 2.7 GB: the CUDA plugin of the installed jax's version, ptxas and cuDNN)")
 
 
+def unavailable_reason() -> str | None:
+    """Why the deviceless GPU compile cannot run here (what to install), or None when it can."""
+    try:
+        cuda_plugin_version()
+    except GpuCompileUnavailable as e:
+        return str(e)
+    return None
+
+
 def compile_devices(clu: Cluster) -> list:
     """The cluster's compile-only jax devices (`clu.devices` of them, device_kind = the target's).
 

@@ -59,11 +59,9 @@ def test_attention_scores_are_batched_matmuls_ending_seq_by_seq():
 
 
 def _plugin_missing() -> str | None:
-    try:
-        plan_gpu.cuda_plugin_version()
-    except plan_gpu.GpuCompileUnavailable as e:
-        return str(e)
-    return None
+    from jaxpar.plan_gpu import unavailable_reason
+
+    return unavailable_reason()
 
 
 @pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")

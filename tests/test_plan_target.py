@@ -145,11 +145,9 @@ def test_report_of_a_run_that_does_not_fit():
 
 
 def _plugin_missing() -> str | None:
-    try:
-        plan_gpu.cuda_plugin_version()
-    except plan_gpu.GpuCompileUnavailable as e:
-        return str(e)
-    return None
+    from jaxpar.plan_gpu import unavailable_reason
+
+    return unavailable_reason()
 
 
 @pytest.mark.slow

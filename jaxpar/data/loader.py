@@ -33,6 +33,21 @@ from jaxpar.data.tokenizer import PAD_ID
 BATCH_KEYS = ("inputs", "targets", "loss_mask")
 
 
+def _packed_shape(packed: dict[str, np.ndarray]) -> tuple[int, int]:
+    """[N, T] of packed data (`jaxpar.data.pack`).
+
+    Raises:
+      ValueError: `packed` lacks a batch key or its arrays disagree in shape.
+    """
+    missing = [k for k in BATCH_KEYS if k not in packed]
+    if missing:
+        raise ValueError(f"packed data lacks {missing}; build it with jaxpar.data.pack")
+    shapes = {packed[k].shape for k in BATCH_KEYS}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise ValueError(f"packed arrays must share one [N, T] shape, got {sorted(shapes)}")
+    return next(iter(shapes))
+
+
 class DataLoader:
     """Serves global batches {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}.
 
@@ -51,13 +66,7 @@ class DataLoader:
 
     def __init__(self, packed: dict[str, np.ndarray], global_batch_size: int,
                  sharding: jax.sharding.NamedSharding, seed: int, shuffle: bool = True, split: str = "train"):
-        missing = [k for k in BATCH_KEYS if k not in packed]
-        if missing:
-            raise ValueError(f"packed data lacks {missing}; build it with jaxpar.data.pack")
-        shapes = {packed[k].shape for k in BATCH_KEYS}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            raise ValueError(f"packed arrays must share one [N, T] shape, got {sorted(shapes)}")
-        self.num_sequences, self.seq_len = next(iter(shapes))
+        self.num_sequences, self.seq_len = _packed_shape(packed)
         self.global_batch_size = global_batch_size
         if self.num_sequences < global_batch_size:
             raise ConfigError(
@@ -130,13 +139,7 @@ class EvalLoader:
 
     def __init__(self, packed: dict[str, np.ndarray], global_batch_size: int,
                  sharding: jax.sharding.NamedSharding, max_batches: int = 0):
-        missing = [k for k in BATCH_KEYS if k not in packed]
-        if missing:
-            raise ValueError(f"packed data lacks {missing}; build it with jaxpar.data.pack")
-        shapes = {packed[k].shape for k in BATCH_KEYS}
-        if len(shapes) != 1 or len(next(iter(shapes))) != 2:
-            raise ValueError(f"packed arrays must share one [N, T] shape, got {sorted(shapes)}")
-        self.num_sequences, self.seq_len = next(iter(shapes))
+        self.num_sequences, self.seq_len = _packed_shape(packed)
         if self.num_sequences == 0:
             raise ConfigError("the validation split holds no sequence (fewer than 2 tokens); raise "
                               "data.validation_fraction or add data")
