@@ -387,10 +387,15 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
     drawing plot.png at the end (`jaxpar.sweep_report`). Returns the records in point order.
 
     `runner(sweep, point) -> (exit status, stdout, stderr)` compiles/measures one point (default: a
-    `python -m jaxpar.cli.plan ... --json` subprocess). Raises SweepError for a foreign results.json."""
+    `python -m jaxpar.cli.plan ... --json` subprocess). Raises SweepError for a foreign results.json or an
+    out_dir that cannot be created."""
     from jaxpar.sweep_report import write_markdown, write_plot
 
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file in the way, a read-only parent, ...
+        raise SweepError(f"--out {out_dir!r} cannot be created as a directory ({e.strerror}: {e.filename}); "
+                         f"pick another --out") from e
     path = os.path.join(out_dir, "results.json")
     records = load_results(path, sweep)
     todo = points(sweep)

@@ -106,6 +106,17 @@ def test_cli_reports_bad_sweep_files(tmp_path, capsys):
     assert "sweep error" in err and "model.hidden" in err and "Traceback" not in err
 
 
+def test_cli_refuses_an_out_that_cannot_be_a_directory(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    sweep = os.path.join(ROOT, "configs", "sweeps", "llama_7b_64.yaml")
+    for out in (afile, afile / "sub"):  # FileExistsError, NotADirectoryError
+        assert sweep_cli.main([sweep, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "sweep error" in err and str(out) in err and "--out" in err and "Traceback" not in err
+    assert afile.read_text() == "x"
+
+
 def _peak(overrides, devices=8) -> float:
     cfg = resolve_config(load_config(TINY_YAML, [*SMALL, *overrides], validate=False), devices)
     return plan(cfg)["memory"]["peak_estimate"]
