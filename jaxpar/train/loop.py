@@ -176,7 +176,8 @@ def train(cfg: Config) -> TrainResult:
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"train.run_dir={run_dir!r} is a file; give a directory (it is created if missing)")
     train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
-                                                   cfg.model.vocab_size, t.eval_batches)
+                                                   cfg.model.vocab_size, t.eval_batches,
+                                                   vocab_multiple=cfg.mesh.tensor)
     val_cover = (f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
                  f"{info['val_sequences']:,} validation sequences)")
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
