@@ -48,7 +48,7 @@ from typing import Any
 
 import yaml
 
-from jaxpar.config import ConfigError, load_config, resolve_config
+from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
 PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS (importing jaxpar.plan here would start jax)
@@ -161,6 +161,8 @@ def _vary(raw: Any, base: str, fixed: list[str]) -> dict:
             raise SweepError(f"vary.{key}: must be a non-empty list of values, e.g. [1, 3]")
         if str(key).startswith("mesh."):
             raise SweepError(f"vary.{key}: mesh sizes come from `devices` or `meshes`, not from vary")
+        if any(text.split("=", 1)[0].strip() == str(key) for text in fixed):
+            raise SweepError(f"vary.{key}: also set in `overrides`; name it in one of them")
         for value in values:  # the key must exist and every value have the right type
             try:
                 load_config(base, [*fixed, f"{key}={_yaml_value(value)}"], validate=False)
@@ -207,9 +209,13 @@ def load_sweep(path: str) -> Sweep:
     if not isinstance(fixed, list) or not all(isinstance(o, str) for o in fixed):
         raise SweepError(f"overrides: must be a list of strings like mesh.tensor=1, got {fixed!r}")
     try:
+        check_unique_overrides(fixed)  # each point's jaxpar-plan command line refuses a repeated key
         base_cfg = load_config(base, fixed, validate=False)
     except ConfigError as e:
         raise SweepError(f"{path}: base config {raw['base']!r}: {e}") from e
+    for text in fixed:
+        if text.split("=", 1)[0].strip().startswith("mesh."):
+            raise SweepError(f"overrides: {text!r}: mesh sizes come from `devices` or `meshes`, not from overrides")
     objective = raw.get("objective", "memory")
     if objective not in OBJECTIVES:
         raise SweepError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
