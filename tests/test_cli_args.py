@@ -47,3 +47,32 @@ def test_resolve_config_refuses_device_counts_below_one(devices, capsys):
     captured = capsys.readouterr()
     assert f"config error: device count {devices}: a mesh needs at least 1 device" in captured.err
     assert captured.out == ""
+
+
+def test_run_dir_that_cannot_be_created_is_refused_before_device_work(tmp_path, monkeypatch, capsys):
+    from jaxpar.train import loop
+
+    def no_mesh(cfg):
+        raise AssertionError("the mesh was built before train.run_dir was checked")
+
+    monkeypatch.setattr(loop, "build_mesh", no_mesh)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    for run_dir, needle in ((afile / "sub", f"cannot be created: {afile} is a file, not a directory"),
+                            (afile, "is a file"), ("/proc/jaxpar-x", "cannot be created or written")):
+        assert train_cli.main([tiny, f"train.run_dir={run_dir}"]) == 2
+        err = capsys.readouterr().err
+        assert f"config error: train.run_dir='{run_dir}' {needle}" in err and "e.g. train.run_dir=" in err
+        assert "Traceback" not in err
+    assert afile.read_text() == "x"
+
+
+def test_run_dir_check_leaves_no_directories_behind(tmp_path):
+    from jaxpar.train.loop import check_run_dir
+
+    check_run_dir(str(tmp_path / "new" / "run"))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    check_run_dir(str(tmp_path / "kept"))
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
