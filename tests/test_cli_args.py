@@ -76,3 +76,18 @@ def test_run_dir_check_leaves_no_directories_behind(tmp_path):
     (tmp_path / "kept").mkdir()
     check_run_dir(str(tmp_path / "kept"))
     assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+
+
+def test_launch_without_double_dash_hints_at_it(capsys):
+    from jaxpar.cli import launch
+
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["-n", "2", "--devices-per-process", "4", ".venv/bin/jaxpar-train", "configs/tiny.yaml"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert ("unrecognized arguments: .venv/bin/jaxpar-train configs/tiny.yaml; put `--` before the command to "
+            "run, e.g. jaxpar-launch -n 2 -- .venv/bin/jaxpar-train configs/tiny.yaml") in err
+    with pytest.raises(SystemExit):  # a bad flag before `--` is only named
+        launch.main(["-n", "2", "--bogus", "--", "true"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --bogus" in err and "put `--`" not in err

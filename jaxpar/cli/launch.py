@@ -102,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices-per-process", type=int, default=None, help="CPU devices simulated per process")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on failure")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    args = p.parse_args(argv[:split])  # exits 0 for --help, 2 for bad flags
+    args, extra = p.parse_known_args(argv[:split])  # exits 0 for --help, 2 for bad flags
+    if extra:
+        hint = ""
+        if split == len(argv):  # no `--`: the command was most likely taken for flags of jaxpar-launch
+            hint = (f"; put `--` before the command to run, e.g. jaxpar-launch -n {args.num_processes} -- "
+                    f"{' '.join(extra)}")
+        p.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     command = argv[split + 1:]
     if not command:
         print("jaxpar-launch: no COMMAND: put the command to run after `--`, e.g. jaxpar-launch -n 2 -- "
