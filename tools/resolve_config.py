@@ -1,6 +1,6 @@
 """Print the fully resolved config (base files and overrides applied, validated) as YAML.
 
-    python tools/resolve_config.py configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8 --devices 64
+    .venv/bin/python tools/resolve_config.py configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8 --devices 64
 
 Validation uses `--devices` instead of the local device count, so a config can be checked for a cluster from a
 laptop.
