@@ -86,7 +86,7 @@ def test_launch_without_double_dash_hints_at_it(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert ("unrecognized arguments: .venv/bin/jaxpar-train configs/tiny.yaml; put `--` before the command to "
-            "run, e.g. jaxpar-launch -n 2 -- .venv/bin/jaxpar-train configs/tiny.yaml") in err
+            "run, e.g. jaxpar-launch -n N -- .venv/bin/jaxpar-train configs/tiny.yaml") in err
     with pytest.raises(SystemExit):  # a bad flag before `--` is only named
         launch.main(["-n", "2", "--bogus", "--", "true"])
     err = capsys.readouterr().err
