@@ -9,7 +9,7 @@ A sweep file (YAML, read like `yaml.safe_load` but refusing duplicate keys; rela
     meshes: [{data: 8}, {data: 4, fsdp: 2}]        # ... or an explicit list (missing axes are 1)
     vary: {optimizer.zero_stage: [1, 3], pipeline.microbatches: [1, 2]}   # cartesian product
     objective: memory                   # memory | comm_bytes | tokens_per_s | step_time | mfu
-    memory_budget_gb: 24                # or memory_budget_bytes; points planned above it are not compiled or run
+    memory_budget_gb: 24                # or memory_budget_bytes; see below for what is over budget
     measure_steps: 0                    # K > 0: also run K steps per point (tokens/s, step time, MFU)
     compile: true                       # compile each point's step (XLA memory analysis and HLO collectives)
     fast_compile: false                 # jaxpar-plan --fast-compile (measured steps then run that code)
@@ -27,7 +27,8 @@ Constraints: max_data, max_fsdp, max_tensor, max_pipeline (ints), pipeline_divid
 tensor_divides_heads (bools, default true). Every point is validated with `jaxpar.config.resolve_config`;
 a point that fails is recorded with its error (status `invalid`), never stops the sweep. A point whose
 analytic peak estimate (`jaxpar.plan`, params + optimizer state + temp) exceeds the budget is recorded as
-`over_budget` and not compiled or run. Compiling and measuring run `python -m jaxpar.cli.plan ... --json` in a
+`over_budget` and not compiled or run; a compiled point whose compiled peak exceeds it is recorded as
+`over_budget` too, and not measured. Compiling and measuring run `python -m jaxpar.cli.plan ... --json` in a
 fresh subprocess per point, because the device count must be set before jax is imported.
 
 Resume: results.json in the output directory is rewritten after every point; a rerun skips points whose key
