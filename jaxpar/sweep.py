@@ -9,7 +9,7 @@ A sweep file (YAML, read like `yaml.safe_load` but refusing duplicate keys; rela
     meshes: [{data: 8}, {data: 4, fsdp: 2}]        # ... or an explicit list (missing axes are 1)
     vary: {optimizer.zero_stage: [1, 3], pipeline.microbatches: [1, 2]}   # cartesian product
     objective: memory                   # memory | comm_bytes | tokens_per_s | step_time | mfu
-    memory_budget_gb: 24                # or memory_budget_bytes; points planned above it are not compiled or run
+    memory_budget_gb: 24                # or memory_budget_bytes; see below for what is over budget
     measure_steps: 0                    # K > 0: also run K steps per point (tokens/s, step time, MFU)
     compile: true                       # compile each point's step (XLA memory analysis and HLO collectives)
     fast_compile: false                 # jaxpar-plan --fast-compile (measured steps then run that code)
@@ -27,7 +27,8 @@ Constraints: max_data, max_fsdp, max_tensor, max_pipeline (ints), pipeline_divid
 tensor_divides_heads (bools, default true). Every point is validated with `jaxpar.config.resolve_config`;
 a point that fails is recorded with its error (status `invalid`), never stops the sweep. A point whose
 analytic peak estimate (`jaxpar.plan`, params + optimizer state + temp) exceeds the budget is recorded as
-`over_budget` and not compiled or run. Compiling and measuring run `python -m jaxpar.cli.plan ... --json` in a
+`over_budget` and not compiled or run; a compiled point whose compiled peak exceeds it is recorded as
+`over_budget` too, and not measured. Compiling and measuring run `python -m jaxpar.cli.plan ... --json` in a
 fresh subprocess per point, because the device count must be set before jax is imported.
 
 Resume: results.json in the output directory is rewritten after every point; a rerun skips points whose key
@@ -48,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from jaxpar.config import ConfigError, load_config, resolve_config
+from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
 PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS (importing jaxpar.plan here would start jax)
@@ -161,6 +162,8 @@ def _vary(raw: Any, base: str, fixed: list[str]) -> dict:
             raise SweepError(f"vary.{key}: must be a non-empty list of values, e.g. [1, 3]")
         if str(key).startswith("mesh."):
             raise SweepError(f"vary.{key}: mesh sizes come from `devices` or `meshes`, not from vary")
+        if any(text.split("=", 1)[0].strip() == str(key) for text in fixed):
+            raise SweepError(f"vary.{key}: also set in `overrides`; name it in one of them")
         for value in values:  # the key must exist and every value have the right type
             try:
                 load_config(base, [*fixed, f"{key}={_yaml_value(value)}"], validate=False)
@@ -207,9 +210,13 @@ def load_sweep(path: str) -> Sweep:
     if not isinstance(fixed, list) or not all(isinstance(o, str) for o in fixed):
         raise SweepError(f"overrides: must be a list of strings like mesh.tensor=1, got {fixed!r}")
     try:
+        check_unique_overrides(fixed)  # each point's jaxpar-plan command line refuses a repeated key
         base_cfg = load_config(base, fixed, validate=False)
     except ConfigError as e:
         raise SweepError(f"{path}: base config {raw['base']!r}: {e}") from e
+    for text in fixed:
+        if text.split("=", 1)[0].strip().startswith("mesh."):
+            raise SweepError(f"overrides: {text!r}: mesh sizes come from `devices` or `meshes`, not from overrides")
     objective = raw.get("objective", "memory")
     if objective not in OBJECTIVES:
         raise SweepError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
@@ -387,10 +394,15 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
     drawing plot.png at the end (`jaxpar.sweep_report`). Returns the records in point order.
 
     `runner(sweep, point) -> (exit status, stdout, stderr)` compiles/measures one point (default: a
-    `python -m jaxpar.cli.plan ... --json` subprocess). Raises SweepError for a foreign results.json."""
+    `python -m jaxpar.cli.plan ... --json` subprocess). Raises SweepError for a foreign results.json or an
+    out_dir that cannot be created."""
     from jaxpar.sweep_report import write_markdown, write_plot
 
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file in the way, a read-only parent, ...
+        raise SweepError(f"--out {out_dir!r} cannot be created as a directory ({e.strerror}: {e.filename}); "
+                         f"pick another --out") from e
     path = os.path.join(out_dir, "results.json")
     records = load_results(path, sweep)
     todo = points(sweep)

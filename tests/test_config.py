@@ -6,7 +6,7 @@ import os
 import pytest
 import yaml
 
-from jaxpar.config import Config, ConfigError, load_config, save_config
+from jaxpar.config import Config, ConfigError, check_unique_overrides, load_config, resolve_config, save_config
 from jaxpar.config.load import read_config_file
 from jaxpar.config.validate import resolve_mesh_shape
 
@@ -96,11 +96,38 @@ def test_resolved_config_round_trips(tmp_path):
     (["model.remat=some"], "model.remat='some'"),
     (["data.validation_fraction=1.5"], "data.validation_fraction"),
     (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan must be a finite number"),
+    (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0 must be > 0"),
+    (["optimizer.eps=-1"], "optimizer.eps=-1.0 must be > 0"),
+    (["optimizer.eps=0"], "optimizer.eps=0.0 must be > 0"),
+    (["optimizer.eps=nan"], "optimizer.eps=nan must be a finite number"),
+    (["optimizer.b2=1.0"], "optimizer.b2=1.0 must lie in [0, 1)"),
+    (["optimizer.b1=-0.1"], "optimizer.b1=-0.1 must lie in [0, 1)"),
+    (["train.run_dir="], "train.run_dir is empty; name the directory"),
+    (["train.run_dir=' '"], "train.run_dir is empty; name the directory"),
 ])
 def test_bad_config_names_key_and_fix(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, overrides, num_devices=8)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("devices", [0, -4])
+def test_device_counts_below_one_are_refused(devices):
+    """0 used to divide by zero; -4 with mesh.fsdp=-1 used to resolve to a mesh of negative sizes."""
+    cfg = load_config(TINY, validate=False)
+    for check in (lambda: resolve_mesh_shape(cfg, devices), lambda: resolve_config(cfg, devices),
+                  lambda: load_config(TINY, num_devices=devices)):
+        with pytest.raises(ConfigError, match=rf"device count {devices}: a mesh needs at least 1 device"):
+            check()
+
+
+def test_repeated_override_key_is_refused():
+    with pytest.raises(ConfigError, match=r"override mesh\.data is given twice \('mesh.data=4' and "
+                                          r"'mesh.data=2'\); keep one of them"):
+        check_unique_overrides(["mesh.data=4", "train.steps=3", "mesh.data=2"])
+    with pytest.raises(ConfigError, match=r"override train\.steps is given twice"):
+        check_unique_overrides(["train.steps=3", " train.steps =4"])
+    check_unique_overrides(["mesh.data=4", "mesh.fsdp=2", "train.data=1"])  # the same key in two sections is fine
 
 
 def test_bad_override_syntax_and_files(tmp_path):

@@ -324,6 +324,19 @@ def test_token_ids_beyond_the_vocabulary_are_refused(tmp_path, sharding):
     assert train.num_sequences >= 8
 
 
+def test_out_of_vocabulary_fix_is_a_multiple_of_mesh_tensor(tmp_path, sharding):
+    """The size suggested holds every id and divides evenly over mesh.tensor (301 would not over 2)."""
+    path = tmp_path / "tokens.bin"
+    (np.arange(4000) % 301).astype(np.uint16).tofile(path)  # ids up to 300
+    cfg = DataConfig(source="tokens", path=str(path), token_dtype="uint16", seq_len=16, validation_fraction=0.2)
+    with pytest.raises(ConfigError, match=r"at least 302 \(ids up to 300, a multiple of mesh.tensor=2\)"):
+        build_loaders(cfg, 8, sharding, vocab_size=264, vocab_multiple=2)
+    with pytest.raises(ConfigError, match=r"at least 304 "):
+        build_loaders(cfg, 8, sharding, vocab_size=264, vocab_multiple=8)
+    with pytest.raises(ConfigError, match=r"at least 301 \(ids up to 300\)"):
+        build_loaders(cfg, 8, sharding, vocab_size=264)
+
+
 # --- stats -------------------------------------------------------------------------------------------------
 
 def test_unigram_entropy_uniform_is_log_k():

@@ -85,6 +85,11 @@ def test_points_are_the_cartesian_product(tmp_path):
     ("base: {tiny}\ndevices: 8\nvary: {optimizer.zero_stage: 3}\n", "vary.optimizer.zero_stage: must be a non-empty"),
     ("base: {tiny}\ndevices: 8\nvary: {mesh.data: [2]}\n", "mesh sizes come from `devices` or `meshes`"),
     ("base: {tiny}\ndevices: 8\noverrides: [model.hidden=2]\n", "unknown config key model.hidden"),
+    ("base: {tiny}\ndevices: 8\noverrides: [mesh.tensor=1]\n", "mesh sizes come from `devices` or `meshes`, not from "
+                                                               "overrides"),
+    ("base: {tiny}\ndevices: 8\noverrides: [train.steps=2, train.steps=3]\n", "train.steps is given twice"),
+    ("base: {tiny}\ndevices: 8\noverrides: [model.remat=full]\nvary: {model.remat: [none]}\n",
+     "vary.model.remat: also set in `overrides`"),
     ("base: {tiny}\ndevices: 8\nobjective: speed\n", "objective: 'speed' is not one of"),
     ("base: {tiny}\ndevices: 8\nobjective: tokens_per_s\n", "needs measured steps: set measure_steps"),
     ("base: {tiny}\ndevices: 8\nmemory_budget_gb: 1\nmemory_budget_bytes: 5\n", "not both"),
@@ -104,6 +109,17 @@ def test_cli_reports_bad_sweep_files(tmp_path, capsys):
     assert sweep_cli.main([path]) == 2
     err = capsys.readouterr().err
     assert "sweep error" in err and "model.hidden" in err and "Traceback" not in err
+
+
+def test_cli_refuses_an_out_that_cannot_be_a_directory(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    sweep = os.path.join(ROOT, "configs", "sweeps", "llama_7b_64.yaml")
+    for out in (afile, afile / "sub"):  # FileExistsError, NotADirectoryError
+        assert sweep_cli.main([sweep, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "sweep error" in err and str(out) in err and "--out" in err and "Traceback" not in err
+    assert afile.read_text() == "x"
 
 
 def _peak(overrides, devices=8) -> float:

@@ -93,16 +93,29 @@ def launch(command: list[str], num_processes: int, devices_per_process: int | No
     return status
 
 
+class _Parser(argparse.ArgumentParser):
+    """Adds a hint to put `--` before the command when a command line without `--` has arguments it does not
+    know (the command to launch, taken for flags)."""
+
+    double_dash = True
+
+    def error(self, message: str):
+        if not self.double_dash and message.startswith("unrecognized arguments: "):
+            command = message[len("unrecognized arguments: "):]
+            message += f"; put `--` before the command to run, e.g. jaxpar-launch -n N -- {command}"
+        super().error(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    p = argparse.ArgumentParser(prog="jaxpar-launch", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="jaxpar-launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.double_dash = split < len(argv)
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=None, help="CPU devices simulated per process")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on failure")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-    args = p.parse_args(argv[:split])  # exits 0 for --help, 2 for bad flags
+    args = p.parse_args(argv[:split])  # exits 0 for --help, 2 for bad flags (with the `--` hint, _Parser)
     command = argv[split + 1:]
     if not command:
         print("jaxpar-launch: no COMMAND: put the command to run after `--`, e.g. jaxpar-launch -n 2 -- "

@@ -4,7 +4,8 @@
 
 A YAML file may name `base: other.yaml` (path relative to the file) whose values it extends; nested sections
 merge key by key. Files are read with `yaml.safe_load` semantics, except that a key named twice in one mapping
-(`jaxpar.config.strict_yaml`) and a file that names no settings at all are refused. Unknown keys and values of
+(`jaxpar.config.strict_yaml`) and a file that names no settings at all are refused, and so is a key given twice
+among a command line's overrides (`check_unique_overrides`). Unknown keys and values of
 the wrong type raise `ConfigError` naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
 """
 from __future__ import annotations
@@ -92,6 +93,21 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, parsed
 
 
+def check_unique_overrides(overrides: Sequence[str]) -> None:
+    """Refuses a dotted key named twice among command-line overrides, like a duplicate key in a YAML file.
+
+    Raises:
+      ConfigError: naming the key and both overrides; also any override `parse_override` refuses.
+    """
+    seen: dict[str, str] = {}
+    for text in overrides:
+        (section, key), _ = parse_override(text)
+        dotted = f"{section}.{key}"
+        if dotted in seen:
+            raise ConfigError(f"override {dotted} is given twice ({seen[dotted]!r} and {text!r}); keep one of them")
+        seen[dotted] = text
+
+
 def _coerce(value: Any, hint: Any, key: str) -> Any:
     """Checks `value` against the type hint of field `key`; ints are accepted for floats."""
     origin = typing.get_origin(hint)
@@ -164,6 +180,8 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, validate: bo
 
     Raises:
       ConfigError: unknown key, wrong type, or an impossible combination; the message names the key and the fix.
+        A key given twice in `overrides` takes the last value here (callers build on shared lists);
+        command-line tools refuse a repeated key with `check_unique_overrides` first.
     """
     values = _read_yaml(path) if path else {}
     for text in overrides:

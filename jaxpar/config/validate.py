@@ -43,8 +43,12 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     """Returns {axis: size} for data, fsdp, tensor, pipeline with any -1 filled in.
 
     Raises:
-      ConfigError: more than one -1, a size below -1 or 0, or a product that does not equal `num_devices`.
+      ConfigError: a device count below 1, more than one -1, a size below -1 or 0, or a product that does not
+        equal `num_devices`.
     """
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ConfigError(f"device count {num_devices!r}: a mesh needs at least 1 device; give a positive device "
+                          f"count (e.g. --devices 8)")
     sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor,
              "pipeline": cfg.mesh.pipeline}
     fill = [a for a, s in sizes.items() if s == -1]
@@ -106,13 +110,15 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         raise ConfigError(f"optimizer.zero_stage={o.zero_stage} must be 0 (DDP), 1, 2 or 3")
     _choice("optimizer.decay", o.decay, ("cosine", "linear", "constant"))
     _positive("optimizer.learning_rate", o.learning_rate)
+    _positive("optimizer.eps", o.eps)  # Adam's denominator term: 0 divides by zero where a moment is 0
     _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
     _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
     _positive("optimizer.grad_clip_norm", o.grad_clip_norm, allow_zero=True)
     if not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
-    if not (0.0 <= o.b1 < 1.0 and 0.0 <= o.b2 < 1.0):
-        raise ConfigError("optimizer.b1 and optimizer.b2 must lie in [0, 1)")
+    for key, value in (("optimizer.b1", o.b1), ("optimizer.b2", o.b2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key}={value} must lie in [0, 1)")
 
     _choice("data.source", d.source, ("stdlib", "text", "jsonl", "tokens"))
     _choice("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
@@ -128,6 +134,9 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
                           f"run directory, its checkpoints/ directory or one of its step directories")
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep", c.keep)
+    if not t.run_dir.strip():
+        raise ConfigError("train.run_dir is empty; name the directory for the run's config, metrics and "
+                          "checkpoints, e.g. train.run_dir=runs/tiny")
     for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.eval_batches", t.eval_batches, allow_zero=True)  # 0: the whole validation split

@@ -195,8 +195,12 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
 
 
 def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sharding.NamedSharding,
-                  vocab_size: int | None = None, eval_batches: int = 0) -> tuple[DataLoader, EvalLoader, dict]:
+                  vocab_size: int | None = None, eval_batches: int = 0,
+                  vocab_multiple: int = 1) -> tuple[DataLoader, EvalLoader, dict]:
     """Reads, splits and packs the corpus; returns (train_loader, val_loader, info).
+
+    `vocab_multiple` (mesh.tensor) is what model.vocab_size must be a multiple of; the fix an out-of-vocabulary
+    token error suggests is the smallest size that holds every id and is such a multiple.
 
     The train loader shuffles with `data.seed`; the validation loader is an `EvalLoader` over the first
     `eval_batches` global batches' worth of validation sequences in file order (0: all of them).
@@ -212,10 +216,12 @@ def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sh
     if vocab_size is not None:
         largest = int(max(train_tokens.max(), val_tokens.max()))
         if largest >= vocab_size:
+            need = -(-(largest + 1) // vocab_multiple) * vocab_multiple
+            multiple = f", a multiple of mesh.tensor={vocab_multiple}" if vocab_multiple > 1 else ""
             raise ConfigError(
                 f"data.source={data_cfg.source} holds token id {largest}, but model.vocab_size={vocab_size} "
-                f"allows ids below {vocab_size}; set model.vocab_size to at least {largest + 1} (a multiple of "
-                f"mesh.tensor), or check data.path and data.token_dtype")
+                f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
+                f"{multiple}), or check data.path and data.token_dtype")
     train, val = pack(train_tokens, data_cfg.seq_len), pack(val_tokens, data_cfg.seq_len)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)

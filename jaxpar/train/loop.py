@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 import time
 from typing import Any
 
@@ -121,6 +122,38 @@ def _memory_bytes(compiled) -> dict[str, int | None]:
     return {"memory_peak_bytes": stats.get("peak_bytes_in_use"), "memory_step_bytes": planned}
 
 
+def check_run_dir(run_dir: str) -> None:
+    """Checks that `train.run_dir` is, or can be created as, a directory this process can write in, and leaves
+    the file system as it found it (directories it creates to check are removed again).
+
+    Raises:
+      ConfigError: naming the path in the way (a file where a directory must be) or the OS error, and the fix.
+    """
+    fix = "give a directory you can write, e.g. train.run_dir=runs/tiny (it is created if missing)"
+    path = os.path.abspath(run_dir)
+    missing, probe = [], path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        what = "is a file" if probe == path else f"cannot be created: {probe} is a file, not a directory"
+        raise ConfigError(f"train.run_dir={run_dir!r} {what}; {fix}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".jaxpar-write-check-", dir=path)
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise ConfigError(f"train.run_dir={run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); "
+                          f"{fix}") from e
+    finally:
+        for created in missing:  # innermost first; another process may have put something there meanwhile
+            try:
+                os.rmdir(created)
+            except OSError:
+                break
+
+
 def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
     """Returns (state, data_state) from RUN_DIR's latest checkpoint, else from `checkpoint.restore_from`, else
     (None, None). A run's own checkpoints come first, so rerunning a command that seeded the run from another
@@ -168,15 +201,15 @@ def train(cfg: Config) -> TrainResult:
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(
             cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name))
     t, run_dir = cfg.train, cfg.train.run_dir
+    check_run_dir(run_dir)
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh)
     print(f"jaxpar: {describe_process()}", flush=True)  # every process, once
     _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
          f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
-    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ConfigError(f"train.run_dir={run_dir!r} is a file; give a directory (it is created if missing)")
     train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
-                                                   cfg.model.vocab_size, t.eval_batches)
+                                                   cfg.model.vocab_size, t.eval_batches,
+                                                   vocab_multiple=cfg.mesh.tensor)
     val_cover = (f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
                  f"{info['val_sequences']:,} validation sequences)")
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
