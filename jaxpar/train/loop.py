@@ -22,6 +22,7 @@ import numpy as np
 from jaxpar import flops as flops_lib
 from jaxpar.checkpoint import Checkpointer, restore_from_path
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
+from jaxpar.config.resume import check_resume_config, keep_previous_config
 from jaxpar.data import EvalLoader, build_loaders
 from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
@@ -219,6 +220,8 @@ def train(cfg: Config) -> TrainResult:
     if cfg.checkpoint.every_steps > 0:
         ckpt = Checkpointer(os.path.join(run_dir, CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
                             keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    resuming = ckpt is not None and ckpt.latest_step() is not None
+    changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write
     state, data_state = _restore(cfg, plan, ckpt)
     if state is None:
         state = init_state(plan, t.seed)
@@ -230,6 +233,10 @@ def train(cfg: Config) -> TrainResult:
                           f"{t.steps}; raise train.steps to train on, or give another train.run_dir")
     if jax.process_index() == 0:  # only once the state fits: a failed restore leaves the old config.yaml
         os.makedirs(run_dir, exist_ok=True)
+        if changes:
+            kept = keep_previous_config(run_dir, start)
+            _log(f"resuming with changed settings ({'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changes.items())}"
+                 f"); the previous config is kept as {kept}")
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     if start:
         _log(f"resumed at step {start} (data position {train_loader.get_state()['next_sample']})")
