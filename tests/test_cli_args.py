@@ -32,15 +32,6 @@ def test_missing_config_path_is_named(main, argv, prog, capsys):
     assert "overrides" not in error_line
 
 
-@pytest.mark.parametrize("main", [train_cli.main, lambda argv: _resolve_tool().main([*argv, "--devices", "8"])],
-                         ids=["train", "resolve_config"])
-def test_repeated_override_key_is_refused_on_the_command_line(main, capsys):
-    assert main([os.path.join(ROOT, "configs", "tiny.yaml"), "mesh.data=4", "mesh.data=2"]) == 2
-    err = capsys.readouterr().err
-    assert "config error: override mesh.data is given twice ('mesh.data=4' and 'mesh.data=2')" in err
-    assert "Traceback" not in err
-
-
 @pytest.mark.parametrize("devices", ["0", "-4"])
 def test_resolve_config_refuses_device_counts_below_one(devices, capsys):
     assert _resolve_tool().main([os.path.join(ROOT, "configs", "tiny.yaml"), "--devices", devices]) == 2

@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
+from jaxpar.config import ConfigError, load_config, resolve_config
 
 
 def main(argv=None) -> int:
@@ -22,7 +22,6 @@ def main(argv=None) -> int:
     if args.config is None:  # a required positional before nargs="*" would name `overrides` as missing too
         p.error("a config path is required, e.g. configs/tiny.yaml")
     try:
-        check_unique_overrides(args.overrides)
         cfg = resolve_config(load_config(args.config, args.overrides, num_devices=args.devices), args.devices)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -203,13 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--measure-steps must be >= 0, got {args.measure_steps}")
     from jaxpar.config import (  # no jax import here
         ConfigError,
-        check_unique_overrides,
         load_config,
         resolve_config,
     )
 
     try:
-        check_unique_overrides(args.overrides)
         cfg = load_config(args.config, args.overrides, validate=False)
         n = _devices(args, cfg, clu)
         cfg = resolve_config(cfg, n)

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
     from jaxpar import distributed  # jax is imported only after the device count is set
-    from jaxpar.config import ConfigError, check_unique_overrides, load_config, validate_config
+    from jaxpar.config import ConfigError, load_config, validate_config
     from jaxpar.train.loop import TrainingDiverged, train
 
     overrides = list(args.overrides)
@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxpar-train: {e}", file=sys.stderr)
         return 2
     try:
-        check_unique_overrides(overrides)
         cfg = load_config(args.config, overrides, validate=False)
         distributed.initialize(cfg.distributed)  # before anything asks jax for devices
         validate_config(cfg)

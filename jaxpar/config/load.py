@@ -4,9 +4,9 @@
 
 A YAML file may name `base: other.yaml` (path relative to the file) whose values it extends; nested sections
 merge key by key. Files are read with `yaml.safe_load` semantics, except that a key named twice in one mapping
-(`jaxpar.config.strict_yaml`) and a file that names no settings at all are refused, and so is a key given twice
-among a command line's overrides (`check_unique_overrides`). Unknown keys and values of
-the wrong type raise `ConfigError` naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
+(`jaxpar.config.strict_yaml`) and a file that names no settings at all are refused. Among overrides the last
+value of a key wins (so a script or test can append to a shared list, and so can a command line); a sweep
+file refuses a repeated key (`check_unique_overrides`). Unknown keys and values of the wrong type raise `ConfigError` naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
 """
 from __future__ import annotations
 
@@ -180,8 +180,7 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, validate: bo
 
     Raises:
       ConfigError: unknown key, wrong type, or an impossible combination; the message names the key and the fix.
-        A key given twice in `overrides` takes the last value here (callers build on shared lists);
-        command-line tools refuse a repeated key with `check_unique_overrides` first.
+        A key given twice in `overrides` takes the last value.
     """
     values = _read_yaml(path) if path else {}
     for text in overrides:
