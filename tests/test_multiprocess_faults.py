@@ -102,12 +102,16 @@ def reference(tmp_path_factory):
 @pytest.mark.timeout(2 * LIMIT + 60)
 def test_sigterm_to_one_process_saves_an_agreed_step_and_the_restart_matches(reference, tmp_path):
     _, want = reference
-    status, lines, _ = _launch(tmp_path, fault="sigterm@3:0")
+    # The signal comes at step 1 of 6: jax agrees on the stop step asynchronously, through the coordination
+    # service, and with a signal at step 3 the agreed step sometimes fell after the last one (the run then
+    # simply finished, saving step 6).
+    status, lines, _ = _launch(tmp_path, fault="sigterm@1:0")
     out = _text(lines)
     assert status == 0, out[-3000:]
+    assert "preempted: saved step " in out, out[-3000:]
     saved = int(out.split("preempted: saved step ")[1].split()[0])
     # Only process 0 got the signal; jax's preemption sync point makes both stop at the same step.
-    assert saved >= 3 and max(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == saved
+    assert saved >= 1 and max(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit()) == saved
     exit_s = lines[-1][0] - _when(lines, "injecting sigterm")
     print(f"SIGTERM: saved step {saved}, launcher done {exit_s:.1f} s after the signal, 0 steps lost")
     assert exit_s < 60
