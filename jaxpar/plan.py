@@ -24,12 +24,27 @@ its checkpoint policies keep, in the compute dtype (Bc bytes), per layer and mic
     full           nothing else (recompute the block)
     names          + attention context b*s*(H/t)*K + MLP hidden b*s*F/t
     dots           + q, k, v b*s*(H+2G)/t*K + 2 projection outputs 2*b*s*D + gate, up 2*b*s*F/t
-    none           dots + attention scores b*(H/t)*s*s + context b*s*(H/t)*K
-                   (+ with sequence parallelism the 2 gathered block inputs 2*b*s*D)
-plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) in Bc and in fp32 for the
-cross-entropy. Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the
+    none           dots + attention context b*s*(H/t)*K + the fp32 attention probabilities 4*b*(H/t)*s*s
+                   bytes (+ with sequence parallelism the 2 gathered block inputs 2*b*s*D)
+plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) (XLA's GPU buffer assignment
+keeps them in Bc through the layers' backward; the cross-entropy's fp32 copies live only before it). Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the
 other); 1F1B holds a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers; GPipe keeps every tick's
 (m + p - 1) layers and stage input (`jaxpar.pipeline_report`).
+
+Attention scores (`attention_bytes`): `jax.nn.dot_product_attention` without a fused kernel (its XLA
+implementation) computes the logits [b, H/t, s, s] in fp32, the softmax in fp32 and casts the probabilities to
+Bc, so the score tensors are written to memory. At the peak of one layer's backward XLA's GPU buffer
+assignment holds the fp32 logits and their fp32 gradient and the probabilities and their gradient in Bc:
+(2*4 + 2*Bc) bytes per score element (12 with bf16; read from the buffer assignment's peak breakdown of the
+step compiled for H100 by jax 0.10.2, the same for every remat policy; remat none also keeps each layer's fp32
+probabilities, above). A fused (flash) kernel keeps scores on chip; the compiled check reports whether the
+program materialises them.
+
+Temporaries (`temp_bytes`): the activations, the working set of one layer's backward (its attention scores
+above and, when weights are gathered (fsdp or ZeRO-3), its gradients at full size in the reduce dtype before
+their reduce-scatter, (layer parameters / t) * Br), the gathered weights in use, fp32 gradient accumulators and
+the gradient outputs. Checked against XLA's GPU compiler for every shipped config on its cluster
+(`jaxpar.plan_gpu`).
 
 Platform (`PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`, default gpu) is the
 machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu, bfloat16
@@ -199,21 +214,43 @@ def state_bytes(cfg: Config) -> dict:
     return {**out, "expression": formula_expression(layout, zero, cfg.mesh.fsdp), "n_params": n_params}
 
 
-def _layer_elements(cfg: Config, d: Dims) -> dict[str, int]:
-    """Elements one layer saves for the backward of one microbatch, by what they are (module docstring)."""
-    mdl, t = cfg.model, d.shape["tensor"]
+def score_elements(cfg: Config, d: Dims) -> int:
+    """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * s * s (the
+    query heads; grouped key/value heads are broadcast to them)."""
+    return d.b * (cfg.model.n_heads // d.shape["tensor"]) * d.s * d.s
+
+
+# Bytes per attention score element that XLA's attention path writes (module docstring): saved per layer for
+# the backward by remat none (fp32 probabilities), and the working set of one layer's backward (fp32 logits and
+# their gradient; the probabilities and their gradient add 2 * Bc).
+SCORE_SAVED_BYTES = 4
+SCORE_WORKING_FP32_BYTES = 2 * 4
+
+
+def _layer_bytes(cfg: Config, d: Dims) -> dict[str, int]:
+    """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
+    mdl, t, bc = cfg.model, d.shape["tensor"], d.compute_bytes
     b, s = d.b, d.s
     h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
-    out = {"block input": b * d.s_act * dm}
+    out = {"block input": b * d.s_act * dm * bc}
     if mdl.remat == "names":
-        out["context + mlp hidden"] = b * s * (h_t * k + f_t)
+        out["context + mlp hidden"] = b * s * (h_t * k + f_t) * bc
     if mdl.remat in ("dots", "none"):
-        out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t)
+        out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t) * bc
     if mdl.remat == "none":
-        out["attention scores + context"] = b * h_t * s * s + b * s * h_t * k
+        out["attention context"] = b * s * h_t * k * bc
+        out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
         if d.sp:
-            out["gathered block inputs"] = 2 * b * s * dm
+            out["gathered block inputs"] = 2 * b * s * dm * bc
     return out
+
+
+def attention_working_bytes(cfg: Config, platform: str = "gpu") -> int:
+    """Bytes of attention scores that one layer's backward holds at its peak on XLA's attention path: (2*4 +
+    2*Bc) bytes per score element (`score_elements`; module docstring, measured from XLA's GPU buffer
+    assignment). Per device."""
+    d = dims(cfg, platform)
+    return (SCORE_WORKING_FP32_BYTES + 2 * d.compute_bytes) * score_elements(cfg, d)
 
 
 def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -231,9 +268,9 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     d = dims(cfg, platform)
     mdl, p, t = cfg.model, d.shape["pipeline"], d.shape["tensor"]
     bc = d.compute_bytes
-    per_layer = sum(_layer_elements(cfg, d).values()) * bc
+    per_layer = sum(_layer_bytes(cfg, d).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
-    outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * (bc + 4)
+    outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
     if p == 1:
         in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
     elif cfg.pipeline.schedule == "1f1b":
@@ -254,33 +291,40 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         ref = sbh * (34 + ratio) / t
     else:
         ref = sbh * (10 + 24 / t + ratio / t)
-    terms = " + ".join(_layer_elements(cfg, d))
+    terms = " + ".join(_layer_bytes(cfg, d))
     return {"per_layer": per_layer, "layers": layers, "stage_inputs": stash, "outside": outside,
             "total": layers + stash + outside, "in_flight": in_flight,
-            "formula": f"remat={mdl.remat}: per layer ({terms}) x {bc} B x L/p={d.layers_per_stage} x "
-                       f"{formula_flight}; + embedding output and logits (b={d.b}, s={d.s}, s'={d.s_act})",
+            "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (scores in fp32) x "
+                       f"L/p={d.layers_per_stage} x {formula_flight}; + embedding output and logits (b={d.b}, s={d.s}, s'={d.s_act})",
             "korthikanti": ref * d.layers_per_stage * in_flight}
 
 
 def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
-    """Estimate of the step's temporary bytes per device (XLA's `temp_size_in_bytes`): {"activations"
-    (`activation_bytes`), "grad_accumulators" (fp32, one per local parameter shard as stored over fsdp and,
-    under ZeRO-3, data), "grad_outputs" (the step's gradients in the parameter dtype, `state_bytes` grads),
-    "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the peak: one layer's and the largest
-    of embedding and head, all-gathered, in the compute dtype), "total"}. The optimizer update's own
-    temporaries and XLA's fusion scratch are not counted: an estimate, compared with XLA's by
-    `jaxpar.plan_compile`, not a bound."""
+    """Estimate of the step's temporary bytes per device (XLA's `temp_size_in_bytes`), module docstring:
+    {"activations" (`activation_bytes`), "attention_working" (`attention_working_bytes`: one layer's backward
+    on XLA's attention path), "layer_grads" (with fsdp/ZeRO-3 sharding, one layer's gradients at full size in
+    the reduce dtype before their reduce-scatter), "grad_accumulators" (fp32, one per local parameter shard as
+    stored over fsdp and, under ZeRO-3, data; 0 with a single microbatch), "grad_outputs" (the step's gradients in the parameter dtype,
+    `state_bytes` grads), "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the peak: one
+    layer's and the largest of embedding and head, all-gathered, in the compute dtype), "total"}.
+
+    The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
+    XLA's by `jaxpar.plan_compile` (CPU) and `jaxpar.plan_gpu` (the GPU compiler), not a bound."""
     d = dims(cfg, platform)
     storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
     leaves = param_leaves(cfg.model)
-    accum = 4 * sum(local_size(x, d.shape, storage) for x in leaves)
-    gathered = 0
+    summed = d.accum * d.m > 1  # microbatches whose gradients add up (pipeline microbatches included)
+    accum = 4 * sum(local_size(x, d.shape, storage) for x in leaves) if summed else 0
+    gathered = layer_grads = 0
     if math.prod(d.shape[a] for a in storage) > 1:
         w_out = max(local_size(x, d.shape) for x in leaves if not x.in_blocks)
         w_layer = sum(local_size(x, d.shape) for x in leaves if x.in_blocks) // d.layers_per_stage
         gathered = (w_out + w_layer) * d.compute_bytes
-    out = {"activations": activation_bytes(cfg, platform)["total"], "grad_accumulators": accum,
-           "grad_outputs": int(state_bytes(cfg)["grads"]), "gathered_weights": gathered}
+        layer_grads = w_layer * d.reduce_bytes
+    out = {"activations": activation_bytes(cfg, platform)["total"],
+           "attention_working": attention_working_bytes(cfg, platform), "layer_grads": layer_grads,
+           "grad_accumulators": accum, "grad_outputs": int(state_bytes(cfg)["grads"]),
+           "gathered_weights": gathered}
     out["total"] = sum(out.values())
     return out
 
