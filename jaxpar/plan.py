@@ -451,7 +451,7 @@ def exercise_activations(cfg: Config, exercise: dict, platform: str = "gpu") -> 
             "heads": mdl.n_heads, "seq_len": s, "remat": mdl.remat,
             "korthikanti_none": mdl.n_layers * one_layer, "korthikanti_full": 2 * s * mdl.d_model * mdl.n_layers,
             "one_layer": one_layer, "jaxpar_activations": activation_bytes(at_n, platform)["total"],
-            "accumulators_at_smallest": temp_bytes(at_n, platform)["grad_accumulators"],
+            "attention_working_at_smallest": temp_bytes(at_n, platform)["attention_working"],
             "fit_state_acts": smallest_fitting_devices(cfg, budget, False, False, platform),
             "fit_temp": smallest_fitting_devices(cfg, budget, True, False, platform),
             "fit_temp_shardable": smallest_fitting_devices(cfg, budget, True, True, platform)}

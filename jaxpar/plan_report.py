@@ -149,15 +149,16 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
     """The GPU cluster a plan is for and, when compiled, what XLA's GPU compiler decided, beside the plan.
 
     Args:
-      target: the CLI's {"cluster", "device_kind", "devices", "memory_bytes" (per GPU), "planned_peak_bytes",
-        "planned_fraction_of_memory", "planned_fits"}.
+      target: the CLI's {"cluster", "device_kind", "devices", "memory_bytes" (per GPU), "usable_bytes" (the
+        share a jax process may use), "planned_peak_bytes", "planned_fraction_of_memory", "planned_fits"}.
       gpu: `jaxpar.plan_gpu.compile_for_gpu`'s result, or None (plan only).
     """
     mem = target["memory_bytes"]
     lines = ["", (f"  target {target['cluster']}: {target['devices']} x {target['device_kind']}, "
                   f"{_gb(mem)} each; planned peak {_gb(target['planned_peak_bytes'])} = "
                   f"{_pct(target['planned_fraction_of_memory'])} of it "
-                  f"({'fits' if target['planned_fits'] else 'DOES NOT FIT'})")]
+                  f"({'fits' if target['planned_fits'] else 'DOES NOT FIT'} in the "
+                  f"{_pct(target['usable_bytes'] / mem)} a jax process may use)")]
     if gpu is None:
         lines.append("  (--compile compiles the step for it with XLA's GPU compiler, no GPU needed)")
         return "\n".join(lines)
@@ -173,7 +174,9 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
                  f"{_ratio(gpu['planned']['ratio'])}")
     verdict = "fits" if gpu["fits"] else "DOES NOT FIT"
     lines.append(f"  {verdict}: peak {_gb(m['peak_bytes'])} = {_pct(gpu['fraction_of_memory'])} of the "
-                 f"{_gb(gpu['memory_bytes'])} of one {gpu['device_kind']}")
+                 f"{_gb(gpu['memory_bytes'])} of one {gpu['device_kind']} (a jax process may use "
+                 f"{_pct(gpu['usable_bytes'] / gpu['memory_bytes'])}: XLA_PYTHON_CLIENT_MEM_FRACTION as "
+                 f"tools/slurm_gpu.sbatch sets it)")
     fused = gpu["fused_attention"]
     scores = gpu["attention_scores"]
     lines.append(f"  fused attention (cuDNN): {'yes, ' + ', '.join(fused) if fused else 'no (XLA attention path)'}; "
@@ -212,15 +215,16 @@ def format_exercise(ex: dict, acts: dict) -> str:
               f"{acts['korthikanti_none'] / GB:.1f} GB"),
               (f"  full recomputation, 2sbhL: {acts['korthikanti_full'] / GB:.2f} GB, plus the recomputed layer's "
               f"sbh(34 + 5as/h) = {acts['one_layer'] / GB:.2f} GB while it runs"),
-              (f"  jaxpar, remat=full (block inputs, embedding output, bf16 + fp32 logits): "
-              f"{acts['jaxpar_activations'] / GB:.2f} GB; its step also holds fp32 gradient accumulators 4P/N "
-              f"({acts['accumulators_at_smallest'] / GB:.2f} GB at N = {ex['smallest_devices_zero3']})"),
+              (f"  jaxpar, remat=full (block inputs, embedding output, logits): "
+              f"{acts['jaxpar_activations'] / GB:.2f} GB; the backward of each layer also holds its attention "
+              f"scores on XLA's attention path, 12 bytes per score element: "
+              f"{acts['attention_working_at_smallest'] / GB:.2f} GB"),
               (f"  At N = {ex['smallest_devices_zero3']} the model state leaves "
               f"{(ex['budget_bytes'] - ex['zero3_bytes_at_smallest']) / GB:.2f} GB: too little for activations "
               f"even with full recomputation and one sequence per device."),
               (f"  Smallest N for model state + jaxpar activations <= {ex['budget_bytes'] / GB:g} GB: "
-              f"{acts['fit_state_acts']}; with jaxpar's peak estimate (params, optimizer state, activations, fp32 "
-              f"accumulators, gradients, gathered weights): {acts['fit_temp']}; and N dividing d_model = "
+              f"{acts['fit_state_acts']}; with jaxpar's peak estimate (params, optimizer state, activations, "
+              f"attention scores, gradients, gathered weights): {acts['fit_temp']}; and N dividing d_model = "
               f"{acts['d_model']} (jaxpar shards along embed): {acts['fit_temp_shardable']}."),
               ("  So ~9 consumer 24 GB GPUs hold the model state, but training needs about "
               f"{acts['fit_temp']} or more, with ZeRO-3's all-gathers and reduce-scatters (1.5x DDP volume) over "

@@ -83,3 +83,14 @@ def test_targets_are_package_data():
     assert "gpu_targets/*.txtpb" in shipped
     files = {f for f in os.listdir(os.path.join(ROOT, "jaxpar", "gpu_targets")) if f.endswith(".txtpb")}
     assert files == set(gpu_targets.TARGET_FILES.values())
+
+
+def test_fits_uses_the_memory_fraction_the_slurm_script_gives_jax():
+    """`fits` compares a peak with the share of GPU memory a jax process may use; the launch script sets that
+    share (XLA_PYTHON_CLIENT_MEM_FRACTION), so the two must agree."""
+    import re
+
+    script = open(os.path.join(os.path.dirname(__file__), os.pardir, "tools", "slurm_gpu.sbatch")).read()
+    fractions = re.findall(r"^export XLA_PYTHON_CLIENT_MEM_FRACTION=([0-9.]+)$", script, re.MULTILINE)
+    assert [float(f) for f in fractions] == [gpu_targets.MEMORY_FRACTION]
+    assert gpu_targets.target("h100").usable_bytes == pytest.approx(gpu_targets.MEMORY_FRACTION * 80e9)

@@ -269,8 +269,9 @@ def _gpu_target(args, cfg, clu) -> int:
     peak = analytic["memory"]["peak_estimate"]
     mem = clu.target.memory_bytes
     target = {"cluster": clu.name, "target": clu.target.name, "device_kind": clu.target.device_kind,
-              "devices": clu.devices, "memory_bytes": mem, "planned_peak_bytes": peak,
-              "planned_fraction_of_memory": peak / mem, "planned_fits": peak <= mem}
+              "devices": clu.devices, "memory_bytes": mem, "usable_bytes": clu.target.usable_bytes,
+              "planned_peak_bytes": peak, "planned_fraction_of_memory": peak / mem,
+              "planned_fits": peak <= clu.target.usable_bytes}
     budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
     out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "target": target,
            "gpu_compiled": None, "compiled": None, "measured": None,

@@ -23,7 +23,7 @@ fails at `get_topology_desc` with "Failed to parse GpuTargetConfigProto"):
     11.36 GB per H100 but 10.29 GB per H200, the same chip with more memory bandwidth.
   memory
     device_memory_size         bytes per GPU, the compiler's memory budget; `fits` in `jaxpar.plan_gpu` compares
-                               the compiled peak with it. The same 7B step compiled to the same peak with 80e9,
+                               the compiled peak with `MEMORY_FRACTION` of it. The same 7B step compiled to the same peak with 80e9,
                                85e9 and 141e9 here (far below all three). The files give the datasheet capacity
                                in decimal GB, which is below what CUDA reports on these GPUs.
   versions and identity
@@ -44,6 +44,11 @@ import importlib.resources
 import re
 
 from jaxpar import flops
+
+# The share of each GPU's memory a jax process may use: jax's allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of it
+# at start (default 0.75); tools/slurm_gpu.sbatch sets 0.90, leaving the rest to NCCL and the CUDA context. A
+# step "fits" when its per-device peak is at most this share (`GpuTarget.usable_bytes`).
+MEMORY_FRACTION = 0.90
 
 # Short name -> file; the name is what `--target`-style options and cluster names use.
 TARGET_FILES = {"h100": "h100.txtpb", "h200": "h200.txtpb", "a100": "a100.txtpb", "b200": "b200.txtpb"}
@@ -134,6 +139,11 @@ class GpuTarget:
     memory_bytes: int
     compute_capability: tuple[int, int]
     peak_flops: float
+
+    @property
+    def usable_bytes(self) -> float:
+        """Bytes per GPU a step may peak at: `MEMORY_FRACTION` of `memory_bytes`."""
+        return MEMORY_FRACTION * self.memory_bytes
 
 
 def target_names() -> tuple[str, ...]:
