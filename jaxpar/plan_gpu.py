@@ -102,7 +102,7 @@ def compile_devices(clu: Cluster) -> list:
     return devices
 
 
-def _gpu_config(cfg: Config, devices: int) -> Config:
+def gpu_config(cfg: Config, devices: int) -> Config:
     from jaxpar.config.validate import resolve_config
     from jaxpar.plan import compute_dtype_name
 
@@ -177,7 +177,7 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     from jaxpar.train.step import BATCH_KEYS, abstract_state, build_plan, make_train_step
 
     clu = make_cluster(target, nodes, gpus_per_node)
-    cfg = _gpu_config(cfg, clu.devices)
+    cfg = gpu_config(cfg, clu.devices)
     devices = compile_devices(clu)
     mesh = build_mesh(cfg, devices)
     plan = build_plan(cfg, mesh)

@@ -76,8 +76,10 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
                      f"{compiled['compile_seconds']:.1f} s. params + optimizer state = arguments - batch - "
                      f"{state['scalars']} B of 0-d counters.")
     t = mem["temp_estimate"]
-    lines += [(f"  temp estimate = activations + fp32 gradient accumulators {t['grad_accumulators']:,} + gradient "
-              f"outputs {t['grad_outputs']:,} + gathered weights {t['gathered_weights']:,} (jaxpar.plan.temp_bytes)"),
+    lines += [(f"  temp estimate = activations + one layer's attention scores {t['attention_working']:,} (XLA's "
+              f"attention path) + one layer's full-size gradients {t['layer_grads']:,} + fp32 gradient accumulators "
+              f"{t['grad_accumulators']:,} + gradient outputs {t['grad_outputs']:,} + gathered weights "
+              f"{t['gathered_weights']:,} (jaxpar.plan.temp_bytes)"),
               f"  activations: {mem['activation_formula']}",
               (f"  Korthikanti et al. 2022 (arXiv 2205.05198, Table 2; 16-bit) for the same layers in flight: "
               f"{_n(mem['korthikanti_activations'])} B ({_gb(mem['korthikanti_activations'])})"), ""]
