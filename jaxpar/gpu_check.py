@@ -87,8 +87,8 @@ def check_config(path: str, name: str | None = None) -> dict:
     """
     import jax
 
-    from jaxpar.plan_gpu import compile_for_gpu
     from jaxpar.gpu_targets import parse_cluster
+    from jaxpar.plan_gpu import compile_for_gpu
 
     cfg, cluster = resolved_for_cluster(path)
     clu = parse_cluster(cluster)
@@ -132,8 +132,8 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
     """Markdown table of records: config, cluster, mesh, rows per microbatch x accumulation, remat,
     GPU-compiled peak, planned peak (`planned` overrides the recorded one, by config name), ratio, share of
     the GPU's memory. GB = 1e9 bytes."""
-    lines = ["| config | cluster | mesh (data x fsdp x tensor x pipeline) | rows per microbatch x accumulation "
-             "| remat | GPU-compiled peak | planned peak | compiled / planned | of GPU memory |",
+    lines = [("| config | cluster | mesh (data x fsdp x tensor x pipeline) | rows per microbatch x accumulation "
+              "| remat | GPU-compiled peak | planned peak | compiled / planned | of GPU memory |"),
              "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for r in records:
         m = r["mesh"]

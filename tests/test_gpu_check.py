@@ -84,7 +84,8 @@ def test_readme_table_is_the_records_with_the_current_plan():
     planned = {os.path.basename(p): gpu_check.planned_peak(gpu_check.resolved_for_cluster(p)[0])
                for p in GPU_CONFIGS}
     table = gpu_check.format_table(records, planned)
-    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
     assert table in readme, "README table differs from configs/gpu_check.json; paste:\n" + table
 
 
@@ -113,3 +114,23 @@ def test_recompiling_a_shipped_config_reproduces_its_record():
     if jax.__version__ == rec["jax_version"]:
         assert (got["argument_bytes"], got["peak_bytes"]) == (rec["argument_bytes"], rec["peak_bytes"])
     assert abs(got["ratio"] - 1) <= gpu_check.PLAN_TOLERANCE
+
+
+def test_readme_cluster_commands_run_a_checked_step():
+    """Each `sbatch --nodes=N tools/slurm_gpu.sbatch CONFIG OVERRIDES` in the README runs the step that was
+    compiled for the config's cluster: the same GPU count and the same fingerprint (mesh, batch, model)."""
+    import re
+
+    from jaxpar.plan_gpu import gpu_config
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        commands = re.findall(r"^sbatch --nodes=(\d+) tools/slurm_gpu\.sbatch (\S+)(.*)$", f.read(), re.MULTILINE)
+    with open(os.path.join(ROOT, "tools", "slurm_gpu.sbatch"), encoding="utf-8") as f:
+        per_node = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", f.read(), re.MULTILINE).group(1))
+    assert commands
+    for nodes, config, overrides in commands:
+        rec = RECORDS[os.path.basename(config)]
+        devices = int(nodes) * per_node
+        assert devices == parse_cluster(rec["cluster"]).devices, (config, rec["cluster"])
+        cfg = gpu_config(load_config(os.path.join(ROOT, config), overrides.split(), num_devices=devices), devices)
+        assert gpu_check.fingerprint(cfg) == rec["fingerprint"], f"{config}{overrides}: not the checked step"
