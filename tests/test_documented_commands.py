@@ -492,6 +492,17 @@ def test_extraction_finds_the_known_commands():
     assert len(COMMANDS) >= 40
 
 
+def test_a_sweep_compiling_for_a_gpu_target_is_a_gpu_command():
+    """It needs the gpu-compile extra, so it runs only where that is installed (not among the local commands);
+    listing its points, or a sweep without a target, needs nothing."""
+    sweep = "configs/sweeps/llama_7b_h100_64.yaml"
+    assert [p.kind for p in parts(Documented(f"jaxpar-sweep {sweep} --out runs/x", ["example"]))] == ["gpu"]
+    assert [p.kind for p in parts(Documented(f"jaxpar-sweep {sweep} --list", ["example"]))] == ["local"]
+    plain = Documented("jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml --out runs/x", ["example"])
+    assert [p.kind for p in parts(plain)] == ["local"]
+    assert _check_gpu(parts(Documented(f"jaxpar-sweep {sweep}", ["example"]))[0])["devices"] == 64
+
+
 def _classify(cmd: Documented) -> None:
     unclassified = [" ".join(p.words) for p in parts(cmd) if p.kind == "unclassified"]
     assert not unclassified, (f"{cmd.where}: cannot run or check {unclassified}: fix the command, or list it in "
