@@ -15,6 +15,7 @@ A sweep file (YAML, read like `yaml.safe_load` but refusing duplicate keys; rela
     fast_compile: false                 # jaxpar-plan --fast-compile (measured steps then run that code)
     real_devices: false                 # compile/run on jax's own devices instead of simulated CPU devices
     platform: gpu                       # machine planned for: gpu, tpu or cpu (jaxpar-plan --platform)
+    target: h100:8x8                    # a GPU cluster KIND:NODESxGPUS (jaxpar-plan --target; see below)
     timeout_s: 900                      # per point
 
 Platform: the comm_bytes objective ranks by the plan for `platform` (compute_dtype auto and the width of
@@ -22,6 +23,16 @@ collectives resolved for it, `jaxpar.plan`). A compiled point is planned for cpu
 simulated CPU devices: that plan sets the budget check and is compared with the CPU executable ("comm ratio"),
 and the partitioned program (before any backend pass) is compared with the plan for `platform` ("partitioned
 ratio"; gpu when platform is cpu).
+
+Target: `target: KIND:NODESxGPUS` (kinds: `jaxpar.gpu_targets`) plans every point for platform gpu on the
+cluster's GPU count (`devices:` may be left out; another count, in `devices` or in a mesh of `meshes`, is refused)
+and, with `compile: true`, compiles it for that cluster with XLA's GPU compiler on this machine, without GPUs
+(`jaxpar.sweep_gpu`, `jaxpar.plan_gpu`; needs the gpu-compile extra, checked before the first point). The record
+keeps the GPU compiler's per-device bytes, whether the peak fits one GPU, fused attention and materialised
+attention scores, and the GPU program's collectives beside the plan for gpu ("gpu_compiled"); the memory
+objective ranks by the GPU-compiled peak, the budget is checked against it, and a point whose compiled peak does
+not fit the GPU is marked over budget too. Nothing runs: measure_steps, measured objectives, real_devices and
+fast_compile are refused with a target, and so is a platform other than gpu.
 
 Constraints: max_data, max_fsdp, max_tensor, max_pipeline (ints), pipeline_divides_layers and
 tensor_divides_heads (bools, default true). Every point is validated with `jaxpar.config.resolve_config`;
@@ -51,6 +62,7 @@ import yaml
 
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
+from jaxpar.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
 
 PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS (importing jaxpar.plan here would start jax)
 
@@ -59,7 +71,8 @@ OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step
 MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
 DONE = ("ok", "over_budget", "invalid")
 _KEYS = ("base", "overrides", "devices", "constraints", "meshes", "vary", "objective", "memory_budget_gb",
-         "memory_budget_bytes", "measure_steps", "compile", "fast_compile", "real_devices", "platform", "timeout_s")
+         "memory_budget_bytes", "measure_steps", "compile", "fast_compile", "real_devices", "platform", "target",
+         "timeout_s")
 _CONSTRAINTS = {"max_data": int, "max_fsdp": int, "max_tensor": int, "max_pipeline": int,
                 "pipeline_divides_layers": bool, "tensor_divides_heads": bool}
 
@@ -85,6 +98,7 @@ class Sweep:
     real_devices: bool
     platform: str
     timeout_s: float
+    target: str | None = None  # the GPU cluster's name, e.g. "h100:8x8" (jaxpar.gpu_targets), or None
 
 
 def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int) -> list[dict]:
@@ -114,7 +128,9 @@ def _check_type(key: str, value: Any, kind: type) -> Any:
     return value
 
 
-def _meshes(raw: dict, base_cfg) -> list[dict]:
+def _meshes(raw: dict, base_cfg, cluster=None) -> list[dict]:
+    if cluster is not None and "meshes" not in raw:  # the cluster's GPU count (parse_target checked `devices`)
+        raw = {**raw, "devices": cluster.devices}
     if ("devices" in raw) == ("meshes" in raw):
         raise SweepError("give exactly one of `devices: D` (all factorisations of D) or `meshes: [{data: 4, "
                          "fsdp: 2}, ...]`")
@@ -184,7 +200,8 @@ def load_sweep(path: str) -> Sweep:
 
     Raises:
       SweepError: missing file, not YAML, not a mapping, unknown key, missing or bad base config, bad mesh list,
-        unknown vary key or value, unknown objective, a measured objective without measure_steps.
+        unknown vary key or value, unknown objective, a measured objective without measure_steps; a bad `target`
+        or a key that conflicts with it (`jaxpar.sweep_gpu.parse_target`).
     """
     if not os.path.isfile(path):
         raise SweepError(f"sweep file {path!r} does not exist; see configs/sweeps/ for examples")
@@ -217,6 +234,10 @@ def load_sweep(path: str) -> Sweep:
     for text in fixed:
         if text.split("=", 1)[0].strip().startswith("mesh."):
             raise SweepError(f"overrides: {text!r}: mesh sizes come from `devices` or `meshes`, not from overrides")
+    try:
+        cluster = parse_target(raw)
+    except SweepTargetError as e:
+        raise SweepError(f"{path}: {e}") from e
     objective = raw.get("objective", "memory")
     if objective not in OBJECTIVES:
         raise SweepError(f"objective: {objective!r} is not one of {', '.join(OBJECTIVES)}")
@@ -237,12 +258,13 @@ def load_sweep(path: str) -> Sweep:
     platform = raw.get("platform", "gpu")
     if platform not in PLATFORMS:
         raise SweepError(f"platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
-    return Sweep(path=path, base=base, overrides=tuple(fixed), meshes=tuple(_meshes(raw, base_cfg)),
+    return Sweep(path=path, base=base, overrides=tuple(fixed), meshes=tuple(_meshes(raw, base_cfg, cluster)),
                  vary=_vary(raw.get("vary"), base, list(fixed)), objective=objective, budget_bytes=budget,
                  measure_steps=measure, compile=_check_type("compile", raw.get("compile", True), bool),
                  fast_compile=_check_type("fast_compile", raw.get("fast_compile", False), bool),
                  real_devices=_check_type("real_devices", raw.get("real_devices", False), bool),
-                 platform=platform, timeout_s=_check_type("timeout_s", raw.get("timeout_s", 900), float))
+                 platform=platform, timeout_s=_check_type("timeout_s", raw.get("timeout_s", 900), float),
+                 target=cluster.name if cluster else None)
 
 
 def points(sweep: Sweep) -> list[dict]:
@@ -290,6 +312,12 @@ def _compiled_summary(compiled: dict) -> dict:
 
 def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
     n = point["devices"]
+    if sweep.target is not None:  # compiled for the GPU cluster (jaxpar.sweep_gpu)
+        cmd, extra = target_command(sweep.base, [*sweep.overrides, *point["overrides"]], sweep.target,
+                                    sweep.budget_bytes)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=sweep.timeout_s,
+                              env={**os.environ, **extra})
+        return proc.returncode, proc.stdout, proc.stderr
     cmd = [sys.executable, "-m", "jaxpar.cli.plan", sweep.base, *sweep.overrides, *point["overrides"],
            "--devices", str(n), "--json", "--compile", "--platform", sweep.platform]
     cmd += ["--fast-compile"] if sweep.fast_compile else []
@@ -310,13 +338,15 @@ def run_point(sweep: Sweep, point: dict,
     """Plans one point and, if the sweep asks and it fits the budget, compiles (and times) it in a subprocess.
 
     Returns the point with "status" (ok | over_budget | invalid | failed), "error" (message or None),
-    "planned" (analytic summary, bytes per device), "compiled" and "measured" (None when not done) and
-    "seconds" (wall time of this point).
+    "planned" (analytic summary, bytes per device), "compiled" and "measured" (on simulated CPU devices or the
+    real ones), "gpu_compiled" (for the sweep's `target`, `jaxpar.sweep_gpu.gpu_summary`) (each None when not
+    done) and "seconds" (wall time of this point).
     """
     from jaxpar.plan import plan
 
     t0 = time.perf_counter()
-    rec = {**point, "status": "ok", "error": None, "planned": None, "compiled": None, "measured": None}
+    rec = {**point, "status": "ok", "error": None, "planned": None, "compiled": None, "measured": None,
+           "gpu_compiled": None}
     try:
         cfg = resolve_config(load_config(sweep.base, [*sweep.overrides, *point["overrides"]], validate=False),
                              point["devices"])
@@ -324,7 +354,8 @@ def run_point(sweep: Sweep, point: dict,
         return {**rec, "status": "invalid", "error": str(e), "seconds": time.perf_counter() - t0}
     run = sweep.compile or sweep.measure_steps > 0
     target = plan(cfg, sweep.platform)
-    analytic = plan(cfg, "cpu") if run and not sweep.real_devices else target
+    on_cpu = run and not sweep.real_devices and sweep.target is None  # compiled on simulated CPU devices
+    analytic = plan(cfg, "cpu") if on_cpu else target
     rec["planned"] = _planned_summary(analytic, target)
     budget = sweep.budget_bytes
     if budget is not None and analytic["memory"]["peak_estimate"] > budget:
@@ -341,11 +372,20 @@ def run_point(sweep: Sweep, point: dict,
             rec.update(status="invalid" if code == 2 else "failed", error=tail)
         else:
             out = json.loads(lines[-1])
-            rec["compiled"] = _compiled_summary(out["compiled"])
-            rec["measured"] = out["measured"]
+            if sweep.target is not None:
+                rec["gpu_compiled"] = gpu = gpu_summary(out["gpu_compiled"])
+                compiled_peak, what = gpu["peak_bytes"], f"GPU-compiled peak for {sweep.target}"
+            else:
+                rec["compiled"] = _compiled_summary(out["compiled"])
+                rec["measured"] = out["measured"]
+                compiled_peak, what = rec["compiled"]["peak_bytes"], "compiled peak"
             if out["over_budget"]:
-                rec.update(status="over_budget", error=f"skipped: over budget (compiled peak "
-                           f"{rec['compiled']['peak_bytes']:,} B > {budget:,.0f} B per device); not measured")
+                rec.update(status="over_budget", error=f"skipped: over budget ({what} {compiled_peak:,} B > "
+                           f"{budget:,.0f} B per device); not measured")
+            elif sweep.target is not None and not gpu["fits"]:
+                rec.update(status="over_budget", error=f"does not fit: {what} {compiled_peak:,} B = "
+                           f"{gpu['fraction_of_memory']:.0%} of the {gpu['memory_bytes']:,} B of one "
+                           f"{gpu['device_kind']}")
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
@@ -385,7 +425,16 @@ def load_results(path: str, sweep: Sweep) -> dict[str, dict]:
 def _settings(sweep: Sweep) -> dict:
     """What each point's numbers depend on besides its overrides (a resumed sweep must match them)."""
     return {"measure_steps": sweep.measure_steps, "compile": sweep.compile, "fast_compile": sweep.fast_compile,
-            "real_devices": sweep.real_devices, "platform": sweep.platform}
+            "real_devices": sweep.real_devices, "platform": sweep.platform, "target": sweep.target}
+
+
+def _target_header(name: str | None) -> dict | None:
+    if name is None:
+        return None
+    from jaxpar.gpu_targets import parse_cluster
+    from jaxpar.sweep_gpu import target_header
+
+    return target_header(parse_cluster(name))
 
 
 def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
@@ -394,9 +443,21 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
     drawing plot.png at the end (`jaxpar.sweep_report`). Returns the records in point order.
 
     `runner(sweep, point) -> (exit status, stdout, stderr)` compiles/measures one point (default: a
-    `python -m jaxpar.cli.plan ... --json` subprocess). Raises SweepError for a foreign results.json or an
-    out_dir that cannot be created."""
+    `python -m jaxpar.cli.plan ... --json` subprocess).
+
+    Raises:
+      SweepError: a foreign results.json or an out_dir that cannot be created.
+      jaxpar.plan_gpu.GpuCompileUnavailable: a `target` with `compile: true` where jax's CUDA plugin is missing
+        (the message names the extra to install); raised before any point, with out_dir untouched.
+    """
     from jaxpar.sweep_report import write_markdown, write_plot
+
+    if sweep.target is not None and sweep.compile:
+        reason = plugin_missing(sweep.target)
+        if reason is not None:
+            from jaxpar.plan_gpu import GpuCompileUnavailable
+
+            raise GpuCompileUnavailable(reason)
 
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -408,7 +469,7 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
     todo = points(sweep)
     header = {"sweep": os.path.abspath(sweep.path), "base": sweep.base, "objective": sweep.objective,
               "budget_bytes": sweep.budget_bytes, "measure_steps": sweep.measure_steps,
-              "settings": _settings(sweep)}
+              "settings": _settings(sweep), "target": _target_header(sweep.target)}
 
     def ordered() -> list[dict]:
         return [records[p["key"]] for p in todo if p["key"] in records]

@@ -9,11 +9,13 @@ part of a command is classified:
   cluster  `sbatch --nodes=N SCRIPT ARGS`: N x the script's `#SBATCH --gpus-per-node` devices. The script must
            end by running jaxpar-train with "$@", so ARGS are parsed by jaxpar-train's parser, the config loaded,
            validated and resolved at N x G devices and planned (`jaxpar.plan.plan`, platform gpu).
-  gpu      `jaxpar-plan ... --compile --target KIND:NODESxGPUS`: a compile for a GPU cluster, which needs the
-           gpu-compile extra (jax's CUDA plugin). Checked as the CLI checks it (`jaxpar.cli.plan.gpu_cluster`:
-           the cluster name, --devices equal to its GPU count, no flag that does not apply), the config loaded,
-           validated and resolved at the cluster's GPU count and planned (platform gpu). Run (slow) only where
-           the extra is installed; skipped otherwise, with the reason.
+  gpu      `jaxpar-plan ... --compile --target KIND:NODESxGPUS`, or `jaxpar-sweep SWEEP.yaml` (without --list) of a
+           sweep file with `target:` and `compile: true`: compiles for a GPU cluster, which need the gpu-compile
+           extra (jax's CUDA plugin). Checked as the CLI checks them (`jaxpar.cli.plan.gpu_cluster`: the cluster
+           name, --devices equal to its GPU count, no flag that does not apply; `jaxpar.sweep.load_sweep` for a
+           sweep file), the config (each point's, for a sweep) loaded, validated and resolved at the cluster's GPU
+           count and planned (platform gpu). Run (slow) only where the extra is installed; skipped otherwise,
+           with the reason.
   local    a console script of pyproject.toml's [project.scripts], `python SCRIPT` of the repository, or
            `python -m MODULE`.
   NOT_RUN  synopses (a placeholder such as CONFIG or N is left) and programs that are not jaxpar's
@@ -128,6 +130,21 @@ class Part:
         return "pytest" if self.program == "pytest" else None
 
 
+def _compiles_for_a_target(args: list[str]) -> bool:
+    """jaxpar-sweep ARGS compiles for a GPU cluster: its sweep file (the first .yaml argument) loads and has
+    `target:` and `compile: true`, and --list is not given. A file that does not load is left to the checks."""
+    from jaxpar.sweep import SweepError, load_sweep
+
+    files = [a for a in args if a.endswith(".yaml")]
+    if "--list" in args or not files or not os.path.isfile(os.path.join(ROOT, files[0])):
+        return False
+    try:
+        sweep = load_sweep(os.path.join(ROOT, files[0]))
+    except SweepError:
+        return False
+    return sweep.target is not None and sweep.compile
+
+
 def _part(full: list[str], not_run: bool) -> Part:
     words, env = list(full), []
     while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
@@ -146,6 +163,8 @@ def _part(full: list[str], not_run: bool) -> Part:
         kind = "cluster"
     elif program == "jaxpar-plan" and "--compile" in args and any(
             a == "--target" or a.startswith("--target=") for a in args):
+        kind = "gpu"
+    elif program == "jaxpar-sweep" and _compiles_for_a_target(args):
         kind = "gpu"
     elif program.startswith("jaxpar-") or program == "pytest" or program in ("python", "python3"):
         kind = "local"
@@ -377,12 +396,30 @@ def _check_cluster(part: Part) -> dict:
 
 
 def _check_gpu(part: Part) -> dict:
-    """A `gpu` part as jaxpar-plan checks it before compiling, planned at the cluster's GPU count."""
+    """A `gpu` part as jaxpar-plan (or jaxpar-sweep) checks it before compiling, planned at the cluster's GPU
+    count (a sweep: every point that resolves, at least one; the first one's plan is returned)."""
     from jaxpar.cli.plan import gpu_cluster
     from jaxpar.config import resolve_config
     from jaxpar.plan import plan
 
     parsed = _parse(part)
+    if part.program == "jaxpar-sweep":
+        from jaxpar.config import ConfigError, load_config
+        from jaxpar.gpu_targets import parse_cluster
+        from jaxpar.sweep import load_sweep, points
+
+        sweep = load_sweep(os.path.join(ROOT, parsed.namespace.sweep))
+        clu = parse_cluster(sweep.target)
+        plans = []
+        for point in points(sweep):
+            try:
+                cfg = resolve_config(load_config(sweep.base, [*sweep.overrides, *point["overrides"]],
+                                                 validate=False), point["devices"])
+            except ConfigError:
+                continue  # an invalid point is recorded by the sweep, not fatal
+            plans.append(plan(cfg, "gpu"))
+        assert plans, f"{' '.join(part.words)}: no point of the sweep resolves at {clu.devices} devices"
+        return {"devices": clu.devices, "cluster": clu.name, "plan": plans[0]}
     try:
         clu = gpu_cluster(parsed.namespace)
     except ValueError as e:
@@ -458,6 +495,17 @@ def test_extraction_finds_the_known_commands():
     assert any(c.text.startswith("python experiments/bench_pipeline.py") and "[--optimized]" in c.text
                for c in COMMANDS), "a docstring command's continuation line was not joined"
     assert len(COMMANDS) >= 40
+
+
+def test_a_sweep_compiling_for_a_gpu_target_is_a_gpu_command():
+    """It needs the gpu-compile extra, so it runs only where that is installed (not among the local commands);
+    listing its points, or a sweep without a target, needs nothing."""
+    sweep = "configs/sweeps/llama_7b_h100_64.yaml"
+    assert [p.kind for p in parts(Documented(f"jaxpar-sweep {sweep} --out runs/x", ["example"]))] == ["gpu"]
+    assert [p.kind for p in parts(Documented(f"jaxpar-sweep {sweep} --list", ["example"]))] == ["local"]
+    plain = Documented("jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml --out runs/x", ["example"])
+    assert [p.kind for p in parts(plain)] == ["local"]
+    assert _check_gpu(parts(Documented(f"jaxpar-sweep {sweep}", ["example"]))[0])["devices"] == 64
 
 
 def _classify(cmd: Documented) -> None:

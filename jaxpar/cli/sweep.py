@@ -4,10 +4,14 @@ Examples:
   jaxpar-sweep configs/sweeps/llama_7b_64.yaml                 # analytic: 7B on 64 GPUs, no devices needed
   jaxpar-sweep configs/sweeps/tiny_two_meshes.yaml --out runs/sweeps/two   # compiles and times 2 meshes
   jaxpar-sweep configs/sweeps/tiny_mesh_8.yaml --list          # print the points (every factorisation of 8)
+  jaxpar-sweep configs/sweeps/llama_7b_h100_64.yaml --list     # 7B compiled for 8 nodes x 8 H100s (target:)
 
 Writes DIR/results.json (rewritten after every point), DIR/results.md (a table ranked by the sweep's objective)
 and DIR/plot.png. Run it again to resume: finished points are skipped. The sweep file format is documented in
-jaxpar/sweep.py. Exit status: 0 done, 2 bad sweep file (the message names the key and the fix), 130 interrupted.
+jaxpar/sweep.py. A sweep file with `target: KIND:NODESxGPUS` and `compile: true` compiles every point for that GPU
+cluster without its GPUs, which needs jax's CUDA plugin (pip install -e ".[gpu-compile]"); without it the sweep
+stops before the first point. Exit status: 0 done, 2 bad sweep file (the message names the key and the fix) or
+no CUDA plugin for a target, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    from jaxpar.plan_gpu import GpuCompileUnavailable
     from jaxpar.sweep import SweepError, load_sweep, points, run_sweep
 
     try:
@@ -43,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         records = run_sweep(sweep, out)
     except SweepError as e:
         print(f"{PROG}: sweep error: {e}", file=sys.stderr)
+        return 2
+    except GpuCompileUnavailable as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; finished points are in results.json and are skipped when run again",
