@@ -4,8 +4,8 @@ memory table (measured vs formula) for ZeRO stages 0-3 on data=8.
     python experiments/bench_overhead.py --config configs/tiny.yaml --steps 20 --rounds 3 [key=value ...]
 
 Prints the median per-step time of each, the ratio jaxpar / reference (target <= 1.03), and the tables.
-The measurements live in `jaxpar.bench_report` (`measure_overhead`, `zero_memory_tables`) and the reference
-step in `jaxpar.bench_baselines`; experiments/benchmarks.py reports them with the other benchmarks.
+The measurements live in `jaxpar.analysis.bench_report` (`measure_overhead`, `zero_memory_tables`) and the reference
+step in `jaxpar.analysis.bench_baselines`; experiments/benchmarks.py reports them with the other benchmarks.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from jaxpar.bench import median_seconds, round_medians
-from jaxpar.bench_report import ONE_DEVICE, measure_overhead, zero_memory_tables
+from jaxpar.analysis.bench import median_seconds, round_medians
+from jaxpar.analysis.bench_report import ONE_DEVICE, measure_overhead, zero_memory_tables
+from jaxpar.analysis.memory import format_memory_table
 from jaxpar.config import load_config
-from jaxpar.memory import format_memory_table
 from jaxpar.train.step import compute_dtype
 
 

@@ -10,10 +10,10 @@ three train steps run on the same p simulated CPU devices, interleaved and timed
   * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
 "meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
-`jaxpar.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.pipeline_report`; the model
+`jaxpar.analysis.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.analysis.pipeline_report`; the model
 (`PIPELINE_MODEL`), mesh overrides and fast XLA:CPU compile options (`FAST_COMPILE`: about 4x faster compiles,
 temp bytes within a few percent of an optimised build, step times about 2x for every contender alike) in
-`jaxpar.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows.
+`jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.bench import interleaved_step_times, median_seconds
-from jaxpar.bench_report import FAST_COMPILE, PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.bench import interleaved_step_times, median_seconds
+from jaxpar.analysis.bench_report import FAST_COMPILE, PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.pipeline_report import format_table, report_row
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.pipeline_report import format_table, report_row
 from jaxpar.train.step import BATCH_KEYS, build_plan, init_state, make_train_step
 
 
@@ -86,8 +86,8 @@ def main() -> None:
         devices = jax.devices()[:p]
         for m in args.microbatches:
             def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
-                return load_config(args.config, PIPELINE_MODEL + args.overrides + pipeline_overrides(p, pipelined, sched, m, rows),
-                                   num_devices=p)
+                overrides = pipeline_overrides(p, pipelined, sched, m, rows)
+                return load_config(args.config, PIPELINE_MODEL + args.overrides + overrides, num_devices=p)
 
             cfg = load(False)
             host = random_batch(m * rows, cfg.data.seq_len, cfg.model.vocab_size, cfg.train.seed)

@@ -7,9 +7,10 @@ CONFIG defaults to configs/tiny.yaml with mesh.tensor=2; without a `tensor.seque
 settings are measured. For each: bytes per device per step by (mesh axes, collective) from the HLO of the
 jaxpar step, next to the same for a step where the compiler picks the collectives (one jit over global arrays,
 parameters placed by plan.specs["params"], no shard_map, no tensor-parallel context); then the tensor-axis
-bytes against `jaxpar.comm.tensor_parallel_terms` (ratio HLO / analytic, target <= 1.02), and the median step
+bytes against `jaxpar.analysis.comm.tensor_parallel_terms` (ratio HLO / analytic, target <= 1.02), and the median step
 time explicit / compiler-chosen measured in one interleaved run. The compiler-chosen step is
-`jaxpar.bench_baselines.compiler_chosen_step` and the analytic count `jaxpar.bench_report.tensor_analytic`;
+`jaxpar.analysis.bench_baselines.compiler_chosen_step` and the analytic count
+`jaxpar.analysis.bench_report.tensor_analytic`;
 experiments/benchmarks.py reports the HLO / analytic ratios with the other benchmarks.
 """
 from __future__ import annotations
@@ -23,11 +24,11 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from jaxpar.bench import interleaved_step_times, median_seconds, round_medians
-from jaxpar.bench_baselines import compiler_chosen_step, random_batch
-from jaxpar.bench_report import tensor_analytic, tensor_axis_bytes
+from jaxpar.analysis.bench import interleaved_step_times, median_seconds, round_medians
+from jaxpar.analysis.bench_baselines import compiler_chosen_step, random_batch
+from jaxpar.analysis.bench_report import tensor_analytic, tensor_axis_bytes
+from jaxpar.analysis.hlo import collectives_by_axis, format_axis_table
 from jaxpar.config import load_config
-from jaxpar.hlo import collectives_by_axis, format_axis_table
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.train.step import abstract_state, build_plan, init_state, make_train_step
 
@@ -55,7 +56,7 @@ def main() -> None:
                   "compiler": collectives_by_axis(compiler.as_text(), plan.mesh)}
         print(f"\n=== {describe(plan.mesh)}  sequence_parallel={plan.tensor_parallel.sequence_parallel}  "
               f"remat={cfg.model.remat}  compute={jnp.dtype(plan.compute_dtype).name}")
-        print("Per step, bytes sent per device (ring formulas, jaxpar.comm.ring_bytes):")
+        print("Per step, bytes sent per device (ring formulas, jaxpar.analysis.comm.ring_bytes):")
         print(format_axis_table(tables))
 
         terms, want = tensor_analytic(plan)

@@ -1,5 +1,5 @@
 """Every benchmark measured so far, in one process, as one table of ratios (measured / formula or
-jaxpar / reference); rows and their sources are described in `jaxpar.bench_report`.
+jaxpar / reference); rows and their sources are described in `jaxpar.analysis.bench_report`.
 
     python experiments/benchmarks.py [--config configs/tiny.yaml] [--quick] [--json] [--devices 8] [key=value ...]
 
@@ -10,7 +10,8 @@ jaxpar / reference); rows and their sources are described in `jaxpar.bench_repor
 
 `--quick` (a small model, fp32 memory only, one pipeline point, fast XLA:CPU compiles) runs in under two
 minutes on 2 CPU cores; the full run (fp32 and 16p memory, pipeline p in 2, 4 and m in 4, 8, 16, optimised
-compiles) about 10 minutes with a 4-layer d_model=64 model, longer with configs/tiny.yaml's own. `--json` prints the rows as one JSON list instead.
+compiles) about 10 minutes with a 4-layer d_model=64 model, longer with configs/tiny.yaml's own. `--json` prints the
+rows as one JSON list instead.
 
 On CPU the script simulates D = `--devices` devices (default: JAX_NUM_CPU_DEVICES, else 8), set before jax is
 imported.
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.devices is not None:  # before jax is imported
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.devices)
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-    from jaxpar.bench_report import format_report, run_report  # imports jax
+    from jaxpar.analysis.bench_report import format_report, run_report  # imports jax
 
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else print
     rows = run_report(args.config, args.overrides, quick=args.quick, steps=args.steps, rounds=args.rounds, log=log)

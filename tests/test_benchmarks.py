@@ -1,5 +1,5 @@
 """experiments/benchmarks.py: one table of ratios; the quick mode end to end in a subprocess (slow), and the row
-and table helpers of `jaxpar.bench_report` (cheap)."""
+and table helpers of `jaxpar.analysis.bench_report` (cheap)."""
 import json
 import math
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxpar.bench_report import format_report, memory_rows, row
+from jaxpar.analysis.bench_report import format_report, memory_rows, row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -8,11 +8,11 @@ part of a command is classified:
            install); the extras must exist in pyproject.toml.
   cluster  `sbatch --nodes=N SCRIPT ARGS`: N x the script's `#SBATCH --gpus-per-node` devices. The script must
            end by running jaxpar-train with "$@", so ARGS are parsed by jaxpar-train's parser, the config loaded,
-           validated and resolved at N x G devices and planned (`jaxpar.plan.plan`, platform gpu).
+           validated and resolved at N x G devices and planned (`jaxpar.analysis.plan.plan`, platform gpu).
   gpu      `jaxpar-plan ... --compile --target KIND:NODESxGPUS`, or `jaxpar-sweep SWEEP.yaml` (without --list) of a
            sweep file with `target:` and `compile: true`: compiles for a GPU cluster, which need the gpu-compile
            extra (jax's CUDA plugin). Checked as the CLI checks them (`jaxpar.cli.plan.gpu_cluster`: the cluster
-           name, --devices equal to its GPU count, no flag that does not apply; `jaxpar.sweep.load_sweep` for a
+           name, --devices equal to its GPU count, no flag that does not apply; `jaxpar.analysis.sweep.load_sweep` for a
            sweep file), the config (each point's, for a sweep) loaded, validated and resolved at the cluster's GPU
            count and planned (platform gpu). Run (slow) only where the extra is installed; skipped otherwise,
            with the reason.
@@ -68,7 +68,6 @@ import sys
 from unittest import mock
 
 import pytest
-
 from doc_commands import ROOT, Documented, extract, pyproject_section
 
 TRAIN_APPEND = ["train.steps=2", "train.eval_batches=1", "train.sample_tokens=0", "train.progress_bar=false"]
@@ -133,7 +132,7 @@ class Part:
 def _compiles_for_a_target(args: list[str]) -> bool:
     """jaxpar-sweep ARGS compiles for a GPU cluster: its sweep file (the first .yaml argument) loads and has
     `target:` and `compile: true`, and --list is not given. A file that does not load is left to the checks."""
-    from jaxpar.sweep import SweepError, load_sweep
+    from jaxpar.analysis.sweep import SweepError, load_sweep
 
     files = [a for a in args if a.endswith(".yaml")]
     if "--list" in args or not files or not os.path.isfile(os.path.join(ROOT, files[0])):
@@ -358,7 +357,7 @@ def _check_local(part: Part, devices: int | None = None) -> None:
         _producer(path)
     _check_config(parsed, devices)
     if getattr(ns, "sweep", None):
-        from jaxpar.sweep import load_sweep
+        from jaxpar.analysis.sweep import load_sweep
         load_sweep(os.path.join(ROOT, ns.sweep))
 
 
@@ -385,8 +384,8 @@ def _sbatch_devices(part: Part) -> tuple[int, str, list[str]]:
 
 
 def _check_cluster(part: Part) -> dict:
+    from jaxpar.analysis.plan import plan
     from jaxpar.config import resolve_config
-    from jaxpar.plan import plan
 
     devices, _, args = _sbatch_devices(part)
     parsed = _parse(_part(["jaxpar-train", *args], False))
@@ -398,15 +397,15 @@ def _check_cluster(part: Part) -> dict:
 def _check_gpu(part: Part) -> dict:
     """A `gpu` part as jaxpar-plan (or jaxpar-sweep) checks it before compiling, planned at the cluster's GPU
     count (a sweep: every point that resolves, at least one; the first one's plan is returned)."""
+    from jaxpar.analysis.plan import plan
     from jaxpar.cli.plan import gpu_cluster
     from jaxpar.config import resolve_config
-    from jaxpar.plan import plan
 
     parsed = _parse(part)
     if part.program == "jaxpar-sweep":
+        from jaxpar.analysis.gpu_targets import parse_cluster
+        from jaxpar.analysis.sweep import load_sweep, points
         from jaxpar.config import ConfigError, load_config
-        from jaxpar.gpu_targets import parse_cluster
-        from jaxpar.sweep import load_sweep, points
 
         sweep = load_sweep(os.path.join(ROOT, parsed.namespace.sweep))
         clu = parse_cluster(sweep.target)
@@ -453,7 +452,7 @@ def _fast(part: Part) -> bool:
     if part.program == "jaxpar-plan":
         return "--compile" not in part.args and not any(a.startswith("--measure-steps") for a in part.args)
     if part.program == "jaxpar-sweep":
-        from jaxpar.sweep import load_sweep
+        from jaxpar.analysis.sweep import load_sweep
         if "--list" in part.args:
             return True
         files = [a for a in part.args if a.endswith(".yaml")]
@@ -591,8 +590,8 @@ def test_a_broken_example_fails(text, tmp_path):
     """The checks above refuse each kind of broken example (so the documented commands passing them means
     something)."""
     cmd = Documented(text, ["example"])
+    from jaxpar.analysis.sweep import SweepError
     from jaxpar.config import ConfigError
-    from jaxpar.sweep import SweepError
 
     with pytest.raises((AssertionError, ConfigError, SweepError)) as err:
         _classify(cmd)
@@ -675,7 +674,7 @@ def test_local_command_runs(cmd, tmp_path_factory):
 
 
 def _plugin_missing() -> str | None:
-    from jaxpar.plan_gpu import unavailable_reason
+    from jaxpar.analysis.plan_gpu import unavailable_reason
 
     return unavailable_reason()
 

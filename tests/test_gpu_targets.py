@@ -1,4 +1,4 @@
-"""GPU compile targets (jaxpar.gpu_targets): the shipped descriptions, their memory and peak, cluster names.
+"""GPU compile targets (jaxpar.analysis.gpu_targets): the shipped descriptions, their memory and peak, cluster names.
 
 No CUDA plugin needed: the descriptions are parsed here as text (the plugin's own parsing is exercised by
 tests/test_plan_gpu.py where the `gpu-compile` extra is installed).
@@ -9,9 +9,10 @@ import ast
 import os
 
 import pytest
-
 from doc_commands import pyproject_section
-from jaxpar import flops, gpu_targets
+
+from jaxpar import flops
+from jaxpar.analysis import gpu_targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,8 +81,8 @@ def test_cluster_names():
 
 def test_targets_are_package_data():
     shipped = ast.literal_eval(pyproject_section("tool.setuptools.package-data")["jaxpar"])
-    assert "gpu_targets/*.txtpb" in shipped
-    files = {f for f in os.listdir(os.path.join(ROOT, "jaxpar", "gpu_targets")) if f.endswith(".txtpb")}
+    assert "analysis/gpu_targets/*.txtpb" in shipped
+    files = {f for f in os.listdir(os.path.join(ROOT, "jaxpar", "analysis", "gpu_targets")) if f.endswith(".txtpb")}
     assert files == set(gpu_targets.TARGET_FILES.values())
 
 

@@ -27,13 +27,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
-
-from jaxpar.comm import ring_bytes
-from jaxpar.hlo import classify_groups, collectives_by_axis, parse_collectives, parse_replica_groups, while_loops
-from jaxpar.plan_compile import PARTITIONER_PASS, read_partitioned_hlo
-from jaxpar.train.step import abstract_state, make_train_step
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan
+
+from jaxpar.analysis.comm import ring_bytes
+from jaxpar.analysis.hlo import (
+    classify_groups,
+    collectives_by_axis,
+    parse_collectives,
+    parse_replica_groups,
+    while_loops,
+)
+from jaxpar.analysis.plan_compile import PARTITIONER_PASS, read_partitioned_hlo
+from jaxpar.train.step import abstract_state, make_train_step
 
 N_LAYERS = 2  # step_helpers.TINY
 BLOCK_PARAMS = 9  # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down
@@ -83,7 +90,8 @@ def test_layer_collectives(fsdp, sp):
     # Per step, each loop body runs once per layer.
     per_step = collectives_by_axis(text, plan.mesh, computations={fwd, bwd})
     assert per_step[(tensor, "reduce-scatter" if sp else "all-reduce")]["count"] == 2 * 2 * N_LAYERS
-    # The activation collectives carry [b, T, D] (b = 8 rows per device / fsdp): ring bytes (`jaxpar.comm.ring_bytes`).
+    # The activation collectives carry [b, T, D] (b = 8 rows per device / fsdp): ring bytes
+    # (`jaxpar.analysis.comm.ring_bytes`).
     x_bytes = 8 // fsdp * 8 * 64 * 4
     for c in parse_collectives(text):
         if c.computation in (fwd, bwd) and classify_groups(c.groups, plan.mesh) == tensor:
@@ -109,8 +117,9 @@ def test_cpu_backend_widens_bf16_collectives(tmp_path):
     """Which collectives XLA:CPU rewrites, seen in HLO: one bf16 all-reduce, reduce-scatter, all-gather and
     collective-permute each stay bf16 in the partitioned program (after the SPMD partitioner, before any backend
     pass) and are fp32 in the CPU executable (AllReducePromotion BF16 -> F32 for the first two, FloatNormalization
-    for the others), the same ops in the same groups; fp32 ones are untouched. jaxpar.plan's cpu platform counts
-    collectives this way (`jaxpar.plan.collective_bytes`)."""
+    for the others), the same ops in the same groups; fp32 ones are untouched. jaxpar.analysis.plan's cpu platform
+    counts
+    collectives this way (`jaxpar.analysis.plan.collective_bytes`)."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
     def body(a, b):

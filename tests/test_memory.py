@@ -3,9 +3,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxpar.analysis.memory import (
+    format_memory_table,
+    formula_expression,
+    measured_state_bytes,
+    memory_table,
+    state_bytes_formula,
+)
 from jaxpar.config import load_config
-from jaxpar.memory import (formula_expression, format_memory_table, measured_state_bytes, memory_table,
-                           state_bytes_formula)
 from jaxpar.mesh import build_mesh
 from jaxpar.model import param_count
 from jaxpar.train.step import build_plan, init_state

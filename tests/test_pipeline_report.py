@@ -1,9 +1,16 @@
-"""Pipeline schedule arithmetic (`jaxpar.pipeline_report`): pure integer/float checks, no compilation."""
+"""Pipeline schedule arithmetic (`jaxpar.analysis.pipeline_report`): pure integer/float checks, no compilation."""
 import pytest
 
+from jaxpar.analysis.pipeline_report import (
+    activation_bytes,
+    bubble_fraction,
+    format_table,
+    ideal_time_ratio,
+    report_row,
+    stage_inputs_in_flight,
+    tick_counts,
+)
 from jaxpar.parallel.pipeline import ticks_1f1b
-from jaxpar.pipeline_report import (activation_bytes, bubble_fraction, format_table, ideal_time_ratio, report_row,
-                                    stage_inputs_in_flight, tick_counts)
 
 
 @pytest.mark.parametrize("p,m,expected", [(1, 8, 0.0), (2, 4, 1 / 5), (4, 4, 3 / 7), (4, 32, 3 / 35), (8, 1, 7 / 8)])

@@ -1,4 +1,5 @@
-"""The planner (jaxpar.plan, jaxpar.plan_comm) against the model, the hand-computed formulas and the compiled step.
+"""The planner (jaxpar.analysis.plan, jaxpar.analysis.plan_comm) against the model, the hand-computed formulas and the
+compiled step.
 
 The compiled checks compile the real train step of a small model ahead of time on the 8 simulated CPU devices
 (nothing runs) and compare like with like: params + optimizer state bytes (XLA's arguments minus the batch and
@@ -21,27 +22,27 @@ import sys
 import jax
 import pytest
 
-from jaxpar.cli import plan as plan_cli
-from jaxpar.comm import tensor_parallel_bytes, tensor_parallel_terms
-from jaxpar.config import load_config, resolve_config
-from jaxpar.memory import tensor_rank_params
-from jaxpar.mesh import build_mesh
-from jaxpar.model import init_params, logical_axes
-from jaxpar.plan import (
+from jaxpar.analysis.comm import tensor_parallel_bytes, tensor_parallel_terms
+from jaxpar.analysis.memory import tensor_rank_params
+from jaxpar.analysis.plan import (
     GB,
+    PLATFORMS,
     activation_bytes,
     attention_working_bytes,
     exercise_activations,
     param_leaves,
     plan,
     rank_params,
-    PLATFORMS,
     smallest_fitting_devices,
-    temp_bytes,
     state_bytes,
+    temp_bytes,
     zero_exercise,
 )
-from jaxpar.plan_comm import by_axis, collective_terms
+from jaxpar.analysis.plan_comm import by_axis, collective_terms
+from jaxpar.cli import plan as plan_cli
+from jaxpar.config import load_config, resolve_config
+from jaxpar.mesh import build_mesh
+from jaxpar.model import init_params, logical_axes
 from jaxpar.train.step import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +125,7 @@ def test_activation_formula_by_hand():
 
 @pytest.mark.parametrize("sp,remat", [(False, "none"), (True, "none"), (True, "full"), (False, "full")])
 def test_tensor_terms_agree_with_comm(sp, remat):
-    """Without a pipeline the planner's tensor-axis bytes equal jaxpar.comm's independent Megatron count."""
+    """Without a pipeline the planner's tensor-axis bytes equal jaxpar.analysis.comm's independent Megatron count."""
     cfg = _cfg(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", f"tensor.sequence_parallel={str(sp).lower()}",
                 f"model.remat={remat}", "train.grad_accum_steps=2", "train.global_batch_size=16"])
     terms = tensor_parallel_terms(rows=2, seq_len=8, d_model=64, n_layers=2, microbatches=2, tensor=2,
@@ -264,7 +265,7 @@ def test_planned_collectives_equal_compiled(name, capsys):
 
 
 # The partitioned program still holds what the backends' generic simplifier later hoists or drops in pipeline
-# layouts (loop-invariant gathers, unread shifts; jaxpar.plan_compile), which the plan counts after that.
+# layouts (loop-invariant gathers, unread shifts; jaxpar.analysis.plan_compile), which the plan counts after that.
 PARTITIONED = [n for n in MESHES if "mesh.pipeline=2" not in MESHES[n]]
 
 

@@ -1,4 +1,4 @@
-"""The deviceless GPU compile (jaxpar.plan_gpu); the targets are tested in tests/test_gpu_targets.py.
+"""The deviceless GPU compile (jaxpar.analysis.plan_gpu); the targets are tested in tests/test_gpu_targets.py.
 
 The error without the plugin is checked everywhere (with the plugin installed, by hiding its distribution name).
 The compile test needs the `gpu-compile` extra and is skipped without it, with the reason the library gives (and
@@ -11,9 +11,9 @@ import importlib.metadata
 import os
 
 import pytest
-
 from doc_commands import pyproject_section
-from jaxpar import plan_gpu
+
+from jaxpar.analysis import plan_gpu
 from jaxpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ def test_attention_scores_are_batched_matmuls_ending_seq_by_seq():
 
 
 def _plugin_missing() -> str | None:
-    from jaxpar.plan_gpu import unavailable_reason
+    from jaxpar.analysis.plan_gpu import unavailable_reason
 
     return unavailable_reason()
 
@@ -72,9 +72,10 @@ def test_the_plugin_accepts_every_shipped_target(name):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from jaxpar.gpu_targets import cluster
+    from jaxpar.analysis.gpu_targets import cluster
 
     clu = cluster(name, 1, 2)
     devices = plan_gpu.compile_devices(clu)
@@ -90,7 +91,8 @@ def test_the_plugin_accepts_every_shipped_target(name):
 @pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
 def test_tiny_compiles_for_two_h100_nodes():
     """tiny.yaml (data=2, fsdp=4 here, tensor=2, ZeRO-1) on h100:2x8, compiled by XLA's GPU compiler (15-40 s
-    on 2 shared cores, hence slow). The all-gathers and reduce-scatters of the GPU HLO carry exactly the plan's bytes on the plan's
+    on 2 shared cores, hence slow). The all-gathers and reduce-scatters of the GPU HLO carry exactly the plan's bytes
+    on the plan's
     axes (measured ratio 1.0000); smaller all-reduces are combined differently by the GPU passes."""
     cfg = load_config(TINY_YAML, validate=False)
     out = plan_gpu.compile_for_gpu(cfg, "h100", 2, 8)

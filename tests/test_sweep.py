@@ -1,4 +1,4 @@
-"""Mesh sweeps (jaxpar.sweep, jaxpar.cli.sweep): sweep-file checks, the point grid, outputs, resume."""
+"""Mesh sweeps (jaxpar.analysis.sweep, jaxpar.cli.sweep): sweep-file checks, the point grid, outputs, resume."""
 from __future__ import annotations
 
 import glob
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
+from jaxpar.analysis.plan import plan
+from jaxpar.analysis.sweep import SweepError, factorisations, load_sweep, points, run_sweep
+from jaxpar.analysis.sweep_report import objective_value
 from jaxpar.cli import sweep as sweep_cli
 from jaxpar.config import load_config, resolve_config
-from jaxpar.plan import plan
-from jaxpar.sweep import SweepError, factorisations, load_sweep, points, run_sweep
-from jaxpar.sweep_report import objective_value
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")

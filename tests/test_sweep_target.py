@@ -1,4 +1,5 @@
-"""Sweeps for a GPU cluster (`target:` in a sweep file; jaxpar.sweep, jaxpar.sweep_gpu, jaxpar.sweep_report).
+"""Sweeps for a GPU cluster (`target:` in a sweep file; jaxpar.analysis.sweep, jaxpar.analysis.sweep_gpu,
+jaxpar.analysis.sweep_report).
 
 Everything but the last test runs without jax's CUDA plugin: the GPU compile of each point is replaced by a fake
 runner, and the plugin check by a monkeypatch (so the tests do not depend on the environment running them). The
@@ -12,13 +13,13 @@ import os
 
 import pytest
 
-from jaxpar import plan_gpu
+from jaxpar.analysis import plan_gpu
+from jaxpar.analysis.plan import plan
+from jaxpar.analysis.sweep import SweepError, factorisations, load_sweep, points, run_sweep
+from jaxpar.analysis.sweep_gpu import gpu_summary, target_command
+from jaxpar.analysis.sweep_report import objective_value
 from jaxpar.cli import sweep as sweep_cli
 from jaxpar.config import load_config, resolve_config
-from jaxpar.plan import plan
-from jaxpar.sweep import SweepError, factorisations, load_sweep, points, run_sweep
-from jaxpar.sweep_gpu import gpu_summary, target_command
-from jaxpar.sweep_report import objective_value
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -57,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2
+    from jaxpar.analysis.memory import state_memory_report
+
     try:
-        train(cfg)
+        train(cfg, on_compiled=(state_memory_report,))
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2

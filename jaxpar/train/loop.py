@@ -14,6 +14,7 @@ import dataclasses
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -26,12 +27,6 @@ from jaxpar.config.resume import check_resume_config, keep_previous_config
 from jaxpar.data import EvalLoader, build_loaders
 from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
-from jaxpar.memory import (
-    format_memory_table,
-    gradient_bytes_from_shardings,
-    memory_table,
-    persistent_state_bytes,
-)
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import MetricsWriter
 from jaxpar.model import param_count
@@ -190,8 +185,16 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
     return None, None
 
 
-def train(cfg: Config) -> TrainResult:
+# Called once the train step is compiled, with (plan, compiled step, state, first batch); returns a report to
+# log, or None. jaxpar-train passes `jaxpar.analysis.memory.state_memory_report` (the ZeRO table).
+CompiledHook = Callable[[StepPlan, Any, dict, dict], "str | None"]
+
+
+def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResult:
     """Runs `cfg.train.steps` optimizer steps (resuming if RUN_DIR has checkpoints); returns a `TrainResult`.
+
+    `on_compiled`: hooks run once after the train step compiles (`CompiledHook`); each report they return is
+    logged.
 
     Raises:
       ConfigError: a data source or batch size that the corpus cannot serve (before any device work).
@@ -261,11 +264,10 @@ def train(cfg: Config) -> TrainResult:
     compiled = make_train_step(plan).lower(state, first_batch).compile()
     eval_step = make_eval_step(plan)
     memory = _memory_bytes(compiled)
-    measured = persistent_state_bytes(plan, compiled, state, first_batch)
-    measured["grads"] = gradient_bytes_from_shardings(plan, state["params"])
-    measured["total"] = measured["params"] + measured["grads"] + measured["opt_state"]
-    _log("model state per device (parameters and optimizer state measured from the compiled step, gradients "
-         "from their shardings):\n" + format_memory_table(memory_table(plan, state, first_batch, measured)))
+    for hook in on_compiled:
+        report = hook(plan, compiled, state, first_batch)
+        if report:
+            _log(report)
     writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
 

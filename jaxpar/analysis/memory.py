@@ -225,6 +225,18 @@ def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None
     return rows
 
 
+def state_memory_report(plan: StepPlan, compiled_step: Any, state: dict, batch: dict) -> str:
+    """The model state per device of a compiled train step beside the ZeRO formula, as text: parameters and
+    optimizer state measured from `compiled_step` (`persistent_state_bytes`), gradients from their shardings
+    (`gradient_bytes_from_shardings`), formatted by `format_memory_table`. A `jaxpar.train.loop.CompiledHook`
+    (jaxpar-train logs it at start)."""
+    measured = persistent_state_bytes(plan, compiled_step, state, batch)
+    measured["grads"] = gradient_bytes_from_shardings(plan, state["params"])
+    measured["total"] = measured["params"] + measured["grads"] + measured["opt_state"]
+    return ("model state per device (parameters and optimizer state measured from the compiled step, gradients "
+            "from their shardings):\n" + format_memory_table(memory_table(plan, state, batch, measured)))
+
+
 def format_memory_table(rows: list[dict]) -> str:
     """Plain-text table of `memory_table` rows: kind | measured bytes | formula bytes | ratio | term."""
     if not rows:

@@ -1,8 +1,8 @@
 """Analytic plan of one train step: per-device bytes of model state and activations, and the collectives.
 
 Pure arithmetic on a resolved `Config` (`jaxpar.config.resolve_config`): no jax devices, no compilation, so a
-13B model on 64 GPUs is planned on a laptop. `jaxpar.plan_compile` checks the numbers against XLA's compiled
-step, `jaxpar.plan_comm` holds the collective terms, `jaxpar.plan_report` prints them.
+13B model on 64 GPUs is planned on a laptop. `jaxpar.analysis.plan_compile` checks the numbers against XLA's compiled
+step, `jaxpar.analysis.plan_comm` holds the collective terms, `jaxpar.analysis.plan_report` prints them.
 
 Shape letters: b microbatch rows per device, s sequence length (s' = s/t under sequence parallelism), D model
 width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
@@ -11,7 +11,7 @@ stage), t tensor size, p pipeline stages, m pipeline microbatches, A gradient-ac
 Model state (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3): bytes per
 parameter by precision layout `fp32` (4 + 4 + 8) or `16p` (bf16 params 2 + bf16 grads 2 + fp32 master, Adam m
 and v 12), each kind divided by the fsdp size and, for the kinds the ZeRO stage partitions, by the data size
-(`jaxpar.memory.state_bytes_formula`), applied to P per tensor/pipeline rank (the parameters one rank holds
+(`jaxpar.analysis.memory.state_bytes_formula`), applied to P per tensor/pipeline rank (the parameters one rank holds
 before ZeRO's split: tensor-sharded leaves count 1/t, the stacked layers 1/p, the embedding and head are on
 every stage).
 
@@ -27,9 +27,10 @@ its checkpoint policies keep, in the compute dtype (Bc bytes), per layer and mic
     none           dots + attention context b*s*(H/t)*K + the fp32 attention probabilities 4*b*(H/t)*s*s
                    bytes (+ with sequence parallelism the 2 gathered block inputs 2*b*s*D)
 plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) (XLA's GPU buffer assignment
-keeps them in Bc through the layers' backward; the cross-entropy's fp32 copies live only before it). Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the
-other); 1F1B holds a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers; GPipe keeps every tick's
-(m + p - 1) layers and stage input (`jaxpar.pipeline_report`).
+keeps them in Bc through the layers' backward; the cross-entropy's fp32 copies live only before it).
+Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the other); 1F1B holds
+a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers; GPipe keeps every tick's (m + p - 1) layers and
+stage input (`jaxpar.analysis.pipeline_report`).
 
 Attention scores (`attention_bytes`): `jax.nn.dot_product_attention` without a fused kernel (its XLA
 implementation) computes the logits [b, H/t, s, s] in fp32, the softmax in fp32 and casts the probabilities to
@@ -44,7 +45,7 @@ Temporaries (`temp_bytes`): the activations, the working set of one layer's back
 above and, when weights are gathered (fsdp or ZeRO-3), its gradients at full size in the reduce dtype before
 their reduce-scatter, (layer parameters / t) * Br), the gathered weights in use, fp32 gradient accumulators and
 the gradient outputs. Checked against XLA's GPU compiler for every shipped config on its cluster
-(`jaxpar.plan_gpu`).
+(`jaxpar.analysis.plan_gpu`).
 
 Platform (`PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`, default gpu) is the
 machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu, bfloat16
@@ -62,8 +63,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxpar.analysis.memory import formula_expression, state_bytes_formula
 from jaxpar.config.schema import Config
-from jaxpar.memory import formula_expression, state_bytes_formula
 from jaxpar.sharding import PARAM_RULES
 
 MESH_AXES = ("data", "pipeline", "fsdp", "tensor")  # jaxpar.mesh.AXES: the order HLO replica groups follow
@@ -199,7 +200,7 @@ def dims(cfg: Config, platform: str) -> Dims:
 
 
 def rank_params(cfg: Config) -> int:
-    """P per tensor/pipeline rank (see the module docstring); equals `jaxpar.memory.tensor_rank_params`."""
+    """P per tensor/pipeline rank (see the module docstring); equals `jaxpar.analysis.memory.tensor_rank_params`."""
     shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
     return sum(local_size(leaf, shape) for leaf in param_leaves(cfg.model))
 
@@ -207,7 +208,7 @@ def rank_params(cfg: Config) -> int:
 def state_bytes(cfg: Config) -> dict:
     """Model-state bytes per device: {"params", "grads", "opt_state" (with the 16p fp32 master), "total",
     "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank)}. Raises ValueError as
-    `jaxpar.memory.state_bytes_formula`."""
+    `jaxpar.analysis.memory.state_bytes_formula`."""
     n_params = rank_params(cfg)
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     out = state_bytes_formula(n_params, layout, zero, cfg.mesh.data, cfg.mesh.fsdp)
@@ -295,7 +296,8 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     return {"per_layer": per_layer, "layers": layers, "stage_inputs": stash, "outside": outside,
             "total": layers + stash + outside, "in_flight": in_flight,
             "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (scores in fp32) x "
-                       f"L/p={d.layers_per_stage} x {formula_flight}; + embedding output and logits (b={d.b}, s={d.s}, s'={d.s_act})",
+                       f"L/p={d.layers_per_stage} x {formula_flight}; + embedding output and logits (b={d.b}, "
+                       f"s={d.s}, s'={d.s_act})",
             "korthikanti": ref * d.layers_per_stage * in_flight}
 
 
@@ -304,12 +306,13 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     {"activations" (`activation_bytes`), "attention_working" (`attention_working_bytes`: one layer's backward
     on XLA's attention path), "layer_grads" (with fsdp/ZeRO-3 sharding, one layer's gradients at full size in
     the reduce dtype before their reduce-scatter), "grad_accumulators" (fp32, one per local parameter shard as
-    stored over fsdp and, under ZeRO-3, data; 0 with a single microbatch), "grad_outputs" (the step's gradients in the parameter dtype,
+    stored over fsdp and, under ZeRO-3, data; 0 with a single microbatch), "grad_outputs" (the step's gradients in the
+    parameter dtype,
     `state_bytes` grads), "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the peak: one
     layer's and the largest of embedding and head, all-gathered, in the compute dtype), "total"}.
 
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
-    XLA's by `jaxpar.plan_compile` (CPU) and `jaxpar.plan_gpu` (the GPU compiler), not a bound."""
+    XLA's by `jaxpar.analysis.plan_compile` (CPU) and `jaxpar.analysis.plan_gpu` (the GPU compiler), not a bound."""
     d = dims(cfg, platform)
     storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
     leaves = param_leaves(cfg.model)
@@ -343,12 +346,13 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
        peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
        expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
        "activations" (see `activation_bytes`),
-       "collectives" (list of `jaxpar.plan_comm.collective_terms` rows), "by_axis" {(axes, kind) label: bytes}}.
+       "collectives" (list of `jaxpar.analysis.plan_comm.collective_terms` rows), "by_axis" {(axes, kind) label:
+       bytes}}.
 
     Raises:
       ValueError: platform not one of `PLATFORMS`; the config is not resolved.
     """
-    from jaxpar.plan_comm import by_axis, collective_terms
+    from jaxpar.analysis.plan_comm import by_axis, collective_terms
 
     d = dims(cfg, platform)
     state = state_bytes(cfg)
@@ -384,7 +388,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
 def zero_exercise(n_params: float = 13e9, devices: int = 8, budget_bytes: float = 24 * GB,
                   layout: str = "16p") -> dict:
     """The seed exercise: model-state bytes per device of P parameters on N data-parallel devices under DDP and
-    ZeRO-1/2/3 (`jaxpar.memory.state_bytes_formula`, fsdp = 1), and the smallest N whose ZeRO-3 state fits
+    ZeRO-1/2/3 (`jaxpar.analysis.memory.state_bytes_formula`, fsdp = 1), and the smallest N whose ZeRO-3 state fits
     `budget_bytes`.
 
     Returns:

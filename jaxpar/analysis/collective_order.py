@@ -17,7 +17,7 @@ while/call/conditional whose computations (transitively) hold one.
 """
 from __future__ import annotations
 
-from jaxpar.hlo import called_computations, parse_module
+from jaxpar.analysis.hlo import called_computations, parse_module
 
 _COLLECTIVE_OPCODES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                        "collective-broadcast", "all-reduce-start", "all-gather-start", "collective-permute-start"}
@@ -30,7 +30,8 @@ def _called(attrs: str) -> list[str]:
 
 def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str, str]]:
     """(computation, loop, later collective user, its opcode) for each later collective user that does not
-    consume a loop holding collectives scheduled before it in the same computation. Empty for a program every device issues
+    consume a loop holding collectives scheduled before it in the same computation. Empty for a program every device
+    issues
     in one order. The text must be a scheduled module (a compiled executable's `as_text()`)."""
     comps, _, _ = parse_module(hlo_text)
     holds: dict[str, bool] = {}

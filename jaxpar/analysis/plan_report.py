@@ -1,11 +1,12 @@
-"""Text reports of a plan (`jaxpar.plan.plan`), its compiled check (`jaxpar.plan_compile`), its GPU target and
-deviceless GPU compile (`jaxpar.plan_gpu`) and the seed exercise.
+"""Text reports of a plan (`jaxpar.analysis.plan.plan`), its compiled check (`jaxpar.analysis.plan_compile`), its GPU
+target and
+deviceless GPU compile (`jaxpar.analysis.plan_gpu`) and the seed exercise.
 
 Bytes are per device; GB = 1e9 bytes. Ratios are compiled / planned.
 """
 from __future__ import annotations
 
-from jaxpar.plan import GB
+from jaxpar.analysis.plan import GB
 
 
 def _gb(x: float | None) -> str:
@@ -79,7 +80,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
     lines += [(f"  temp estimate = activations + one layer's attention scores {t['attention_working']:,} (XLA's "
               f"attention path) + one layer's full-size gradients {t['layer_grads']:,} + fp32 gradient accumulators "
               f"{t['grad_accumulators']:,} + gradient outputs {t['grad_outputs']:,} + gathered weights "
-              f"{t['gathered_weights']:,} (jaxpar.plan.temp_bytes)"),
+              f"{t['gathered_weights']:,} (jaxpar.analysis.plan.temp_bytes)"),
               f"  activations: {mem['activation_formula']}",
               (f"  Korthikanti et al. 2022 (arXiv 2205.05198, Table 2; 16-bit) for the same layers in flight: "
               f"{_n(mem['korthikanti_activations'])} B ({_gb(mem['korthikanti_activations'])})"), ""]
@@ -93,7 +94,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
 
 
 def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
-    lines = [f"  collectives per step (bytes sent per device, ring formulas; jaxpar.plan_comm) planned for "
+    lines = [f"  collectives per step (bytes sent per device, ring formulas; jaxpar.analysis.plan_comm) planned for "
              f"{p['platform']}" + (", beside the compiled executable's" if compiled else "")]
     head = f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}"
     if compiled:
@@ -129,7 +130,7 @@ def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
 
 
 def _partitioned_lines(part: dict | None, pipeline: bool) -> list[str]:
-    """The partitioned program's collectives beside the plan for the target (`jaxpar.plan_compile`)."""
+    """The partitioned program's collectives beside the plan for the target (`jaxpar.analysis.plan_compile`)."""
     if part is None:
         return ["  partitioned program: not available (no XLA dump was written: a compilation-cache hit?)"]
     lines = [(f"  the partitioned program (HLO after XLA's SPMD partitioner, before any backend pass: what a "
@@ -153,7 +154,7 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
     Args:
       target: the CLI's {"cluster", "device_kind", "devices", "memory_bytes" (per GPU), "usable_bytes" (the
         share a jax process may use), "planned_peak_bytes", "planned_fraction_of_memory", "planned_fits"}.
-      gpu: `jaxpar.plan_gpu.compile_for_gpu`'s result, or None (plan only).
+      gpu: `jaxpar.analysis.plan_gpu.compile_for_gpu`'s result, or None (plan only).
     """
     mem = target["memory_bytes"]
     lines = ["", (f"  target {target['cluster']}: {target['devices']} x {target['device_kind']}, "
@@ -166,8 +167,8 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
         return "\n".join(lines)
     m = gpu["memory"]
     mesh = " ".join(f"{a}={s}" for a, s in gpu["mesh"].items())
-    lines += [(f"  compiled for {gpu['cluster']} by XLA's GPU compiler without GPUs (jaxpar.plan_gpu): mesh {mesh}, "
-               f"compute {gpu['compute_dtype']}, {gpu['compile_seconds']:.1f} s"),
+    lines += [(f"  compiled for {gpu['cluster']} by XLA's GPU compiler without GPUs (jaxpar.analysis.plan_gpu): "
+               f"mesh {mesh}, compute {gpu['compute_dtype']}, {gpu['compile_seconds']:.1f} s"),
               f"  {'GPU memory per device':<38}{'compiled bytes':>18}{'':>12}"]
     for name, key in (("arguments", "argument_bytes"), ("outputs", "output_bytes"), ("aliased (outputs in arguments)",
                       "alias_bytes"), ("temporaries", "temp_bytes"), ("peak", "peak_bytes")):
@@ -200,7 +201,7 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
 
 
 def format_exercise(ex: dict, acts: dict) -> str:
-    """The seed exercise (`jaxpar.plan.zero_exercise`) and what activations add (`acts`, built by the CLI)."""
+    """The seed exercise (`jaxpar.analysis.plan.zero_exercise`) and what activations add (`acts`, built by the CLI)."""
     names = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
     p, n = ex["n_params"], ex["devices"]
     lines = [(f"Seed exercise: P = {p / 1e9:g}e9 parameters on N = {n} devices, {ex['layout']} layout (bf16 params 2 + "

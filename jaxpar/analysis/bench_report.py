@@ -4,15 +4,16 @@ Every row is a dict {"group", "case", "metric", "measured", "reference", "ratio"
 "unit" ("s", "FLOPs", "bytes"), "target"}: measured against an analytic formula or against a baseline, both
 taken in the same run.
 
-  overhead     jaxpar's train step / a hand-written NNX + optax step on one device (`jaxpar.bench_baselines`):
+  overhead     jaxpar's train step / a hand-written NNX + optax step on one device (`jaxpar.analysis.bench_baselines`):
                median step time (target <= 1.03) and XLA's cost estimate (FLOPs, bytes accessed).
   memory       model-state bytes per device that XLA's buffer assignment gives the compiled step, over the
-               ZeRO formula (`jaxpar.memory`; Rajbhandari et al. 2019, section 3), per ZeRO stage on data=D.
+               ZeRO formula (`jaxpar.analysis.memory`; Rajbhandari et al. 2019, section 3), per ZeRO stage on data=D.
   tensor       bytes per device per step of the collectives over the `tensor` axis in the compiled HLO
-               (`jaxpar.hlo`), over the Megatron count (`jaxpar.comm.tensor_parallel_terms`), with sequence
+               (`jaxpar.analysis.hlo`), over the Megatron count (`jaxpar.analysis.comm.tensor_parallel_terms`), with
+               sequence
                parallelism off and on.
   pipeline     compiled temp bytes of the 1F1B step over the GPipe step on p devices; the target column gives
-               the formula's ratio of stage inputs live on the worst stage (`jaxpar.pipeline_report`), which
+               the formula's ratio of stage inputs live on the worst stage (`jaxpar.analysis.pipeline_report`), which
                the temp bytes approach as activations dominate (GPipe also keeps per-tick layer residuals).
 
 Memory, tensor and pipeline rows compile ahead of time on abstract states and never run a step.
@@ -27,19 +28,19 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxpar.bench import (
+from jaxpar.analysis.bench import (
     compiled_cost,
     interleaved_step_times,
     median_seconds,
     round_medians,
 )
-from jaxpar.bench_baselines import random_batch, reference_step
-from jaxpar.comm import tensor_parallel_bytes, tensor_parallel_terms
+from jaxpar.analysis.bench_baselines import random_batch, reference_step
+from jaxpar.analysis.comm import tensor_parallel_bytes, tensor_parallel_terms
+from jaxpar.analysis.hlo import collectives_by_axis
+from jaxpar.analysis.memory import memory_table
+from jaxpar.analysis.pipeline_report import stage_inputs_in_flight
 from jaxpar.config import Config, load_config
-from jaxpar.hlo import collectives_by_axis
-from jaxpar.memory import memory_table
 from jaxpar.mesh import build_mesh
-from jaxpar.pipeline_report import stage_inputs_in_flight
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.train.step import (
     BATCH_KEYS,
@@ -128,7 +129,7 @@ def overhead_rows(result: dict, case: str) -> list[dict]:
 
 def zero_memory_tables(config: str, overrides: Sequence[str], data: int, stages: Sequence[int] = (0, 1, 2, 3),
                        compiler_options: dict | None = None) -> dict[int, list[dict]]:
-    """`jaxpar.memory.memory_table` per ZeRO stage on mesh data=`data` (fsdp = tensor = pipeline = 1), compiled
+    """`jaxpar.analysis.memory.memory_table` per ZeRO stage on mesh data=`data` (fsdp = tensor = pipeline = 1), compiled
     on abstract state and batch (nothing runs). Uses the first `data` devices.
 
     Returns:

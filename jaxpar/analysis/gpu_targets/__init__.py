@@ -2,7 +2,7 @@
 
 A target is a `stream_executor.GpuTargetConfigProto` in protobuf text format, shipped as package data
 (`<name>.txtpb`), written field by field from each GPU's public specifications (the sources are named in each
-file). jax's CUDA plugin parses it when asked for a compile-only topology (`jaxpar.plan_gpu`):
+file). jax's CUDA plugin parses it when asked for a compile-only topology (`jaxpar.analysis.plan_gpu`):
 
     topologies.get_topology_desc(platform="cuda", target_config=target("h100").text, topology="1x8x8")
 
@@ -22,8 +22,10 @@ fails at `get_topology_desc` with "Failed to parse GpuTargetConfigProto"):
     block_dim_limit_y/z. They move the peak: llama_7b (data=8, fsdp=8, one 4096-token sequence per GPU) needs
     11.36 GB per H100 but 10.29 GB per H200, the same chip with more memory bandwidth.
   memory
-    device_memory_size         bytes per GPU, the compiler's memory budget; `fits` in `jaxpar.plan_gpu` compares
-                               the compiled peak with `MEMORY_FRACTION` of it. The same 7B step compiled to the same peak with 80e9,
+    device_memory_size         bytes per GPU, the compiler's memory budget; `fits` in `jaxpar.analysis.plan_gpu`
+    compares
+                               the compiled peak with `MEMORY_FRACTION` of it. The same 7B step compiled to the same
+                               peak with 80e9,
                                85e9 and 141e9 here (far below all three). The files give the datasheet capacity
                                in decimal GB, which is below what CUDA reports on these GPUs.
   versions and identity
@@ -166,7 +168,7 @@ def target_from_text(name: str, text: str) -> GpuTarget:
     missing = [f for f in needed if f not in info] + [f for f in ("device_description_str",) if f not in proto]
     if missing:
         raise ValueError(f"target {name!r}: missing field(s) {', '.join(missing)} (needed to compile; see "
-                         f"jaxpar.gpu_targets)")
+                         f"jaxpar.analysis.gpu_targets)")
     if proto.get("platform_name") != "CUDA":
         raise ValueError(f"target {name!r}: platform_name must be \"CUDA\", got {proto.get('platform_name')!r}")
     kind = proto["device_description_str"]

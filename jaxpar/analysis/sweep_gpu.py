@@ -1,7 +1,7 @@
-"""Sweeps for a GPU cluster (`target: KIND:NODESxGPUS` in a sweep file, `jaxpar.sweep`).
+"""Sweeps for a GPU cluster (`target: KIND:NODESxGPUS` in a sweep file, `jaxpar.analysis.sweep`).
 
 With a target every point is planned for platform gpu on the cluster's GPU count and, with `compile: true`,
-compiled for that cluster by XLA's GPU compiler on this machine, without GPUs (`jaxpar.plan_gpu`), in a fresh
+compiled for that cluster by XLA's GPU compiler on this machine, without GPUs (`jaxpar.analysis.plan_gpu`), in a fresh
 `python -m jaxpar.cli.plan ... --target CLUSTER --compile --json` subprocess per point (`JAX_PLATFORMS=cpu` in its
 environment, so that jax does not try to start CUDA). Nothing can run: measured steps, real devices and XLA:CPU
 options do not apply. This module checks those keys, says when the CUDA plugin is missing, and condenses the GPU
@@ -17,7 +17,7 @@ class SweepTargetError(ValueError):
 
 
 def parse_target(raw: dict):
-    """The `jaxpar.gpu_targets.Cluster` of a sweep file's `target:` (None without one), checked against the
+    """The `jaxpar.analysis.gpu_targets.Cluster` of a sweep file's `target:` (None without one), checked against the
     other keys that a GPU target decides or excludes.
 
     Args:
@@ -31,7 +31,7 @@ def parse_target(raw: dict):
     """
     if "target" not in raw:
         return None
-    from jaxpar.gpu_targets import parse_cluster, target_names
+    from jaxpar.analysis.gpu_targets import parse_cluster, target_names
 
     text = raw["target"]
     if not isinstance(text, str):
@@ -66,7 +66,7 @@ def parse_target(raw: dict):
         raise SweepTargetError(f"measure_steps: {measure!r} with target: {name}: nothing can run without the "
                                f"cluster's GPUs (a target only compiles); set measure_steps: 0, or drop target: to "
                                f"time the steps on simulated CPU devices")
-    from jaxpar.sweep import MEASURED_OBJECTIVES
+    from jaxpar.analysis.sweep import MEASURED_OBJECTIVES
 
     if raw.get("objective") in MEASURED_OBJECTIVES:
         raise SweepTargetError(f"objective: {raw['objective']} needs measured steps, which target: {name} cannot "
@@ -79,9 +79,9 @@ def parse_target(raw: dict):
 
 
 def plugin_missing(cluster_name: str) -> str | None:
-    """Why `compile: true` cannot compile for `cluster_name` here (`jaxpar.plan_gpu.unavailable_reason`, which
+    """Why `compile: true` cannot compile for `cluster_name` here (`jaxpar.analysis.plan_gpu.unavailable_reason`, which
     names the extra to install), worded for a sweep file; None when the CUDA plugin is usable."""
-    from jaxpar import plan_gpu
+    from jaxpar.analysis import plan_gpu
 
     reason = plan_gpu.unavailable_reason()
     if reason is None:
@@ -101,7 +101,7 @@ def target_command(base: str, overrides: list[str], cluster_name: str, budget_by
 
 
 def gpu_summary(gpu: dict) -> dict:
-    """One point's GPU compile (`jaxpar.plan_gpu.compile_for_gpu`'s result, JSON "gpu_compiled" of jaxpar-plan
+    """One point's GPU compile (`jaxpar.analysis.plan_gpu.compile_for_gpu`'s result, JSON "gpu_compiled" of jaxpar-plan
     --target --compile) as the sweep records it. Bytes are per device.
 
     Returns:

@@ -1,15 +1,15 @@
 """Sweep outputs: points ranked by the objective, a Markdown table (results.md) and a plot (plot.png).
 
 Bytes are per device. "peak" is, for a sweep with a GPU `target`, XLA's GPU compiler's peak for that cluster
-(`jaxpar.sweep_gpu`); else XLA's arguments + outputs - aliased + temp for a point compiled on simulated CPU
-devices; else the plan's peak estimate (params + optimizer state + temp estimate, `jaxpar.plan`).
+(`jaxpar.analysis.sweep_gpu`); else XLA's arguments + outputs - aliased + temp for a point compiled on simulated CPU
+devices; else the plan's peak estimate (params + optimizer state + temp estimate, `jaxpar.analysis.plan`).
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 
-from jaxpar.sweep import OBJECTIVES
+from jaxpar.analysis.sweep import OBJECTIVES
 
 _UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
 
@@ -35,10 +35,10 @@ def peak_bytes(rec: dict) -> float | None:
 
 
 def objective_value(rec: dict, objective: str) -> float | None:
-    """The number a point is ranked by (see `jaxpar.sweep.OBJECTIVES`); None if the point has none."""
+    """The number a point is ranked by (see `jaxpar.analysis.sweep.OBJECTIVES`); None if the point has none."""
     if objective == "memory":
         return peak_bytes(rec)
-    if objective == "comm_bytes":  # the plan for the sweep's platform (jaxpar.sweep); compiling checks it
+    if objective == "comm_bytes":  # the plan for the sweep's platform (jaxpar.analysis.sweep); compiling checks it
         return rec["planned"]["target_comm_bytes"] if rec.get("planned") else None
     measured = rec.get("measured") or {}
     key = "step_time_s" if objective == "step_time" else objective
@@ -125,11 +125,13 @@ def _columns(header: dict) -> list[tuple[str, str, Callable[[dict], str]]]:
 def _explanation(header: dict) -> str:
     t = header.get("target")
     if t:
-        return (f"Compiled for **{t['cluster']}** ({t['devices']} x {t['device_kind']}, {human_bytes(t['memory_bytes'])}"
-                f" each) by XLA's GPU compiler on this machine, without GPUs (`jaxpar.plan_gpu`; no autotuning): "
+        return (f"Compiled for **{t['cluster']}** ({t['devices']} x {t['device_kind']}, "
+                f"{human_bytes(t['memory_bytes'])} each) by XLA's GPU compiler on this machine, without GPUs "
+                f"(`jaxpar.analysis.plan_gpu`; no autotuning): "
                 f"the GPU peak, temp, fits, attention and GPU HLO columns are the GPU compiler's, per device; a "
                 f"point is ranked by the GPU peak for the memory objective and marked over budget when that peak "
-                f"exceeds the budget or does not fit one GPU. Planned: the plan for platform gpu (`jaxpar.plan`). "
+                f"exceeds the budget or does not fit one GPU. Planned: the plan for platform gpu "
+                f"(`jaxpar.analysis.plan`). "
                 f"Attention: fused (a cuDNN kernel) or XLA's path with its score tensors materialised (the largest "
                 f"per device). Comm: bytes sent per device per step (ring formulas); GPU comm ratio: the GPU "
                 f"program's / the plan's.")

@@ -4,12 +4,12 @@
     table = collectives_by_axis(compiled.as_text(), mesh)   # {(("tensor",), "all-reduce"): {...}, ...}
 
 The text can be a compiled executable's (`compiled.as_text()`, after the backend's passes) or an XLA pass dump
-such as the partitioned program (`jaxpar.plan_compile.read_partitioned_hlo`, before them).
+such as the partitioned program (`jaxpar.analysis.plan_compile.read_partitioned_hlo`, before them).
 
 `parse_collectives` lists every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (an
 async `-start`/`-done` pair counts once, as its `-start`; a collective wrapped in an async computation counts
 once, inside it) with the computation it lives in, its replica groups, shapes, dtypes and ring bytes per
-device (`jaxpar.comm.ring_bytes`). `times_per_step` is how often it runs per program execution: the product of
+device (`jaxpar.analysis.comm.ring_bytes`). `times_per_step` is how often it runs per program execution: the product of
 the trip counts of the while loops around it. A trip count is read from the loop's backend_config
 `known_trip_count`; failing that from its condition `compare(counter, constant(N)), direction=LT` (counting
 from 0 by 1, which is what `lax.scan` and `fori_loop` lower to); failing that it is taken as 1 and the
@@ -36,7 +36,7 @@ import re
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxpar.comm import KINDS, ring_bytes
+from jaxpar.analysis.comm import KINDS, ring_bytes
 
 _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
                 "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16}
@@ -64,7 +64,7 @@ class Collective:
     """One collective op of the program.
 
     Attributes:
-      kind: one of `jaxpar.comm.KINDS`.
+      kind: one of `jaxpar.analysis.comm.KINDS`.
       name: instruction name; computation: the computation (e.g. a while body) it lives in.
       groups: replica groups as tuples of partition ids (positions in mesh.devices.flat).
       operands, results: per-device arrays (a combined collective has several).

@@ -19,15 +19,16 @@ A sweep file (YAML, read like `yaml.safe_load` but refusing duplicate keys; rela
     timeout_s: 900                      # per point
 
 Platform: the comm_bytes objective ranks by the plan for `platform` (compute_dtype auto and the width of
-collectives resolved for it, `jaxpar.plan`). A compiled point is planned for cpu as well, since it compiles on
+collectives resolved for it, `jaxpar.analysis.plan`). A compiled point is planned for cpu as well, since it compiles on
 simulated CPU devices: that plan sets the budget check and is compared with the CPU executable ("comm ratio"),
 and the partitioned program (before any backend pass) is compared with the plan for `platform` ("partitioned
 ratio"; gpu when platform is cpu).
 
-Target: `target: KIND:NODESxGPUS` (kinds: `jaxpar.gpu_targets`) plans every point for platform gpu on the
+Target: `target: KIND:NODESxGPUS` (kinds: `jaxpar.analysis.gpu_targets`) plans every point for platform gpu on the
 cluster's GPU count (`devices:` may be left out; another count, in `devices` or in a mesh of `meshes`, is refused)
 and, with `compile: true`, compiles it for that cluster with XLA's GPU compiler on this machine, without GPUs
-(`jaxpar.sweep_gpu`, `jaxpar.plan_gpu`; needs the gpu-compile extra, checked before the first point). The record
+(`jaxpar.analysis.sweep_gpu`, `jaxpar.analysis.plan_gpu`; needs the gpu-compile extra, checked before the first
+point). The record
 keeps the GPU compiler's per-device bytes, whether the peak fits one GPU, fused attention and materialised
 attention scores, and the GPU program's collectives beside the plan for gpu ("gpu_compiled"); the memory
 objective ranks by the GPU-compiled peak, the budget is checked against it, and a point whose compiled peak does
@@ -37,7 +38,7 @@ fast_compile are refused with a target, and so is a platform other than gpu.
 Constraints: max_data, max_fsdp, max_tensor, max_pipeline (ints), pipeline_divides_layers and
 tensor_divides_heads (bools, default true). Every point is validated with `jaxpar.config.resolve_config`;
 a point that fails is recorded with its error (status `invalid`), never stops the sweep. A point whose
-analytic peak estimate (`jaxpar.plan`, params + optimizer state + temp) exceeds the budget is recorded as
+analytic peak estimate (`jaxpar.analysis.plan`, params + optimizer state + temp) exceeds the budget is recorded as
 `over_budget` and not compiled or run; a compiled point whose compiled peak exceeds it is recorded as
 `over_budget` too, and not measured. Compiling and measuring run `python -m jaxpar.cli.plan ... --json` in a
 fresh subprocess per point, because the device count must be set before jax is imported.
@@ -60,11 +61,12 @@ from typing import Any
 
 import yaml
 
+from jaxpar.analysis.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
-from jaxpar.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
 
-PLATFORMS = ("gpu", "tpu", "cpu")  # jaxpar.plan.PLATFORMS (importing jaxpar.plan here would start jax)
+# jaxpar.analysis.plan.PLATFORMS (importing jaxpar.analysis.plan here would start jax)
+PLATFORMS = ("gpu", "tpu", "cpu")
 
 AXES = ("data", "fsdp", "tensor", "pipeline")
 OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
@@ -98,7 +100,7 @@ class Sweep:
     real_devices: bool
     platform: str
     timeout_s: float
-    target: str | None = None  # the GPU cluster's name, e.g. "h100:8x8" (jaxpar.gpu_targets), or None
+    target: str | None = None  # the GPU cluster's name, e.g. "h100:8x8" (jaxpar.analysis.gpu_targets), or None
 
 
 def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int) -> list[dict]:
@@ -201,7 +203,7 @@ def load_sweep(path: str) -> Sweep:
     Raises:
       SweepError: missing file, not YAML, not a mapping, unknown key, missing or bad base config, bad mesh list,
         unknown vary key or value, unknown objective, a measured objective without measure_steps; a bad `target`
-        or a key that conflicts with it (`jaxpar.sweep_gpu.parse_target`).
+        or a key that conflicts with it (`jaxpar.analysis.sweep_gpu.parse_target`).
     """
     if not os.path.isfile(path):
         raise SweepError(f"sweep file {path!r} does not exist; see configs/sweeps/ for examples")
@@ -312,7 +314,7 @@ def _compiled_summary(compiled: dict) -> dict:
 
 def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
     n = point["devices"]
-    if sweep.target is not None:  # compiled for the GPU cluster (jaxpar.sweep_gpu)
+    if sweep.target is not None:  # compiled for the GPU cluster (jaxpar.analysis.sweep_gpu)
         cmd, extra = target_command(sweep.base, [*sweep.overrides, *point["overrides"]], sweep.target,
                                     sweep.budget_bytes)
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=sweep.timeout_s,
@@ -339,10 +341,10 @@ def run_point(sweep: Sweep, point: dict,
 
     Returns the point with "status" (ok | over_budget | invalid | failed), "error" (message or None),
     "planned" (analytic summary, bytes per device), "compiled" and "measured" (on simulated CPU devices or the
-    real ones), "gpu_compiled" (for the sweep's `target`, `jaxpar.sweep_gpu.gpu_summary`) (each None when not
+    real ones), "gpu_compiled" (for the sweep's `target`, `jaxpar.analysis.sweep_gpu.gpu_summary`) (each None when not
     done) and "seconds" (wall time of this point).
     """
-    from jaxpar.plan import plan
+    from jaxpar.analysis.plan import plan
 
     t0 = time.perf_counter()
     rec = {**point, "status": "ok", "error": None, "planned": None, "compiled": None, "measured": None,
@@ -431,8 +433,8 @@ def _settings(sweep: Sweep) -> dict:
 def _target_header(name: str | None) -> dict | None:
     if name is None:
         return None
-    from jaxpar.gpu_targets import parse_cluster
-    from jaxpar.sweep_gpu import target_header
+    from jaxpar.analysis.gpu_targets import parse_cluster
+    from jaxpar.analysis.sweep_gpu import target_header
 
     return target_header(parse_cluster(name))
 
@@ -440,22 +442,22 @@ def _target_header(name: str | None) -> dict | None:
 def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
               runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess) -> list[dict]:
     """Runs every point not finished earlier, rewriting out_dir/results.json and results.md after each and
-    drawing plot.png at the end (`jaxpar.sweep_report`). Returns the records in point order.
+    drawing plot.png at the end (`jaxpar.analysis.sweep_report`). Returns the records in point order.
 
     `runner(sweep, point) -> (exit status, stdout, stderr)` compiles/measures one point (default: a
     `python -m jaxpar.cli.plan ... --json` subprocess).
 
     Raises:
       SweepError: a foreign results.json or an out_dir that cannot be created.
-      jaxpar.plan_gpu.GpuCompileUnavailable: a `target` with `compile: true` where jax's CUDA plugin is missing
+      jaxpar.analysis.plan_gpu.GpuCompileUnavailable: a `target` with `compile: true` where jax's CUDA plugin is missing
         (the message names the extra to install); raised before any point, with out_dir untouched.
     """
-    from jaxpar.sweep_report import write_markdown, write_plot
+    from jaxpar.analysis.sweep_report import write_markdown, write_plot
 
     if sweep.target is not None and sweep.compile:
         reason = plugin_missing(sweep.target)
         if reason is not None:
-            from jaxpar.plan_gpu import GpuCompileUnavailable
+            from jaxpar.analysis.plan_gpu import GpuCompileUnavailable
 
             raise GpuCompileUnavailable(reason)
 

@@ -1,9 +1,9 @@
 """The collectives of one jaxpar train step, counted analytically per mesh axis and kind (bytes per device).
 
-Letters as in `jaxpar.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the working-parameter
+Letters as in `jaxpar.analysis.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the working-parameter
 dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's platform
-(`jaxpar.plan.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4); x = b*s*D*Bc, one
-microbatch's activations. Ring costs per op are `jaxpar.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
+(`jaxpar.analysis.plan.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4); x = b*s*D*Bc, one
+microbatch's activations. Ring costs per op are `jaxpar.analysis.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
 all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring algorithms:
 Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
 
@@ -26,7 +26,7 @@ data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the
   P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*Bp: the partitioner
   casts the data-sharded fp32 optimizer target (for the 16p layout the fp32 master) to the parameter dtype on
   each shard and gathers the result (bf16 under 16p; XLA:CPU then widens that gather to fp32).
-tensor axis (Megatron; Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2; `jaxpar.comm`):
+tensor axis (Megatron; Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2; `jaxpar.analysis.comm`):
   forward pass: the embedding exit and 2 exits per layer (all-reduce of x; with sequence parallelism
   reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
   all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
@@ -46,9 +46,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpar.comm import ring_bytes
+from jaxpar.analysis.comm import ring_bytes
+from jaxpar.analysis.plan import MESH_AXES, dims, local_size, param_leaves
 from jaxpar.config.schema import Config
-from jaxpar.plan import MESH_AXES, dims, local_size, param_leaves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ class CollectiveTerm:
 
 
 def live_axes(shape: dict[str, int], axes) -> tuple[str, ...]:
-    """`axes` with the size-1 ones dropped, in mesh order (as `jaxpar.hlo.classify_groups` names groups)."""
+    """`axes` with the size-1 ones dropped, in mesh order (as `jaxpar.analysis.hlo.classify_groups` names groups)."""
     return tuple(a for a in MESH_AXES if a in axes and shape[a] > 1)
 
 
@@ -186,8 +186,8 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
 
 def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
-    docstring). `platform` (`jaxpar.plan.PLATFORMS`) resolves `precision.compute_dtype: auto` (float32 on cpu,
-    else bfloat16) and sets the collectives' width (`jaxpar.plan.collective_bytes`). Raises ValueError for an
+    docstring). `platform` (`jaxpar.analysis.plan.PLATFORMS`) resolves `precision.compute_dtype: auto` (float32 on cpu,
+    else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan.collective_bytes`). Raises ValueError for an
     unknown platform or an unresolved config."""
     d = dims(cfg, platform)
     passes = _passes(cfg, d)

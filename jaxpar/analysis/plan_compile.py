@@ -2,18 +2,18 @@
 
 Nothing runs on a device for `compiled_plan`: the state and batch are ShapeDtypeStructs carrying their
 shardings, and `jit(...).lower(...).compile()` gives XLA's buffer assignment (`memory_analysis()`, per device for
-an SPMD program) and the optimized HLO, whose collectives `jaxpar.hlo` reads by mesh axis. `measure_steps`
+an SPMD program) and the optimized HLO, whose collectives `jaxpar.analysis.hlo` reads by mesh axis. `measure_steps`
 does run K steps (random tokens) for sweeps that ask for throughput.
 
 Two programs are read. The executable's optimized HLO is what the compiling backend runs: on CPU, XLA:CPU has
-widened every bf16 collective to fp32 (`jaxpar.plan`), so it is compared with the plan for cpu. The partitioned
+widened every bf16 collective to fp32 (`jaxpar.analysis.plan`), so it is compared with the plan for cpu. The partitioned
 program -- the HLO right after XLA's SPMD partitioner (pass `spmd-partitioning`), dumped during the same compile
 -- is the last program CPU and GPU compilers share: every collective of the step exists there (jaxpar's explicit
 ones and those the partitioner inserts, e.g. ZeRO-1/2's gather of updated parameters) in the dtype the program
 gives it, and everything after it is a backend's own pipeline. It is compared with the plan for the target
 platform (gpu unless told otherwise) at the compute dtype the step was compiled with. For pipeline layouts it
 still holds the loop-invariant weight gathers, common subexpressions and unread shifts that the backends' generic
-simplification later hoists or drops (`jaxpar.plan_comm` counts after that), so there the two differ in counts.
+simplification later hoists or drops (`jaxpar.analysis.plan_comm` counts after that), so there the two differ in counts.
 
 Needs as many jax devices as the mesh: the CLI (`jaxpar.cli.plan`) sets the simulated CPU device count before
 jax is imported.
@@ -32,11 +32,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.analysis.hlo import classify_groups, parse_collectives
+from jaxpar.analysis.memory import persistent_state_bytes
+from jaxpar.analysis.plan import check_platform
+from jaxpar.analysis.plan import plan as analytic_plan
 from jaxpar.config.schema import Config
-from jaxpar.hlo import classify_groups, parse_collectives
-from jaxpar.memory import persistent_state_bytes
 from jaxpar.mesh import build_mesh
-from jaxpar.plan import check_platform, plan as analytic_plan
 from jaxpar.train.step import (
     BATCH_KEYS,
     abstract_state,
@@ -46,7 +47,7 @@ from jaxpar.train.step import (
 )
 
 # Backend (LLVM) optimisation off: compiles several times faster on CPU and changes code generation only, not
-# buffer assignment or the HLO collectives (checked in jaxpar.memory and tests/test_memory.py).
+# buffer assignment or the HLO collectives (checked in jaxpar.analysis.memory and tests/test_memory.py).
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 # Also the legacy XLA:CPU emitters and no expensive LLVM passes: another ~3x faster. Same HLO passes, so the same
 # state bytes and collectives; temp can differ by a few percent (fusion decisions).
@@ -149,7 +150,7 @@ def hlo_collectives(hlo_text: str, mesh) -> dict:
 
 
 def compare_collectives(hlo: dict, analytic: dict) -> list[dict]:
-    """Rows of `hlo_collectives(...)["by_axis"]` beside the plan's (`jaxpar.plan.plan`) over the union of both
+    """Rows of `hlo_collectives(...)["by_axis"]` beside the plan's (`jaxpar.analysis.plan.plan`) over the union of both
     keys: {"key" ("axes kind"), "compiled_bytes", "compiled_count" (in the HLO), "planned_bytes",
     "planned_count", "ratio" (HLO / planned; None where nothing is planned)}."""
     planned_counts: dict = {}
@@ -177,7 +178,7 @@ def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> d
 
     Raises:
       ValueError: target is `cpu` (the partitioned program is not what XLA:CPU runs: compare the executable)
-        or not one of `jaxpar.plan.PLATFORMS`.
+        or not one of `jaxpar.analysis.plan.PLATFORMS`.
     """
     if check_platform(target) == "cpu":
         raise ValueError("the partitioned program is compared with a plan for gpu or tpu; for cpu compare the "
@@ -195,7 +196,8 @@ def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> d
 def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = None,
                   step: CompiledStep | None = None, target: str = "gpu") -> dict:
     """Compiles the train step of resolved `cfg` on the first N jax devices (`compile_step`; or takes `step`,
-    compiled earlier) and sets it beside `analytic` (`jaxpar.plan.plan(cfg, platform="cpu")` for a CPU compile),
+    compiled earlier) and sets it beside `analytic` (`jaxpar.analysis.plan.plan(cfg, platform="cpu")` for a CPU
+    compile),
     and its partitioned program beside the plan for `target` (`partitioned_check`).
 
     Returns:
@@ -205,7 +207,7 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
        "state": {"persistent" (arguments minus the batch), "scalars" (0-d leaves, not in the formula),
          "params", "params_plus_opt_state" (persistent - scalars), "planned" (plan params + opt_state),
          "ratio" (compiled / planned)},
-       "temp": {"compiled" (XLA temp), "planned" (`jaxpar.plan.temp_bytes` total), "ratio"},
+       "temp": {"compiled" (XLA temp), "planned" (`jaxpar.analysis.plan.temp_bytes` total), "ratio"},
        "collectives": the executable's, `compare_collectives` rows against `analytic`, "scalars" (see
          `hlo_collectives`),
        "partitioned": `partitioned_check(cfg, step, target)` (None when the dump is missing)}.

@@ -1,12 +1,12 @@
 """The real train step compiled for a GPU cluster on a machine without GPUs (deviceless ahead-of-time compilation).
 
 jax's CUDA plugin (`pip install -e ".[gpu-compile]"`) builds compile-only devices from a target description
-(`jaxpar.gpu_targets`) and a topology, without a GPU or a driver:
+(`jaxpar.analysis.gpu_targets`) and a topology, without a GPU or a driver:
 
     devices = topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x8x8").devices
 
 The step is then lowered on a mesh over those devices with abstract (ShapeDtypeStruct) state and batch carrying
-their `NamedSharding`s, as `jaxpar.plan_compile` does on simulated CPU devices, and XLA's GPU compiler (the
+their `NamedSharding`s, as `jaxpar.analysis.plan_compile` does on simulated CPU devices, and XLA's GPU compiler (the
 same passes, scheduler and buffer assignment as on the cluster; ptxas from the extra turns the kernels into
 cubins) gives the executable's per-device memory analysis and optimized HLO. Nothing runs.
 
@@ -26,8 +26,9 @@ import math
 import re
 import time
 
+from jaxpar.analysis.gpu_targets import Cluster
+from jaxpar.analysis.gpu_targets import cluster as make_cluster
 from jaxpar.config.schema import Config
-from jaxpar.gpu_targets import Cluster, cluster as make_cluster
 
 EXTRA = 'pip install -e ".[gpu-compile]"'
 # jax's CUDA PJRT plugin distributions; either provides the "cuda" platform's compile-only topology.
@@ -103,8 +104,8 @@ def compile_devices(clu: Cluster) -> list:
 
 
 def gpu_config(cfg: Config, devices: int) -> Config:
+    from jaxpar.analysis.plan import compute_dtype_name
     from jaxpar.config.validate import resolve_config
-    from jaxpar.plan import compute_dtype_name
 
     dtype = compute_dtype_name(cfg, "gpu")
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
@@ -122,7 +123,7 @@ def attention_scores(hlo_text: str, seq_len: int) -> dict:
       {"materialised" (any found), "shapes" (sorted distinct "dtype[dims]"), "largest_bytes" (the biggest, per
        device)}.
     """
-    from jaxpar.hlo import Array
+    from jaxpar.analysis.hlo import Array
 
     shapes, largest = set(), 0
     for dtype, dims, rest in _DOT.findall(hlo_text):
@@ -141,7 +142,7 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
 
     Args:
       cfg: config (resolved here for the cluster's device count; `compute_dtype: auto` becomes bfloat16).
-      target: a `jaxpar.gpu_targets` name ("h100", "h200", "a100", "b200").
+      target: a `jaxpar.analysis.gpu_targets` name ("h100", "h200", "a100", "b200").
       nodes, gpus_per_node: the cluster's shape (the mesh spans nodes * gpus_per_node devices).
       compiler_options: XLA options for `compile()` (default none).
       keep_hlo: also return the optimized HLO text under "hlo".
@@ -152,15 +153,16 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
        "memory": {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
          "peak_bytes" (XLA's peak; arguments + outputs - aliased + temporaries where it gives none)},
        "memory_bytes" (the target's, per GPU), "usable_bytes" (the share a jax process may use,
-       `jaxpar.gpu_targets.MEMORY_FRACTION` of it), "fraction_of_memory" (peak / memory_bytes), "fits" (peak <=
+       `jaxpar.analysis.gpu_targets.MEMORY_FRACTION` of it), "fraction_of_memory" (peak / memory_bytes), "fits" (peak <=
        usable_bytes),
        "collectives": {"axes kind": {"count", "bytes"}} of the optimized GPU HLO per step (ring bytes per device,
-         `jaxpar.plan_compile.hlo_collectives`, built on `jaxpar.hlo.collectives_by_axis`' accounting),
+         `jaxpar.analysis.plan_compile.hlo_collectives`, built on `jaxpar.analysis.hlo.collectives_by_axis`'
+         accounting),
        "scalars": the 0-d collectives (see `hlo_collectives`),
        "fused_attention": sorted cuDNN fused-attention custom-call targets in the HLO (empty: XLA's attention),
        "attention_scores": `attention_scores(hlo, seq_len)`,
-       "planned": {"peak_bytes" (`jaxpar.plan.plan(cfg, "gpu")` peak_estimate), "ratio" (compiled / planned),
-         "collectives" (`jaxpar.plan_compile.compare_collectives` rows: the GPU HLO's beside the plan's)}}.
+       "planned": {"peak_bytes" (`jaxpar.analysis.plan.plan(cfg, "gpu")` peak_estimate), "ratio" (compiled / planned),
+         "collectives" (`jaxpar.analysis.plan_compile.compare_collectives` rows: the GPU HLO's beside the plan's)}}.
 
     Raises:
       GpuCompileUnavailable: the CUDA plugin is missing, mismatched or not registered (before any compile).
@@ -171,9 +173,9 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     import jax
     import jax.numpy as jnp
 
+    from jaxpar.analysis.plan import plan as analytic_plan
+    from jaxpar.analysis.plan_compile import compare_collectives, hlo_collectives
     from jaxpar.mesh import build_mesh
-    from jaxpar.plan import plan as analytic_plan
-    from jaxpar.plan_compile import compare_collectives, hlo_collectives
     from jaxpar.train.step import BATCH_KEYS, abstract_state, build_plan, make_train_step
 
     clu = make_cluster(target, nodes, gpus_per_node)

@@ -3,7 +3,7 @@
 Each `configs/llama_*.yaml` names its cluster in a header line `# cluster: KIND:NODESxGPUS` (e.g. `h100:8x8`);
 its mesh, gradient accumulation and remat are chosen so that the step fits there. `check_config` compiles the
 config's real train step for that cluster with XLA's GPU compiler on a machine without GPUs
-(`jaxpar.plan_gpu.compile_for_gpu`, which needs the `gpu-compile` extra) and records the per-device peak beside
+(`jaxpar.analysis.plan_gpu.compile_for_gpu`, which needs the `gpu-compile` extra) and records the per-device peak beside
 the plan's. `tools/check_gpu_configs.py` runs it for every shipped config and writes the records to
 `configs/gpu_check.json`; the default test suite, which has no CUDA plugin, checks that record against the
 current configs and planner (`fingerprint`, the 15% agreement, `fits`) and the README table
@@ -58,9 +58,9 @@ def resolved_for_cluster(path: str) -> tuple[Config, str]:
       ValueError: no cluster line or an unknown cluster; ConfigError: the config does not fit the cluster's
         device count.
     """
+    from jaxpar.analysis.gpu_targets import parse_cluster
+    from jaxpar.analysis.plan_gpu import gpu_config
     from jaxpar.config import load_config
-    from jaxpar.gpu_targets import parse_cluster
-    from jaxpar.plan_gpu import gpu_config
 
     name = documented_cluster(path)
     clu = parse_cluster(name)
@@ -68,8 +68,8 @@ def resolved_for_cluster(path: str) -> tuple[Config, str]:
 
 
 def planned_peak(cfg: Config) -> int:
-    """The planner's per-device peak (`jaxpar.plan.plan(cfg, "gpu")["memory"]["peak_estimate"]`), bytes."""
-    from jaxpar.plan import plan
+    """The planner's per-device peak (`jaxpar.analysis.plan.plan(cfg, "gpu")["memory"]["peak_estimate"]`), bytes."""
+    from jaxpar.analysis.plan import plan
 
     return int(plan(cfg, "gpu")["memory"]["peak_estimate"])
 
@@ -87,8 +87,8 @@ def check_config(path: str, name: str | None = None) -> dict:
     """
     import jax
 
-    from jaxpar.gpu_targets import parse_cluster
-    from jaxpar.plan_gpu import compile_for_gpu
+    from jaxpar.analysis.gpu_targets import parse_cluster
+    from jaxpar.analysis.plan_gpu import compile_for_gpu
 
     cfg, cluster = resolved_for_cluster(path)
     clu = parse_cluster(cluster)
@@ -147,7 +147,7 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
 
 
 def _memory_fraction() -> float:
-    from jaxpar.gpu_targets import MEMORY_FRACTION
+    from jaxpar.analysis.gpu_targets import MEMORY_FRACTION
 
     return MEMORY_FRACTION
 
