@@ -1,85 +1,79 @@
-"""Per-step metrics to `RUN_DIR/metrics.jsonl` (one JSON object per line) and to TensorBoard.
+"""Per-step metrics to trackers (`jaxpar.trackers`): RUN_DIR/metrics.jsonl (one JSON object per line), TensorBoard
+and, optionally, Weights & Biases.
 
 Only process 0 should write: the caller passes `enabled=jax.process_index() == 0`; a disabled writer creates no
 files and its methods do nothing. Re-opening a run directory appends, so a resumed run continues the same file.
 """
 from __future__ import annotations
 
-import json
-import math
-import numbers
 import os
+from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
+from jaxpar.trackers import (  # noqa: F401 -- METRICS_FILE, TENSORBOARD_DIR: where the default trackers write
+    METRICS_FILE,
+    TENSORBOARD_DIR,
+    JsonlTracker,
+    TensorBoardTracker,
+    Tracker,
+    WandbTracker,
+    to_json_value,
+)
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
 
-
-def _to_json_value(value: Any) -> Any:
-    """numpy/jax scalars and 0-d arrays -> Python int/float/bool; None and other JSON values unchanged.
+def default_trackers(run_dir: str, *, tensorboard: bool = True, wandb: bool = False, wandb_project: str = "jaxpar",
+                     wandb_mode: str = "offline", config: dict | None = None) -> list[Tracker]:
+    """The trackers a run writes to: JSONL always, TensorBoard and W&B as asked (`MetricsConfig`).
 
     Raises:
-      TypeError: a non-scalar array (metrics are scalars).
+      ImportError: W&B asked for but not installed; ValueError: an unknown W&B mode.
     """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if hasattr(value, "shape") and hasattr(value, "dtype"):  # np.ndarray, np.generic, jax.Array
-        arr = np.asarray(value)
-        if arr.ndim != 0:
-            raise TypeError(f"metric values must be scalars, got an array of shape {arr.shape}")
-        return arr.item()
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return value
+    out: list[Tracker] = [JsonlTracker(run_dir)]
+    if tensorboard:
+        out.append(TensorBoardTracker(run_dir))
+    if wandb:
+        out.append(WandbTracker(run_dir, wandb_project, wandb_mode, config))
+    return out
 
 
 class MetricsWriter:
-    """Append `{"step": step, **metrics}` lines to `run_dir/metrics.jsonl` and numeric scalars to TensorBoard.
+    """Sends `{"step": step, **metrics}` records to trackers (`jaxpar.trackers`).
 
     Args:
       run_dir: run directory; created if missing (only when enabled).
-      enabled: False on every process but 0; then nothing is written.
+      enabled: False on every process but 0; then nothing is created or written.
+      trackers: where records go; default `default_trackers(run_dir)` (metrics.jsonl and TensorBoard). Built
+        only when enabled, so pass a callable `run_dir -> list[Tracker]` to build them on process 0 only.
     """
 
-    def __init__(self, run_dir: str, *, enabled: bool = True):
+    def __init__(self, run_dir: str, *, enabled: bool = True,
+                 trackers: Sequence[Tracker] | Any | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
-        self._file = None
-        self._tb = None
+        self.trackers: list[Tracker] = []
         if not enabled:
             return
-        os.makedirs(run_dir, exist_ok=True)
-        from tensorboardX import SummaryWriter  # imported only where used: process 0
-
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR))
+        if trackers is None:
+            trackers = default_trackers(run_dir)
+        elif callable(trackers):
+            trackers = trackers(run_dir)
+        self.trackers = list(trackers)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        """Write one record. None stays JSON null (and is skipped in TensorBoard), as are NaN/inf in TensorBoard.
+        """Write one record to every tracker. None stays JSON null (and is skipped by plotting trackers), as are
+        NaN/inf.
 
         Raises:
           TypeError: a value is a non-scalar array or not JSON-serialisable.
         """
         if not self.enabled:
             return
-        record = {"step": int(step)} | {k: _to_json_value(v) for k, v in metrics.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        for key, value in record.items():
-            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            if math.isfinite(value):
-                self._tb.add_scalar(key, value, global_step=int(step))
+        record = {k: to_json_value(v) for k, v in metrics.items()}
+        for tracker in self.trackers:
+            tracker.log(int(step), record)
 
     def close(self) -> None:
-        """Flush and close both outputs; safe to call twice."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Flush and close every tracker; safe to call twice."""
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close()

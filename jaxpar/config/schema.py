@@ -184,6 +184,24 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Where per-step metrics go besides RUN_DIR/metrics.jsonl (always written): `jaxpar.trackers`.
+
+    Attributes:
+      tensorboard: TensorBoard event files under RUN_DIR/tensorboard.
+      wandb: Weights & Biases (the optional `wandb` extra).
+      wandb_project: the W&B project.
+      wandb_mode: "offline" (written under RUN_DIR/wandb with no network; `wandb sync` uploads it), "online",
+        "disabled", or "" (wandb decides: its WANDB_MODE environment variable, else online).
+    """
+
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "jaxpar"
+    wandb_mode: str = "offline"
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """The loop.
 
@@ -258,6 +276,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def replace(self, **sections) -> "Config":

@@ -74,6 +74,22 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     return sizes
 
 
+def _check_metrics(cfg: Config) -> None:
+    import importlib.util
+
+    from jaxpar.trackers import WANDB_EXTRA, WANDB_MODES
+
+    mc = cfg.metrics
+    if mc.wandb_mode not in WANDB_MODES:
+        raise ConfigError(f"metrics.wandb_mode={mc.wandb_mode!r} must be one of "
+                          f"{', '.join(repr(m) for m in WANDB_MODES)}")
+    if mc.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"metrics.wandb=true needs Weights & Biases, which is not installed: {WANDB_EXTRA} (or "
+                          f"set metrics.wandb=false)")
+    if mc.wandb and not mc.wandb_project.strip():
+        raise ConfigError("metrics.wandb_project is empty; name the W&B project, e.g. metrics.wandb_project=jaxpar")
+
+
 def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, int]:
     """Checks ranges and combinations; returns the resolved mesh shape.
 
@@ -145,6 +161,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
     _positive("train.divergence_rollbacks", t.divergence_rollbacks, allow_zero=True)
     _positive("train.watchdog_s", t.watchdog_s, allow_zero=True)
+    _check_metrics(cfg)
 
     if num_devices is None:
         import jax

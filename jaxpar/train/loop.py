@@ -28,7 +28,7 @@ from jaxpar.data import EvalLoader, build_loaders
 from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
 from jaxpar.mesh import build_mesh, describe
-from jaxpar.metrics import MetricsWriter
+from jaxpar.metrics import MetricsWriter, default_trackers
 from jaxpar.model import param_count
 from jaxpar.train.faults import FaultInjector
 from jaxpar.train.preemption import PreemptionWatch
@@ -268,7 +268,10 @@ def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResu
         report = hook(plan, compiled, state, first_batch)
         if report:
             _log(report)
-    writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0)
+    mc = cfg.metrics
+    writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0, trackers=lambda d: default_trackers(
+        d, tensorboard=mc.tensorboard, wandb=mc.wandb, wandb_project=mc.wandb_project, wandb_mode=mc.wandb_mode,
+        config=cfg.to_dict()))
     tokens_per_step = t.global_batch_size * cfg.data.seq_len
 
     initial_val = evaluate(eval_step, state["params"], val_loader)[0] if start == 0 else None
