@@ -222,7 +222,7 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
             cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name))
     t, run_dir = cfg.train, cfg.train.run_dir
     check_run_dir(run_dir)
-    if cfg.optimizer.warmup_steps > t.steps:
+    if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
         _log(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
              f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
              f"decays; lower optimizer.warmup_steps to reach the peak")

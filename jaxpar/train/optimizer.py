@@ -106,7 +106,12 @@ def nonfinite_state(opt_state) -> optax.ApplyIfFiniteState | None:
       ValueError: `opt_state` holds more than one (nested wrappers), so which counters to report is ambiguous.
     """
     is_skip = lambda x: isinstance(x, optax.ApplyIfFiniteState)  # noqa: E731
-    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_skip) if is_skip(s)]
+    found, todo = [], [opt_state]
+    while todo:  # a wrapper's inner state may hold another
+        for s in jax.tree.leaves(todo.pop(), is_leaf=is_skip):
+            if is_skip(s):
+                found.append(s)
+                todo.append(s.inner_state)
     if len(found) > 1:
         raise ValueError(f"the optimizer state holds {len(found)} optax.ApplyIfFiniteState (nested skip_nonfinite "
                          f"or optax.apply_if_finite wrappers); wrap the optimizer in one, around the whole chain")
