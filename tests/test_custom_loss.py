@@ -142,6 +142,7 @@ def test_z_loss_pipeline_equals_one_device(schedule, reference):
     params, batch, grads, loss, n_tokens = _grads(plan, reference["params"])
     w = params["blocks"]["mlp"]["w_up"]
     assert plan.mesh.shape["pipeline"] == 2 and plan.cfg.pipeline.schedule == schedule
+    assert shard_shape(batch["inputs"]) == (G // 4, T)  # rows over data x fsdp, whole on each stage
     assert w.sharding.spec[0] == "pipeline" and shard_shape(w)[0] == w.shape[0] // 2  # one layer per stage
     _assert_matches(reference, grads, loss, n_tokens)
 

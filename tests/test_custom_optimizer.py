@@ -24,15 +24,14 @@ Shape letters: G global batch, T sequence length, L layers, D model width, F mlp
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 from optax import tree_utils as otu
 
-from step_helpers import (CONFIG, FP32, FP32_RTOL, TINY, U32, compile_fast, device_batch, host_batch,
-                          quick_compile, shard_shape, spec_axes, to_host)
+from step_helpers import (CONFIG, FP32, FP32_RTOL, TINY, U32, compile_fast, device_batch, host_batch, quick_compile,
+                          spec_axes, to_host)
 from jaxpar.config import load_config
 from jaxpar.memory import persistent_state_bytes
 from jaxpar.mesh import build_mesh
@@ -345,6 +344,7 @@ def test_skip_nonfinite_is_an_explicit_wrapper():
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"optimizer": "lion"}, TypeError, r"optimizer must be an optax.GradientTransformation"),
     ({"learning_rate": 1e-3}, ValueError, r"learning_rate is only for a caller's own optimizer"),
+    ({"optimizer": optax.lion(1e-3), "learning_rate": "fast"}, TypeError, r"learning_rate must be a schedule"),
     ({"optimizer": optax.lion(1e-3), "learning_rate": optax.constant_schedule(1e-3)}, ValueError,
      r"expected one optax.ScaleByScheduleState .*found 0"),
     ({"optimizer": skip_nonfinite(skip_nonfinite(optax.sgd(1e-3)))}, ValueError, r"holds 2 optax.ApplyIfFiniteState"),
@@ -355,19 +355,32 @@ def test_bad_optimizer_arguments_are_refused_at_plan_time(kwargs, error, match):
 
 
 def test_train_loop_with_an_optimizer_without_skip_or_schedule(tmp_path):
-    """`train(cfg, optimizer=...)`: the run finishes; metrics.jsonl has null learning_rate and skipped_steps."""
+    """`train(cfg, optimizer=...)`: the run finishes with null learning_rate and skipped_steps in metrics.jsonl;
+    it resumes from its checkpoint with the same optimizer, and another optimizer is refused, naming arrays."""
+    from jaxpar.config import ConfigError
     from jaxpar.train.loop import train
-    cfg = load_config(CONFIG, ["model.n_layers=1", "data.seq_len=32", "data.max_bytes=200000",
-                               "data.validation_fraction=0.3", "train.global_batch_size=8", "train.eval_batches=1",
-                               "train.progress_bar=false", "train.sample_tokens=0", "train.log_every=1",
-                               "train.eval_every=0", "train.steps=2", "checkpoint.every_steps=0",
-                               f"train.run_dir={tmp_path}"])
-    result = train(cfg, optimizer=optax.adafactor(1e-2))
+
+    def cfg(steps: int):
+        return load_config(CONFIG, ["model.n_layers=1", "data.seq_len=32", "data.max_bytes=200000",
+                                    "data.validation_fraction=0.3", "train.global_batch_size=8",
+                                    "train.eval_batches=1", "train.progress_bar=false", "train.sample_tokens=0",
+                                    "train.log_every=1", "train.eval_every=0", f"train.steps={steps}",
+                                    "checkpoint.every_steps=2", "checkpoint.async_save=false",
+                                    f"train.run_dir={tmp_path}"])
+
+    def adafactor():
+        return optax.adafactor(1e-2, min_dim_size_to_factor=FACTOR_MIN)
+
+    result = train(cfg(2), optimizer=adafactor())
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and sorted(result.losses) == [1, 2]
     assert all(r["learning_rate"] is None and r["skipped_steps"] is None for r in rows)
     assert all(np.isfinite(r["loss"]) for r in rows) and np.isfinite(result.val_loss)
-    assert jnp.isfinite(result.state["step"]) and int(result.state["step"]) == 2
+    assert int(result.state["step"]) == 2
+    resumed = train(cfg(3), optimizer=adafactor())
+    assert resumed.start_step == 2 and sorted(resumed.losses) == [3] and np.isfinite(resumed.losses[3])
+    with pytest.raises(ConfigError, match=r"does not fit this config .*opt_state.*optimizer of your own"):
+        train(cfg(4), optimizer=optax.lion(1e-3))
 
 
 def test_example_script_trains_with_its_own_loss_and_optimizer(capsys):

@@ -63,8 +63,8 @@ class TrainingDiverged(RuntimeError):
 
 @dataclasses.dataclass
 class TrainResult:
-    """What a run produced. Losses are token-mean cross-entropy in nats (the training losses: the run's own loss,
-    when `train` was given one)."""
+    """What a run produced. Training losses are token means of the training loss (cross-entropy in nats, unless
+    `train` was given a `loss_fn`); validation losses are always token-mean cross-entropy in nats."""
 
     losses: dict[int, float]           # step (1-based, after the update) -> training loss of that step
     val_loss: float | None
@@ -192,8 +192,9 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
         lines.sort(key=lambda line: not line.startswith("params."))  # parameters say most about the model
         raise ConfigError(
             f"the checkpoint in {source} does not fit this config ({len(lines)} arrays differ, e.g. "
-            f"{'; '.join(lines[:3])}); run with the config it was saved with (config.yaml beside it), or start "
-            f"a fresh run in another train.run_dir") from e
+            f"{'; '.join(lines[:3])}); run with the config it was saved with (config.yaml beside it) and, if it "
+            f"was trained with an optimizer of your own, that optimizer, or start a fresh run in another "
+            f"train.run_dir") from e
     return None, None
 
 

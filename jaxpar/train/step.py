@@ -140,7 +140,11 @@ def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
             raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. optax.lion(1e-4)), got "
                             f"{type(optimizer).__name__}")
         if learning_rate is not None and not callable(learning_rate):
-            learning_rate = float(learning_rate)
+            try:
+                learning_rate = float(learning_rate)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"learning_rate must be a schedule (count -> rate) or a number, got "
+                                f"{learning_rate!r}") from e
         tx, schedule = optimizer, learning_rate
     if loss_fn is None:
         loss_fn = cross_entropy
