@@ -15,6 +15,8 @@ order is fsdp-major, data-minor: the layout a reduce-scatter over `data` of an f
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -94,3 +96,39 @@ def gathered_axes(spec: P) -> list[tuple[int, tuple[str, ...]]]:
         if storage:
             out.append((dim, storage))
     return out
+
+
+def opt_state_specs(opt_state, params, specs) -> Any:
+    """PartitionSpec per leaf of any optax optimizer state: a parameter's `opt_state` spec for the leaves that
+    stand for that parameter, replicated (`P()`) for everything else.
+
+    A state leaf stands for a parameter when its pytree path ends with the parameter's path (optax keeps
+    per-parameter state as copies of the parameter tree: Adam's and Lion's `mu`, `nu`, Adafactor's unfactored
+    `v`, inside `chain`, `masked`, `multi_transform`, ...) and it has the parameter's shape. Leaves that fail
+    either test stay whole on every device: scalars (counts, skip counters), and state whose shape differs from
+    its parameter, such as Adafactor's factored row and column statistics `v_row`, `v_col` (the parameter
+    shape with one dimension removed) and its (1,)-shaped placeholders. So ZeRO partitions exactly the
+    parameter-shaped state, and no leaf gets a spec that does not fit its shape.
+
+    Args:
+      opt_state: the optimizer state, arrays or ShapeDtypeStructs (e.g. `jax.eval_shape(tx.init, params)`).
+      params: the parameter tree, arrays or ShapeDtypeStructs.
+      specs: PartitionSpec tree matching `params` (`param_specs(logical, "opt_state", zero_stage)`).
+
+    Returns:
+      a PartitionSpec tree with the structure of `opt_state`.
+    """
+    leaves, _ = jax.tree_util.tree_flatten_with_path(params)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    by_path = {tuple(path): (leaf.shape, spec) for (path, leaf), spec in zip(leaves, spec_leaves, strict=True)}
+    depths = sorted({len(path) for path in by_path}, reverse=True)  # longest first: the most specific match
+
+    def spec_of(path, leaf):
+        for depth in depths:
+            match = by_path.get(tuple(path[-depth:])) if len(path) >= depth else None
+            if match is not None:
+                shape, spec = match
+                return spec if tuple(leaf.shape) == tuple(shape) else P()
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec_of, opt_state)

@@ -23,6 +23,7 @@ boundary on top of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,26 @@ def _scatter_seq_bwd(_, g):
 _scatter_sequence.defvjp(_scatter_seq_fwd, _scatter_seq_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_vocab(x, size):
+    # all-gather over tensor along the vocabulary: every rank gets the full logits.
+    return jax.lax.all_gather(x, AXIS, axis=x.ndim - 1, tiled=True)
+
+
+def _gather_vocab_fwd(x, size):
+    return _gather_vocab(x, size), None
+
+
+def _gather_vocab_bwd(size, _, g):
+    # Every rank computed the same loss from the same full logits: its own columns of the gradient are the
+    # gradient of its shard (a psum_scatter would count the loss t times).
+    v_local = g.shape[-1] // size
+    return (jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(AXIS) * v_local, v_local, axis=g.ndim - 1),)
+
+
+_gather_vocab.defvjp(_gather_vocab_fwd, _gather_vocab_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
     """The tensor-parallel context handed to every layer.
@@ -144,11 +165,14 @@ class TensorParallel:
         x_BTD = jnp.take(table_VD, jnp.clip(local, 0, v_local - 1), axis=0) * mine[..., None].astype(table_VD.dtype)
         return self.exit(x_BTD)
 
-    def cross_entropy_sum(self, logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
-        """Sum over tokens of mask * cross-entropy, in fp32 nats, from logits sharded over the vocabulary.
+    def log_softmax_terms(self, logits_BTV: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(log Z, target logit) per token, fp32 [B, T] each, from logits sharded over the vocabulary, so that
+        cross-entropy = log Z - target logit and the softmax normaliser Z = sum over the whole vocabulary of
+        exp(logit). Both are the same on every tensor rank.
 
         Each rank holds logits [B, T, V/t]; the max, the sum of exponentials and the target logit are reduced
         over `tensor` (pmax / psum of [B, T] values), so the full logits are never materialised on one rank.
+        Gradients flow back to each rank's own vocabulary shard. Plain math when `size` == 1.
         """
         logits = logits_BTV.astype(jnp.float32)
         v_local = logits.shape[-1]
@@ -166,7 +190,21 @@ class TensorParallel:
             sum_exp = _reduce_from_tensor(sum_exp)
             target_logit = _reduce_from_tensor(target_logit)
         log_z = jnp.log(sum_exp) + shift
+        return log_z, target_logit
+
+    def cross_entropy_sum(self, logits_BTV: jax.Array, targets_BT: jax.Array, mask_BT: jax.Array) -> jax.Array:
+        """Sum over tokens of mask * cross-entropy, in fp32 nats, from logits sharded over the vocabulary
+        (`log_softmax_terms`)."""
+        log_z, target_logit = self.log_softmax_terms(logits_BTV, targets_BT)
         return jnp.sum((log_z - target_logit) * mask_BT.astype(jnp.float32))
+
+    def gather_vocab(self, logits_BTV: jax.Array) -> jax.Array:
+        """This rank's vocabulary shard [B, T, V/t] -> the full logits [B, T, V] (all-gather over `tensor`), the
+        same on every rank; the backward keeps this rank's slice of the gradient (no sum: every rank computes the
+        same function of the full logits). Costs B * T * V values per rank. Identity when `size` == 1."""
+        if not self.active:
+            return logits_BTV
+        return _gather_vocab(logits_BTV, self.size)
 
 
 NO_TENSOR_PARALLEL = TensorParallel()

@@ -1,6 +1,9 @@
 """The training loop behind `jaxpar-train`: data, compiled step, validation, metrics, checkpoints, resume.
 
     result = train(load_config("configs/tiny.yaml", ["train.steps=50"]))
+    result = train(cfg, loss_fn=cross_entropy_with_z_loss(1e-4), optimizer=skip_nonfinite(optax.lion(1e-4)))
+
+(the last with a caller's own loss and optimizer, from `jaxpar.train.loss` and `jaxpar.train.optimizer`).
 
 A run directory holds `config.yaml` (the resolved config), `metrics.jsonl`, `tensorboard/` and
 `checkpoints/<step>/`. Starting in a directory that has complete checkpoints resumes from the latest one
@@ -19,6 +22,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from jaxpar import flops as flops_lib
 from jaxpar.checkpoint import Checkpointer, restore_from_path
@@ -31,6 +35,8 @@ from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import MetricsWriter, default_trackers
 from jaxpar.model import param_count
 from jaxpar.train.faults import FaultInjector
+from jaxpar.train.loss import LossFn
+from jaxpar.train.optimizer import nonfinite_state
 from jaxpar.train.preemption import PreemptionWatch
 from jaxpar.train.step import (
     StepPlan,
@@ -52,7 +58,8 @@ class TrainingDiverged(RuntimeError):
 
 @dataclasses.dataclass
 class TrainResult:
-    """What a run produced. Losses are token-mean cross-entropy in nats."""
+    """What a run produced. Training losses are token means of the training loss (cross-entropy in nats, unless
+    `train` was given a `loss_fn`); validation losses are always token-mean cross-entropy in nats."""
 
     losses: dict[int, float]           # step (1-based, after the update) -> training loss of that step
     val_loss: float | None
@@ -180,8 +187,9 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
         lines.sort(key=lambda line: not line.startswith("params."))  # parameters say most about the model
         raise ConfigError(
             f"the checkpoint in {source} does not fit this config ({len(lines)} arrays differ, e.g. "
-            f"{'; '.join(lines[:3])}); run with the config it was saved with (config.yaml beside it), or start "
-            f"a fresh run in another train.run_dir") from e
+            f"{'; '.join(lines[:3])}); run with the config it was saved with (config.yaml beside it) and, if it "
+            f"was trained with an optimizer of your own, that optimizer, or start a fresh run in another "
+            f"train.run_dir") from e
     return None, None
 
 
@@ -190,15 +198,27 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
 CompiledHook = Callable[[StepPlan, Any, dict, dict], "str | None"]
 
 
-def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResult:
+def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.GradientTransformation | None = None,
+          learning_rate: optax.Schedule | float | None = None,
+          on_compiled: Sequence[CompiledHook] = ()) -> TrainResult:
     """Runs `cfg.train.steps` optimizer steps (resuming if RUN_DIR has checkpoints); returns a `TrainResult`.
 
-    `on_compiled`: hooks run once after the train step compiles (`CompiledHook`); each report they return is
-    logged.
+    Args:
+      cfg: the run config.
+      loss_fn, optimizer, learning_rate: a caller's own training loss and optax optimizer, and what the
+        `learning_rate` metric reports for it; see `jaxpar.train.step.build_plan` (defaults: cross-entropy, and
+        the config's AdamW). Validation (`val_loss`) is the cross-entropy whatever the loss. Metrics the step
+        does not report (`learning_rate` without `learning_rate`; `skipped_steps` without a
+        `jaxpar.train.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
+        non-finite update is applied, and `train.max_bad_steps` and `train.divergence_rollbacks` cannot act.
+        A run resumes only with the optimizer it was saved with (its state's arrays must match).
+      on_compiled: hooks run once after the train step compiles (`CompiledHook`); each report they return is
+        logged.
 
     Raises:
       ConfigError: a data source or batch size that the corpus cannot serve (before any device work).
       ValueError / FileNotFoundError: a checkpoint that does not match the model, or a missing restore path.
+      TypeError / ValueError: a `loss_fn`, `optimizer` or `learning_rate` that `build_plan` refuses.
     """
     cfg = resolve_config(cfg, jax.device_count())
     if cfg.precision.compute_dtype == "auto":
@@ -206,15 +226,20 @@ def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResu
             cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name))
     t, run_dir = cfg.train, cfg.train.run_dir
     check_run_dir(run_dir)
-    if cfg.optimizer.warmup_steps > t.steps:
+    if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
         _log(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
              f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
              f"decays; lower optimizer.warmup_steps to reach the peak")
     mesh = build_mesh(cfg)
-    plan = build_plan(cfg, mesh)
+    plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
     print(f"jaxpar: {describe_process()}", flush=True)  # every process, once
     _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
          f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
+    if optimizer is not None:
+        skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None
+        _log("optimizer: the caller's optax transformation (optimizer.* keys other than zero_stage are not read)"
+             + ("" if skips else "; it has no skip_nonfinite wrapper: a NaN or inf update is applied, and "
+                "train.max_bad_steps and train.divergence_rollbacks cannot act"))
     train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
                                                    cfg.model.vocab_size, t.eval_batches,
                                                    vocab_multiple=cfg.mesh.tensor)
@@ -267,7 +292,8 @@ def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResu
     for hook in on_compiled:
         report = hook(plan, compiled, state, first_batch)
         if report:
-            _log(report)
+            _log(report + ("\n(the ZeRO formula counts AdamW's two moments, not this optimizer's state)"
+                           if optimizer is not None else ""))
     mc = cfg.metrics
     writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0, trackers=lambda d: default_trackers(
         d, tensorboard=mc.tensorboard, wandb=mc.wandb, wandb_project=mc.wandb_project, wandb_mode=mc.wandb_mode,
@@ -301,7 +327,8 @@ def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResu
                 batch = train_loader.next_batch()
             state, metrics = compiled(state, batch)
             batch = None
-            if previous is not None:  # the previous step's counter: reading it does not wait for this step
+            if previous is not None and "bad_steps_in_a_row" in previous:
+                # the previous step's counter: reading it does not wait for this step
                 bad = int(previous["bad_steps_in_a_row"])
                 if bad >= t.max_bad_steps:
                     if rollbacks >= t.divergence_rollbacks or ckpt is None or not ckpt.all_steps():
@@ -319,9 +346,10 @@ def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResu
                 losses[step] = m["loss"]
                 val_loss, val_tokens = (evaluate(eval_step, state["params"], val_loader, watchdog.beat, step)
                                         if evaluate_now else (None, None))
+                skipped = int(m["skipped_steps"]) if "skipped_steps" in m else None
                 writer.write(step, {"loss": m["loss"], "val_loss": val_loss, "val_tokens": val_tokens,
-                                    "learning_rate": m["learning_rate"],
-                                    "grad_norm": m["grad_norm"], "skipped_steps": int(m["skipped_steps"]),
+                                    "learning_rate": m.get("learning_rate"),
+                                    "grad_norm": m["grad_norm"], "skipped_steps": skipped,
                                     "rollbacks": rollbacks, "tokens_per_s": tokens_per_s,
                                     "step_time_s": step_time, "tokens": m["tokens"],
                                     "mfu": flops_lib.mfu(tokens_per_s, flops_per_token, mesh.size, peak),
@@ -335,7 +363,7 @@ def train(cfg: Config, *, on_compiled: Sequence[CompiledHook] = ()) -> TrainResu
             if watch.reached(step):
                 preempted_at = step
             if ckpt is not None and (ckpt.should_save(step) or step == t.steps or preempted_at):
-                if int(metrics["bad_steps_in_a_row"]):  # never make a diverging state the one to resume from
+                if int(metrics.get("bad_steps_in_a_row", 0)):  # never make a diverging state the one to resume from
                     _log(f"step {step}: no checkpoint saved, its update was skipped for non-finite gradients")
                 else:
                     ckpt.save(step, state, data_state=train_loader.get_state(), config=cfg.to_dict(), force=True)

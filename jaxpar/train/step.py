@@ -14,7 +14,9 @@ adds only the all-gather of updated parameters that ZeRO-1/2 need.
 
 The loss is the mean cross-entropy over every valid (mask = 1) token of the global batch: each microbatch's
 summed loss is divided by the global count of valid tokens, so accumulation over any split is exact and an
-all-masked microbatch contributes zero (no NaN).
+all-masked microbatch contributes zero (no NaN). A caller's own loss (`build_plan(..., loss_fn=...)`, see
+`jaxpar.train.loss`) replaces the cross-entropy's per-microbatch sum under the same normalisation; a caller's own
+optax optimizer (`build_plan(..., optimizer=...)`) replaces the default AdamW.
 """
 from __future__ import annotations
 
@@ -33,8 +35,11 @@ from jaxpar.config.validate import sequence_parallel
 from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS, TensorParallel
-from jaxpar.sharding import activation_spec, gathered_axes, named, param_specs, partitioned_over_data
-from jaxpar.train.optimizer import applied_learning_rate, build_optimizer, learning_rate_schedule
+from jaxpar.sharding import (activation_spec, gathered_axes, named, opt_state_specs, param_specs,
+                             partitioned_over_data)
+from jaxpar.train.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
+from jaxpar.train.optimizer import (applied_learning_rate, build_optimizer, learning_rate_schedule,
+                                    nonfinite_state, schedule_count)
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -52,9 +57,14 @@ class StepPlan:
     """Everything static about the step on one mesh: model structure, optimizer, specs and shardings.
 
     Attributes:
-      specs: PartitionSpec trees for "params", "grads" and "opt_state" (also used for the fp32 master copy).
+      tx: the optimizer (`build_plan`'s `optimizer`, else the config's AdamW).
+      schedule: what the `learning_rate` metric reports: a schedule (count -> rate), a constant rate, or None
+        (no such metric).
+      specs: PartitionSpec trees for "params", "grads" and "opt_state" (also used for the fp32 master copy);
+        the optimizer state's own specs are in `state_shardings["opt_state"]`.
       state_shardings: NamedSharding tree matching `init_state`'s output.
       batch_sharding: NamedSharding of each [G, T] batch array (rows over data x fsdp).
+      loss_fn: the training loss (`jaxpar.train.loss`; default `cross_entropy`).
     """
 
     cfg: Config
@@ -62,13 +72,14 @@ class StepPlan:
     mdef: ModelDef
     logical: dict
     tx: optax.GradientTransformation
-    schedule: optax.Schedule
+    schedule: optax.Schedule | float | None
     compute_dtype: Any
     reduce_dtype: Any
     param_dtype: Any
     specs: dict
     state_shardings: dict
     batch_sharding: NamedSharding
+    loss_fn: LossFn = cross_entropy
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -84,26 +95,75 @@ class StepPlan:
         return self.cfg.precision.layout == "16p"
 
 
-def build_plan(cfg: Config, mesh: Mesh) -> StepPlan:
-    """Derives model structure, optimizer and every sharding for `cfg` on `mesh` (no device work)."""
+def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
+               optimizer: optax.GradientTransformation | None = None,
+               learning_rate: optax.Schedule | float | None = None) -> StepPlan:
+    """Derives model structure, optimizer and every sharding for `cfg` on `mesh` (no device work).
+
+    Args:
+      cfg: the run config.
+      mesh: the device mesh (`jaxpar.mesh.build_mesh`).
+      loss_fn: the training loss, a `jaxpar.train.loss.VocabParallelLoss` or a plain function
+        `(logits [b, T, V], batch) -> summed fp32 loss` (see `jaxpar.train.loss` for how each sees the logits
+        under tensor parallelism and how the step normalises). Default: next-token cross-entropy.
+      optimizer: any `optax.GradientTransformation` (e.g. `optax.lion`, `optax.adafactor`,
+        `optax.multi_transform`), used as given: then the `optimizer.*` config keys other than `zero_stage` are
+        not read (learning rate, schedule, clipping, weight decay are the transformation's own). Wrap it in
+        `jaxpar.train.optimizer.skip_nonfinite` to skip and count non-finite updates as the default does; only
+        then does the step report `bad_steps_in_a_row` and `skipped_steps`. Its state is sharded by
+        `jaxpar.sharding.opt_state_specs`: parameter-shaped leaves as the parameters' optimizer state (over
+        `data` too from ZeRO-1), everything else (counts, Adafactor's factored statistics) replicated.
+        Default: the config's AdamW with its schedule, clipping and the non-finite skip.
+      learning_rate: only with `optimizer`: what the `learning_rate` metric reports. A schedule (count ->
+        rate, the one the optimizer was given) is read at the optimizer's own update count, which needs
+        exactly one `optax.ScaleByScheduleState` in its state (an optax optimizer given a callable learning
+        rate keeps one); a number is reported as is. Either reads 0.0 on an update a `skip_nonfinite` wrapper
+        skipped. None (the default with `optimizer`): no `learning_rate` metric.
+
+    Raises:
+      TypeError: `optimizer` is not an `optax.GradientTransformation`; `loss_fn` fails on abstract inputs or
+        returns no real scalar (`jaxpar.train.loss.check_loss_fn`).
+      ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
+        holds no or several schedule states; an optimizer state with nested `skip_nonfinite` wrappers.
+    """
     logical = logical_axes(cfg.model)
     zero = cfg.optimizer.zero_stage
     specs = {kind: param_specs(logical, kind, zero) for kind in ("params", "grads", "opt_state")}
-    tx = build_optimizer(cfg.optimizer, logical, cfg.train.steps)
+    if optimizer is None:
+        if learning_rate is not None:
+            raise ValueError("learning_rate is only for a caller's own optimizer; the default AdamW's schedule "
+                             "comes from the optimizer.* config keys (optimizer.learning_rate, warmup_steps, decay)")
+        tx = build_optimizer(cfg.optimizer, logical, cfg.train.steps)
+        schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
+    else:
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. optax.lion(1e-4)), got "
+                            f"{type(optimizer).__name__}")
+        if learning_rate is not None and not callable(learning_rate):
+            try:
+                learning_rate = float(learning_rate)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"learning_rate must be a schedule (count -> rate) or a number, got "
+                                f"{learning_rate!r}") from e
+        tx, schedule = optimizer, learning_rate
+    if loss_fn is None:
+        loss_fn = cross_entropy
+    else:
+        check_loss_fn(loss_fn, cfg.data.seq_len, cfg.model.vocab_size)
     param_dtype = jnp.bfloat16 if cfg.precision.layout == "16p" else jnp.float32
     abstract_params = jax.eval_shape(lambda: init_params(cfg.model, 0))
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    opt_specs = optax.tree_map_params(tx, lambda _, spec: spec, abstract_opt, specs["opt_state"],
-                                      transform_non_params=lambda _: P(),
-                                      is_leaf=lambda x: isinstance(x, P))
-    state_specs = {"step": P(), "params": specs["params"], "opt_state": opt_specs}
+    nonfinite_state(abstract_opt)  # raises on nested skip wrappers
+    if callable(schedule):
+        schedule_count(abstract_opt)  # raises unless the state holds exactly one schedule count
+    state_specs = {"step": P(), "params": specs["params"],
+                   "opt_state": opt_state_specs(abstract_opt, abstract_params, specs["opt_state"])}
     if cfg.precision.layout == "16p":
         state_specs["master"] = specs["opt_state"]
-    return StepPlan(cfg=cfg, mesh=mesh, mdef=model_def(cfg.model), logical=logical, tx=tx,
-                    schedule=learning_rate_schedule(cfg.optimizer, cfg.train.steps),
+    return StepPlan(cfg=cfg, mesh=mesh, mdef=model_def(cfg.model), logical=logical, tx=tx, schedule=schedule,
                     compute_dtype=compute_dtype(cfg), reduce_dtype=_DTYPES[cfg.precision.reduce_dtype],
                     param_dtype=param_dtype, specs=specs, state_shardings=named(mesh, state_specs),
-                    batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")))
+                    batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")), loss_fn=loss_fn)
 
 
 def init_state(plan: StepPlan, seed: int) -> dict:
@@ -134,7 +194,9 @@ def _split_microbatches(batch: dict, n: int) -> dict:
     return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
 
 
-def _loss_body(plan: StepPlan) -> Callable:
+def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
+    """`loss_sum(params, mb)`: one microbatch's summed loss on this device's rows (inside the shard_map): the
+    plan's training loss, or with `train=False` the cross-entropy that evaluation reports."""
     gather = module_gatherer(plan.mesh_shape, partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
                              plan.compute_dtype, plan.reduce_dtype)
 
@@ -142,7 +204,9 @@ def _loss_body(plan: StepPlan) -> Callable:
 
     def loss_sum(params: dict, mb: dict) -> jax.Array:
         logits = plan.mdef.bind(params)(mb["inputs"], plan.compute_dtype, gather, tp)
-        return token_loss_sum(logits, mb["targets"], mb["loss_mask"], tp)
+        if not train:
+            return token_loss_sum(logits, mb["targets"], mb["loss_mask"], tp)
+        return summed_loss(plan.loss_fn, logits, mb, tp)
 
     return loss_sum
 
@@ -202,7 +266,7 @@ def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.A
         h = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
         h = jnp.where(is_first, h, x_in)
         h = model.run_blocks(h, gather, tp)
-        loss = token_loss_sum(model.logits(h, gather, tp), mb["targets"], mb["loss_mask"], tp)
+        loss = summed_loss(plan.loss_fn, model.logits(h, gather, tp), mb, tp)
         return h, jnp.where(is_last, loss, 0.0)
 
     m = plan.cfg.pipeline.microbatches
@@ -223,8 +287,9 @@ def make_grad_fn(plan: StepPlan) -> Callable:
 
     Returns:
       grads of the global token-mean loss, sharded as `plan.specs["grads"]`, in the parameter dtype;
-      loss_sum: summed token cross-entropy over the global batch divided by n_tokens (so: the mean), fp32;
-      n_tokens: global count of valid tokens, fp32.
+      loss_sum: the plan's summed loss (default: token cross-entropy) over the global batch divided by n_tokens
+        (so: the mean), fp32;
+      n_tokens: global count of valid tokens (sum of loss_mask), fp32.
     """
     loss_sum = _loss_body(plan)
     stages, pipe_mb = plan.mesh_shape["pipeline"], plan.cfg.pipeline.microbatches
@@ -266,12 +331,16 @@ def make_grad_fn(plan: StepPlan) -> Callable:
 def make_train_step(plan: StepPlan) -> Callable:
     """Returns the jitted `train_step(state, batch) -> (state, metrics)`; the input state is donated.
 
-    metrics: {"loss": token-mean loss (nats), "grad_norm": global L2 norm before clipping,
+    metrics: {"loss": token-mean loss (nats for the cross-entropy), "grad_norm": global L2 norm before clipping,
               "learning_rate": the rate this step's update applied, from the optimizer's own update count
               (`jaxpar.train.optimizer.applied_learning_rate`; 0.0 when the update was skipped),
               "tokens": valid tokens in the batch} (fp32 scalars),
              "bad_steps_in_a_row" and "skipped_steps" (int32): updates skipped for non-finite gradients,
              consecutive up to this step and in total.
+    "learning_rate" is left out when `plan.schedule` is None (a caller's optimizer without a `learning_rate`
+    given to `build_plan`); "bad_steps_in_a_row" and "skipped_steps" are left out when the optimizer state holds
+    no `jaxpar.train.optimizer.skip_nonfinite` wrapper (such an optimizer applies every update, finite or not).
+    The default optimizer reports all of them.
     """
     grad_fn = make_grad_fn(plan)
 
@@ -288,11 +357,18 @@ def make_train_step(plan: StepPlan) -> Callable:
             new["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), target)
         else:
             new["params"] = target
-        # Not plan.schedule(state["step"]): a skipped update does not advance the optimizer's count.
-        learning_rate = applied_learning_rate(plan.schedule, state["opt_state"], opt_state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
-                   "tokens": n_tokens, "bad_steps_in_a_row": opt_state.notfinite_count,
-                   "skipped_steps": opt_state.total_notfinite}
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        skip = nonfinite_state(opt_state)
+        if callable(plan.schedule):
+            # Not plan.schedule(state["step"]): a skipped update does not advance the optimizer's count.
+            metrics["learning_rate"] = applied_learning_rate(plan.schedule, state["opt_state"], opt_state)
+        elif plan.schedule is not None:
+            rate = jnp.float32(plan.schedule)
+            metrics["learning_rate"] = rate if skip is None else jnp.where(skip.last_finite, rate, 0.0)
+        metrics["tokens"] = n_tokens
+        if skip is not None:
+            metrics["bad_steps_in_a_row"] = skip.notfinite_count
+            metrics["skipped_steps"] = skip.total_notfinite
         return new, metrics
 
     batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
@@ -304,8 +380,9 @@ def make_train_step(plan: StepPlan) -> Callable:
 
 def make_eval_step(plan: StepPlan) -> Callable:
     """Returns jitted `eval_step(params, batch) -> (loss_sum, n_tokens)`: summed token loss (fp32 nats) and
-    valid-token count of a global batch, for a token-mean over several batches."""
-    loss_sum = _loss_body(plan)
+    valid-token count of a global batch, for a token-mean over several batches. Always the cross-entropy,
+    whatever the plan's training loss (`jaxpar.train.loss`)."""
+    loss_sum = _loss_body(plan, train=False)
 
     def body(params, batch):
         # psum over the batch-splitting axes: each device saw only its own rows.
