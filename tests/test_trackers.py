@@ -89,6 +89,9 @@ def test_wandb_offline_logs_numbers_and_resumes_the_same_run(tmp_path, monkeypat
     w.write(1, {"loss": 2.5, "val_loss": None, "mfu": float("nan"), "bad": True})
     w.write(2, {"loss": 2.0, "learning_rate": 1e-3})
     w.close()
+    import wandb
+
+    wandb.teardown()  # wandb's service writes the run file lazily; stopping it flushes (process exit does too)
     assert _wandb_history(run_dir) == [{"loss": 2.5, "_step": 1}, {"loss": 2.0, "learning_rate": 1e-3, "_step": 2}]
     # None, NaN and bools are not plotted. A resumed run continues the same W&B run id. (Only the id is checked
     # for the second session: wandb's offline writer may still be flushing the first when a second starts
