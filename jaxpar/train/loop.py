@@ -17,7 +17,7 @@ import dataclasses
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -28,7 +28,7 @@ from jaxpar import flops as flops_lib
 from jaxpar.checkpoint import Checkpointer, restore_from_path
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.config.resume import check_resume_config, keep_previous_config
-from jaxpar.data import EvalLoader, build_loaders
+from jaxpar.data import EvalLoader, IteratorLoader, build_loaders
 from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
 from jaxpar.mesh import build_mesh, describe
@@ -199,7 +199,7 @@ CompiledHook = Callable[[StepPlan, Any, dict, dict], "str | None"]
 
 
 def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.GradientTransformation | None = None,
-          learning_rate: optax.Schedule | float | None = None,
+          learning_rate: optax.Schedule | float | None = None, data: Iterator | None = None,
           on_compiled: Sequence[CompiledHook] = ()) -> TrainResult:
     """Runs `cfg.train.steps` optimizer steps (resuming if RUN_DIR has checkpoints); returns a `TrainResult`.
 
@@ -212,6 +212,10 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
         `jaxpar.train.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
         non-finite update is applied, and `train.max_bad_steps` and `train.divergence_rollbacks` cannot act.
         A run resumes only with the optimizer it was saved with (its state's arrays must match).
+      data: a caller's own training data: an iterator of this process's rows of each global batch with Grain's
+        `get_state` / `set_state` (`jaxpar.data.IteratorLoader` says what it yields); its state goes into the
+        checkpoints, so the run resumes exactly. Default: the config's `data.*` corpus. Validation still scores
+        the config's validation split.
       on_compiled: hooks run once after the train step compiles (`CompiledHook`); each report they return is
         logged.
 
@@ -243,6 +247,10 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
     train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
                                                    cfg.model.vocab_size, t.eval_batches,
                                                    vocab_multiple=cfg.mesh.tensor)
+    if data is not None:
+        train_loader = IteratorLoader(data, t.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
+        _log(f"data: training batches from the caller's {type(data).__name__} ({train_loader.local_rows} rows of "
+             f"{cfg.data.seq_len} tokens per process per step); validation from {cfg.data.source}")
     val_cover = (f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
                  f"{info['val_sequences']:,} validation sequences)")
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
@@ -258,7 +266,12 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
     if state is None:
         state = init_state(plan, t.seed)
     else:
-        train_loader.set_state(data_state)
+        try:
+            train_loader.set_state(data_state)
+        except ValueError as e:
+            raise ValueError(f"the checkpoint's data position does not fit this run's data ({e}); resume with the "
+                             f"data the run was saved with (the built-in corpus, or the same iterator), or start "
+                             f"a fresh run in another train.run_dir") from e
     start = int(state["step"])
     if start > t.steps:
         raise ConfigError(f"the run in train.run_dir={run_dir!r} is already at step {start}, past train.steps="
@@ -271,7 +284,8 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
                  f"); the previous config is kept as {kept}")
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     if start:
-        _log(f"resumed at step {start} (data position {train_loader.get_state()['next_sample']})")
+        position = train_loader.get_state().get("next_sample", "the caller's iterator state")
+        _log(f"resumed at step {start} (data position {position})")
 
     n_params = param_count(state["params"])
     flops_per_token = flops_lib.flops_per_token(
