@@ -50,3 +50,17 @@ def test_checkpoint_of_the_built_in_loader_is_refused_by_an_iterator(tmp_path):
     with pytest.raises(ValueError, match="the checkpoint's data position does not fit this run's data.*resume "
                                          "with the data the run was saved with"):
         train(_cfg(tmp_path, 4), data=_iterator())
+
+
+@pytest.mark.slow
+def test_example_script_resumes_its_own_data_exactly():
+    """experiments/own_data.py (a Grain pipeline over the stdlib's text, stopped at half and resumed)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(CONFIG), os.pardir, "experiments", "own_data.py")
+    spec = importlib.util.spec_from_file_location("own_data", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = module.main(["--steps", "4"])
+    assert out["start"] == 2 and sorted(out["resumed"]) == [3, 4] and out["same"]
+    assert out["whole"][4] < out["whole"][1]  # it learns
