@@ -31,11 +31,11 @@ from jaxpar.checkpoint import (
     _STEP_NAME,
     _is_complete_step_dir,
 )
+from jaxpar.config.mesh_axes import CONFIG_AXES
 
 RUN_CHECKPOINT_DIR = "checkpoints"  # jaxpar.train.loop.CHECKPOINT_DIR: <run_dir>/checkpoints/<step>/
 _TMP_STEP = re.compile(r"(0|[1-9][0-9]*)\.orbax-checkpoint-tmp.*")
 _CORRUPT_STEP = re.compile(r"(0|[1-9][0-9]*)\.corrupt[0-9]*")  # an unreadable step renamed by a restore
-MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
 MODEL_DIMS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
 
 
@@ -159,7 +159,7 @@ def summarize_config(config: dict | None) -> dict:
         value = config.get(name)
         return value if isinstance(value, dict) else {}
 
-    return {"mesh": {a: section("mesh").get(a) for a in MESH_AXES},
+    return {"mesh": {a: section("mesh").get(a) for a in CONFIG_AXES},
             "zero_stage": section("optimizer").get("zero_stage"),
             "layout": section("precision").get("layout"),
             "global_batch_size": section("train").get("global_batch_size"),
@@ -231,10 +231,10 @@ def format_checkpoint_info(info: dict) -> str:
         lines.append("  config: not saved")
     else:
         mesh = s["mesh"]
-        sizes = [mesh[a] for a in MESH_AXES]
+        sizes = [mesh[a] for a in CONFIG_AXES]
         resolved = all(isinstance(n, int) and n >= 1 for n in sizes)  # a config saved before resolve: -1
         total = f" ({math.prod(sizes)} devices)" if resolved else ""
-        lines.append("  mesh: " + " ".join(f"{a}={_fmt(mesh[a])}" for a in MESH_AXES) + total)
+        lines.append("  mesh: " + " ".join(f"{a}={_fmt(mesh[a])}" for a in CONFIG_AXES) + total)
         lines.append(f"  zero_stage: {_fmt(s['zero_stage'])}   precision layout: {_fmt(s['layout'])}   "
                      f"global batch: {_fmt(s['global_batch_size'])} x seq_len {_fmt(s['seq_len'])}")
         lines.append("  model: " + " ".join(f"{k}={_fmt(v)}" for k, v in s["model"].items()))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jaxpar")
@@ -56,3 +58,58 @@ def test_analysis_is_a_package_of_its_own():
         assert name in analysis
     top = {m for m in _modules(PACKAGE) if m.count(".") == 1}
     assert not top & {"jaxpar.plan", "jaxpar.sweep", "jaxpar.hlo", "jaxpar.memory", "jaxpar.comm"}
+
+
+def _literal_tuples(path: str):
+    """(line, tuple of str) for every tuple or list literal of string constants in the file."""
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+        if isinstance(node, (ast.Tuple, ast.List)) and node.elts and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            yield node.lineno, tuple(e.value for e in node.elts)
+
+
+# Each concept's names are spelled out once, in the module named here, and imported everywhere else.
+ONE_SOURCE = {
+    "mesh axes": ({"data", "pipeline", "fsdp", "tensor"}, "jaxpar.config.mesh_axes"),
+    "platforms": ({"gpu", "tpu", "cpu"}, "jaxpar.config.precision"),
+}
+
+
+def test_each_concept_is_spelled_out_in_one_module():
+    found: dict[str, list[str]] = {name: [] for name in ONE_SOURCE}
+    for module, path in _modules(PACKAGE).items():
+        for line, names in _literal_tuples(path):
+            for concept, (want, _) in ONE_SOURCE.items():
+                if set(names) == want and len(names) == len(want):
+                    found[concept].append(f"{module}:{line}")
+    for concept, (_, source) in ONE_SOURCE.items():
+        assert [w.split(":")[0] for w in found[concept]] == [source], (concept, found[concept])
+
+
+def test_jax_free_modules_do_not_start_jax():
+    """The commands set jax's device count before jax starts, so what they import first must not import jax."""
+    code = ("import sys\n"
+            "import jaxpar.cli.plan, jaxpar.cli.sweep, jaxpar.analysis.sweep, jaxpar.config.mesh_axes, "
+            "jaxpar.config.precision\n"
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    assert out.strip() == "[]"
+
+
+def test_compute_dtype_auto_resolves_once():
+    """The planner, the GPU compile and the train step resolve `compute_dtype: auto` with one function."""
+    import jax
+    import numpy as np
+
+    from jaxpar.analysis.plan import plan
+    from jaxpar.config import load_config, resolve_config
+    from jaxpar.config.precision import resolve_compute_dtype
+    from jaxpar.train.step import compute_dtype
+
+    assert [resolve_compute_dtype("auto", p) for p in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
+    assert resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"
+    cfg = resolve_config(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), validate=False), 8)
+    assert cfg.precision.compute_dtype == "auto"
+    here = jax.default_backend()
+    assert np.dtype(compute_dtype(cfg)).name == resolve_compute_dtype("auto", here) == plan(cfg, here)["compute_dtype"]

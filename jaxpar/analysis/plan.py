@@ -47,16 +47,16 @@ their reduce-scatter, (layer parameters / t) * Br), the gathered weights in use,
 the gradient outputs. Checked against XLA's GPU compiler for every shipped config on its cluster
 (`jaxpar.analysis.plan_gpu`).
 
-Platform (`PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`, default gpu) is the
-machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu, bfloat16
-elsewhere, as `jaxpar.train.step.compute_dtype`) and sets the width of collectives (`collective_bytes`): gpu
-and tpu count each collective in the dtype the partitioned program gives it (the HLO after XLA's SPMD
-partitioner, which every backend receives; the GPU compiler only promotes 16-bit integer all-reduce and
-reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose backend passes widen every bf16
-all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives implement no bf16 reduction) and
-every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32 (XLA's source,
-xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked against
-both programs by tests/test_plan.py). Memory is planned the same on every platform.
+Platform (`jaxpar.config.precision.PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's
+`platform:`, default gpu) is the machine the step is planned for. It resolves `precision.compute_dtype: auto`
+(float32 on cpu, bfloat16 elsewhere: `jaxpar.config.precision.resolve_compute_dtype`) and sets the width of
+collectives (`collective_bytes`): gpu and tpu count each collective in the dtype the partitioned program gives
+it (the HLO after XLA's SPMD partitioner, which every backend receives; the GPU compiler only promotes 16-bit
+integer all-reduce and reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose backend
+passes widen every bf16 all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives implement
+no bf16 reduction) and every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32 (XLA's
+source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked
+against both programs by tests/test_plan.py). Memory is planned the same on every platform.
 """
 from __future__ import annotations
 
@@ -64,13 +64,12 @@ import dataclasses
 import math
 
 from jaxpar.analysis.memory import formula_expression, state_bytes_formula
+from jaxpar.config.mesh_axes import MESH_AXES
+from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
 from jaxpar.config.schema import Config
-from jaxpar.sharding import PARAM_RULES
+from jaxpar.sharding import PARAM_RULES, storage_axes
 
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")  # jaxpar.mesh.AXES: the order HLO replica groups follow
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 GB = 1e9
-PLATFORMS = ("gpu", "tpu", "cpu")
 # How each platform's compiler leaves the partitioned program's collectives (module docstring).
 COLLECTIVE_DTYPES = {
     "gpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
@@ -78,13 +77,6 @@ COLLECTIVE_DTYPES = {
     "cpu": "as XLA:CPU compiles them: bf16 all-reduce, reduce-scatter, all-gather, collective-permute widened "
            "to fp32",
 }
-
-
-def check_platform(platform: str) -> str:
-    """`platform` if it is one of `PLATFORMS`; raises ValueError naming them otherwise."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform {platform!r} is not one of {', '.join(PLATFORMS)}")
-    return platform
 
 
 def collective_bytes(dtype_bytes: int, platform: str) -> int:
@@ -146,14 +138,6 @@ def local_size(leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = ())
     return total
 
 
-def compute_dtype_name(cfg: Config, platform: str) -> str:
-    """`precision.compute_dtype` with `auto` resolved as `jaxpar.train.step.compute_dtype` does: float32 on
-    cpu, bfloat16 elsewhere."""
-    if cfg.precision.compute_dtype != "auto":
-        return cfg.precision.compute_dtype
-    return "float32" if platform == "cpu" else "bfloat16"
-
-
 @dataclasses.dataclass(frozen=True)
 class Dims:
     """The step's sizes as the planner uses them (see the module docstring for the letters)."""
@@ -181,7 +165,7 @@ def dims(cfg: Config, platform: str) -> Dims:
     """Sizes of a resolved config (mesh without -1, `tensor.sequence_parallel` concrete) on `platform`.
 
     Raises:
-      ValueError: the config is not resolved; platform not one of `PLATFORMS`.
+      ValueError: the config is not resolved; platform not one of `jaxpar.config.precision.PLATFORMS`.
     """
     check_platform(platform)
     shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
@@ -194,7 +178,7 @@ def dims(cfg: Config, platform: str) -> Dims:
     s = cfg.data.seq_len
     return Dims(shape=shape, zero=cfg.optimizer.zero_stage, b=b, s=s, s_act=s // t if sp else s, sp=sp,
                 accum=accum, m=m, layers_per_stage=cfg.model.n_layers // p,
-                compute_bytes=DTYPE_BYTES[compute_dtype_name(cfg, platform)],
+                compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
                 reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
                 param_bytes=2 if cfg.precision.layout == "16p" else 4, platform=platform)
 
@@ -314,7 +298,7 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
     XLA's by `jaxpar.analysis.plan_compile` (CPU) and `jaxpar.analysis.plan_gpu` (the GPU compiler), not a bound."""
     d = dims(cfg, platform)
-    storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+    storage = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
     summed = d.accum * d.m > 1  # microbatches whose gradients add up (pipeline microbatches included)
     accum = 4 * sum(local_size(x, d.shape, storage) for x in leaves) if summed else 0
@@ -336,8 +320,8 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     """The analytic plan of a resolved config: memory per device and collectives per step (JSON-ready).
 
     Args:
-      cfg: resolved config (`resolve_config(cfg, devices)`); platform: one of `PLATFORMS`, the machine the run
-        targets (module docstring): `cpu` when comparing with a step compiled by XLA:CPU.
+      cfg: resolved config (`resolve_config(cfg, devices)`); platform: one of `jaxpar.config.precision.PLATFORMS`,
+        the machine the run targets (module docstring): `cpu` when comparing with a step compiled by XLA:CPU.
 
     Returns:
       {"devices", "mesh", "platform", "collective_dtypes" (how the platform's compiler leaves the collectives,
@@ -350,7 +334,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
        bytes}}.
 
     Raises:
-      ValueError: platform not one of `PLATFORMS`; the config is not resolved.
+      ValueError: platform not one of `jaxpar.config.precision.PLATFORMS`; the config is not resolved.
     """
     from jaxpar.analysis.plan_comm import by_axis, collective_terms
 
@@ -366,7 +350,8 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     return {
         "devices": math.prod(d.shape.values()), "mesh": d.shape, "platform": platform,
         "collective_dtypes": COLLECTIVE_DTYPES[platform],
-        "compute_dtype": compute_dtype_name(cfg, platform), "layout": cfg.precision.layout,
+        "compute_dtype": resolve_compute_dtype(cfg.precision.compute_dtype, platform),
+        "layout": cfg.precision.layout,
         "zero_stage": d.zero, "remat": cfg.model.remat,
         "pipeline": {"schedule": cfg.pipeline.schedule, "microbatches": d.m, "stages": d.shape["pipeline"]},
         "sequence_parallel": d.sp,

@@ -49,6 +49,7 @@ import math
 from jaxpar.analysis.comm import ring_bytes
 from jaxpar.analysis.plan import MESH_AXES, dims, local_size, param_leaves
 from jaxpar.config.schema import Config
+from jaxpar.sharding import storage_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ def _passes(cfg: Config, d) -> dict[str, int]:
 
 def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape = d.shape
-    axes = ("data", "fsdp") if d.zero == 3 else ("fsdp",)
+    axes = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
     w_layer = sum(local_size(x, shape) for x in leaves if x.in_blocks) // d.layers_per_stage
     w_out = sum(local_size(x, shape) for x in leaves if not x.in_blocks)
@@ -155,7 +156,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         _term(out, shape, "activations", tensor, "all-reduce", exits + enter_grads, (exits + enter_grads) * x)
     _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * fwd, 3 * fwd * ce)
     if d.sp:
-        storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+        storage = storage_axes("params", d.zero)
         norm = local_size(param_leaves(cfg.model)[1], shape, storage)  # [L/p, D/shards] of one norm scale
         final = norm // layers
         stacked = 2 * norm + (final if shape["pipeline"] == 1 else 0)
@@ -173,7 +174,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     act = d.b * d.s_act * cfg.model.d_model * d.wire(d.compute_bytes)
     _term(out, shape, "stage activations and their gradients", ("pipeline",), "collective-permute",
           d.accum * shifts, d.accum * shifts * act)
-    storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+    storage = storage_axes("params", d.zero)
     outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
     norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
     rest = [x for x in outside if x not in norms]
@@ -186,9 +187,9 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
 
 def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
-    docstring). `platform` (`jaxpar.analysis.plan.PLATFORMS`) resolves `precision.compute_dtype: auto` (float32 on cpu,
-    else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan.collective_bytes`). Raises ValueError for an
-    unknown platform or an unresolved config."""
+    docstring). `platform` (`jaxpar.config.precision.PLATFORMS`) resolves `precision.compute_dtype: auto`
+    (float32 on cpu, else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan.collective_bytes`).
+    Raises ValueError for an unknown platform or an unresolved config."""
     d = dims(cfg, platform)
     passes = _passes(cfg, d)
     out: list[CollectiveTerm] = []

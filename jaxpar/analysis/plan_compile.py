@@ -34,8 +34,9 @@ import jax.numpy as jnp
 
 from jaxpar.analysis.hlo import classify_groups, parse_collectives
 from jaxpar.analysis.memory import persistent_state_bytes
-from jaxpar.analysis.plan import check_platform
 from jaxpar.analysis.plan import plan as analytic_plan
+from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.precision import check_platform
 from jaxpar.config.schema import Config
 from jaxpar.mesh import build_mesh
 from jaxpar.train.step import (
@@ -64,7 +65,7 @@ def _label(axes) -> str:
 
 def _step_plan(cfg: Config):
     devices = jax.devices()
-    n = math.prod(getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipeline"))
+    n = math.prod(mesh_sizes(cfg.mesh).values())
     if len(devices) < n:
         raise RuntimeError(f"the mesh needs {n} devices but jax has {len(devices)}; set JAX_NUM_CPU_DEVICES={n} "
                            f"before jax is imported (jaxpar-plan --compile does)")
@@ -178,7 +179,7 @@ def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> d
 
     Raises:
       ValueError: target is `cpu` (the partitioned program is not what XLA:CPU runs: compare the executable)
-        or not one of `jaxpar.analysis.plan.PLATFORMS`.
+        or not one of `jaxpar.config.precision.PLATFORMS`.
     """
     if check_platform(target) == "cpu":
         raise ValueError("the partitioned program is compared with a plan for gpu or tpu; for cpu compare the "

@@ -104,10 +104,10 @@ def compile_devices(clu: Cluster) -> list:
 
 
 def gpu_config(cfg: Config, devices: int) -> Config:
-    from jaxpar.analysis.plan import compute_dtype_name
+    from jaxpar.config.precision import resolve_compute_dtype
     from jaxpar.config.validate import resolve_config
 
-    dtype = compute_dtype_name(cfg, "gpu")
+    dtype = resolve_compute_dtype(cfg.precision.compute_dtype, "gpu")
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
     return resolve_config(cfg, devices)
 

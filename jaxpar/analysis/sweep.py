@@ -63,12 +63,10 @@ import yaml
 
 from jaxpar.analysis.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
+from jaxpar.config.mesh_axes import CONFIG_AXES
+from jaxpar.config.precision import PLATFORMS
 from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
-# jaxpar.analysis.plan.PLATFORMS (importing jaxpar.analysis.plan here would start jax)
-PLATFORMS = ("gpu", "tpu", "cpu")
-
-AXES = ("data", "fsdp", "tensor", "pipeline")
 OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
 MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
 DONE = ("ok", "over_budget", "invalid")
@@ -112,7 +110,7 @@ def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int)
         if devices % (p * t * f):
             continue
         mesh = {"data": devices // (p * t * f), "fsdp": f, "tensor": t, "pipeline": p}
-        if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in AXES):
+        if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in CONFIG_AXES):
             continue
         if constraints.get("pipeline_divides_layers", True) and n_layers % p:
             continue
@@ -161,11 +159,11 @@ def _meshes(raw: dict, base_cfg, cluster=None) -> list[dict]:
         if not isinstance(mesh, dict) or not mesh:
             raise SweepError(f"meshes[{i}]: must be a mapping like {{data: 4, fsdp: 2}}, got {mesh!r}")
         for axis, size in mesh.items():
-            if axis not in AXES:
-                raise SweepError(f"meshes[{i}]: unknown mesh axis {axis!r}; valid: {', '.join(AXES)}")
+            if axis not in CONFIG_AXES:
+                raise SweepError(f"meshes[{i}]: unknown mesh axis {axis!r}; valid: {', '.join(CONFIG_AXES)}")
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise SweepError(f"meshes[{i}].{axis}: must be a positive integer, got {size!r}")
-        out.append({a: mesh.get(a, 1) for a in AXES})
+        out.append({a: mesh.get(a, 1) for a in CONFIG_AXES})
     return out
 
 
@@ -276,7 +274,8 @@ def points(sweep: Sweep) -> list[dict]:
     names = list(sweep.vary)
     for mesh in sweep.meshes:
         for values in itertools.product(*(sweep.vary[k] for k in names)):
-            own = [f"mesh.{a}={mesh[a]}" for a in AXES] + [f"{k}={_yaml_value(v)}" for k, v in zip(names, values)]
+            own = ([f"mesh.{a}={mesh[a]}" for a in CONFIG_AXES]
+                   + [f"{k}={_yaml_value(v)}" for k, v in zip(names, values)])
             out.append({"key": " ".join([*sweep.overrides, *own]), "overrides": own,
                         "devices": math.prod(mesh.values()), "mesh": dict(mesh)})
     return out

@@ -40,8 +40,8 @@ import os
 import subprocess
 import sys
 
-# jaxpar.analysis.plan.PLATFORMS, which cannot be imported before jax's device count is set
-PLATFORMS = ("gpu", "tpu", "cpu")
+from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.precision import PLATFORMS  # no jax: the device count is set before jax starts
 
 PROG = "jaxpar-plan"
 DEFAULT_DEVICES = 8
@@ -165,7 +165,7 @@ def _devices(args, cfg, clu=None) -> int:
         return clu.devices
     if args.devices is not None:
         return args.devices
-    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipeline]
+    sizes = list(mesh_sizes(cfg.mesh).values())
     if -1 in sizes:
         if not args.json:
             print(f"(--devices not given: planning for {DEFAULT_DEVICES} devices; pass --devices N)")
