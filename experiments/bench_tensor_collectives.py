@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.analysis.bench import interleaved_step_times, median_seconds, round_medians
-from jaxpar.analysis.bench_baselines import compiler_chosen_step, random_batch
+from jaxpar.analysis.bench_baselines import compiler_chosen_step
 from jaxpar.analysis.bench_report import tensor_analytic, tensor_axis_bytes
 from jaxpar.analysis.hlo import collectives_by_axis, format_axis_table
+from jaxpar.batch import random_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.train.step import abstract_state, build_plan, init_state, make_train_step
@@ -48,7 +49,8 @@ def main() -> None:
         extra = [] if sp is None else [f"tensor.sequence_parallel={str(sp).lower()}"]
         cfg = load_config(args.config, overrides + extra, num_devices=jax.device_count())
         plan = build_plan(cfg, build_mesh(cfg))
-        batch = random_batch(cfg, plan.batch_sharding)
+        batch = random_batch(cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size,
+                             plan.batch_sharding)
         explicit = make_train_step(plan).lower(abstract_state(plan), batch).compile()
         if compiler is None:  # independent of sequence parallelism: compile and keep once
             compiler = compiler_chosen_step(plan).lower(abstract_state(plan), batch).compile()

@@ -72,7 +72,12 @@ def _literal_tuples(path: str):
 ONE_SOURCE = {
     "mesh axes": ({"data", "pipeline", "fsdp", "tensor"}, "jaxpar.config.mesh_axes"),
     "platforms": ({"gpu", "tpu", "cpu"}, "jaxpar.config.precision"),
+    "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.batch"),
 }
+
+
+# Copies still to be replaced by an import, in modules that another change is editing now: (concept, module).
+PENDING_COPIES = {("batch keys", "jaxpar.train.step")}
 
 
 def test_each_concept_is_spelled_out_in_one_module():
@@ -80,10 +85,14 @@ def test_each_concept_is_spelled_out_in_one_module():
     for module, path in _modules(PACKAGE).items():
         for line, names in _literal_tuples(path):
             for concept, (want, _) in ONE_SOURCE.items():
-                if set(names) == want and len(names) == len(want):
+                if set(names) == want and len(names) == len(want) and (concept, module) not in PENDING_COPIES:
                     found[concept].append(f"{module}:{line}")
     for concept, (_, source) in ONE_SOURCE.items():
         assert [w.split(":")[0] for w in found[concept]] == [source], (concept, found[concept])
+    from jaxpar import batch
+    from jaxpar.train import step
+
+    assert step.BATCH_KEYS == batch.BATCH_KEYS  # the pending copy agrees until it becomes an import
 
 
 def test_jax_free_modules_do_not_start_jax():

@@ -1,6 +1,5 @@
 """Model-state bytes per device: the ZeRO formula by hand, and the formula against XLA's compiled step."""
 import jax
-import jax.numpy as jnp
 import pytest
 
 from jaxpar.analysis.memory import (
@@ -10,6 +9,7 @@ from jaxpar.analysis.memory import (
     memory_table,
     state_bytes_formula,
 )
+from jaxpar.batch import abstract_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.model import param_count
@@ -69,9 +69,7 @@ def _plan_state_batch(zero: int, layout: str, data: int = 8, fsdp: int = 1):
     cfg = load_config("configs/tiny.yaml", overrides, num_devices=8)
     plan = build_plan(cfg, build_mesh(cfg))
     state = jax.eval_shape(lambda: init_state(plan, 0))  # abstract: only compiled, never run
-    g, t = cfg.train.global_batch_size, cfg.data.seq_len
-    batch = {k: jax.ShapeDtypeStruct((g, t), dt, sharding=plan.batch_sharding)
-             for k, dt in (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
+    batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
     return plan, state, batch
 
 

@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.analysis.bench import (
     compiled_cost,
@@ -34,16 +33,16 @@ from jaxpar.analysis.bench import (
     median_seconds,
     round_medians,
 )
-from jaxpar.analysis.bench_baselines import random_batch, reference_step
+from jaxpar.analysis.bench_baselines import reference_step
 from jaxpar.analysis.comm import tensor_parallel_bytes, tensor_parallel_terms
 from jaxpar.analysis.hlo import collectives_by_axis
 from jaxpar.analysis.memory import memory_table
 from jaxpar.analysis.pipeline_report import stage_inputs_in_flight
+from jaxpar.batch import abstract_batch, random_batch
 from jaxpar.config import Config, load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.train.step import (
-    BATCH_KEYS,
     StepPlan,
     abstract_state,
     build_plan,
@@ -69,11 +68,9 @@ def row(group: str, case: str, metric: str, measured: float, reference: float, u
             "reference": float(reference), "ratio": float(ratio), "unit": unit, "target": target}
 
 
-def abstract_batch(plan: StepPlan) -> dict:
-    """ShapeDtypeStructs of one global batch ([G, T] int32 inputs/targets, float32 loss_mask) on the plan's mesh."""
-    g, t = plan.cfg.train.global_batch_size, plan.cfg.data.seq_len
-    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
-    return {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
+def _abstract_batch(plan: StepPlan) -> dict:
+    """`jaxpar.batch.abstract_batch` of one global batch on the plan's mesh."""
+    return abstract_batch(plan.cfg.train.global_batch_size, plan.cfg.data.seq_len, plan.batch_sharding)
 
 
 # --- overhead ----------------------------------------------------------------------------------------------
@@ -90,7 +87,8 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
     """
     devices = jax.devices()[:1]
     plan = build_plan(cfg, build_mesh(cfg, devices))
-    batch = random_batch(cfg, plan.batch_sharding, masked_prefix=cfg.data.seq_len // 8)
+    batch = random_batch(cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding,
+                         masked_prefix=cfg.data.seq_len // 8)
     jp = {"state": init_state(plan, cfg.train.seed)}
     ref_step, params, opt_state = reference_step(cfg)
     ref = {"params": jax.device_put(params, devices[0]), "opt": jax.device_put(opt_state, devices[0])}
@@ -143,7 +141,7 @@ def zero_memory_tables(config: str, overrides: Sequence[str], data: int, stages:
                      f"optimizer.zero_stage={zero}"]
         cfg = load_config(config, [*overrides, *mesh_axes], num_devices=data)
         plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:data]))
-        tables[zero] = memory_table(plan, abstract_state(plan), abstract_batch(plan),
+        tables[zero] = memory_table(plan, abstract_state(plan), _abstract_batch(plan),
                                     compiler_options=compiler_options)
     return tables
 
@@ -197,7 +195,7 @@ def tensor_collective_rows(config: str, overrides: Sequence[str], num_devices: i
         cfg = load_config(config, [*overrides, *mesh_axes, f"tensor.sequence_parallel={str(sp).lower()}"],
                           num_devices=num_devices)
         plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:num_devices]))
-        compiled = make_train_step(plan).lower(abstract_state(plan), abstract_batch(plan)).compile(
+        compiled = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan)).compile(
             compiler_options)
         got = tensor_axis_bytes(collectives_by_axis(compiled.as_text(), plan.mesh))
         _, want = tensor_analytic(plan)
@@ -225,7 +223,7 @@ def pipeline_overrides(p: int, pipelined: bool, schedule: str, m: int, rows: int
 def pipeline_temp_bytes(cfg: Config, devices: Sequence[jax.Device], compiler_options: dict | None = None) -> int:
     """Temp bytes per device (`memory_analysis().temp_size_in_bytes`) of the compiled train step; nothing runs."""
     plan = build_plan(cfg, build_mesh(cfg, devices))
-    compiled = make_train_step(plan).lower(abstract_state(plan), abstract_batch(plan)).compile(compiler_options)
+    compiled = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan)).compile(compiler_options)
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 

@@ -33,8 +33,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.batch import BATCH_KEYS
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
-from jaxpar.train.step import BATCH_KEYS, StepPlan, make_grad_fn, make_train_step
+from jaxpar.train.step import StepPlan, make_grad_fn, make_train_step
 
 # Bytes per parameter of each state kind, per precision layout (ZeRO section 3.1).
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {

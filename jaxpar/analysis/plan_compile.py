@@ -35,12 +35,12 @@ import jax.numpy as jnp
 from jaxpar.analysis.hlo import classify_groups, parse_collectives
 from jaxpar.analysis.memory import persistent_state_bytes
 from jaxpar.analysis.plan import plan as analytic_plan
+from jaxpar.batch import abstract_batch, random_batch
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import check_platform
 from jaxpar.config.schema import Config
 from jaxpar.mesh import build_mesh
 from jaxpar.train.step import (
-    BATCH_KEYS,
     abstract_state,
     build_plan,
     init_state,
@@ -72,12 +72,6 @@ def _step_plan(cfg: Config):
     return build_plan(cfg, build_mesh(cfg, devices[:n]))
 
 
-def _abstract_batch(cfg: Config, plan) -> dict:
-    g, t = cfg.train.global_batch_size, cfg.data.seq_len
-    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
-    return {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
-
-
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
     """The train step compiled ahead of time for abstract (state, batch), with what produced it."""
@@ -100,7 +94,8 @@ def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledS
       RuntimeError: fewer jax devices than the mesh needs.
     """
     plan = _step_plan(cfg)
-    state, batch = abstract_state(plan), _abstract_batch(cfg, plan)
+    state = abstract_state(plan)
+    batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
     options = dict(COMPILER_OPTIONS if compiler_options is None else compiler_options)
     with tempfile.TemporaryDirectory(prefix="jaxpar-hlo-") as dump:
         options.update(xla_dump_to=dump, xla_dump_hlo_pass_re=PARTITIONER_PASS, xla_dump_hlo_as_text=True)
@@ -266,11 +261,8 @@ def measure_steps(cfg: Config, analytic: dict, steps: int, peak_flops_override: 
     plan = step.plan if step else _step_plan(cfg)
     run = step.executable if step else make_train_step(plan)
     state = init_state(plan, cfg.train.seed)
-    g, t, v = cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    k1, k2 = jax.random.split(jax.random.key(0))
-    batch = jax.device_put({"inputs": jax.random.randint(k1, (g, t), 0, v, jnp.int32),
-                            "targets": jax.random.randint(k2, (g, t), 0, v, jnp.int32),
-                            "loss_mask": jnp.ones((g, t), jnp.float32)}, plan.batch_sharding)
+    g, t = cfg.train.global_batch_size, cfg.data.seq_len
+    batch = random_batch(g, t, cfg.model.vocab_size, plan.batch_sharding)
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()

@@ -170,13 +170,13 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
       ConfigError: the config does not fit the device count (mesh product, divisibility).
       RuntimeError: the compiler gives no memory analysis.
     """
-    import jax
     import jax.numpy as jnp
 
     from jaxpar.analysis.plan import plan as analytic_plan
     from jaxpar.analysis.plan_compile import compare_collectives, hlo_collectives
+    from jaxpar.batch import abstract_batch
     from jaxpar.mesh import build_mesh
-    from jaxpar.train.step import BATCH_KEYS, abstract_state, build_plan, make_train_step
+    from jaxpar.train.step import abstract_state, build_plan, make_train_step
 
     clu = make_cluster(target, nodes, gpus_per_node)
     cfg = gpu_config(cfg, clu.devices)
@@ -184,9 +184,8 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     mesh = build_mesh(cfg, devices)
     plan = build_plan(cfg, mesh)
     state = abstract_state(plan)
-    g, t = cfg.train.global_batch_size, cfg.data.seq_len
-    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
-    batch = {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
+    t = cfg.data.seq_len
+    batch = abstract_batch(cfg.train.global_batch_size, t, plan.batch_sharding)
     t0 = time.perf_counter()
     compiled = make_train_step(plan).lower(state, batch).compile(compiler_options or {})
     seconds = time.perf_counter() - t0
