@@ -122,3 +122,12 @@ def test_compute_dtype_auto_resolves_once():
     assert cfg.precision.compute_dtype == "auto"
     here = jax.default_backend()
     assert np.dtype(compute_dtype(cfg)).name == resolve_compute_dtype("auto", here) == plan(cfg, here)["compute_dtype"]
+
+
+def test_byte_formatting_has_one_source():
+    from jaxpar.analysis import plan_report, sweep_report
+    from jaxpar.analysis.units import human_bytes
+
+    assert [human_bytes(x) for x in (None, 512, 431_400, 26e9, -3e12)] == ["-", "512 B", "431.4 kB", "26 GB",
+                                                                            "-3 TB"]
+    assert plan_report.human_bytes is human_bytes and sweep_report.human_bytes is human_bytes

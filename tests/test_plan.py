@@ -25,7 +25,6 @@ import pytest
 from jaxpar.analysis.comm import tensor_parallel_bytes, tensor_parallel_terms
 from jaxpar.analysis.memory import tensor_rank_params
 from jaxpar.analysis.plan import (
-    GB,
     activation_bytes,
     attention_working_bytes,
     exercise_activations,
@@ -38,6 +37,7 @@ from jaxpar.analysis.plan import (
     zero_exercise,
 )
 from jaxpar.analysis.plan_comm import by_axis, collective_terms
+from jaxpar.analysis.units import GB
 from jaxpar.cli import plan as plan_cli
 from jaxpar.config import load_config, resolve_config
 from jaxpar.mesh import build_mesh

@@ -64,12 +64,12 @@ import dataclasses
 import math
 
 from jaxpar.analysis.memory import formula_expression, state_bytes_formula
+from jaxpar.analysis.units import GB
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.sharding import PARAM_RULES, storage_axes
 
-GB = 1e9
 # How each platform's compiler leaves the partitioned program's collectives (module docstring).
 COLLECTIVE_DTYPES = {
     "gpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",

@@ -62,6 +62,7 @@ from typing import Any
 import yaml
 
 from jaxpar.analysis.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
+from jaxpar.analysis.units import GB
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.mesh_axes import CONFIG_AXES
 from jaxpar.config.precision import PLATFORMS
@@ -250,7 +251,7 @@ def load_sweep(path: str) -> Sweep:
         raise SweepError("give memory_budget_gb or memory_budget_bytes, not both")
     budget = None
     if "memory_budget_gb" in raw:
-        budget = _check_type("memory_budget_gb", raw["memory_budget_gb"], float) * 1e9
+        budget = _check_type("memory_budget_gb", raw["memory_budget_gb"], float) * GB
     elif "memory_budget_bytes" in raw:
         budget = _check_type("memory_budget_bytes", raw["memory_budget_bytes"], float)
     if budget is not None and budget <= 0:
@@ -323,7 +324,7 @@ def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
            "--devices", str(n), "--json", "--compile", "--platform", sweep.platform]
     cmd += ["--fast-compile"] if sweep.fast_compile else []
     cmd += ["--measure-steps", str(sweep.measure_steps)] if sweep.measure_steps else []
-    cmd += ["--memory-budget-gb", repr(sweep.budget_bytes / 1e9)] if sweep.budget_bytes else []
+    cmd += ["--memory-budget-gb", repr(sweep.budget_bytes / GB)] if sweep.budget_bytes else []
     env = dict(os.environ)
     if sweep.real_devices:
         cmd.append("--real-devices")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import sys
 
+from jaxpar.analysis.units import GB
+
 
 class SweepTargetError(ValueError):
     """A sweep-file key that conflicts with `target:` (the message names both keys and the fix)."""
@@ -96,7 +98,7 @@ def target_command(base: str, overrides: list[str], cluster_name: str, budget_by
     OVERRIDES --target CLUSTER --compile --json [--memory-budget-gb GB]` with `JAX_PLATFORMS=cpu`."""
     cmd = [sys.executable, "-m", "jaxpar.cli.plan", base, *overrides, "--target", cluster_name, "--compile",
            "--json"]
-    cmd += ["--memory-budget-gb", repr(budget_bytes / 1e9)] if budget_bytes else []
+    cmd += ["--memory-budget-gb", repr(budget_bytes / GB)] if budget_bytes else []
     return cmd, {"JAX_PLATFORMS": "cpu"}
 
 

@@ -10,18 +10,7 @@ import os
 from collections.abc import Callable
 
 from jaxpar.analysis.sweep import OBJECTIVES
-
-_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
-
-
-def human_bytes(x: float | None) -> str:
-    """Decimal units, 4 significant digits: `26 GB`, `431.4 kB`, `-` for None."""
-    if x is None:
-        return "-"
-    for unit, scale in _UNITS:
-        if abs(x) >= scale:
-            return f"{x / scale:.4g} {unit}"
-    return f"{x:.0f} B"
+from jaxpar.analysis.units import human_bytes
 
 
 def peak_bytes(rec: dict) -> float | None:

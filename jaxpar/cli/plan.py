@@ -40,8 +40,10 @@ import os
 import subprocess
 import sys
 
+# Only jax-free modules at the top: the device count is set before jax starts.
+from jaxpar.analysis.units import GB
 from jaxpar.config.mesh_axes import mesh_sizes
-from jaxpar.config.precision import PLATFORMS  # no jax: the device count is set before jax starts
+from jaxpar.config.precision import PLATFORMS
 
 PROG = "jaxpar-plan"
 DEFAULT_DEVICES = 8
@@ -110,7 +112,7 @@ def _exercise(args) -> int:
     path = args.config or EXERCISE_CONFIG
     try:
         cfg = load_config(path, args.overrides, validate=False)
-        ex = zero_exercise(13e9, args.devices or DEFAULT_DEVICES, args.budget_gb * 1e9, "16p")
+        ex = zero_exercise(13e9, args.devices or DEFAULT_DEVICES, args.budget_gb * GB, "16p")
     except (ConfigError, ValueError) as e:
         return _fail(f"config error: {e}")
     shown = os.path.relpath(path) if args.config else "configs/llama_13b.yaml"
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     platform = "cpu" if compile_ and not args.real_devices else args.platform
     analytic = plan(cfg, platform)
-    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
+    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * GB
     out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "compiled": None,
            "measured": None, "over_budget": budget is not None and analytic["memory"]["peak_estimate"] > budget}
     if compile_:
@@ -273,7 +275,7 @@ def _gpu_target(args, cfg, clu) -> int:
               "devices": clu.devices, "memory_bytes": mem, "usable_bytes": clu.target.usable_bytes,
               "planned_peak_bytes": peak, "planned_fraction_of_memory": peak / mem,
               "planned_fits": peak <= clu.target.usable_bytes}
-    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
+    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * GB
     out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "target": target,
            "gpu_compiled": None, "compiled": None, "measured": None,
            "over_budget": budget is not None and peak > budget}
