@@ -175,7 +175,7 @@ def test_analytic_sweep_writes_outputs_and_resumes(tmp_path):
 def _fake_runner(calls: list, fail_on: set[int] = frozenset(), interrupt_on: int | None = None):
     """Stands in for the `jaxpar-plan --compile --json` subprocess: returns a minimal compiled result."""
     compiled = {"memory_analysis": {"argument_bytes": 100, "output_bytes": 90, "alias_bytes": 80, "temp_bytes": 50,
-                                    "generated_code_bytes": 0},
+                                    "generated_code_bytes": 0, "peak_bytes": 100 + 90 - 80 + 50},
                 "state": {"params_plus_opt_state": 70, "ratio": 1.0}, "collectives": []}
 
     def run(sweep, point):

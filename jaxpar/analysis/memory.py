@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from jaxpar.batch import BATCH_KEYS
+from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.train.step import StepPlan, make_grad_fn, make_train_step
 
@@ -109,11 +110,11 @@ def _scalar_bytes(tree: Any) -> int:
     return int(sum(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if len(x.shape) == 0))
 
 
-def _memory_analysis(compiled) -> Any:
-    stats = compiled.memory_analysis()
-    if stats is None:
+def _memory_analysis(compiled) -> dict:
+    memory = memory_analysis_bytes(compiled)
+    if memory is None:
         raise RuntimeError(f"the {jax.default_backend()} backend returns no memory_analysis() for compiled code")
-    return stats
+    return memory
 
 
 def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batch: dict) -> dict:
@@ -124,11 +125,11 @@ def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batc
     """
     batch_bytes = _shard_bytes({k: batch[k] for k in BATCH_KEYS}, {k: plan.batch_sharding for k in BATCH_KEYS})
     analysis = _memory_analysis(compiled_step)
-    persistent = int(analysis.argument_size_in_bytes) - batch_bytes
+    persistent = analysis["argument_bytes"] - batch_bytes
     params = _shard_bytes(state["params"], plan.state_shardings["params"])
     scalars = _scalar_bytes(state)
     return {"persistent": persistent, "params": params, "scalars": scalars,
-            "opt_state": persistent - params - scalars, "temp": int(analysis.temp_size_in_bytes)}
+            "opt_state": persistent - params - scalars, "temp": analysis["temp_bytes"]}
 
 
 def gradient_bytes_from_shardings(plan: StepPlan, params: Any) -> int:
@@ -171,7 +172,7 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     out = persistent_state_bytes(plan, step, state, batch)
     grad_compiled = jax.jit(make_grad_fn(plan)).lower(state["params"], batch).compile(compiler_options)
     n_outputs = len(jax.tree.leaves(grad_compiled.out_info))
-    grad_out = int(_memory_analysis(grad_compiled).output_size_in_bytes)
+    grad_out = _memory_analysis(grad_compiled)["output_bytes"]
     table = POINTER_BYTES * n_outputs if n_outputs > 1 else 0  # XLA's tuple index table
     out["grads"] = grad_out - table - 2 * 4  # and the fp32 loss and n_tokens
     out["total"] = out["params"] + out["grads"] + out["opt_state"]

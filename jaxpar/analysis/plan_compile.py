@@ -36,6 +36,7 @@ from jaxpar.analysis.hlo import classify_groups, parse_collectives
 from jaxpar.analysis.memory import persistent_state_bytes
 from jaxpar.analysis.plan import plan as analytic_plan
 from jaxpar.batch import abstract_batch, random_batch
+from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import check_platform
 from jaxpar.config.schema import Config
@@ -198,8 +199,8 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
 
     Returns:
       {"compile_seconds",
-       "memory_analysis": XLA's per-device {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
-         "generated_code_bytes"},
+       "memory_analysis": XLA's per-device bytes (`jaxpar.compiled_memory.memory_analysis_bytes`: arguments,
+         outputs, aliased, temp, generated code, "peak_bytes" = arguments + outputs - aliased + temp),
        "state": {"persistent" (arguments minus the batch), "scalars" (0-d leaves, not in the formula),
          "params", "params_plus_opt_state" (persistent - scalars), "planned" (plan params + opt_state),
          "ratio" (compiled / planned)},
@@ -215,8 +216,8 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
     check_platform(target)
     step = step or compile_step(cfg, compiler_options)
     plan, state, batch, compiled, seconds = step.plan, step.state, step.batch, step.executable, step.seconds
-    stats = compiled.memory_analysis()
-    if stats is None:
+    memory = memory_analysis_bytes(compiled)
+    if memory is None:
         raise RuntimeError(f"the {jax.default_backend()} backend gives no memory_analysis() for compiled code")
     persistent = persistent_state_bytes(plan, compiled, state, batch)
     mem = analytic["memory"]
@@ -224,17 +225,12 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
     state_bytes = persistent["persistent"] - persistent["scalars"]
     planned_temp = mem["temp_estimate"]["total"]
     coll = hlo_collectives(compiled.as_text(), plan.mesh)
-    return {"compile_seconds": seconds,
-            "memory_analysis": {"argument_bytes": int(stats.argument_size_in_bytes),
-                                "output_bytes": int(stats.output_size_in_bytes),
-                                "alias_bytes": int(stats.alias_size_in_bytes),
-                                "temp_bytes": int(stats.temp_size_in_bytes),
-                                "generated_code_bytes": int(stats.generated_code_size_in_bytes)},
+    return {"compile_seconds": seconds, "memory_analysis": memory,
             "state": {"persistent": persistent["persistent"], "scalars": persistent["scalars"],
                       "params": persistent["params"], "params_plus_opt_state": state_bytes,
                       "planned": planned_state, "ratio": state_bytes / planned_state},
-            "temp": {"compiled": int(stats.temp_size_in_bytes), "planned": planned_temp,
-                     "ratio": stats.temp_size_in_bytes / planned_temp if planned_temp else None},
+            "temp": {"compiled": memory["temp_bytes"], "planned": planned_temp,
+                     "ratio": memory["temp_bytes"] / planned_temp if planned_temp else None},
             "collectives": compare_collectives(coll["by_axis"], analytic), "scalars": coll["scalars"],
             "partitioned": partitioned_check(cfg, step, target)}
 

@@ -175,6 +175,7 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     from jaxpar.analysis.plan import plan as analytic_plan
     from jaxpar.analysis.plan_compile import compare_collectives, hlo_collectives
     from jaxpar.batch import abstract_batch
+    from jaxpar.compiled_memory import memory_analysis_bytes
     from jaxpar.mesh import build_mesh
     from jaxpar.train.step import abstract_state, build_plan, make_train_step
 
@@ -189,15 +190,12 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     t0 = time.perf_counter()
     compiled = make_train_step(plan).lower(state, batch).compile(compiler_options or {})
     seconds = time.perf_counter() - t0
-    stats = compiled.memory_analysis()
-    if stats is None:
+    analysis = memory_analysis_bytes(compiled)
+    if analysis is None:
         raise RuntimeError("the CUDA compiler gave no memory_analysis() for the compiled step")
-    memory = {"argument_bytes": int(stats.argument_size_in_bytes), "output_bytes": int(stats.output_size_in_bytes),
-              "alias_bytes": int(stats.alias_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes),
-              "generated_code_bytes": int(stats.generated_code_size_in_bytes)}
-    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-    memory["peak_bytes"] = peak or (memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
-                                    + memory["temp_bytes"])
+    memory = {k: analysis[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                                       "generated_code_bytes")}
+    memory["peak_bytes"] = analysis["xla_peak_bytes"] or analysis["peak_bytes"]
     hlo = compiled.as_text()
     coll = hlo_collectives(hlo, mesh)
     analytic = analytic_plan(cfg, "gpu")

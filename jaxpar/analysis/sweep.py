@@ -306,7 +306,7 @@ def _compiled_summary(compiled: dict) -> dict:
     part_got, part_ratio = _ratio(part["collectives"]) if part else (None, None)
     return {"params_plus_opt_state": compiled["state"]["params_plus_opt_state"],
             "state_ratio": compiled["state"]["ratio"], "temp_bytes": ma["temp_bytes"],
-            "peak_bytes": ma["argument_bytes"] + ma["output_bytes"] - ma["alias_bytes"] + ma["temp_bytes"],
+            "peak_bytes": ma["peak_bytes"],
             "comm_bytes": got, "comm_ratio": ratio,
             "partitioned_comm_bytes": part_got, "partitioned_comm_ratio": part_ratio,
             "collectives": [{k: r[k] for k in ("key", "planned_bytes", "compiled_bytes", "ratio")} for r in rows]}

@@ -243,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             step = compile_step(cfg, FAST_COMPILER_OPTIONS if args.fast_compile else None)
             target = "gpu" if args.platform == "cpu" else args.platform
             out["compiled"] = compiled = compiled_plan(cfg, analytic, step=step, target=target)
-            ma = compiled["memory_analysis"]
-            peak = ma["argument_bytes"] + ma["output_bytes"] - ma["alias_bytes"] + ma["temp_bytes"]
+            peak = compiled["memory_analysis"]["peak_bytes"]
             out["over_budget"] = out["over_budget"] or (budget is not None and peak > budget)
             if args.measure_steps and not out["over_budget"]:
                 out["measured"] = measure_steps(cfg, analytic, args.measure_steps, step=step)
