@@ -11,9 +11,10 @@ three train steps run on the same p simulated CPU devices, interleaved and timed
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
 "meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
 `jaxpar.analysis.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.analysis.pipeline_report`; the model
-(`PIPELINE_MODEL`), mesh overrides and fast XLA:CPU compile options (`FAST_COMPILE`: about 4x faster compiles,
-temp bytes within a few percent of an optimised build, step times about 2x for every contender alike) in
-`jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows.
+(`PIPELINE_MODEL`) and mesh overrides in `jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses
+for its 1F1B / GPipe memory rows; the fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a
+few percent of an optimised build, step times about 2x for every contender alike) in
+`jaxpar.analysis.compile_options`.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.analysis.bench import interleaved_step_times, median_seconds
-from jaxpar.analysis.bench_report import FAST_COMPILE, PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.bench_report import PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.pipeline_report import format_table, report_row
 from jaxpar.batch import BATCH_KEYS, random_batch
 from jaxpar.config import load_config
@@ -73,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
 
     rows, all_rows, states = args.micro_rows, [], {}
-    options = {} if args.optimized else FAST_COMPILE
+    options = {} if args.optimized else FAST_COMPILER_OPTIONS
     t_start = time.perf_counter()
     for p in args.stages:
         devices = jax.devices()[:p]

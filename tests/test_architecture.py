@@ -95,6 +95,26 @@ def test_each_concept_is_spelled_out_in_one_module():
     assert step.BATCH_KEYS == batch.BATCH_KEYS  # the pending copy agrees until it becomes an import
 
 
+def test_compile_options_are_written_once():
+    """XLA:CPU's fast-compile options appear as dict keys only in jaxpar.analysis.compile_options, wherever the
+    repository's Python lives (tests/step_helpers.py keeps a copy until its owner imports the module)."""
+    from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
+
+    where = []
+    for top in ("jaxpar", "experiments", "tools", "tests"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                path = os.path.join(d, f)
+                rel = os.path.relpath(path, ROOT)
+                if not f.endswith(".py") or rel == os.path.join("tests", "step_helpers.py"):
+                    continue
+                for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+                    if isinstance(node, ast.Dict) and any(
+                            isinstance(k, ast.Constant) and k.value in FAST_COMPILER_OPTIONS for k in node.keys):
+                        where.append(rel)
+    assert where == [os.path.join("jaxpar", "analysis", "compile_options.py")] * 2
+
+
 def test_jax_free_modules_do_not_start_jax():
     """The commands set jax's device count before jax starts, so what they import first must not import jax."""
     code = ("import sys\n"

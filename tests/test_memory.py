@@ -2,6 +2,7 @@
 import jax
 import pytest
 
+from jaxpar.analysis.compile_options import COMPILER_OPTIONS
 from jaxpar.analysis.memory import (
     format_memory_table,
     formula_expression,
@@ -58,8 +59,6 @@ def test_formula_expression_and_errors():
         state_bytes_formula(10, "fp32", 4, 1, 1)
 
 
-# Backend (LLVM) optimisation off: ~3x faster compiles; buffer assignment, so every measured byte, is unchanged.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 _MEASURED: dict = {}
 
 
@@ -78,7 +77,7 @@ def _measure(zero: int, layout: str, data: int = 8, fsdp: int = 1):
     key = (zero, layout, data, fsdp)
     if key not in _MEASURED:
         plan, state, batch = _plan_state_batch(*key)
-        _MEASURED[key] = (plan, state, batch, measured_state_bytes(plan, state, batch, FAST_COMPILE))
+        _MEASURED[key] = (plan, state, batch, measured_state_bytes(plan, state, batch, COMPILER_OPTIONS))
     return _MEASURED[key]
 
 

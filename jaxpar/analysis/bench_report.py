@@ -35,6 +35,7 @@ from jaxpar.analysis.bench import (
 )
 from jaxpar.analysis.bench_baselines import reference_step
 from jaxpar.analysis.comm import tensor_parallel_bytes, tensor_parallel_terms
+from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo import collectives_by_axis
 from jaxpar.analysis.memory import memory_table
 from jaxpar.analysis.pipeline_report import stage_inputs_in_flight
@@ -50,11 +51,6 @@ from jaxpar.train.step import (
     make_train_step,
 )
 
-# XLA:CPU options that cut compile time about 4x: the legacy elemental emitters and no LLVM optimisation. HLO
-# passes (SPMD partitioning, fusion, buffer assignment) still run, so collectives and state bytes are unchanged
-# and temp bytes stay within a few percent of an optimised build; step times roughly double. CPU only.
-FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
-                "xla_llvm_disable_expensive_passes": True}
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
 # The pipeline grid's model: small enough that every (p, m) point compiles in seconds on 2 CPU cores.
 PIPELINE_MODEL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -258,7 +254,7 @@ def run_report(config: str, overrides: Sequence[str] = (), quick: bool = False, 
                rounds: int = 3, log=print) -> list[dict]:
     """All four measurements on this process's devices (D = jax.device_count()); returns the report rows.
 
-    quick: QUICK_MODEL, fp32 memory only, pipeline p=2 m=4, 5 timed steps per round, and (on CPU) FAST_COMPILE
+    quick: QUICK_MODEL, fp32 memory only, pipeline p=2 m=4, 5 timed steps per round, and (on CPU) FAST_COMPILER_OPTIONS
       for the compile-only rows. Otherwise the config's model, fp32 and 16p memory, pipeline p in (2, 4) and
       m in (4, 8, 16) where p <= D, 20 timed steps, default compiler options.
     Rows that need more devices than D have are left out (tensor: D even; pipeline: p <= D), and `log` says so.
@@ -268,7 +264,7 @@ def run_report(config: str, overrides: Sequence[str] = (), quick: bool = False, 
     """
     d, start = jax.device_count(), time.perf_counter()
     model = [*QUICK_MODEL, *overrides] if quick else list(overrides)
-    options = FAST_COMPILE if quick and jax.default_backend() == "cpu" else None
+    options = FAST_COMPILER_OPTIONS if quick and jax.default_backend() == "cpu" else None
     steps = steps or (5 if quick else 20)
     batch = [f"train.global_batch_size={2 * d}"]
     log(f"benchmarks on {d} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "

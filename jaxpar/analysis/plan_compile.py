@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.analysis.compile_options import COMPILER_OPTIONS
 from jaxpar.analysis.hlo import classify_groups, parse_collectives
 from jaxpar.analysis.memory import persistent_state_bytes
 from jaxpar.analysis.plan import plan as analytic_plan
@@ -48,13 +49,6 @@ from jaxpar.train.step import (
     make_train_step,
 )
 
-# Backend (LLVM) optimisation off: compiles several times faster on CPU and changes code generation only, not
-# buffer assignment or the HLO collectives (checked in jaxpar.analysis.memory and tests/test_memory.py).
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
-# Also the legacy XLA:CPU emitters and no expensive LLVM passes: another ~3x faster. Same HLO passes, so the same
-# state bytes and collectives; temp can differ by a few percent (fusion decisions).
-FAST_COMPILER_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False,
-                         "xla_llvm_disable_expensive_passes": True}
 # The pass after which the program is "partitioned" (module docstring): StatefulRngSpmdPartitioner's name in
 # XLA's CPU and GPU SPMD pipelines.
 PARTITIONER_PASS = "spmd-partitioning"

@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "compiled": None,
            "measured": None, "over_budget": budget is not None and analytic["memory"]["peak_estimate"] > budget}
     if compile_:
+        from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
         from jaxpar.analysis.plan_compile import (
-            FAST_COMPILER_OPTIONS,
             compile_step,
             compiled_plan,
             measure_steps,
