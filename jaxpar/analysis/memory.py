@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.analysis.plan_dims import rank_params
 from jaxpar.batch import BATCH_KEYS
 from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
@@ -179,22 +180,6 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     return out
 
 
-def tensor_rank_params(plan: StepPlan, params: Any) -> int:
-    """P as one model-parallel rank holds it: parameters sharded over `tensor` (heads, MLP hidden, vocabulary)
-    count 1/t and those sharded over `pipeline` (the stacked layers) 1/p; replicated ones count fully. Equals the
-    parameter count when mesh.tensor == mesh.pipeline == 1; the ZeRO formulas then apply unchanged to this P
-    (the tensor and pipeline splits come before ZeRO's data split)."""
-    shape = plan.mesh_shape
-
-    def rank_size(x, spec):
-        used = {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
-        return math.prod(x.shape) // math.prod(shape[a] for a in ("tensor", "pipeline") if a in used)
-
-    leaves = jax.tree.leaves(jax.tree.map(rank_size, params, plan.specs["params"],
-                                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
-    return int(sum(leaves))
-
-
 def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None = None,
                  compiler_options: dict | None = None) -> list[dict]:
     """Measured (`measured_state_bytes`) against formula (`state_bytes_formula`) bytes per device.
@@ -210,7 +195,7 @@ def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None
     cfg = plan.cfg
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     shape = plan.mesh_shape
-    n_params = tensor_rank_params(plan, state["params"])
+    n_params = rank_params(cfg.model, shape)  # P per tensor/pipeline rank
     formula = state_bytes_formula(n_params, layout, zero, shape["data"], shape["fsdp"])
     if measured is None:
         measured = measured_state_bytes(plan, state, batch, compiler_options)

@@ -1,9 +1,9 @@
 """The collectives of one jaxpar train step, counted analytically per mesh axis and kind (bytes per device).
 
-Letters as in `jaxpar.analysis.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the working-parameter
-dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's platform
-(`jaxpar.analysis.plan.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4); x = b*s*D*Bc, one
-microbatch's activations. Ring costs per op are `jaxpar.analysis.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
+Letters as in `jaxpar.analysis.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the
+working-parameter dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's
+platform (`jaxpar.analysis.plan_dims.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4);
+x = b*s*D*Bc, one microbatch's activations. Ring costs per op are `jaxpar.analysis.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
 all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring algorithms:
 Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
 
@@ -47,7 +47,8 @@ import dataclasses
 import math
 
 from jaxpar.analysis.comm import ring_bytes
-from jaxpar.analysis.plan import MESH_AXES, dims, local_size, param_leaves
+from jaxpar.analysis.plan_dims import dims, local_size, param_leaves
+from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
 from jaxpar.sharding import storage_axes
 
@@ -188,7 +189,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
 def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
     docstring). `platform` (`jaxpar.config.precision.PLATFORMS`) resolves `precision.compute_dtype: auto`
-    (float32 on cpu, else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan.collective_bytes`).
+    (float32 on cpu, else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan_dims.collective_bytes`).
     Raises ValueError for an unknown platform or an unresolved config."""
     d = dims(cfg, platform)
     passes = _passes(cfg, d)
