@@ -51,6 +51,49 @@ def test_core_never_imports_analysis_or_cli():
     assert {m: v for m, v in bad.items() if v} == {}
 
 
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    """No two jaxpar modules import each other, directly or through others, counting imports inside functions:
+    a cycle patched with a local import is still a cycle. (A package's `__init__` importing its own modules is
+    not an edge back: Python imports a submodule while its package is still initialising.)"""
+    modules = _modules(PACKAGE)
+    graph = {m: {i for i in _imports(p, m) if i in modules and i != m} for m, p in modules.items()}
+    assert any(graph.values())  # the reader sees the imports
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles(graph) == []
+
+
 def test_analysis_is_a_package_of_its_own():
     analysis = _modules(os.path.join(PACKAGE, "analysis"))
     for name in ("jaxpar.analysis.plan", "jaxpar.analysis.sweep", "jaxpar.analysis.hlo", "jaxpar.analysis.memory",

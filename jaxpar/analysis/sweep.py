@@ -62,14 +62,13 @@ from typing import Any
 import yaml
 
 from jaxpar.analysis.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
+from jaxpar.analysis.sweep_report import MEASURED_OBJECTIVES, OBJECTIVES, write_markdown, write_plot
 from jaxpar.analysis.units import GB
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.mesh_axes import CONFIG_AXES
 from jaxpar.config.precision import PLATFORMS
 from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
-OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
-MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
 DONE = ("ok", "over_budget", "invalid")
 _KEYS = ("base", "overrides", "devices", "constraints", "meshes", "vary", "objective", "memory_budget_gb",
          "memory_budget_bytes", "measure_steps", "compile", "fast_compile", "real_devices", "platform", "target",
@@ -452,8 +451,6 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
       jaxpar.analysis.plan_gpu.GpuCompileUnavailable: a `target` with `compile: true` where jax's CUDA plugin is missing
         (the message names the extra to install); raised before any point, with out_dir untouched.
     """
-    from jaxpar.analysis.sweep_report import write_markdown, write_plot
-
     if sweep.target is not None and sweep.compile:
         reason = plugin_missing(sweep.target)
         if reason is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from jaxpar.analysis.sweep_report import MEASURED_OBJECTIVES
 from jaxpar.analysis.units import GB
 
 
@@ -68,8 +69,6 @@ def parse_target(raw: dict):
         raise SweepTargetError(f"measure_steps: {measure!r} with target: {name}: nothing can run without the "
                                f"cluster's GPUs (a target only compiles); set measure_steps: 0, or drop target: to "
                                f"time the steps on simulated CPU devices")
-    from jaxpar.analysis.sweep import MEASURED_OBJECTIVES
-
     if raw.get("objective") in MEASURED_OBJECTIVES:
         raise SweepTargetError(f"objective: {raw['objective']} needs measured steps, which target: {name} cannot "
                                f"run (it only compiles); use objective: memory or comm_bytes")
