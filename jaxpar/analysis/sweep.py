@@ -1,6 +1,7 @@
 """Mesh sweeps: plan (and optionally compile and time) every point of a grid of mesh shapes and config overrides.
 
-A sweep file (YAML, read like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to the file):
+A sweep file (YAML, read and its values typed by the config loader, `jaxpar.config.load.read_yaml` and
+`decode_value`: like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to the file):
 
     base: ../tiny.yaml                  # required: the config every point starts from
     overrides: [model.n_layers=2]       # optional: dotted overrides applied to every point
@@ -59,15 +60,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import yaml
-
 from jaxpar.analysis.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
 from jaxpar.analysis.sweep_report import MEASURED_OBJECTIVES, OBJECTIVES, write_markdown, write_plot
 from jaxpar.analysis.units import GB
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
+from jaxpar.config.load import decode_value, read_yaml
 from jaxpar.config.mesh_axes import CONFIG_AXES
 from jaxpar.config.precision import PLATFORMS
-from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
 DONE = ("ok", "over_budget", "invalid")
 _KEYS = ("base", "overrides", "devices", "constraints", "meshes", "vary", "objective", "memory_budget_gb",
@@ -121,11 +120,12 @@ def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int)
 
 
 def _check_type(key: str, value: Any, kind: type) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise SweepError(f"{key}: expected {kind.__name__}, got {value!r}")
-    return value
+    """`value` decoded as a config value of type `kind` (`jaxpar.config.load.decode_value`); SweepError if it is not
+    one."""
+    try:
+        return decode_value(value, kind, key, fix="fix the value in the sweep file")
+    except ConfigError as e:
+        raise SweepError(str(e)) from e
 
 
 def _meshes(raw: dict, base_cfg, cluster=None) -> list[dict]:
@@ -203,16 +203,10 @@ def load_sweep(path: str) -> Sweep:
         unknown vary key or value, unknown objective, a measured objective without measure_steps; a bad `target`
         or a key that conflicts with it (`jaxpar.analysis.sweep_gpu.parse_target`).
     """
-    if not os.path.isfile(path):
-        raise SweepError(f"sweep file {path!r} does not exist; see configs/sweeps/ for examples")
-    with open(path, encoding="utf-8") as f:
-        try:
-            raw = strict_safe_load(f)
-        except DuplicateKeyError as e:
-            raise SweepError(f"{path}, line {e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
-                             f"keep one of them") from e
-        except yaml.YAMLError as e:
-            raise SweepError(f"{path}: not valid YAML: {e}") from e
+    try:
+        raw = read_yaml(path, "sweep", "configs/sweeps/tiny_mesh_8.yaml")
+    except ConfigError as e:
+        raise SweepError(str(e)) from e
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: the top level must be a mapping (base:, devices: or meshes:, vary:, ...), "
                          f"got {type(raw).__name__}")
