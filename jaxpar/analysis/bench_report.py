@@ -9,9 +9,8 @@ taken in the same run.
   memory       model-state bytes per device that XLA's buffer assignment gives the compiled step, over the
                ZeRO formula (`jaxpar.analysis.memory`; Rajbhandari et al. 2019, section 3), per ZeRO stage on data=D.
   tensor       bytes per device per step of the collectives over the `tensor` axis in the compiled HLO
-               (`jaxpar.analysis.hlo`), over the Megatron count (`jaxpar.analysis.comm.tensor_parallel_terms`), with
-               sequence
-               parallelism off and on.
+               (`jaxpar.analysis.hlo`), over the planner's Megatron count for that axis
+               (`jaxpar.analysis.plan_comm`), with sequence parallelism off and on.
   pipeline     compiled temp bytes of the 1F1B step over the GPipe step on p devices; the target column gives
                the formula's ratio of stage inputs live on the worst stage (`jaxpar.analysis.pipeline_report`), which
                the temp bytes approach as activations dominate (GPipe also keeps per-tick layer residuals).
@@ -34,15 +33,15 @@ from jaxpar.analysis.bench import (
     round_medians,
 )
 from jaxpar.analysis.bench_baselines import reference_step
-from jaxpar.analysis.comm import tensor_parallel_bytes, tensor_parallel_terms
 from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo import collectives_by_axis
 from jaxpar.analysis.memory import memory_table
 from jaxpar.analysis.pipeline_report import stage_inputs_in_flight
+from jaxpar.analysis.plan_comm import collective_terms
 from jaxpar.batch import abstract_batch, random_batch
-from jaxpar.config import Config, load_config
+from jaxpar.config import Config, load_config, resolve_config
 from jaxpar.mesh import build_mesh
-from jaxpar.sharding import STATE_KINDS, partitioned_over_data
+from jaxpar.sharding import STATE_KINDS
 from jaxpar.train.step import (
     StepPlan,
     abstract_state,
@@ -158,17 +157,15 @@ def memory_rows(tables: dict[int, list[dict]]) -> list[dict]:
 # --- tensor-parallel collectives ---------------------------------------------------------------------------
 
 def tensor_analytic(plan: StepPlan) -> tuple[list, dict[str, float]]:
-    """The Megatron terms of `plan`'s step over `tensor` and their bytes per device by collective kind."""
-    cfg, shape = plan.cfg, plan.mesh_shape
-    accum = cfg.train.grad_accum_steps
-    rows = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum)
-    shards = shape["fsdp"] * (shape["data"] if partitioned_over_data("grads", cfg.optimizer.zero_stage) else 1)
-    terms = tensor_parallel_terms(rows=rows, seq_len=cfg.data.seq_len, d_model=cfg.model.d_model,
-                                  n_layers=cfg.model.n_layers, microbatches=accum, tensor=shape["tensor"],
-                                  sequence_parallel=plan.tensor_parallel.sequence_parallel,
-                                  compute_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype,
-                                  fsdp_shards=shards, remat=cfg.model.remat)
-    return terms, tensor_parallel_bytes(terms, shape["tensor"])
+    """The planner's collectives of `plan`'s step over exactly the `tensor` axis (Megatron with or without
+    sequence parallelism; `jaxpar.analysis.plan_comm.collective_terms`, planned for the backend the step compiles
+    on) and their bytes per device per step by collective kind."""
+    cfg = resolve_config(plan.cfg, plan.mesh.size)
+    terms = [t for t in collective_terms(cfg, jax.default_backend()) if t.axes == ("tensor",)]
+    out: dict[str, float] = {}
+    for t in terms:
+        out[t.kind] = out.get(t.kind, 0.0) + t.bytes
+    return terms, out
 
 
 def tensor_axis_bytes(table: dict) -> dict[str, float]:

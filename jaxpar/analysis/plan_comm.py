@@ -3,9 +3,11 @@
 Letters as in `jaxpar.analysis.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the
 working-parameter dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's
 platform (`jaxpar.analysis.plan_dims.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4);
-x = b*s*D*Bc, one microbatch's activations. Ring costs per op are `jaxpar.analysis.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
-all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring algorithms:
-Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
+x = b*s*D*Bc, one microbatch's activations. Ring costs per op are `jaxpar.analysis.comm.ring_bytes` (NCCL tests,
+doc/PERFORMANCE.md): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring
+algorithms: Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
+This is jaxpar's one analytic communication model: the planner, the sweeps and the benchmarks' tensor-axis
+rows (`jaxpar.analysis.bench_report.tensor_analytic`) all count with it.
 
 The counts follow jaxpar's step (`jaxpar.train.step`, `jaxpar.parallel`) as XLA compiles it; where XLA hoists
 or drops a collective the rule says so (generic HLO simplification that CPU and GPU compilers both run). tests/
@@ -26,7 +28,9 @@ data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the
   P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*Bp: the partitioner
   casts the data-sharded fp32 optimizer target (for the 16p layout the fp32 master) to the parameter dtype on
   each shard and gathers the result (bf16 under 16p; XLA:CPU then widens that gather to fp32).
-tensor axis (Megatron; Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2; `jaxpar.analysis.comm`):
+tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per layer in the forward and 2 in the
+  backward; Korthikanti et al. 2022, section 4.2: with sequence parallelism each becomes an all-gather and a
+  reduce-scatter of the same total bytes; what jaxpar's model adds around the layers):
   forward pass: the embedding exit and 2 exits per layer (all-reduce of x; with sequence parallelism
   reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
   all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
