@@ -47,15 +47,15 @@ their reduce-scatter, (layer parameters / t) * Br), the gathered weights in use,
 the gradient outputs. Checked against XLA's GPU compiler for every shipped config on its cluster
 (`jaxpar.analysis.plan_gpu`).
 
-Platform (`jaxpar.config.precision.PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's
-`platform:`, default gpu) is the machine the step is planned for. It resolves `precision.compute_dtype: auto`
-(float32 on cpu, bfloat16 elsewhere: `jaxpar.config.precision.resolve_compute_dtype`) and sets the width of
-collectives (`collective_bytes`): gpu and tpu count each collective in the dtype the partitioned program gives
-it (the HLO after XLA's SPMD partitioner, which every backend receives; the GPU compiler only promotes 16-bit
-integer all-reduce and reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose backend
-passes widen every bf16 all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives implement
-no bf16 reduction) and every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32 (XLA's
-source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked
+Platform (`jaxpar.config.precision.PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`,
+default gpu) is the machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu,
+bfloat16 elsewhere: `jaxpar.config.precision.resolve_compute_dtype`) and sets the width of collectives
+(`jaxpar.analysis.plan_dims.collective_bytes`): gpu and tpu count each collective in the dtype the partitioned
+program gives it (the HLO after XLA's SPMD partitioner, which every backend receives; the GPU compiler only
+promotes 16-bit integer all-reduce and reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose
+backend passes widen every bf16 all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives
+implement no bf16 reduction) and every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32
+(XLA's source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked
 against both programs by tests/test_plan.py). Memory is planned the same on every platform.
 """
 from __future__ import annotations
