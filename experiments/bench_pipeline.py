@@ -11,9 +11,10 @@ three train steps run on the same p simulated CPU devices, interleaved and timed
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
 "meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
 `jaxpar.analysis.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.analysis.pipeline_report`; the model
-(`PIPELINE_MODEL`), mesh overrides and fast XLA:CPU compile options (`FAST_COMPILE`: about 4x faster compiles,
-temp bytes within a few percent of an optimised build, step times about 2x for every contender alike) in
-`jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows.
+(`PIPELINE_MODEL`) and mesh overrides in `jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses
+for its 1F1B / GPipe memory rows; the fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a
+few percent of an optimised build, step times about 2x for every contender alike) in
+`jaxpar.analysis.compile_options`.
 """
 from __future__ import annotations
 
@@ -26,21 +27,15 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxpar.analysis.bench import interleaved_step_times, median_seconds
-from jaxpar.analysis.bench_report import FAST_COMPILE, PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.bench_report import PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.pipeline_report import format_table, report_row
+from jaxpar.batch import BATCH_KEYS, random_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.step import BATCH_KEYS, build_plan, init_state, make_train_step
-
-
-def random_batch(rows: int, seq: int, vocab: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    return {"inputs": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
-            "targets": rng.integers(0, vocab, (rows, seq), dtype=np.int32),
-            "loss_mask": np.ones((rows, seq), np.float32)}
+from jaxpar.train.step import build_plan, init_state, make_train_step
 
 
 class Contender:
@@ -49,9 +44,9 @@ class Contender:
     `states` caches one initial state per state sharding, so each mesh's init compiles once; every contender
     runs on its own copy."""
 
-    def __init__(self, cfg, devices, host_batch: dict, compiler_options: dict, states: dict):
+    def __init__(self, cfg, devices, batch: dict, compiler_options: dict, states: dict):
         self.plan = build_plan(cfg, build_mesh(cfg, devices))
-        self.batch = {k: jax.device_put(host_batch[k], self.plan.batch_sharding) for k in BATCH_KEYS}
+        self.batch = {k: jax.device_put(batch[k], self.plan.batch_sharding) for k in BATCH_KEYS}
         key = (len(devices), cfg.mesh.pipeline)
         if key not in states:
             states[key] = init_state(self.plan, cfg.train.seed)
@@ -80,7 +75,7 @@ def main() -> None:
     args = ap.parse_args()
 
     rows, all_rows, states = args.micro_rows, [], {}
-    options = {} if args.optimized else FAST_COMPILE
+    options = {} if args.optimized else FAST_COMPILER_OPTIONS
     t_start = time.perf_counter()
     for p in args.stages:
         devices = jax.devices()[:p]
@@ -90,10 +85,10 @@ def main() -> None:
                 return load_config(args.config, PIPELINE_MODEL + args.overrides + overrides, num_devices=p)
 
             cfg = load(False)
-            host = random_batch(m * rows, cfg.data.seq_len, cfg.model.vocab_size, cfg.train.seed)
-            contenders = {"dp": Contender(cfg, devices, host, options, states)}
+            batch = random_batch(m * rows, cfg.data.seq_len, cfg.model.vocab_size, devices[0], cfg.train.seed)
+            contenders = {"dp": Contender(cfg, devices, batch, options, states)}
             for sched in ("1f1b", "gpipe"):
-                contenders[sched] = Contender(load(True, sched), devices, host, options, states)
+                contenders[sched] = Contender(load(True, sched), devices, batch, options, states)
             losses = {name: float(c()) for name, c in contenders.items()}  # first step: same loss expected
             times = interleaved_step_times(contenders, args.steps, args.rounds)
             med = {name: median_seconds(t) for name, t in times.items()}

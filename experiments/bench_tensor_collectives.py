@@ -7,9 +7,9 @@ CONFIG defaults to configs/tiny.yaml with mesh.tensor=2; without a `tensor.seque
 settings are measured. For each: bytes per device per step by (mesh axes, collective) from the HLO of the
 jaxpar step, next to the same for a step where the compiler picks the collectives (one jit over global arrays,
 parameters placed by plan.specs["params"], no shard_map, no tensor-parallel context); then the tensor-axis
-bytes against `jaxpar.analysis.comm.tensor_parallel_terms` (ratio HLO / analytic, target <= 1.02), and the median step
-time explicit / compiler-chosen measured in one interleaved run. The compiler-chosen step is
-`jaxpar.analysis.bench_baselines.compiler_chosen_step` and the analytic count
+bytes against the planner's count for that axis (`jaxpar.analysis.plan_comm`; ratio HLO / analytic, target
+<= 1.02), and the median step time explicit / compiler-chosen measured in one interleaved run. The
+compiler-chosen step is `jaxpar.analysis.bench_baselines.compiler_chosen_step` and the analytic count
 `jaxpar.analysis.bench_report.tensor_analytic`;
 experiments/benchmarks.py reports the HLO / analytic ratios with the other benchmarks.
 """
@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.analysis.bench import interleaved_step_times, median_seconds, round_medians
-from jaxpar.analysis.bench_baselines import compiler_chosen_step, random_batch
+from jaxpar.analysis.bench_baselines import compiler_chosen_step
 from jaxpar.analysis.bench_report import tensor_analytic, tensor_axis_bytes
 from jaxpar.analysis.hlo import collectives_by_axis, format_axis_table
+from jaxpar.batch import random_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.train.step import abstract_state, build_plan, init_state, make_train_step
@@ -48,7 +49,8 @@ def main() -> None:
         extra = [] if sp is None else [f"tensor.sequence_parallel={str(sp).lower()}"]
         cfg = load_config(args.config, overrides + extra, num_devices=jax.device_count())
         plan = build_plan(cfg, build_mesh(cfg))
-        batch = random_batch(cfg, plan.batch_sharding)
+        batch = random_batch(cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size,
+                             plan.batch_sharding)
         explicit = make_train_step(plan).lower(abstract_state(plan), batch).compile()
         if compiler is None:  # independent of sequence parallelism: compile and keep once
             compiler = compiler_chosen_step(plan).lower(abstract_state(plan), batch).compile()
@@ -62,7 +64,7 @@ def main() -> None:
         terms, want = tensor_analytic(plan)
         print("\nTensor axis, HLO (explicit step) vs Megatron analytic:")
         for t in terms:
-            print(f"  analytic term {t.name:<16}{t.kind:<16}x{t.count:<4} S={t.size_bytes:,.0f} B")
+            print(f"  analytic term {t.name:<34}{t.kind:<16}x{t.count:<4} S={t.size_bytes:,.0f} B")
         got = tensor_axis_bytes(tables["explicit"])
         for kind in sorted(set(want) | set(got)):
             g, w = got.get(kind, 0.0), want.get(kind, 0.0)

@@ -16,25 +16,30 @@ opens (`cleanup_tmp_directories=True`; done in the background, awaited by the fi
 saved again after a crash mid-save.
 
 Async failures. A background write failure is raised by the next `wait()`, `save()` or `close()`, once.
-Restores check the target against the saved metadata first and raise a `ValueError` naming every mismatched
-key (Orbax's own shape error does not name the key, and it silently casts dtypes).
+Restores check the target against the saved metadata first, every leaf including the empty nodes of optax
+states, and raise `CheckpointMismatchError` (a `ValueError`) carrying every difference as an `ArrayDifference`
+(Orbax's own shape error does not name the key, and it silently casts dtypes).
 
 Restoring onto a different mesh or layout is supported: every leaf of `abstract_state` is a
 `jax.ShapeDtypeStruct` with a `.sharding`, and the arrays come back with exactly that sharding.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 _STATE, _DATA, _CONFIG = "state", "data", "config"
+RUN_CHECKPOINT_DIR = "checkpoints"  # a run directory's checkpoint root: <run_dir>/checkpoints/<step>/
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # Orbax's default step directory name: no prefix, no padding
+_TMP_STEP = re.compile(r"(0|[1-9][0-9]*)\.orbax-checkpoint-tmp.*")  # a save interrupted or still in flight
 _COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
 
 
@@ -46,30 +51,88 @@ def _is_complete_step_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, _COMMIT_MARKER))
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Maps Orbax's dotted leaf names ("opt.0.mu.w") to (shape, dtype name); works for targets and metadata."""
-    flat = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(tree, keep_empty_nodes=True), sep=".")
-    return {k: (tuple(v.shape), str(jax.numpy.dtype(v.dtype))) for k, v in flat.items() if hasattr(v, "shape")}
+EMPTY = "empty"  # a node without arrays (an optax state such as EmptyState, None, {}), as a leaf of `_flat_leaves`
+
+
+def _flat_leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str] | str]:
+    """Orbax's dotted leaf names ("opt_state.0.mu.w") -> (shape, dtype name) for arrays, `EMPTY` for nodes that
+    hold none; the same for a restore target and for a checkpoint's metadata."""
+    out: dict = {}
+
+    def walk(x: Any, path: str) -> None:
+        if hasattr(x, "shape"):
+            out[path] = (tuple(int(n) for n in x.shape), str(jax.numpy.dtype(x.dtype)))
+        elif isinstance(x, dict) and x:
+            for k, v in x.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(x, (list, tuple)) and len(x):
+            for i, v in enumerate(x):
+                walk(v, f"{path}.{i}" if path else str(i))
+        else:
+            out[path] = EMPTY
+
+    walk(ocp.tree.serialize_tree(tree, keep_empty_nodes=True), "")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDifference:
+    """One leaf on which a checkpoint and a restore target disagree.
+
+    Attributes:
+      key: Orbax's dotted name of the leaf, e.g. "params.blocks.attn.wk".
+      saved, target: (shape, dtype name) of the array on that side, `EMPTY` for a node without arrays, None
+        where that side has no such key.
+    """
+
+    key: str
+    saved: tuple[tuple[int, ...], str] | str | None
+    target: tuple[tuple[int, ...], str] | str | None
+
+    def __str__(self) -> str:
+        s, t = self.saved, self.target
+        if s is None:
+            return f"{self.key}: in the target, missing from the checkpoint"
+        if t is None:
+            return f"{self.key}: in the checkpoint, missing from the target"
+        if s == EMPTY or t == EMPTY:
+            return (f"{self.key}: {'no array' if s == EMPTY else 'an array'} in the checkpoint, "
+                    f"{'no array' if t == EMPTY else 'an array'} in the target")
+        parts = [f"checkpoint shape {s[0]} != target shape {t[0]}"] if s[0] != t[0] else []
+        parts += [f"checkpoint dtype {s[1]} != target dtype {t[1]}"] if s[1] != t[1] else []
+        return f"{self.key}: {'; '.join(parts)}"
 
 
 class CheckpointMismatchError(ValueError):
-    """The checkpoint is readable but its arrays do not fit the restore target (another model or optimizer)."""
+    """The checkpoint is readable but its arrays do not fit the restore target (another model or optimizer).
+
+    Attributes:
+      path: the step's state directory; step: its step.
+      differences: every `ArrayDifference`, sorted by key (presence, structure, shape or dtype).
+    """
+
+    def __init__(self, path: str, step: int, differences: Sequence[ArrayDifference]):
+        self.path, self.step, self.differences = path, step, tuple(differences)
+        super().__init__(f"checkpoint {path} does not match the restore target:\n"
+                         + "\n".join(f"  {d}" for d in self.differences))
+
+    def __reduce__(self):  # keeps the fields through pickling (multiprocessing, pytest-xdist)
+        return type(self), (self.path, self.step, self.differences)
+
+    def summary(self, examples: int = 3) -> str:
+        """"N arrays differ, e.g. A; B; C", the parameters' differences first (they say most about the model)."""
+        first = sorted(self.differences, key=lambda d: not d.key.startswith("params."))[:examples]
+        return f"{len(self.differences)} arrays differ, e.g. {'; '.join(map(str, first))}"
 
 
-def _check_target(saved_tree: Any, abstract_state: Any, where: str) -> None:
-    """Raise CheckpointMismatchError naming every key whose presence, shape or dtype differs between checkpoint and target."""
-    saved, want = _flat_shapes(saved_tree), _flat_shapes(abstract_state)
-    problems = [f"  {k}: in the checkpoint, missing from the target" for k in sorted(saved.keys() - want.keys())]
-    problems += [f"  {k}: in the target, missing from the checkpoint" for k in sorted(want.keys() - saved.keys())]
-    for k in sorted(saved.keys() & want.keys()):
-        (s_shape, s_dtype), (w_shape, w_dtype) = saved[k], want[k]
-        if s_shape != w_shape:
-            problems.append(f"  {k}: checkpoint shape {s_shape} != target shape {w_shape}")
-        if s_dtype != w_dtype:
-            problems.append(f"  {k}: checkpoint dtype {s_dtype} != target dtype {w_dtype}")
-    if problems:
-        raise CheckpointMismatchError(f"checkpoint {where} does not match the restore target:\n"
-                                      + "\n".join(problems))
+def _check_target(saved_tree: Any, abstract_state: Any, path: str, step: int) -> None:
+    """Raise CheckpointMismatchError with every key whose presence, structure, shape or dtype differs between the
+    checkpoint's metadata and the target."""
+    saved, want = _flat_leaves(saved_tree), _flat_leaves(abstract_state)
+    differences = [ArrayDifference(k, saved.get(k), want.get(k)) for k in sorted(saved.keys() | want.keys())
+                   if saved.get(k) != want.get(k)]
+    if differences:
+        raise CheckpointMismatchError(path, step, differences)
 
 
 def _check_has_shardings(abstract_state: Any) -> None:
@@ -186,7 +249,8 @@ class Checkpointer:
           (state, data_state, config): the state's arrays carry exactly the target shardings.
         Raises:
           FileNotFoundError: no complete checkpoint (for `step`) in the directory.
-          CheckpointMismatchError (a ValueError): structure, shape or dtype mismatch (the message names the keys).
+          CheckpointMismatchError (a ValueError): structure, shape or dtype mismatch (`.differences` names the
+            keys, `.path` and `.step` the checkpoint).
           ValueError: leaves without sharding.
           Whatever reading raised, for an explicit `step`, or for the latest step when no step is readable.
         """
@@ -218,17 +282,12 @@ class Checkpointer:
         if not _is_complete_step_dir(step_dir):
             raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory} "
                                     f"(complete steps: {self.all_steps()})")
-        where = f"{step_dir}/{_STATE}"
         saved = self._manager.item_metadata(step)[_STATE]
-        _check_target(saved.tree if hasattr(saved, "tree") else saved, abstract_state, where)
+        _check_target(saved.tree if hasattr(saved, "tree") else saved, abstract_state, os.path.join(step_dir, _STATE),
+                      step)
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract_state), _DATA: ocp.args.JsonRestore(),
                                      _CONFIG: ocp.args.JsonRestore()})
-        try:
-            restored = self._manager.restore(step, args=args)
-        except ValueError as e:  # e.g. an empty optax state where the checkpoint has arrays
-            if "does not match" in str(e) or "structure" in str(e).lower():
-                raise CheckpointMismatchError(f"checkpoint {where} does not match the restore target: {e}") from e
-            raise
+        restored = self._manager.restore(step, args=args)
         return restored[_STATE], dict(restored[_DATA]), dict(restored[_CONFIG])
 
     def _set_aside(self, step: int) -> None:
@@ -264,24 +323,41 @@ class Checkpointer:
         self._manager.close()
 
 
-def restore_from_path(path: str, abstract_state: Any) -> tuple[Any, dict, dict]:
-    """Restore (state, data_state, config) from a run directory or checkpoint root (latest step), or one step
-    directory `.../<step>`.
+def resolve_checkpoint_path(path: str) -> tuple[str, int | None]:
+    """Maps a run dir, a checkpoint root or one step dir to (absolute checkpoint root, step or None).
+
+    A step dir is recognised by its name (`<int>`) and a `state/` sub-directory or commit marker; a run dir by
+    its `RUN_CHECKPOINT_DIR` sub-directory; anything else is taken as a checkpoint root.
 
     Raises:
-      FileNotFoundError: `path` does not exist, or holds no complete checkpoint.
-      ValueError: as `Checkpointer.restore`.
+      FileNotFoundError: `path` does not exist or is not a directory, or is an Orbax temporary step directory
+        (an unfinished save, never a checkpoint; the message names its parent).
     """
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist")
-    if os.path.isdir(os.path.join(path, "checkpoints")) and not os.path.isdir(os.path.join(path, _STATE)):
-        path = os.path.join(path, "checkpoints")  # a run directory: its checkpoints
+        raise FileNotFoundError(f"checkpoint path {path} does not exist or is not a directory")
     name = os.path.basename(path)
-    if _STEP_NAME.fullmatch(name) and os.path.isdir(os.path.join(path, _STATE)):
-        root, step = os.path.dirname(path), int(name)
-    else:
-        root, step = path, None
+    if _TMP_STEP.fullmatch(name):
+        raise FileNotFoundError(f"{path} is an unfinished save (Orbax temporary directory), not a checkpoint; pass "
+                                f"its parent {os.path.dirname(path)} to use the complete steps")
+    if _STEP_NAME.fullmatch(name) and (os.path.isdir(os.path.join(path, _STATE))
+                                       or os.path.isfile(os.path.join(path, _COMMIT_MARKER))):
+        return os.path.dirname(path), int(name)
+    run_checkpoints = os.path.join(path, RUN_CHECKPOINT_DIR)
+    if os.path.isdir(run_checkpoints):
+        return run_checkpoints, None
+    return path, None
+
+
+def restore_from_path(path: str, abstract_state: Any) -> tuple[Any, dict, dict]:
+    """Restore (state, data_state, config) from a run directory or checkpoint root (latest step), or one step
+    directory `.../<step>` (`resolve_checkpoint_path`).
+
+    Raises:
+      FileNotFoundError: `path` does not exist, is an unfinished save, or holds no complete checkpoint.
+      CheckpointMismatchError, ValueError: as `Checkpointer.restore`.
+    """
+    root, step = resolve_checkpoint_path(path)
     ckpt = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
     try:
         return ckpt.restore(step, abstract_state)

@@ -29,40 +29,15 @@ from jaxpar.checkpoint import (
     _DATA,
     _STATE,
     _STEP_NAME,
+    _TMP_STEP,
+    RUN_CHECKPOINT_DIR,
     _is_complete_step_dir,
+    resolve_checkpoint_path,
 )
+from jaxpar.config.mesh_axes import CONFIG_AXES
 
-RUN_CHECKPOINT_DIR = "checkpoints"  # jaxpar.train.loop.CHECKPOINT_DIR: <run_dir>/checkpoints/<step>/
-_TMP_STEP = re.compile(r"(0|[1-9][0-9]*)\.orbax-checkpoint-tmp.*")
 _CORRUPT_STEP = re.compile(r"(0|[1-9][0-9]*)\.corrupt[0-9]*")  # an unreadable step renamed by a restore
-MESH_AXES = ("data", "fsdp", "tensor", "pipeline")
 MODEL_DIMS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
-
-
-def resolve_checkpoint_path(path: str) -> tuple[str, int | None]:
-    """Maps a run dir, a checkpoint root or one step dir to (absolute checkpoint root, step or None).
-
-    A run dir is recognised by its `checkpoints/` sub-directory; a step dir by its name (`<int>`) and a
-    `state/` sub-directory or commit marker.
-
-    Raises:
-      FileNotFoundError: `path` does not exist or is not a directory.
-      ValueError: `path` is an Orbax temporary step directory (an unfinished save).
-    """
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist or is not a directory")
-    name = os.path.basename(path)
-    if _TMP_STEP.fullmatch(name):
-        raise ValueError(f"{path} is an unfinished save (Orbax temporary directory); pass its parent "
-                         f"{os.path.dirname(path)} to see the complete steps")
-    if _STEP_NAME.fullmatch(name) and (os.path.isdir(os.path.join(path, _STATE))
-                                       or os.path.isfile(os.path.join(path, _COMMIT_MARKER))):
-        return os.path.dirname(path), int(name)
-    run_checkpoints = os.path.join(path, RUN_CHECKPOINT_DIR)
-    if os.path.isdir(run_checkpoints):
-        return run_checkpoints, None
-    return path, None
 
 
 def list_step_dirs(root: str) -> tuple[list[int], list[dict]]:
@@ -159,7 +134,7 @@ def summarize_config(config: dict | None) -> dict:
         value = config.get(name)
         return value if isinstance(value, dict) else {}
 
-    return {"mesh": {a: section("mesh").get(a) for a in MESH_AXES},
+    return {"mesh": {a: section("mesh").get(a) for a in CONFIG_AXES},
             "zero_stage": section("optimizer").get("zero_stage"),
             "layout": section("precision").get("layout"),
             "global_batch_size": section("train").get("global_batch_size"),
@@ -182,10 +157,10 @@ def checkpoint_info(path: str, step: int | None = None) -> dict:
       arrays under `params.`)}.
 
     Raises:
-      FileNotFoundError: `path` missing, no complete checkpoint, or `step` not complete there (the message lists
-        the complete steps).
-      ValueError: `step` contradicts the step dir `path` names, `path` is an unfinished save, or the step's
-        metadata cannot be read (a damaged checkpoint; the message names the step).
+      FileNotFoundError: `path` missing or an unfinished save (`jaxpar.checkpoint.resolve_checkpoint_path`), no
+        complete checkpoint, or `step` not complete there (the message lists the complete steps).
+      ValueError: `step` contradicts the step dir `path` names, or the step's metadata cannot be read (a damaged
+        checkpoint; the message names the step).
     """
     root, path_step = resolve_checkpoint_path(path)
     if step is not None and path_step is not None and step != path_step:
@@ -231,10 +206,10 @@ def format_checkpoint_info(info: dict) -> str:
         lines.append("  config: not saved")
     else:
         mesh = s["mesh"]
-        sizes = [mesh[a] for a in MESH_AXES]
+        sizes = [mesh[a] for a in CONFIG_AXES]
         resolved = all(isinstance(n, int) and n >= 1 for n in sizes)  # a config saved before resolve: -1
         total = f" ({math.prod(sizes)} devices)" if resolved else ""
-        lines.append("  mesh: " + " ".join(f"{a}={_fmt(mesh[a])}" for a in MESH_AXES) + total)
+        lines.append("  mesh: " + " ".join(f"{a}={_fmt(mesh[a])}" for a in CONFIG_AXES) + total)
         lines.append(f"  zero_stage: {_fmt(s['zero_stage'])}   precision layout: {_fmt(s['layout'])}   "
                      f"global batch: {_fmt(s['global_batch_size'])} x seq_len {_fmt(s['seq_len'])}")
         lines.append("  model: " + " ".join(f"{k}={_fmt(v)}" for k, v in s["model"].items()))

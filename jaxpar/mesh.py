@@ -1,7 +1,6 @@
-"""The four-axis device mesh: data, pipeline, fsdp, tensor (outermost to innermost).
+"""The four-axis device mesh: data, pipeline, fsdp, tensor (outermost to innermost; the names, the order and why
+are `jaxpar.config.mesh_axes`).
 
-`tensor` is innermost because its collectives sit on the critical path of every layer and need the fastest
-link; `data` is outermost because its one gradient reduction per step tolerates the slowest (cross-host) link.
 All axes are `AxisType.Auto` on purpose: the forward/backward runs inside `jax.shard_map` where every
 collective is written by hand, and the optimizer update outside it is elementwise on arrays whose
 `NamedSharding`s are fixed at the jit boundary, so the compiler only has to insert the ZeRO all-gathers.
@@ -15,11 +14,11 @@ from typing import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, MESH_AXES
 from jaxpar.config.schema import Config
 from jaxpar.config.validate import resolve_mesh_shape
 
-AXES = ("data", "pipeline", "fsdp", "tensor")
-DATA_PARALLEL_AXES = ("data", "fsdp")  # axes that split the batch
+__all__ = ["DATA_PARALLEL_AXES", "MESH_AXES", "build_mesh", "describe"]
 
 
 def build_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -30,8 +29,8 @@ def build_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(cfg, len(devices))
-    return jax.make_mesh(tuple(shape[a] for a in AXES), AXES, axis_types=(AxisType.Auto,) * len(AXES),
-                         devices=devices)
+    return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES,
+                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
 def describe(mesh: Mesh) -> str:

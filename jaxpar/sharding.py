@@ -20,6 +20,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar.config.mesh_axes import STORAGE_AXES
+
 PARAM_RULES: dict[str, tuple[str, ...]] = {
     "layers": ("pipeline",),
     "embed": ("fsdp",),
@@ -52,6 +54,12 @@ def partitioned_over_data(kind: str, zero_stage: int) -> bool:
     if kind not in STATE_KINDS:
         raise ValueError(f"state kind {kind!r} is not one of {STATE_KINDS}")
     return kind in _ZERO_PARTITIONED[zero_stage]
+
+
+def storage_axes(kind: str, zero_stage: int) -> tuple[str, ...]:
+    """The `STORAGE_AXES` that split state of `kind` along its `embed` dimension at `zero_stage`: ("fsdp",), and
+    ("fsdp", "data") (fsdp-major) where the stage partitions the kind over `data`."""
+    return tuple(a for a in STORAGE_AXES if a == "fsdp" or partitioned_over_data(kind, zero_stage))
 
 
 def logical_to_spec(names: tuple[str, ...], rules: dict[str, tuple[str, ...]], over_data: bool) -> P:
@@ -92,7 +100,7 @@ def gathered_axes(spec: P) -> list[tuple[int, tuple[str, ...]]]:
     out = []
     for dim, axes in enumerate(spec):
         axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        storage = tuple(a for a in axes if a in ("fsdp", "data"))
+        storage = tuple(a for a in axes if a in STORAGE_AXES)
         if storage:
             out.append((dim, storage))
     return out

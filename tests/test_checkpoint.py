@@ -10,7 +10,14 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.checkpoint import Checkpointer, restore_from_path
+from jaxpar.checkpoint import (
+    EMPTY,
+    ArrayDifference,
+    Checkpointer,
+    CheckpointMismatchError,
+    resolve_checkpoint_path,
+    restore_from_path,
+)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +150,29 @@ def test_structure_and_shape_mismatch_names_keys(tmp_path, mesh):
     ckpt.close()
 
 
+def test_mismatch_is_a_structured_error(tmp_path, mesh):
+    """The error carries the path, the step and every difference as data (nobody parses its message), and an
+    optimizer state that differs only in empty nodes is caught before Orbax reads anything."""
+    state = _state(mesh)
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
+    ckpt.save(3, state, data_state={}, config={})
+    repl = lambda x: NamedSharding(mesh, P())
+    target = _abstract(state, repl)
+    target["params"]["w_DF"] = jax.ShapeDtypeStruct((8, 32), jnp.bfloat16, sharding=repl(None))
+    target["opt_state"] = (*target["opt_state"], optax.EmptyState())  # one more (empty) optimizer stage
+    with pytest.raises(CheckpointMismatchError) as err:
+        ckpt.restore(None, target)
+    e = err.value
+    assert isinstance(e, ValueError) and e.step == 3 and e.path == str(tmp_path / "3" / "state")
+    assert e.differences == (ArrayDifference("opt_state.2", None, EMPTY),
+                             ArrayDifference("params.w_DF", ((8, 16), "float32"), ((8, 32), "bfloat16")))
+    assert str(e.differences[1]) == ("params.w_DF: checkpoint shape (8, 16) != target shape (8, 32); checkpoint "
+                                     "dtype float32 != target dtype bfloat16")
+    assert e.summary(1) == f"2 arrays differ, e.g. {e.differences[1]}"  # parameters first
+    assert ckpt.all_steps() == [3]  # a mismatch is not damage: nothing set aside
+    ckpt.close()
+
+
 def test_async_save_then_wait_and_restore_from_path(tmp_path, mesh):
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=True)
     states = {s: _state(mesh, seed=s) for s in (1, 2)}
@@ -163,6 +193,14 @@ def test_async_save_then_wait_and_restore_from_path(tmp_path, mesh):
     assert restore_from_path(str(run_dir), target)[1] == {"next_sample": 20}
     _assert_bitwise_equal(first, states[1])
     assert data == {"next_sample": 10}
+    # One resolution of a path for restores and for jaxpar-checkpoints; an unfinished save is no checkpoint.
+    root = str(tmp_path)
+    assert [resolve_checkpoint_path(str(p)) for p in (tmp_path, tmp_path / "1", run_dir)] == [
+        (root, None), (root, 1), (str(run_dir / "checkpoints"), None)]
+    os.makedirs(tmp_path / "3.orbax-checkpoint-tmp" / "state")
+    for use in (resolve_checkpoint_path, lambda p: restore_from_path(p, target)):
+        with pytest.raises(FileNotFoundError, match=r"unfinished save .*pass its parent"):
+            use(str(tmp_path / "3.orbax-checkpoint-tmp"))
 
 
 def test_background_failure_surfaces_in_wait(tmp_path, mesh, monkeypatch):

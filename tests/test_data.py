@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data import (BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, DataLoader, EvalLoader, build_loaders, load_tokens,
                          pack, unigram_entropy)
@@ -174,8 +175,8 @@ def test_loader_batches_are_sharded_and_distinct(sharding):
     assert jax.device_count() == 8, "run with JAX_NUM_CPU_DEVICES=8 (tests/conftest.py sets it)"
     loader = DataLoader(_id_packed(), G, sharding, seed=0)
     batch = loader.next_batch()
-    for k in ("inputs", "targets", "loss_mask"):
-        assert batch[k].shape == (G, T) and batch[k].sharding == sharding
+    for k in BATCH_KEYS:
+        assert batch[k].shape == (G, T) and batch[k].sharding == sharding and batch[k].dtype == BATCH_DTYPES[k]
         assert {s.data.shape for s in batch[k].addressable_shards} == {(G // 8, T)}
     assert len(set(_ids(batch))) == G
 

@@ -119,7 +119,7 @@ def test_cpu_backend_widens_bf16_collectives(tmp_path):
     pass) and are fp32 in the CPU executable (AllReducePromotion BF16 -> F32 for the first two, FloatNormalization
     for the others), the same ops in the same groups; fp32 ones are untouched. jaxpar.analysis.plan's cpu platform
     counts
-    collectives this way (`jaxpar.analysis.plan.collective_bytes`)."""
+    collectives this way (`jaxpar.analysis.plan_dims.collective_bytes`)."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
     def body(a, b):

@@ -1,8 +1,8 @@
 """Model-state bytes per device: the ZeRO formula by hand, and the formula against XLA's compiled step."""
 import jax
-import jax.numpy as jnp
 import pytest
 
+from jaxpar.analysis.compile_options import COMPILER_OPTIONS
 from jaxpar.analysis.memory import (
     format_memory_table,
     formula_expression,
@@ -10,6 +10,7 @@ from jaxpar.analysis.memory import (
     memory_table,
     state_bytes_formula,
 )
+from jaxpar.batch import abstract_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.model import param_count
@@ -58,8 +59,6 @@ def test_formula_expression_and_errors():
         state_bytes_formula(10, "fp32", 4, 1, 1)
 
 
-# Backend (LLVM) optimisation off: ~3x faster compiles; buffer assignment, so every measured byte, is unchanged.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 _MEASURED: dict = {}
 
 
@@ -69,9 +68,7 @@ def _plan_state_batch(zero: int, layout: str, data: int = 8, fsdp: int = 1):
     cfg = load_config("configs/tiny.yaml", overrides, num_devices=8)
     plan = build_plan(cfg, build_mesh(cfg))
     state = jax.eval_shape(lambda: init_state(plan, 0))  # abstract: only compiled, never run
-    g, t = cfg.train.global_batch_size, cfg.data.seq_len
-    batch = {k: jax.ShapeDtypeStruct((g, t), dt, sharding=plan.batch_sharding)
-             for k, dt in (("inputs", jnp.int32), ("targets", jnp.int32), ("loss_mask", jnp.float32))}
+    batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
     return plan, state, batch
 
 
@@ -80,7 +77,7 @@ def _measure(zero: int, layout: str, data: int = 8, fsdp: int = 1):
     key = (zero, layout, data, fsdp)
     if key not in _MEASURED:
         plan, state, batch = _plan_state_batch(*key)
-        _MEASURED[key] = (plan, state, batch, measured_state_bytes(plan, state, batch, FAST_COMPILE))
+        _MEASURED[key] = (plan, state, batch, measured_state_bytes(plan, state, batch, COMPILER_OPTIONS))
     return _MEASURED[key]
 
 

@@ -33,11 +33,11 @@ Shape letters: G global batch, b microbatch rows, T sequence length, L layers, D
 width, V vocabulary, M microbatches, p stages.
 """
 import jax
-import jax.numpy as jnp
 import pytest
 
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
-from jaxpar.train.step import BATCH_KEYS, abstract_state, make_grad_fn
+from jaxpar.batch import abstract_batch
+from jaxpar.train.step import abstract_state, make_grad_fn
 
 P_STAGES = 4
 T = 32
@@ -55,8 +55,7 @@ def _temp_bytes(schedule: str, m: int, g: int) -> int:
     params = abstract_state(plan)["params"]  # ShapeDtypeStructs with shardings: nothing is allocated
     w = params["blocks"]["mlp"]["w_up"]
     assert plan.mesh.shape["pipeline"] == P_STAGES and shard_shape(w)[0] == L // P_STAGES  # 1 layer per stage
-    batch = {k: jax.ShapeDtypeStruct((g, T), jnp.float32 if k == "loss_mask" else jnp.int32,
-                                     sharding=plan.batch_sharding) for k in BATCH_KEYS}
+    batch = abstract_batch(g, T, plan.batch_sharding)
     compiled = compile_fast(jax.jit(make_grad_fn(plan)), params, batch)
     return int(compiled.memory_analysis().temp_size_in_bytes)
 

@@ -102,6 +102,20 @@ def test_bad_sweep_files(tmp_path, text, needle):
     assert needle in str(err.value)
 
 
+def test_sweep_files_are_read_and_typed_by_the_config_loader(tmp_path):
+    """Reading and scalar typing are the config loader's: a file that is not UTF-8 gets its message, and a number
+    YAML 1.1 reads as a string (an exponent without a dot) is a number as it is in a config."""
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("base: caf\xe9.yaml\n".encode("latin-1"))
+    with pytest.raises(SweepError, match="not a UTF-8 text file"):
+        load_sweep(str(bad))
+    path = _write(tmp_path, "base: {tiny}\ndevices: 8\nmemory_budget_bytes: 2e9\ntimeout_s: 60\ncompile: false\n")
+    sweep = load_sweep(path)
+    assert sweep.budget_bytes == 2e9 and sweep.timeout_s == 60.0
+    with pytest.raises(SweepError, match="compile: expected bool, got 'yes please' .*fix the value in the sweep file"):
+        load_sweep(_write(tmp_path, "base: {tiny}\ndevices: 8\ncompile: yes please\n"))
+
+
 def test_cli_reports_bad_sweep_files(tmp_path, capsys):
     assert sweep_cli.main([str(tmp_path / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
@@ -175,7 +189,7 @@ def test_analytic_sweep_writes_outputs_and_resumes(tmp_path):
 def _fake_runner(calls: list, fail_on: set[int] = frozenset(), interrupt_on: int | None = None):
     """Stands in for the `jaxpar-plan --compile --json` subprocess: returns a minimal compiled result."""
     compiled = {"memory_analysis": {"argument_bytes": 100, "output_bytes": 90, "alias_bytes": 80, "temp_bytes": 50,
-                                    "generated_code_bytes": 0},
+                                    "generated_code_bytes": 0, "peak_bytes": 100 + 90 - 80 + 50},
                 "state": {"params_plus_opt_state": 70, "ratio": 1.0}, "collectives": []}
 
     def run(sweep, point):

@@ -20,6 +20,7 @@ from jaxpar.analysis.sweep_gpu import gpu_summary, target_command
 from jaxpar.analysis.sweep_report import objective_value
 from jaxpar.cli import sweep as sweep_cli
 from jaxpar.config import load_config, resolve_config
+from jaxpar.config.mesh_axes import CONFIG_AXES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -152,7 +153,7 @@ def test_memory_ranks_by_the_gpu_compiled_peak(tmp_path, monkeypatch):
               "data=4 fsdp=2 tensor=1 pipeline=1": {"data": 4, "fsdp": 2}}
     planned = {}
     for name, mesh in meshes.items():
-        over = [f"mesh.{a}={mesh.get(a, 1)}" for a in ("data", "fsdp", "tensor", "pipeline")]
+        over = [f"mesh.{a}={mesh.get(a, 1)}" for a in CONFIG_AXES]
         cfg = resolve_config(load_config(TINY_YAML, [*SMALL, *over], validate=False), 8)
         planned[name] = plan(cfg, "gpu")["memory"]["peak_estimate"]
     order = sorted(planned, key=planned.get)  # planned peak, lowest first
@@ -183,7 +184,7 @@ def test_memory_ranks_by_the_gpu_compiled_peak(tmp_path, monkeypatch):
 
     md = (tmp_path / "out" / "results.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| ") and "rank" not in line]
-    ranked_meshes = [" ".join(f"{a}={v}" for a, v in zip(("data", "fsdp", "tensor", "pipeline"),
+    ranked_meshes = [" ".join(f"{a}={v}" for a, v in zip(CONFIG_AXES,
                                                          line.split(" | ")[1:5])) for line in rows]
     assert ranked_meshes == [order[3], order[0], order[1], order[2]]  # by GPU peak; over budget unranked
     assert rows[0].startswith("| 1 |") and rows[1].startswith("| 2 |") and rows[2].startswith("| - |")

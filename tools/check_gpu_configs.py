@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> int:
     from jaxpar.analysis.gpu_check import RECORD_FILE, check_config, format_table, problems
-    from jaxpar.analysis.plan import param_leaves
+    from jaxpar.analysis.plan_dims import param_leaves
     from jaxpar.analysis.plan_gpu import unavailable_reason
     from jaxpar.config import load_config
 

@@ -18,21 +18,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.batch import BATCH_KEYS
 from jaxpar.config import Config
 from jaxpar.model import Transformer, token_loss_sum
 from jaxpar.train.optimizer import learning_rate_schedule
-from jaxpar.train.step import BATCH_KEYS, StepPlan, compute_dtype
-
-
-def random_batch(cfg: Config, sharding: jax.sharding.Sharding, seed: int = 0, masked_prefix: int = 0) -> dict:
-    """Uniform random tokens: {"inputs", "targets": int32 [G, T] in [0, V), "loss_mask": float32 [G, T]},
-    placed with `sharding`; the first `masked_prefix` positions of every row have loss_mask 0."""
-    g, t, v = cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    batch = {"inputs": jax.random.randint(k1, (g, t), 0, v, jnp.int32),
-             "targets": jax.random.randint(k2, (g, t), 0, v, jnp.int32),
-             "loss_mask": jnp.ones((g, t), jnp.float32).at[:, :masked_prefix].set(0.0)}
-    return jax.device_put(batch, sharding)
+from jaxpar.train.step import StepPlan, compute_dtype
 
 
 def reference_step(cfg: Config):

@@ -9,9 +9,8 @@ taken in the same run.
   memory       model-state bytes per device that XLA's buffer assignment gives the compiled step, over the
                ZeRO formula (`jaxpar.analysis.memory`; Rajbhandari et al. 2019, section 3), per ZeRO stage on data=D.
   tensor       bytes per device per step of the collectives over the `tensor` axis in the compiled HLO
-               (`jaxpar.analysis.hlo`), over the Megatron count (`jaxpar.analysis.comm.tensor_parallel_terms`), with
-               sequence
-               parallelism off and on.
+               (`jaxpar.analysis.hlo`), over the planner's Megatron count for that axis
+               (`jaxpar.analysis.plan_comm`), with sequence parallelism off and on.
   pipeline     compiled temp bytes of the 1F1B step over the GPipe step on p devices; the target column gives
                the formula's ratio of stage inputs live on the worst stage (`jaxpar.analysis.pipeline_report`), which
                the temp bytes approach as activations dominate (GPipe also keeps per-tick layer residuals).
@@ -26,7 +25,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.analysis.bench import (
     compiled_cost,
@@ -34,16 +32,17 @@ from jaxpar.analysis.bench import (
     median_seconds,
     round_medians,
 )
-from jaxpar.analysis.bench_baselines import random_batch, reference_step
-from jaxpar.analysis.comm import tensor_parallel_bytes, tensor_parallel_terms
+from jaxpar.analysis.bench_baselines import reference_step
+from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo import collectives_by_axis
 from jaxpar.analysis.memory import memory_table
 from jaxpar.analysis.pipeline_report import stage_inputs_in_flight
-from jaxpar.config import Config, load_config
+from jaxpar.analysis.plan_comm import collective_terms
+from jaxpar.batch import abstract_batch, random_batch
+from jaxpar.config import Config, load_config, resolve_config
 from jaxpar.mesh import build_mesh
-from jaxpar.sharding import STATE_KINDS, partitioned_over_data
+from jaxpar.sharding import STATE_KINDS
 from jaxpar.train.step import (
-    BATCH_KEYS,
     StepPlan,
     abstract_state,
     build_plan,
@@ -51,11 +50,6 @@ from jaxpar.train.step import (
     make_train_step,
 )
 
-# XLA:CPU options that cut compile time about 4x: the legacy elemental emitters and no LLVM optimisation. HLO
-# passes (SPMD partitioning, fusion, buffer assignment) still run, so collectives and state bytes are unchanged
-# and temp bytes stay within a few percent of an optimised build; step times roughly double. CPU only.
-FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
-                "xla_llvm_disable_expensive_passes": True}
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
 # The pipeline grid's model: small enough that every (p, m) point compiles in seconds on 2 CPU cores.
 PIPELINE_MODEL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
@@ -69,11 +63,9 @@ def row(group: str, case: str, metric: str, measured: float, reference: float, u
             "reference": float(reference), "ratio": float(ratio), "unit": unit, "target": target}
 
 
-def abstract_batch(plan: StepPlan) -> dict:
-    """ShapeDtypeStructs of one global batch ([G, T] int32 inputs/targets, float32 loss_mask) on the plan's mesh."""
-    g, t = plan.cfg.train.global_batch_size, plan.cfg.data.seq_len
-    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
-    return {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
+def _abstract_batch(plan: StepPlan) -> dict:
+    """`jaxpar.batch.abstract_batch` of one global batch on the plan's mesh."""
+    return abstract_batch(plan.cfg.train.global_batch_size, plan.cfg.data.seq_len, plan.batch_sharding)
 
 
 # --- overhead ----------------------------------------------------------------------------------------------
@@ -90,7 +82,8 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
     """
     devices = jax.devices()[:1]
     plan = build_plan(cfg, build_mesh(cfg, devices))
-    batch = random_batch(cfg, plan.batch_sharding, masked_prefix=cfg.data.seq_len // 8)
+    batch = random_batch(cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding,
+                         masked_prefix=cfg.data.seq_len // 8)
     jp = {"state": init_state(plan, cfg.train.seed)}
     ref_step, params, opt_state = reference_step(cfg)
     ref = {"params": jax.device_put(params, devices[0]), "opt": jax.device_put(opt_state, devices[0])}
@@ -143,7 +136,7 @@ def zero_memory_tables(config: str, overrides: Sequence[str], data: int, stages:
                      f"optimizer.zero_stage={zero}"]
         cfg = load_config(config, [*overrides, *mesh_axes], num_devices=data)
         plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:data]))
-        tables[zero] = memory_table(plan, abstract_state(plan), abstract_batch(plan),
+        tables[zero] = memory_table(plan, abstract_state(plan), _abstract_batch(plan),
                                     compiler_options=compiler_options)
     return tables
 
@@ -164,17 +157,15 @@ def memory_rows(tables: dict[int, list[dict]]) -> list[dict]:
 # --- tensor-parallel collectives ---------------------------------------------------------------------------
 
 def tensor_analytic(plan: StepPlan) -> tuple[list, dict[str, float]]:
-    """The Megatron terms of `plan`'s step over `tensor` and their bytes per device by collective kind."""
-    cfg, shape = plan.cfg, plan.mesh_shape
-    accum = cfg.train.grad_accum_steps
-    rows = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum)
-    shards = shape["fsdp"] * (shape["data"] if partitioned_over_data("grads", cfg.optimizer.zero_stage) else 1)
-    terms = tensor_parallel_terms(rows=rows, seq_len=cfg.data.seq_len, d_model=cfg.model.d_model,
-                                  n_layers=cfg.model.n_layers, microbatches=accum, tensor=shape["tensor"],
-                                  sequence_parallel=plan.tensor_parallel.sequence_parallel,
-                                  compute_dtype=plan.compute_dtype, reduce_dtype=plan.reduce_dtype,
-                                  fsdp_shards=shards, remat=cfg.model.remat)
-    return terms, tensor_parallel_bytes(terms, shape["tensor"])
+    """The planner's collectives of `plan`'s step over exactly the `tensor` axis (Megatron with or without
+    sequence parallelism; `jaxpar.analysis.plan_comm.collective_terms`, planned for the backend the step compiles
+    on) and their bytes per device per step by collective kind."""
+    cfg = resolve_config(plan.cfg, plan.mesh.size)
+    terms = [t for t in collective_terms(cfg, jax.default_backend()) if t.axes == ("tensor",)]
+    out: dict[str, float] = {}
+    for t in terms:
+        out[t.kind] = out.get(t.kind, 0.0) + t.bytes
+    return terms, out
 
 
 def tensor_axis_bytes(table: dict) -> dict[str, float]:
@@ -197,7 +188,7 @@ def tensor_collective_rows(config: str, overrides: Sequence[str], num_devices: i
         cfg = load_config(config, [*overrides, *mesh_axes, f"tensor.sequence_parallel={str(sp).lower()}"],
                           num_devices=num_devices)
         plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:num_devices]))
-        compiled = make_train_step(plan).lower(abstract_state(plan), abstract_batch(plan)).compile(
+        compiled = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan)).compile(
             compiler_options)
         got = tensor_axis_bytes(collectives_by_axis(compiled.as_text(), plan.mesh))
         _, want = tensor_analytic(plan)
@@ -225,7 +216,7 @@ def pipeline_overrides(p: int, pipelined: bool, schedule: str, m: int, rows: int
 def pipeline_temp_bytes(cfg: Config, devices: Sequence[jax.Device], compiler_options: dict | None = None) -> int:
     """Temp bytes per device (`memory_analysis().temp_size_in_bytes`) of the compiled train step; nothing runs."""
     plan = build_plan(cfg, build_mesh(cfg, devices))
-    compiled = make_train_step(plan).lower(abstract_state(plan), abstract_batch(plan)).compile(compiler_options)
+    compiled = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan)).compile(compiler_options)
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
@@ -260,7 +251,7 @@ def run_report(config: str, overrides: Sequence[str] = (), quick: bool = False, 
                rounds: int = 3, log=print) -> list[dict]:
     """All four measurements on this process's devices (D = jax.device_count()); returns the report rows.
 
-    quick: QUICK_MODEL, fp32 memory only, pipeline p=2 m=4, 5 timed steps per round, and (on CPU) FAST_COMPILE
+    quick: QUICK_MODEL, fp32 memory only, pipeline p=2 m=4, 5 timed steps per round, and (on CPU) FAST_COMPILER_OPTIONS
       for the compile-only rows. Otherwise the config's model, fp32 and 16p memory, pipeline p in (2, 4) and
       m in (4, 8, 16) where p <= D, 20 timed steps, default compiler options.
     Rows that need more devices than D have are left out (tensor: D even; pipeline: p <= D), and `log` says so.
@@ -270,7 +261,7 @@ def run_report(config: str, overrides: Sequence[str] = (), quick: bool = False, 
     """
     d, start = jax.device_count(), time.perf_counter()
     model = [*QUICK_MODEL, *overrides] if quick else list(overrides)
-    options = FAST_COMPILE if quick and jax.default_backend() == "cpu" else None
+    options = FAST_COMPILER_OPTIONS if quick and jax.default_backend() == "cpu" else None
     steps = steps or (5 if quick else 20)
     batch = [f"train.global_batch_size={2 * d}"]
     log(f"benchmarks on {d} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "

@@ -17,6 +17,7 @@ import json
 import os
 import re
 
+from jaxpar.analysis.units import GB
 from jaxpar.config.schema import Config
 
 CLUSTER_LINE = re.compile(r"^# cluster: (\S+)\s*$", re.MULTILINE)
@@ -141,7 +142,7 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
         memory = r["usable_bytes"] / _memory_fraction()
         lines.append(f"| `{r['config']}` | {r['cluster']} | {m['data']} x {m['fsdp']} x {m['tensor']} x "
                      f"{m['pipeline']} | {r['rows_per_microbatch']} x {r['grad_accum_steps']} | {r['remat']} | "
-                     f"{r['peak_bytes'] / 1e9:.1f} GB | {plan_peak / 1e9:.1f} GB | "
+                     f"{r['peak_bytes'] / GB:.1f} GB | {plan_peak / GB:.1f} GB | "
                      f"{r['peak_bytes'] / plan_peak:.2f} | {r['peak_bytes'] / memory:.0%} |")
     return "\n".join(lines)
 

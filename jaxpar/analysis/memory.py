@@ -33,8 +33,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.analysis.plan_dims import rank_params
+from jaxpar.batch import BATCH_KEYS
+from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
-from jaxpar.train.step import BATCH_KEYS, StepPlan, make_grad_fn, make_train_step
+from jaxpar.train.step import StepPlan, make_grad_fn, make_train_step
 
 # Bytes per parameter of each state kind, per precision layout (ZeRO section 3.1).
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
@@ -108,11 +111,11 @@ def _scalar_bytes(tree: Any) -> int:
     return int(sum(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if len(x.shape) == 0))
 
 
-def _memory_analysis(compiled) -> Any:
-    stats = compiled.memory_analysis()
-    if stats is None:
+def _memory_analysis(compiled) -> dict:
+    memory = memory_analysis_bytes(compiled)
+    if memory is None:
         raise RuntimeError(f"the {jax.default_backend()} backend returns no memory_analysis() for compiled code")
-    return stats
+    return memory
 
 
 def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batch: dict) -> dict:
@@ -123,11 +126,11 @@ def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batc
     """
     batch_bytes = _shard_bytes({k: batch[k] for k in BATCH_KEYS}, {k: plan.batch_sharding for k in BATCH_KEYS})
     analysis = _memory_analysis(compiled_step)
-    persistent = int(analysis.argument_size_in_bytes) - batch_bytes
+    persistent = analysis["argument_bytes"] - batch_bytes
     params = _shard_bytes(state["params"], plan.state_shardings["params"])
     scalars = _scalar_bytes(state)
     return {"persistent": persistent, "params": params, "scalars": scalars,
-            "opt_state": persistent - params - scalars, "temp": int(analysis.temp_size_in_bytes)}
+            "opt_state": persistent - params - scalars, "temp": analysis["temp_bytes"]}
 
 
 def gradient_bytes_from_shardings(plan: StepPlan, params: Any) -> int:
@@ -170,27 +173,11 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     out = persistent_state_bytes(plan, step, state, batch)
     grad_compiled = jax.jit(make_grad_fn(plan)).lower(state["params"], batch).compile(compiler_options)
     n_outputs = len(jax.tree.leaves(grad_compiled.out_info))
-    grad_out = int(_memory_analysis(grad_compiled).output_size_in_bytes)
+    grad_out = _memory_analysis(grad_compiled)["output_bytes"]
     table = POINTER_BYTES * n_outputs if n_outputs > 1 else 0  # XLA's tuple index table
     out["grads"] = grad_out - table - 2 * 4  # and the fp32 loss and n_tokens
     out["total"] = out["params"] + out["grads"] + out["opt_state"]
     return out
-
-
-def tensor_rank_params(plan: StepPlan, params: Any) -> int:
-    """P as one model-parallel rank holds it: parameters sharded over `tensor` (heads, MLP hidden, vocabulary)
-    count 1/t and those sharded over `pipeline` (the stacked layers) 1/p; replicated ones count fully. Equals the
-    parameter count when mesh.tensor == mesh.pipeline == 1; the ZeRO formulas then apply unchanged to this P
-    (the tensor and pipeline splits come before ZeRO's data split)."""
-    shape = plan.mesh_shape
-
-    def rank_size(x, spec):
-        used = {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
-        return math.prod(x.shape) // math.prod(shape[a] for a in ("tensor", "pipeline") if a in used)
-
-    leaves = jax.tree.leaves(jax.tree.map(rank_size, params, plan.specs["params"],
-                                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
-    return int(sum(leaves))
 
 
 def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None = None,
@@ -208,7 +195,7 @@ def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None
     cfg = plan.cfg
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     shape = plan.mesh_shape
-    n_params = tensor_rank_params(plan, state["params"])
+    n_params = rank_params(cfg.model, shape)  # P per tensor/pipeline rank
     formula = state_bytes_formula(n_params, layout, zero, shape["data"], shape["fsdp"])
     if measured is None:
         measured = measured_state_bytes(plan, state, batch, compiler_options)

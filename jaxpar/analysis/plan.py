@@ -47,16 +47,16 @@ their reduce-scatter, (layer parameters / t) * Br), the gathered weights in use,
 the gradient outputs. Checked against XLA's GPU compiler for every shipped config on its cluster
 (`jaxpar.analysis.plan_gpu`).
 
-Platform (`PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`, default gpu) is the
-machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu, bfloat16
-elsewhere, as `jaxpar.train.step.compute_dtype`) and sets the width of collectives (`collective_bytes`): gpu
-and tpu count each collective in the dtype the partitioned program gives it (the HLO after XLA's SPMD
-partitioner, which every backend receives; the GPU compiler only promotes 16-bit integer all-reduce and
-reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose backend passes widen every bf16
-all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives implement no bf16 reduction) and
-every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32 (XLA's source,
-xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked against
-both programs by tests/test_plan.py). Memory is planned the same on every platform.
+Platform (`jaxpar.config.precision.PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`,
+default gpu) is the machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu,
+bfloat16 elsewhere: `jaxpar.config.precision.resolve_compute_dtype`) and sets the width of collectives
+(`jaxpar.analysis.plan_dims.collective_bytes`): gpu and tpu count each collective in the dtype the partitioned
+program gives it (the HLO after XLA's SPMD partitioner, which every backend receives; the GPU compiler only
+promotes 16-bit integer all-reduce and reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose
+backend passes widen every bf16 all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives
+implement no bf16 reduction) and every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32
+(XLA's source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked
+against both programs by tests/test_plan.py). Memory is planned the same on every platform.
 """
 from __future__ import annotations
 
@@ -64,13 +64,14 @@ import dataclasses
 import math
 
 from jaxpar.analysis.memory import formula_expression, state_bytes_formula
+from jaxpar.analysis.plan_comm import by_axis, collective_terms
+from jaxpar.analysis.plan_dims import Dims, dims, local_size, param_leaves, rank_params
+from jaxpar.analysis.units import GB
+from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
-from jaxpar.sharding import PARAM_RULES
+from jaxpar.sharding import storage_axes
 
-MESH_AXES = ("data", "pipeline", "fsdp", "tensor")  # jaxpar.mesh.AXES: the order HLO replica groups follow
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-GB = 1e9
-PLATFORMS = ("gpu", "tpu", "cpu")
 # How each platform's compiler leaves the partitioned program's collectives (module docstring).
 COLLECTIVE_DTYPES = {
     "gpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
@@ -80,136 +81,11 @@ COLLECTIVE_DTYPES = {
 }
 
 
-def check_platform(platform: str) -> str:
-    """`platform` if it is one of `PLATFORMS`; raises ValueError naming them otherwise."""
-    if platform not in PLATFORMS:
-        raise ValueError(f"platform {platform!r} is not one of {', '.join(PLATFORMS)}")
-    return platform
-
-
-def collective_bytes(dtype_bytes: int, platform: str) -> int:
-    """Bytes per element that a collective of a float array `dtype_bytes` wide (2: bf16, 4: fp32) moves when
-    compiled for `platform`: 4 for bf16 on cpu (XLA:CPU widens bf16 collectives to fp32, module docstring),
-    else `dtype_bytes`. Raises ValueError for an unknown platform."""
-    return 4 if check_platform(platform) == "cpu" and dtype_bytes == 2 else dtype_bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Leaf:
-    """One parameter array: path, global shape and logical axes (`jaxpar.model.logical_axes`)."""
-
-    path: str
-    shape: tuple[int, ...]
-    axes: tuple[str, ...]
-
-    @property
-    def in_blocks(self) -> bool:
-        return self.axes[0] == "layers"
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-
-def param_leaves(model) -> list[Leaf]:
-    """The parameters of `jaxpar.model.Transformer` for a `ModelConfig`, from its shapes alone (no jax).
-
-    tests/test_plan.py checks this table against `init_params` and `logical_axes`.
-    """
-    d, f, v, n = model.d_model, model.d_ff, model.vocab_size, model.n_layers
-    h, g, k = model.n_heads, model.kv_heads, model.head_width
-    leaves = [Leaf("embed/table", (v, d), ("vocab", "embed")),
-              Leaf("blocks/attn_norm/scale", (n, d), ("layers", "embed")),
-              Leaf("blocks/attn/wq", (n, d, h, k), ("layers", "embed", "heads", "kv")),
-              Leaf("blocks/attn/wk", (n, d, g, k), ("layers", "embed", "heads", "kv")),
-              Leaf("blocks/attn/wv", (n, d, g, k), ("layers", "embed", "heads", "kv")),
-              Leaf("blocks/attn/wo", (n, h, k, d), ("layers", "heads", "kv", "embed")),
-              Leaf("blocks/mlp_norm/scale", (n, d), ("layers", "embed")),
-              Leaf("blocks/mlp/w_gate", (n, d, f), ("layers", "embed", "mlp")),
-              Leaf("blocks/mlp/w_up", (n, d, f), ("layers", "embed", "mlp")),
-              Leaf("blocks/mlp/w_down", (n, f, d), ("layers", "mlp", "embed")),
-              Leaf("final_norm/scale", (d,), ("embed",))]
-    if not model.tie_embeddings:
-        leaves.append(Leaf("lm_head/kernel", (d, v), ("embed", "vocab")))
-    return leaves
-
-
-def local_size(leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = ()) -> int:
-    """Elements of `leaf` on one device: every logical axis divided by the mesh axes `PARAM_RULES` maps it to,
-    restricted to tensor and pipeline plus the `storage` axes (fsdp, data) the caller counts as sharding it."""
-    total = 1
-    for dim, name in zip(leaf.shape, leaf.axes):
-        axes = [a for a in PARAM_RULES[name] if a in ("tensor", "pipeline")]
-        if name == "embed":
-            axes += list(storage)
-        total *= -(-dim // math.prod(shape[a] for a in axes))  # ceil: shard_shape of an uneven split
-    return total
-
-
-def compute_dtype_name(cfg: Config, platform: str) -> str:
-    """`precision.compute_dtype` with `auto` resolved as `jaxpar.train.step.compute_dtype` does: float32 on
-    cpu, bfloat16 elsewhere."""
-    if cfg.precision.compute_dtype != "auto":
-        return cfg.precision.compute_dtype
-    return "float32" if platform == "cpu" else "bfloat16"
-
-
-@dataclasses.dataclass(frozen=True)
-class Dims:
-    """The step's sizes as the planner uses them (see the module docstring for the letters)."""
-
-    shape: dict
-    zero: int
-    b: int
-    s: int
-    s_act: int        # s' (s / t with sequence parallelism)
-    sp: bool
-    accum: int        # A
-    m: int            # pipeline microbatches
-    layers_per_stage: int
-    compute_bytes: int    # Bc: bytes of the compute dtype (activations, gathered weights)
-    reduce_bytes: int     # Br: bytes of precision.reduce_dtype (gradient reductions)
-    param_bytes: int      # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
-    platform: str
-
-    def wire(self, dtype_bytes: int) -> int:
-        """Bytes per element a collective of that dtype moves on this platform (`collective_bytes`)."""
-        return collective_bytes(dtype_bytes, self.platform)
-
-
-def dims(cfg: Config, platform: str) -> Dims:
-    """Sizes of a resolved config (mesh without -1, `tensor.sequence_parallel` concrete) on `platform`.
-
-    Raises:
-      ValueError: the config is not resolved; platform not one of `PLATFORMS`.
-    """
-    check_platform(platform)
-    shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
-    if min(shape.values()) < 1:
-        raise ValueError(f"config is not resolved (mesh {shape}); call jaxpar.config.resolve_config first")
-    t, p = shape["tensor"], shape["pipeline"]
-    sp = bool(cfg.tensor.sequence_parallel) and t > 1
-    accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
-    b = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum * m)
-    s = cfg.data.seq_len
-    return Dims(shape=shape, zero=cfg.optimizer.zero_stage, b=b, s=s, s_act=s // t if sp else s, sp=sp,
-                accum=accum, m=m, layers_per_stage=cfg.model.n_layers // p,
-                compute_bytes=DTYPE_BYTES[compute_dtype_name(cfg, platform)],
-                reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
-                param_bytes=2 if cfg.precision.layout == "16p" else 4, platform=platform)
-
-
-def rank_params(cfg: Config) -> int:
-    """P per tensor/pipeline rank (see the module docstring); equals `jaxpar.analysis.memory.tensor_rank_params`."""
-    shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
-    return sum(local_size(leaf, shape) for leaf in param_leaves(cfg.model))
-
-
 def state_bytes(cfg: Config) -> dict:
     """Model-state bytes per device: {"params", "grads", "opt_state" (with the 16p fp32 master), "total",
     "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank)}. Raises ValueError as
     `jaxpar.analysis.memory.state_bytes_formula`."""
-    n_params = rank_params(cfg)
+    n_params = rank_params(cfg.model, mesh_sizes(cfg.mesh))
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     out = state_bytes_formula(n_params, layout, zero, cfg.mesh.data, cfg.mesh.fsdp)
     return {**out, "expression": formula_expression(layout, zero, cfg.mesh.fsdp), "n_params": n_params}
@@ -314,7 +190,7 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
     XLA's by `jaxpar.analysis.plan_compile` (CPU) and `jaxpar.analysis.plan_gpu` (the GPU compiler), not a bound."""
     d = dims(cfg, platform)
-    storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+    storage = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
     summed = d.accum * d.m > 1  # microbatches whose gradients add up (pipeline microbatches included)
     accum = 4 * sum(local_size(x, d.shape, storage) for x in leaves) if summed else 0
@@ -336,8 +212,8 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     """The analytic plan of a resolved config: memory per device and collectives per step (JSON-ready).
 
     Args:
-      cfg: resolved config (`resolve_config(cfg, devices)`); platform: one of `PLATFORMS`, the machine the run
-        targets (module docstring): `cpu` when comparing with a step compiled by XLA:CPU.
+      cfg: resolved config (`resolve_config(cfg, devices)`); platform: one of `jaxpar.config.precision.PLATFORMS`,
+        the machine the run targets (module docstring): `cpu` when comparing with a step compiled by XLA:CPU.
 
     Returns:
       {"devices", "mesh", "platform", "collective_dtypes" (how the platform's compiler leaves the collectives,
@@ -350,10 +226,8 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
        bytes}}.
 
     Raises:
-      ValueError: platform not one of `PLATFORMS`; the config is not resolved.
+      ValueError: platform not one of `jaxpar.config.precision.PLATFORMS`; the config is not resolved.
     """
-    from jaxpar.analysis.plan_comm import by_axis, collective_terms
-
     d = dims(cfg, platform)
     state = state_bytes(cfg)
     act = activation_bytes(cfg, platform)
@@ -366,7 +240,8 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     return {
         "devices": math.prod(d.shape.values()), "mesh": d.shape, "platform": platform,
         "collective_dtypes": COLLECTIVE_DTYPES[platform],
-        "compute_dtype": compute_dtype_name(cfg, platform), "layout": cfg.precision.layout,
+        "compute_dtype": resolve_compute_dtype(cfg.precision.compute_dtype, platform),
+        "layout": cfg.precision.layout,
         "zero_stage": d.zero, "remat": cfg.model.remat,
         "pipeline": {"schedule": cfg.pipeline.schedule, "microbatches": d.m, "stages": d.shape["pipeline"]},
         "sequence_parallel": d.sp,

@@ -1,11 +1,13 @@
 """The collectives of one jaxpar train step, counted analytically per mesh axis and kind (bytes per device).
 
-Letters as in `jaxpar.analysis.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the working-parameter
-dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's platform
-(`jaxpar.analysis.plan.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4); x = b*s*D*Bc, one
-microbatch's activations. Ring costs per op are `jaxpar.analysis.comm.ring_bytes` (NCCL tests, doc/PERFORMANCE.md):
-all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring algorithms:
-Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
+Letters as in `jaxpar.analysis.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the
+working-parameter dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's
+platform (`jaxpar.analysis.plan_dims.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4);
+x = b*s*D*Bc, one microbatch's activations. Ring costs per op are `jaxpar.analysis.comm.ring_bytes` (NCCL tests,
+doc/PERFORMANCE.md): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring
+algorithms: Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
+This is jaxpar's one analytic communication model: the planner, the sweeps and the benchmarks' tensor-axis
+rows (`jaxpar.analysis.bench_report.tensor_analytic`) all count with it.
 
 The counts follow jaxpar's step (`jaxpar.train.step`, `jaxpar.parallel`) as XLA compiles it; where XLA hoists
 or drops a collective the rule says so (generic HLO simplification that CPU and GPU compilers both run). tests/
@@ -26,7 +28,9 @@ data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the
   P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*Bp: the partitioner
   casts the data-sharded fp32 optimizer target (for the 16p layout the fp32 master) to the parameter dtype on
   each shard and gathers the result (bf16 under 16p; XLA:CPU then widens that gather to fp32).
-tensor axis (Megatron; Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2; `jaxpar.analysis.comm`):
+tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per layer in the forward and 2 in the
+  backward; Korthikanti et al. 2022, section 4.2: with sequence parallelism each becomes an all-gather and a
+  reduce-scatter of the same total bytes; what jaxpar's model adds around the layers):
   forward pass: the embedding exit and 2 exits per layer (all-reduce of x; with sequence parallelism
   reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
   all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
@@ -47,8 +51,10 @@ import dataclasses
 import math
 
 from jaxpar.analysis.comm import ring_bytes
-from jaxpar.analysis.plan import MESH_AXES, dims, local_size, param_leaves
+from jaxpar.analysis.plan_dims import dims, local_size, param_leaves
+from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
+from jaxpar.sharding import storage_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +108,7 @@ def _passes(cfg: Config, d) -> dict[str, int]:
 
 def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape = d.shape
-    axes = ("data", "fsdp") if d.zero == 3 else ("fsdp",)
+    axes = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
     w_layer = sum(local_size(x, shape) for x in leaves if x.in_blocks) // d.layers_per_stage
     w_out = sum(local_size(x, shape) for x in leaves if not x.in_blocks)
@@ -155,7 +161,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         _term(out, shape, "activations", tensor, "all-reduce", exits + enter_grads, (exits + enter_grads) * x)
     _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * fwd, 3 * fwd * ce)
     if d.sp:
-        storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+        storage = storage_axes("params", d.zero)
         norm = local_size(param_leaves(cfg.model)[1], shape, storage)  # [L/p, D/shards] of one norm scale
         final = norm // layers
         stacked = 2 * norm + (final if shape["pipeline"] == 1 else 0)
@@ -173,7 +179,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     act = d.b * d.s_act * cfg.model.d_model * d.wire(d.compute_bytes)
     _term(out, shape, "stage activations and their gradients", ("pipeline",), "collective-permute",
           d.accum * shifts, d.accum * shifts * act)
-    storage = ("fsdp", "data") if d.zero == 3 else ("fsdp",)
+    storage = storage_axes("params", d.zero)
     outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
     norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
     rest = [x for x in outside if x not in norms]
@@ -186,9 +192,9 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
 
 def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
-    docstring). `platform` (`jaxpar.analysis.plan.PLATFORMS`) resolves `precision.compute_dtype: auto` (float32 on cpu,
-    else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan.collective_bytes`). Raises ValueError for an
-    unknown platform or an unresolved config."""
+    docstring). `platform` (`jaxpar.config.precision.PLATFORMS`) resolves `precision.compute_dtype: auto`
+    (float32 on cpu, else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan_dims.collective_bytes`).
+    Raises ValueError for an unknown platform or an unresolved config."""
     d = dims(cfg, platform)
     passes = _passes(cfg, d)
     out: list[CollectiveTerm] = []

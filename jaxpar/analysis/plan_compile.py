@@ -32,27 +32,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxpar.analysis.compile_options import COMPILER_OPTIONS
 from jaxpar.analysis.hlo import classify_groups, parse_collectives
 from jaxpar.analysis.memory import persistent_state_bytes
-from jaxpar.analysis.plan import check_platform
 from jaxpar.analysis.plan import plan as analytic_plan
+from jaxpar.batch import abstract_batch, random_batch
+from jaxpar.compiled_memory import memory_analysis_bytes
+from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.precision import check_platform
 from jaxpar.config.schema import Config
 from jaxpar.mesh import build_mesh
 from jaxpar.train.step import (
-    BATCH_KEYS,
     abstract_state,
     build_plan,
     init_state,
     make_train_step,
 )
 
-# Backend (LLVM) optimisation off: compiles several times faster on CPU and changes code generation only, not
-# buffer assignment or the HLO collectives (checked in jaxpar.analysis.memory and tests/test_memory.py).
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
-# Also the legacy XLA:CPU emitters and no expensive LLVM passes: another ~3x faster. Same HLO passes, so the same
-# state bytes and collectives; temp can differ by a few percent (fusion decisions).
-FAST_COMPILER_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False,
-                         "xla_llvm_disable_expensive_passes": True}
 # The pass after which the program is "partitioned" (module docstring): StatefulRngSpmdPartitioner's name in
 # XLA's CPU and GPU SPMD pipelines.
 PARTITIONER_PASS = "spmd-partitioning"
@@ -64,17 +60,11 @@ def _label(axes) -> str:
 
 def _step_plan(cfg: Config):
     devices = jax.devices()
-    n = math.prod(getattr(cfg.mesh, a) for a in ("data", "fsdp", "tensor", "pipeline"))
+    n = math.prod(mesh_sizes(cfg.mesh).values())
     if len(devices) < n:
         raise RuntimeError(f"the mesh needs {n} devices but jax has {len(devices)}; set JAX_NUM_CPU_DEVICES={n} "
                            f"before jax is imported (jaxpar-plan --compile does)")
     return build_plan(cfg, build_mesh(cfg, devices[:n]))
-
-
-def _abstract_batch(cfg: Config, plan) -> dict:
-    g, t = cfg.train.global_batch_size, cfg.data.seq_len
-    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
-    return {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +89,8 @@ def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledS
       RuntimeError: fewer jax devices than the mesh needs.
     """
     plan = _step_plan(cfg)
-    state, batch = abstract_state(plan), _abstract_batch(cfg, plan)
+    state = abstract_state(plan)
+    batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
     options = dict(COMPILER_OPTIONS if compiler_options is None else compiler_options)
     with tempfile.TemporaryDirectory(prefix="jaxpar-hlo-") as dump:
         options.update(xla_dump_to=dump, xla_dump_hlo_pass_re=PARTITIONER_PASS, xla_dump_hlo_as_text=True)
@@ -178,7 +169,7 @@ def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> d
 
     Raises:
       ValueError: target is `cpu` (the partitioned program is not what XLA:CPU runs: compare the executable)
-        or not one of `jaxpar.analysis.plan.PLATFORMS`.
+        or not one of `jaxpar.config.precision.PLATFORMS`.
     """
     if check_platform(target) == "cpu":
         raise ValueError("the partitioned program is compared with a plan for gpu or tpu; for cpu compare the "
@@ -202,8 +193,8 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
 
     Returns:
       {"compile_seconds",
-       "memory_analysis": XLA's per-device {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
-         "generated_code_bytes"},
+       "memory_analysis": XLA's per-device bytes (`jaxpar.compiled_memory.memory_analysis_bytes`: arguments,
+         outputs, aliased, temp, generated code, "peak_bytes" = arguments + outputs - aliased + temp),
        "state": {"persistent" (arguments minus the batch), "scalars" (0-d leaves, not in the formula),
          "params", "params_plus_opt_state" (persistent - scalars), "planned" (plan params + opt_state),
          "ratio" (compiled / planned)},
@@ -219,8 +210,8 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
     check_platform(target)
     step = step or compile_step(cfg, compiler_options)
     plan, state, batch, compiled, seconds = step.plan, step.state, step.batch, step.executable, step.seconds
-    stats = compiled.memory_analysis()
-    if stats is None:
+    memory = memory_analysis_bytes(compiled)
+    if memory is None:
         raise RuntimeError(f"the {jax.default_backend()} backend gives no memory_analysis() for compiled code")
     persistent = persistent_state_bytes(plan, compiled, state, batch)
     mem = analytic["memory"]
@@ -228,17 +219,12 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
     state_bytes = persistent["persistent"] - persistent["scalars"]
     planned_temp = mem["temp_estimate"]["total"]
     coll = hlo_collectives(compiled.as_text(), plan.mesh)
-    return {"compile_seconds": seconds,
-            "memory_analysis": {"argument_bytes": int(stats.argument_size_in_bytes),
-                                "output_bytes": int(stats.output_size_in_bytes),
-                                "alias_bytes": int(stats.alias_size_in_bytes),
-                                "temp_bytes": int(stats.temp_size_in_bytes),
-                                "generated_code_bytes": int(stats.generated_code_size_in_bytes)},
+    return {"compile_seconds": seconds, "memory_analysis": memory,
             "state": {"persistent": persistent["persistent"], "scalars": persistent["scalars"],
                       "params": persistent["params"], "params_plus_opt_state": state_bytes,
                       "planned": planned_state, "ratio": state_bytes / planned_state},
-            "temp": {"compiled": int(stats.temp_size_in_bytes), "planned": planned_temp,
-                     "ratio": stats.temp_size_in_bytes / planned_temp if planned_temp else None},
+            "temp": {"compiled": memory["temp_bytes"], "planned": planned_temp,
+                     "ratio": memory["temp_bytes"] / planned_temp if planned_temp else None},
             "collectives": compare_collectives(coll["by_axis"], analytic), "scalars": coll["scalars"],
             "partitioned": partitioned_check(cfg, step, target)}
 
@@ -265,11 +251,8 @@ def measure_steps(cfg: Config, analytic: dict, steps: int, peak_flops_override: 
     plan = step.plan if step else _step_plan(cfg)
     run = step.executable if step else make_train_step(plan)
     state = init_state(plan, cfg.train.seed)
-    g, t, v = cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size
-    k1, k2 = jax.random.split(jax.random.key(0))
-    batch = jax.device_put({"inputs": jax.random.randint(k1, (g, t), 0, v, jnp.int32),
-                            "targets": jax.random.randint(k2, (g, t), 0, v, jnp.int32),
-                            "loss_mask": jnp.ones((g, t), jnp.float32)}, plan.batch_sharding)
+    g, t = cfg.train.global_batch_size, cfg.data.seq_len
+    batch = random_batch(g, t, cfg.model.vocab_size, plan.batch_sharding)
     times = []
     for i in range(steps + 1):
         t0 = time.perf_counter()

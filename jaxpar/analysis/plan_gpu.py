@@ -104,10 +104,10 @@ def compile_devices(clu: Cluster) -> list:
 
 
 def gpu_config(cfg: Config, devices: int) -> Config:
-    from jaxpar.analysis.plan import compute_dtype_name
+    from jaxpar.config.precision import resolve_compute_dtype
     from jaxpar.config.validate import resolve_config
 
-    dtype = compute_dtype_name(cfg, "gpu")
+    dtype = resolve_compute_dtype(cfg.precision.compute_dtype, "gpu")
     cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
     return resolve_config(cfg, devices)
 
@@ -170,13 +170,14 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
       ConfigError: the config does not fit the device count (mesh product, divisibility).
       RuntimeError: the compiler gives no memory analysis.
     """
-    import jax
     import jax.numpy as jnp
 
     from jaxpar.analysis.plan import plan as analytic_plan
     from jaxpar.analysis.plan_compile import compare_collectives, hlo_collectives
+    from jaxpar.batch import abstract_batch
+    from jaxpar.compiled_memory import memory_analysis_bytes
     from jaxpar.mesh import build_mesh
-    from jaxpar.train.step import BATCH_KEYS, abstract_state, build_plan, make_train_step
+    from jaxpar.train.step import abstract_state, build_plan, make_train_step
 
     clu = make_cluster(target, nodes, gpus_per_node)
     cfg = gpu_config(cfg, clu.devices)
@@ -184,21 +185,17 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     mesh = build_mesh(cfg, devices)
     plan = build_plan(cfg, mesh)
     state = abstract_state(plan)
-    g, t = cfg.train.global_batch_size, cfg.data.seq_len
-    dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "loss_mask": jnp.float32}
-    batch = {k: jax.ShapeDtypeStruct((g, t), dtypes[k], sharding=plan.batch_sharding) for k in BATCH_KEYS}
+    t = cfg.data.seq_len
+    batch = abstract_batch(cfg.train.global_batch_size, t, plan.batch_sharding)
     t0 = time.perf_counter()
     compiled = make_train_step(plan).lower(state, batch).compile(compiler_options or {})
     seconds = time.perf_counter() - t0
-    stats = compiled.memory_analysis()
-    if stats is None:
+    analysis = memory_analysis_bytes(compiled)
+    if analysis is None:
         raise RuntimeError("the CUDA compiler gave no memory_analysis() for the compiled step")
-    memory = {"argument_bytes": int(stats.argument_size_in_bytes), "output_bytes": int(stats.output_size_in_bytes),
-              "alias_bytes": int(stats.alias_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes),
-              "generated_code_bytes": int(stats.generated_code_size_in_bytes)}
-    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-    memory["peak_bytes"] = peak or (memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"]
-                                    + memory["temp_bytes"])
+    memory = {k: analysis[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
+                                       "generated_code_bytes")}
+    memory["peak_bytes"] = analysis["xla_peak_bytes"] or analysis["peak_bytes"]
     hlo = compiled.as_text()
     coll = hlo_collectives(hlo, mesh)
     analytic = analytic_plan(cfg, "gpu")

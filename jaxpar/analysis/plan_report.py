@@ -6,17 +6,7 @@ Bytes are per device; GB = 1e9 bytes. Ratios are compiled / planned.
 """
 from __future__ import annotations
 
-from jaxpar.analysis.plan import GB
-
-
-def _gb(x: float | None) -> str:
-    """Bytes in decimal units, 3-4 significant digits: 26.0 GB, 431.4 kB."""
-    if x is None:
-        return "-"
-    for unit, scale in (("TB", 1e12), ("GB", GB), ("MB", 1e6), ("kB", 1e3)):
-        if abs(x) >= scale:
-            return f"{x / scale:.4g} {unit}"
-    return f"{x:.0f} B"
+from jaxpar.analysis.units import GB, human_bytes
 
 
 def _ratio(x: float | None) -> str:
@@ -55,7 +45,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
     lines += [head]
 
     def row(name, planned, got=None, ratio=None):
-        text = f"  {name:<38}{_n(planned):>18}{_gb(planned):>12}"
+        text = f"  {name:<38}{_n(planned):>18}{human_bytes(planned):>12}"
         if compiled:
             text += f"{_n(got):>18}{_ratio(ratio):>9}"
         lines.append(text)
@@ -83,7 +73,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
               f"{t['gathered_weights']:,} (jaxpar.analysis.plan.temp_bytes)"),
               f"  activations: {mem['activation_formula']}",
               (f"  Korthikanti et al. 2022 (arXiv 2205.05198, Table 2; 16-bit) for the same layers in flight: "
-              f"{_n(mem['korthikanti_activations'])} B ({_gb(mem['korthikanti_activations'])})"), ""]
+              f"{_n(mem['korthikanti_activations'])} B ({human_bytes(mem['korthikanti_activations'])})"), ""]
     lines += _collective_lines(p, compiled)
     if measured:
         mfu = "n/a (peak unknown)" if measured["mfu"] is None else f"{measured['mfu']:.3f}"
@@ -158,7 +148,7 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
     """
     mem = target["memory_bytes"]
     lines = ["", (f"  target {target['cluster']}: {target['devices']} x {target['device_kind']}, "
-                  f"{_gb(mem)} each; planned peak {_gb(target['planned_peak_bytes'])} = "
+                  f"{human_bytes(mem)} each; planned peak {human_bytes(target['planned_peak_bytes'])} = "
                   f"{_pct(target['planned_fraction_of_memory'])} of it "
                   f"({'fits' if target['planned_fits'] else 'DOES NOT FIT'} in the "
                   f"{_pct(target['usable_bytes'] / mem)} a jax process may use)")]
@@ -172,18 +162,18 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
               f"  {'GPU memory per device':<38}{'compiled bytes':>18}{'':>12}"]
     for name, key in (("arguments", "argument_bytes"), ("outputs", "output_bytes"), ("aliased (outputs in arguments)",
                       "alias_bytes"), ("temporaries", "temp_bytes"), ("peak", "peak_bytes")):
-        lines.append(f"  {name:<38}{_n(m[key]):>18}{_gb(m[key]):>12}")
-    lines.append(f"  peak compiled / planned: {_gb(m['peak_bytes'])} / {_gb(gpu['planned']['peak_bytes'])} = "
+        lines.append(f"  {name:<38}{_n(m[key]):>18}{human_bytes(m[key]):>12}")
+    lines.append(f"  peak compiled / planned: {human_bytes(m['peak_bytes'])} / {human_bytes(gpu['planned']['peak_bytes'])} = "
                  f"{_ratio(gpu['planned']['ratio'])}")
     verdict = "fits" if gpu["fits"] else "DOES NOT FIT"
-    lines.append(f"  {verdict}: peak {_gb(m['peak_bytes'])} = {_pct(gpu['fraction_of_memory'])} of the "
-                 f"{_gb(gpu['memory_bytes'])} of one {gpu['device_kind']} (a jax process may use "
+    lines.append(f"  {verdict}: peak {human_bytes(m['peak_bytes'])} = {_pct(gpu['fraction_of_memory'])} of the "
+                 f"{human_bytes(gpu['memory_bytes'])} of one {gpu['device_kind']} (a jax process may use "
                  f"{_pct(gpu['usable_bytes'] / gpu['memory_bytes'])}: XLA_PYTHON_CLIENT_MEM_FRACTION as "
                  f"tools/slurm_gpu.sbatch sets it)")
     fused = gpu["fused_attention"]
     scores = gpu["attention_scores"]
     lines.append(f"  fused attention (cuDNN): {'yes, ' + ', '.join(fused) if fused else 'no (XLA attention path)'}; "
-                 f"attention scores materialised: " + (f"yes, largest {_gb(scores['largest_bytes'])} per device "
+                 f"attention scores materialised: " + (f"yes, largest {human_bytes(scores['largest_bytes'])} per device "
                  f"({', '.join(scores['shapes'])})" if scores["materialised"] else "no"))
     lines += ["  collectives per step of the GPU HLO (bytes sent per device, ring formulas) beside the plan for gpu",
               (f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'GPU HLO bytes':>17}"

@@ -1,6 +1,7 @@
 """Mesh sweeps: plan (and optionally compile and time) every point of a grid of mesh shapes and config overrides.
 
-A sweep file (YAML, read like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to the file):
+A sweep file (YAML, read and its values typed by the config loader, `jaxpar.config.load.read_yaml` and
+`decode_value`: like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to the file):
 
     base: ../tiny.yaml                  # required: the config every point starts from
     overrides: [model.n_layers=2]       # optional: dotted overrides applied to every point
@@ -59,18 +60,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import yaml
-
 from jaxpar.analysis.sweep_gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
+from jaxpar.analysis.sweep_report import MEASURED_OBJECTIVES, OBJECTIVES, write_markdown, write_plot
+from jaxpar.analysis.units import GB
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
-from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
+from jaxpar.config.load import decode_value, read_yaml
+from jaxpar.config.mesh_axes import CONFIG_AXES
+from jaxpar.config.precision import PLATFORMS
 
-# jaxpar.analysis.plan.PLATFORMS (importing jaxpar.analysis.plan here would start jax)
-PLATFORMS = ("gpu", "tpu", "cpu")
-
-AXES = ("data", "fsdp", "tensor", "pipeline")
-OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
-MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
 DONE = ("ok", "over_budget", "invalid")
 _KEYS = ("base", "overrides", "devices", "constraints", "meshes", "vary", "objective", "memory_budget_gb",
          "memory_budget_bytes", "measure_steps", "compile", "fast_compile", "real_devices", "platform", "target",
@@ -112,7 +109,7 @@ def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int)
         if devices % (p * t * f):
             continue
         mesh = {"data": devices // (p * t * f), "fsdp": f, "tensor": t, "pipeline": p}
-        if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in AXES):
+        if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in CONFIG_AXES):
             continue
         if constraints.get("pipeline_divides_layers", True) and n_layers % p:
             continue
@@ -123,11 +120,12 @@ def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int)
 
 
 def _check_type(key: str, value: Any, kind: type) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise SweepError(f"{key}: expected {kind.__name__}, got {value!r}")
-    return value
+    """`value` decoded as a config value of type `kind` (`jaxpar.config.load.decode_value`); SweepError if it is not
+    one."""
+    try:
+        return decode_value(value, kind, key, fix="fix the value in the sweep file")
+    except ConfigError as e:
+        raise SweepError(str(e)) from e
 
 
 def _meshes(raw: dict, base_cfg, cluster=None) -> list[dict]:
@@ -161,11 +159,11 @@ def _meshes(raw: dict, base_cfg, cluster=None) -> list[dict]:
         if not isinstance(mesh, dict) or not mesh:
             raise SweepError(f"meshes[{i}]: must be a mapping like {{data: 4, fsdp: 2}}, got {mesh!r}")
         for axis, size in mesh.items():
-            if axis not in AXES:
-                raise SweepError(f"meshes[{i}]: unknown mesh axis {axis!r}; valid: {', '.join(AXES)}")
+            if axis not in CONFIG_AXES:
+                raise SweepError(f"meshes[{i}]: unknown mesh axis {axis!r}; valid: {', '.join(CONFIG_AXES)}")
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise SweepError(f"meshes[{i}].{axis}: must be a positive integer, got {size!r}")
-        out.append({a: mesh.get(a, 1) for a in AXES})
+        out.append({a: mesh.get(a, 1) for a in CONFIG_AXES})
     return out
 
 
@@ -205,16 +203,10 @@ def load_sweep(path: str) -> Sweep:
         unknown vary key or value, unknown objective, a measured objective without measure_steps; a bad `target`
         or a key that conflicts with it (`jaxpar.analysis.sweep_gpu.parse_target`).
     """
-    if not os.path.isfile(path):
-        raise SweepError(f"sweep file {path!r} does not exist; see configs/sweeps/ for examples")
-    with open(path, encoding="utf-8") as f:
-        try:
-            raw = strict_safe_load(f)
-        except DuplicateKeyError as e:
-            raise SweepError(f"{path}, line {e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
-                             f"keep one of them") from e
-        except yaml.YAMLError as e:
-            raise SweepError(f"{path}: not valid YAML: {e}") from e
+    try:
+        raw = read_yaml(path, "sweep", "configs/sweeps/tiny_mesh_8.yaml")
+    except ConfigError as e:
+        raise SweepError(str(e)) from e
     if not isinstance(raw, dict):
         raise SweepError(f"{path}: the top level must be a mapping (base:, devices: or meshes:, vary:, ...), "
                          f"got {type(raw).__name__}")
@@ -252,7 +244,7 @@ def load_sweep(path: str) -> Sweep:
         raise SweepError("give memory_budget_gb or memory_budget_bytes, not both")
     budget = None
     if "memory_budget_gb" in raw:
-        budget = _check_type("memory_budget_gb", raw["memory_budget_gb"], float) * 1e9
+        budget = _check_type("memory_budget_gb", raw["memory_budget_gb"], float) * GB
     elif "memory_budget_bytes" in raw:
         budget = _check_type("memory_budget_bytes", raw["memory_budget_bytes"], float)
     if budget is not None and budget <= 0:
@@ -276,7 +268,8 @@ def points(sweep: Sweep) -> list[dict]:
     names = list(sweep.vary)
     for mesh in sweep.meshes:
         for values in itertools.product(*(sweep.vary[k] for k in names)):
-            own = [f"mesh.{a}={mesh[a]}" for a in AXES] + [f"{k}={_yaml_value(v)}" for k, v in zip(names, values)]
+            own = ([f"mesh.{a}={mesh[a]}" for a in CONFIG_AXES]
+                   + [f"{k}={_yaml_value(v)}" for k, v in zip(names, values)])
             out.append({"key": " ".join([*sweep.overrides, *own]), "overrides": own,
                         "devices": math.prod(mesh.values()), "mesh": dict(mesh)})
     return out
@@ -306,7 +299,7 @@ def _compiled_summary(compiled: dict) -> dict:
     part_got, part_ratio = _ratio(part["collectives"]) if part else (None, None)
     return {"params_plus_opt_state": compiled["state"]["params_plus_opt_state"],
             "state_ratio": compiled["state"]["ratio"], "temp_bytes": ma["temp_bytes"],
-            "peak_bytes": ma["argument_bytes"] + ma["output_bytes"] - ma["alias_bytes"] + ma["temp_bytes"],
+            "peak_bytes": ma["peak_bytes"],
             "comm_bytes": got, "comm_ratio": ratio,
             "partitioned_comm_bytes": part_got, "partitioned_comm_ratio": part_ratio,
             "collectives": [{k: r[k] for k in ("key", "planned_bytes", "compiled_bytes", "ratio")} for r in rows]}
@@ -324,7 +317,7 @@ def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
            "--devices", str(n), "--json", "--compile", "--platform", sweep.platform]
     cmd += ["--fast-compile"] if sweep.fast_compile else []
     cmd += ["--measure-steps", str(sweep.measure_steps)] if sweep.measure_steps else []
-    cmd += ["--memory-budget-gb", repr(sweep.budget_bytes / 1e9)] if sweep.budget_bytes else []
+    cmd += ["--memory-budget-gb", repr(sweep.budget_bytes / GB)] if sweep.budget_bytes else []
     env = dict(os.environ)
     if sweep.real_devices:
         cmd.append("--real-devices")
@@ -452,8 +445,6 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
       jaxpar.analysis.plan_gpu.GpuCompileUnavailable: a `target` with `compile: true` where jax's CUDA plugin is missing
         (the message names the extra to install); raised before any point, with out_dir untouched.
     """
-    from jaxpar.analysis.sweep_report import write_markdown, write_plot
-
     if sweep.target is not None and sweep.compile:
         reason = plugin_missing(sweep.target)
         if reason is not None:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import sys
 
+from jaxpar.analysis.sweep_report import MEASURED_OBJECTIVES
+from jaxpar.analysis.units import GB
+
 
 class SweepTargetError(ValueError):
     """A sweep-file key that conflicts with `target:` (the message names both keys and the fix)."""
@@ -66,8 +69,6 @@ def parse_target(raw: dict):
         raise SweepTargetError(f"measure_steps: {measure!r} with target: {name}: nothing can run without the "
                                f"cluster's GPUs (a target only compiles); set measure_steps: 0, or drop target: to "
                                f"time the steps on simulated CPU devices")
-    from jaxpar.analysis.sweep import MEASURED_OBJECTIVES
-
     if raw.get("objective") in MEASURED_OBJECTIVES:
         raise SweepTargetError(f"objective: {raw['objective']} needs measured steps, which target: {name} cannot "
                                f"run (it only compiles); use objective: memory or comm_bytes")
@@ -96,7 +97,7 @@ def target_command(base: str, overrides: list[str], cluster_name: str, budget_by
     OVERRIDES --target CLUSTER --compile --json [--memory-budget-gb GB]` with `JAX_PLATFORMS=cpu`."""
     cmd = [sys.executable, "-m", "jaxpar.cli.plan", base, *overrides, "--target", cluster_name, "--compile",
            "--json"]
-    cmd += ["--memory-budget-gb", repr(budget_bytes / 1e9)] if budget_bytes else []
+    cmd += ["--memory-budget-gb", repr(budget_bytes / GB)] if budget_bytes else []
     return cmd, {"JAX_PLATFORMS": "cpu"}
 
 

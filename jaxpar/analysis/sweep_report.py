@@ -9,19 +9,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from jaxpar.analysis.sweep import OBJECTIVES
+from jaxpar.analysis.units import human_bytes
 
-_UNITS = (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
-
-
-def human_bytes(x: float | None) -> str:
-    """Decimal units, 4 significant digits: `26 GB`, `431.4 kB`, `-` for None."""
-    if x is None:
-        return "-"
-    for unit, scale in _UNITS:
-        if abs(x) >= scale:
-            return f"{x / scale:.4g} {unit}"
-    return f"{x:.0f} B"
+# What a sweep can rank its points by, and whether lower or higher is better; the measured ones need timed steps.
+OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
+MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
 
 
 def peak_bytes(rec: dict) -> float | None:
@@ -35,7 +27,7 @@ def peak_bytes(rec: dict) -> float | None:
 
 
 def objective_value(rec: dict, objective: str) -> float | None:
-    """The number a point is ranked by (see `jaxpar.analysis.sweep.OBJECTIVES`); None if the point has none."""
+    """The number a point is ranked by (see `OBJECTIVES`); None if the point has none."""
     if objective == "memory":
         return peak_bytes(rec)
     if objective == "comm_bytes":  # the plan for the sweep's platform (jaxpar.analysis.sweep); compiling checks it

@@ -40,8 +40,10 @@ import os
 import subprocess
 import sys
 
-# jaxpar.analysis.plan.PLATFORMS, which cannot be imported before jax's device count is set
-PLATFORMS = ("gpu", "tpu", "cpu")
+# Only jax-free modules at the top: the device count is set before jax starts.
+from jaxpar.analysis.units import GB
+from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.precision import PLATFORMS
 
 PROG = "jaxpar-plan"
 DEFAULT_DEVICES = 8
@@ -110,7 +112,7 @@ def _exercise(args) -> int:
     path = args.config or EXERCISE_CONFIG
     try:
         cfg = load_config(path, args.overrides, validate=False)
-        ex = zero_exercise(13e9, args.devices or DEFAULT_DEVICES, args.budget_gb * 1e9, "16p")
+        ex = zero_exercise(13e9, args.devices or DEFAULT_DEVICES, args.budget_gb * GB, "16p")
     except (ConfigError, ValueError) as e:
         return _fail(f"config error: {e}")
     shown = os.path.relpath(path) if args.config else "configs/llama_13b.yaml"
@@ -165,7 +167,7 @@ def _devices(args, cfg, clu=None) -> int:
         return clu.devices
     if args.devices is not None:
         return args.devices
-    sizes = [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor, cfg.mesh.pipeline]
+    sizes = list(mesh_sizes(cfg.mesh).values())
     if -1 in sizes:
         if not args.json:
             print(f"(--devices not given: planning for {DEFAULT_DEVICES} devices; pass --devices N)")
@@ -226,12 +228,12 @@ def main(argv: list[str] | None = None) -> int:
 
     platform = "cpu" if compile_ and not args.real_devices else args.platform
     analytic = plan(cfg, platform)
-    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
+    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * GB
     out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "compiled": None,
            "measured": None, "over_budget": budget is not None and analytic["memory"]["peak_estimate"] > budget}
     if compile_:
+        from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
         from jaxpar.analysis.plan_compile import (
-            FAST_COMPILER_OPTIONS,
             compile_step,
             compiled_plan,
             measure_steps,
@@ -241,8 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             step = compile_step(cfg, FAST_COMPILER_OPTIONS if args.fast_compile else None)
             target = "gpu" if args.platform == "cpu" else args.platform
             out["compiled"] = compiled = compiled_plan(cfg, analytic, step=step, target=target)
-            ma = compiled["memory_analysis"]
-            peak = ma["argument_bytes"] + ma["output_bytes"] - ma["alias_bytes"] + ma["temp_bytes"]
+            peak = compiled["memory_analysis"]["peak_bytes"]
             out["over_budget"] = out["over_budget"] or (budget is not None and peak > budget)
             if args.measure_steps and not out["over_budget"]:
                 out["measured"] = measure_steps(cfg, analytic, args.measure_steps, step=step)
@@ -273,7 +274,7 @@ def _gpu_target(args, cfg, clu) -> int:
               "devices": clu.devices, "memory_bytes": mem, "usable_bytes": clu.target.usable_bytes,
               "planned_peak_bytes": peak, "planned_fraction_of_memory": peak / mem,
               "planned_fits": peak <= clu.target.usable_bytes}
-    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * 1e9
+    budget = None if args.memory_budget_gb is None else args.memory_budget_gb * GB
     out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "target": target,
            "gpu_compiled": None, "compiled": None, "measured": None,
            "over_budget": budget is not None and peak > budget}

@@ -25,24 +25,36 @@ from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 _MAX_BASE_DEPTH = 8
 
 
-def _read_yaml(path: str, depth: int = 0) -> dict:
-    """Reads `path`, resolving its `base:` chain; returns the merged mapping (without `base`)."""
-    if depth > _MAX_BASE_DEPTH:
-        raise ConfigError(f"{path}: `base` chain deeper than {_MAX_BASE_DEPTH}; is there a cycle?")
+def read_yaml(path: str, what: str = "config", example: str = "configs/tiny.yaml") -> Any:
+    """The document of YAML file `path`, read like `yaml.safe_load` but refusing a key named twice in one mapping
+    (`jaxpar.config.strict_yaml`). `what` and `example` name the kind of file in messages ("config",
+    "configs/tiny.yaml"; a sweep file passes its own).
+
+    Raises:
+      ConfigError: `path` is a directory or missing, is not UTF-8 text or not valid YAML, or repeats a key (the
+        message gives both lines).
+    """
     if os.path.isdir(path):
-        raise ConfigError(f"config {path!r} is a directory; pass a YAML file such as configs/tiny.yaml")
+        raise ConfigError(f"{what} {path!r} is a directory; pass a YAML file such as {example}")
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist; pass a path such as configs/tiny.yaml")
+        raise ConfigError(f"{what} file {path!r} does not exist; pass a path such as {example}")
     with open(path, encoding="utf-8") as f:
         try:
-            raw = strict_safe_load(f)
+            return strict_safe_load(f)
         except DuplicateKeyError as e:
             raise ConfigError(f"{path}, line {e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
                               f"keep one of them") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason}); pass a YAML config") from e
+            raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason}); pass a YAML {what}") from e
+
+
+def _read_yaml(path: str, depth: int = 0) -> dict:
+    """Reads `path`, resolving its `base:` chain; returns the merged mapping (without `base`)."""
+    if depth > _MAX_BASE_DEPTH:
+        raise ConfigError(f"{path}: `base` chain deeper than {_MAX_BASE_DEPTH}; is there a cycle?")
+    raw = read_yaml(path)
     if raw is None or raw == {}:  # an empty or truncated file, or the wrong one: never train on bare defaults
         raise ConfigError(f"{path}: the file is empty and names no settings; pass a config such as "
                           f"configs/tiny.yaml, or name what yours changes (e.g. `base: tiny.yaml`)")
@@ -108,8 +120,14 @@ def check_unique_overrides(overrides: Sequence[str]) -> None:
         seen[dotted] = text
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Checks `value` against the type hint of field `key`; ints are accepted for floats."""
+def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in the YAML file or the override") -> Any:
+    """`value` as read from YAML, checked against type `hint` (int, float, bool, str, or a Union/Optional of
+    them) for the dotted `key`: ints are accepted for floats, and so are numeric strings (YAML 1.1 reads 3e-4,
+    without a dot, as a string); a bool is never an int.
+
+    Raises:
+      ConfigError: naming `key`, the expected type, the value and `fix`.
+    """
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
@@ -119,7 +137,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(value, arg, key)
+                return decode_value(value, arg, key, fix)
             except ConfigError:
                 pass
         raise ConfigError(f"{key}: expected {hint}, got {value!r} ({type(value).__name__})")
@@ -136,9 +154,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return value
     if hint is str and isinstance(value, str):
         return value
-    raise ConfigError(
-        f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r} ({type(value).__name__}); "
-        f"fix the value in the YAML file or the override")
+    raise ConfigError(f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r} ({type(value).__name__}); "
+                      f"{fix}")
 
 
 def _build(cls: type, values: dict, prefix: str) -> Any:
@@ -159,7 +176,7 @@ def _build(cls: type, values: dict, prefix: str) -> Any:
                 raise ConfigError(f"{key}: must be a mapping of keys, got {value!r}")
             kwargs[name] = _build(hint, value, key)
         else:
-            kwargs[name] = _coerce(value, hint, key)
+            kwargs[name] = decode_value(value, hint, key)
     return cls(**kwargs)
 
 

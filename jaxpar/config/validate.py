@@ -8,6 +8,8 @@ import dataclasses
 import os
 
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES
 from jaxpar.config.schema import Config
 
 BYTE_VOCAB = 259  # 256 byte values + PAD, BOS, EOS (jaxpar.data.tokenizer)
@@ -49,8 +51,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
         raise ConfigError(f"device count {num_devices!r}: a mesh needs at least 1 device; give a positive device "
                           f"count (e.g. --devices 8)")
-    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor,
-             "pipeline": cfg.mesh.pipeline}
+    sizes = mesh_sizes(cfg.mesh)
     fill = [a for a, s in sizes.items() if s == -1]
     for axis, size in sizes.items():
         if size == 0 or size < -1:
@@ -118,9 +119,9 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         raise ConfigError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
                           f"set model.vocab_size >= {BYTE_VOCAB}")
 
-    _choice("precision.compute_dtype", p.compute_dtype, ("auto", "float32", "bfloat16"))
+    _choice("precision.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
     _choice("precision.layout", p.layout, ("fp32", "16p"))
-    _choice("precision.reduce_dtype", p.reduce_dtype, ("float32", "bfloat16"))
+    _choice("precision.reduce_dtype", p.reduce_dtype, FLOAT_DTYPES)
 
     if o.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"optimizer.zero_stage={o.zero_stage} must be 0 (DDP), 1, 2 or 3")

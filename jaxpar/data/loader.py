@@ -24,13 +24,12 @@ import grain
 import jax
 import numpy as np
 
+from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
 from jaxpar.data.stats import unigram_entropy
 from jaxpar.data.tokenizer import PAD_ID
-
-BATCH_KEYS = ("inputs", "targets", "loss_mask")
 
 
 def _packed_shape(packed: dict[str, np.ndarray]) -> tuple[int, int]:
@@ -169,9 +168,8 @@ class EvalLoader:
         for b in range(self.num_batches):
             ids = b * self.global_batch_size + self._local_rows
             real = ids < self.num_scored
-            local = {"inputs": np.full((rows, self.seq_len), PAD_ID, np.int32),
-                     "targets": np.full((rows, self.seq_len), PAD_ID, np.int32),
-                     "loss_mask": np.zeros((rows, self.seq_len), np.float32)}
+            local = {k: np.full((rows, self.seq_len), 0 if k == "loss_mask" else PAD_ID, BATCH_DTYPES[k])
+                     for k in BATCH_KEYS}
             for k in BATCH_KEYS:
                 local[k][real] = self._packed[k][ids[real]]
             yield {k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)

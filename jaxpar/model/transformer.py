@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.config.mesh_axes import STORAGE_AXES
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.layers import ATTENTION_CONTEXT, MLP_HIDDEN, Attention, Embed, LMHead, RMSNorm, SwiGLU
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
@@ -43,9 +44,6 @@ class Block(nnx.Module):
     def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD), tp)
-
-
-STORAGE_AXES = ("fsdp", "data")  # mesh axes whose weight shards are all-gathered right before use
 
 
 def _is_weight_gather(params: dict) -> bool:

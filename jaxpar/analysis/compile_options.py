@@ -1,0 +1,17 @@
+"""XLA:CPU compile options that cut the compile time of a train step, for checks that read what XLA decides (memory
+analysis, collectives) rather than time it. No jax.
+
+Both keep every HLO pass (SPMD partitioning, collectives, fusion decisions, buffer assignment), so state bytes and
+collectives are those of a default build; they change only code generation:
+
+  * `COMPILER_OPTIONS`: no LLVM backend optimisation, about 3x faster; buffer assignment, and so every byte of
+    the memory analysis, unchanged (tests/test_memory.py).
+  * `FAST_COMPILER_OPTIONS`: also XLA:CPU's legacy elemental emitters instead of the fusion emitters and no
+    expensive LLVM passes, about 3-4x faster again; temp bytes can differ by a few percent (fusion decisions)
+    and a step runs about 2x slower. CPU only.
+"""
+from __future__ import annotations
+
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+FAST_COMPILER_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False,
+                         "xla_llvm_disable_expensive_passes": True}

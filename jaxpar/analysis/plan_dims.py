@@ -1,0 +1,126 @@
+"""The planner's view of a step: the parameter table of a model config from its shapes alone, how much of each
+leaf one device holds, and the step's sizes on a platform (letters as in `jaxpar.analysis.plan`). Shared by the
+memory plan (`jaxpar.analysis.plan`), the collectives (`jaxpar.analysis.plan_comm`) and the ZeRO table of a
+compiled step (`jaxpar.analysis.memory`); no compilation, no devices.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.config.mesh_axes import MESH_AXES
+from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
+from jaxpar.config.schema import Config, ModelConfig
+from jaxpar.sharding import PARAM_RULES
+
+
+def collective_bytes(dtype_bytes: int, platform: str) -> int:
+    """Bytes per element that a collective of a float array `dtype_bytes` wide (2: bf16, 4: fp32) moves when
+    compiled for `platform`: 4 for bf16 on cpu (XLA:CPU widens bf16 collectives to fp32, `jaxpar.analysis.plan`),
+    else `dtype_bytes`. Raises ValueError for an unknown platform."""
+    return 4 if check_platform(platform) == "cpu" and dtype_bytes == 2 else dtype_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter array: path, global shape and logical axes (`jaxpar.model.logical_axes`)."""
+
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+
+    @property
+    def in_blocks(self) -> bool:
+        return self.axes[0] == "layers"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_leaves(model) -> list[Leaf]:
+    """The parameters of `jaxpar.model.Transformer` for a `ModelConfig`, from its shapes alone (no jax).
+
+    tests/test_plan.py checks this table against `init_params` and `logical_axes`.
+    """
+    d, f, v, n = model.d_model, model.d_ff, model.vocab_size, model.n_layers
+    h, g, k = model.n_heads, model.kv_heads, model.head_width
+    leaves = [Leaf("embed/table", (v, d), ("vocab", "embed")),
+              Leaf("blocks/attn_norm/scale", (n, d), ("layers", "embed")),
+              Leaf("blocks/attn/wq", (n, d, h, k), ("layers", "embed", "heads", "kv")),
+              Leaf("blocks/attn/wk", (n, d, g, k), ("layers", "embed", "heads", "kv")),
+              Leaf("blocks/attn/wv", (n, d, g, k), ("layers", "embed", "heads", "kv")),
+              Leaf("blocks/attn/wo", (n, h, k, d), ("layers", "heads", "kv", "embed")),
+              Leaf("blocks/mlp_norm/scale", (n, d), ("layers", "embed")),
+              Leaf("blocks/mlp/w_gate", (n, d, f), ("layers", "embed", "mlp")),
+              Leaf("blocks/mlp/w_up", (n, d, f), ("layers", "embed", "mlp")),
+              Leaf("blocks/mlp/w_down", (n, f, d), ("layers", "mlp", "embed")),
+              Leaf("final_norm/scale", (d,), ("embed",))]
+    if not model.tie_embeddings:
+        leaves.append(Leaf("lm_head/kernel", (d, v), ("embed", "vocab")))
+    return leaves
+
+
+def local_size(leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = ()) -> int:
+    """Elements of `leaf` on one device: every logical axis divided by the mesh axes `PARAM_RULES` maps it to,
+    restricted to tensor and pipeline plus the `storage` axes (fsdp, data) the caller counts as sharding it."""
+    total = 1
+    for dim, name in zip(leaf.shape, leaf.axes):
+        axes = [a for a in PARAM_RULES[name] if a in ("tensor", "pipeline")]
+        if name == "embed":
+            axes += list(storage)
+        total *= -(-dim // math.prod(shape[a] for a in axes))  # ceil: shard_shape of an uneven split
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The step's sizes as the planner uses them (the letters of `jaxpar.analysis.plan`)."""
+
+    shape: dict
+    zero: int
+    b: int
+    s: int
+    s_act: int        # s' (s / t with sequence parallelism)
+    sp: bool
+    accum: int        # A
+    m: int            # pipeline microbatches
+    layers_per_stage: int
+    compute_bytes: int    # Bc: bytes of the compute dtype (activations, gathered weights)
+    reduce_bytes: int     # Br: bytes of precision.reduce_dtype (gradient reductions)
+    param_bytes: int      # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
+    platform: str
+
+    def wire(self, dtype_bytes: int) -> int:
+        """Bytes per element a collective of that dtype moves on this platform (`collective_bytes`)."""
+        return collective_bytes(dtype_bytes, self.platform)
+
+
+def dims(cfg: Config, platform: str) -> Dims:
+    """Sizes of a resolved config (mesh without -1, `tensor.sequence_parallel` concrete) on `platform`.
+
+    Raises:
+      ValueError: the config is not resolved; platform not one of `jaxpar.config.precision.PLATFORMS`.
+    """
+    check_platform(platform)
+    shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    if min(shape.values()) < 1:
+        raise ValueError(f"config is not resolved (mesh {shape}); call jaxpar.config.resolve_config first")
+    t, p = shape["tensor"], shape["pipeline"]
+    sp = bool(cfg.tensor.sequence_parallel) and t > 1
+    accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
+    b = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum * m)
+    s = cfg.data.seq_len
+    return Dims(shape=shape, zero=cfg.optimizer.zero_stage, b=b, s=s, s_act=s // t if sp else s, sp=sp,
+                accum=accum, m=m, layers_per_stage=cfg.model.n_layers // p,
+                compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
+                reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
+                param_bytes=2 if cfg.precision.layout == "16p" else 4, platform=platform)
+
+
+def rank_params(model: ModelConfig, shape: dict[str, int]) -> int:
+    """P per tensor/pipeline rank: the parameters one model-parallel rank holds before ZeRO's split (the ZeRO
+    formulas apply to this P): leaves sharded over `tensor` (heads, MLP hidden, vocabulary) count 1/t, the
+    stacked layers 1/p, replicated ones (the embedding and head are on every stage) fully. Equals the parameter
+    count when tensor = pipeline = 1. `shape`: mesh axis sizes."""
+    return sum(local_size(leaf, shape) for leaf in param_leaves(model))
