@@ -11,10 +11,12 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS as FAST_COMPILE
+from jaxpar.batch import BATCH_KEYS
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.train.optimizer import weight_decay_mask
-from jaxpar.train.step import BATCH_KEYS, StepPlan, build_plan
+from jaxpar.train.step import StepPlan, build_plan
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Compile time (not the model) dominates these tests, so the model is as small as the checks allow:
@@ -54,12 +56,10 @@ def to_host(tree):
     return jax.tree.map(lambda x: np.array(x), tree)
 
 
-# Compile options that cut XLA:CPU compile time of a step 3-4x (compile time, not the model, dominates these
-# tests): the legacy elemental emitters instead of the MLIR fusion emitters, and no LLVM optimisation. HLO
-# passes (SPMD partitioning, collectives, fusion decisions) still run, so the program compared is the program
-# shipped; only its machine code is less optimised. Both sides of every comparison compile this way.
-FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0,
-                "xla_llvm_disable_expensive_passes": True}
+# FAST_COMPILE (jaxpar.analysis.compile_options.FAST_COMPILER_OPTIONS) cuts XLA:CPU compile time of a step 3-4x
+# (compile time, not the model, dominates these tests). HLO passes (SPMD partitioning, collectives, fusion
+# decisions) still run, so the program compared is the program shipped; only its machine code is less
+# optimised. Both sides of every comparison compile this way.
 
 
 def compile_fast(jitted, *args):

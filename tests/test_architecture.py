@@ -119,28 +119,20 @@ ONE_SOURCE = {
 }
 
 
-# Copies still to be replaced by an import, in modules that another change is editing now: (concept, module).
-PENDING_COPIES = {("batch keys", "jaxpar.train.step")}
-
-
 def test_each_concept_is_spelled_out_in_one_module():
     found: dict[str, list[str]] = {name: [] for name in ONE_SOURCE}
     for module, path in _modules(PACKAGE).items():
         for line, names in _literal_tuples(path):
             for concept, (want, _) in ONE_SOURCE.items():
-                if set(names) == want and len(names) == len(want) and (concept, module) not in PENDING_COPIES:
+                if set(names) == want and len(names) == len(want):
                     found[concept].append(f"{module}:{line}")
     for concept, (_, source) in ONE_SOURCE.items():
         assert [w.split(":")[0] for w in found[concept]] == [source], (concept, found[concept])
-    from jaxpar import batch
-    from jaxpar.train import step
-
-    assert step.BATCH_KEYS == batch.BATCH_KEYS  # the pending copy agrees until it becomes an import
 
 
 def test_compile_options_are_written_once():
     """XLA:CPU's fast-compile options appear as dict keys only in jaxpar.analysis.compile_options, wherever the
-    repository's Python lives (tests/step_helpers.py keeps a copy until its owner imports the module)."""
+    repository's Python lives."""
     from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 
     where = []
@@ -149,7 +141,7 @@ def test_compile_options_are_written_once():
             for f in files:
                 path = os.path.join(d, f)
                 rel = os.path.relpath(path, ROOT)
-                if not f.endswith(".py") or rel == os.path.join("tests", "step_helpers.py"):
+                if not f.endswith(".py"):
                     continue
                 for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
                     if isinstance(node, ast.Dict) and any(

@@ -25,7 +25,8 @@ import numpy as np
 import optax
 
 from jaxpar import flops as flops_lib
-from jaxpar.checkpoint import Checkpointer, restore_from_path
+from jaxpar.checkpoint import RUN_CHECKPOINT_DIR, Checkpointer, CheckpointMismatchError, restore_from_path
+from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.config.resume import check_resume_config, keep_previous_config
 from jaxpar.data import EvalLoader, IteratorLoader, build_loaders
@@ -49,7 +50,6 @@ from jaxpar.train.step import (
 )
 from jaxpar.train.watchdog import Watchdog
 
-CHECKPOINT_DIR = "checkpoints"
 
 
 class TrainingDiverged(RuntimeError):
@@ -117,12 +117,9 @@ def _roll_back(ckpt: Checkpointer, plan: StepPlan, bad: int, step: int, rollback
 def _memory_bytes(compiled) -> dict[str, int | None]:
     """Per-device memory: the allocator's peak where the backend reports it, and the compiled step's need."""
     stats = jax.local_devices()[0].memory_stats() or {}
-    analysis = compiled.memory_analysis()
-    planned = None
-    if analysis is not None:
-        planned = int(analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-                      + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
-    return {"memory_peak_bytes": stats.get("peak_bytes_in_use"), "memory_step_bytes": planned}
+    analysis = memory_analysis_bytes(compiled)
+    return {"memory_peak_bytes": stats.get("peak_bytes_in_use"),
+            "memory_step_bytes": None if analysis is None else analysis["peak_bytes"]}
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -182,12 +179,9 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
     except FileNotFoundError as e:
         raise ConfigError(f"{e}; pass a run directory, its checkpoints/ directory or one of its step "
                           f"directories to --restore-from (checkpoint.restore_from)") from e
-    except ValueError as e:
-        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
-        lines.sort(key=lambda line: not line.startswith("params."))  # parameters say most about the model
+    except CheckpointMismatchError as e:
         raise ConfigError(
-            f"the checkpoint in {source} does not fit this config ({len(lines)} arrays differ, e.g. "
-            f"{'; '.join(lines[:3])}); run with the config it was saved with (config.yaml beside it) and, if it "
+            f"the checkpoint in {source} does not fit this config ({e.summary()}); run with the config it was saved with (config.yaml beside it) and, if it "
             f"was trained with an optimizer of your own, that optimizer, or start a fresh run in another "
             f"train.run_dir") from e
     return None, None
@@ -258,7 +252,7 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
 
     ckpt = None
     if cfg.checkpoint.every_steps > 0:
-        ckpt = Checkpointer(os.path.join(run_dir, CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
+        ckpt = Checkpointer(os.path.join(run_dir, RUN_CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
                             keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     resuming = ckpt is not None and ckpt.latest_step() is not None
     changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxpar.batch import BATCH_KEYS
+from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.mesh import DATA_PARALLEL_AXES
 from jaxpar.model import ModelDef, init_params, logical_axes, model_def, token_loss_sum
@@ -41,15 +43,13 @@ from jaxpar.train.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
 from jaxpar.train.optimizer import (applied_learning_rate, build_optimizer, learning_rate_schedule,
                                     nonfinite_state, schedule_count)
 
-BATCH_KEYS = ("inputs", "targets", "loss_mask")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def compute_dtype(cfg: Config) -> jnp.dtype:
-    """`precision.compute_dtype`, with `auto` = bfloat16 on GPU/TPU and float32 on CPU."""
-    if cfg.precision.compute_dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    return _DTYPES[cfg.precision.compute_dtype]
+    """`precision.compute_dtype`, with `auto` = bfloat16 on GPU/TPU and float32 on CPU
+    (`jaxpar.config.precision.resolve_compute_dtype` on jax's default backend)."""
+    return _DTYPES[resolve_compute_dtype(cfg.precision.compute_dtype, jax.default_backend())]
 
 
 @dataclasses.dataclass(frozen=True)
