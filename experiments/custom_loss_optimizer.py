@@ -1,7 +1,7 @@
 """jaxpar as a library with your own loss and optimizer: a few steps of the tiny config on 8 simulated CPU
 devices (data=2 x fsdp=2 x tensor=2 with sequence parallelism, ZeRO-1) with cross-entropy + z-loss (PaLM,
-Chowdhery et al. 2022, section 5) and Lion (Chen et al. 2023, arXiv 2302.06675) wrapped in jaxpar's non-finite skip, with a
-warmup-cosine schedule.
+Chowdhery et al. 2022, section 5) and Lion (Chen et al. 2023, arXiv 2302.06675) wrapped in jaxpar's non-finite skip,
+with a warmup-cosine schedule.
 
     python experiments/custom_loss_optimizer.py --steps 6
 
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     mu = otu.tree_get(result.state["opt_state"], "mu")["blocks"]["mlp"]["w_up"]
     print(f"Lion momentum of blocks.mlp.w_up {tuple(mu.shape)}: spec {mu.sharding.spec}, "
           f"{tuple(mu.sharding.shard_shape(mu.shape))} per device on {len(mu.sharding.device_set)} devices")
-    return {"rows": rows, "losses": result.losses, "val_loss": result.val_loss, "initial_val_loss": result.initial_val_loss,
+    return {"rows": rows, "losses": result.losses, "val_loss": result.val_loss,
+            "initial_val_loss": result.initial_val_loss,
             "mu_sharding": mu.sharding, "devices": jax.device_count()}
 
 

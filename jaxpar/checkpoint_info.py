@@ -7,9 +7,9 @@ every array's name, shape, dtype and saved sharding.
 Layout and completeness are those of `jaxpar.checkpoint`: `<root>/<step>/{state,data,config}`, a step counts
 once it holds `commit_success.txt`. Step directories without the marker and Orbax's
 `<step>.orbax-checkpoint-tmp*` directories (a save interrupted or still in flight) and `<step>.corrupt*` ones (an
-unreadable step a restore set aside) are listed as incomplete, never chosen. Array facts come from Orbax's metadata (`StandardCheckpointHandler.metadata`): no array data is
-read and no device is used, so this runs on a laptop for a checkpoint written by many GPU hosts (given the
-shared directory).
+unreadable step a restore set aside) are listed as incomplete, never chosen. Array facts come from Orbax's metadata
+(`StandardCheckpointHandler.metadata`): no array data is read and no device is used, so this runs on a laptop for
+a checkpoint written by many GPU hosts (given the shared directory).
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ update an error instead.)
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np

@@ -16,9 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from optax import tree_utils as otu
+from step_helpers import (
+    FIRST_STEP_AT_PEAK,
+    FP32,
+    adam_step_args,
+    assert_adam_step_close,
+    assert_scalar_close,
+    assert_tree_close,
+    compile_fast,
+    device_batch,
+    host_batch,
+    make_plan,
+    quick_compile,
+    shard_shape,
+    to_host,
+)
 
-from step_helpers import (FIRST_STEP_AT_PEAK, FP32, adam_step_args, assert_adam_step_close, assert_scalar_close,
-                          assert_tree_close, compile_fast, device_batch, host_batch, make_plan, quick_compile, shard_shape, to_host)
 from jaxpar.train.step import init_state, make_grad_fn, make_train_step
 
 # Accumulation regroups only the sums over rows (4 microbatches of one row): measured at most 2.3e-7 (wk's
@@ -34,7 +47,7 @@ LAYOUTS = {"accum4": (1, 4), "data2_accum2": (2, 2)}
 
 
 def _overrides(data: int, accum: int) -> list[str]:
-    return [*FP32, "mesh.data=%d" % data, "mesh.fsdp=1", f"train.global_batch_size={G}",
+    return [*FP32, f"mesh.data={data}", "mesh.fsdp=1", f"train.global_batch_size={G}",
             f"train.grad_accum_steps={accum}"]
 
 

@@ -123,7 +123,8 @@ def test_structure_and_shape_mismatch_names_keys(tmp_path, mesh):
     state = _state(mesh)
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
     ckpt.save(1, state, data_state={}, config={})
-    repl = lambda x: NamedSharding(mesh, P())
+    def repl(x):
+        return NamedSharding(mesh, P())
 
     extra = dict(_abstract(state, repl), extra_key=jax.ShapeDtypeStruct((2,), jnp.float32, sharding=repl(None)))
     with pytest.raises(ValueError, match="extra_key"):
@@ -156,7 +157,8 @@ def test_mismatch_is_a_structured_error(tmp_path, mesh):
     state = _state(mesh)
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
     ckpt.save(3, state, data_state={}, config={})
-    repl = lambda x: NamedSharding(mesh, P())
+    def repl(x):
+        return NamedSharding(mesh, P())
     target = _abstract(state, repl)
     target["params"]["w_DF"] = jax.ShapeDtypeStruct((8, 32), jnp.bfloat16, sharding=repl(None))
     target["opt_state"] = (*target["opt_state"], optax.EmptyState())  # one more (empty) optimizer stage

@@ -16,9 +16,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from step_helpers import (
+    CONFIG,
+    FP32,
+    FP32_RTOL,
+    TINY,
+    VOCAB,
+    assert_scalar_close,
+    assert_tree_close,
+    compile_fast,
+    device_batch,
+    host_batch,
+    quick_compile,
+    shard_shape,
+    spec_axes,
+    to_host,
+)
 
-from step_helpers import (CONFIG, FP32, FP32_RTOL, TINY, VOCAB, assert_scalar_close, assert_tree_close,
-                          compile_fast, device_batch, host_batch, quick_compile, shard_shape, spec_axes, to_host)
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.train.loss import VocabParallelLoss, cross_entropy_with_z_loss

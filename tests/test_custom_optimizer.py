@@ -29,11 +29,22 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 from optax import tree_utils as otu
+from step_helpers import (
+    CONFIG,
+    FP32,
+    FP32_RTOL,
+    TINY,
+    U32,
+    compile_fast,
+    device_batch,
+    host_batch,
+    quick_compile,
+    spec_axes,
+    to_host,
+)
 
-from step_helpers import (CONFIG, FP32, FP32_RTOL, TINY, U32, compile_fast, device_batch, host_batch, quick_compile,
-                          spec_axes, to_host)
-from jaxpar.config import load_config
 from jaxpar.analysis.memory import persistent_state_bytes
+from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.model import param_count
 from jaxpar.sharding import opt_state_specs

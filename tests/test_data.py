@@ -11,14 +11,24 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS
 from jaxpar.config import ConfigError, DataConfig
-from jaxpar.data import (BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, DataLoader, EvalLoader, build_loaders, load_tokens,
-                         pack, unigram_entropy)
+from jaxpar.data import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    ByteTokenizer,
+    DataLoader,
+    EvalLoader,
+    build_loaders,
+    load_tokens,
+    pack,
+    unigram_entropy,
+)
 from jaxpar.data.loader import _process_rows
-
 
 # --- tokenizer ---------------------------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from step_helpers import quick_compile
+
 from jaxpar.config import load_config
 from jaxpar.data import pack, unigram_entropy
 from jaxpar.model import init_params, model_def

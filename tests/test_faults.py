@@ -38,7 +38,8 @@ def test_divergence_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypatch
     monkeypatch.setenv("JAXPAR_INJECT_FAULT", "nan@6")
     overrides = [*SMALL, f"train.run_dir={tmp_path}", "train.steps=10", "train.max_bad_steps=2",
                  "checkpoint.every_steps=2", "checkpoint.keep=10", "checkpoint.async_save=false"]
-    result = train(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*overrides, "train.divergence_rollbacks=1"]))
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*overrides, "train.divergence_rollbacks=1"])
+    result = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows]
     assert steps == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10]  # steps 5-7 run again after the rollback to 4

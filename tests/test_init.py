@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 from optax import tree_utils as otu
-
 from step_helpers import FP32, make_plan, quick_compile, shard_shape, to_host
+
 from jaxpar.train.step import init_state
 
 SEED = 11

@@ -7,9 +7,9 @@ import sys
 import time
 
 import pytest
+from step_helpers import FP32_RTOL
 
 from jaxpar.cli.launch import launch
-from step_helpers import FP32_RTOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=1000000", "data.validation_fraction=0.2",

@@ -58,7 +58,7 @@ def _stream(cmd, env, timeout=LIMIT):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        pytest.fail(f"{cmd[:6]} did not end within {timeout} s:\n" + "\n".join(l for _, l in lines[-40:]))
+        pytest.fail(f"{cmd[:6]} did not end within {timeout} s:\n" + "\n".join(text for _, text in lines[-40:]))
     reader.join(timeout=5)
     return proc.returncode, lines, time.monotonic() - start
 

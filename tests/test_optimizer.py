@@ -12,8 +12,8 @@ import math
 import jax
 import numpy as np
 import pytest
-
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan, quick_compile, to_host
+
 from jaxpar.config.schema import OptimizerConfig
 from jaxpar.train.optimizer import learning_rate_schedule
 from jaxpar.train.step import init_state, make_train_step

@@ -11,9 +11,9 @@ import sys
 import zipfile
 
 import pytest
+from doc_commands import pyproject_section
 
 from jaxpar.cli import plan as plan_cli
-from doc_commands import pyproject_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "jaxpar")

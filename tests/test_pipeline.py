@@ -41,10 +41,26 @@ import jax
 import numpy as np
 import pytest
 from optax import tree_utils as otu
+from step_helpers import (
+    CONFIG,
+    FIRST_STEP_AT_PEAK,
+    FP32,
+    FP32_RTOL,
+    TINY,
+    adam_step_args,
+    assert_adam_step_close,
+    assert_scalar_close,
+    assert_tree_close,
+    compile_fast,
+    device_batch,
+    host_batch,
+    make_plan,
+    quick_compile,
+    shard_shape,
+    spec_axes,
+    to_host,
+)
 
-from step_helpers import (CONFIG, FIRST_STEP_AT_PEAK, FP32, FP32_RTOL, TINY, adam_step_args,
-                          assert_adam_step_close, assert_scalar_close, assert_tree_close, compile_fast, device_batch,
-                          host_batch, make_plan, quick_compile, shard_shape, spec_axes, to_host)
 from jaxpar.config import ConfigError, load_config
 from jaxpar.train.step import init_state, make_eval_step, make_grad_fn, make_train_step
 
@@ -243,7 +259,7 @@ def _grads_on_16_devices(reference: dict, tmp_path, schedule: str, runs: int, xl
     assert out["mesh"] == {"data": 2, "pipeline": 2, "fsdp": 2, "tensor": 2} and out["sequence_parallel"]
     spec, shard, shape = out["layout"]["['blocks']['mlp']['w_up']"]
     assert spec == ("pipeline", "fsdp", "tensor") and shard == (L // 2, shape[1] // 2, shape[2] // 2)
-    for path, (spec, shard, shape) in out["layout"].items():
+    for path, (spec, _shard, _shape) in out["layout"].items():
         axes = {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
         assert ("pipeline" in axes) == path.startswith("['blocks']"), path
     return out

@@ -34,8 +34,8 @@ width, V vocabulary, M microbatches, p stages.
 """
 import jax
 import pytest
-
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
+
 from jaxpar.batch import abstract_batch
 from jaxpar.train.step import abstract_state, make_grad_fn
 

@@ -1,10 +1,19 @@
 """Activation checkpointing policies (`model.remat`) change what the backward keeps, never the gradients."""
 import jax
 import pytest
+from step_helpers import (
+    FP32,
+    FP32_RTOL,
+    assert_tree_close,
+    compile_fast,
+    device_batch,
+    host_batch,
+    make_plan,
+    quick_compile,
+    to_host,
+)
 
 from jaxpar.train.step import init_state, make_grad_fn
-from step_helpers import (FP32, FP32_RTOL, assert_tree_close, compile_fast, device_batch, host_batch, make_plan, quick_compile,
-                          to_host)
 
 POLICIES = ("none", "dots", "names", "full")
 

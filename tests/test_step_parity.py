@@ -16,10 +16,24 @@ Shape letters: G global batch, T sequence length, L layers, D model width, F mlp
 import jax
 import pytest
 from optax import tree_utils as otu
+from step_helpers import (
+    FIRST_STEP_AT_PEAK,
+    FP32,
+    FP32_RTOL,
+    adam_step_args,
+    assert_adam_step_close,
+    assert_scalar_close,
+    assert_tree_close,
+    compile_fast,
+    device_batch,
+    host_batch,
+    make_plan,
+    quick_compile,
+    shard_shape,
+    spec_axes,
+    to_host,
+)
 
-from step_helpers import (FIRST_STEP_AT_PEAK, FP32, FP32_RTOL, adam_step_args, assert_adam_step_close,
-                          assert_scalar_close, assert_tree_close, compile_fast, device_batch, host_batch, make_plan,
-                          quick_compile, shard_shape, spec_axes, to_host)
 from jaxpar.train.step import init_state, make_grad_fn, make_train_step
 
 RTOL = FP32_RTOL  # fp32 whole-model parity: reordered sums (step_helpers.FP32_RTOL says why)

@@ -23,7 +23,7 @@ K head width, V vocabulary, t tensor size.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-
 from step_helpers import FP32_RTOL, assert_tree_close, compile_fast, quick_compile
+
 from jaxpar.model.layers import Attention, Embed, LMHead, SwiGLU
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, column_parallel, row_parallel
 
@@ -148,7 +148,7 @@ def check_block(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, t: i
         for rank in range(t):
             assert_tree_close(out[rank], ref_out, RTOL)
     for spec, g, ref_g in zip(specs[:n_diff], grads, ref_grads, strict=True):
-        for (path, gx), s, rx in zip(jax.tree_util.tree_flatten_with_path(g)[0],
+        for (_path, gx), s, rx in zip(jax.tree_util.tree_flatten_with_path(g)[0],
                                      jax.tree.leaves(spec, is_leaf=_is_spec), jax.tree.leaves(ref_g), strict=True):
             if _on_tensor(s):
                 assert_tree_close(gx, rx, RTOL)

@@ -22,10 +22,26 @@ import jax
 import numpy as np
 import pytest
 from optax import tree_utils as otu
+from step_helpers import (
+    CONFIG,
+    FAST_COMPILE,
+    FIRST_STEP_AT_PEAK,
+    FP32,
+    FP32_RTOL,
+    TINY,
+    VOCAB,
+    adam_step_args,
+    assert_adam_step_close,
+    assert_scalar_close,
+    assert_tree_close,
+    device_batch,
+    host_batch,
+    make_plan,
+    quick_compile,
+    shard_shape,
+    to_host,
+)
 
-from step_helpers import (CONFIG, FAST_COMPILE, FIRST_STEP_AT_PEAK, FP32, FP32_RTOL, TINY, VOCAB, adam_step_args,
-                          assert_adam_step_close, assert_scalar_close, assert_tree_close, device_batch, host_batch,
-                          make_plan, quick_compile, shard_shape, to_host)
 from jaxpar.config import ConfigError, load_config
 from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.train.step import init_state, make_grad_fn, make_train_step

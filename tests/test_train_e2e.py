@@ -71,7 +71,7 @@ def test_default_config_runs_and_resume_after_kill_reproduces_losses(tmp_path):
     resumed = subprocess.run(_cmd(killed, f"train.steps={steps}", "checkpoint.every_steps=5"), env=_env(),
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    line = next(l for l in resumed.stdout.splitlines() if l.startswith("resumed at step"))
+    line = next(x for x in resumed.stdout.splitlines() if x.startswith("resumed at step"))
     start = int(line.split()[3])
     assert 10 <= start < steps
     want, got = _losses(full), _losses(killed)

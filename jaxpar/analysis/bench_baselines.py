@@ -37,8 +37,8 @@ def reference_step(cfg: Config):
     graphdef, params = nnx.split(Transformer(cfg.model, nnx.Rngs(cfg.train.seed)))
     o, dtype = cfg.optimizer, compute_dtype(cfg)
     # decay matrices and embeddings only (>= 2 dims besides the stacked `layers` dim of block params)
-    decay_mask = lambda p: jax.tree_util.tree_map_with_path(
-        lambda path, x: x.ndim - (path[0].key == "blocks") >= 2, p)
+    def decay_mask(p):
+        return jax.tree_util.tree_map_with_path(lambda path, x: x.ndim - (path[0].key == "blocks") >= 2, p)
     tx = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm),
                      optax.adamw(learning_rate_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps,
                                  weight_decay=o.weight_decay, mask=decay_mask))

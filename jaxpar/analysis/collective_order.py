@@ -49,7 +49,7 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str, str]]:
         operands = {ins.name: ins.operands for ins in instrs}
         ancestors: dict[str, frozenset[str]] = {}
 
-        def upstream(name: str) -> frozenset[str]:
+        def upstream(name: str, operands=operands, ancestors=ancestors) -> frozenset[str]:
             if name not in ancestors:
                 stack, seen = list(operands.get(name, ())), set()
                 while stack:

@@ -163,7 +163,8 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
     for name, key in (("arguments", "argument_bytes"), ("outputs", "output_bytes"), ("aliased (outputs in arguments)",
                       "alias_bytes"), ("temporaries", "temp_bytes"), ("peak", "peak_bytes")):
         lines.append(f"  {name:<38}{_n(m[key]):>18}{human_bytes(m[key]):>12}")
-    lines.append(f"  peak compiled / planned: {human_bytes(m['peak_bytes'])} / {human_bytes(gpu['planned']['peak_bytes'])} = "
+    lines.append(f"  peak compiled / planned: {human_bytes(m['peak_bytes'])} / "
+                 f"{human_bytes(gpu['planned']['peak_bytes'])} = "
                  f"{_ratio(gpu['planned']['ratio'])}")
     verdict = "fits" if gpu["fits"] else "DOES NOT FIT"
     lines.append(f"  {verdict}: peak {human_bytes(m['peak_bytes'])} = {_pct(gpu['fraction_of_memory'])} of the "
@@ -173,7 +174,8 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
     fused = gpu["fused_attention"]
     scores = gpu["attention_scores"]
     lines.append(f"  fused attention (cuDNN): {'yes, ' + ', '.join(fused) if fused else 'no (XLA attention path)'}; "
-                 f"attention scores materialised: " + (f"yes, largest {human_bytes(scores['largest_bytes'])} per device "
+                 f"attention scores materialised: "
+                 + (f"yes, largest {human_bytes(scores['largest_bytes'])} per device "
                  f"({', '.join(scores['shapes'])})" if scores["materialised"] else "no"))
     lines += ["  collectives per step of the GPU HLO (bytes sent per device, ring formulas) beside the plan for gpu",
               (f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'GPU HLO bytes':>17}"

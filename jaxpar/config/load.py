@@ -6,7 +6,8 @@ A YAML file may name `base: other.yaml` (path relative to the file) whose values
 merge key by key. Files are read with `yaml.safe_load` semantics, except that a key named twice in one mapping
 (`jaxpar.config.strict_yaml`) and a file that names no settings at all are refused. Among overrides the last
 value of a key wins (so a script or test can append to a shared list, and so can a command line); a sweep
-file refuses a repeated key (`check_unique_overrides`). Unknown keys and values of the wrong type raise `ConfigError` naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
+file refuses a repeated key (`check_unique_overrides`). Unknown keys and values of the wrong type raise `ConfigError`
+naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import dataclasses
 import os
 import types
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import yaml
 

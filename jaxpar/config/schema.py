@@ -279,7 +279,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
-    def replace(self, **sections) -> "Config":
+    def replace(self, **sections) -> Config:
         return dataclasses.replace(self, **sections)
 
     def to_dict(self) -> dict:

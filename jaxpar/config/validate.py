@@ -59,7 +59,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     if len(fill) > 1:
         raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + a for a in fill)}")
     fixed = 1
-    for axis, size in sizes.items():
+    for size in sizes.values():
         if size != -1:
             fixed *= size
     if fill:

@@ -18,7 +18,7 @@ library's scale).
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import grain
 import jax

@@ -21,7 +21,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
 
-
 # Checkpoint names of the activations the `names` remat policy keeps (inputs of the row-parallel projections).
 ATTENTION_CONTEXT = "attention_context"
 MLP_HIDDEN = "mlp_hidden"

@@ -12,7 +12,7 @@ identity; inside the train step's `shard_map` it all-gathers the module's fsdp-s
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -8,15 +8,15 @@ one again in the backward (the gathered weight is not kept, see `GATHERED_WEIGHT
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.model.transformer import GATHERED_WEIGHT
-from jaxpar.sharding import PARAM_RULES, logical_to_spec, gathered_axes
+from jaxpar.sharding import PARAM_RULES, gathered_axes, logical_to_spec
 
 
 def _live(axes: tuple[str, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:

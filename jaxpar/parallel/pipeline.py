@@ -22,7 +22,7 @@ automatic differentiation of that loop, which keeps every microbatch's stage inp
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -51,7 +51,6 @@ from jaxpar.train.step import (
 from jaxpar.train.watchdog import Watchdog
 
 
-
 class TrainingDiverged(RuntimeError):
     """`train.max_bad_steps` consecutive updates were skipped for non-finite gradients."""
 
@@ -181,7 +180,8 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
                           f"directories to --restore-from (checkpoint.restore_from)") from e
     except CheckpointMismatchError as e:
         raise ConfigError(
-            f"the checkpoint in {source} does not fit this config ({e.summary()}); run with the config it was saved with (config.yaml beside it) and, if it "
+            f"the checkpoint in {source} does not fit this config ({e.summary()}); run with the config it was "
+            f"saved with (config.yaml beside it) and, if it "
             f"was trained with an optimizer of your own, that optimizer, or start a fresh run in another "
             f"train.run_dir") from e
     return None, None

@@ -23,7 +23,7 @@ class PreemptionWatch:
         self._flag = False
         self._previous = None
 
-    def __enter__(self) -> "PreemptionWatch":
+    def __enter__(self) -> PreemptionWatch:
         if not self._multi:
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         return self

@@ -21,27 +21,34 @@ optax optimizer (`build_plan(..., optimizer=...)`) replaces the default AdamW.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import BATCH_KEYS
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
+from jaxpar.config.validate import sequence_parallel
 from jaxpar.mesh import DATA_PARALLEL_AXES
 from jaxpar.model import ModelDef, init_params, logical_axes, model_def, token_loss_sum
-from jaxpar.config.validate import sequence_parallel
-from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS, TensorParallel
-from jaxpar.sharding import (activation_spec, gathered_axes, named, opt_state_specs, param_specs,
-                             partitioned_over_data)
+from jaxpar.parallel.gather import module_gatherer
+from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
+from jaxpar.parallel.tensor import TensorParallel
+from jaxpar.sharding import activation_spec, gathered_axes, named, opt_state_specs, param_specs, partitioned_over_data
 from jaxpar.train.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
-from jaxpar.train.optimizer import (applied_learning_rate, build_optimizer, learning_rate_schedule,
-                                    nonfinite_state, schedule_count)
+from jaxpar.train.optimizer import (
+    applied_learning_rate,
+    build_optimizer,
+    learning_rate_schedule,
+    nonfinite_state,
+    schedule_count,
+)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
