@@ -33,6 +33,7 @@ import optax
 from optax import tree_utils as otu
 
 from jaxpar.config import load_config
+from jaxpar.log import configure_logging
 from jaxpar.train.loop import train
 from jaxpar.train.loss import cross_entropy_with_z_loss
 from jaxpar.train.optimizer import skip_nonfinite
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--z-loss", type=float, default=1e-4, help="z-loss weight (default 1e-4, PaLM's)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = ap.parse_args(argv)
+    configure_logging()  # jaxpar's log lines (jaxpar.log), as jaxpar-train prints them
 
     # Lion wants a learning rate 3-10x below AdamW's (Chen et al. 2023). The schedule is given to
     # the optimizer and to train(), which reports it as the learning_rate metric.

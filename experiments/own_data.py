@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from jaxpar.config import load_config
+from jaxpar.log import configure_logging
 from jaxpar.train.loop import train
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps (default 6; the run stops at half)")
     ap.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = ap.parse_args(argv)
+    configure_logging()  # jaxpar's log lines (jaxpar.log), as jaxpar-train prints them
     half = max(args.steps // 2, 1)
     with tempfile.TemporaryDirectory(prefix="jaxpar-own-data-") as tmp:
         def cfg(run: str, steps: int):

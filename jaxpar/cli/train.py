@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
     from jaxpar import distributed  # jax is imported only after the device count is set
+    from jaxpar.log import configure_logging
+
+    configure_logging()
     from jaxpar.config import ConfigError, load_config, validate_config
     from jaxpar.train.loop import TrainingDiverged, train
 

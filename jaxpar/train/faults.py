@@ -15,6 +15,7 @@ The trainer reads the variable once, at start. It is meant for tests and fire dr
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 ENV = "JAXPAR_INJECT_FAULT"
+_LOGGER = logging.getLogger("jaxpar.train")
 KINDS = ("stall", "kill", "sigterm", "nan")
 _SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>[0-9]+)(?::(?P<process>[0-9]+))?")
 
@@ -61,8 +63,8 @@ class FaultInjector:
         me = jax.process_index()
         self.faults = [f for f in parse(spec) if f.process in (None, me)]
         if self.faults:
-            print(f"jaxpar: process {me} will inject faults {[(f.kind, f.step) for f in self.faults]} ({ENV})",
-                  flush=True)
+            _LOGGER.warning(f"jaxpar: process {me} will inject faults {[(f.kind, f.step) for f in self.faults]} "
+                            f"({ENV})")
 
     def before_step(self, step: int, state: dict) -> dict:
         """Injects this step's faults, each once (a rerun of the step after a rollback is spared); returns the
@@ -70,7 +72,7 @@ class FaultInjector:
         due = [f for f in self.faults if f.step == step]
         self.faults = [f for f in self.faults if f.step != step]
         for fault in due:
-            print(f"jaxpar: injecting {fault.kind} at step {step} on process {jax.process_index()}", flush=True)
+            _LOGGER.warning(f"jaxpar: injecting {fault.kind} at step {step} on process {jax.process_index()}")
             sys.stdout.flush()
             if fault.kind == "stall":
                 while True:

@@ -14,6 +14,7 @@ sharding drifted would raise instead of silently recompiling.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tempfile
 import time
@@ -72,9 +73,13 @@ class TrainResult:
     state: Any = dataclasses.field(repr=False, default=None)
 
 
+_LOGGER = logging.getLogger("jaxpar.train")
+
+
 def _log(msg: str) -> None:
+    """Logs `msg` (info) from process 0 only (`jaxpar.log`)."""
     if jax.process_index() == 0:
-        print(msg, flush=True)
+        _LOGGER.info(msg)
 
 
 def evaluate(eval_step, params, loader: EvalLoader, beat=None, step: int = 0) -> tuple[float, int]:
@@ -230,7 +235,7 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
              f"decays; lower optimizer.warmup_steps to reach the peak")
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
-    print(f"jaxpar: {describe_process()}", flush=True)  # every process, once
+    _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
     _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
          f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
     if optimizer is not None:

@@ -17,6 +17,7 @@ wait in). If the store cannot be reached, process 0 (its host) is named. The sto
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -189,7 +190,7 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001
                 lines.append(f"missing process 0: the coordination service it hosts is unreachable ({e})")
         lines.append(f"exiting with status {EXIT_HUNG}; restart to resume from the last complete checkpoint")
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        logging.getLogger("jaxpar.train").error("\n".join(lines))
         sys.stdout.flush()
         self._exit(EXIT_HUNG)
 

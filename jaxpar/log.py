@@ -1,0 +1,45 @@
+"""jaxpar's messages go through the standard `logging` module, logger "jaxpar" (children "jaxpar.train", ...), so
+a script can silence, filter or redirect them: `logging.getLogger("jaxpar").setLevel(logging.WARNING)`.
+
+The library attaches no handler of its own (only a `NullHandler`). The commands (`jaxpar-train`, ...) and the
+example scripts call `configure_logging()`: plain lines, info and warnings on stdout and errors on stderr, as
+they have always printed. Multi-process runs: the training loop speaks from process 0 only, except for the
+lines that name their process (the process summary at start, injected faults, the watchdog's report);
+`jaxpar-launch` also prefixes every line with its process index.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER = logging.getLogger("jaxpar")
+LOGGER.addHandler(logging.NullHandler())
+_CONFIGURED = "_jaxpar_configured"
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Plain-line output for a command: records of `level` and up below ERROR to stdout, ERROR and up to stderr.
+    Idempotent; touches only the "jaxpar" logger (propagation to the root logger is turned off so that a root
+    handler does not print the lines twice)."""
+    if getattr(LOGGER, _CONFIGURED, False):
+        LOGGER.setLevel(level)
+        return
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(_Below(logging.ERROR))
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.ERROR)
+    for handler in (out, err):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        LOGGER.addHandler(handler)
+    LOGGER.setLevel(level)
+    LOGGER.propagate = False
+    setattr(LOGGER, _CONFIGURED, True)
