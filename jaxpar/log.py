@@ -17,6 +17,19 @@ LOGGER.addHandler(logging.NullHandler())
 _CONFIGURED = "_jaxpar_configured"
 
 
+class _CurrentStream(logging.StreamHandler):
+    """A StreamHandler that writes to whatever `sys.stdout` / `sys.stderr` is when a record is emitted, so a
+    caller that swaps them (a test capturing output, a command run in-process) still gets the lines."""
+
+    def __init__(self, name: str):
+        super().__init__(getattr(sys, name))
+        self._name = name
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = getattr(sys, self._name)
+        super().emit(record)
+
+
 class _Below(logging.Filter):
     def __init__(self, level: int):
         super().__init__()
@@ -33,9 +46,9 @@ def configure_logging(level: int = logging.INFO) -> None:
     if getattr(LOGGER, _CONFIGURED, False):
         LOGGER.setLevel(level)
         return
-    out = logging.StreamHandler(sys.stdout)
+    out = _CurrentStream("stdout")
     out.addFilter(_Below(logging.ERROR))
-    err = logging.StreamHandler(sys.stderr)
+    err = _CurrentStream("stderr")
     err.setLevel(logging.ERROR)
     for handler in (out, err):
         handler.setFormatter(logging.Formatter("%(message)s"))

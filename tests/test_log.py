@@ -37,7 +37,10 @@ def test_training_messages_are_log_records(caplog):
 
 @pytest.fixture
 def clean_logger():
+    """The "jaxpar" logger as a fresh process has it (an earlier test may have configured it), restored after."""
     saved = (list(LOGGER.handlers), LOGGER.level, LOGGER.propagate, getattr(LOGGER, "_jaxpar_configured", False))
+    LOGGER.handlers[:] = [h for h in LOGGER.handlers if isinstance(h, logging.NullHandler)]
+    LOGGER._jaxpar_configured = False
     yield
     LOGGER.handlers[:], LOGGER.level, LOGGER.propagate = saved[0], saved[1], saved[2]
     LOGGER._jaxpar_configured = saved[3]
@@ -56,3 +59,17 @@ def test_commands_print_plain_lines_and_scripts_can_silence_them(capsys, clean_l
     logging.getLogger("jaxpar").setLevel(logging.WARNING)  # what a script does to silence the progress lines
     log.info("hidden")
     assert capsys.readouterr().out == ""
+
+
+def test_configured_lines_follow_a_swapped_stdout(capsys, clean_logger):
+    """Configured once (e.g. by a command run in-process earlier), the lines still reach the current stdout."""
+    import io
+    import sys
+
+    configure_logging()
+    saved, sys.stdout = sys.stdout, io.StringIO()
+    try:
+        logging.getLogger("jaxpar.train").info("step 1")
+        assert sys.stdout.getvalue() == "step 1\n"
+    finally:
+        sys.stdout = saved
