@@ -194,3 +194,15 @@ def test_empty_base_file_is_refused(tmp_path):
     top.write_text("base: empty.yaml\ntrain: {steps: 3}\n")
     with pytest.raises(ConfigError, match=r"empty\.yaml.* no settings"):
         load_config(str(top), num_devices=8)
+
+
+def test_repeated_resumes_at_one_step_keep_every_previous_config(tmp_path):
+    """Two resumes at the same step with changed settings keep both earlier configs (nothing saved is lost)."""
+    from jaxpar.config.resume import keep_previous_config
+
+    kept = []
+    for text in ("b1: 0.8\n", "b1: 0.7\n", "b1: 0.6\n"):
+        (tmp_path / "config.yaml").write_text(text)
+        kept.append(keep_previous_config(str(tmp_path), 2))
+    assert [os.path.basename(k) for k in kept] == ["config.step2.yaml", "config.step2.1.yaml", "config.step2.2.yaml"]
+    assert [(tmp_path / os.path.basename(k)).read_text() for k in kept] == ["b1: 0.8\n", "b1: 0.7\n", "b1: 0.6\n"]

@@ -91,7 +91,7 @@ NOT_RUN = {
     "jaxpar-plan CONFIG [section.key=value ...]": SYNOPSIS,
     "jaxpar-plan CONFIG --compile --target KIND:NODESxGPUS": SYNOPSIS,
     "jaxpar-train CONFIG [section.key=value ...]": SYNOPSIS,
-    "python tools/check_gpu_configs.py": "needs the gpu-compile extra (about 2.7 GB, not in CI) and rewrites "
+    ".venv/bin/python tools/check_gpu_configs.py": "needs the gpu-compile extra (about 2.7 GB, not in CI) and rewrites "
                                          "configs/gpu_check.json; tests/test_gpu_check.py checks that record "
                                          "against the configs, planner and README, and where the extra is "
                                          "installed recompiles a shipped config and compares",

@@ -52,6 +52,8 @@ def test_record_proves_the_current_config(path):
     assert gpu_check.problems(rec, path) == []
     assert rec["fits"] and rec["peak_bytes"] <= rec["usable_bytes"]
     assert rec["argument_bytes"] < rec["peak_bytes"]
+    # attention either runs fused or writes its scores (the detector must see one of them, GQA included)
+    assert rec["attention_scores_materialised"] != bool(rec["fused_attention"])
 
 
 def test_records_are_only_of_shipped_configs():

@@ -114,3 +114,17 @@ def test_tiny_compiles_for_two_h100_nodes():
         assert rows[key]["ratio"] == pytest.approx(1.0, rel=0.01), rows[key]
     assert out["fused_attention"] == [] and out["attention_scores"]["materialised"]  # jax's XLA attention path
     assert out["planned"]["peak_bytes"] > 0
+
+
+def test_attention_scores_of_grouped_kv_heads_come_out_of_a_fusion():
+    """With grouped key/value heads XLA's GPU compiler fuses the logits matmul; the result is found by the
+    op_name of jax's attention einsum (lines as the GPU HLO of llama_1b's shape prints them)."""
+    hlo = """
+  %bitcast.897.0 = f32[8,4,1024,1024]{3,2,1,0} bitcast(%fusion.132), metadata={op_name="jit(train_step)/shard_map/while/body/checkpoint/vmap(BTNH,BSNH->BNTS)/dot_general" scheduling_name="bitcast.897.0"}
+  %bitcast.893.3 = bf16[1,8,4,1024,1024]{4,3,2,1,0} bitcast(%param_2.463), metadata={op_name="jit(train_step)/shard_map/checkpoint/vmap(BNTS,BSNH->BTNH)/dot_general"}
+  %fusion.7 = bf16[1,1024,8,4,64]{4,3,2,1,0} fusion(%a, %b), kind=kCustom, metadata={op_name="jit(train_step)/vmap(BNTS,BSNH->BTNH)/dot_general"}
+  %stack = bf16[32,1,1024,1024]{3,2,1,0} dynamic-update-slice(%s, %x, %i, %z, %z, %z), metadata={op_name="jit(train_step)/scan"}
+"""  # noqa: E501 -- HLO lines as the compiler prints them
+    assert plan_gpu.attention_scores(hlo, 1024) == {
+        "materialised": True, "shapes": ["bf16[1,8,4,1024,1024]", "f32[8,4,1024,1024]"],
+        "largest_bytes": 8 * 4 * 1024 * 1024 * 4}

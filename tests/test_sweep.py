@@ -49,6 +49,11 @@ def test_shipped_sweep_files_load(path):
     assert pts and len({p["key"] for p in pts}) == len(pts)
     for p in pts:
         assert p["devices"] == p["mesh"]["data"] * p["mesh"]["fsdp"] * p["mesh"]["tensor"] * p["mesh"]["pipeline"]
+    # every point is a valid config (a base config's change, e.g. its accumulation, must not invalidate them)
+    from jaxpar.config import load_config
+
+    for p in pts:
+        load_config(sweep.base, [*sweep.overrides, *p["overrides"]], num_devices=p["devices"])
     if os.path.basename(path) == "tiny_mesh_8.yaml":
         assert len(pts) == 12 * 2  # 12 meshes with tensor, pipeline <= 2, times zero_stage 1 and 3
 

@@ -123,3 +123,18 @@ def test_wandb_without_the_extra_is_a_config_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r'metrics.wandb=true needs Weights & Biases.*pip install -e "\.\[wandb\]"'):
         load_config(TINY, ["metrics.wandb=true"], num_devices=8)
+
+
+def test_wandb_online_without_an_api_key_is_a_config_error(monkeypatch, tmp_path):
+    """Streaming to W&B needs a key: refused at load, naming the fix, instead of failing after the compile."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    for mode in ("online", ""):
+        with pytest.raises(ConfigError, match="no API key is configured.*set metrics.wandb_mode=offline"):
+            load_config(TINY, ["metrics.wandb=true", f"metrics.wandb_mode={mode}"], num_devices=8)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    load_config(TINY, ["metrics.wandb=true", "metrics.wandb_mode=online"], num_devices=8)  # a key: accepted
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    load_config(TINY, ["metrics.wandb=true", "metrics.wandb_mode="], num_devices=8)  # wandb decides: offline

@@ -2,7 +2,7 @@
 with XLA's GPU compiler on this machine (no GPU), and record the per-device peak beside the plan.
 
     pip install -e ".[gpu-compile]"          # jax's CUDA plugin, ptxas, cuDNN (about 2.7 GB)
-    python tools/check_gpu_configs.py        # about 10 s per config on 2 CPU cores
+    .venv/bin/python tools/check_gpu_configs.py   # about 10 s per config on 2 CPU cores
 
 Writes configs/gpu_check.json (the default test suite checks it against the configs and the planner) and prints
 the README's table. Exit status 1 when a config does not fit its cluster or the plan is off by more than 15%,

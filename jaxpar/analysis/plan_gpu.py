@@ -35,6 +35,10 @@ EXTRA = 'pip install -e ".[gpu-compile]"'
 CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # An HLO instruction whose result is one array and whose opcode is dot: (dtype, dims, the rest of the line).
 _DOT = re.compile(r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+dot\((.*)$", re.MULTILINE)
+# Any instruction with one array result whose op_name names one of the einsums of jax's XLA attention
+# (jax.nn.dot_product_attention: logits "BTNH,BSNH->BNTS", context "BNTS,BSNH->BTNH", and their transposes).
+_ATTENTION_OP = re.compile(r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+[\w.-]+\(.*op_name=\"[^\"]*"
+                           r"(?:BTNH,BSNH->BNTS|BNTS,BSNH->BTNH)", re.MULTILINE)
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -113,11 +117,12 @@ def gpu_config(cfg: Config, devices: int) -> Config:
 
 
 def attention_scores(hlo_text: str, seq_len: int) -> dict:
-    """The attention score tensors the program materialises: results of batched matmuls (`dot` with batch
-    dimensions; QK^T and, in the backward, dO V^T) of rank >= 3 ending in [.., seq_len, seq_len]. XLA's
-    attention path writes them to memory; a fused attention kernel (cuDNN) keeps them on chip, so none appear.
-    Shapes alone would not do: with seq_len == d_model (Llama 7B at 4096) the layer scan's stacked block inputs
-    [L, b, T, D] end in [T, T] too.
+    """The attention score tensors the program materialises: arrays of rank >= 3 ending in [.., seq_len, seq_len]
+    that are results of batched matmuls (`dot` with batch dimensions; QK^T and, in the backward, dO V^T) or of
+    instructions whose op_name is one of jax's XLA-attention einsums (with grouped key/value heads the logits
+    come out of a fusion, not a bare dot). XLA's attention path writes them to memory; a fused attention kernel
+    (cuDNN) keeps them on chip, so none appear. Shapes alone would not do: with seq_len == d_model (Llama 7B at
+    4096) the layer scan's stacked block inputs [L, b, T, D] end in [T, T] too.
 
     Returns:
       {"materialised" (any found), "shapes" (sorted distinct "dtype[dims]"), "largest_bytes" (the biggest, per
@@ -126,9 +131,11 @@ def attention_scores(hlo_text: str, seq_len: int) -> dict:
     from jaxpar.analysis.hlo import Array
 
     shapes, largest = set(), 0
-    for dtype, dims, rest in _DOT.findall(hlo_text):
+    found = [(dtype, dims) for dtype, dims, rest in _DOT.findall(hlo_text) if "lhs_batch_dims" in rest]
+    found += _ATTENTION_OP.findall(hlo_text)
+    for dtype, dims in found:
         shape = tuple(int(x) for x in dims.split(","))
-        if "lhs_batch_dims" in rest and len(shape) >= 3 and shape[-2:] == (seq_len, seq_len):
+        if len(shape) >= 3 and shape[-2:] == (seq_len, seq_len):
             shapes.add(f"{dtype}[{dims}]")
             largest = max(largest, int(Array(dtype, shape).bytes))
     return {"materialised": bool(shapes), "shapes": sorted(shapes), "largest_bytes": largest}

@@ -61,11 +61,15 @@ def check_resume_config(run_dir: str, cfg: Config) -> dict[str, tuple[Any, Any]]
 
 
 def keep_previous_config(run_dir: str, step: int) -> str | None:
-    """Renames RUN_DIR/config.yaml to config.step<step>.yaml (replacing an older one of that name); returns the
-    new path, or None when there is no config.yaml."""
+    """Renames RUN_DIR/config.yaml to config.step<step>.yaml, or config.step<step>.<k>.yaml (k = 1, 2, ...) when
+    an earlier resume at the same step kept one already (nothing saved is replaced); returns the new path, or
+    None when there is no config.yaml."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return None
-    kept = os.path.join(run_dir, f"config.step{step}.yaml")
+    kept, k = os.path.join(run_dir, f"config.step{step}.yaml"), 0
+    while os.path.exists(kept):
+        k += 1
+        kept = os.path.join(run_dir, f"config.step{step}.{k}.yaml")
     os.replace(path, kept)
     return kept

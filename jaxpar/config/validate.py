@@ -75,6 +75,26 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
     return sizes
 
 
+def _wandb_goes_online(mode: str) -> bool:
+    """Whether a W&B run in `mode` streams: "online", or "" with WANDB_MODE unset or online."""
+    if mode == "":
+        mode = os.environ.get("WANDB_MODE", "online")
+    return mode in ("online", "run")
+
+
+def _wandb_api_key() -> bool:
+    """Whether W&B has an API key here: WANDB_API_KEY, or an api.wandb.ai entry in the netrc file that `wandb
+    login` writes (NETRC or ~/.netrc)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
 def _check_metrics(cfg: Config) -> None:
     import importlib.util
 
@@ -87,6 +107,10 @@ def _check_metrics(cfg: Config) -> None:
     if mc.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(f"metrics.wandb=true needs Weights & Biases, which is not installed: {WANDB_EXTRA} (or "
                           f"set metrics.wandb=false)")
+    if mc.wandb and _wandb_goes_online(mc.wandb_mode) and not _wandb_api_key():
+        raise ConfigError(f"metrics.wandb=true with metrics.wandb_mode={mc.wandb_mode!r} streams to Weights & "
+                          "Biases, but no API key is configured (WANDB_API_KEY, or `wandb login`); log in, or set "
+                          "metrics.wandb_mode=offline (upload later with `wandb sync`)")
     if mc.wandb and not mc.wandb_project.strip():
         raise ConfigError("metrics.wandb_project is empty; name the W&B project, e.g. metrics.wandb_project=jaxpar")
 
