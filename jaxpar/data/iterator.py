@@ -24,9 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.data.loader import BATCH_KEYS, _process_rows
-
-_DTYPES = {"inputs": np.int32, "targets": np.int32, "loss_mask": np.float32}
+from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS
+from jaxpar.data.loader import _process_rows
 
 
 def _encode(state: Any) -> dict:
@@ -86,7 +85,7 @@ class IteratorLoader:
                     f"{self.seq_len} tokens (data.seq_len): expected {want}")
             if key != "loss_mask" and not np.issubdtype(value.dtype, np.integer):
                 raise ValueError(f"data iterator batch[{key!r}] must hold integer token ids, got {value.dtype}")
-            out[key] = value.astype(_DTYPES[key], copy=False)
+            out[key] = value.astype(BATCH_DTYPES[key], copy=False)
         return out
 
     def next_batch(self) -> dict[str, jax.Array]:

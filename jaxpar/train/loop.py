@@ -283,7 +283,7 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
                  f"); the previous config is kept as {kept}")
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     if start:
-        position = train_loader.get_state().get("next_sample", "the caller's iterator state")
+        position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
         _log(f"resumed at step {start} (data position {position})")
 
     n_params = param_count(state["params"])

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.batch import abstract_batch
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
 
@@ -121,9 +122,7 @@ def check_loss_fn(loss_fn: LossFn, seq_len: int, vocab_size: int) -> None:
         raise TypeError(f"loss_fn must be callable: (logits [b, T, V], batch) -> summed loss, or a "
                         f"jaxpar.train.loss.VocabParallelLoss; got {type(loss_fn).__name__}")
     logits = jax.ShapeDtypeStruct((1, seq_len, vocab_size), jnp.float32)
-    batch = {"inputs": jax.ShapeDtypeStruct((1, seq_len), jnp.int32),
-             "targets": jax.ShapeDtypeStruct((1, seq_len), jnp.int32),
-             "loss_mask": jax.ShapeDtypeStruct((1, seq_len), jnp.float32)}
+    batch = abstract_batch(1, seq_len)
     try:
         out = jax.eval_shape(lambda x, b: summed_loss(loss_fn, x, b, NO_TENSOR_PARALLEL), logits, batch)
     except Exception as e:  # any failure of the caller's function, reported with what it got
