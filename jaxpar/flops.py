@@ -5,7 +5,9 @@ Source: PaLM (Chowdhery et al. 2022), appendix B; Kaplan et al. 2020, section 2.
 """
 from __future__ import annotations
 
-from jaxpar.model.params import param_count
+import math
+
+import jax
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity). Matched by lower-cased substring of
 # `jax.Device.device_kind`; longer keys are tried first so "v5p" wins over a shorter overlapping key.
@@ -38,7 +40,8 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, se
 
 
 def recompute_flops_per_token(model, seq_len: int) -> float:
-    """Forward FLOPs per token that `model.remat` runs a second time in the backward pass (hardware only).
+    """Forward FLOPs per token that `model.remat` runs a second time in the backward pass (hardware only), for
+    the built-in `llama` family (`jaxpar.model.llama`; another family registers its own count).
 
     Per layer, with D = d_model, H heads, G key/value heads, K head width, F MLP width, s = `seq_len`
     (a matmul of an [s, a] by [a, b] costs 2ab FLOPs per token; the attention products QK^T and AV cost
@@ -67,13 +70,19 @@ def recompute_flops_per_token(model, seq_len: int) -> float:
     return float(model.n_layers * per_layer[model.remat])
 
 
-def hardware_flops_per_token(model_flops_per_token: float, model, seq_len: int, *,
+def hardware_flops_per_token(model_flops_per_token: float, recomputed_flops_per_token: float, *,
                              stage_recompute: bool = False) -> float:
-    """FLOPs per token the hardware executes, for HFU (never MFU): model FLOPs plus `recompute_flops_per_token`,
-    plus one more forward (a third of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule rebuilds
-    each stage's forward from its stashed input before the backward; see `jaxpar.parallel.pipeline`)."""
+    """FLOPs per token the hardware executes, for HFU (never MFU): model FLOPs plus the forward FLOPs the remat
+    policy recomputes (`recompute_flops_per_token` for the built-in llama family), plus one more forward (a third
+    of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule rebuilds each stage's forward from its
+    stashed input before the backward; see `jaxpar.parallel.pipeline`)."""
     extra = model_flops_per_token / 3 if stage_recompute else 0.0
-    return model_flops_per_token + extra + recompute_flops_per_token(model, seq_len)
+    return model_flops_per_token + extra + recomputed_flops_per_token
+
+
+def param_count(params) -> int:
+    """Number of scalar parameters in a pytree of arrays or ShapeDtypeStructs."""
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
 def count_non_embedding_params(params: dict, embedding_keys: tuple[str, ...] = ("embed", "lm_head")) -> int:

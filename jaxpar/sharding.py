@@ -68,7 +68,7 @@ def logical_to_spec(names: tuple[str, ...], rules: dict[str, tuple[str, ...]], o
     when `over_data`)."""
     dims = []
     for name in names:
-        mesh_axes = rules[name]
+        mesh_axes = () if name is None else rules[name]  # None: a dimension never sharded
         if name == "embed" and over_data:
             mesh_axes = mesh_axes + ("data",)
         dims.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)

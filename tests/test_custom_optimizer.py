@@ -45,8 +45,8 @@ from step_helpers import (
 
 from jaxpar.analysis.memory import persistent_state_bytes
 from jaxpar.config import load_config
+from jaxpar.flops import param_count
 from jaxpar.mesh import build_mesh
-from jaxpar.model import param_count
 from jaxpar.sharding import opt_state_specs
 from jaxpar.train.optimizer import skip_nonfinite
 from jaxpar.train.step import build_plan, init_state, make_grad_fn, make_train_step

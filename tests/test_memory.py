@@ -12,8 +12,8 @@ from jaxpar.analysis.memory import (
 )
 from jaxpar.batch import abstract_batch
 from jaxpar.config import load_config
+from jaxpar.flops import param_count
 from jaxpar.mesh import build_mesh
-from jaxpar.model import param_count
 from jaxpar.train.step import build_plan, init_state
 
 GB = 1e9

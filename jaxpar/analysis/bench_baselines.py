@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import BATCH_KEYS
 from jaxpar.config import Config
-from jaxpar.model import Transformer, token_loss_sum
+from jaxpar.model.llama import Llama
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL
 from jaxpar.train.optimizer import learning_rate_schedule
 from jaxpar.train.step import StepPlan, compute_dtype
 
@@ -34,7 +35,7 @@ def reference_step(cfg: Config):
       function donating its first two arguments), and the initial params and optimizer state (on the default
       device).
     """
-    graphdef, params = nnx.split(Transformer(cfg.model, nnx.Rngs(cfg.train.seed)))
+    graphdef, params = nnx.split(Llama(cfg.model, nnx.Rngs(cfg.train.seed)))
     o, dtype = cfg.optimizer, compute_dtype(cfg)
     # decay matrices and embeddings only (>= 2 dims besides the stacked `layers` dim of block params)
     def decay_mask(p):
@@ -68,7 +69,7 @@ def compiler_chosen_step(plan: StepPlan):
 
     def loss_fn(params, batch):
         logits = plan.mdef.bind(params)(batch["inputs"], plan.compute_dtype)
-        return token_loss_sum(logits, batch["targets"], batch["loss_mask"]) / jnp.maximum(
+        return NO_TENSOR_PARALLEL.cross_entropy_sum(logits, batch["targets"], batch["loss_mask"]) / jnp.maximum(
             jnp.sum(batch["loss_mask"]), 1.0)
 
     def step(state, batch):

@@ -145,7 +145,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
     ce = d.b * d.s * 4
     # Every policy but `none` keeps no tensor-collective output, so the backward re-runs the attention exit
-    # and (with SP) both enters of each layer; `none` saves them (`jaxpar.model.transformer`).
+    # and (with SP) both enters of each layer; `none` saves them (`jaxpar.model.stack`).
     full = cfg.model.remat != "none"
     fwd, fwd_nh, bwd, embed = passes["fwd"], passes["fwd_no_head"], passes["bwd"], passes["embed_fwd"]
     tensor = ("tensor",)
@@ -162,9 +162,11 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * fwd, 3 * fwd * ce)
     if d.sp:
         storage = storage_axes("params", d.zero)
-        norm = local_size(param_leaves(cfg.model)[1], shape, storage)  # [L/p, D/shards] of one norm scale
-        final = norm // layers
-        stacked = 2 * norm + (final if shape["pipeline"] == 1 else 0)
+        # Parameters replicated over tensor receive partial gradients under sequence parallelism: the norm
+        # scales, [L/p, D/shards] in the stack and [D/shards] outside it.
+        replicated = [x for x in param_leaves(cfg.model) if not {"vocab", "heads", "mlp"} & set(x.axes)]
+        stacked = sum(local_size(x, shape, storage) for x in replicated
+                      if x.in_blocks or shape["pipeline"] == 1)
         _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.wire(d.reduce_bytes))
 
 

@@ -1,16 +1,21 @@
-"""The planner's view of a step: the parameter table of a model config from its shapes alone, how much of each
-leaf one device holds, and the step's sizes on a platform (letters as in `jaxpar.analysis.plan`). Shared by the
-memory plan (`jaxpar.analysis.plan`), the collectives (`jaxpar.analysis.plan_comm`) and the ZeRO table of a
-compiled step (`jaxpar.analysis.memory`); no compilation, no devices.
+"""The planner's view of a step: the parameter table of a model config (derived from the model's abstract
+shapes), how much of each leaf one device holds, and the step's sizes on a platform (letters as in
+`jaxpar.analysis.plan`). Shared by the memory plan (`jaxpar.analysis.plan`), the collectives
+(`jaxpar.analysis.plan_comm`) and the ZeRO table of a compiled step (`jaxpar.analysis.memory`); no
+compilation, no devices.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+
+import jax
 
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
+from jaxpar.model import init_params, logical_axes
 from jaxpar.sharding import PARAM_RULES
 
 
@@ -38,27 +43,23 @@ class Leaf:
         return math.prod(self.shape)
 
 
-def param_leaves(model) -> list[Leaf]:
-    """The parameters of `jaxpar.model.Transformer` for a `ModelConfig`, from its shapes alone (no jax).
+@functools.lru_cache(maxsize=64)
+def param_leaves(model: ModelConfig) -> tuple[Leaf, ...]:
+    """The parameter table of the model `model.name` selects: every parameter's path, global shape and logical
+    axes, derived from the model itself (`jax.eval_shape` of `jaxpar.model.init_params` and
+    `jaxpar.model.logical_axes`: no FLOPs, no memory), in path order. Cached per `ModelConfig`.
 
-    tests/test_plan.py checks this table against `init_params` and `logical_axes`.
+    Raises:
+      ValueError / TypeError: as `jaxpar.model.model_def` (an unregistered `model.name`, a model that does not
+        follow `jaxpar.model.interface`).
     """
-    d, f, v, n = model.d_model, model.d_ff, model.vocab_size, model.n_layers
-    h, g, k = model.n_heads, model.kv_heads, model.head_width
-    leaves = [Leaf("embed/table", (v, d), ("vocab", "embed")),
-              Leaf("blocks/attn_norm/scale", (n, d), ("layers", "embed")),
-              Leaf("blocks/attn/wq", (n, d, h, k), ("layers", "embed", "heads", "kv")),
-              Leaf("blocks/attn/wk", (n, d, g, k), ("layers", "embed", "heads", "kv")),
-              Leaf("blocks/attn/wv", (n, d, g, k), ("layers", "embed", "heads", "kv")),
-              Leaf("blocks/attn/wo", (n, h, k, d), ("layers", "heads", "kv", "embed")),
-              Leaf("blocks/mlp_norm/scale", (n, d), ("layers", "embed")),
-              Leaf("blocks/mlp/w_gate", (n, d, f), ("layers", "embed", "mlp")),
-              Leaf("blocks/mlp/w_up", (n, d, f), ("layers", "embed", "mlp")),
-              Leaf("blocks/mlp/w_down", (n, f, d), ("layers", "mlp", "embed")),
-              Leaf("final_norm/scale", (d,), ("embed",))]
-    if not model.tie_embeddings:
-        leaves.append(Leaf("lm_head/kernel", (d, v), ("embed", "vocab")))
-    return leaves
+    shapes = jax.eval_shape(lambda: init_params(model, 0))
+    axes = logical_axes(model)
+    flat_axes = dict(jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0])
+    leaves = []
+    for path, shape in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        leaves.append(Leaf("/".join(str(k.key) for k in path), tuple(shape.shape), tuple(flat_axes[path])))
+    return tuple(sorted(leaves, key=lambda leaf: leaf.path))
 
 
 def local_size(leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = ()) -> int:
@@ -66,7 +67,7 @@ def local_size(leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = ())
     restricted to tensor and pipeline plus the `storage` axes (fsdp, data) the caller counts as sharding it."""
     total = 1
     for dim, name in zip(leaf.shape, leaf.axes):
-        axes = [a for a in PARAM_RULES[name] if a in ("tensor", "pipeline")]
+        axes = [a for a in (PARAM_RULES[name] if name is not None else ()) if a in ("tensor", "pipeline")]
         if name == "embed":
             axes += list(storage)
         total *= -(-dim // math.prod(shape[a] for a in axes))  # ceil: shard_shape of an uneven split

@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer shape (Llama style).
+    """Decoder-only transformer: which model family, and its shape. A family reads the fields it needs (the
+    built-in `llama` reads them all; see the family's docstring).
 
     Attributes:
+      name: the model family (`jaxpar.model.registry`): `llama` is built in; a script registers its own with
+        `jaxpar.register_model` before loading a config that names it.
       vocab_size: rows of the embedding table; at least the tokenizer's vocabulary (259 for bytes).
       d_model: model width D.
       n_layers: transformer blocks L, stacked on a leading `layers` axis and run with a scan.
@@ -32,6 +35,7 @@ class ModelConfig:
         activations) or `full` (save only the block input, recompute the block).
     """
 
+    name: str = "llama"
     vocab_size: int = 264
     d_model: int = 128
     n_layers: int = 4

@@ -126,6 +126,11 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
       ConfigError: naming the key and the fix.
     """
     m, o, d, t, p, c = cfg.model, cfg.optimizer, cfg.data, cfg.train, cfg.precision, cfg.checkpoint
+    from jaxpar.model.registry import model_family  # the registry builds nothing until a model is derived
+    try:
+        model_family(m.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
         _positive(f"model.{key}", getattr(m, key))
     _positive("model.rope_theta", m.rope_theta)

@@ -19,11 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.model.stack import ATTENTION_CONTEXT, MLP_HIDDEN
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
-
-# Checkpoint names of the activations the `names` remat policy keeps (inputs of the row-parallel projections).
-ATTENTION_CONTEXT = "attention_context"
-MLP_HIDDEN = "mlp_hidden"
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:

@@ -1,18 +1,20 @@
-"""Parameters as plain nested dicts, and the bridge between those dicts and the NNX `Transformer`.
+"""Parameters as plain nested dicts, and the bridge between those dicts and the model module.
 
 The train state, the optimizer, checkpoints and sharding all see parameters as a nested dict of arrays
-(`nnx.to_pure_dict`); `bind` turns such a dict (whole or sharded) back into a module for the forward pass.
+(`nnx.to_pure_dict`); `bind` turns such a dict (whole or sharded) back into a module for the forward pass. The
+module is the family `model.name` selects (`jaxpar.model.registry`), checked against
+`jaxpar.model.interface.LanguageModel` when its structure is first derived.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.transformer import Transformer
+from jaxpar.model.interface import LAYERS_AXIS, STACK_ATTRIBUTE, LanguageModel, check_model
+from jaxpar.model.registry import model_family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +25,28 @@ class ModelDef:
     graphdef: nnx.GraphDef
     abstract_state: nnx.State
 
-    def bind(self, params: dict) -> Transformer:
-        """Returns a `Transformer` holding `params` (a nested dict shaped like `init_params`' output)."""
+    def bind(self, params: dict) -> LanguageModel:
+        """Returns the model module holding `params` (a nested dict shaped like `init_params`' output)."""
         state = jax.tree.map(lambda v: v, self.abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)
 
 
+def build_model(cfg: ModelConfig, seed: int) -> LanguageModel:
+    """The module of family `cfg.name` with parameters initialised from `seed` (fp32 on the default device).
+
+    Raises:
+      ValueError: `cfg.name` is not registered (`jaxpar.model.registry.model_family`), or the family refuses
+        the config.
+    """
+    return model_family(cfg.name).build(cfg, nnx.Rngs(seed))
+
+
 def model_def(cfg: ModelConfig) -> ModelDef:
-    """Builds the model abstractly (no FLOPs, no memory) to get its structure."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    """Builds the model abstractly (no FLOPs, no memory) to get its structure, and checks it follows
+    `jaxpar.model.interface` (raising TypeError / ValueError there, before any device work)."""
+    abstract = nnx.eval_shape(lambda: build_model(cfg, 0))
+    check_model(abstract, cfg.name, cfg.n_layers)
     graphdef, state = nnx.split(abstract)
     return ModelDef(cfg, graphdef, state)
 
@@ -43,25 +57,20 @@ def init_params(cfg: ModelConfig, seed: int) -> dict:
     With `jax_threefry_partitionable` (the default in current jax) the values do not depend on the sharding,
     so every mesh layout starts from identical parameters.
     """
-    return nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(seed)), nnx.Param))
+    return nnx.to_pure_dict(nnx.state(build_model(cfg, seed), nnx.Param))
 
 
 def logical_axes(cfg: ModelConfig) -> dict:
     """Nested dict mirroring the parameters whose leaves are tuples of logical axis names, one per dimension.
 
-    Block parameters get a leading `layers` axis (the stacked dimension).
+    Parameters of the stacked `blocks` get a leading `layers` axis.
     """
     mdef = model_def(cfg)
 
     def names(path, var):
         axes = tuple(var.get_metadata()["logical_axes"])
-        return ("layers",) + axes if path[0].key == "blocks" else axes
+        return (LAYERS_AXIS,) + axes if path[0].key == STACK_ATTRIBUTE else axes
 
     state = nnx.state(nnx.merge(mdef.graphdef, mdef.abstract_state), nnx.Param)
     tagged = jax.tree_util.tree_map_with_path(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return nnx.to_pure_dict(tagged) if isinstance(tagged, nnx.State) else tagged
-
-
-def param_count(params: dict) -> int:
-    """Number of scalar parameters in a pytree of arrays or ShapeDtypeStructs."""
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))

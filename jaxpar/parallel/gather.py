@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.model.transformer import GATHERED_WEIGHT
 from jaxpar.sharding import PARAM_RULES, gathered_axes, logical_to_spec
+
+GATHERED_WEIGHT = "gathered_weight"  # checkpoint name of all-gathered weights: never saved for backward
 
 
 def _live(axes: tuple[str, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:

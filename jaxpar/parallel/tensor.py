@@ -150,6 +150,13 @@ class TensorParallel:
             return y_BTD
         return _scatter_sequence(y_BTD) if self.sequence_parallel else _reduce_from_tensor(y_BTD)
 
+    def sequence_start(self, seq_local: int) -> jax.Array | int:
+        """First position of this rank's slice of the sequence: with sequence parallelism activations between
+        blocks are [B, T/t, D] and rank r holds positions [r * T/t, (r + 1) * T/t); else 0 (every rank holds
+        all T). `seq_local` is the local length (T/t or T). Use it for position-dependent terms added outside
+        the column-parallel ops, e.g. a learned position table."""
+        return jax.lax.axis_index(AXIS) * seq_local if self.active and self.sequence_parallel else 0
+
     def vocab_start(self, vocab_local: int) -> jax.Array | int:
         """First vocabulary id held by this rank (its shard is [start, start + vocab_local))."""
         return jax.lax.axis_index(AXIS) * vocab_local if self.active else 0

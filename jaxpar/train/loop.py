@@ -35,7 +35,7 @@ from jaxpar.distributed import describe_process
 from jaxpar.generate import sample_text
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import MetricsWriter, default_trackers
-from jaxpar.model import param_count
+from jaxpar.model import model_family
 from jaxpar.train.faults import FaultInjector
 from jaxpar.train.loss import LossFn
 from jaxpar.train.optimizer import nonfinite_state
@@ -286,16 +286,20 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
         position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
         _log(f"resumed at step {start} (data position {position})")
 
-    n_params = param_count(state["params"])
+    n_params = flops_lib.param_count(state["params"])
     flops_per_token = flops_lib.flops_per_token(
         flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model,
         cfg.data.seq_len)
-    hardware_flops = flops_lib.hardware_flops_per_token(
-        flops_per_token, cfg.model, cfg.data.seq_len,
+    recompute = model_family(cfg.model.name).recompute_flops_per_token
+    hardware_flops = None if recompute is None else flops_lib.hardware_flops_per_token(
+        flops_per_token, recompute(cfg.model, cfg.data.seq_len),
         stage_recompute=cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b")
     peak = flops_lib.peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
-    _log(f"model: {n_params:,} parameters; {flops_per_token:,.0f} model FLOPs/token (6N + 12*L*h*s, PaLM app. B), "
-         f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat}); "
+    hardware = (f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat})"
+                if hardware_flops is not None else
+                f"hardware FLOPs unknown (model {cfg.model.name!r} registered no recompute count; HFU null)")
+    _log(f"model {cfg.model.name}: {n_params:,} parameters; {flops_per_token:,.0f} model FLOPs/token (6N + 12*L*h*s, "
+         f"PaLM app. B), {hardware}; "
          f"peak {'unknown, MFU null' if peak is None else f'{peak:.3g} FLOP/s per device'}")
 
     first_batch = train_loader.next_batch()
@@ -366,7 +370,8 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
                                     "rollbacks": rollbacks, "tokens_per_s": tokens_per_s,
                                     "step_time_s": step_time, "tokens": m["tokens"],
                                     "mfu": flops_lib.mfu(tokens_per_s, flops_per_token, mesh.size, peak),
-                                    "hfu": flops_lib.mfu(tokens_per_s, hardware_flops, mesh.size, peak), **memory})
+                                    "hfu": None if hardware_flops is None else
+                                    flops_lib.mfu(tokens_per_s, hardware_flops, mesh.size, peak), **memory})
                 if bar is not None:
                     bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
                                     **({"val": f"{val_loss:.3f}"} if val_loss is not None else {}))

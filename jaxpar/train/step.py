@@ -35,7 +35,7 @@ from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.config.validate import sequence_parallel
 from jaxpar.mesh import DATA_PARALLEL_AXES
-from jaxpar.model import ModelDef, init_params, logical_axes, model_def, token_loss_sum
+from jaxpar.model import ModelDef, init_params, logical_axes, model_def
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
@@ -212,35 +212,51 @@ def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
     def loss_sum(params: dict, mb: dict) -> jax.Array:
         logits = plan.mdef.bind(params)(mb["inputs"], plan.compute_dtype, gather, tp)
         if not train:
-            return token_loss_sum(logits, mb["targets"], mb["loss_mask"], tp)
+            return summed_loss(cross_entropy, logits, mb, tp)
         return summed_loss(plan.loss_fn, logits, mb, tp)
 
     return loss_sum
 
 
 def _reduce_replicated(plan: StepPlan, grads: dict) -> dict:
-    """All-reduce the gradients of parameters replicated over an axis whose ranks saw different work.
+    """All-reduce the gradients of parameters replicated over an axis whose ranks saw different work, where no
+    other collective of the step reduces them.
 
-    * tensor, with sequence parallelism: norm scales saw only this rank's slice of the sequence (without it,
-      every rank computed the full gradient);
+    * tensor, with sequence parallelism: parameters not split over tensor (norm scales, row-parallel biases, a
+      position table) saw only this rank's slice of the sequence (without it, every rank computed the full
+      gradient);
     * pipeline: the embedding, final norm and head are used by the first or last stage only; the other stages
-      hold zeros.
+      hold zeros;
+    * fsdp, and data from ZeRO-2 on: the batch rows are split over them, and a parameter's gather transpose
+      (`jaxpar.parallel.gather`) or the data reduce-scatter (`_reduce_over_data`) sums its gradient over them
+      only along its `embed` dimension. A parameter without one (e.g. a column-parallel bias, logical axes
+      ("mlp",)) is replicated there, so it is summed here. (Over data at ZeRO-0/1 `_reduce_over_data`
+      all-reduces every gradient.)
     """
+    shape = plan.mesh_shape
     axes = []
     if plan.tensor_parallel.sequence_parallel:
         axes.append(TENSOR_AXIS)
-    if plan.mesh_shape["pipeline"] > 1:
+    if shape["pipeline"] > 1:
         axes.append(pipeline_lib.AXIS)
+    if shape["fsdp"] > 1:
+        axes.append("fsdp")
+    if shape["data"] > 1 and plan.cfg.optimizer.zero_stage >= 2:
+        axes.append("data")
     if not axes:
         return grads
 
     def reduce(g, spec):
-        used = {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
-        missing = tuple(a for a in axes if a not in used)
         # psum over the axes this parameter is replicated on: sum the ranks' partial gradients.
+        missing = tuple(a for a in axes if a not in _spec_axes(spec))
         return jax.lax.psum(g, missing) if missing else g
 
     return jax.tree.map(reduce, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
+
+
+def _spec_axes(spec: P) -> set[str]:
+    """The mesh axes a PartitionSpec splits over."""
+    return {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
 
 
 def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
@@ -253,10 +269,11 @@ def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
         return jax.tree.map(lambda g: jax.lax.psum(g, "data"), grads)
 
     # ZeRO-2, reduce-scatter over data: each replica keeps 1/data of the gradient, along the dimension its
-    # optimizer state is partitioned on.
+    # optimizer state is partitioned on. A parameter with no such dimension was all-reduced by
+    # `_reduce_replicated`.
     def scatter(g, spec):
-        (dim, _), = [(d, a) for d, a in gathered_axes(spec) if "data" in a]
-        return jax.lax.psum_scatter(g, "data", scatter_dimension=dim, tiled=True)
+        split = [d for d, a in gathered_axes(spec) if "data" in a]
+        return jax.lax.psum_scatter(g, "data", scatter_dimension=split[0], tiled=True) if split else g
 
     return jax.tree.map(scatter, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
 

@@ -1,0 +1,77 @@
+"""The built-in model family `llama`: a decoder-only Llama-style transformer in Flax NNX (registered by name in
+`jaxpar.model.registry`; it implements `jaxpar.model.interface.LanguageModel`).
+
+Shape letters: B batch, T sequence, D model width, V vocabulary, L layers.
+
+Pre-norm blocks with RMSNorm, rotary attention with grouped-query heads and a SwiGLU MLP (Touvron et al. 2023,
+"LLaMA", section 2.2); the L blocks are stacked on a leading `layers` axis (`jaxpar.model.stack`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxpar.config.schema import ModelConfig
+from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
+from jaxpar.model.stack import Gather, no_gather, scan_layers, stack_layers
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D]."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.rope_theta,
+                              cfg.init_std, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
+
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD), tp)
+
+
+class Llama(nnx.Module):
+    """Token ids [B, T] int32 -> logits [B, T, V] in the compute dtype.
+
+    Reads every `ModelConfig` field: vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff,
+    rope_theta, norm_eps, tie_embeddings, init_std, remat.
+
+    Attributes:
+      embed: `Embed` table [V, D].
+      blocks: L stacked `Block`s (leading `layers` dimension on every parameter).
+      final_norm: `RMSNorm` [D].
+      lm_head: `LMHead` [D, V], or None with tied embeddings.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
+        self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs), rngs)
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.d_model, cfg.vocab_size, cfg.init_std, rngs)
+
+    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather = no_gather,
+                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """Token ids [B, T] -> activations [B, T, D] (T/t under sequence parallelism) in `dtype`."""
+        return gather(self.embed)(tokens_BT, dtype, tp)
+
+    def run_blocks(self, x_BTD: jax.Array, gather: Gather = no_gather,
+                   tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]."""
+        return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp)
+
+    def logits(self, x_BTD: jax.Array, gather: Gather = no_gather,
+               tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        """Final norm and output projection: [B, T, D] -> [B, T, V] (V/t, this rank's vocabulary shard)."""
+        x_BTD = gather(self.final_norm)(x_BTD)
+        if self.lm_head is None:
+            return gather(self.embed).attend(x_BTD, tp)
+        return gather(self.lm_head)(x_BTD, tp)
+
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, gather: Gather = no_gather,
+                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+        x_BTD = self.embed_tokens(tokens_BT, dtype, gather, tp)
+        return self.logits(self.run_blocks(x_BTD, gather, tp), gather, tp)

@@ -1,0 +1,97 @@
+"""Model families by name: `model.name` in a config selects one. `llama` is built in; a script registers its own
+with `register_model` before it loads a config that names it.
+
+A family is a builder `build(cfg: ModelConfig, rngs: nnx.Rngs) -> module` whose module follows
+`jaxpar.model.interface.LanguageModel`. It reads the `ModelConfig` fields it needs (say which in its docstring)
+and raises ValueError for a setting it cannot honour.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from flax import nnx
+
+from jaxpar.config.schema import ModelConfig
+
+ModelBuilder = Callable[[ModelConfig, nnx.Rngs], nnx.Module]
+# Forward FLOPs per token that `ModelConfig.remat` recomputes in the backward, from (model config, seq_len): the
+# hardware-FLOPs (HFU) count of a family; see `jaxpar.flops.recompute_flops_per_token` for the built-in one.
+RecomputeFlops = Callable[[ModelConfig, int], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """A registered model family.
+
+    Attributes:
+      name: what `model.name` says to select it.
+      build: `build(cfg, rngs) -> LanguageModel`.
+      recompute_flops_per_token: the family's recomputed forward FLOPs per token under its remat policy, or None
+        when unknown (then the `hfu` metric is null; `mfu` needs only the model FLOPs).
+    """
+
+    name: str
+    build: ModelBuilder
+    recompute_flops_per_token: RecomputeFlops | None = None
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register_model(name: str, build: ModelBuilder, *, recompute_flops_per_token: RecomputeFlops | None = None,
+                   replace: bool = False) -> ModelFamily:
+    """Registers a model family under `name` for `model.name` to select.
+
+    Args:
+      name: a non-empty identifier, e.g. "gpt2".
+      build: `build(cfg: ModelConfig, rngs: nnx.Rngs)` returning a `jaxpar.model.interface.LanguageModel`.
+      recompute_flops_per_token: see `ModelFamily`.
+      replace: allow replacing an existing registration (else registering a taken name is an error).
+
+    Returns:
+      the registered `ModelFamily`.
+
+    Raises:
+      ValueError: `name` is empty or not an identifier, or already registered and `replace` is false.
+      TypeError: `build` is not callable.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a model name must be an identifier such as 'gpt2', got {name!r}")
+    if not callable(build):
+        raise TypeError(f"build must be callable (cfg: ModelConfig, rngs: nnx.Rngs) -> module, got "
+                        f"{type(build).__name__}")
+    if name in _FAMILIES and not replace:
+        raise ValueError(f"model {name!r} is already registered; pick another name or pass replace=True")
+    family = ModelFamily(name, build, recompute_flops_per_token)
+    _FAMILIES[name] = family
+    return family
+
+
+def registered_models() -> tuple[str, ...]:
+    """The names `model.name` may take now, sorted."""
+    _register_builtins()
+    return tuple(sorted(_FAMILIES))
+
+
+def model_family(name: str) -> ModelFamily:
+    """The family registered as `name`.
+
+    Raises:
+      ValueError: no family has that name; the message lists the registered ones and how to add one.
+    """
+    _register_builtins()
+    if name not in _FAMILIES:
+        raise ValueError(f"model.name={name!r} is not a registered model (registered: "
+                         f"{', '.join(sorted(_FAMILIES))}); a script registers its own with "
+                         f"jaxpar.register_model({name!r}, build) before loading the config")
+    return _FAMILIES[name]
+
+
+def _register_builtins() -> None:
+    if "llama" in _FAMILIES:
+        return
+    from jaxpar.flops import recompute_flops_per_token
+    from jaxpar.model.llama import Llama
+
+    register_model("llama", Llama, recompute_flops_per_token=recompute_flops_per_token)
