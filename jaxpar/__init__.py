@@ -1,3 +1,48 @@
-"""jaxpar: train Flax NNX language models over a (data, fsdp, tensor, pipeline) mesh with explicit collectives."""
+"""jaxpar: train Flax NNX language models over a (data, fsdp, tensor, pipeline) mesh with explicit collectives.
+
+The names a training script needs (each documented where it is defined):
+
+    configs and meshes    Config, ConfigError, load_config, build_mesh
+    a whole run           train, TrainResult, TrainingDiverged
+    the step itself       StepPlan, build_plan, init_state, abstract_state, make_train_step, make_eval_step
+    losses, optimizers    cross_entropy, cross_entropy_with_z_loss, VocabParallelLoss, skip_nonfinite
+    models                register_model, LanguageModel (writing one: `jaxpar.model`)
+    a saved run           restore, Restored, sample_text
+    processes, messages   initialize (jax.distributed from the environment jaxpar-launch or a cluster sets),
+                          configure_logging
+
+Imports are lazy: `import jaxpar` does not import jax, so a script (or `jaxpar-train --cpu-devices N`) can still
+set JAX_NUM_CPU_DEVICES or XLA_FLAGS after it.
+"""
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "Config": "jaxpar.config", "ConfigError": "jaxpar.config", "load_config": "jaxpar.config",
+    "build_mesh": "jaxpar.mesh",
+    "train": "jaxpar.train.loop", "TrainResult": "jaxpar.train.loop", "TrainingDiverged": "jaxpar.train.loop",
+    "StepPlan": "jaxpar.train.step", "build_plan": "jaxpar.train.step", "init_state": "jaxpar.train.step",
+    "abstract_state": "jaxpar.train.step", "make_train_step": "jaxpar.train.step",
+    "make_eval_step": "jaxpar.train.step",
+    "cross_entropy": "jaxpar.train.loss", "cross_entropy_with_z_loss": "jaxpar.train.loss",
+    "VocabParallelLoss": "jaxpar.train.loss", "skip_nonfinite": "jaxpar.train.optimizer",
+    "register_model": "jaxpar.model", "LanguageModel": "jaxpar.model",
+    "restore": "jaxpar.restore_run", "Restored": "jaxpar.restore_run", "sample_text": "jaxpar.generate",
+    "configure_logging": "jaxpar.log", "initialize": "jaxpar.distributed",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'jaxpar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -65,7 +65,7 @@ def list_step_dirs(root: str) -> tuple[list[int], list[dict]]:
     return sorted(complete), sorted(incomplete, key=lambda e: (e["step"], e["name"]))
 
 
-def _read_json_item(step_dir: str, item: str) -> dict | None:
+def read_json_item(step_dir: str, item: str) -> dict | None:
     """A JSON item of a step (`data` or `config`), or None when the step has none."""
     directory = os.path.join(step_dir, item)
     if not os.path.isdir(directory):
@@ -179,7 +179,7 @@ def checkpoint_info(path: str, step: int | None = None) -> dict:
                                 f"(complete steps: {', '.join(map(str, steps))})")
     step_dir = os.path.join(root, str(step))
     try:
-        config, data = _read_json_item(step_dir, _CONFIG), _read_json_item(step_dir, _DATA)
+        config, data = read_json_item(step_dir, _CONFIG), read_json_item(step_dir, _DATA)
         arrays, saved_mesh = read_arrays(os.path.join(step_dir, _STATE))
     except (OSError, ValueError) as e:  # a damaged step: name it, keep Orbax's reason
         raise ValueError(f"cannot read the metadata of step {step} in {step_dir}: {e}") from e

@@ -43,12 +43,14 @@ def _explicit(cfg: DistributedConfig) -> tuple[str, int, int] | None:
     return address, num, pid
 
 
-def initialize(cfg: DistributedConfig) -> bool:
-    """Starts jax's distributed runtime when this is a multi-process run; returns whether it did.
+def initialize(cfg: DistributedConfig | None = None) -> bool:
+    """Starts jax's distributed runtime when this is a multi-process run; returns whether it did. `cfg`: the
+    config's `distributed` section (default: its defaults, so the environment decides).
 
     Raises:
       ConfigError: a coordinator address without a valid process count and id.
     """
+    cfg = cfg if cfg is not None else DistributedConfig()
     explicit = _explicit(cfg)
     if explicit is not None:
         address, num, pid = explicit

@@ -11,6 +11,7 @@ naming the dotted key and the fix. Cross-field checks run afterwards (`validate_
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -187,12 +188,13 @@ def config_from_dict(values: dict) -> Config:
     return _build(Config, values, "")
 
 
-def load_config(path: str | None, overrides: Sequence[str] = (), *, validate: bool = True,
+def load_config(path: str | dict | None, overrides: Sequence[str] = (), *, validate: bool = True,
                 num_devices: int | None = None) -> Config:
     """Loads `path` (or the defaults when None), applies dotted overrides, validates.
 
     Args:
-      path: YAML file; may name a `base` file it extends.
+      path: YAML file, which may name a `base` file it extends; or the nested values themselves (e.g. a
+        checkpoint's saved config, `Config.to_dict()`), copied, not changed.
       overrides: strings like `mesh.fsdp=4`.
       validate: run `validate_config` (divisibility, ranges, mesh against device count).
       num_devices: devices the mesh must cover; None means `jax.device_count()` at validation.
@@ -201,7 +203,10 @@ def load_config(path: str | None, overrides: Sequence[str] = (), *, validate: bo
       ConfigError: unknown key, wrong type, or an impossible combination; the message names the key and the fix.
         A key given twice in `overrides` takes the last value.
     """
-    values = _read_yaml(path) if path else {}
+    if isinstance(path, dict):
+        values = copy.deepcopy(path)
+    else:
+        values = _read_yaml(path) if path else {}
     for text in overrides:
         (section, key), value = parse_override(text)
         sec = values.setdefault(section, {})

@@ -173,28 +173,44 @@ def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
                     batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")), loss_fn=loss_fn)
 
 
-def init_state(plan: StepPlan, seed: int) -> dict:
+def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> dict:
     """Creates the sharded train state {"step", "params", "opt_state"[, "master"]} directly on the mesh.
 
-    Parameters come out identical for every mesh layout (see `jaxpar.model.init_params`).
-    """
+    Args:
+      plan: the step plan.
+      seed: initialises the parameters (identical for every mesh layout, see `jaxpar.model.init_params`).
+      params: start from these parameters instead (fp32 or the parameter dtype, any sharding, e.g. a restored
+        run's: `jaxpar.restore`), with a fresh optimizer state of `plan.tx` at step 0: how a script continues a
+        run with another optimizer. Resharded onto the plan's layout; the seed is not used.
 
-    return jax.jit(_state_initializer(plan, seed), out_shardings=plan.state_shardings)()
+    Raises:
+      ValueError: `params` is not shaped like the plan's model's parameters.
+    """
+    if params is None:
+        return jax.jit(_state_initializer(plan, seed), out_shardings=plan.state_shardings)()
+    want = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
+    got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
+    if jax.tree.structure(got) != jax.tree.structure(want) or jax.tree.leaves(got) != jax.tree.leaves(want):
+        raise ValueError(f"params do not fit model {plan.cfg.model.name!r} of this plan's config: give the "
+                         f"parameters of a run with the same model.* settings")
+    fp32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return jax.jit(lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings)(fp32)
+
+
+def _fill_state(plan: StepPlan, params: dict) -> dict:
+    """The train state at step 0 around fp32 `params`."""
+    state = {"step": jnp.zeros((), jnp.int32)}
+    if plan.has_master:
+        state["master"] = params
+        state["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), params)
+    else:
+        state["params"] = params
+    state["opt_state"] = plan.tx.init(params)
+    return state
 
 
 def _state_initializer(plan: StepPlan, seed: int) -> Callable[[], dict]:
-    def init():
-        params = init_params(plan.cfg.model, seed)
-        state = {"step": jnp.zeros((), jnp.int32)}
-        if plan.has_master:
-            state["master"] = params
-            state["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), params)
-        else:
-            state["params"] = params
-        state["opt_state"] = plan.tx.init(params)
-        return state
-
-    return init
+    return lambda: _fill_state(plan, init_params(plan.cfg.model, seed))
 
 
 def _split_microbatches(batch: dict, n: int) -> dict:
