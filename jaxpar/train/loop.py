@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +40,6 @@ from jaxpar.metrics import MetricsWriter, default_trackers
 from jaxpar.model import param_count
 from jaxpar.train.faults import FaultInjector
 from jaxpar.train.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
-from jaxpar.train.hooks.base import _LOGGER
 from jaxpar.train.hooks.base import log as _log
 from jaxpar.train.loss import LossFn
 from jaxpar.train.optimizer import nonfinite_state
@@ -55,6 +55,8 @@ from jaxpar.train.step import (
 
 # TrainResult, TrainingDiverged and evaluate live in jaxpar.train.hooks; imported from here as before.
 __all__ = ["CompiledHook", "TrainResult", "TrainingDiverged", "check_run_dir", "evaluate", "train"]
+
+_LOGGER = logging.getLogger("jaxpar.train")
 
 
 def _memory_bytes(compiled) -> dict[str, int | None]:

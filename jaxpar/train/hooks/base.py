@@ -113,6 +113,7 @@ class RunContext:
 
     @property
     def run_dir(self) -> str:
+        """The run directory (train.run_dir)."""
         return self.cfg.train.run_dir
 
     @property
