@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from jaxpar.log import configure_logging
 from jaxpar.train import faults
 from jaxpar.train.watchdog import EXIT_HUNG, Watchdog, diagnose
 
@@ -32,6 +33,7 @@ def test_diagnose_names_dead_behind_and_stalled_processes():
 
 
 def test_single_process_watchdog_fires_after_timeout_and_not_while_beating(capsys):
+    configure_logging()  # the commands' stderr line (idempotent; alone this file would otherwise see no output)
     exits = []
     fired = threading.Event()
 

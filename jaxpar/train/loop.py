@@ -1,9 +1,12 @@
-"""The training loop behind `jaxpar-train`: data, compiled step, validation, metrics, checkpoints, resume.
+"""The training loop behind `jaxpar-train`: data, compiled step and resume here; validation, metrics,
+checkpoints, progress bar, sample, watchdog, preemption and divergence rollback as hooks (`jaxpar.train.hooks`).
 
     result = train(load_config("configs/tiny.yaml", ["train.steps=50"]))
     result = train(cfg, loss_fn=cross_entropy_with_z_loss(1e-4), optimizer=skip_nonfinite(optax.lion(1e-4)))
+    result = train(cfg, hooks=[*default_hooks(cfg), MyHook()])
 
-(the last with a caller's own loss and optimizer, from `jaxpar.train.loss` and `jaxpar.train.optimizer`).
+(the second with a caller's own loss and optimizer, from `jaxpar.train.loss` and `jaxpar.train.optimizer`; the
+last with a hook of the caller's own, `jaxpar.train.hooks.Hook`).
 
 A run directory holds `config.yaml` (the resolved config), `metrics.jsonl`, `tensorboard/` and
 `checkpoints/<step>/`. Starting in a directory that has complete checkpoints resumes from the latest one
@@ -13,11 +16,11 @@ sharding drifted would raise instead of silently recompiling.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,16 +33,16 @@ from jaxpar.checkpoint import RUN_CHECKPOINT_DIR, Checkpointer, CheckpointMismat
 from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.config.resume import check_resume_config, keep_previous_config
-from jaxpar.data import EvalLoader, IteratorLoader, build_loaders
+from jaxpar.data import IteratorLoader, build_loaders
 from jaxpar.distributed import describe_process
-from jaxpar.generate import sample_text
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import MetricsWriter, default_trackers
 from jaxpar.model import model_family
 from jaxpar.train.faults import FaultInjector
+from jaxpar.train.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
+from jaxpar.train.hooks.base import log as _log
 from jaxpar.train.loss import LossFn
 from jaxpar.train.optimizer import nonfinite_state
-from jaxpar.train.preemption import PreemptionWatch
 from jaxpar.train.step import (
     StepPlan,
     abstract_state,
@@ -49,73 +52,11 @@ from jaxpar.train.step import (
     make_eval_step,
     make_train_step,
 )
-from jaxpar.train.watchdog import Watchdog
 
-
-class TrainingDiverged(RuntimeError):
-    """`train.max_bad_steps` consecutive updates were skipped for non-finite gradients."""
-
-
-@dataclasses.dataclass
-class TrainResult:
-    """What a run produced. Training losses are token means of the training loss (cross-entropy in nats, unless
-    `train` was given a `loss_fn`); validation losses are always token-mean cross-entropy in nats."""
-
-    losses: dict[int, float]           # step (1-based, after the update) -> training loss of that step
-    val_loss: float | None
-    initial_val_loss: float | None
-    val_unigram_entropy: float         # of the target tokens val_loss covers
-    val_tokens: int                    # valid tokens every validation figure covers (train.eval_batches)
-    tokens_per_s: float | None
-    start_step: int
-    sample: str
-    preempted_at: int | None = None    # step saved and stopped at after a SIGTERM
-    state: Any = dataclasses.field(repr=False, default=None)
-
+# TrainResult, TrainingDiverged and evaluate live in jaxpar.train.hooks; imported from here as before.
+__all__ = ["CompiledHook", "TrainResult", "TrainingDiverged", "check_run_dir", "evaluate", "train"]
 
 _LOGGER = logging.getLogger("jaxpar.train")
-
-
-def _log(msg: str) -> None:
-    """Logs `msg` (info) from process 0 only (`jaxpar.log`)."""
-    if jax.process_index() == 0:
-        _LOGGER.info(msg)
-
-
-def evaluate(eval_step, params, loader: EvalLoader, beat=None, step: int = 0) -> tuple[float, int]:
-    """Token-mean validation loss (nats) over one pass of `loader` (every scored sequence once, padding rows
-    masked out), and the number of valid tokens it covers.
-
-    `beat(step)`, if given, is called after every batch (the hang watchdog's progress mark).
-    """
-    total = count = 0.0
-    for batch in loader.batches():
-        loss_sum, n = eval_step(params, batch)
-        total, count = total + float(loss_sum), count + float(n)
-        if beat is not None:
-            beat(step)
-    return total / max(count, 1.0), int(round(count))
-
-
-def _diverged_message(bad: int, step: int, t, ckpt: Checkpointer | None, rollbacks: int) -> str:
-    last_good = ckpt.latest_step() if ckpt is not None else None
-    where = (f"the last good checkpoint is step {last_good} in {ckpt.directory}" if last_good is not None
-             else "no checkpoint was saved")
-    return (f"{bad} consecutive updates up to step {step} had NaN or inf gradients and were skipped "
-            f"(train.max_bad_steps={t.max_bad_steps}; {rollbacks} of {t.divergence_rollbacks} rollbacks allowed by "
-            f"train.divergence_rollbacks used); {where}. Lower optimizer.learning_rate, raise "
-            f"train.divergence_rollbacks, or restart from an earlier checkpoint with --restore-from")
-
-
-def _roll_back(ckpt: Checkpointer, plan: StepPlan, bad: int, step: int, rollbacks: int, t):
-    """Restores the latest complete checkpoint's state after a divergence; the data position is kept, so the
-    batches since that checkpoint are skipped (PaLM, Chowdhery et al. 2022, section 5.1)."""
-    ckpt.wait()
-    state, _, _ = ckpt.restore(None, abstract_state(plan))
-    _log(f"diverged: {bad} consecutive updates up to step {step} were skipped for NaN or inf gradients; rolled "
-         f"back to step {int(state['step'])} ({rollbacks}/{t.divergence_rollbacks} train.divergence_rollbacks), "
-         f"skipping the batches since")
-    return state
 
 
 def _memory_bytes(compiled) -> dict[str, int | None]:
@@ -192,57 +133,44 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
     return None, None
 
 
+
 # Called once the train step is compiled, with (plan, compiled step, state, first batch); returns a report to
 # log, or None. jaxpar-train passes `jaxpar.analysis.memory.state_memory_report` (the ZeRO table).
 CompiledHook = Callable[[StepPlan, Any, dict, dict], "str | None"]
 
 
-def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.GradientTransformation | None = None,
-          learning_rate: optax.Schedule | float | None = None, data: Iterator | None = None,
-          on_compiled: Sequence[CompiledHook] = ()) -> TrainResult:
-    """Runs `cfg.train.steps` optimizer steps (resuming if RUN_DIR has checkpoints); returns a `TrainResult`.
-
-    Args:
-      cfg: the run config.
-      loss_fn, optimizer, learning_rate: a caller's own training loss and optax optimizer, and what the
-        `learning_rate` metric reports for it; see `jaxpar.train.step.build_plan` (defaults: cross-entropy, and
-        the config's AdamW). Validation (`val_loss`) is the cross-entropy whatever the loss. Metrics the step
-        does not report (`learning_rate` without `learning_rate`; `skipped_steps` without a
-        `jaxpar.train.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
-        non-finite update is applied, and `train.max_bad_steps` and `train.divergence_rollbacks` cannot act.
-        A run resumes only with the optimizer it was saved with (its state's arrays must match).
-      data: a caller's own training data: an iterator of this process's rows of each global batch with Grain's
-        `get_state` / `set_state` (`jaxpar.data.IteratorLoader` says what it yields); its state goes into the
-        checkpoints, so the run resumes exactly. Default: the config's `data.*` corpus. Validation still scores
-        the config's validation split.
-      on_compiled: hooks run once after the train step compiles (`CompiledHook`); each report they return is
-        logged.
+def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
+    """`hooks` as a list, each a `Hook` instance with a whole `every` >= 0.
 
     Raises:
-      ConfigError: a data source or batch size that the corpus cannot serve (before any device work).
-      ValueError / FileNotFoundError: a checkpoint that does not match the model, or a missing restore path.
-      TypeError / ValueError: a `loss_fn`, `optimizer` or `learning_rate` that `build_plan` refuses.
+      TypeError / ValueError: naming the entry and the fix.
     """
+    out = list(hooks)
+    for i, hook in enumerate(out):
+        if not isinstance(hook, Hook):
+            what = f"the class {hook.__name__}" if isinstance(hook, type) else repr(hook)
+            raise TypeError(f"hooks[{i}] is {what}, not a jaxpar.train.hooks.Hook instance; subclass Hook and "
+                            f"pass an instance, e.g. hooks=[*default_hooks(cfg), MyHook()]")
+        every = hook.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"hooks[{i}] ({type(hook).__name__}) has every={every!r}; give a whole number of "
+                             f"steps >= 1 (0: on_step never runs), or override its due()")
+    return out
+
+
+def _resolved(cfg: Config) -> Config:
+    """`cfg` with the mesh sizes and `precision.compute_dtype: auto` resolved for this machine."""
     cfg = resolve_config(cfg, jax.device_count())
     if cfg.precision.compute_dtype == "auto":
         cfg = dataclasses.replace(cfg, precision=dataclasses.replace(
             cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name))
-    t, run_dir = cfg.train, cfg.train.run_dir
-    check_run_dir(run_dir)
-    if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
-        _log(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
-             f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
-             f"decays; lower optimizer.warmup_steps to reach the peak")
-    mesh = build_mesh(cfg)
-    plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
-    _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
-    _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
-         f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
-    if optimizer is not None:
-        skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None
-        _log("optimizer: the caller's optax transformation (optimizer.* keys other than zero_stage are not read)"
-             + ("" if skips else "; it has no skip_nonfinite wrapper: a NaN or inf update is applied, and "
-                "train.max_bad_steps and train.divergence_rollbacks cannot act"))
+    return cfg
+
+
+def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
+    """(train loader, validation loader, their counts): the config's corpus, or the caller's `data` iterator
+    for training."""
+    t = cfg.train
     train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
                                                    cfg.model.vocab_size, t.eval_batches,
                                                    vocab_multiple=cfg.mesh.tensor)
@@ -254,11 +182,18 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
                  f"{info['val_sequences']:,} validation sequences)")
     _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
          f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens; each evaluation scores {val_cover}")
+    return train_loader, val_loader, info
 
-    ckpt = None
-    if cfg.checkpoint.every_steps > 0:
-        ckpt = Checkpointer(os.path.join(run_dir, RUN_CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
-                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+
+def _initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_loader):
+    """The state to start from (the latest checkpoint's, with the data position set on `train_loader`, or a
+    fresh one), after writing RUN_DIR/config.yaml (keeping a resumed run's previous one if settings changed).
+
+    Raises:
+      ConfigError: other data settings than the checkpoint's, a checkpoint that does not fit, or a run already
+        past `train.steps`. ValueError: a data position the data cannot take.
+    """
+    t, run_dir = cfg.train, cfg.train.run_dir
     resuming = ckpt is not None and ckpt.latest_step() is not None
     changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write
     state, data_state = _restore(cfg, plan, ckpt)
@@ -285,7 +220,11 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
     if start:
         position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
         _log(f"resumed at step {start} (data position {position})")
+    return state
 
+
+def _model_flops(cfg: Config, state: dict) -> tuple[float, float, float | None]:
+    """(model FLOPs per token, hardware FLOPs per token, peak FLOP/s per device or None), logged."""
     n_params = flops_lib.param_count(state["params"])
     flops_per_token = flops_lib.flops_per_token(
         flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model,
@@ -294,17 +233,47 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
     hardware_flops = None if recompute is None else flops_lib.hardware_flops_per_token(
         flops_per_token, recompute(cfg.model, cfg.data.seq_len),
         stage_recompute=cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b")
-    peak = flops_lib.peak_flops(jax.devices()[0].device_kind, t.peak_flops_per_device)
+    peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops_per_device)
     hardware = (f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat})"
                 if hardware_flops is not None else
                 f"hardware FLOPs unknown (model {cfg.model.name!r} registered no recompute count; HFU null)")
     _log(f"model {cfg.model.name}: {n_params:,} parameters; {flops_per_token:,.0f} model FLOPs/token (6N + 12*L*h*s, "
          f"PaLM app. B), {hardware}; "
          f"peak {'unknown, MFU null' if peak is None else f'{peak:.3g} FLOP/s per device'}")
+    return flops_per_token, hardware_flops, peak
+
+
+def _start_run(cfg: Config, stack: contextlib.ExitStack, *, loss_fn, optimizer, learning_rate, data,
+               on_compiled: Sequence[CompiledHook]) -> tuple[RunContext, dict]:
+    """Builds the mesh, plan, data and state (restored or fresh), compiles the step and opens the checkpointer
+    and the metrics writer on `stack`; returns the run's context and the first training batch."""
+    t = cfg.train
+    if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
+        _log(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
+             f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
+             f"decays; lower optimizer.warmup_steps to reach the peak")
+    mesh = build_mesh(cfg)
+    plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
+    _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
+    _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
+         f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
+    if optimizer is not None:
+        skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None
+        _log("optimizer: the caller's optax transformation (optimizer.* keys other than zero_stage are not read)"
+             + ("" if skips else "; it has no skip_nonfinite wrapper: a NaN or inf update is applied, and "
+                "train.max_bad_steps and train.divergence_rollbacks cannot act"))
+    train_loader, val_loader, info = _loaders(cfg, plan, data)
+
+    ckpt = None
+    if cfg.checkpoint.every_steps > 0:
+        ckpt = Checkpointer(os.path.join(t.run_dir, RUN_CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
+                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        stack.callback(ckpt.close)
+    state = _initial_state(cfg, plan, ckpt, train_loader)
+    flops_per_token, hardware_flops, peak = _model_flops(cfg, state)
 
     first_batch = train_loader.next_batch()
     compiled = make_train_step(plan).lower(state, first_batch).compile()
-    eval_step = make_eval_step(plan)
     memory = _memory_bytes(compiled)
     for hook in on_compiled:
         report = hook(plan, compiled, state, first_batch)
@@ -312,105 +281,90 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
             _log(report + ("\n(the ZeRO formula counts AdamW's two moments, not this optimizer's state)"
                            if optimizer is not None else ""))
     mc = cfg.metrics
-    writer = MetricsWriter(run_dir, enabled=jax.process_index() == 0, trackers=lambda d: default_trackers(
+    writer = MetricsWriter(t.run_dir, enabled=jax.process_index() == 0, trackers=lambda d: default_trackers(
         d, tensorboard=mc.tensorboard, wandb=mc.wandb, wandb_project=mc.wandb_project, wandb_mode=mc.wandb_mode,
         config=cfg.to_dict()))
-    tokens_per_step = t.global_batch_size * cfg.data.seq_len
+    stack.callback(writer.close)
+    run = RunContext(cfg=cfg, plan=plan, mesh=mesh, compiled=compiled, train_loader=train_loader,
+                     val_loader=val_loader, eval_step=make_eval_step(plan), data_info=info, checkpointer=ckpt,
+                     writer=writer, stack=stack, start_step=int(state["step"]), state=state, memory=memory,
+                     flops_per_token=flops_per_token, hardware_flops_per_token=hardware_flops, peak_flops=peak)
+    return run, first_batch
 
-    initial_val = evaluate(eval_step, state["params"], val_loader)[0] if start == 0 else None
-    if initial_val is not None:
-        _log(f"step 0: val_loss {initial_val:.4f} over {val_cover}")
 
-    losses: dict[int, float] = {}
-    tokens_per_s = None
-    bar = None
-    if t.progress_bar and jax.process_index() == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-    batch, last_time, last_step = first_batch, time.perf_counter(), start
-    val_loss = val_tokens = preempted_at = previous = None
-    rollbacks = 0
-    faults = FaultInjector()
-    watch, watchdog = PreemptionWatch(), Watchdog(t.watchdog_s)
-    step = start
-    try:
-        watch.__enter__()
-        watchdog.__enter__()
-        while step < t.steps:
-            step += 1
-            watchdog.beat(step)
-            state = faults.before_step(step, state)
-            if batch is None:
-                batch = train_loader.next_batch()
-            state, metrics = compiled(state, batch)
-            batch = None
-            if previous is not None and "bad_steps_in_a_row" in previous:
-                # the previous step's counter: reading it does not wait for this step
-                bad = int(previous["bad_steps_in_a_row"])
-                if bad >= t.max_bad_steps:
-                    if rollbacks >= t.divergence_rollbacks or ckpt is None or not ckpt.all_steps():
-                        raise TrainingDiverged(_diverged_message(bad, step - 1, t, ckpt, rollbacks))
-                    rollbacks += 1
-                    state = _roll_back(ckpt, plan, bad, step - 1, rollbacks, t)
-                    step, previous = int(state["step"]), None
-                    continue
-            previous = metrics
-            evaluate_now = bool(t.eval_every and step % t.eval_every == 0) or step == t.steps
-            if step % t.log_every == 0 or evaluate_now:
-                m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for the step
-                step_time = (time.perf_counter() - last_time) / max(step - last_step, 1)
-                tokens_per_s = tokens_per_step / step_time
-                losses[step] = m["loss"]
-                val_loss, val_tokens = (evaluate(eval_step, state["params"], val_loader, watchdog.beat, step)
-                                        if evaluate_now else (None, None))
-                skipped = int(m["skipped_steps"]) if "skipped_steps" in m else None
-                writer.write(step, {"loss": m["loss"], "val_loss": val_loss, "val_tokens": val_tokens,
-                                    "learning_rate": m.get("learning_rate"),
-                                    "grad_norm": m["grad_norm"], "skipped_steps": skipped,
-                                    "rollbacks": rollbacks, "tokens_per_s": tokens_per_s,
-                                    "step_time_s": step_time, "tokens": m["tokens"],
-                                    "mfu": flops_lib.mfu(tokens_per_s, flops_per_token, mesh.size, peak),
-                                    "hfu": None if hardware_flops is None else
-                                    flops_lib.mfu(tokens_per_s, hardware_flops, mesh.size, peak), **memory})
-                if bar is not None:
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                                    **({"val": f"{val_loss:.3f}"} if val_loss is not None else {}))
-                last_time, last_step = time.perf_counter(), step  # evaluation time is not step time
-            if bar is not None:
-                bar.update(1)
-            if watch.reached(step):
-                preempted_at = step
-            if ckpt is not None and (ckpt.should_save(step) or step == t.steps or preempted_at):
-                if int(metrics.get("bad_steps_in_a_row", 0)):  # never make a diverging state the one to resume from
-                    _log(f"step {step}: no checkpoint saved, its update was skipped for non-finite gradients")
-                else:
-                    ckpt.save(step, state, data_state=train_loader.get_state(), config=cfg.to_dict(), force=True)
-                watchdog.beat(step)
-            if preempted_at:
-                break
-    finally:
-        watchdog.__exit__(None, None, None)
-        watch.__exit__(None, None, None)
-        if bar is not None:
-            bar.close()
-        writer.close()
-        if ckpt is not None:
-            ckpt.close()
+def _run_steps(run: RunContext, hooks: list[Hook], batch: dict | None) -> None:
+    """Runs steps from `run.start_step` to `train.steps` (or until a hook calls `run.stop()`), calling each
+    due hook after each step in order; a hook's returned state replaces the run's, and one at another step
+    (a rollback) skips the step's remaining hooks and continues from there."""
+    faults = FaultInjector()  # JAXPAR_INJECT_FAULT: off unless set (fire drills and tests)
+    run.start_clock(run.start_step)
+    state, step = run.state, run.start_step
+    while step < run.cfg.train.steps and not run.stop_requested:
+        step += 1
+        run.begin_step()
+        run.beat(step)
+        state = faults.before_step(step, state)
+        if batch is None:
+            batch = run.train_loader.next_batch()
+        state, metrics = run.compiled(state, batch)
+        run.state, batch = state, None
+        for hook in hooks:
+            if not hook.due(run, step):
+                continue
+            replaced = hook.on_step(run, step, state, metrics)
+            if replaced is not None:
+                state = run.state = replaced
+                if int(replaced["step"]) != step:  # undone (a rollback): the loop goes on from that step
+                    step = int(replaced["step"])
+                    break
 
-    if preempted_at:
-        _log(f"preempted: saved step {preempted_at} and stopped; run the same command to resume")
-        return TrainResult(losses=losses, val_loss=None, initial_val_loss=initial_val,
-                           val_unigram_entropy=info["val_unigram_entropy"], val_tokens=info["val_scored_tokens"],
-                           tokens_per_s=tokens_per_s, start_step=start, sample="", state=state,
-                           preempted_at=preempted_at)
-    final_val = val_loss if val_loss is not None else evaluate(eval_step, state["params"], val_loader)[0]
-    entropy = info["val_unigram_entropy"]
-    _log(f"final val_loss {final_val:.4f} nats/token over {val_cover} vs their unigram entropy {entropy:.4f} "
-         f"(ratio {final_val / entropy:.3f})")
-    sample = ""
-    if t.sample_tokens > 0:
-        sample = sample_text(plan, state["params"], prompt="def ", num_tokens=t.sample_tokens, seed=t.seed)
-        _log("sample:\n" + sample)
-    return TrainResult(losses=losses, val_loss=final_val, initial_val_loss=initial_val,
-                       val_unigram_entropy=entropy, val_tokens=info["val_scored_tokens"], tokens_per_s=tokens_per_s,
-                       start_step=start, sample=sample, state=state)
+
+def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.GradientTransformation | None = None,
+          learning_rate: optax.Schedule | float | None = None, data: Iterator | None = None,
+          on_compiled: Sequence[CompiledHook] = (), hooks: Sequence[Hook] | None = None) -> TrainResult:
+    """Runs `cfg.train.steps` optimizer steps (resuming if RUN_DIR has checkpoints); returns a `TrainResult`.
+
+    Args:
+      cfg: the run config.
+      loss_fn, optimizer, learning_rate: a caller's own training loss and optax optimizer, and what the
+        `learning_rate` metric reports for it; see `jaxpar.train.step.build_plan` (defaults: cross-entropy, and
+        the config's AdamW). Validation (`val_loss`) is the cross-entropy whatever the loss. Metrics the step
+        does not report (`learning_rate` without `learning_rate`; `skipped_steps` without a
+        `jaxpar.train.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
+        non-finite update is applied, and `train.max_bad_steps` and `train.divergence_rollbacks` cannot act.
+        A run resumes only with the optimizer it was saved with (its state's arrays must match).
+      data: a caller's own training data: an iterator of this process's rows of each global batch with Grain's
+        `get_state` / `set_state` (`jaxpar.data.IteratorLoader` says what it yields); its state goes into the
+        checkpoints, so the run resumes exactly. Default: the config's `data.*` corpus. Validation still scores
+        the config's validation split.
+      on_compiled: hooks run once after the train step compiles (`CompiledHook`); each report they return is
+        logged.
+      hooks: the loop's parts (`jaxpar.train.hooks.Hook` instances), run in this order; None:
+        `jaxpar.train.hooks.default_hooks(cfg)` (evaluation, metrics, progress bar, checkpoints, watchdog,
+        preemption, divergence rollback, sample). Add, remove or replace entries of that list to change them.
+
+    Raises:
+      ConfigError: a data source or batch size that the corpus cannot serve (before any device work).
+      TypeError / ValueError: a `hooks` entry that is not a `Hook` instance or has a bad `every` (before any
+        device work); a `loss_fn`, `optimizer` or `learning_rate` that `build_plan` refuses.
+      ValueError / FileNotFoundError: a checkpoint that does not match the model, or a missing restore path.
+      TrainingDiverged: too many non-finite updates in a row (`DivergenceHook`).
+    """
+    hooks = None if hooks is None else _checked_hooks(hooks)
+    cfg = _resolved(cfg)
+    hooks = default_hooks(cfg) if hooks is None else hooks
+    check_run_dir(cfg.train.run_dir)
+    with contextlib.ExitStack() as stack:  # closes the hooks' contexts, the writer and the checkpointer
+        run, first_batch = _start_run(cfg, stack, loss_fn=loss_fn, optimizer=optimizer,
+                                      learning_rate=learning_rate, data=data, on_compiled=on_compiled)
+        for hook in hooks:
+            hook.on_start(run)
+        _run_steps(run, hooks, first_batch)
+    info = run.data_info
+    result = TrainResult(losses=run.losses, val_loss=None, initial_val_loss=run.initial_val_loss,
+                         val_unigram_entropy=info["val_unigram_entropy"], val_tokens=info["val_scored_tokens"],
+                         tokens_per_s=run.tokens_per_s, start_step=run.start_step, sample="", state=run.state,
+                         preempted_at=run.preempted_at)
+    for hook in hooks:
+        hook.on_end(run, result)
+    return result

@@ -1,0 +1,24 @@
+"""`CheckpointHook`: saves the train state and the data position to the run's checkpointer."""
+from __future__ import annotations
+
+from jaxpar.train.hooks.base import Hook, RunContext
+
+
+class CheckpointHook(Hook):
+    """Saves the state, the data position and the config to `run.checkpointer` (nothing without one, i.e. with
+    `checkpoint.every_steps=0`) at the checkpointer's steps (`checkpoint.every_steps`), at the last step and
+    at a step after which the run stops (a preemption's `run.stop()`, so it goes after `PreemptionHook`).
+
+    A state whose update was skipped for non-finite gradients is never saved: resuming must not start from a
+    diverging state. Each save is a progress mark for the hang watchdog (`run.beat`).
+    """
+
+    def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        ckpt = run.checkpointer
+        if ckpt is None or not (ckpt.should_save(step) or step == run.cfg.train.steps or run.stop_requested):
+            return
+        if int(metrics.get("bad_steps_in_a_row", 0)):
+            run.log(f"step {step}: no checkpoint saved, its update was skipped for non-finite gradients")
+        else:
+            ckpt.save(step, state, data_state=run.train_loader.get_state(), config=run.cfg.to_dict(), force=True)
+        run.beat(step)

@@ -1,0 +1,66 @@
+"""Validation: `evaluate` (one pass over the validation split) and `EvalHook` (at step 0, every N steps, at the
+last step, and the final figure of the run)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jaxpar.data import EvalLoader
+from jaxpar.train.hooks.base import Hook, RunContext, TrainResult
+
+
+def evaluate(eval_step, params, loader: EvalLoader, beat: Callable[[int], None] | None = None,
+             step: int = 0) -> tuple[float, int]:
+    """Token-mean validation loss (nats) over one pass of `loader` (every scored sequence once, padding rows
+    masked out), and the number of valid tokens it covers.
+
+    `eval_step(params, batch)` returns (summed loss in nats, valid tokens) of one global batch
+    (`jaxpar.train.step.make_eval_step`). `beat(step)`, if given, is called after every batch (the hang
+    watchdog's progress mark).
+    """
+    total = count = 0.0
+    for batch in loader.batches():
+        loss_sum, n = eval_step(params, batch)
+        total, count = total + float(loss_sum), count + float(n)
+        if beat is not None:
+            beat(step)
+    return total / max(count, 1.0), int(round(count))
+
+
+class EvalHook(Hook):
+    """Validation loss (token-mean cross-entropy, nats) of the run's validation split.
+
+    Evaluates before the first step of a fresh run (`run.initial_val_loss`, logged as step 0), every `every`
+    steps and at the last step (`run.val_loss`, `run.val_tokens` for the hooks after it, e.g. `MetricsHook`),
+    and at the end sets `result.val_loss` and logs it against the unigram entropy of the same tokens (reusing
+    the last step's evaluation; skipped after a preemption). Evaluation time is not step time.
+
+    Args:
+      every: steps between evaluations (`train.eval_every`); 0: only at the last step.
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, run: RunContext, step: int) -> bool:
+        return super().due(run, step) or step == run.cfg.train.steps
+
+    def on_start(self, run: RunContext) -> None:
+        if run.start_step == 0:
+            run.initial_val_loss = evaluate(run.eval_step, run.state["params"], run.val_loader, run.beat)[0]
+            run.log(f"step 0: val_loss {run.initial_val_loss:.4f} over {run.val_cover}")
+
+    def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        run.host_metrics(step, metrics)  # waits for the step first, so its time is measured without evaluation
+        with run.untimed():
+            run.val_loss, run.val_tokens = evaluate(run.eval_step, state["params"], run.val_loader, run.beat,
+                                                    step)
+
+    def on_end(self, run: RunContext, result: TrainResult) -> None:
+        if result.preempted_at:
+            return
+        final = (run.val_loss if run.val_loss is not None
+                 else evaluate(run.eval_step, result.state["params"], run.val_loader)[0])
+        result.val_loss = final
+        entropy = result.val_unigram_entropy
+        run.log(f"final val_loss {final:.4f} nats/token over {run.val_cover} vs their unigram entropy "
+                f"{entropy:.4f} (ratio {final / entropy:.3f})")

@@ -1,0 +1,87 @@
+"""What a run reports: `MetricsHook` (a metrics row every N steps), `ProgressBarHook` (tqdm) and `SampleHook`
+(generated text at the end)."""
+from __future__ import annotations
+
+import jax
+
+from jaxpar import flops as flops_lib
+from jaxpar.generate import sample_text
+from jaxpar.train.hooks.base import Hook, RunContext, TrainResult
+
+
+class MetricsHook(Hook):
+    """Writes one row to `run.writer` (metrics.jsonl and the configured trackers) every `every` steps and at
+    every step that evaluated (`run.val_loss` set by an `EvalHook` before it):
+
+      step, loss, val_loss, val_tokens, learning_rate, grad_norm, skipped_steps, rollbacks, tokens_per_s,
+      step_time_s, tokens, mfu, hfu, memory_peak_bytes, memory_step_bytes
+
+    (README, "What the default run does", says what each means). Fetching the metrics waits for the step, so
+    other steps run ahead of the host.
+
+    Args:
+      every: steps between rows (`train.log_every`).
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def due(self, run: RunContext, step: int) -> bool:
+        return super().due(run, step) or run.val_loss is not None
+
+    def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        m = run.host_metrics(step, metrics)
+        skipped = int(m["skipped_steps"]) if "skipped_steps" in m else None
+        mfu = flops_lib.mfu(run.tokens_per_s, run.flops_per_token, run.mesh.size, run.peak_flops)
+        hfu = (None if run.hardware_flops_per_token is None else
+               flops_lib.mfu(run.tokens_per_s, run.hardware_flops_per_token, run.mesh.size, run.peak_flops))
+        run.writer.write(step, {"loss": m["loss"], "val_loss": run.val_loss, "val_tokens": run.val_tokens,
+                                "learning_rate": m.get("learning_rate"), "grad_norm": m["grad_norm"],
+                                "skipped_steps": skipped, "rollbacks": run.rollbacks,
+                                "tokens_per_s": run.tokens_per_s, "step_time_s": run.step_time_s,
+                                "tokens": m["tokens"], "mfu": mfu, "hfu": hfu, **run.memory})
+
+
+class ProgressBarHook(Hook):
+    """A tqdm progress bar on process 0, advanced every step; it shows the loss, tokens/s and validation loss
+    of the steps whose metrics a hook before it fetched (`MetricsHook`, `EvalHook`)."""
+
+    def __init__(self):
+        self._bar = None
+
+    def on_start(self, run: RunContext) -> None:
+        self._bar = None
+        if jax.process_index() == 0:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=run.cfg.train.steps, initial=run.start_step, desc="train", unit="step",
+                             dynamic_ncols=True)
+            run.stack.callback(self._bar.close)
+
+    def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        if self._bar is None:
+            return
+        if run.host is not None:
+            self._bar.set_postfix(loss=f"{run.host['loss']:.3f}", tok_s=f"{run.tokens_per_s:,.0f}",
+                                  **({"val": f"{run.val_loss:.3f}"} if run.val_loss is not None else {}))
+        self._bar.update(1)
+
+
+class SampleHook(Hook):
+    """At the end of a run (not after a preemption), continues `prompt` by `num_tokens` sampled tokens
+    (`jaxpar.generate.sample_text`, temperature 0.8, top-k 40), logs the text and sets `result.sample`.
+
+    Args:
+      num_tokens: tokens to generate (`train.sample_tokens`). prompt: the text to continue.
+      seed: the sampling seed (`train.seed`).
+    """
+
+    def __init__(self, num_tokens: int, *, prompt: str = "def ", seed: int = 0):
+        self.num_tokens, self.prompt, self.seed = num_tokens, prompt, seed
+
+    def on_end(self, run: RunContext, result: TrainResult) -> None:
+        if result.preempted_at or self.num_tokens <= 0:
+            return
+        result.sample = sample_text(run.plan, result.state["params"], prompt=self.prompt,
+                                    num_tokens=self.num_tokens, seed=self.seed)
+        run.log("sample:\n" + result.sample)
