@@ -23,7 +23,7 @@ from jaxpar.analysis.bench import median_seconds, round_medians
 from jaxpar.analysis.bench_report import ONE_DEVICE, measure_overhead, zero_memory_tables
 from jaxpar.analysis.memory import format_memory_table
 from jaxpar.config import load_config
-from jaxpar.train.step import compute_dtype
+from jaxpar.training.step import compute_dtype
 
 
 def main() -> None:

@@ -35,7 +35,7 @@ from jaxpar.analysis.pipeline_report import format_table, report_row
 from jaxpar.batch import BATCH_KEYS, random_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.step import build_plan, init_state, make_train_step
+from jaxpar.training.step import build_plan, init_state, make_train_step
 
 
 class Contender:

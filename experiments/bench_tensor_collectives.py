@@ -31,7 +31,7 @@ from jaxpar.analysis.hlo import collectives_by_axis, format_axis_table
 from jaxpar.batch import random_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh, describe
-from jaxpar.train.step import abstract_state, build_plan, init_state, make_train_step
+from jaxpar.training.step import abstract_state, build_plan, init_state, make_train_step
 
 
 def main() -> None:

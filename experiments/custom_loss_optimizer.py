@@ -15,7 +15,7 @@ The calls it shows:
     train(cfg, loss_fn=cross_entropy_with_z_loss(1e-4), optimizer=skip_nonfinite(optax.lion(schedule)),
           learning_rate=schedule)
 
-and `jaxpar.train.step.build_plan(cfg, mesh, loss_fn=..., optimizer=..., learning_rate=...)` takes the same
+and `jaxpar.training.step.build_plan(cfg, mesh, loss_fn=..., optimizer=..., learning_rate=...)` takes the same
 keywords for a hand-written loop (`init_state`, `make_train_step`).
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ from optax import tree_utils as otu
 
 from jaxpar.config import load_config
 from jaxpar.log import configure_logging
-from jaxpar.train.loop import train
-from jaxpar.train.loss import cross_entropy_with_z_loss
-from jaxpar.train.optimizer import skip_nonfinite
+from jaxpar.training.loop import train
+from jaxpar.training.loss import cross_entropy_with_z_loss
+from jaxpar.training.optimizer import skip_nonfinite
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Short and small, so that it runs in seconds: 1 MB of text, one validation batch, no checkpoints or sampling.

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxpar.config import load_config
 from jaxpar.log import configure_logging
-from jaxpar.train.loop import train
+from jaxpar.training.loop import train
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # A constant learning rate, so that a run stopped early is the same run as a longer one up to that step.

@@ -4,6 +4,7 @@ The names a training script needs (each documented where it is defined):
 
     configs and meshes    Config, ConfigError, load_config, build_mesh
     a whole run           train, TrainResult, TrainingDiverged
+    its parts             Hook, RunContext, default_hooks (the built-in hooks: `jaxpar.training.hooks`)
     the step itself       StepPlan, build_plan, init_state, abstract_state, make_train_step, make_eval_step
     losses, optimizers    cross_entropy, cross_entropy_with_z_loss, VocabParallelLoss, skip_nonfinite
     models                register_model, LanguageModel (writing one: `jaxpar.model`)
@@ -23,12 +24,14 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Config": "jaxpar.config", "ConfigError": "jaxpar.config", "load_config": "jaxpar.config",
     "build_mesh": "jaxpar.mesh",
-    "train": "jaxpar.train.loop", "TrainResult": "jaxpar.train.loop", "TrainingDiverged": "jaxpar.train.loop",
-    "StepPlan": "jaxpar.train.step", "build_plan": "jaxpar.train.step", "init_state": "jaxpar.train.step",
-    "abstract_state": "jaxpar.train.step", "make_train_step": "jaxpar.train.step",
-    "make_eval_step": "jaxpar.train.step",
-    "cross_entropy": "jaxpar.train.loss", "cross_entropy_with_z_loss": "jaxpar.train.loss",
-    "VocabParallelLoss": "jaxpar.train.loss", "skip_nonfinite": "jaxpar.train.optimizer",
+    "train": "jaxpar.training.loop",
+    "TrainResult": "jaxpar.training.hooks", "TrainingDiverged": "jaxpar.training.hooks",
+    "Hook": "jaxpar.training.hooks", "RunContext": "jaxpar.training.hooks", "default_hooks": "jaxpar.training.hooks",
+    "StepPlan": "jaxpar.training.step", "build_plan": "jaxpar.training.step", "init_state": "jaxpar.training.step",
+    "abstract_state": "jaxpar.training.step", "make_train_step": "jaxpar.training.step",
+    "make_eval_step": "jaxpar.training.step",
+    "cross_entropy": "jaxpar.training.loss", "cross_entropy_with_z_loss": "jaxpar.training.loss",
+    "VocabParallelLoss": "jaxpar.training.loss", "skip_nonfinite": "jaxpar.training.optimizer",
     "register_model": "jaxpar.model", "LanguageModel": "jaxpar.model",
     "restore": "jaxpar.restore_run", "Restored": "jaxpar.restore_run", "sample_text": "jaxpar.generate",
     "configure_logging": "jaxpar.log", "initialize": "jaxpar.distributed",

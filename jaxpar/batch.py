@@ -4,7 +4,7 @@
 
 G global batch size (sequences over all devices), T sequence length. `targets` are the next tokens of `inputs`;
 `loss_mask` is 1 where a target is scored and 0 for padding (`jaxpar.data.pack`). Each array is sharded by rows
-over the data-parallel axes (`jaxpar.train.step.StepPlan.batch_sharding`).
+over the data-parallel axes (`jaxpar.training.step.StepPlan.batch_sharding`).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""jaxpar's messages go through the standard `logging` module, logger "jaxpar" (children "jaxpar.train", ...), so
+"""jaxpar's messages go through the standard `logging` module, logger "jaxpar" (children "jaxpar.training", ...), so
 a script can silence, filter or redirect them: `logging.getLogger("jaxpar").setLevel(logging.WARNING)`.
 
 The library attaches no handler of its own (only a `NullHandler`). The commands (`jaxpar-train`, ...) and the

@@ -24,8 +24,8 @@ from jaxpar.checkpoint import Checkpointer, resolve_checkpoint_path
 from jaxpar.checkpoint_info import read_json_item
 from jaxpar.config import Config, load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.loss import LossFn
-from jaxpar.train.step import StepPlan, abstract_state, build_plan
+from jaxpar.training.loss import LossFn
+from jaxpar.training.step import StepPlan, abstract_state, build_plan
 
 
 @dataclasses.dataclass
@@ -34,7 +34,7 @@ class Restored:
 
     Attributes:
       cfg: the run's config with the overrides applied.
-      plan: the step plan on the new mesh (`jaxpar.train.step.build_plan`).
+      plan: the step plan on the new mesh (`jaxpar.training.step.build_plan`).
       state: the train state {"step", "params", "opt_state"[, "master"]}, sharded as `plan.state_shardings`.
       step: the checkpoint's step.
       data_state: the data position saved with it.

@@ -15,8 +15,8 @@ from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS as FAST_COMPIL
 from jaxpar.batch import BATCH_KEYS
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.optimizer import weight_decay_mask
-from jaxpar.train.step import StepPlan, build_plan
+from jaxpar.training.optimizer import weight_decay_mask
+from jaxpar.training.step import StepPlan, build_plan
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Compile time (not the model) dominates these tests, so the model is as small as the checks allow:
@@ -142,7 +142,7 @@ def assert_adam_step_close(got: dict, want: dict, old_params, rtol: float, *, op
 
     `got` and `want` hold "mu", "nu" (Adam's moments after the step) and "params" (after the step: the fp32
     master copy under the 16p layout), numpy trees; `opt` is the OptimizerConfig, `lr` the rate applied (the
-    step's learning-rate metric), `decayed` the weight-decay mask (`jaxpar.train.optimizer.weight_decay_mask`).
+    step's learning-rate metric), `decayed` the weight-decay mask (`jaxpar.training.optimizer.weight_decay_mask`).
 
     Every bound follows from what is compared:
       1. mu = (1 - b1) * g, the (clipped) gradient scaled exactly: `assert_tree_close` at `rtol`, the

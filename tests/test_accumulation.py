@@ -32,7 +32,7 @@ from step_helpers import (
     to_host,
 )
 
-from jaxpar.train.step import init_state, make_grad_fn, make_train_step
+from jaxpar.training.step import init_state, make_grad_fn, make_train_step
 
 # Accumulation regroups only the sums over rows (4 microbatches of one row): measured at most 2.3e-7 (wk's
 # gradient, norm-wise) under default, AVX2 and SSE4_2 code generation; 1e-6 keeps a factor of 4, stricter than

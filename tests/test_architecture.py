@@ -45,7 +45,7 @@ def _imports(path: str, module: str) -> set[str]:
 def test_core_never_imports_analysis_or_cli():
     core = {m: p for m, p in _modules(PACKAGE).items()
             if not m.startswith(("jaxpar.analysis", "jaxpar.cli"))}
-    assert "jaxpar.train.loop" in core and "jaxpar.train.step" in core
+    assert "jaxpar.training.loop" in core and "jaxpar.training.step" in core
     bad = {m: sorted(i for i in _imports(p, m) if i.startswith(("jaxpar.analysis", "jaxpar.cli")))
            for m, p in core.items()}
     assert {m: v for m, v in bad.items() if v} == {}
@@ -169,7 +169,7 @@ def test_compute_dtype_auto_resolves_once():
     from jaxpar.analysis.plan import plan
     from jaxpar.config import load_config, resolve_config
     from jaxpar.config.precision import resolve_compute_dtype
-    from jaxpar.train.step import compute_dtype
+    from jaxpar.training.step import compute_dtype
 
     assert [resolve_compute_dtype("auto", p) for p in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
     assert resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"

@@ -41,7 +41,7 @@ def test_resolve_config_refuses_device_counts_below_one(devices, capsys):
 
 
 def test_run_dir_that_cannot_be_created_is_refused_before_device_work(tmp_path, monkeypatch, capsys):
-    from jaxpar.train import loop
+    from jaxpar.training import loop
 
     def no_mesh(cfg):
         raise AssertionError("the mesh was built before train.run_dir was checked")
@@ -60,7 +60,7 @@ def test_run_dir_that_cannot_be_created_is_refused_before_device_work(tmp_path, 
 
 
 def test_run_dir_check_leaves_no_directories_behind(tmp_path):
-    from jaxpar.train.loop import check_run_dir
+    from jaxpar.training.loop import check_run_dir
 
     check_run_dir(str(tmp_path / "new" / "run"))
     assert list(tmp_path.iterdir()) == []

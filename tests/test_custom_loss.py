@@ -1,4 +1,4 @@
-"""A caller's own training loss (`jaxpar.train.loss`, `build_plan(..., loss_fn=...)`): cross-entropy + z-loss
+"""A caller's own training loss (`jaxpar.training.loss`, `build_plan(..., loss_fn=...)`): cross-entropy + z-loss
 equals its formula on one device and the single-device step on every kind of layout; a plain full-logits loss
 is exact under tensor parallelism; bad losses are refused before any device work.
 
@@ -35,8 +35,8 @@ from step_helpers import (
 
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.loss import VocabParallelLoss, cross_entropy_with_z_loss
-from jaxpar.train.step import build_plan, init_state, make_eval_step, make_grad_fn
+from jaxpar.training.loss import VocabParallelLoss, cross_entropy_with_z_loss
+from jaxpar.training.step import build_plan, init_state, make_eval_step, make_grad_fn
 
 RTOL = FP32_RTOL  # fp32 whole-model parity: reordered sums (step_helpers.FP32_RTOL says why)
 SEED = 7

@@ -48,8 +48,8 @@ from jaxpar.config import load_config
 from jaxpar.flops import param_count
 from jaxpar.mesh import build_mesh
 from jaxpar.sharding import opt_state_specs
-from jaxpar.train.optimizer import skip_nonfinite
-from jaxpar.train.step import build_plan, init_state, make_grad_fn, make_train_step
+from jaxpar.training.optimizer import skip_nonfinite
+from jaxpar.training.step import build_plan, init_state, make_grad_fn, make_train_step
 
 RTOL = FP32_RTOL
 SEED = 11
@@ -369,7 +369,7 @@ def test_train_loop_with_an_optimizer_without_skip_or_schedule(tmp_path):
     """`train(cfg, optimizer=...)`: the run finishes with null learning_rate and skipped_steps in metrics.jsonl;
     it resumes from its checkpoint with the same optimizer, and another optimizer is refused, naming arrays."""
     from jaxpar.config import ConfigError
-    from jaxpar.train.loop import train
+    from jaxpar.training.loop import train
 
     def cfg(steps: int):
         return load_config(CONFIG, ["model.n_layers=1", "data.seq_len=32", "data.max_bytes=200000",

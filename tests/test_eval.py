@@ -16,7 +16,7 @@ from step_helpers import quick_compile
 from jaxpar.config import load_config
 from jaxpar.data import pack, unigram_entropy
 from jaxpar.model import init_params, model_def
-from jaxpar.train.loop import train
+from jaxpar.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T, G = 16, 8

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import load_config
-from jaxpar.train.loop import TrainingDiverged, train
+from jaxpar.training.loop import TrainingDiverged, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=300000", "data.validation_fraction=0.3",

@@ -40,7 +40,7 @@ from jaxpar.analysis.hlo import (
     while_loops,
 )
 from jaxpar.analysis.plan_compile import PARTITIONER_PASS, read_partitioned_hlo
-from jaxpar.train.step import abstract_state, make_train_step
+from jaxpar.training.step import abstract_state, make_train_step
 
 N_LAYERS = 2  # step_helpers.TINY
 BLOCK_PARAMS = 9  # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down

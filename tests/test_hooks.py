@@ -1,4 +1,4 @@
-"""The training loop's parts are hooks a script adds, removes or replaces (`jaxpar.train.hooks`): a hook of its
+"""The training loop's parts are hooks a script adds, removes or replaces (`jaxpar.training.hooks`): a hook of its
 own runs every N steps with the step, state and metrics; without `EvalHook` nothing is evaluated; a replaced
 `CheckpointHook` decides what is saved; a hook that raises leaves no watchdog, SIGTERM handler or open
 checkpointer behind; entries that are not hooks are refused before any device work."""
@@ -13,8 +13,8 @@ import pytest
 from step_helpers import quick_compile
 
 from jaxpar.config import load_config
-from jaxpar.train.hooks import CheckpointHook, EvalHook, Hook, MetricsHook, default_hooks
-from jaxpar.train.loop import train
+from jaxpar.training.hooks import CheckpointHook, EvalHook, Hook, MetricsHook, default_hooks
+from jaxpar.training.loop import train
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_ff=128", "data.seq_len=32", "data.max_bytes=200000",
@@ -140,8 +140,8 @@ class EveryMinusOne(Hook):
 
 
 @pytest.mark.parametrize("entry, error, match", [
-    (EvalHook, TypeError, r"hooks\[1\] is the class EvalHook, not a jaxpar.train.hooks.Hook instance.*MyHook\(\)"),
-    (print, TypeError, r"hooks\[1\] is <built-in function print>, not a jaxpar.train.hooks.Hook instance"),
+    (EvalHook, TypeError, r"hooks\[1\] is the class EvalHook, not a jaxpar.training.hooks.Hook instance.*MyHook\(\)"),
+    (print, TypeError, r"hooks\[1\] is <built-in function print>, not a jaxpar.training.hooks.Hook instance"),
     (EveryMinusOne(), ValueError, r"hooks\[1\] \(EveryMinusOne\) has every=-1; give a whole number of steps"),
 ])
 def test_entries_that_are_not_hooks_are_refused_before_any_work(tmp_path, entry, error, match):

@@ -27,12 +27,12 @@ def test_core_never_prints():
 
 
 def test_training_messages_are_log_records(caplog):
-    from jaxpar.train.loop import _log
+    from jaxpar.training.loop import _log
 
     with caplog.at_level(logging.INFO, logger="jaxpar"):
         _log("step 0: val_loss 5.5")
     assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("jaxpar.train", "INFO", "step 0: val_loss 5.5")]
+        ("jaxpar.training", "INFO", "step 0: val_loss 5.5")]
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def clean_logger():
 def test_commands_print_plain_lines_and_scripts_can_silence_them(capsys, clean_logger):
     configure_logging()
     configure_logging()  # idempotent: one line per record, not two
-    log = logging.getLogger("jaxpar.train")
+    log = logging.getLogger("jaxpar.training")
     log.info("resumed at step 4")
     log.warning("jaxpar: injecting nan at step 5 on process 0")
     log.error("watchdog: no progress")
@@ -69,7 +69,7 @@ def test_configured_lines_follow_a_swapped_stdout(capsys, clean_logger):
     configure_logging()
     saved, sys.stdout = sys.stdout, io.StringIO()
     try:
-        logging.getLogger("jaxpar.train").info("step 1")
+        logging.getLogger("jaxpar.training").info("step 1")
         assert sys.stdout.getvalue() == "step 1\n"
     finally:
         sys.stdout = saved

@@ -14,7 +14,7 @@ from jaxpar.batch import abstract_batch
 from jaxpar.config import load_config
 from jaxpar.flops import param_count
 from jaxpar.mesh import build_mesh
-from jaxpar.train.step import build_plan, init_state
+from jaxpar.training.step import build_plan, init_state
 
 GB = 1e9
 SMALL = ["model.n_layers=2", "model.d_model=128", "data.seq_len=16", "train.global_batch_size=8"]

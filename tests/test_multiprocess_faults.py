@@ -3,7 +3,7 @@
 One uninterrupted reference run (2 processes x 4 devices, data=2 fsdp=2 tensor=2, ZeRO-1, 6 steps, a checkpoint
 every 2) is compared with: a SIGTERM to one process, a SIGKILL of one process, a stalled process, and restores of
 its step-2 checkpoint onto other process counts, meshes and ZeRO stages. Faults are injected with
-JAXPAR_INJECT_FAULT (jaxpar.train.faults). Every launch has a hard timeout.
+JAXPAR_INJECT_FAULT (jaxpar.training.faults). Every launch has a hard timeout.
 """
 import json
 import os
@@ -20,8 +20,8 @@ from jaxpar.checkpoint import restore_from_path
 from jaxpar.cli.launch import free_port
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.step import abstract_state, build_plan
-from jaxpar.train.watchdog import EXIT_HUNG
+from jaxpar.training.step import abstract_state, build_plan
+from jaxpar.training.watchdog import EXIT_HUNG
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import pytest
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan, quick_compile, to_host
 
 from jaxpar.config.schema import OptimizerConfig
-from jaxpar.train.optimizer import learning_rate_schedule
-from jaxpar.train.step import init_state, make_train_step
+from jaxpar.training.optimizer import learning_rate_schedule
+from jaxpar.training.step import init_state, make_train_step
 
 T, G = 8, 4
 SEED = 3

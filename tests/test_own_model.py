@@ -43,7 +43,7 @@ from step_helpers import (
 import jaxpar.model as jm
 from jaxpar.config import ConfigError, load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.step import build_plan, init_state, make_grad_fn, make_train_step
+from jaxpar.training.step import build_plan, init_state, make_grad_fn, make_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("gpt2", os.path.join(ROOT, "experiments", "gpt2.py"))

@@ -19,7 +19,7 @@ three rows fully masked, so at M = 8 with one replica a whole microbatch is mask
 * pipeline=2, M=4 inside train.grad_accum_steps=2 against the unsplit single-device batch.
 * The eval step under pipeline=2 x data=2 x fsdp=2 equals the single-device eval.
 * pipeline=1 with pipeline.microbatches=4 is plain gradient accumulation and equals the reference.
-* A pipelined run (`jaxpar.train.loop.train`) resumed from its step-2 checkpoint reproduces steps 3 and 4
+* A pipelined run (`jaxpar.training.loop.train`) resumed from its step-2 checkpoint reproduces steps 3 and 4
   bitwise.
 * Config errors (layers not divisible by stages, batch not divisible by microbatches, unknown schedule) raise
   ConfigError before any device work.
@@ -62,7 +62,7 @@ from step_helpers import (
 )
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.train.step import init_state, make_eval_step, make_grad_fn, make_train_step
+from jaxpar.training.step import init_state, make_eval_step, make_grad_fn, make_train_step
 
 RTOL = FP32_RTOL  # fp32 whole-model parity: reordered sums (step_helpers.FP32_RTOL says why)
 SEED = 3
@@ -218,7 +218,7 @@ import os, pickle, sys
 sys.path.insert(0, sys.argv[1])
 import jax
 from step_helpers import compile_fast, device_batch, host_batch, make_plan, quick_compile, shard_shape, to_host
-from jaxpar.train.step import make_grad_fn
+from jaxpar.training.step import make_grad_fn
 
 args = pickle.load(open(sys.argv[2], "rb"))
 assert jax.device_count() == 16, jax.device_count()
@@ -335,7 +335,7 @@ def test_config_errors_before_device_work(monkeypatch, tmp_path):
     assert _load("mesh.pipeline=4", "pipeline.microbatches=24", num_devices=4).pipeline.microbatches == 24
 
     # Through the trainer: the check runs before the mesh is built, the state initialised or run_dir written.
-    import jaxpar.train.loop as loop
+    import jaxpar.training.loop as loop
 
     def no_device_work(*args, **kwargs):
         raise AssertionError("device work before the config was checked")
@@ -363,7 +363,7 @@ def test_resume_with_pipeline_reproduces_losses(tmp_path):
     the same directory: it resumes at step 2 and steps 3 and 4 reproduce the uninterrupted run bitwise."""
     if jax.device_count() != 8:
         pytest.fail("needs exactly 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-    from jaxpar.train.loop import train
+    from jaxpar.training.loop import train
 
     cfg = load_config(CONFIG, [*RUN, f"train.run_dir={tmp_path}"])
     full = train(cfg)

@@ -37,7 +37,7 @@ import pytest
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
 
 from jaxpar.batch import abstract_batch
-from jaxpar.train.step import abstract_state, make_grad_fn
+from jaxpar.training.step import abstract_state, make_grad_fn
 
 P_STAGES = 4
 T = 32

@@ -40,7 +40,7 @@ from jaxpar.cli import plan as plan_cli
 from jaxpar.config import load_config, resolve_config
 from jaxpar.mesh import build_mesh
 from jaxpar.model import init_params, logical_axes
-from jaxpar.train.step import build_plan
+from jaxpar.training.step import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -13,7 +13,7 @@ from step_helpers import (
     to_host,
 )
 
-from jaxpar.train.step import init_state, make_grad_fn
+from jaxpar.training.step import init_state, make_grad_fn
 
 POLICIES = ("none", "dots", "names", "full")
 

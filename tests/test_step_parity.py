@@ -34,7 +34,7 @@ from step_helpers import (
     to_host,
 )
 
-from jaxpar.train.step import init_state, make_grad_fn, make_train_step
+from jaxpar.training.step import init_state, make_grad_fn, make_train_step
 
 RTOL = FP32_RTOL  # fp32 whole-model parity: reordered sums (step_helpers.FP32_RTOL says why)
 SEED = 3

@@ -8,7 +8,7 @@ gradients of sum(output * cotangent) with a fixed random cotangent, with respect
 The sharded side runs in a `jax.shard_map` over a 1-D `tensor` mesh of t CPU devices: inputs [B, T, D] are split
 over T with sequence parallelism and replicated without; weights are split as their logical axes say (`heads`,
 `mlp`, `vocab` over `tensor`, like `jaxpar.sharding.PARAM_RULES`). Gradients are taken inside the shard_map, as
-`jaxpar.train.step.make_grad_fn` takes them: that is the convention the custom VJPs in `jaxpar.parallel.tensor`
+`jaxpar.training.step.make_grad_fn` takes them: that is the convention the custom VJPs in `jaxpar.parallel.tensor`
 implement (Megatron's f and g). Differentiating the shard_map from outside instead, with `check_vma=False`,
 would add shard_map's own transpose collectives (a psum of every replicated input's cotangent, a division of
 every replicated output's by t) on top of them.
@@ -16,7 +16,7 @@ every replicated output's by t) on top of them.
 Every replicated result (an output, or a gradient of a replicated argument) comes back once per rank, so each
 rank's copy is checked. Under sequence parallelism a weight replicated over `tensor` (the row-parallel bias)
 receives on each rank the gradient of its sequence slice only; the train step sums those over `tensor`
-(`jaxpar.train.step._reduce_replicated`), and so does the check here.
+(`jaxpar.training.step._reduce_replicated`), and so does the check here.
 
 Shape letters: B batch, T sequence, D model width, F hidden width, H query heads, G key/value heads,
 K head width, V vocabulary, t tensor size.

@@ -44,7 +44,7 @@ from step_helpers import (
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.parallel.tensor import TensorParallel
-from jaxpar.train.step import init_state, make_grad_fn, make_train_step
+from jaxpar.training.step import init_state, make_grad_fn, make_train_step
 
 RTOL = FP32_RTOL  # fp32 whole-model parity: reordered sums (step_helpers.FP32_RTOL says why)
 SEED = 5

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxpar.config import load_config
-from jaxpar.train.loop import train
+from jaxpar.training.loop import train
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 G, T = 8, 32

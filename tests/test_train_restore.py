@@ -9,7 +9,7 @@ import yaml
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.config.resume import config_changes
-from jaxpar.train.loop import train
+from jaxpar.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=300000", "data.validation_fraction=0.3",

@@ -6,8 +6,8 @@ import time
 import pytest
 
 from jaxpar.log import configure_logging
-from jaxpar.train import faults
-from jaxpar.train.watchdog import EXIT_HUNG, Watchdog, diagnose
+from jaxpar.training import faults
+from jaxpar.training.watchdog import EXIT_HUNG, Watchdog, diagnose
 
 
 def _beat(step, age, in_jax=True, where="jax/_src/stages.py:1 __call__"):

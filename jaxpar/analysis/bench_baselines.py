@@ -22,8 +22,8 @@ from jaxpar.batch import BATCH_KEYS
 from jaxpar.config import Config
 from jaxpar.model.llama import Llama
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL
-from jaxpar.train.optimizer import learning_rate_schedule
-from jaxpar.train.step import StepPlan, compute_dtype
+from jaxpar.training.optimizer import learning_rate_schedule
+from jaxpar.training.step import StepPlan, compute_dtype
 
 
 def reference_step(cfg: Config):

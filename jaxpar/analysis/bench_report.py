@@ -42,7 +42,7 @@ from jaxpar.batch import abstract_batch, random_batch
 from jaxpar.config import Config, load_config, resolve_config
 from jaxpar.mesh import build_mesh
 from jaxpar.sharding import STATE_KINDS
-from jaxpar.train.step import (
+from jaxpar.training.step import (
     StepPlan,
     abstract_state,
     build_plan,

@@ -37,7 +37,7 @@ from jaxpar.analysis.plan_dims import rank_params
 from jaxpar.batch import BATCH_KEYS
 from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
-from jaxpar.train.step import StepPlan, make_grad_fn, make_train_step
+from jaxpar.training.step import StepPlan, make_grad_fn, make_train_step
 
 # Bytes per parameter of each state kind, per precision layout (ZeRO section 3.1).
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
@@ -215,7 +215,7 @@ def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None
 def state_memory_report(plan: StepPlan, compiled_step: Any, state: dict, batch: dict) -> str:
     """The model state per device of a compiled train step beside the ZeRO formula, as text: parameters and
     optimizer state measured from `compiled_step` (`persistent_state_bytes`), gradients from their shardings
-    (`gradient_bytes_from_shardings`), formatted by `format_memory_table`. A `jaxpar.train.loop.CompiledHook`
+    (`gradient_bytes_from_shardings`), formatted by `format_memory_table`. A `jaxpar.training.loop.CompiledHook`
     (jaxpar-train logs it at start)."""
     measured = persistent_state_bytes(plan, compiled_step, state, batch)
     measured["grads"] = gradient_bytes_from_shardings(plan, state["params"])

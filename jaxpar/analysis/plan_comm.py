@@ -9,7 +9,7 @@ algorithms: Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for 
 This is jaxpar's one analytic communication model: the planner, the sweeps and the benchmarks' tensor-axis
 rows (`jaxpar.analysis.bench_report.tensor_analytic`) all count with it.
 
-The counts follow jaxpar's step (`jaxpar.train.step`, `jaxpar.parallel`) as XLA compiles it; where XLA hoists
+The counts follow jaxpar's step (`jaxpar.training.step`, `jaxpar.parallel`) as XLA compiles it; where XLA hoists
 or drops a collective the rule says so (generic HLO simplification that CPU and GPU compilers both run). tests/
 test_plan.py checks them against the compiled HLO: the plan for cpu against the XLA:CPU executable, the plan for
 gpu against the partitioned program (the HLO after the SPMD partitioner, before any backend pass).

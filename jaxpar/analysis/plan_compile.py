@@ -42,7 +42,7 @@ from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import check_platform
 from jaxpar.config.schema import Config
 from jaxpar.mesh import build_mesh
-from jaxpar.train.step import (
+from jaxpar.training.step import (
     abstract_state,
     build_plan,
     init_state,
@@ -71,7 +71,7 @@ def _step_plan(cfg: Config):
 class CompiledStep:
     """The train step compiled ahead of time for abstract (state, batch), with what produced it."""
 
-    plan: Any          # jaxpar.train.step.StepPlan
+    plan: Any          # jaxpar.training.step.StepPlan
     state: dict        # abstract state (ShapeDtypeStructs with shardings)
     batch: dict        # abstract batch
     executable: Any    # jax.stages.Compiled; callable on real arrays with the same shardings

@@ -184,7 +184,7 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     from jaxpar.batch import abstract_batch
     from jaxpar.compiled_memory import memory_analysis_bytes
     from jaxpar.mesh import build_mesh
-    from jaxpar.train.step import abstract_state, build_plan, make_train_step
+    from jaxpar.training.step import abstract_state, build_plan, make_train_step
 
     clu = make_cluster(target, nodes, gpus_per_node)
     cfg = gpu_config(cfg, clu.devices)

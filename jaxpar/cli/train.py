@@ -42,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging()
     from jaxpar.config import ConfigError, load_config, validate_config
-    from jaxpar.train.loop import TrainingDiverged, train
+    from jaxpar.training.loop import TrainingDiverged, train
 
     overrides = list(args.overrides)
     if args.restore_from:
         overrides.append(f"checkpoint.restore_from={args.restore_from}")
-    from jaxpar.train import faults
+    from jaxpar.training import faults
     try:
         faults.parse(os.environ.get(faults.ENV, ""))
     except ValueError as e:

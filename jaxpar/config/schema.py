@@ -126,7 +126,7 @@ class OptimizerConfig:
         gradients, 3 parameters too. The `fsdp` axis always partitions all three.
       warmup_steps: W; update k <= W uses `learning_rate` * k / W (update 1 already moves the parameters).
       decay: learning-rate decay over the updates after warmup, from `learning_rate` at update W + 1:
-        `cosine`, `linear` or `constant` (formula: `jaxpar.train.optimizer.learning_rate_schedule`).
+        `cosine`, `linear` or `constant` (formula: `jaxpar.training.optimizer.learning_rate_schedule`).
       min_lr_ratio: the rate the decay reaches after the last update (`train.steps`), as a fraction of
         `learning_rate`.
       grad_clip_norm: clip by global L2 norm; 0 disables clipping.
@@ -227,7 +227,7 @@ class TrainConfig:
       divergence_rollbacks: how many times a run that hits `max_bad_steps` restores its last good checkpoint
         and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0: stop at once.
       watchdog_s: seconds without progress (a step, a validation batch or a checkpoint save) after which every
-        process exits with status 124, naming the processes that are missing (`jaxpar.train.watchdog`);
+        process exits with status 124, naming the processes that are missing (`jaxpar.training.watchdog`);
         0 disables it. Must exceed the slowest checkpoint save and validation batch.
     """
 

@@ -13,7 +13,7 @@ features and leaves a partial sum on each rank. Around each column -> row pair s
 
 With sequence parallelism the activations between blocks are [B, T/t, D]: each rank holds a slice of the
 sequence, and norm parameters (replicated over `tensor`) receive partial gradients that the train step sums
-over `tensor` (`jaxpar.train.step`). Every op here degenerates to plain math when t == 1, so the same model code
+over `tensor` (`jaxpar.training.step`). Every op here degenerates to plain math when t == 1, so the same model code
 runs on one device outside shard_map.
 
 The custom VJPs are written for gradients taken inside the shard_map (as the train step does): with

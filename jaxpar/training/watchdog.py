@@ -190,7 +190,7 @@ class Watchdog:
             except Exception as e:  # noqa: BLE001
                 lines.append(f"missing process 0: the coordination service it hosts is unreachable ({e})")
         lines.append(f"exiting with status {EXIT_HUNG}; restart to resume from the last complete checkpoint")
-        logging.getLogger("jaxpar.train").error("\n".join(lines))
+        logging.getLogger("jaxpar.training").error("\n".join(lines))
         sys.stdout.flush()
         self._exit(EXIT_HUNG)
 

@@ -1,12 +1,12 @@
 """The training loop behind `jaxpar-train`: data, compiled step and resume here; validation, metrics,
-checkpoints, progress bar, sample, watchdog, preemption and divergence rollback as hooks (`jaxpar.train.hooks`).
+checkpoints, progress bar, sample, watchdog, preemption and divergence rollback as hooks (`jaxpar.training.hooks`).
 
     result = train(load_config("configs/tiny.yaml", ["train.steps=50"]))
     result = train(cfg, loss_fn=cross_entropy_with_z_loss(1e-4), optimizer=skip_nonfinite(optax.lion(1e-4)))
     result = train(cfg, hooks=[*default_hooks(cfg), MyHook()])
 
-(the second with a caller's own loss and optimizer, from `jaxpar.train.loss` and `jaxpar.train.optimizer`; the
-last with a hook of the caller's own, `jaxpar.train.hooks.Hook`).
+(the second with a caller's own loss and optimizer, from `jaxpar.training.loss` and `jaxpar.training.optimizer`; the
+last with a hook of the caller's own, `jaxpar.training.hooks.Hook`).
 
 A run directory holds `config.yaml` (the resolved config), `metrics.jsonl`, `tensorboard/` and
 `checkpoints/<step>/`. Starting in a directory that has complete checkpoints resumes from the latest one
@@ -38,12 +38,12 @@ from jaxpar.distributed import describe_process
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import MetricsWriter, default_trackers
 from jaxpar.model import model_family
-from jaxpar.train.faults import FaultInjector
-from jaxpar.train.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
-from jaxpar.train.hooks.base import log as _log
-from jaxpar.train.loss import LossFn
-from jaxpar.train.optimizer import nonfinite_state
-from jaxpar.train.step import (
+from jaxpar.training.faults import FaultInjector
+from jaxpar.training.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
+from jaxpar.training.hooks.base import log as _log
+from jaxpar.training.loss import LossFn
+from jaxpar.training.optimizer import nonfinite_state
+from jaxpar.training.step import (
     StepPlan,
     abstract_state,
     build_plan,
@@ -53,10 +53,10 @@ from jaxpar.train.step import (
     make_train_step,
 )
 
-# TrainResult, TrainingDiverged and evaluate live in jaxpar.train.hooks; imported from here as before.
+# TrainResult, TrainingDiverged and evaluate live in jaxpar.training.hooks; imported from here as before.
 __all__ = ["CompiledHook", "TrainResult", "TrainingDiverged", "check_run_dir", "evaluate", "train"]
 
-_LOGGER = logging.getLogger("jaxpar.train")
+_LOGGER = logging.getLogger("jaxpar.training")
 
 
 def _memory_bytes(compiled) -> dict[str, int | None]:
@@ -149,7 +149,7 @@ def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
     for i, hook in enumerate(out):
         if not isinstance(hook, Hook):
             what = f"the class {hook.__name__}" if isinstance(hook, type) else repr(hook)
-            raise TypeError(f"hooks[{i}] is {what}, not a jaxpar.train.hooks.Hook instance; subclass Hook and "
+            raise TypeError(f"hooks[{i}] is {what}, not a jaxpar.training.hooks.Hook instance; subclass Hook and "
                             f"pass an instance, e.g. hooks=[*default_hooks(cfg), MyHook()]")
         every = hook.every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
@@ -327,10 +327,10 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
     Args:
       cfg: the run config.
       loss_fn, optimizer, learning_rate: a caller's own training loss and optax optimizer, and what the
-        `learning_rate` metric reports for it; see `jaxpar.train.step.build_plan` (defaults: cross-entropy, and
+        `learning_rate` metric reports for it; see `jaxpar.training.step.build_plan` (defaults: cross-entropy, and
         the config's AdamW). Validation (`val_loss`) is the cross-entropy whatever the loss. Metrics the step
         does not report (`learning_rate` without `learning_rate`; `skipped_steps` without a
-        `jaxpar.train.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
+        `jaxpar.training.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
         non-finite update is applied, and `train.max_bad_steps` and `train.divergence_rollbacks` cannot act.
         A run resumes only with the optimizer it was saved with (its state's arrays must match).
       data: a caller's own training data: an iterator of this process's rows of each global batch with Grain's
@@ -339,8 +339,8 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
         the config's validation split.
       on_compiled: hooks run once after the train step compiles (`CompiledHook`); each report they return is
         logged.
-      hooks: the loop's parts (`jaxpar.train.hooks.Hook` instances), run in this order; None:
-        `jaxpar.train.hooks.default_hooks(cfg)` (evaluation, metrics, progress bar, checkpoints, watchdog,
+      hooks: the loop's parts (`jaxpar.training.hooks.Hook` instances), run in this order; None:
+        `jaxpar.training.hooks.default_hooks(cfg)` (evaluation, metrics, progress bar, checkpoints, watchdog,
         preemption, divergence rollback, sample). Add, remove or replace entries of that list to change them.
 
     Raises:

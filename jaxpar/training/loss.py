@@ -27,7 +27,7 @@ where the output projection is split over the vocabulary):
 `batch` is this microbatch's rows: "inputs", "targets" (int32 [b, T]) and "loss_mask" (float32 [b, T]). Every
 tensor rank computes the loss; its value must be the same on all of them (it is counted once).
 
-Only training uses the loss. Evaluation (`jaxpar.train.step.make_eval_step`, the `val_loss` metric) stays the
+Only training uses the loss. Evaluation (`jaxpar.training.step.make_eval_step`, the `val_loss` metric) stays the
 token-mean cross-entropy, comparable across runs and with the unigram entropy the training loop prints.
 """
 from __future__ import annotations
@@ -120,7 +120,7 @@ def check_loss_fn(loss_fn: LossFn, seq_len: int, vocab_size: int) -> None:
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable: (logits [b, T, V], batch) -> summed loss, or a "
-                        f"jaxpar.train.loss.VocabParallelLoss; got {type(loss_fn).__name__}")
+                        f"jaxpar.training.loss.VocabParallelLoss; got {type(loss_fn).__name__}")
     logits = jax.ShapeDtypeStruct((1, seq_len, vocab_size), jnp.float32)
     batch = abstract_batch(1, seq_len)
     try:

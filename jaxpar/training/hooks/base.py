@@ -1,7 +1,7 @@
 """The hook protocol of the training loop: `Hook` (what a part of the loop implements), `RunContext` (what it
 sees of the run) and `TrainResult` (what the run returns).
 
-The loop (`jaxpar.train.loop.train`) runs, for hooks h1..hn in list order:
+The loop (`jaxpar.training.loop.train`) runs, for hooks h1..hn in list order:
 
     h.on_start(run) for each hook          after the step is compiled, before the first step
     for each step (1-based, after the update):
@@ -24,11 +24,11 @@ from typing import Any
 
 import jax
 
-_LOGGER = logging.getLogger("jaxpar.train")
+_LOGGER = logging.getLogger("jaxpar.training")
 
 
 def log(msg: str) -> None:
-    """Logs `msg` (info, logger `jaxpar.train`) from process 0 only (`jaxpar.log`)."""
+    """Logs `msg` (info, logger `jaxpar.training`) from process 0 only (`jaxpar.log`)."""
     if jax.process_index() == 0:
         _LOGGER.info(msg)
 
@@ -59,7 +59,7 @@ class RunContext:
         `(state, batch) -> (state, metrics)`.
       train_loader: the training batches (`next_batch()`, Grain's `get_state()` / `set_state()`).
       val_loader: the validation split (`jaxpar.data.EvalLoader`); eval_step: `(params, batch) -> (loss sum
-        in nats, valid tokens)`, see `jaxpar.train.hooks.evaluate`.
+        in nats, valid tokens)`, see `jaxpar.training.hooks.evaluate`.
       data_info: the splits' token and sequence counts and `val_unigram_entropy` (`jaxpar.data.build_loaders`).
       checkpointer: the run's `jaxpar.checkpoint.Checkpointer`, None with `checkpoint.every_steps=0`.
       writer: the run's `jaxpar.metrics.MetricsWriter` (metrics.jsonl and the configured trackers).
@@ -130,7 +130,7 @@ class RunContext:
                 f"{i['val_sequences']:,} validation sequences)")
 
     def log(self, msg: str) -> None:
-        """Logs `msg` from process 0 (logger `jaxpar.train`)."""
+        """Logs `msg` from process 0 (logger `jaxpar.training`)."""
         log(msg)
 
     def on_beat(self, fn: Callable[[int], None]) -> None:

@@ -6,7 +6,7 @@ import jax
 
 from jaxpar import flops as flops_lib
 from jaxpar.generate import sample_text
-from jaxpar.train.hooks.base import Hook, RunContext, TrainResult
+from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 
 
 class MetricsHook(Hook):

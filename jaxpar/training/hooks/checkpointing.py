@@ -1,7 +1,7 @@
 """`CheckpointHook`: saves the train state and the data position to the run's checkpointer."""
 from __future__ import annotations
 
-from jaxpar.train.hooks.base import Hook, RunContext
+from jaxpar.training.hooks.base import Hook, RunContext
 
 
 class CheckpointHook(Hook):

@@ -2,10 +2,10 @@
 stop) and `DivergenceHook` (too many non-finite updates in a row: roll back or stop with `TrainingDiverged`)."""
 from __future__ import annotations
 
-from jaxpar.train.hooks.base import Hook, RunContext, TrainResult
-from jaxpar.train.preemption import PreemptionWatch
-from jaxpar.train.step import abstract_state
-from jaxpar.train.watchdog import Watchdog
+from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
+from jaxpar.training.preemption import PreemptionWatch
+from jaxpar.training.step import abstract_state
+from jaxpar.training.watchdog import Watchdog
 
 
 class TrainingDiverged(RuntimeError):
@@ -13,7 +13,7 @@ class TrainingDiverged(RuntimeError):
 
 
 class WatchdogHook(Hook):
-    """Runs the hang watchdog (`jaxpar.train.watchdog.Watchdog`) from `on_start` until the loop ends: the
+    """Runs the hang watchdog (`jaxpar.training.watchdog.Watchdog`) from `on_start` until the loop ends: the
     process exits with status 124 after `timeout_s` seconds without a `run.beat` (each step, validation batch
     and checkpoint save), naming the processes that are missing.
 
@@ -29,7 +29,7 @@ class WatchdogHook(Hook):
 
 
 class PreemptionHook(Hook):
-    """SIGTERM on any process (`jaxpar.train.preemption.PreemptionWatch`): every process stops after the same
+    """SIGTERM on any process (`jaxpar.training.preemption.PreemptionWatch`): every process stops after the same
     step (`run.preempted_at`, `run.stop()`), which a `CheckpointHook` after it saves; the end of the run logs
     it and skips the final evaluation and sample."""
 
@@ -51,7 +51,7 @@ class PreemptionHook(Hook):
 
 class DivergenceHook(Hook):
     """Acts on updates skipped for NaN or inf gradients (the `bad_steps_in_a_row` metric of
-    `jaxpar.train.optimizer.skip_nonfinite`; without it this hook does nothing).
+    `jaxpar.training.optimizer.skip_nonfinite`; without it this hook does nothing).
 
     After `max_bad_steps` skipped updates in a row it restores the last complete checkpoint's state, keeping
     the data position so the batches since are skipped (PaLM, Chowdhery et al. 2022, section 5.1), up to

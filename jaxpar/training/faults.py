@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 ENV = "JAXPAR_INJECT_FAULT"
-_LOGGER = logging.getLogger("jaxpar.train")
+_LOGGER = logging.getLogger("jaxpar.training")
 KINDS = ("stall", "kill", "sigterm", "nan")
 _SPEC = re.compile(r"(?P<kind>[a-z]+)@(?P<step>[0-9]+)(?::(?P<process>[0-9]+))?")
 

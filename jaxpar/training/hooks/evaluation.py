@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxpar.data import EvalLoader
-from jaxpar.train.hooks.base import Hook, RunContext, TrainResult
+from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 
 
 def evaluate(eval_step, params, loader: EvalLoader, beat: Callable[[int], None] | None = None,
@@ -14,7 +14,7 @@ def evaluate(eval_step, params, loader: EvalLoader, beat: Callable[[int], None] 
     masked out), and the number of valid tokens it covers.
 
     `eval_step(params, batch)` returns (summed loss in nats, valid tokens) of one global batch
-    (`jaxpar.train.step.make_eval_step`). `beat(step)`, if given, is called after every batch (the hang
+    (`jaxpar.training.step.make_eval_step`). `beat(step)`, if given, is called after every batch (the hang
     watchdog's progress mark).
     """
     total = count = 0.0

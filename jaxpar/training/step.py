@@ -15,7 +15,7 @@ adds only the all-gather of updated parameters that ZeRO-1/2 need.
 The loss is the mean cross-entropy over every valid (mask = 1) token of the global batch: each microbatch's
 summed loss is divided by the global count of valid tokens, so accumulation over any split is exact and an
 all-masked microbatch contributes zero (no NaN). A caller's own loss (`build_plan(..., loss_fn=...)`, see
-`jaxpar.train.loss`) replaces the cross-entropy's per-microbatch sum under the same normalisation; a caller's own
+`jaxpar.training.loss`) replaces the cross-entropy's per-microbatch sum under the same normalisation; a caller's own
 optax optimizer (`build_plan(..., optimizer=...)`) replaces the default AdamW.
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
 from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.sharding import activation_spec, gathered_axes, named, opt_state_specs, param_specs, partitioned_over_data
-from jaxpar.train.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
-from jaxpar.train.optimizer import (
+from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
+from jaxpar.training.optimizer import (
     applied_learning_rate,
     build_optimizer,
     learning_rate_schedule,
@@ -71,7 +71,7 @@ class StepPlan:
         the optimizer state's own specs are in `state_shardings["opt_state"]`.
       state_shardings: NamedSharding tree matching `init_state`'s output.
       batch_sharding: NamedSharding of each [G, T] batch array (rows over data x fsdp).
-      loss_fn: the training loss (`jaxpar.train.loss`; default `cross_entropy`).
+      loss_fn: the training loss (`jaxpar.training.loss`; default `cross_entropy`).
     """
 
     cfg: Config
@@ -110,13 +110,13 @@ def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
     Args:
       cfg: the run config.
       mesh: the device mesh (`jaxpar.mesh.build_mesh`).
-      loss_fn: the training loss, a `jaxpar.train.loss.VocabParallelLoss` or a plain function
-        `(logits [b, T, V], batch) -> summed fp32 loss` (see `jaxpar.train.loss` for how each sees the logits
+      loss_fn: the training loss, a `jaxpar.training.loss.VocabParallelLoss` or a plain function
+        `(logits [b, T, V], batch) -> summed fp32 loss` (see `jaxpar.training.loss` for how each sees the logits
         under tensor parallelism and how the step normalises). Default: next-token cross-entropy.
       optimizer: any `optax.GradientTransformation` (e.g. `optax.lion`, `optax.adafactor`,
         `optax.multi_transform`), used as given: then the `optimizer.*` config keys other than `zero_stage` are
         not read (learning rate, schedule, clipping, weight decay are the transformation's own). Wrap it in
-        `jaxpar.train.optimizer.skip_nonfinite` to skip and count non-finite updates as the default does; only
+        `jaxpar.training.optimizer.skip_nonfinite` to skip and count non-finite updates as the default does; only
         then does the step report `bad_steps_in_a_row` and `skipped_steps`. Its state is sharded by
         `jaxpar.sharding.opt_state_specs`: parameter-shaped leaves as the parameters' optimizer state (over
         `data` too from ZeRO-1), everything else (counts, Adafactor's factored statistics) replicated.
@@ -129,7 +129,7 @@ def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
 
     Raises:
       TypeError: `optimizer` is not an `optax.GradientTransformation`; `loss_fn` fails on abstract inputs or
-        returns no real scalar (`jaxpar.train.loss.check_loss_fn`).
+        returns no real scalar (`jaxpar.training.loss.check_loss_fn`).
       ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
         holds no or several schedule states; an optimizer state with nested `skip_nonfinite` wrappers.
     """
@@ -373,13 +373,13 @@ def make_train_step(plan: StepPlan) -> Callable:
 
     metrics: {"loss": token-mean loss (nats for the cross-entropy), "grad_norm": global L2 norm before clipping,
               "learning_rate": the rate this step's update applied, from the optimizer's own update count
-              (`jaxpar.train.optimizer.applied_learning_rate`; 0.0 when the update was skipped),
+              (`jaxpar.training.optimizer.applied_learning_rate`; 0.0 when the update was skipped),
               "tokens": valid tokens in the batch} (fp32 scalars),
              "bad_steps_in_a_row" and "skipped_steps" (int32): updates skipped for non-finite gradients,
              consecutive up to this step and in total.
     "learning_rate" is left out when `plan.schedule` is None (a caller's optimizer without a `learning_rate`
     given to `build_plan`); "bad_steps_in_a_row" and "skipped_steps" are left out when the optimizer state holds
-    no `jaxpar.train.optimizer.skip_nonfinite` wrapper (such an optimizer applies every update, finite or not).
+    no `jaxpar.training.optimizer.skip_nonfinite` wrapper (such an optimizer applies every update, finite or not).
     The default optimizer reports all of them.
     """
     grad_fn = make_grad_fn(plan)
@@ -421,7 +421,7 @@ def make_train_step(plan: StepPlan) -> Callable:
 def make_eval_step(plan: StepPlan) -> Callable:
     """Returns jitted `eval_step(params, batch) -> (loss_sum, n_tokens)`: summed token loss (fp32 nats) and
     valid-token count of a global batch, for a token-mean over several batches. Always the cross-entropy,
-    whatever the plan's training loss (`jaxpar.train.loss`)."""
+    whatever the plan's training loss (`jaxpar.training.loss`)."""
     loss_sum = _loss_body(plan, train=False)
 
     def body(params, batch):

@@ -1,6 +1,6 @@
 """The training loop's parts as hooks (`Hook`): a script adds, removes or replaces them.
 
-    from jaxpar.train.hooks import Hook, ProgressBarHook, default_hooks
+    from jaxpar.training.hooks import Hook, ProgressBarHook, default_hooks
     hooks = [h for h in default_hooks(cfg) if not isinstance(h, ProgressBarHook)]   # no progress bar
     result = train(cfg, hooks=[*hooks, MyHook()])
 
@@ -8,11 +8,11 @@
 """
 from __future__ import annotations
 
-from jaxpar.train.hooks.base import Hook, RunContext, TrainResult
-from jaxpar.train.hooks.checkpointing import CheckpointHook
-from jaxpar.train.hooks.evaluation import EvalHook, evaluate
-from jaxpar.train.hooks.reporting import MetricsHook, ProgressBarHook, SampleHook
-from jaxpar.train.hooks.resilience import DivergenceHook, PreemptionHook, TrainingDiverged, WatchdogHook
+from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
+from jaxpar.training.hooks.checkpointing import CheckpointHook
+from jaxpar.training.hooks.evaluation import EvalHook, evaluate
+from jaxpar.training.hooks.reporting import MetricsHook, ProgressBarHook, SampleHook
+from jaxpar.training.hooks.resilience import DivergenceHook, PreemptionHook, TrainingDiverged, WatchdogHook
 
 __all__ = ["CheckpointHook", "DivergenceHook", "EvalHook", "Hook", "MetricsHook", "PreemptionHook",
            "ProgressBarHook", "RunContext", "SampleHook", "TrainResult", "TrainingDiverged", "WatchdogHook",
