@@ -24,9 +24,9 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before jax is imported: 8 s
 import argparse
 import glob
 import shutil
+import sys
 import sysconfig
 
-import gpt2  # noqa: F401  (registers model.name=gpt2; this script's directory is on sys.path)
 import grain
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import jaxpar
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt2.py beside this file, however it is loaded
+import gpt2  # noqa: E402, F401  (registers model.name=gpt2)
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 SETTINGS = [

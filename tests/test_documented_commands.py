@@ -77,6 +77,7 @@ REDUCED = {
     "experiments/bench_pipeline.py": ["--stages", "2", "--microbatches", "4", "--steps", "1", "--rounds", "1"],
     "experiments/bench_tensor_collectives.py": ["--steps", "1", "--rounds", "1"],
     "experiments/benchmarks.py": ["--quick", "--steps", "1", "--rounds", "1"],
+    "experiments/own_model.py": ["--steps", "2"],
 }
 FAST_SCRIPTS = {"tools/resolve_config.py"}
 SYNOPSIS = "a usage synopsis with placeholders; its flags are checked against the program's parser"

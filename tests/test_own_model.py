@@ -13,7 +13,10 @@ data x fsdp with accumulation under ZeRO 0-3, tensor with and without sequence p
 Shape letters: G global batch, T sequence length, L layers, D model width, F mlp hidden width, V vocabulary.
 """
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -260,3 +263,26 @@ def test_gpt2_refuses_settings_it_cannot_honour():
                       num_devices=1)  # TINY has n_kv_heads=2 < n_heads=4
     with pytest.raises(ValueError, match="no grouped-query attention: set model.n_kv_heads=null"):
         build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+
+
+@pytest.mark.slow
+def test_own_model_script_resumes_bitwise_and_runs_unchanged_on_two_processes(tmp_path):
+    """experiments/own_model.py (GPT-2, own Grain data and loss, data x tensor x pipeline, ZeRO-3) as one process
+    with 8 devices and as 2 processes x 4 devices under jaxpar-launch: each run's resumed losses equal its
+    uninterrupted ones (the script exits 0 only then), and the two runs' losses are bitwise equal."""
+    script = os.path.join(ROOT, "experiments", "own_model.py")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    one = subprocess.run([sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "jaxpar.cli.launch", "-n", "2", "--devices-per-process", "4", "--",
+                          sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert "resumed losses equal the uninterrupted run's, bitwise" in one.stdout + two.stdout
+
+    def losses(run: str) -> dict:
+        with open(tmp_path / run / "whole" / "metrics.jsonl") as f:
+            return {row["step"]: row["loss"] for row in map(json.loads, f)}
+
+    assert losses("one") == losses("two") and len(losses("one")) == 4
