@@ -53,7 +53,7 @@ def recompute_flops_per_token(model, seq_len: int) -> float:
             input) and the gate/up projections (SwiGLU's backward needs them) are recomputed;
       full  2D(HK + 2GK) + 4sHK + 2HKD + 4DF: the block forward except the down projection, whose output only
             feeds the residual sum that no backward needs.
-    Checked against XLA's cost analysis of the compiled gradient in tests/test_flops.py.
+    Checked against XLA's cost analysis of the compiled gradient in tests/unit/test_flops.py.
 
     Args:
       model: a `ModelConfig` (uses remat, n_layers, d_model, n_heads, kv_heads, head_width, d_ff).

@@ -1,4 +1,4 @@
-"""One process of tests/test_data_processes.py: read global batches of integer ids, write the rows held locally.
+"""One process of tests/system/test_data_processes.py: read global batches of integer ids, write the rows held locally.
 
     jaxpar-launch -n K --devices-per-process D -- python tests/data_worker.py OUT_DIR --batches B
         [--num-sequences N] [--global-batch G] [--seed S] [--resume STATE_JSON]

@@ -1,11 +1,12 @@
-"""The command lines documented in the repository, extracted and parsed for tests/test_documented_commands.py.
+"""The command lines documented in the repository, extracted and parsed for tests/system/test_documented_commands.py.
 
 Sources: README.md; every file of tools/ (the module docstring of a .py file, the `#` comments of any other
 file); the module docstrings of experiments/*.py and of jaxpar/cli/*.py (the --help texts); the `#` comments of
 configs/**/*.yaml.
 
 A command line is
-  * in README.md: each line of a fenced code block (`\\` continuations joined; comment lines skipped), and each
+  * in README.md: each line of a fenced shell code block (no language, bash or sh; `\\` continuations joined;
+    comment lines skipped; a ```python block is a script, run by tests/system/test_public_api.py), and each
     inline code span whose text is a program followed by at least one argument;
   * in docstrings and comments: such an inline code span; a line whose text starts with a program, joined with
     the non-blank lines below it that are indented deeper (continuations); or the rest of a line after ": " when
@@ -188,12 +189,13 @@ def _readme_fences(path: str, rel: str) -> list[tuple[str, str]]:
     found = []
     with open(path, encoding="utf-8") as f:
         lines = f.read().split("\n")
-    fence, pending, pending_line = False, "", 0
+    fence, pending, pending_line, shell = False, "", 0, True
     for n, line in enumerate(lines, 1):
         if line.lstrip().startswith("```"):
             fence = not fence
+            shell = line.strip()[3:] in ("", "bash", "sh", "console")  # a ```python block is a program
             continue
-        if not fence:
+        if not fence or not shell:
             continue
         stripped = line.strip()
         if not pending and (not stripped or stripped.startswith("#")):

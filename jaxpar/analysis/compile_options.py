@@ -5,7 +5,7 @@ Both keep every HLO pass (SPMD partitioning, collectives, fusion decisions, buff
 collectives are those of a default build; they change only code generation:
 
   * `COMPILER_OPTIONS`: no LLVM backend optimisation, about 3x faster; buffer assignment, and so every byte of
-    the memory analysis, unchanged (tests/test_memory.py).
+    the memory analysis, unchanged (tests/unit/test_memory.py).
   * `FAST_COMPILER_OPTIONS`: also XLA:CPU's legacy elemental emitters instead of the fusion emitters and no
     expensive LLVM passes, about 3-4x faster again; temp bytes can differ by a few percent (fusion decisions)
     and a step runs about 2x slower. CPU only.

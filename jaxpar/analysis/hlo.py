@@ -17,7 +17,7 @@ collective's `trip_count_known` is False.
 
 Device ids. jaxpar's collectives carry `use_global_device_ids=true` (SPMD partitioning, one replica): the ids in
 replica groups are partition ids, i.e. positions in `mesh.devices.flat`, not `jax.Device.id`. (Checked in
-tests/test_hlo_collectives.py with a mesh over a permuted device list: the groups stay the positions.)
+tests/unit/test_hlo_collectives.py with a mesh over a permuted device list: the groups stay the positions.)
 Replica groups come in three printed forms, all handled:
     {{0,1},{2,3}}                         explicit lists
     [4,2]<=[2,4]T(1,0)                    iota: arange(8).reshape(2,4).transpose(1,0).reshape(4,2), a row a group

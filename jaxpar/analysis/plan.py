@@ -55,8 +55,8 @@ program gives it (the HLO after XLA's SPMD partitioner, which every backend rece
 promotes 16-bit integer all-reduce and reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose
 backend passes widen every bf16 all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives
 implement no bf16 reduction) and every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32
-(XLA's source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/test_hlo_collectives.py, and the plans checked
-against both programs by tests/test_plan.py). Memory is planned the same on every platform.
+(XLA's source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/unit/test_hlo_collectives.py, and the plans checked
+against both programs by tests/unit/test_plan.py). Memory is planned the same on every platform.
 """
 from __future__ import annotations
 

@@ -1,0 +1,284 @@
+"""A model family of one's own (`experiments/gpt2.py`, written against `jaxpar.model` only) trains on every
+layout exactly as one device does, and a model that does not follow the interface is refused before any device
+work.
+
+GPT-2 differs from the built-in llama in every part the interface touches (LayerNorm with bias, biased
+projections, GELU MLP, learned positions, tied head). One train step of each layout is compared with the single
+device step in fp32 at `step_helpers.FP32_RTOL` (reordered fp32 sums; that constant says why): loss, grad norm,
+the gradients of `make_grad_fn`, Adam's moments and the update (`step_helpers.assert_adam_step_close`); the key
+bias, whose gradient is zero in exact arithmetic, is only checked to be rounding noise. Layouts:
+data x fsdp with accumulation under ZeRO 0-3, tensor with and without sequence parallelism, and pipeline=2 with
+1F1B and GPipe; each test asserts that its layout really splits what it claims to.
+
+Shape letters: G global batch, T sequence length, L layers, D model width, F mlp hidden width, V vocabulary.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from optax import tree_utils as otu
+from step_helpers import (
+    CONFIG,
+    FIRST_STEP_AT_PEAK,
+    FP32,
+    FP32_RTOL,
+    TINY,
+    VOCAB,
+    adam_step_args,
+    assert_adam_step_close,
+    assert_scalar_close,
+    assert_tree_close,
+    compile_fast,
+    device_batch,
+    host_batch,
+    shard_shape,
+    spec_axes,
+    to_host,
+)
+
+import jaxpar.model as jm
+from jaxpar.config import ConfigError, load_config
+from jaxpar.mesh import build_mesh
+from jaxpar.training.step import build_plan, init_state, make_grad_fn, make_train_step
+
+pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_spec = importlib.util.spec_from_file_location("gpt2", os.path.join(ROOT, "experiments", "gpt2.py"))
+gpt2 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpt2)  # registers model.name=gpt2
+
+RTOL = FP32_RTOL
+SEED = 5
+T = 8
+VALID = (8, 3, 8, 0, 5, 8, 1, 8, 8, 7, 2, 8, 8, 4, 8, 6)  # uneven valid tokens per row, one row fully masked
+G = len(VALID)
+GPT2 = ("model.name=gpt2", "model.n_kv_heads=null", "model.tie_embeddings=true")
+
+# name: (overrides, marks). Every ZeRO stage, every axis, both schedules (about 20 s in all).
+LAYOUTS = {
+    "data2_fsdp4_zero1_accum2": (["mesh.data=2", "mesh.fsdp=4", "optimizer.zero_stage=1",
+                                  "train.grad_accum_steps=2"], ()),
+    "data2_fsdp2_tensor2_sp_zero3": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+                                      "tensor.sequence_parallel=true", "optimizer.zero_stage=3"], ()),
+    "pipeline2_1f1b_data2_fsdp2_zero2": (["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2",
+                                          "pipeline.schedule=1f1b", "optimizer.zero_stage=2"], ()),
+    "data8_zero0": (["mesh.data=8", "mesh.fsdp=1", "optimizer.zero_stage=0"], ()),
+    "fsdp8_zero3": (["mesh.data=1", "mesh.fsdp=8", "optimizer.zero_stage=3"], ()),
+    "data4_fsdp2_zero2": (["mesh.data=4", "mesh.fsdp=2", "optimizer.zero_stage=2"], ()),
+    "data4_tensor2_zero1": (["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2", "tensor.sequence_parallel=false",
+                             "optimizer.zero_stage=1"], ()),
+    "pipeline2_gpipe_data2_fsdp2_zero1": (["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
+                                           "pipeline.microbatches=2", "pipeline.schedule=gpipe",
+                                           "optimizer.zero_stage=1"], ()),
+}
+
+
+def _plan(overrides, n: int):
+    cfg = load_config(CONFIG, [*TINY, *FP32, *FIRST_STEP_AT_PEAK, *GPT2, "mesh.data=1", "mesh.fsdp=1",
+                               f"train.global_batch_size={G}", *overrides], num_devices=n)
+    return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]))
+
+
+def _one_step(plan, state, batch) -> dict:
+    """Gradients (make_grad_fn), then one train step; host copies. `state` is consumed."""
+    grad_fn = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], batch)
+    step = compile_fast(make_train_step(plan), state, batch)
+    grads, loss, n_tokens = grad_fn(state["params"], batch)
+    out = {"grads": to_host(grads), "grad_loss": float(loss), "grad_tokens": float(n_tokens),
+           "params0": to_host(state["params"])}
+    new, metrics = step(state, batch)
+    out.update(metrics=to_host(metrics), params=to_host(new["params"]),
+               mu=to_host(otu.tree_get(new["opt_state"], "mu")), nu=to_host(otu.tree_get(new["opt_state"], "nu")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    plan = _plan([], 1)
+    state = init_state(plan, SEED)
+    host_state = to_host(state)
+    batch = device_batch(plan, host_batch(VALID, T, SEED))
+    return dict(_one_step(plan, state, batch), host_state=host_state, plan=plan)
+
+
+def test_gpt2_is_its_own_family(reference):
+    """The registered family builds GPT-2's parameters, not llama's: learned positions, biases, LayerNorm
+    biases, no separate output projection; and its loss starts near log V."""
+    params = reference["host_state"]["params"]
+    assert reference["plan"].cfg.model.name == "gpt2" and "gpt2" in jm.registered_models()
+    assert params["positions"]["table"].shape == (gpt2.MAX_POSITIONS, 64)
+    assert set(params["blocks"]["mlp"]) == {"w_in", "b_in", "w_out", "b_out"}
+    assert set(params["blocks"]["ln_1"]) == {"scale", "bias"} and "lm_head" not in params
+    assert abs(reference["metrics"]["loss"] - np.log(VOCAB)) < 0.1
+
+
+def _assert_layout(name: str, plan, state, batch) -> None:
+    """The layout splits what its name says."""
+    shape = plan.mesh.shape
+    w = state["params"]["blocks"]["mlp"]["w_in"]  # [L, D, F]
+    mu = otu.tree_get(state["opt_state"], "mu")["blocks"]["mlp"]["w_in"]
+    L, D, F = w.shape
+    zero = plan.cfg.optimizer.zero_stage
+    params_over = shape["fsdp"] * (shape["data"] if zero == 3 else 1)
+    opt_over = shape["fsdp"] * (shape["data"] if zero >= 1 else 1)
+    assert shard_shape(w) == (L // shape["pipeline"], D // params_over, F // shape["tensor"])
+    assert shard_shape(mu) == (L // shape["pipeline"], D // opt_over, F // shape["tensor"])
+    assert shard_shape(batch["inputs"]) == (G // (shape["data"] * shape["fsdp"]), T)
+    assert max(shape.values()) > 1 and len(w.sharding.device_set) == 8
+    if shape["tensor"] > 1:
+        assert shard_shape(state["params"]["embed"]["table"])[0] == VOCAB // shape["tensor"]
+        assert plan.tensor_parallel.sequence_parallel == ("_sp" in name)
+    if shape["pipeline"] > 1:
+        assert "pipeline" in spec_axes(w.sharding) and plan.cfg.pipeline.schedule in name
+    if "accum" in name:
+        assert plan.cfg.train.grad_accum_steps == 2
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, (_, m) in LAYOUTS.items()])
+def test_gpt2_step_equals_one_device(name, reference):
+    if jax.device_count() < 8:
+        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    plan = _plan(LAYOUTS[name][0], 8)
+    state = jax.device_put(reference["host_state"], plan.state_shardings)  # identical init on every layout
+    batch = device_batch(plan, host_batch(VALID, T, SEED))
+    _assert_layout(name, plan, state, batch)
+    out = _one_step(plan, state, batch)
+    m, ref_m = out["metrics"], reference["metrics"]
+    assert m["tokens"] == ref_m["tokens"] == out["grad_tokens"] == sum(VALID)
+    assert_scalar_close(m["loss"], ref_m["loss"], RTOL, "loss")
+    assert_scalar_close(out["grad_loss"], ref_m["loss"], RTOL, "grad_fn loss")
+    assert_scalar_close(m["grad_norm"], ref_m["grad_norm"], RTOL, "grad_norm")
+    # The key bias's gradient is zero in exact arithmetic: adding b to every key adds q.b to all of a query's
+    # scores, which the softmax ignores. Both sides hold rounding noise there (about 1e-10), which no relative
+    # bound can compare, so it is checked to be noise and left out of the comparisons.
+    for side in (out, reference):
+        assert np.linalg.norm(side["grads"]["blocks"]["attn"]["bk"]) <= 1e-6 * ref_m["grad_norm"]
+    got, want = _without_key_bias(out), _without_key_bias(reference)
+    assert_tree_close(got["grads"], want["grads"], RTOL)
+    args = adam_step_args(plan, m)
+    args["decayed"] = _drop_bk(args["decayed"])
+    assert_adam_step_close(got, want, got["params0"], RTOL, **args)
+
+
+def _drop_bk(tree: dict) -> dict:
+    attn = {k: v for k, v in tree["blocks"]["attn"].items() if k != "bk"}
+    return {**tree, "blocks": {**tree["blocks"], "attn": attn}}
+
+
+def _without_key_bias(step: dict) -> dict:
+    return {k: _drop_bk(step[k]) for k in ("grads", "params0", "params", "mu", "nu")}
+
+
+# --- the interface is checked before any device work ---------------------------------------------------------
+
+class _NoBlocks(nnx.Module):
+    def __init__(self, cfg, rngs):
+        self.w = nnx.Param(jax.numpy.zeros((cfg.d_model,)), logical_axes=("embed",))
+
+    def embed_tokens(self, *a): ...
+
+    def run_blocks(self, *a): ...
+
+    def logits(self, *a): ...
+
+
+class _Unnamed(_NoBlocks):
+    def __init__(self, cfg, rngs):
+        self.blocks = jm.stack_layers(cfg.n_layers, lambda r: nnx.Linear(cfg.d_model, cfg.d_model, rngs=r), rngs)
+
+
+class _UnknownAxis(_NoBlocks):
+    def __init__(self, cfg, rngs):
+        self.blocks = jm.stack_layers(cfg.n_layers, lambda r: _NoBlocks(cfg, r), rngs)
+        self.w = nnx.Param(jax.numpy.zeros((4, cfg.d_model)), logical_axes=("experts", "embed"))
+
+
+class _WithRngState(_NoBlocks):
+    def __init__(self, cfg, rngs):
+        self.blocks = jm.stack_layers(cfg.n_layers, lambda r: _NoBlocks(cfg, r), rngs)
+        self.dropout_rngs = nnx.Rngs(0)
+
+
+class _Flat(_NoBlocks):
+    def __init__(self, cfg, rngs):
+        self.blocks = _NoBlocks(cfg, rngs)  # one layer, not a stack
+
+
+@pytest.mark.parametrize("build,error,match", [
+    (_NoBlocks, TypeError, "has no `blocks` module"),
+    (_Unnamed, TypeError, r"parameter blocks/bias of shape \(64,\) per layer needs logical_axes"),
+    (_UnknownAxis, ValueError, r"logical axes \('experts', 'embed'\); names must be None or one of"),
+    (_WithRngState, TypeError, r"dropout_rngs.*nnx.Param only"),
+    (_Flat, ValueError, "no leading layers dimension of model.n_layers=2"),
+])
+def test_a_model_off_the_interface_is_refused_at_plan_time(build, error, match):
+    jm.register_model("off_interface", build, replace=True)
+    cfg = load_config(CONFIG, [*TINY, "model.name=off_interface", "mesh.data=1", "mesh.fsdp=1"], num_devices=1)
+    with pytest.raises(error, match=match):
+        build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+
+
+def test_missing_parts_are_named():
+    class Partial(nnx.Module):
+        def __init__(self, cfg, rngs):
+            self.blocks = jm.stack_layers(cfg.n_layers, lambda r: _NoBlocks(cfg, r), rngs)
+
+        def logits(self, *a): ...
+
+    jm.register_model("partial", Partial, replace=True)
+    cfg = load_config(CONFIG, [*TINY, "model.name=partial", "mesh.data=1", "mesh.fsdp=1"], num_devices=1)
+    with pytest.raises(TypeError, match="lacks embed_tokens, run_blocks"):
+        build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+
+
+def test_unknown_model_name_is_a_config_error_naming_the_registered_ones():
+    with pytest.raises(ConfigError, match=r"model.name='gpt3' is not a registered model \(registered: .*llama.*\);"
+                                          r" a script registers its own with jaxpar.register_model"):
+        load_config(CONFIG, ["model.name=gpt3"], num_devices=8)
+
+
+def test_registering_a_taken_name_or_a_bad_builder_is_refused():
+    with pytest.raises(ValueError, match="'llama' is already registered"):
+        jm.register_model("llama", gpt2.GPT2)
+    with pytest.raises(ValueError, match="must be an identifier"):
+        jm.register_model("gpt-2", gpt2.GPT2)
+    with pytest.raises(TypeError, match="build must be callable"):
+        jm.register_model("gpt_none", None)
+
+
+def test_gpt2_refuses_settings_it_cannot_honour():
+    cfg = load_config(CONFIG, [*TINY, "model.name=gpt2", "model.tie_embeddings=true", "mesh.data=1", "mesh.fsdp=1"],
+                      num_devices=1)  # TINY has n_kv_heads=2 < n_heads=4
+    with pytest.raises(ValueError, match="no grouped-query attention: set model.n_kv_heads=null"):
+        build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+
+
+@pytest.mark.slow
+def test_own_model_script_resumes_bitwise_and_runs_unchanged_on_two_processes(tmp_path):
+    """experiments/own_model.py (GPT-2, own Grain data and loss, data x tensor x pipeline, ZeRO-3) as one process
+    with 8 devices and as 2 processes x 4 devices under jaxpar-launch: each run's resumed losses equal its
+    uninterrupted ones (the script exits 0 only then), and the two runs' losses are bitwise equal."""
+    script = os.path.join(ROOT, "experiments", "own_model.py")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    one = subprocess.run([sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "one")],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "jaxpar.cli.launch", "-n", "2", "--devices-per-process", "4", "--",
+                          sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=900)
+
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
+    assert "resumed losses equal the uninterrupted run's, bitwise" in one.stdout + two.stdout
+
+    def losses(run: str) -> dict:
+        with open(tmp_path / run / "whole" / "metrics.jsonl") as f:
+            return {row["step"]: row["loss"] for row in map(json.loads, f)}
+
+    assert losses("one") == losses("two") and len(losses("one")) == 4

@@ -1,0 +1,65 @@
+"""experiments/benchmarks.py: one table of ratios; the quick mode end to end in a subprocess (slow), and the row
+and table helpers of `jaxpar.analysis.bench_report` (cheap)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar.analysis.bench_report import format_report, memory_rows, row
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_row_and_table():
+    rows = [row("memory", "DDP fp32 data=8", "total (16P)", 1600, 1600, "bytes", "1.000"),
+            row("overhead", "1 device", "step time jaxpar/reference", 0.0125, 0.0100, "s", "<= 1.03"),
+            row("tensor", "sp=on", "all-to-all HLO/Megatron", 5.0, 0.0, "bytes", "1.00")]
+    assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] == pytest.approx(1.25)
+    assert math.isnan(rows[2]["ratio"])  # no formula term: never a division by zero
+    lines = format_report(rows).splitlines()
+    assert lines[0].split() == ["group", "case", "metric", "measured", "reference", "ratio", "target"]
+    assert "1,600" in lines[2] and "1.0000" in lines[2]
+    assert "12.50 ms" in lines[3] and "10.00 ms" in lines[3] and "1.2500" in lines[3]
+    json.dumps(rows)  # --json output
+
+
+def test_memory_rows_keep_state_kinds_only():
+    table = [{"kind": k, "measured_bytes": 8, "formula_bytes": None if k in ("scalars", "temp") else 8,
+              "formula": "-", "expression": "ZeRO-1 fp32: 8P + 8P/N", "data": 8}
+             for k in ("params", "grads", "opt_state", "total", "scalars", "temp")]
+    rows = memory_rows({1: table})
+    assert [r["metric"].split()[0] for r in rows] == ["params", "grads", "opt_state", "total"]
+    assert {r["case"] for r in rows} == {"ZeRO-1 fp32 data=8"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+def test_quick_mode_prints_every_ratio(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "benchmarks.py"), "--quick", "--json",
+                           "--config", os.path.join(ROOT, "configs", "tiny.yaml")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    for r in rows:
+        assert math.isfinite(r["measured"]) and math.isfinite(r["reference"]) and math.isfinite(r["ratio"]), r
+        assert r["ratio"] > 0, r
+    groups = {}
+    for r in rows:
+        groups.setdefault(r["group"], []).append(r)
+    assert {r["metric"] for r in groups["overhead"]} == {
+        "step time jaxpar/reference", "XLA FLOPs jaxpar/reference", "XLA bytes accessed"}
+    memory = {(r["case"], r["metric"].split()[0]) for r in groups["memory"]}
+    assert memory == {(f"{stage} fp32 data=8", kind) for stage in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+                      for kind in ("params", "grads", "opt_state", "total")}
+    for r in groups["memory"]:
+        assert r["ratio"] == pytest.approx(1.0, abs=1e-3), r
+    totals = {r["case"]: r for r in groups["tensor"] if r["metric"].startswith("total")}
+    assert sorted(totals) == ["tensor=2 fsdp=4 sp=off", "tensor=2 fsdp=4 sp=on"]
+    for r in totals.values():
+        assert 1.0 <= r["ratio"] <= 1.02, r
+    assert [r["metric"] for r in groups["pipeline"]] == ["temp bytes 1F1B/GPipe"]

@@ -1,0 +1,82 @@
+"""Injected faults: non-finite gradients are skipped and counted, then stop the run; SIGTERM saves and exits 0."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jaxpar.config import load_config
+from jaxpar.training.loop import TrainingDiverged, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=300000", "data.validation_fraction=0.3",
+         "train.global_batch_size=8", "train.eval_batches=1", "train.progress_bar=false", "train.sample_tokens=0",
+         "train.log_every=1", "train.eval_every=0"]
+
+
+def test_non_finite_gradients_are_skipped_then_stop_the_run(tmp_path):
+    # Weights of size 1e30 overflow the forward: every gradient is NaN or inf from the first step.
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      [*SMALL, f"train.run_dir={tmp_path}", "model.init_std=1e30", "train.steps=20",
+                       "train.max_bad_steps=3", "checkpoint.every_steps=0"])
+    with pytest.raises(TrainingDiverged, match=r"3 consecutive updates up to step 3 .*train.max_bad_steps=3"):
+        train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped_steps"] for r in rows] == [1, 2, 3, 4][:len(rows)] and len(rows) >= 3
+    assert not np.isfinite(rows[0]["grad_norm"])
+    assert all(r["learning_rate"] == 0.0 for r in rows)  # no update was applied: the rate applied is 0
+
+
+@pytest.mark.slow
+def test_divergence_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypatch):
+    """Parameters poisoned with NaN at step 6: steps 6 and 7 are skipped, no checkpoint is taken of the bad
+    state, the run rolls back to step 4 once and finishes with finite losses on later batches."""
+    monkeypatch.setenv("JAXPAR_INJECT_FAULT", "nan@6")
+    overrides = [*SMALL, f"train.run_dir={tmp_path}", "train.steps=10", "train.max_bad_steps=2",
+                 "checkpoint.every_steps=2", "checkpoint.keep=10", "checkpoint.async_save=false"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*overrides, "train.divergence_rollbacks=1"])
+    result = train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 5, 6, 7, 8, 9, 10]  # steps 5-7 run again after the rollback to 4
+    assert [r["rollbacks"] for r in rows] == [0] * 7 + [1] * 6
+    assert not np.isfinite(rows[5]["loss"]) and not np.isfinite(rows[6]["loss"])
+    assert all(np.isfinite(r["loss"]) for r in rows[7:])
+    assert rows[7]["loss"] != rows[4]["loss"]  # step 5 again, but on the batch after the skipped ones
+    assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints")) == [2, 4, 6, 8, 10]
+    assert result.val_loss is not None and np.isfinite(result.val_loss)
+
+    monkeypatch.setenv("JAXPAR_INJECT_FAULT", "nan@3")  # no rollback allowed: stop, naming the last good step
+    with pytest.raises(TrainingDiverged, match=r"up to step 4 .*last good checkpoint is step 2"):
+        train(load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                          [*overrides, f"train.run_dir={tmp_path / 'stop'}"]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
+    cmd = [sys.executable, "-m", "jaxpar.cli.train", os.path.join(ROOT, "configs", "tiny.yaml"), "--cpu-devices",
+           "8", f"train.run_dir={tmp_path}", *SMALL, "train.steps=100000", "checkpoint.every_steps=1000"]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 200
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()[-2000:]
+        time.sleep(0.05)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:]
+    assert time.monotonic() - sent < 60
+    saved = int(out.split("preempted: saved step ")[1].split()[0])
+    assert saved >= 3 and os.listdir(tmp_path / "checkpoints") == [str(saved)]
+
+    resumed = subprocess.run([*cmd[:-2], f"train.steps={saved + 1}", "checkpoint.every_steps=1000"], env=env,
+                             capture_output=True, text=True, timeout=200)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed at step {saved}" in resumed.stdout

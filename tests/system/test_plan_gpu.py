@@ -1,0 +1,130 @@
+"""The deviceless GPU compile (jaxpar.analysis.plan_gpu); the targets are tested in tests/unit/test_gpu_targets.py.
+
+The error without the plugin is checked everywhere (with the plugin installed, by hiding its distribution name).
+The compile test needs the `gpu-compile` extra and is skipped without it, with the reason the library gives (and
+is slow: `pytest -m slow`): it compiles the tiny model for 2 nodes x 8 H100s and checks the memory analysis and
+that the GPU HLO's collectives run over the mesh axes the plan puts them on.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+from doc_commands import pyproject_section
+
+from jaxpar.analysis import plan_gpu
+from jaxpar.config import load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def test_the_extra_brings_the_plugin_and_ptxas():
+    extra = pyproject_section("project.optional-dependencies")["gpu-compile"]
+    assert "jax[cuda12-local]" in extra and "nvidia-cuda-nvcc-cu12" in extra
+
+
+def test_without_the_plugin_the_error_names_the_extra(monkeypatch):
+    """Runs with or without the plugin installed: its distribution names are replaced by one that does not
+    exist. The error comes after the config and cluster checks and before any compile."""
+    monkeypatch.setattr(plan_gpu, "CUDA_PLUGIN_DISTRIBUTIONS", ("jaxpar-no-such-plugin",))
+    cfg = load_config(TINY_YAML, validate=False)
+    with pytest.raises(plan_gpu.GpuCompileUnavailable, match=r'not installed: pip install -e "\.\[gpu-compile\]"'):
+        plan_gpu.compile_for_gpu(cfg, "h100", 2, 8)
+
+
+def test_a_plugin_of_another_version_is_refused(monkeypatch):
+    real = importlib.metadata.version
+
+    def version(dist):
+        return "0.0.1" if dist == "jaxpar-fake-plugin" else real(dist)
+
+    monkeypatch.setattr(plan_gpu, "CUDA_PLUGIN_DISTRIBUTIONS", ("jaxpar-fake-plugin",))
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(plan_gpu.GpuCompileUnavailable, match="0.0.1 does not match jaxlib.*gpu-compile"):
+        plan_gpu.cuda_plugin_version()
+
+
+def test_attention_scores_are_batched_matmuls_ending_seq_by_seq():
+    hlo = """
+  %dot.1 = f32[2,4,128,128]{3,2,1,0} dot(%q, %k), lhs_batch_dims={0,1}, lhs_contracting_dims={3}, rhs_batch_dims={0,1}
+  %dot.2 = bf16[128,128]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %stack = bf16[4,1,128,128]{3,2,1,0} dynamic-update-slice(%s, %x, %i, %z, %z, %z)
+  %dot.3 = f32[8,128,64]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}
+"""
+    assert plan_gpu.attention_scores(hlo, 128) == {"materialised": True, "shapes": ["f32[2,4,128,128]"],
+                                                   "largest_bytes": 2 * 4 * 128 * 128 * 4}
+    assert plan_gpu.attention_scores(hlo, 64) == {"materialised": False, "shapes": [], "largest_bytes": 0}
+
+
+def _plugin_missing() -> str | None:
+    from jaxpar.analysis.plan_gpu import unavailable_reason
+
+    return unavailable_reason()
+
+
+@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+@pytest.mark.parametrize("name", ["a100", "b200", "h100", "h200"])
+def test_the_plugin_accepts_every_shipped_target(name):
+    """Each description gives compile-only devices of its kind, and a sharded matmul with an all-reduce compiles
+    for them (PTX for its compute capability through ptxas): under a second each."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.analysis.gpu_targets import cluster
+
+    clu = cluster(name, 1, 2)
+    devices = plan_gpu.compile_devices(clu)
+    assert [d.device_kind for d in devices] == [clu.target.device_kind] * 2
+    mesh = Mesh(np.array(devices), ("x",))
+    x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+    compiled = jax.jit(lambda a: jnp.sum((a @ a.T).astype(jnp.float32))).lower(x).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes == 256 * 256 * 2 // 2
+    assert "all-reduce" in compiled.as_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+def test_tiny_compiles_for_two_h100_nodes():
+    """tiny.yaml (data=2, fsdp=4 here, tensor=2, ZeRO-1) on h100:2x8, compiled by XLA's GPU compiler (15-40 s
+    on 2 shared cores, hence slow). The all-gathers and reduce-scatters of the GPU HLO carry exactly the plan's bytes
+    on the plan's
+    axes (measured ratio 1.0000); smaller all-reduces are combined differently by the GPU passes."""
+    cfg = load_config(TINY_YAML, validate=False)
+    out = plan_gpu.compile_for_gpu(cfg, "h100", 2, 8)
+    assert out["cluster"] == "h100:2x8" and out["devices"] == 16 and out["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert out["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 4, "tensor": 2}
+    assert out["compute_dtype"] == "bfloat16"
+    mem = out["memory"]
+    assert mem["argument_bytes"] > 0 and mem["temp_bytes"] > 0 and mem["output_bytes"] > 0
+    # XLA's peak: at least the arguments, at most everything allocated at once
+    assert mem["argument_bytes"] < mem["peak_bytes"] <= (mem["argument_bytes"] + mem["output_bytes"]
+                                                         - mem["alias_bytes"] + mem["temp_bytes"])
+    assert out["fits"] and out["fraction_of_memory"] == mem["peak_bytes"] / 80e9
+    live = {a for a, n in out["mesh"].items() if n > 1}
+    axes = {a for key in out["collectives"] for a in key.split(" ")[0].split(",")}
+    assert axes <= live and {"data", "fsdp", "tensor"} <= axes, out["collectives"]
+    rows = {r["key"]: r for r in out["planned"]["collectives"]}
+    for key in ("fsdp all-gather", "fsdp reduce-scatter", "tensor all-gather", "tensor reduce-scatter",
+                "data all-gather"):
+        assert rows[key]["ratio"] == pytest.approx(1.0, rel=0.01), rows[key]
+    assert out["fused_attention"] == [] and out["attention_scores"]["materialised"]  # jax's XLA attention path
+    assert out["planned"]["peak_bytes"] > 0
+
+
+def test_attention_scores_of_grouped_kv_heads_come_out_of_a_fusion():
+    """With grouped key/value heads XLA's GPU compiler fuses the logits matmul; the result is found by the
+    op_name of jax's attention einsum (lines as the GPU HLO of llama_1b's shape prints them)."""
+    hlo = """
+  %bitcast.897.0 = f32[8,4,1024,1024]{3,2,1,0} bitcast(%fusion.132), metadata={op_name="jit(train_step)/shard_map/while/body/checkpoint/vmap(BTNH,BSNH->BNTS)/dot_general" scheduling_name="bitcast.897.0"}
+  %bitcast.893.3 = bf16[1,8,4,1024,1024]{4,3,2,1,0} bitcast(%param_2.463), metadata={op_name="jit(train_step)/shard_map/checkpoint/vmap(BNTS,BSNH->BTNH)/dot_general"}
+  %fusion.7 = bf16[1,1024,8,4,64]{4,3,2,1,0} fusion(%a, %b), kind=kCustom, metadata={op_name="jit(train_step)/vmap(BNTS,BSNH->BTNH)/dot_general"}
+  %stack = bf16[32,1,1024,1024]{3,2,1,0} dynamic-update-slice(%s, %x, %i, %z, %z, %z), metadata={op_name="jit(train_step)/scan"}
+"""  # noqa: E501 -- HLO lines as the compiler prints them
+    assert plan_gpu.attention_scores(hlo, 1024) == {
+        "materialised": True, "shapes": ["bf16[1,8,4,1024,1024]", "f32[8,4,1024,1024]"],
+        "largest_bytes": 8 * 4 * 1024 * 1024 * 4}

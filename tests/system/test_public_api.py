@@ -1,0 +1,118 @@
+"""The public API: `import jaxpar` exposes the documented names lazily (no jax at import), `jaxpar.train` is the
+function, the README's script runs as written, and `jaxpar.restore` puts a saved run onto another mesh exactly.
+
+Shape letters: G global batch, T sequence length.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from step_helpers import CONFIG, FP32_RTOL, assert_scalar_close, to_host
+
+import jaxpar
+from jaxpar.checkpoint import CheckpointMismatchError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+QUICK = ["train.steps=2", "checkpoint.every_steps=2", "checkpoint.async_save=false", "train.eval_batches=1",
+         "train.sample_tokens=0", "train.progress_bar=false", "data.max_bytes=300000", "model.n_layers=2",
+         "data.seq_len=32", "precision.compute_dtype=float32"]
+ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
+
+
+def test_import_is_lazy_and_every_public_name_resolves():
+    code = ("import sys, jaxpar; assert 'jax' not in sys.modules, 'import jaxpar imported jax'; "
+            "[getattr(jaxpar, n) for n in jaxpar.__all__]; import jaxpar.training.loop; "
+            "assert callable(jaxpar.train) and jaxpar.train.__module__ == 'jaxpar.training.loop'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert {"train", "load_config", "build_plan", "restore", "register_model", "Hook", "default_hooks"} <= set(
+        jaxpar.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'trian'"):
+        jaxpar.trian  # noqa: B018
+
+
+def _readme_example() -> str:
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text[text.index("## Use jaxpar from your own script"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_script_runs_as_written(tmp_path):
+    """The README's example, unchanged, in a directory holding the repository's configs/ and README.md."""
+    for name in ("configs", "README.md"):
+        os.symlink(os.path.join(ROOT, name), tmp_path / name)
+    (tmp_path / "script.py").write_text(_readme_example())
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}  # the script sets it
+    env["PYTHONPATH"] = ROOT
+    out = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert re.search(r"step 5: training loss \d+\.\d+\nstep 10: training loss", out.stdout), out.stdout[-2000:]
+    assert re.search(r"step 10: \d+\.\d+ nats/token on README.md's first 256 bytes", out.stdout)
+    assert re.search(r"after one AdamW step from the restored parameters: loss \d+\.\d+", out.stdout)
+    assert os.path.isdir(tmp_path / "runs" / "my_script" / "checkpoints" / "10")
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """A 2-step run of the tiny config on 8 devices (data=2 x fsdp=2 x tensor=2), checkpointed at step 2."""
+    run_dir = str(tmp_path_factory.mktemp("run"))
+    result = jaxpar.train(jaxpar.load_config(CONFIG, [*QUICK, f"train.run_dir={run_dir}"]))
+    return run_dir, to_host(result.state)
+
+
+def _batch(g: int, t: int) -> dict:
+    rng = np.random.default_rng(0)
+    return {"inputs": rng.integers(0, 259, (g, t), dtype=np.int32),
+            "targets": rng.integers(0, 259, (g, t), dtype=np.int32), "loss_mask": np.ones((g, t), np.float32)}
+
+
+def test_restore_onto_one_device_and_onto_data_parallel_is_exact(saved_run):
+    """Parameters come back bitwise on one device and on data=8; both evaluate a batch alike (fp32 sums
+    reordered: step_helpers.FP32_RTOL)."""
+    run_dir, final = saved_run
+    one = jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1])
+    data8 = jaxpar.restore(os.path.join(run_dir, "checkpoints", "2"), ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    assert one.step == data8.step == 2 and one.plan.mesh.size == 1 and data8.plan.mesh.shape["data"] == 8
+    assert one.cfg.model == data8.cfg.model and one.cfg.model.n_layers == 2  # the saved config, not tiny.yaml's
+    for restored in (one, data8):
+        for a, b in zip(jax.tree.leaves(to_host(restored.params)), jax.tree.leaves(final["params"])):
+            np.testing.assert_array_equal(a, b)
+    batch = _batch(8, 32)
+    l1, n1 = jaxpar.make_eval_step(one.plan)(one.params, batch)
+    l8, n8 = jaxpar.make_eval_step(data8.plan)(data8.params, batch)
+    assert float(n1) == float(n8) == 8 * 32
+    assert_scalar_close(l8, l1, FP32_RTOL, "eval loss on data=8 vs one device")
+
+
+def test_continue_with_another_optimizer(saved_run):
+    """init_state(plan, params=...) starts Lion at step 0 from the restored parameters; its first step's loss is
+    the restored model's loss on that batch."""
+    run_dir, _ = saved_run
+    restored = jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1])
+    plan = jaxpar.build_plan(restored.cfg, restored.plan.mesh, optimizer=optax.lion(1e-4))
+    state = jaxpar.init_state(plan, params=restored.params)
+    assert int(state["step"]) == 0 and "ScaleByLionState" in str(jax.tree.structure(state["opt_state"]))
+    batch = _batch(plan.cfg.train.global_batch_size, 32)
+    loss_sum, tokens = jaxpar.make_eval_step(plan)(restored.params, batch)
+    state, metrics = jaxpar.make_train_step(plan)(state, batch)
+    assert_scalar_close(metrics["loss"], float(loss_sum) / float(tokens), FP32_RTOL, "first Lion step's loss")
+    with pytest.raises(ValueError, match="params do not fit model 'llama'"):
+        jaxpar.init_state(plan, params={"embed": restored.params["embed"]})
+
+
+def test_restore_errors_name_the_problem(saved_run, tmp_path):
+    run_dir, _ = saved_run
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        jaxpar.restore(str(tmp_path), ONE_DEVICE, devices=jax.devices()[:1])
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint for step 7 .*complete steps: \[2\]"):
+        jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1], step=7)
+    with pytest.raises(jaxpar.ConfigError, match="mesh"):
+        jaxpar.restore(run_dir, devices=jax.devices()[:1])  # the saved mesh needs 8 devices
+    with pytest.raises(CheckpointMismatchError):
+        jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1], optimizer=optax.lion(1e-4))

@@ -1,0 +1,53 @@
+"""Every device issues the train step's collectives in one order (`jaxpar.analysis.collective_order`).
+
+XLA:CPU orders collectives only by when they start, so a collective scheduled after a loop of collectives that it
+does not depend on lets devices issue them in different orders; with blocking in-process collectives that
+deadlocked the 1F1B step on 16 simulated devices (tests/parity/test_pipeline.py runs that mesh). The check reads the
+compiled program, so it runs on 8 devices in seconds:
+
+* the pipelined step (1F1B at p = 2 and p = 4, GPipe, 1F1B with tensor parallelism) and a data x fsdp x tensor
+  step with accumulation compile to programs with no such pair;
+* with the data dependencies that order a 1F1B tick removed (`pipeline._after` made the identity), the same
+  check finds the pairs: the forward's loop followed by the backward's collectives and the permutes.
+"""
+import jax
+import pytest
+from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan, quick_compile
+
+from jaxpar.analysis.collective_order import unordered_collectives
+from jaxpar.parallel import pipeline
+from jaxpar.training.step import init_state, make_grad_fn
+
+VALID = (8, 3, 8, 0, 5, 8, 1, 8, 8, 7, 2, 8, 8, 4, 8, 6)
+LAYOUTS = {
+    "1f1b_p2_data2_fsdp2": ("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2"),
+    "1f1b_p4_fsdp2": ("mesh.pipeline=4", "mesh.fsdp=2", "pipeline.microbatches=4"),
+    "1f1b_p2_fsdp2_tensor2_sp": ("mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=2"),
+    "gpipe_p2_data2_fsdp2": ("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2",
+                             "pipeline.schedule=gpipe"),
+    "data2_fsdp2_tensor2_accum2": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"),
+}
+
+
+def _compiled_grad_fn_hlo(overrides) -> str:
+    with quick_compile():
+        plan = make_plan([*FP32, "model.n_layers=4", f"train.global_batch_size={len(VALID)}", "mesh.data=1",
+                          "mesh.fsdp=1", *overrides], jax.devices()[:8])
+        assert plan.mesh.size == 8
+        params = init_state(plan, 0)["params"]
+        batch = device_batch(plan, host_batch(VALID, 8, 0))
+        return compile_fast(jax.jit(make_grad_fn(plan)), params, batch).as_text()
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_device_issues_collectives_in_one_order(name):
+    hlo = _compiled_grad_fn_hlo(LAYOUTS[name])
+    assert "while(" in hlo and ("collective-permute" in hlo) == name.startswith(("1f1b", "gpipe"))
+    assert unordered_collectives(hlo) == []
+
+
+def test_without_the_tick_dependencies_1f1b_is_unordered(monkeypatch):
+    monkeypatch.setattr(pipeline, "_after", lambda tree, deps: tree)
+    pairs = unordered_collectives(_compiled_grad_fn_hlo(LAYOUTS["1f1b_p2_data2_fsdp2"]))
+    later = {opcode for _, _, _, opcode in pairs}
+    assert {"collective-permute", "while"} <= later, pairs
