@@ -7,6 +7,7 @@ Prints the median per-step time of each, the ratio jaxpar / reference (target <=
 The measurements live in `jaxpar.analysis.bench_report` (`measure_overhead`, `zero_memory_tables`) and the reference
 step in `jaxpar.analysis.bench_baselines`; experiments/benchmarks.py reports them with the other benchmarks.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,13 +36,17 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(args.config, args.overrides + ONE_DEVICE, num_devices=1)
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); model {cfg.model.n_layers} layers, "
-          f"d_model {cfg.model.d_model}, batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
-          f"layout {cfg.precision.layout}, compute {jnp.dtype(compute_dtype(cfg)).name}")
+    print(
+        f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); model {cfg.model.n_layers} layers, "
+        f"d_model {cfg.model.d_model}, batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
+        f"layout {cfg.precision.layout}, compute {jnp.dtype(compute_dtype(cfg)).name}"
+    )
     result = measure_overhead(cfg, args.steps, args.rounds)
     jc, rc = result["cost"]["jaxpar"], result["cost"]["reference"]
-    print(f"XLA cost estimate jaxpar/reference: FLOPs {jc['flops'] / rc['flops']:.4f}, "
-          f"bytes accessed {jc['bytes_accessed'] / rc['bytes_accessed']:.4f}")
+    print(
+        f"XLA cost estimate jaxpar/reference: FLOPs {jc['flops'] / rc['flops']:.4f}, "
+        f"bytes accessed {jc['bytes_accessed'] / rc['bytes_accessed']:.4f}"
+    )
     first = result["first_loss"]
     print(f"first-step loss: jaxpar {first['jaxpar']:.6f}  reference {first['reference']:.6f}")
     times = result["times"]
@@ -49,12 +54,15 @@ def main() -> None:
     for name, t in times.items():
         print(f"  {name:<9} per-round medians (ms): " + " ".join(f"{m * 1e3:.2f}" for m in round_medians(t)))
     ratio = med["jaxpar"] / med["reference"]
-    paired = statistics.median(j / r for j, r in zip(round_medians(times["jaxpar"]),
-                                                     round_medians(times["reference"])))
-    print(f"median step ({args.rounds} rounds x {args.steps} steps): jaxpar {med['jaxpar'] * 1e3:.2f} ms, "
-          f"reference {med['reference'] * 1e3:.2f} ms")
-    print(f"ratio jaxpar/reference: {ratio:.3f} (of medians), {paired:.3f} (median of per-round ratios; "
-          "robust to load drift with many short rounds); target <= 1.03")
+    paired = statistics.median(j / r for j, r in zip(round_medians(times["jaxpar"]), round_medians(times["reference"])))
+    print(
+        f"median step ({args.rounds} rounds x {args.steps} steps): jaxpar {med['jaxpar'] * 1e3:.2f} ms, "
+        f"reference {med['reference'] * 1e3:.2f} ms"
+    )
+    print(
+        f"ratio jaxpar/reference: {ratio:.3f} (of medians), {paired:.3f} (median of per-round ratios; "
+        "robust to load drift with many short rounds); target <= 1.03"
+    )
 
     if len(jax.devices()) < 8:
         print(f"memory table skipped: needs 8 devices, have {len(jax.devices())}")

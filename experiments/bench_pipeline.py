@@ -16,6 +16,7 @@ for its 1F1B / GPipe memory rows; the fast XLA:CPU compile options (`FAST_COMPIL
 few percent of an optimised build, step times about 2x for every contender alike) in
 `jaxpar.analysis.compile_options`.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,7 @@ class Contender:
             states[key] = init_state(self.plan, cfg.train.seed)
         self.state = jax.tree.map(lambda x: x.copy(), states[key])
         t0 = time.perf_counter()
-        self.step = make_train_step(self.plan).lower(self.state, self.batch).compile(
-            compiler_options=compiler_options)
+        self.step = make_train_step(self.plan).lower(self.state, self.batch).compile(compiler_options=compiler_options)
         self.compile_s = time.perf_counter() - t0
         self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)
 
@@ -80,6 +80,7 @@ def main() -> None:
     for p in args.stages:
         devices = jax.devices()[:p]
         for m in args.microbatches:
+
             def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
                 overrides = pipeline_overrides(p, pipelined, sched, m, rows)
                 return load_config(args.config, PIPELINE_MODEL + args.overrides + overrides, num_devices=p)
@@ -94,24 +95,34 @@ def main() -> None:
             med = {name: median_seconds(t) for name, t in times.items()}
             plan = contenders["1f1b"].plan
             for sched in ("1f1b", "gpipe"):
-                row = report_row(sched, p, m, rows, cfg.data.seq_len, cfg.model.d_model,
-                                 jnp.dtype(plan.compute_dtype).itemsize)
+                row = report_row(
+                    sched, p, m, rows, cfg.data.seq_len, cfg.model.d_model, jnp.dtype(plan.compute_dtype).itemsize
+                )
                 row.update(temp_bytes=contenders[sched].temp_bytes, time_ratio=med[sched] / med["dp"])
                 all_rows.append(row)
-            print(f"p={p} m={m}: median step ms dp {med['dp'] * 1e3:.2f}, 1f1b {med['1f1b'] * 1e3:.2f}, "
-                  f"gpipe {med['gpipe'] * 1e3:.2f}; dp temp {contenders['dp'].temp_bytes / 1024:.1f} KiB; "
-                  f"compile s " + " ".join(f"{n} {c.compile_s:.1f}" for n, c in contenders.items())
-                  + "; first-step loss " + " ".join(f"{n} {v:.6f}" for n, v in losses.items()), flush=True)
+            print(
+                f"p={p} m={m}: median step ms dp {med['dp'] * 1e3:.2f}, 1f1b {med['1f1b'] * 1e3:.2f}, "
+                f"gpipe {med['gpipe'] * 1e3:.2f}; dp temp {contenders['dp'].temp_bytes / 1024:.1f} KiB; "
+                f"compile s "
+                + " ".join(f"{n} {c.compile_s:.1f}" for n, c in contenders.items())
+                + "; first-step loss "
+                + " ".join(f"{n} {v:.6f}" for n, v in losses.items()),
+                flush=True,
+            )
 
-    print(f"\nmodel {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, seq {cfg.data.seq_len}, "
-          f"b = {rows} rows per microbatch, compute {jnp.dtype(plan.compute_dtype).name}, "
-          f"{jax.devices()[0].device_kind} ({jax.default_backend()}); {args.rounds} rounds x {args.steps} steps; "
-          f"baseline dp = mesh data=p, same global batch m*b; "
-          f"{'optimised' if args.optimized else 'fast (unoptimised) XLA:CPU'} compile; "
-          f"total {time.perf_counter() - t_start:.0f} s")
-    print("temp: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: stage "
-          "inputs kept for the backward on stage 0 (live at once / buffers reserved); ticks (half): clock ticks "
-          "run (of which forward-only or backward-only)")
+    print(
+        f"\nmodel {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, seq {cfg.data.seq_len}, "
+        f"b = {rows} rows per microbatch, compute {jnp.dtype(plan.compute_dtype).name}, "
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()}); {args.rounds} rounds x {args.steps} steps; "
+        f"baseline dp = mesh data=p, same global batch m*b; "
+        f"{'optimised' if args.optimized else 'fast (unoptimised) XLA:CPU'} compile; "
+        f"total {time.perf_counter() - t_start:.0f} s"
+    )
+    print(
+        "temp: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: stage "
+        "inputs kept for the backward on stage 0 (live at once / buffers reserved); ticks (half): clock ticks "
+        "run (of which forward-only or backward-only)"
+    )
     print(format_table(all_rows))
 
 

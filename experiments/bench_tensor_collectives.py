@@ -13,6 +13,7 @@ compiler-chosen step is `jaxpar.analysis.bench_baselines.compiler_chosen_step` a
 `jaxpar.analysis.bench_report.tensor_analytic`;
 experiments/benchmarks.py reports the HLO / analytic ratios with the other benchmarks.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,15 +50,18 @@ def main() -> None:
         extra = [] if sp is None else [f"tensor.sequence_parallel={str(sp).lower()}"]
         cfg = load_config(args.config, overrides + extra, num_devices=jax.device_count())
         plan = build_plan(cfg, build_mesh(cfg))
-        batch = random_batch(cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size,
-                             plan.batch_sharding)
+        batch = random_batch(cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding)
         explicit = make_train_step(plan).lower(abstract_state(plan), batch).compile()
         if compiler is None:  # independent of sequence parallelism: compile and keep once
             compiler = compiler_chosen_step(plan).lower(abstract_state(plan), batch).compile()
-        tables = {"explicit": collectives_by_axis(explicit.as_text(), plan.mesh),
-                  "compiler": collectives_by_axis(compiler.as_text(), plan.mesh)}
-        print(f"\n=== {describe(plan.mesh)}  sequence_parallel={plan.tensor_parallel.sequence_parallel}  "
-              f"remat={cfg.model.remat}  compute={jnp.dtype(plan.compute_dtype).name}")
+        tables = {
+            "explicit": collectives_by_axis(explicit.as_text(), plan.mesh),
+            "compiler": collectives_by_axis(compiler.as_text(), plan.mesh),
+        }
+        print(
+            f"\n=== {describe(plan.mesh)}  sequence_parallel={plan.tensor_parallel.sequence_parallel}  "
+            f"remat={cfg.model.remat}  compute={jnp.dtype(plan.compute_dtype).name}"
+        )
         print("Per step, bytes sent per device (ring formulas, jaxpar.analysis.comm.ring_bytes):")
         print(format_axis_table(tables))
 
@@ -72,8 +76,10 @@ def main() -> None:
             print(f"  {kind:<16} HLO {g:>12,.0f}  analytic {w:>12,.0f}  ratio {ratio}")
         total_g, total_w = sum(got.values()), sum(want.values())
         if total_w:
-            print(f"  {'total':<16} HLO {total_g:>12,.0f}  analytic {total_w:>12,.0f}  ratio {total_g / total_w:.4f}"
-                  f"  (target <= 1.02)")
+            print(
+                f"  {'total':<16} HLO {total_g:>12,.0f}  analytic {total_w:>12,.0f}  ratio {total_g / total_w:.4f}"
+                f"  (target <= 1.02)"
+            )
 
         state = {"explicit": init_state(plan, 0), "compiler": init_state(plan, 0)}
         programs = {"explicit": explicit, "compiler": compiler}
@@ -82,13 +88,16 @@ def main() -> None:
             def run():  # one step; keeps the (donated) state between calls
                 state[name], metrics = programs[name](state[name], batch)
                 return metrics
+
             return run
 
         times = interleaved_step_times({n: runner(n) for n in programs}, args.steps, args.rounds)
         med = {n: median_seconds(r) for n, r in times.items()}
         for n, r in times.items():
-            print(f"  {n:<9} median step {med[n] * 1e3:8.2f} ms  (round medians "
-                  f"{', '.join(f'{x * 1e3:.2f}' for x in round_medians(r))} ms)")
+            print(
+                f"  {n:<9} median step {med[n] * 1e3:8.2f} ms  (round medians "
+                f"{', '.join(f'{x * 1e3:.2f}' for x in round_medians(r))} ms)"
+            )
         print(f"  step time explicit / compiler-chosen: {med['explicit'] / med['compiler']:.3f}")
 
 

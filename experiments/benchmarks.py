@@ -27,6 +27,7 @@ bfloat16, which halves activation and collective bytes in both measured and form
 comparable); compiles use XLA's default options; and the overhead row's step times are real GPU times, the
 only number here that depends on the hardware rather than on the compiler.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default="configs/tiny.yaml")
     ap.add_argument("--quick", action="store_true", help="small model, fewer points: < 2 minutes on 2 CPU cores")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    ap.add_argument("--devices", type=int, default=None,
-                    help="simulated CPU devices (default: JAX_NUM_CPU_DEVICES, else 8; ignored on GPU)")
+    ap.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="simulated CPU devices (default: JAX_NUM_CPU_DEVICES, else 8; ignored on GPU)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps per round (default 5 quick, 20 full)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.n_layers=2")

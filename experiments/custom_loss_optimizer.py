@@ -18,6 +18,7 @@ The calls it shows:
 and `jaxpar.training.step.build_plan(cfg, mesh, loss_fn=..., optimizer=..., learning_rate=...)` takes the same
 keywords for a hand-written loop (`init_state`, `make_train_step`).
 """
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,15 @@ from jaxpar.training.optimizer import skip_nonfinite
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Short and small, so that it runs in seconds: 1 MB of text, one validation batch, no checkpoints or sampling.
-QUICK = ["data.max_bytes=1000000", "train.eval_batches=1", "train.eval_every=0", "train.log_every=1",
-         "train.sample_tokens=0", "train.progress_bar=false", "checkpoint.every_steps=0"]
+QUICK = [
+    "data.max_bytes=1000000",
+    "train.eval_batches=1",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.sample_tokens=0",
+    "train.progress_bar=false",
+    "checkpoint.every_steps=0",
+]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -55,13 +63,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     # Lion wants a learning rate 3-10x below AdamW's (Chen et al. 2023). The schedule is given to
     # the optimizer and to train(), which reports it as the learning_rate metric.
-    schedule = optax.warmup_cosine_decay_schedule(init_value=args.peak_lr / 10, peak_value=args.peak_lr,
-                                                  warmup_steps=max(args.steps // 3, 1), decay_steps=args.steps)
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=args.peak_lr / 10,
+        peak_value=args.peak_lr,
+        warmup_steps=max(args.steps // 3, 1),
+        decay_steps=args.steps,
+    )
     with tempfile.TemporaryDirectory(prefix="jaxpar-custom-") as run_dir:
-        cfg = load_config(CONFIG, [*QUICK, f"train.steps={args.steps}", f"train.run_dir={run_dir}",
-                                   *args.overrides])
-        result = train(cfg, loss_fn=cross_entropy_with_z_loss(args.z_loss),
-                       optimizer=skip_nonfinite(optax.lion(schedule)), learning_rate=schedule)
+        cfg = load_config(CONFIG, [*QUICK, f"train.steps={args.steps}", f"train.run_dir={run_dir}", *args.overrides])
+        result = train(
+            cfg,
+            loss_fn=cross_entropy_with_z_loss(args.z_loss),
+            optimizer=skip_nonfinite(optax.lion(schedule)),
+            learning_rate=schedule,
+        )
         with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
     print("step  loss (CE + z-loss)  learning rate  skipped")
@@ -69,11 +84,18 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{row['step']:4d}  {row['loss']:18.4f}  {row['learning_rate']:13.3e}  {row['skipped_steps']:7d}")
     print(f"validation cross-entropy: {result.initial_val_loss:.4f} -> {result.val_loss:.4f} nats/token")
     mu = otu.tree_get(result.state["opt_state"], "mu")["blocks"]["mlp"]["w_up"]
-    print(f"Lion momentum of blocks.mlp.w_up {tuple(mu.shape)}: spec {mu.sharding.spec}, "
-          f"{tuple(mu.sharding.shard_shape(mu.shape))} per device on {len(mu.sharding.device_set)} devices")
-    return {"rows": rows, "losses": result.losses, "val_loss": result.val_loss,
-            "initial_val_loss": result.initial_val_loss,
-            "mu_sharding": mu.sharding, "devices": jax.device_count()}
+    print(
+        f"Lion momentum of blocks.mlp.w_up {tuple(mu.shape)}: spec {mu.sharding.spec}, "
+        f"{tuple(mu.sharding.shard_shape(mu.shape))} per device on {len(mu.sharding.device_set)} devices"
+    )
+    return {
+        "rows": rows,
+        "losses": result.losses,
+        "val_loss": result.val_loss,
+        "initial_val_loss": result.initial_val_loss,
+        "mu_sharding": mu.sharding,
+        "devices": jax.device_count(),
+    }
 
 
 if __name__ == "__main__":

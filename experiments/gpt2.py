@@ -24,6 +24,7 @@ Reads from `ModelConfig`: vocab_size, d_model, n_layers, n_heads, head_dim, d_ff
 Refuses n_kv_heads other than n_heads (no grouped-query attention) and untied embeddings (GPT-2 ties them);
 ignores rope_theta. Sequences may be at most `MAX_POSITIONS` tokens (the position table's rows).
 """
+
 from __future__ import annotations
 
 import jax
@@ -78,19 +79,23 @@ class CausalSelfAttention(nnx.Module):
         # Heads side by side on one axis of width H * K, split over `tensor` by whole heads (H % t == 0).
         self.head_dim = head_dim
         for name in ("q", "k", "v"):
-            setattr(self, f"w{name}", nnx.Param(_normal(rngs, (d, heads * head_dim), std),
-                                                logical_axes=("embed", "heads")))
+            setattr(
+                self, f"w{name}", nnx.Param(_normal(rngs, (d, heads * head_dim), std), logical_axes=("embed", "heads"))
+            )
             setattr(self, f"b{name}", nnx.Param(jnp.zeros((heads * head_dim,), jnp.float32), logical_axes=("heads",)))
         # GPT-2 scales the residual projections' initialisation by 1/sqrt(2L) (Radford et al. 2019, 2.3).
-        self.wo = nnx.Param(_normal(rngs, (heads * head_dim, d), std / (2 * n_layers) ** 0.5),
-                            logical_axes=("heads", "embed"))
+        self.wo = nnx.Param(
+            _normal(rngs, (heads * head_dim, d), std / (2 * n_layers) ** 0.5), logical_axes=("heads", "embed")
+        )
         self.bo = nnx.Param(jnp.zeros((d,), jnp.float32), logical_axes=("embed",))
 
     def __call__(self, x_BTD: jax.Array, tp: TensorParallel) -> jax.Array:
         x_BTD = tp.enter(x_BTD)  # column-parallel input: one all-gather (or identity) for all three projections
         b, t, _ = x_BTD.shape
-        q, k, v = (column_parallel(x_BTD, w[...], bias[...], NO_TENSOR_PARALLEL).reshape(b, t, -1, self.head_dim)
-                   for w, bias in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv)))
+        q, k, v = (
+            column_parallel(x_BTD, w[...], bias[...], NO_TENSOR_PARALLEL).reshape(b, t, -1, self.head_dim)
+            for w, bias in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv))
+        )
         out_BTHK = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # H/t local heads
         context_BTF = checkpoint_name(out_BTHK.reshape(b, t, -1), ATTENTION_CONTEXT)
         return row_parallel(context_BTF, self.wo[...], self.bo[...], tp)
@@ -147,19 +152,27 @@ class GPT2(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         if cfg.kv_heads != cfg.n_heads:
-            raise ValueError(f"model gpt2 has no grouped-query attention: set model.n_kv_heads=null (got "
-                             f"{cfg.n_kv_heads} with n_heads={cfg.n_heads})")
+            raise ValueError(
+                f"model gpt2 has no grouped-query attention: set model.n_kv_heads=null (got "
+                f"{cfg.n_kv_heads} with n_heads={cfg.n_heads})"
+            )
         if not cfg.tie_embeddings:
-            raise ValueError("model gpt2 ties its output projection to the token embedding: set "
-                             "model.tie_embeddings=true")
+            raise ValueError(
+                "model gpt2 ties its output projection to the token embedding: set model.tie_embeddings=true"
+            )
         self.remat = cfg.remat
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
         self.positions = Positions(cfg.d_model, rngs)
         self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs), rngs)
         self.final_norm = LayerNorm(cfg.d_model, cfg.norm_eps)
 
-    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather = no_gather,
-                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def embed_tokens(
+        self,
+        tokens_BT: jax.Array,
+        dtype: jnp.dtype,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+    ) -> jax.Array:
         """Token ids [B, T] -> token + position embeddings [B, T, D] ([B, T/t, D] with sequence parallelism)."""
         seq = tokens_BT.shape[1]
         if seq > MAX_POSITIONS:
@@ -170,18 +183,26 @@ class GPT2(nnx.Module):
         positions_TD = jax.lax.dynamic_slice_in_dim(table, tp.sequence_start(local), local, axis=0)
         return x_BTD + positions_TD.astype(dtype)[None]
 
-    def run_blocks(self, x_BTD: jax.Array, gather: Gather = no_gather,
-                   tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def run_blocks(
+        self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL
+    ) -> jax.Array:
         """The stacked blocks this module holds (a pipeline stage's share) over [B, T or T/t, D]."""
         return scan_layers(self.blocks, x_BTD, self.remat, gather, tp)
 
-    def logits(self, x_BTD: jax.Array, gather: Gather = no_gather,
-               tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def logits(
+        self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL
+    ) -> jax.Array:
         """Final LayerNorm and the tied projection: [B, T or T/t, D] -> [B, T, V/t] (this rank's vocabulary)."""
         return gather(self.embed).attend(gather(self.final_norm)(x_BTD), tp)
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, gather: Gather = no_gather,
-                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        dtype: jnp.dtype = jnp.float32,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+    ) -> jax.Array:
         return self.logits(self.run_blocks(self.embed_tokens(tokens_BT, dtype, gather, tp), gather, tp), gather, tp)
+
 
 register_model("gpt2", GPT2, replace=True)  # replace: importing this file twice (as a script and a module)

@@ -12,6 +12,7 @@ Extra `key=value` arguments override the config; the run directories are tempora
 The iterator yields this process's rows of each global batch, {"inputs", "targets": int [R, T], "loss_mask":
 float [R, T]} (R = global batch / processes), and has Grain's get_state / set_state (`jaxpar.data.IteratorLoader`).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,17 @@ from jaxpar.training.loop import train
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # A constant learning rate, so that a run stopped early is the same run as a longer one up to that step.
-QUICK = ["data.max_bytes=1000000", "train.eval_batches=1", "train.eval_every=0", "train.log_every=1",
-         "train.sample_tokens=0", "train.progress_bar=false", "optimizer.decay=constant", "optimizer.warmup_steps=0",
-         "checkpoint.async_save=false"]
+QUICK = [
+    "data.max_bytes=1000000",
+    "train.eval_batches=1",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.sample_tokens=0",
+    "train.progress_bar=false",
+    "optimizer.decay=constant",
+    "optimizer.warmup_steps=0",
+    "checkpoint.async_save=false",
+]
 
 
 def stdlib_windows(seq_len: int, max_bytes: int = 2_000_000) -> np.ndarray:
@@ -48,15 +57,18 @@ def stdlib_windows(seq_len: int, max_bytes: int = 2_000_000) -> np.ndarray:
             break
     tokens = np.frombuffer(bytes(text[:max_bytes]), np.uint8).astype(np.int32)
     n = len(tokens) // (seq_len + 1)
-    return tokens[:n * (seq_len + 1)].reshape(n, seq_len + 1)
+    return tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
 
 
 def batches(windows: np.ndarray, global_batch: int, seed: int = 0):
     """Grain: shuffled windows, each process taking its own share of every global batch, batched."""
     rows = global_batch // jax.process_count()
-    ds = (grain.MapDataset.source(list(windows)).shuffle(seed=seed).repeat()
-          [jax.process_index()::jax.process_count()]
-          .map(lambda w: {"inputs": w[:-1], "targets": w[1:], "loss_mask": np.ones(len(w) - 1, np.float32)}))
+    ds = (
+        grain.MapDataset.source(list(windows))
+        .shuffle(seed=seed)
+        .repeat()[jax.process_index() :: jax.process_count()]
+        .map(lambda w: {"inputs": w[:-1], "targets": w[1:], "loss_mask": np.ones(len(w) - 1, np.float32)})
+    )
     return iter(ds.to_iter_dataset().batch(rows))
 
 
@@ -68,9 +80,18 @@ def main(argv: list[str] | None = None) -> dict:
     configure_logging()  # jaxpar's log lines (jaxpar.log), as jaxpar-train prints them
     half = max(args.steps // 2, 1)
     with tempfile.TemporaryDirectory(prefix="jaxpar-own-data-") as tmp:
+
         def cfg(run: str, steps: int):
-            return load_config(CONFIG, [*QUICK, f"train.steps={steps}", f"checkpoint.every_steps={half}",
-                                        f"train.run_dir={os.path.join(tmp, run)}", *args.overrides])
+            return load_config(
+                CONFIG,
+                [
+                    *QUICK,
+                    f"train.steps={steps}",
+                    f"checkpoint.every_steps={half}",
+                    f"train.run_dir={os.path.join(tmp, run)}",
+                    *args.overrides,
+                ],
+            )
 
         base = cfg("whole", args.steps)
         windows = stdlib_windows(base.data.seq_len)

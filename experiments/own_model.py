@@ -15,6 +15,7 @@ to fp32 rounding (the CPU collectives across processes may add in another order)
 Extra `key=value` arguments override the config. Run directories: RUN_DIR/whole and RUN_DIR/split (--run-dir,
 default runs/own_model), replaced on every start.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,15 +41,34 @@ import gpt2  # noqa: E402, F401  (registers model.name=gpt2)
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 SETTINGS = [
-    "model.name=gpt2", "model.n_kv_heads=null", "model.tie_embeddings=true", "model.d_model=128",
-    "model.n_layers=4", "model.n_heads=4", "model.d_ff=512",
-    "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "mesh.pipeline=2", "tensor.sequence_parallel=true",
-    "pipeline.microbatches=4", "pipeline.schedule=1f1b", "optimizer.zero_stage=3",
-    "data.seq_len=64", "train.global_batch_size=16", "optimizer.learning_rate=1e-3",
+    "model.name=gpt2",
+    "model.n_kv_heads=null",
+    "model.tie_embeddings=true",
+    "model.d_model=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.d_ff=512",
+    "mesh.data=2",
+    "mesh.fsdp=1",
+    "mesh.tensor=2",
+    "mesh.pipeline=2",
+    "tensor.sequence_parallel=true",
+    "pipeline.microbatches=4",
+    "pipeline.schedule=1f1b",
+    "optimizer.zero_stage=3",
+    "data.seq_len=64",
+    "train.global_batch_size=16",
+    "optimizer.learning_rate=1e-3",
     # a constant rate after warmup: a run stopped early is the same run as a longer one up to that step
-    "optimizer.decay=constant", "optimizer.warmup_steps=2",
-    "data.max_bytes=300000", "train.eval_batches=2", "train.eval_every=0", "train.log_every=1",
-    "train.sample_tokens=0", "train.progress_bar=false", "checkpoint.async_save=false",
+    "optimizer.decay=constant",
+    "optimizer.warmup_steps=2",
+    "data.max_bytes=300000",
+    "train.eval_batches=2",
+    "train.eval_every=0",
+    "train.log_every=1",
+    "train.sample_tokens=0",
+    "train.progress_bar=false",
+    "checkpoint.async_save=false",
 ]
 SMOOTHING = 0.1
 
@@ -72,7 +92,7 @@ def stdlib_windows(seq_len: int, max_bytes: int = 2_000_000) -> np.ndarray:
             break
     tokens = np.frombuffer(bytes(text[:max_bytes]), np.uint8).astype(np.int32)
     n = len(tokens) // (seq_len + 1)
-    return tokens[:n * (seq_len + 1)].reshape(n, seq_len + 1)
+    return tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
 
 
 def batches(windows: np.ndarray, global_batch: int, seed: int = 0):
@@ -80,16 +100,20 @@ def batches(windows: np.ndarray, global_batch: int, seed: int = 0):
     every process draws the same shuffled global batch and keeps its own contiguous block of rows, so the
     global batch is the same for any number of processes."""
     rows, first = global_batch // jax.process_count(), jax.process_index() * (global_batch // jax.process_count())
-    ds = (grain.MapDataset.source(list(windows)).shuffle(seed=seed).repeat()
-          .map(lambda w: {"inputs": w[:-1], "targets": w[1:], "loss_mask": np.ones(len(w) - 1, np.float32)}))
+    ds = (
+        grain.MapDataset.source(list(windows))
+        .shuffle(seed=seed)
+        .repeat()
+        .map(lambda w: {"inputs": w[:-1], "targets": w[1:], "loss_mask": np.ones(len(w) - 1, np.float32)})
+    )
     ds = ds.to_iter_dataset().batch(global_batch)
-    return iter(ds.map(lambda b: {k: v[first:first + rows] for k, v in b.items()}))
+    return iter(ds.map(lambda b: {k: v[first : first + rows] for k, v in b.items()}))
 
 
 def local_rows(global_rows: np.ndarray) -> np.ndarray:
     """This process's contiguous block of a global batch's rows."""
     rows = len(global_rows) // jax.process_count()
-    return global_rows[jax.process_index() * rows:(jax.process_index() + 1) * rows]
+    return global_rows[jax.process_index() * rows : (jax.process_index() + 1) * rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,24 +130,32 @@ def main(argv: list[str] | None = None) -> int:
     multihost_utils.sync_global_devices("run directories cleared")
 
     def cfg(run: str, steps: int) -> jaxpar.Config:
-        return jaxpar.load_config(CONFIG, [*SETTINGS, f"train.steps={steps}", f"checkpoint.every_steps={half}",
-                                           f"train.run_dir={os.path.join(args.run_dir, run)}", *args.overrides])
+        return jaxpar.load_config(
+            CONFIG,
+            [
+                *SETTINGS,
+                f"train.steps={steps}",
+                f"checkpoint.every_steps={half}",
+                f"train.run_dir={os.path.join(args.run_dir, run)}",
+                *args.overrides,
+            ],
+        )
 
     base = cfg("whole", args.steps)
     windows = stdlib_windows(base.data.seq_len)
 
     def run(c: jaxpar.Config) -> jaxpar.TrainResult:
-        return jaxpar.train(c, loss_fn=label_smoothed_cross_entropy,
-                            data=batches(windows, c.train.global_batch_size))
+        return jaxpar.train(c, loss_fn=label_smoothed_cross_entropy, data=batches(windows, c.train.global_batch_size))
 
     whole = run(base)
     run(cfg("split", half))
     rest = run(cfg("split", args.steps))  # resumes at step `half` with the iterator's saved position
 
-    restored = jaxpar.restore(os.path.join(args.run_dir, "split"), ["mesh.data=-1", "mesh.tensor=1",
-                                                                    "mesh.pipeline=1", "pipeline.microbatches=1",
-                                                                    "optimizer.zero_stage=1"])
-    rows = local_rows(windows[-base.train.global_batch_size:])  # the last windows, as one global batch
+    restored = jaxpar.restore(
+        os.path.join(args.run_dir, "split"),
+        ["mesh.data=-1", "mesh.tensor=1", "mesh.pipeline=1", "pipeline.microbatches=1", "optimizer.zero_stage=1"],
+    )
+    rows = local_rows(windows[-base.train.global_batch_size :])  # the last windows, as one global batch
     batch = {"inputs": rows[:, :-1], "targets": rows[:, 1:], "loss_mask": np.ones(rows[:, 1:].shape, np.float32)}
     batch = {k: jax.make_array_from_process_local_data(restored.plan.batch_sharding, v) for k, v in batch.items()}
     loss_sum, tokens = jaxpar.make_eval_step(restored.plan)(restored.params, batch)
@@ -136,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             resumed = f"{rest.losses[s]:.6f}" if s in rest.losses else "(first half)"
             print(f"{s:>4}  {whole.losses[s]:>13.6f}  {resumed:>21}")
         print(f"resumed losses {'equal' if same else 'DIFFER from'} the uninterrupted run's, bitwise")
-        print(f"restored step {restored.step} onto mesh {dict(restored.plan.mesh.shape)}: loss "
-              f"{float(loss_sum) / float(tokens):.4f} nats/token on {int(tokens)} tokens; sample: {sample!r}")
+        print(
+            f"restored step {restored.step} onto mesh {dict(restored.plan.mesh.shape)}: loss "
+            f"{float(loss_sum) / float(tokens):.4f} nats/token on {int(tokens)} tokens; sample: {sample!r}"
+        )
     return 0 if same else 1
 
 

@@ -1,4 +1,5 @@
 """Thin script equivalent to `jaxpar-train`: python experiments/train.py CONFIG [--cpu-devices N] [key=value ...]"""
+
 import sys
 
 from jaxpar.cli.train import main

@@ -15,6 +15,7 @@ The names a training script needs (each documented where it is defined):
 Imports are lazy: `import jaxpar` does not import jax, so a script (or `jaxpar-train --cpu-devices N`) can still
 set JAX_NUM_CPU_DEVICES or XLA_FLAGS after it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -22,19 +23,33 @@ import importlib
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "Config": "jaxpar.config", "ConfigError": "jaxpar.config", "load_config": "jaxpar.config",
+    "Config": "jaxpar.config",
+    "ConfigError": "jaxpar.config",
+    "load_config": "jaxpar.config",
     "build_mesh": "jaxpar.mesh",
     "train": "jaxpar.training.loop",
-    "TrainResult": "jaxpar.training.hooks", "TrainingDiverged": "jaxpar.training.hooks",
-    "Hook": "jaxpar.training.hooks", "RunContext": "jaxpar.training.hooks", "default_hooks": "jaxpar.training.hooks",
-    "StepPlan": "jaxpar.training.step", "build_plan": "jaxpar.training.step", "init_state": "jaxpar.training.step",
-    "abstract_state": "jaxpar.training.step", "make_train_step": "jaxpar.training.step",
+    "TrainResult": "jaxpar.training.hooks",
+    "TrainingDiverged": "jaxpar.training.hooks",
+    "Hook": "jaxpar.training.hooks",
+    "RunContext": "jaxpar.training.hooks",
+    "default_hooks": "jaxpar.training.hooks",
+    "StepPlan": "jaxpar.training.step",
+    "build_plan": "jaxpar.training.step",
+    "init_state": "jaxpar.training.step",
+    "abstract_state": "jaxpar.training.step",
+    "make_train_step": "jaxpar.training.step",
     "make_eval_step": "jaxpar.training.step",
-    "cross_entropy": "jaxpar.training.loss", "cross_entropy_with_z_loss": "jaxpar.training.loss",
-    "VocabParallelLoss": "jaxpar.training.loss", "skip_nonfinite": "jaxpar.training.optimizer",
-    "register_model": "jaxpar.model", "LanguageModel": "jaxpar.model",
-    "restore": "jaxpar.restore_run", "Restored": "jaxpar.restore_run", "sample_text": "jaxpar.generate",
-    "configure_logging": "jaxpar.log", "initialize": "jaxpar.distributed",
+    "cross_entropy": "jaxpar.training.loss",
+    "cross_entropy_with_z_loss": "jaxpar.training.loss",
+    "VocabParallelLoss": "jaxpar.training.loss",
+    "skip_nonfinite": "jaxpar.training.optimizer",
+    "register_model": "jaxpar.model",
+    "LanguageModel": "jaxpar.model",
+    "restore": "jaxpar.restore_run",
+    "Restored": "jaxpar.restore_run",
+    "sample_text": "jaxpar.generate",
+    "configure_logging": "jaxpar.log",
+    "initialize": "jaxpar.distributed",
 }
 __all__ = sorted(_PUBLIC)
 

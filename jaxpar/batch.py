@@ -6,6 +6,7 @@ G global batch size (sequences over all devices), T sequence length. `targets` a
 `loss_mask` is 1 where a target is scored and 0 for padding (`jaxpar.data.pack`). Each array is sharded by rows
 over the data-parallel axes (`jaxpar.training.step.StepPlan.batch_sharding`).
 """
+
 from __future__ import annotations
 
 import jax
@@ -16,21 +17,31 @@ BATCH_KEYS = ("inputs", "targets", "loss_mask")
 BATCH_DTYPES = {"inputs": np.dtype(np.int32), "targets": np.dtype(np.int32), "loss_mask": np.dtype(np.float32)}
 
 
-def random_batch(global_batch_size: int, seq_len: int, vocab_size: int, sharding: jax.sharding.Sharding,
-                 seed: int = 0, masked_prefix: int = 0) -> dict[str, jax.Array]:
+def random_batch(
+    global_batch_size: int,
+    seq_len: int,
+    vocab_size: int,
+    sharding: jax.sharding.Sharding,
+    seed: int = 0,
+    masked_prefix: int = 0,
+) -> dict[str, jax.Array]:
     """Uniform random tokens in [0, vocab_size) for `inputs` and `targets`, placed with `sharding`; the first
     `masked_prefix` positions of every row have loss_mask 0, the rest 1 (for timing and benchmarking a step)."""
     k1, k2 = jax.random.split(jax.random.key(seed))
     shape = (global_batch_size, seq_len)
-    batch = {"inputs": jax.random.randint(k1, shape, 0, vocab_size, BATCH_DTYPES["inputs"]),
-             "targets": jax.random.randint(k2, shape, 0, vocab_size, BATCH_DTYPES["targets"]),
-             "loss_mask": jnp.ones(shape, BATCH_DTYPES["loss_mask"]).at[:, :masked_prefix].set(0.0)}
+    batch = {
+        "inputs": jax.random.randint(k1, shape, 0, vocab_size, BATCH_DTYPES["inputs"]),
+        "targets": jax.random.randint(k2, shape, 0, vocab_size, BATCH_DTYPES["targets"]),
+        "loss_mask": jnp.ones(shape, BATCH_DTYPES["loss_mask"]).at[:, :masked_prefix].set(0.0),
+    }
     return jax.device_put(batch, sharding)
 
 
-def abstract_batch(global_batch_size: int, seq_len: int,
-                   sharding: jax.sharding.Sharding | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+def abstract_batch(
+    global_batch_size: int, seq_len: int, sharding: jax.sharding.Sharding | None = None
+) -> dict[str, jax.ShapeDtypeStruct]:
     """`jax.ShapeDtypeStruct`s of one global batch, [global_batch_size, seq_len] each, carrying `sharding` (what
     `jit(...).lower` needs to compile a step without data)."""
-    return {k: jax.ShapeDtypeStruct((global_batch_size, seq_len), BATCH_DTYPES[k], sharding=sharding)
-            for k in BATCH_KEYS}
+    return {
+        k: jax.ShapeDtypeStruct((global_batch_size, seq_len), BATCH_DTYPES[k], sharding=sharding) for k in BATCH_KEYS
+    }

@@ -23,6 +23,7 @@ states, and raise `CheckpointMismatchError` (a `ValueError`) carrying every diff
 Restoring onto a different mesh or layout is supported: every leaf of `abstract_state` is a
 `jax.ShapeDtypeStruct` with a `.sharding`, and the arrays come back with exactly that sharding.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -96,8 +97,10 @@ class ArrayDifference:
         if t is None:
             return f"{self.key}: in the checkpoint, missing from the target"
         if s == EMPTY or t == EMPTY:
-            return (f"{self.key}: {'no array' if s == EMPTY else 'an array'} in the checkpoint, "
-                    f"{'no array' if t == EMPTY else 'an array'} in the target")
+            return (
+                f"{self.key}: {'no array' if s == EMPTY else 'an array'} in the checkpoint, "
+                f"{'no array' if t == EMPTY else 'an array'} in the target"
+            )
         parts = [f"checkpoint shape {s[0]} != target shape {t[0]}"] if s[0] != t[0] else []
         parts += [f"checkpoint dtype {s[1]} != target dtype {t[1]}"] if s[1] != t[1] else []
         return f"{self.key}: {'; '.join(parts)}"
@@ -113,14 +116,15 @@ class CheckpointMismatchError(ValueError):
 
     def __init__(self, path: str, step: int, differences: Sequence[ArrayDifference]):
         self.path, self.step, self.differences = path, step, tuple(differences)
-        super().__init__(f"checkpoint {path} does not match the restore target:\n"
-                         + "\n".join(f"  {d}" for d in self.differences))
+        super().__init__(
+            f"checkpoint {path} does not match the restore target:\n" + "\n".join(f"  {d}" for d in self.differences)
+        )
 
     def __reduce__(self):  # keeps the fields through pickling (multiprocessing, pytest-xdist)
         return type(self), (self.path, self.step, self.differences)
 
     def summary(self, examples: int = 3) -> str:
-        """"N arrays differ, e.g. A; B; C", the parameters' differences first (they say most about the model)."""
+        """ "N arrays differ, e.g. A; B; C", the parameters' differences first (they say most about the model)."""
         first = sorted(self.differences, key=lambda d: not d.key.startswith("params."))[:examples]
         return f"{len(self.differences)} arrays differ, e.g. {'; '.join(map(str, first))}"
 
@@ -129,8 +133,11 @@ def _check_target(saved_tree: Any, abstract_state: Any, path: str, step: int) ->
     """Raise CheckpointMismatchError with every key whose presence, structure, shape or dtype differs between the
     checkpoint's metadata and the target."""
     saved, want = _flat_leaves(saved_tree), _flat_leaves(abstract_state)
-    differences = [ArrayDifference(k, saved.get(k), want.get(k)) for k in sorted(saved.keys() | want.keys())
-                   if saved.get(k) != want.get(k)]
+    differences = [
+        ArrayDifference(k, saved.get(k), want.get(k))
+        for k in sorted(saved.keys() | want.keys())
+        if saved.get(k) != want.get(k)
+    ]
     if differences:
         raise CheckpointMismatchError(path, step, differences)
 
@@ -139,8 +146,7 @@ def _check_has_shardings(abstract_state: Any) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
     missing = [jax.tree_util.keystr(p) for p, x in leaves if getattr(x, "sharding", None) is None]
     if missing:
-        raise ValueError(f"abstract_state leaves need a .sharding (jax.ShapeDtypeStruct(..., sharding=...)): "
-                         f"{missing}")
+        raise ValueError(f"abstract_state leaves need a .sharding (jax.ShapeDtypeStruct(..., sharding=...)): {missing}")
 
 
 class Checkpointer:
@@ -162,8 +168,9 @@ class Checkpointer:
     be shared.
     """
 
-    def __init__(self, directory: str, *, every_steps: int, keep: int, async_save: bool = True,
-                 read_only: bool = False):
+    def __init__(
+        self, directory: str, *, every_steps: int, keep: int, async_save: bool = True, read_only: bool = False
+    ):
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
         if keep < 1:
@@ -181,10 +188,14 @@ class Checkpointer:
             # Only for finding steps: a step counts once it holds commit_success.txt. Writing still uses the
             # default atomic rename of <step>.orbax-checkpoint-tmp.
             step_name_format=ocp.path.step.standard_name_format(
-                temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath),
+                temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath
+            ),
         )
-        handlers = {_STATE: ocp.StandardCheckpointHandler(), _DATA: ocp.JsonCheckpointHandler(),
-                    _CONFIG: ocp.JsonCheckpointHandler()}
+        handlers = {
+            _STATE: ocp.StandardCheckpointHandler(),
+            _DATA: ocp.JsonCheckpointHandler(),
+            _CONFIG: ocp.JsonCheckpointHandler(),
+        }
         self._manager = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
         # Newest step saved or in flight; should_save reads this, not the filesystem, each step.
         self._last_saved: int | None = self.latest_step()
@@ -225,8 +236,13 @@ class Checkpointer:
                 json.dumps(item)
             except TypeError as e:
                 raise TypeError(f"checkpoint item {name!r} is not JSON-serialisable: {e}") from e
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(state), _DATA: ocp.args.JsonSave(data_state),
-                                     _CONFIG: ocp.args.JsonSave(config)})
+        args = ocp.args.Composite(
+            **{
+                _STATE: ocp.args.StandardSave(state),
+                _DATA: ocp.args.JsonSave(data_state),
+                _CONFIG: ocp.args.JsonSave(config),
+            }
+        )
         if not self._read_only:  # every process (a shared directory): exist_ok makes concurrent creation safe
             os.makedirs(self.directory, exist_ok=True)
         saved = bool(self._manager.save(step, args=args, force=True))
@@ -270,9 +286,11 @@ class Checkpointer:
                 unreadable.append((candidate, e))
                 continue
             for bad, e in unreadable:  # an older step fits the target, so these are damaged, not mismatched
-                warnings.warn(f"checkpoint step {bad} in {self.directory} cannot be read ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:300] if str(e) else ''}); fell back to step {candidate}",
-                              stacklevel=2)
+                warnings.warn(
+                    f"checkpoint step {bad} in {self.directory} cannot be read ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:300] if str(e) else ''}); fell back to step {candidate}",
+                    stacklevel=2,
+                )
                 self._set_aside(bad)
             return restored
         raise unreadable[0][1]
@@ -280,13 +298,20 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
         step_dir = os.path.join(self.directory, str(step))
         if not _is_complete_step_dir(step_dir):
-            raise FileNotFoundError(f"no complete checkpoint for step {step} in {self.directory} "
-                                    f"(complete steps: {self.all_steps()})")
+            raise FileNotFoundError(
+                f"no complete checkpoint for step {step} in {self.directory} (complete steps: {self.all_steps()})"
+            )
         saved = self._manager.item_metadata(step)[_STATE]
-        _check_target(saved.tree if hasattr(saved, "tree") else saved, abstract_state, os.path.join(step_dir, _STATE),
-                      step)
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract_state), _DATA: ocp.args.JsonRestore(),
-                                     _CONFIG: ocp.args.JsonRestore()})
+        _check_target(
+            saved.tree if hasattr(saved, "tree") else saved, abstract_state, os.path.join(step_dir, _STATE), step
+        )
+        args = ocp.args.Composite(
+            **{
+                _STATE: ocp.args.StandardRestore(abstract_state),
+                _DATA: ocp.args.JsonRestore(),
+                _CONFIG: ocp.args.JsonRestore(),
+            }
+        )
         restored = self._manager.restore(step, args=args)
         return restored[_STATE], dict(restored[_DATA]), dict(restored[_CONFIG])
 
@@ -303,6 +328,7 @@ class Checkpointer:
             os.rename(source, target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices(f"jaxpar_set_aside_{step}")
         self._manager.reload()
         self._last_saved = self.latest_step()
@@ -338,10 +364,13 @@ def resolve_checkpoint_path(path: str) -> tuple[str, int | None]:
         raise FileNotFoundError(f"checkpoint path {path} does not exist or is not a directory")
     name = os.path.basename(path)
     if _TMP_STEP.fullmatch(name):
-        raise FileNotFoundError(f"{path} is an unfinished save (Orbax temporary directory), not a checkpoint; pass "
-                                f"its parent {os.path.dirname(path)} to use the complete steps")
-    if _STEP_NAME.fullmatch(name) and (os.path.isdir(os.path.join(path, _STATE))
-                                       or os.path.isfile(os.path.join(path, _COMMIT_MARKER))):
+        raise FileNotFoundError(
+            f"{path} is an unfinished save (Orbax temporary directory), not a checkpoint; pass "
+            f"its parent {os.path.dirname(path)} to use the complete steps"
+        )
+    if _STEP_NAME.fullmatch(name) and (
+        os.path.isdir(os.path.join(path, _STATE)) or os.path.isfile(os.path.join(path, _COMMIT_MARKER))
+    ):
         return os.path.dirname(path), int(name)
     run_checkpoints = os.path.join(path, RUN_CHECKPOINT_DIR)
     if os.path.isdir(run_checkpoints):

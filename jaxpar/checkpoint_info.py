@@ -11,6 +11,7 @@ unreadable step a restore set aside) are listed as incomplete, never chosen. Arr
 (`StandardCheckpointHandler.metadata`): no array data is read and no device is used, so this runs on a laptop for
 a checkpoint written by many GPU hosts (given the shared directory).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,11 +58,17 @@ def list_step_dirs(root: str) -> tuple[list[int], list[dict]]:
         elif _STEP_NAME.fullmatch(name):
             incomplete.append({"name": name, "step": int(name), "reason": f"no {_COMMIT_MARKER}"})
         elif (m := _TMP_STEP.fullmatch(name)) is not None:
-            incomplete.append({"name": name, "step": int(m.group(1)),
-                               "reason": "Orbax temporary directory (save interrupted or in flight)"})
+            incomplete.append(
+                {
+                    "name": name,
+                    "step": int(m.group(1)),
+                    "reason": "Orbax temporary directory (save interrupted or in flight)",
+                }
+            )
         elif (m := _CORRUPT_STEP.fullmatch(name)) is not None:
-            incomplete.append({"name": name, "step": int(m.group(1)),
-                               "reason": "set aside by a restore that could not read it"})
+            incomplete.append(
+                {"name": name, "step": int(m.group(1)), "reason": "set aside by a restore that could not read it"}
+            )
     return sorted(complete), sorted(incomplete, key=lambda e: (e["step"], e["name"]))
 
 
@@ -77,8 +84,11 @@ def _spec_text(sharding: Any) -> str:
     """The saved sharding as text: `P(data, fsdp)` for a NamedSharding, else its kind."""
     spec = getattr(sharding, "partition_spec", None)
     if spec is not None:
-        return "P(" + ", ".join("None" if d is None else d if isinstance(d, str) else "(" + ", ".join(d) + ")"
-                                for d in spec) + ")"
+        return (
+            "P("
+            + ", ".join("None" if d is None else d if isinstance(d, str) else "(" + ", ".join(d) + ")" for d in spec)
+            + ")"
+        )
     if sharding is None:
         return "-"
     return "single device" if "SingleDevice" in type(sharding).__name__ else type(sharding).__name__
@@ -115,8 +125,15 @@ def read_arrays(state_dir: str) -> tuple[list[dict], dict[str, int] | None]:
         dtype = np.dtype(meta.dtype)
         sharding = getattr(meta, "sharding", None)
         mesh = mesh or _saved_mesh(sharding)
-        arrays.append({"name": name, "shape": [int(n) for n in meta.shape], "dtype": dtype.name,
-                       "bytes": int(math.prod(meta.shape)) * dtype.itemsize, "sharding": _spec_text(sharding)})
+        arrays.append(
+            {
+                "name": name,
+                "shape": [int(n) for n in meta.shape],
+                "dtype": dtype.name,
+                "bytes": int(math.prod(meta.shape)) * dtype.itemsize,
+                "sharding": _spec_text(sharding),
+            }
+        )
     return arrays, mesh
 
 
@@ -134,12 +151,14 @@ def summarize_config(config: dict | None) -> dict:
         value = config.get(name)
         return value if isinstance(value, dict) else {}
 
-    return {"mesh": {a: section("mesh").get(a) for a in CONFIG_AXES},
-            "zero_stage": section("optimizer").get("zero_stage"),
-            "layout": section("precision").get("layout"),
-            "global_batch_size": section("train").get("global_batch_size"),
-            "seq_len": section("data").get("seq_len"),
-            "model": {k: section("model").get(k) for k in MODEL_DIMS}}
+    return {
+        "mesh": {a: section("mesh").get(a) for a in CONFIG_AXES},
+        "zero_stage": section("optimizer").get("zero_stage"),
+        "layout": section("precision").get("layout"),
+        "global_batch_size": section("train").get("global_batch_size"),
+        "seq_len": section("data").get("seq_len"),
+        "model": {k: section("model").get(k) for k in MODEL_DIMS},
+    }
 
 
 def checkpoint_info(path: str, step: int | None = None) -> dict:
@@ -169,25 +188,37 @@ def checkpoint_info(path: str, step: int | None = None) -> dict:
     steps, incomplete = list_step_dirs(root)
     if not steps:
         extra = f" (incomplete: {', '.join(e['name'] for e in incomplete)})" if incomplete else ""
-        raise FileNotFoundError(f"no complete checkpoint in {root}{extra}; pass a run dir, its "
-                                f"{RUN_CHECKPOINT_DIR}/ dir, or a step dir")
+        raise FileNotFoundError(
+            f"no complete checkpoint in {root}{extra}; pass a run dir, its {RUN_CHECKPOINT_DIR}/ dir, or a step dir"
+        )
     if step is None:
         step = steps[-1]
     elif step not in steps:
         why = next((f": {e['reason']}" for e in incomplete if e["step"] == step), "")
-        raise FileNotFoundError(f"no complete checkpoint for step {step} in {root}{why} "
-                                f"(complete steps: {', '.join(map(str, steps))})")
+        raise FileNotFoundError(
+            f"no complete checkpoint for step {step} in {root}{why} (complete steps: {', '.join(map(str, steps))})"
+        )
     step_dir = os.path.join(root, str(step))
     try:
         config, data = read_json_item(step_dir, _CONFIG), read_json_item(step_dir, _DATA)
         arrays, saved_mesh = read_arrays(os.path.join(step_dir, _STATE))
     except (OSError, ValueError) as e:  # a damaged step: name it, keep Orbax's reason
         raise ValueError(f"cannot read the metadata of step {step} in {step_dir}: {e}") from e
-    return {"root": root, "steps": steps, "incomplete": incomplete, "step": step, "step_dir": step_dir,
-            "config": config, "summary": summarize_config(config), "data": data,
-            "arrays": arrays, "saved_mesh": saved_mesh, "num_arrays": len(arrays),
-            "total_bytes": sum(a["bytes"] for a in arrays),
-            "num_params": sum(math.prod(a["shape"]) for a in arrays if a["name"].startswith("params."))}
+    return {
+        "root": root,
+        "steps": steps,
+        "incomplete": incomplete,
+        "step": step,
+        "step_dir": step_dir,
+        "config": config,
+        "summary": summarize_config(config),
+        "data": data,
+        "arrays": arrays,
+        "saved_mesh": saved_mesh,
+        "num_arrays": len(arrays),
+        "total_bytes": sum(a["bytes"] for a in arrays),
+        "num_params": sum(math.prod(a["shape"]) for a in arrays if a["name"].startswith("params.")),
+    }
 
 
 def _fmt(value: Any) -> str:
@@ -197,8 +228,10 @@ def _fmt(value: Any) -> str:
 def format_checkpoint_info(info: dict) -> str:
     """Plain-text report of a `checkpoint_info` dict: steps, then the chosen step's config, data and arrays."""
     s = info["summary"]
-    lines = [f"checkpoint root {info['root']}",
-             f"  complete steps: {', '.join(map(str, info['steps']))} (latest {info['steps'][-1]})"]
+    lines = [
+        f"checkpoint root {info['root']}",
+        f"  complete steps: {', '.join(map(str, info['steps']))} (latest {info['steps'][-1]})",
+    ]
     for e in info["incomplete"]:
         lines.append(f"  incomplete: {e['name']} (step {e['step']}; {e['reason']}; never restored)")
     lines.append(f"step {info['step']}: {info['step_dir']}")
@@ -210,16 +243,21 @@ def format_checkpoint_info(info: dict) -> str:
         resolved = all(isinstance(n, int) and n >= 1 for n in sizes)  # a config saved before resolve: -1
         total = f" ({math.prod(sizes)} devices)" if resolved else ""
         lines.append("  mesh: " + " ".join(f"{a}={_fmt(mesh[a])}" for a in CONFIG_AXES) + total)
-        lines.append(f"  zero_stage: {_fmt(s['zero_stage'])}   precision layout: {_fmt(s['layout'])}   "
-                     f"global batch: {_fmt(s['global_batch_size'])} x seq_len {_fmt(s['seq_len'])}")
+        lines.append(
+            f"  zero_stage: {_fmt(s['zero_stage'])}   precision layout: {_fmt(s['layout'])}   "
+            f"global batch: {_fmt(s['global_batch_size'])} x seq_len {_fmt(s['seq_len'])}"
+        )
         lines.append("  model: " + " ".join(f"{k}={_fmt(v)}" for k, v in s["model"].items()))
     if info["saved_mesh"]:
         lines.append("  arrays saved from mesh: " + " ".join(f"{a}={n}" for a, n in info["saved_mesh"].items()))
     lines.append(f"  data position: {'not saved' if info['data'] is None else json.dumps(info['data'])}")
-    lines.append(f"  arrays: {info['num_arrays']} ({info['num_params']:,} parameters; "
-                 f"{info['total_bytes']:,} bytes in all, unsharded)")
+    lines.append(
+        f"  arrays: {info['num_arrays']} ({info['num_params']:,} parameters; "
+        f"{info['total_bytes']:,} bytes in all, unsharded)"
+    )
     rows = [("name", "shape", "dtype", "saved sharding")] + [
-        (a["name"], str(tuple(a["shape"])), a["dtype"], a["sharding"]) for a in info["arrays"]]
+        (a["name"], str(tuple(a["shape"])), a["dtype"], a["sharding"]) for a in info["arrays"]
+    ]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])

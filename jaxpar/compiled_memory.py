@@ -8,6 +8,7 @@ For an SPMD program the analysis describes the per-device module. Its peak is
 reuses argument buffers). XLA's own heap simulation (`peak_memory_in_bytes`, where a backend reports it) can be
 lower, since not every temporary is live at once; it is kept beside as `xla_peak_bytes`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -26,9 +27,12 @@ def memory_analysis_bytes(compiled: Any) -> dict[str, int | None] | None:
     if stats is None:
         return None
     out: dict[str, int | None] = {
-        "argument_bytes": int(stats.argument_size_in_bytes), "output_bytes": int(stats.output_size_in_bytes),
-        "alias_bytes": int(stats.alias_size_in_bytes), "temp_bytes": int(stats.temp_size_in_bytes),
-        "generated_code_bytes": int(stats.generated_code_size_in_bytes)}
+        "argument_bytes": int(stats.argument_size_in_bytes),
+        "output_bytes": int(stats.output_size_in_bytes),
+        "alias_bytes": int(stats.alias_size_in_bytes),
+        "temp_bytes": int(stats.temp_size_in_bytes),
+        "generated_code_bytes": int(stats.generated_code_size_in_bytes),
+    }
     out["peak_bytes"] = peak_bytes(out)
     out["xla_peak_bytes"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0) or None
     return out

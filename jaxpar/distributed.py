@@ -10,6 +10,7 @@ device count). Where the arguments come from, first match wins:
    .initialize()` with no arguments;
 4. otherwise a single process: nothing to do.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,13 @@ from jaxpar.config.schema import DistributedConfig
 ENV_COORDINATOR = "JAXPAR_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAXPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXPAR_PROCESS_ID"
-_CLUSTER_ENV = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "JOBSET_NAME", "TPU_WORKER_HOSTNAMES",
-                "MEGASCALE_COORDINATOR_ADDRESS")
+_CLUSTER_ENV = (
+    "SLURM_JOB_ID",
+    "OMPI_COMM_WORLD_SIZE",
+    "JOBSET_NAME",
+    "TPU_WORKER_HOSTNAMES",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+)
 
 
 def _explicit(cfg: DistributedConfig) -> tuple[str, int, int] | None:
@@ -39,7 +45,8 @@ def _explicit(cfg: DistributedConfig) -> tuple[str, int, int] | None:
         raise ConfigError(
             f"distributed.coordinator_address={address!r} needs distributed.num_processes >= 1 and "
             f"0 <= distributed.process_id < num_processes (got {num} and {pid}); set them in the config or "
-            f"in {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}")
+            f"in {ENV_NUM_PROCESSES} and {ENV_PROCESS_ID}"
+        )
     return address, num, pid
 
 
@@ -54,8 +61,9 @@ def initialize(cfg: DistributedConfig | None = None) -> bool:
     explicit = _explicit(cfg)
     if explicit is not None:
         address, num, pid = explicit
-        jax.distributed.initialize(address, num_processes=num, process_id=pid,
-                                   initialization_timeout=cfg.initialization_timeout_s)
+        jax.distributed.initialize(
+            address, num_processes=num, process_id=pid, initialization_timeout=cfg.initialization_timeout_s
+        )
         return True
     if any(k in os.environ for k in _CLUSTER_ENV) and cfg.auto_detect:
         jax.distributed.initialize(initialization_timeout=cfg.initialization_timeout_s)
@@ -66,5 +74,7 @@ def initialize(cfg: DistributedConfig | None = None) -> bool:
 def describe_process() -> str:
     """One line naming this process, its local devices and the global device count."""
     local = ",".join(str(d.id) for d in jax.local_devices())
-    return (f"process {jax.process_index()}/{jax.process_count()}: local devices [{local}] of "
-            f"{jax.device_count()} ({jax.devices()[0].platform})")
+    return (
+        f"process {jax.process_index()}/{jax.process_count()}: local devices [{local}] of "
+        f"{jax.device_count()} ({jax.devices()[0].platform})"
+    )

@@ -3,6 +3,7 @@
 Symbols: N non-embedding parameters, L layers, h model width (d_model), s sequence length.
 Source: PaLM (Chowdhery et al. 2022), appendix B; Kaplan et al. 2020, section 2.1.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,16 +13,16 @@ import jax
 # Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity). Matched by lower-cased substring of
 # `jax.Device.device_kind`; longer keys are tried first so "v5p" wins over a shorter overlapping key.
 PEAK_FLOPS: dict[str, float] = {
-    "h100": 989e12,    # H100 SXM ("NVIDIA H100 80GB HBM3")
+    "h100": 989e12,  # H100 SXM ("NVIDIA H100 80GB HBM3")
     "h100 pcie": 756e12,  # a different chip: never report it at the SXM peak
     "h200": 989e12,
     "a100": 312e12,
-    "b200": 2.25e15,   # HGX B200: 4.5 PFLOP/s FP16/BF16 with 2:4 sparsity, half of it dense
+    "b200": 2.25e15,  # HGX B200: 4.5 PFLOP/s FP16/BF16 with 2:4 sparsity, half of it dense
     "tpu v4": 275e12,
     "tpu v5 lite": 197e12,  # v5e reports device_kind "TPU v5 lite"
     "tpu v5e": 197e12,
     "tpu v5p": 459e12,
-    "tpu v5": 459e12,   # v5p reports device_kind "TPU v5"
+    "tpu v5": 459e12,  # v5p reports device_kind "TPU v5"
     "tpu v6 lite": 918e12,  # v6e (Trillium) reports "TPU v6 lite"
     "tpu v6e": 918e12,
 }
@@ -63,15 +64,20 @@ def recompute_flops_per_token(model, seq_len: int) -> float:
     d, h, g, k, f = model.d_model, model.n_heads, model.kv_heads, model.head_width, model.d_ff
     qkv, attention = 2 * d * (h * k + 2 * g * k), 2 * seq_len * h * k
     out, gate_up = 2 * h * k * d, 4 * d * f
-    per_layer = {"none": 0, "dots": 2 * attention, "names": qkv + attention + out + gate_up,
-                 "full": qkv + 2 * attention + out + gate_up}
+    per_layer = {
+        "none": 0,
+        "dots": 2 * attention,
+        "names": qkv + attention + out + gate_up,
+        "full": qkv + 2 * attention + out + gate_up,
+    }
     if model.remat not in per_layer:
         raise ValueError(f"unknown remat policy {model.remat!r}; expected one of {sorted(per_layer)}")
     return float(model.n_layers * per_layer[model.remat])
 
 
-def hardware_flops_per_token(model_flops_per_token: float, recomputed_flops_per_token: float, *,
-                             stage_recompute: bool = False) -> float:
+def hardware_flops_per_token(
+    model_flops_per_token: float, recomputed_flops_per_token: float, *, stage_recompute: bool = False
+) -> float:
     """FLOPs per token the hardware executes, for HFU (never MFU): model FLOPs plus the forward FLOPs the remat
     policy recomputes (`recompute_flops_per_token` for the built-in llama family), plus one more forward (a third
     of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule rebuilds each stage's forward from its

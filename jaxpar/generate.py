@@ -3,6 +3,7 @@
 Runs the full forward over a fixed window of `seq_len` tokens for every new token (no KV cache): one compiled
 function, and causal attention makes the padding after the current position irrelevant.
 """
+
 from __future__ import annotations
 
 import jax
@@ -13,8 +14,9 @@ from jax.experimental import multihost_utils
 from jaxpar.data.tokenizer import BOS_ID, ByteTokenizer
 
 
-def sample_text(plan, params: dict, *, prompt: str, num_tokens: int, seed: int, temperature: float = 0.8,
-                top_k: int = 40) -> str:
+def sample_text(
+    plan, params: dict, *, prompt: str, num_tokens: int, seed: int, temperature: float = 0.8, top_k: int = 40
+) -> str:
     """Continues `prompt` by `num_tokens` byte tokens sampled with temperature and top-k; returns the text.
 
     Args:
@@ -34,9 +36,9 @@ def sample_text(plan, params: dict, *, prompt: str, num_tokens: int, seed: int, 
     for _ in range(num_tokens):
         context = ids[-window:]
         buf = np.zeros((1, window), np.int32)
-        buf[0, :len(context)] = context
+        buf[0, : len(context)] = context
         logits = forward(host, jnp.asarray(buf))[0, len(context) - 1].astype(jnp.float32)
-        logits = logits.at[tok.vocab_size:].set(-jnp.inf)  # rows past the tokenizer's vocabulary are unused
+        logits = logits.at[tok.vocab_size :].set(-jnp.inf)  # rows past the tokenizer's vocabulary are unused
         top_vals, top_idx = jax.lax.top_k(logits / temperature, top_k)
         key, sub = jax.random.split(key)
         ids.append(int(top_idx[jax.random.categorical(sub, top_vals)]))

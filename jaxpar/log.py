@@ -7,6 +7,7 @@ they have always printed. Multi-process runs: the training loop speaks from proc
 lines that name their process (the process summary at start, injected faults, the watchdog's report);
 `jaxpar-launch` also prefixes every line with its process index.
 """
+
 from __future__ import annotations
 
 import logging

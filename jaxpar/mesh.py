@@ -7,6 +7,7 @@ collective is written by hand, and the optimizer update outside it is elementwis
 (Recent jax defaults `jax.make_mesh` to `Explicit` axes, which would make every sharding mismatch in the
 update an error instead.)
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,8 +30,9 @@ def build_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh
     """
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(cfg, len(devices))
-    return jax.make_mesh(tuple(shape[a] for a in MESH_AXES), MESH_AXES,
-                         axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    return jax.make_mesh(
+        tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
 
 
 def describe(mesh: Mesh) -> str:

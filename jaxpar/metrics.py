@@ -4,6 +4,7 @@ and, optionally, Weights & Biases.
 Only process 0 should write: the caller passes `enabled=jax.process_index() == 0`; a disabled writer creates no
 files and its methods do nothing. Re-opening a run directory appends, so a resumed run continues the same file.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,15 @@ from jaxpar.trackers import (  # noqa: F401 -- METRICS_FILE, TENSORBOARD_DIR: wh
 )
 
 
-def default_trackers(run_dir: str, *, tensorboard: bool = True, wandb: bool = False, wandb_project: str = "jaxpar",
-                     wandb_mode: str = "offline", config: dict | None = None) -> list[Tracker]:
+def default_trackers(
+    run_dir: str,
+    *,
+    tensorboard: bool = True,
+    wandb: bool = False,
+    wandb_project: str = "jaxpar",
+    wandb_mode: str = "offline",
+    config: dict | None = None,
+) -> list[Tracker]:
     """The trackers a run writes to: JSONL always, TensorBoard and W&B as asked (`MetricsConfig`).
 
     Raises:
@@ -46,8 +54,7 @@ class MetricsWriter:
         only when enabled, so pass a callable `run_dir -> list[Tracker]` to build them on process 0 only.
     """
 
-    def __init__(self, run_dir: str, *, enabled: bool = True,
-                 trackers: Sequence[Tracker] | Any | None = None):
+    def __init__(self, run_dir: str, *, enabled: bool = True, trackers: Sequence[Tracker] | Any | None = None):
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.trackers: list[Tracker] = []

@@ -11,6 +11,7 @@ The run's config comes from the checkpoint itself (saved with every step), so th
 trained; `overrides` change what a restore may change: the mesh, the ZeRO stage, precision of compute, the
 tensor-parallel settings. Arrays come back directly in the new layout (Orbax reads each device's shard).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,9 +53,16 @@ class Restored:
         return self.state.get("master", self.state["params"])
 
 
-def restore(path: str, overrides: Sequence[str] = (), *, devices: Sequence[jax.Device] | None = None,
-            step: int | None = None, optimizer: optax.GradientTransformation | None = None,
-            learning_rate: optax.Schedule | float | None = None, loss_fn: LossFn | None = None) -> Restored:
+def restore(
+    path: str,
+    overrides: Sequence[str] = (),
+    *,
+    devices: Sequence[jax.Device] | None = None,
+    step: int | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    learning_rate: optax.Schedule | float | None = None,
+    loss_fn: LossFn | None = None,
+) -> Restored:
     """Restores a checkpoint onto a mesh over `devices` with the run's own config plus `overrides`.
 
     Args:
@@ -77,15 +85,18 @@ def restore(path: str, overrides: Sequence[str] = (), *, devices: Sequence[jax.D
         steps = reader.all_steps()
         chosen = step if step is not None else given if given is not None else (steps[-1] if steps else None)
         if chosen is None or chosen not in steps:
-            raise FileNotFoundError(f"no complete checkpoint{'' if chosen is None else f' for step {chosen}'} in "
-                                    f"{root} (complete steps: {steps})")
+            raise FileNotFoundError(
+                f"no complete checkpoint{'' if chosen is None else f' for step {chosen}'} in "
+                f"{root} (complete steps: {steps})"
+            )
         saved = read_json_item(os.path.join(root, str(chosen)), "config")
         if saved is None:
             raise FileNotFoundError(f"checkpoint step {chosen} in {root} holds no config")
         devices = list(devices) if devices is not None else jax.devices()
         cfg = load_config(saved, overrides, num_devices=len(devices))
-        plan = build_plan(cfg, build_mesh(cfg, devices), optimizer=optimizer, learning_rate=learning_rate,
-                          loss_fn=loss_fn)
+        plan = build_plan(
+            cfg, build_mesh(cfg, devices), optimizer=optimizer, learning_rate=learning_rate, loss_fn=loss_fn
+        )
         state, data_state, _ = reader.restore(chosen, abstract_state(plan))
     finally:
         reader.close()

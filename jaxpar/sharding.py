@@ -13,6 +13,7 @@ the configured ZeRO stage partitions, over `data` as well:
 (Rajbhandari et al. 2019, "ZeRO", section 5: P_os, P_os+g, P_os+g+p.) On the combined dimension the shard
 order is fsdp-major, data-minor: the layout a reduce-scatter over `data` of an fsdp shard produces.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -78,8 +79,9 @@ def logical_to_spec(names: tuple[str, ...], rules: dict[str, tuple[str, ...]], o
 def param_specs(logical: dict, kind: str, zero_stage: int) -> dict:
     """PartitionSpec per leaf of a logical-axes dict (see `jaxpar.model.logical_axes`) for a state kind."""
     over_data = partitioned_over_data(kind, zero_stage)
-    return jax.tree.map(lambda names: logical_to_spec(names, PARAM_RULES, over_data), logical,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda names: logical_to_spec(names, PARAM_RULES, over_data), logical, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def activation_spec(*names: str) -> P:

@@ -10,6 +10,7 @@
 A script may pass its own: any object with `log(step: int, metrics: dict[str, int | float | bool | str | None])`
 and `close()`. Values arrive as Python scalars (`to_json_value`); None means "not measured".
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,9 @@ def to_json_value(value: Any) -> Any:
 def numeric_scalars(metrics: dict[str, Any]) -> dict[str, float | int]:
     """The finite int/float entries of a record (no bools, None, strings, NaN or inf): what plotting trackers
     take."""
-    return {k: v for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 class JsonlTracker:
@@ -130,8 +132,9 @@ class WandbTracker:
             with open(id_path, "w", encoding="utf-8") as f:
                 f.write(run_id + "\n")
         self.run_id = run_id
-        self._run = wandb.init(project=project, dir=run_dir, id=run_id, resume="allow", config=config or {},
-                               mode=mode or None)
+        self._run = wandb.init(
+            project=project, dir=run_dir, id=run_id, resume="allow", config=config or {}, mode=mode or None
+        )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self._run.log(numeric_scalars(metrics), step=int(step))

@@ -5,6 +5,7 @@ against one device: loss, gradients, optimizer step), `system/` (whole runs, com
 signals). `step_helpers.py` (models, meshes, batches, comparisons with their tolerances), `doc_commands.py`
 (the documented commands) and `data_worker.py` (one process of a multi-process data test) are shared.
 """
+
 import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")

@@ -13,6 +13,7 @@ Each process writes OUT_DIR/process_<index>.json (JSON, never pickle):
      "eval_batches": [[[row, id, valid tokens], ...] per batch of one `EvalLoader` pass over the same N
                       sequences (id -1: a padding row)]}
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,15 +85,24 @@ def main() -> None:
     batches, states = [], []
     for _ in range(args.batches):
         batch = loader.next_batch()
-        np.testing.assert_array_equal(np.asarray(batch["targets"].addressable_shards[0].data),
-                                      np.asarray(batch["inputs"].addressable_shards[0].data) + 1)
+        np.testing.assert_array_equal(
+            np.asarray(batch["targets"].addressable_shards[0].data),
+            np.asarray(batch["inputs"].addressable_shards[0].data) + 1,
+        )
         batches.append(local_rows(batch["inputs"]))
         states.append(loader.get_state())
     eval_batches = [local_eval_rows(batch) for batch in EvalLoader(packed, args.global_batch, sharding).batches()]
-    result = {"process_index": jax.process_index(), "process_count": jax.process_count(),
-              "local_devices": jax.local_device_count(), "mesh": {a: int(n) for a, n in mesh.shape.items()},
-              "batches_per_epoch": loader.batches_per_epoch, "batches": batches, "states": states,
-              "start_state": start_state, "eval_batches": eval_batches}
+    result = {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+        "mesh": {a: int(n) for a, n in mesh.shape.items()},
+        "batches_per_epoch": loader.batches_per_epoch,
+        "batches": batches,
+        "states": states,
+        "start_state": start_state,
+        "eval_batches": eval_batches,
+    }
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, f"process_{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)

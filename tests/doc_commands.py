@@ -20,6 +20,7 @@ Usage brackets: an optional group `[...]` (a `[` at the start of a word) is drop
 (an upper-case word such as CONFIG or N, `key=value`, or `...`) and unwrapped otherwise, so `[--quick]` runs as
 `--quick`. A command with a placeholder left after that is a synopsis: it cannot run as written.
 """
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,10 @@ import re
 import shlex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PROGRAM = re.compile(r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:\.venv/bin/)?"
-                     r"(?:python3?|pip3?|pytest|sbatch|srun|tensorboard|jaxpar-[A-Za-z0-9_-]+)(?=\s|$)")
+PROGRAM = re.compile(
+    r"(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:\.venv/bin/)?"
+    r"(?:python3?|pip3?|pytest|sbatch|srun|tensorboard|jaxpar-[A-Za-z0-9_-]+)(?=\s|$)"
+)
 _SPAN = re.compile(r"`([^`]+)`")
 _OPTIONAL = re.compile(r"(?<!\S)\[([^\[\]]*)\]")
 _PLACEHOLDER_WORD = re.compile(r"[A-Z][A-Z0-9_]*(?:\.[a-z]+)?")
@@ -75,12 +78,14 @@ def is_placeholder(word: str) -> bool:
 
 def resolve_brackets(text: str) -> str:
     """Drops optional groups holding a placeholder, unwraps the others (innermost first)."""
+
     def one(m: re.Match) -> str:
         inner = m.group(1)
         words = inner.split()
         if not words or any(is_placeholder(w) or ("=" in w and not w.startswith("-")) for w in words):
             return ""
         return inner
+
     resolved = text
     while (new := _OPTIONAL.sub(one, resolved)) != resolved:
         resolved = new
@@ -91,16 +96,16 @@ def _strip_comment(text: str) -> str:
     """`cmd args  # note` -> `cmd args`: the first `#` after whitespace that is outside quotes starts a comment."""
     for m in re.finditer(r"\s#", text):
         try:
-            shlex.split(text[:m.start()])
+            shlex.split(text[: m.start()])
         except ValueError:  # an open quote: the # is inside it
             continue
-        return text[:m.start()].strip()
+        return text[: m.start()].strip()
     return text.strip()
 
 
 def _is_command(text: str) -> bool:
     m = PROGRAM.match(text)
-    return m is not None and text[m.end():].strip() != ""
+    return m is not None and text[m.end() :].strip() != ""
 
 
 def _from_prose(lines: list[str], first_line: int, rel: str) -> list[tuple[str, str]]:
@@ -114,15 +119,16 @@ def _from_prose(lines: list[str], first_line: int, rel: str) -> list[tuple[str, 
         if _is_command(stripped):
             indent = len(line) - len(line.lstrip())
             text = stripped
-            while (i + 1 < len(lines) and lines[i + 1].strip()
-                   and len(lines[i + 1]) - len(lines[i + 1].lstrip()) > indent):
+            while (
+                i + 1 < len(lines) and lines[i + 1].strip() and len(lines[i + 1]) - len(lines[i + 1].lstrip()) > indent
+            ):
                 i += 1
                 text += " " + lines[i].strip()
             found.append((_strip_comment(text), where))
         else:
             plain = _SPAN.sub(lambda s: "`" + "x" * len(s.group(1)) + "`", line)  # ": " inside spans is not prose
             for cut in re.finditer(r": ", plain):
-                rest = line[cut.end():].strip()
+                rest = line[cut.end() :].strip()
                 if _is_command(rest):
                     found.append((_strip_comment(rest), where))
                     break
@@ -181,8 +187,11 @@ def _readme_spans(path: str, rel: str) -> list[tuple[str, str]]:
 
 def _spans(lines: list[str], first_line: int, rel: str) -> list[tuple[str, str]]:
     joined = "\n".join(lines)
-    return [(" ".join(m.group(1).split()), f"{rel}:{first_line + joined.count(chr(10), 0, m.start())}")
-            for m in _SPAN.finditer(joined) if _is_command(" ".join(m.group(1).split()))]
+    return [
+        (" ".join(m.group(1).split()), f"{rel}:{first_line + joined.count(chr(10), 0, m.start())}")
+        for m in _SPAN.finditer(joined)
+        if _is_command(" ".join(m.group(1).split()))
+    ]
 
 
 def _readme_fences(path: str, rel: str) -> list[tuple[str, str]]:
@@ -223,8 +232,9 @@ def source_files() -> list[str]:
     files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tools", "*")) if os.path.isfile(p))
     files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
     files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "jaxpar", "cli", "*.py")))
-    files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),
-                                                                 recursive=True))
+    files += sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)
+    )
     return files
 
 

@@ -2,6 +2,7 @@
 
 Shape letters: G global batch (sequences), T sequence length, L layers, D model width, F mlp hidden width.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,15 @@ from jaxpar.training.step import StepPlan, build_plan
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Compile time (not the model) dominates these tests, so the model is as small as the checks allow:
 # d_model = 64 divides by 8 for every state sharding, vocab 264 is the byte tokenizer's minimum.
-TINY = ("mesh.tensor=1", "model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.d_ff=128", "data.seq_len=8")
+TINY = (
+    "mesh.tensor=1",
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=8",
+)
 # The compared step is the optimizer's first, at the schedule's peak rate: no warmup. Adam keeps its default
 # eps (1e-8); `assert_adam_step_close` carries the gradients' tolerance through Adam's conditioning.
 FIRST_STEP_AT_PEAK = ("optimizer.warmup_steps=0",)
@@ -41,9 +49,11 @@ def host_batch(valid_per_row: Sequence[int], seq_len: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     g = len(valid_per_row)
     mask = (np.arange(seq_len)[None, :] < np.asarray(valid_per_row)[:, None]).astype(np.float32)
-    return {"inputs": rng.integers(0, VOCAB, (g, seq_len), dtype=np.int32),
-            "targets": rng.integers(0, VOCAB, (g, seq_len), dtype=np.int32),
-            "loss_mask": mask}
+    return {
+        "inputs": rng.integers(0, VOCAB, (g, seq_len), dtype=np.int32),
+        "targets": rng.integers(0, VOCAB, (g, seq_len), dtype=np.int32),
+        "loss_mask": mask,
+    }
 
 
 def device_batch(plan: StepPlan, batch: dict) -> dict:
@@ -117,7 +127,7 @@ def assert_tree_close(actual, expected, rtol: float, elementwise: bool = True) -
 
 # Unit roundoff of fp32 (half an ulp of 1.0): one correctly rounded operation changes a value by at most this
 # fraction of it.
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 # fp32 parity of a whole model across layouts. A layout changes only the order of fp32 sums (over rows, tokens,
 # microbatches and the shards of a contraction); regrouping a sum of n terms changes it by at most
 # (n - 1) * U32 * sum|terms| (Higham, Accuracy and Stability of Numerical Algorithms, 2002, section 4.2), an
@@ -136,8 +146,9 @@ def _adam_constants(opt) -> dict:
     return {"b1": f32(opt.b1), "b2": f32(opt.b2), "eps": f32(opt.eps), "wd": f32(opt.weight_decay)}
 
 
-def assert_adam_step_close(got: dict, want: dict, old_params, rtol: float, *, opt, lr: float, decayed,
-                           elementwise: bool = True) -> None:
+def assert_adam_step_close(
+    got: dict, want: dict, old_params, rtol: float, *, opt, lr: float, decayed, elementwise: bool = True
+) -> None:
     """One AdamW step from `old_params` (optimizer count 0 -> 1) in a layout under test against the reference.
 
     `got` and `want` hold "mu", "nu" (Adam's moments after the step) and "params" (after the step: the fp32
@@ -165,9 +176,15 @@ def assert_adam_step_close(got: dict, want: dict, old_params, rtol: float, *, op
     assert_tree_close(got["mu"], want["mu"], rtol, elementwise)
     assert_tree_close(got["nu"], want["nu"], 2 * rtol, elementwise)
     c = _adam_constants(opt)
-    leaves = zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want["params"]),
-                 jax.tree.leaves(old_params), jax.tree.leaves(got["mu"]), jax.tree.leaves(got["nu"]),
-                 jax.tree.leaves(want["mu"]), jax.tree.leaves(decayed))
+    leaves = zip(
+        jax.tree_util.tree_flatten_with_path(got["params"])[0],
+        jax.tree.leaves(want["params"]),
+        jax.tree.leaves(old_params),
+        jax.tree.leaves(got["mu"]),
+        jax.tree.leaves(got["nu"]),
+        jax.tree.leaves(want["mu"]),
+        jax.tree.leaves(decayed),
+    )
     for (path, new), ref_new, old, mu, nu, ref_mu, decay in leaves:
         name = jax.tree_util.keystr(path)
         new, ref_new, old = (np.asarray(x) for x in (new, ref_new, old))
@@ -182,8 +199,10 @@ def assert_adam_step_close(got: dict, want: dict, old_params, rtol: float, *, op
         got_u = new.astype(np.float64) - p
         rounding = 8 * U32 * lr * (np.abs(a) + np.abs(wd_p)) + np.spacing(np.abs(new)).astype(np.float64)
         bad = np.abs(got_u - expected) > rounding
-        assert not bad.any(), (f"{name}: {int(bad.sum())} update entries are not AdamW of this layout's own "
-                               f"moments, e.g. {got_u[bad][:3]} vs {expected[bad][:3]}")
+        assert not bad.any(), (
+            f"{name}: {int(bad.sum())} update entries are not AdamW of this layout's own "
+            f"moments, e.g. {got_u[bad][:3]} vs {expected[bad][:3]}"
+        )
         if not elementwise:
             continue
         # 4. Against the reference update, through Adam's slope over the gradient's tolerance interval.
@@ -194,15 +213,20 @@ def assert_adam_step_close(got: dict, want: dict, old_params, rtol: float, *, op
         ref_u = ref_new.astype(np.float64) - p
         bound = slope * tol + 2 * rounding
         bad = np.abs(got_u - ref_u) > bound
-        assert not bad.any(), (f"{name}: {int(bad.sum())} update entries differ from the reference by more than "
-                               f"Adam's slope times the gradient tolerance, e.g. {got_u[bad][:3]} vs "
-                               f"{ref_u[bad][:3]} (bound {bound[bad][:3]})")
+        assert not bad.any(), (
+            f"{name}: {int(bad.sum())} update entries differ from the reference by more than "
+            f"Adam's slope times the gradient tolerance, e.g. {got_u[bad][:3]} vs "
+            f"{ref_u[bad][:3]} (bound {bound[bad][:3]})"
+        )
 
 
 def adam_step_args(plan: StepPlan, metrics: dict) -> dict:
     """The keyword arguments of `assert_adam_step_close` for a step of `plan` that reported `metrics`."""
-    return {"opt": plan.cfg.optimizer, "lr": float(metrics["learning_rate"]),
-            "decayed": weight_decay_mask(plan.logical)}
+    return {
+        "opt": plan.cfg.optimizer,
+        "lr": float(metrics["learning_rate"]),
+        "decayed": weight_decay_mask(plan.logical),
+    }
 
 
 def assert_scalar_close(actual, expected, rtol: float, name: str) -> None:

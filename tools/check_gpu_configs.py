@@ -8,6 +8,7 @@ Writes configs/gpu_check.json (the default test suite checks it against the conf
 the README's table. Exit status 1 when a config does not fit its cluster or the plan is off by more than 15%,
 2 when the CUDA plugin is missing. Logic: jaxpar/analysis/gpu_check.py.
 """
+
 from __future__ import annotations
 
 import glob
@@ -30,6 +31,7 @@ def main() -> int:
     if reason:
         print(f"check_gpu_configs: {reason}", file=sys.stderr)
         return 2
+
     def n_params(path: str) -> int:
         return sum(leaf.size for leaf in param_leaves(load_config(path, validate=False).model))
 
@@ -37,9 +39,12 @@ def main() -> int:
     records, bad = [], []
     for path in configs:
         rec = check_config(path)
-        print(f"{rec['config']}: {rec['cluster']} peak {rec['peak_bytes'] / 1e9:.2f} GB per device, planned "
-              f"{rec['planned_peak_bytes'] / 1e9:.2f} GB (ratio {rec['ratio']:.3f}), "
-              f"{'fits' if rec['fits'] else 'DOES NOT FIT'}; compiled in {rec['compile_seconds']} s", flush=True)
+        print(
+            f"{rec['config']}: {rec['cluster']} peak {rec['peak_bytes'] / 1e9:.2f} GB per device, planned "
+            f"{rec['planned_peak_bytes'] / 1e9:.2f} GB (ratio {rec['ratio']:.3f}), "
+            f"{'fits' if rec['fits'] else 'DOES NOT FIT'}; compiled in {rec['compile_seconds']} s",
+            flush=True,
+        )
         records.append(rec)
         bad += problems(rec, path)
     with open(os.path.join(ROOT, "configs", RECORD_FILE), "w", encoding="utf-8") as f:

@@ -5,6 +5,7 @@
 Validation uses `--devices` instead of the local device count, so a config can be checked for a cluster from a
 laptop.
 """
+
 import argparse
 import sys
 

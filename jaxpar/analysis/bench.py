@@ -3,6 +3,7 @@
 Benchmarks print ratios measured in one run (never timed assertions). Interleaving the contenders round by
 round spreads slow drift of the machine (other processes, thermal state) over all of them alike.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -18,8 +19,10 @@ def compiled_cost(compiled) -> dict[str, float]:
     backend gives none). Deterministic, so it separates real extra work from timing noise."""
     cost = compiled.cost_analysis()
     cost = (cost[0] if cost else {}) if isinstance(cost, (list, tuple)) else (cost or {})
-    return {"flops": float(cost.get("flops", float("nan"))),
-            "bytes_accessed": float(cost.get("bytes accessed", float("nan")))}
+    return {
+        "flops": float(cost.get("flops", float("nan"))),
+        "bytes_accessed": float(cost.get("bytes accessed", float("nan"))),
+    }
 
 
 def time_steps(step: Callable[[], Any], n: int) -> list[float]:
@@ -36,8 +39,9 @@ def time_steps(step: Callable[[], Any], n: int) -> list[float]:
     return times
 
 
-def interleaved_step_times(steps: dict[str, Callable[[], Any]], n: int, rounds: int,
-                           warmup: int = 2) -> dict[str, list[list[float]]]:
+def interleaved_step_times(
+    steps: dict[str, Callable[[], Any]], n: int, rounds: int, warmup: int = 2
+) -> dict[str, list[list[float]]]:
     """Times each named step `n` times per round for `rounds` rounds, taking turns within every round and
     reversing the order of turns every other round (so no contender always runs right after another).
 
@@ -56,7 +60,7 @@ def interleaved_step_times(steps: dict[str, Callable[[], Any]], n: int, rounds: 
     out: dict[str, list[list[float]]] = {name: [] for name in steps}
     order = list(steps)
     for r in range(rounds):
-        for name in (order if r % 2 == 0 else order[::-1]):
+        for name in order if r % 2 == 0 else order[::-1]:
             out[name].append(time_steps(steps[name], n))
     return out
 

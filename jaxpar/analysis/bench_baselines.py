@@ -7,6 +7,7 @@ Shape letters: G global batch (sequences), T sequence length, V vocabulary.
   * `compiler_chosen_step`: jaxpar's loss, gradient and optax update as one jit over global arrays, with the
     parameters placed by jaxpar's shardings but no shard_map: the XLA partitioner picks every collective.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -37,12 +38,22 @@ def reference_step(cfg: Config):
     """
     graphdef, params = nnx.split(Llama(cfg.model, nnx.Rngs(cfg.train.seed)))
     o, dtype = cfg.optimizer, compute_dtype(cfg)
+
     # decay matrices and embeddings only (>= 2 dims besides the stacked `layers` dim of block params)
     def decay_mask(p):
         return jax.tree_util.tree_map_with_path(lambda path, x: x.ndim - (path[0].key == "blocks") >= 2, p)
-    tx = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm),
-                     optax.adamw(learning_rate_schedule(o, cfg.train.steps), b1=o.b1, b2=o.b2, eps=o.eps,
-                                 weight_decay=o.weight_decay, mask=decay_mask))
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(o.grad_clip_norm),
+        optax.adamw(
+            learning_rate_schedule(o, cfg.train.steps),
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            mask=decay_mask,
+        ),
+    )
 
     def loss_fn(params, batch):
         logits = nnx.merge(graphdef, params)(batch["inputs"], dtype).astype(jnp.float32)
@@ -70,7 +81,8 @@ def compiler_chosen_step(plan: StepPlan):
     def loss_fn(params, batch):
         logits = plan.mdef.bind(params)(batch["inputs"], plan.compute_dtype)
         return NO_TENSOR_PARALLEL.cross_entropy_sum(logits, batch["targets"], batch["loss_mask"]) / jnp.maximum(
-            jnp.sum(batch["loss_mask"]), 1.0)
+            jnp.sum(batch["loss_mask"]), 1.0
+        )
 
     def step(state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch)
@@ -85,5 +97,9 @@ def compiler_chosen_step(plan: StepPlan):
         return new, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
-    return jax.jit(step, in_shardings=(plan.state_shardings, batch_shardings),
-                   out_shardings=(plan.state_shardings, NamedSharding(plan.mesh, P())), donate_argnums=0)
+    return jax.jit(
+        step,
+        in_shardings=(plan.state_shardings, batch_shardings),
+        out_shardings=(plan.state_shardings, NamedSharding(plan.mesh, P())),
+        donate_argnums=0,
+    )

@@ -17,6 +17,7 @@ taken in the same run.
 
 Memory, tensor and pipeline rows compile ahead of time on abstract states and never run a step.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,15 +53,30 @@ from jaxpar.training.step import (
 
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
 # The pipeline grid's model: small enough that every (p, m) point compiles in seconds on 2 CPU cores.
-PIPELINE_MODEL = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-                  "model.d_ff=128", "data.seq_len=32", "optimizer.zero_stage=0"]
+PIPELINE_MODEL = [
+    "model.n_layers=4",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "optimizer.zero_stage=0",
+]
 
 
 def row(group: str, case: str, metric: str, measured: float, reference: float, unit: str, target: str) -> dict:
     """One report row; ratio = measured / reference (NaN when reference is 0)."""
     ratio = measured / reference if reference else math.nan
-    return {"group": group, "case": case, "metric": metric, "measured": float(measured),
-            "reference": float(reference), "ratio": float(ratio), "unit": unit, "target": target}
+    return {
+        "group": group,
+        "case": case,
+        "metric": metric,
+        "measured": float(measured),
+        "reference": float(reference),
+        "ratio": float(ratio),
+        "unit": unit,
+        "target": target,
+    }
 
 
 def _abstract_batch(plan: StepPlan) -> dict:
@@ -69,6 +85,7 @@ def _abstract_batch(plan: StepPlan) -> dict:
 
 
 # --- overhead ----------------------------------------------------------------------------------------------
+
 
 def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
     """jaxpar's step against `reference_step` on one device, both compiled ahead of time and timed interleaved.
@@ -82,8 +99,13 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
     """
     devices = jax.devices()[:1]
     plan = build_plan(cfg, build_mesh(cfg, devices))
-    batch = random_batch(cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding,
-                         masked_prefix=cfg.data.seq_len // 8)
+    batch = random_batch(
+        cfg.train.global_batch_size,
+        cfg.data.seq_len,
+        cfg.model.vocab_size,
+        plan.batch_sharding,
+        masked_prefix=cfg.data.seq_len // 8,
+    )
     jp = {"state": init_state(plan, cfg.train.seed)}
     ref_step, params, opt_state = reference_step(cfg)
     ref = {"params": jax.device_put(params, devices[0]), "opt": jax.device_put(opt_state, devices[0])}
@@ -100,28 +122,55 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
 
     first = {"jaxpar": float(run_jaxpar()), "reference": float(run_reference())}
     times = interleaved_step_times({"jaxpar": run_jaxpar, "reference": run_reference}, steps, rounds)
-    return {"cost": {"jaxpar": compiled_cost(jp["step"]), "reference": compiled_cost(ref_step)},
-            "first_loss": first, "times": times}
+    return {
+        "cost": {"jaxpar": compiled_cost(jp["step"]), "reference": compiled_cost(ref_step)},
+        "first_loss": first,
+        "times": times,
+    }
 
 
 def overhead_rows(result: dict, case: str) -> list[dict]:
     """Rows of a `measure_overhead` result: median step time, then XLA's FLOPs and bytes accessed."""
     med = {n: median_seconds(t) for n, t in result["times"].items()}
-    paired = statistics.median(j / r for j, r in zip(round_medians(result["times"]["jaxpar"]),
-                                                     round_medians(result["times"]["reference"])))
+    paired = statistics.median(
+        j / r for j, r in zip(round_medians(result["times"]["jaxpar"]), round_medians(result["times"]["reference"]))
+    )
     c = result["cost"]
-    return [row("overhead", case, "step time jaxpar/reference", med["jaxpar"], med["reference"], "s",
-                f"<= 1.03 (per-round median ratio {paired:.3f})"),
-            row("overhead", case, "XLA FLOPs jaxpar/reference", c["jaxpar"]["flops"], c["reference"]["flops"],
-                "FLOPs", "~1"),
-            row("overhead", case, "XLA bytes accessed", c["jaxpar"]["bytes_accessed"],
-                c["reference"]["bytes_accessed"], "bytes", "~1")]
+    return [
+        row(
+            "overhead",
+            case,
+            "step time jaxpar/reference",
+            med["jaxpar"],
+            med["reference"],
+            "s",
+            f"<= 1.03 (per-round median ratio {paired:.3f})",
+        ),
+        row(
+            "overhead", case, "XLA FLOPs jaxpar/reference", c["jaxpar"]["flops"], c["reference"]["flops"], "FLOPs", "~1"
+        ),
+        row(
+            "overhead",
+            case,
+            "XLA bytes accessed",
+            c["jaxpar"]["bytes_accessed"],
+            c["reference"]["bytes_accessed"],
+            "bytes",
+            "~1",
+        ),
+    ]
 
 
 # --- memory ------------------------------------------------------------------------------------------------
 
-def zero_memory_tables(config: str, overrides: Sequence[str], data: int, stages: Sequence[int] = (0, 1, 2, 3),
-                       compiler_options: dict | None = None) -> dict[int, list[dict]]:
+
+def zero_memory_tables(
+    config: str,
+    overrides: Sequence[str],
+    data: int,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    compiler_options: dict | None = None,
+) -> dict[int, list[dict]]:
     """`jaxpar.analysis.memory.memory_table` per ZeRO stage on mesh data=`data` (fsdp = tensor = pipeline = 1), compiled
     on abstract state and batch (nothing runs). Uses the first `data` devices.
 
@@ -132,12 +181,18 @@ def zero_memory_tables(config: str, overrides: Sequence[str], data: int, stages:
     """
     tables = {}
     for zero in stages:
-        mesh_axes = [f"mesh.data={data}", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1",
-                     f"optimizer.zero_stage={zero}"]
+        mesh_axes = [
+            f"mesh.data={data}",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            "mesh.pipeline=1",
+            f"optimizer.zero_stage={zero}",
+        ]
         cfg = load_config(config, [*overrides, *mesh_axes], num_devices=data)
         plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:data]))
-        tables[zero] = memory_table(plan, abstract_state(plan), _abstract_batch(plan),
-                                    compiler_options=compiler_options)
+        tables[zero] = memory_table(
+            plan, abstract_state(plan), _abstract_batch(plan), compiler_options=compiler_options
+        )
     return tables
 
 
@@ -149,12 +204,22 @@ def memory_rows(tables: dict[int, list[dict]]) -> list[dict]:
         case = f"{head['expression'].split(':')[0]} data={head['data']}"
         for r in table:
             if r["kind"] in (*STATE_KINDS, "total"):
-                out.append(row("memory", case, f"{r['kind']} ({r['formula']})", r["measured_bytes"],
-                               r["formula_bytes"], "bytes", "1.000"))
+                out.append(
+                    row(
+                        "memory",
+                        case,
+                        f"{r['kind']} ({r['formula']})",
+                        r["measured_bytes"],
+                        r["formula_bytes"],
+                        "bytes",
+                        "1.000",
+                    )
+                )
     return out
 
 
 # --- tensor-parallel collectives ---------------------------------------------------------------------------
+
 
 def tensor_analytic(plan: StepPlan) -> tuple[list, dict[str, float]]:
     """The planner's collectives of `plan`'s step over exactly the `tensor` axis (Megatron with or without
@@ -174,8 +239,9 @@ def tensor_axis_bytes(table: dict) -> dict[str, float]:
     return {kind: v["bytes"] for (axes, kind), v in table.items() if axes == ("tensor",)}
 
 
-def tensor_collective_rows(config: str, overrides: Sequence[str], num_devices: int,
-                           compiler_options: dict | None = None) -> list[dict]:
+def tensor_collective_rows(
+    config: str, overrides: Sequence[str], num_devices: int, compiler_options: dict | None = None
+) -> list[dict]:
     """HLO / analytic tensor-axis bytes per kind and in total, mesh tensor=2 x fsdp=num_devices/2, sequence
     parallelism off and on; compiled on abstract state and batch.
 
@@ -185,32 +251,47 @@ def tensor_collective_rows(config: str, overrides: Sequence[str], num_devices: i
     out = []
     mesh_axes = ["mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=2", "mesh.pipeline=1"]
     for sp in (False, True):
-        cfg = load_config(config, [*overrides, *mesh_axes, f"tensor.sequence_parallel={str(sp).lower()}"],
-                          num_devices=num_devices)
+        cfg = load_config(
+            config, [*overrides, *mesh_axes, f"tensor.sequence_parallel={str(sp).lower()}"], num_devices=num_devices
+        )
         plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:num_devices]))
-        compiled = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan)).compile(
-            compiler_options)
+        compiled = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan)).compile(compiler_options)
         got = tensor_axis_bytes(collectives_by_axis(compiled.as_text(), plan.mesh))
         _, want = tensor_analytic(plan)
         case = f"tensor=2 fsdp={plan.mesh_shape['fsdp']} sp={'on' if sp else 'off'}"
         for kind in sorted(set(want) | set(got)):
             target = "~1 (HLO adds grad-norm scalars)" if kind == "all-reduce" else "1.00"
-            out.append(row("tensor", case, f"{kind} HLO/Megatron", got.get(kind, 0.0), want.get(kind, 0.0),
-                           "bytes", target))
-        out.append(row("tensor", case, "total HLO/Megatron", sum(got.values()), sum(want.values()), "bytes",
-                       "<= 1.02 (HLO adds grad-norm scalars)"))
+            out.append(
+                row("tensor", case, f"{kind} HLO/Megatron", got.get(kind, 0.0), want.get(kind, 0.0), "bytes", target)
+            )
+        out.append(
+            row(
+                "tensor",
+                case,
+                "total HLO/Megatron",
+                sum(got.values()),
+                sum(want.values()),
+                "bytes",
+                "<= 1.02 (HLO adds grad-norm scalars)",
+            )
+        )
     return out
 
 
 # --- pipeline schedules ------------------------------------------------------------------------------------
+
 
 def pipeline_overrides(p: int, pipelined: bool, schedule: str, m: int, rows: int) -> list[str]:
     """Mesh and batch overrides of one pipeline benchmark point: pipeline=p with m microbatches of `rows`
     sequences, or (not `pipelined`) the data=p baseline with the same global batch m * rows."""
     axes = ["mesh.fsdp=1", "mesh.tensor=1"]
     axes += ["mesh.data=1", f"mesh.pipeline={p}"] if pipelined else [f"mesh.data={p}", "mesh.pipeline=1"]
-    return axes + [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m if pipelined else 1}",
-                   f"train.global_batch_size={m * rows}", "train.grad_accum_steps=1"]
+    return axes + [
+        f"pipeline.schedule={schedule}",
+        f"pipeline.microbatches={m if pipelined else 1}",
+        f"train.global_batch_size={m * rows}",
+        "train.grad_accum_steps=1",
+    ]
 
 
 def pipeline_temp_bytes(cfg: Config, devices: Sequence[jax.Device], compiler_options: dict | None = None) -> int:
@@ -220,35 +301,62 @@ def pipeline_temp_bytes(cfg: Config, devices: Sequence[jax.Device], compiler_opt
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def pipeline_memory_rows(config: str, overrides: Sequence[str], stages: Sequence[int],
-                         microbatches: Sequence[int], micro_rows: int = 2,
-                         compiler_options: dict | None = None) -> list[dict]:
+def pipeline_memory_rows(
+    config: str,
+    overrides: Sequence[str],
+    stages: Sequence[int],
+    microbatches: Sequence[int],
+    micro_rows: int = 2,
+    compiler_options: dict | None = None,
+) -> list[dict]:
     """Temp bytes 1F1B / GPipe for each (p, m), on the first p devices with PIPELINE_MODEL + `overrides`."""
     out = []
     for p in stages:
         for m in microbatches:
             temp = {}
             for sched in ("1f1b", "gpipe"):
-                cfg = load_config(config, [*PIPELINE_MODEL, *overrides,
-                                           *pipeline_overrides(p, True, sched, m, micro_rows)], num_devices=p)
+                cfg = load_config(
+                    config,
+                    [*PIPELINE_MODEL, *overrides, *pipeline_overrides(p, True, sched, m, micro_rows)],
+                    num_devices=p,
+                )
                 temp[sched] = pipeline_temp_bytes(cfg, jax.devices()[:p], compiler_options)
             live = {s: stage_inputs_in_flight(s, p, m)["live"] for s in ("1f1b", "gpipe")}
-            out.append(row("pipeline", f"p={p} m={m} b={micro_rows}", "temp bytes 1F1B/GPipe", temp["1f1b"],
-                           temp["gpipe"], "bytes",
-                           f"< 1; live stage inputs {live['1f1b']}/{live['gpipe']} = "
-                           f"{live['1f1b'] / live['gpipe']:.3f}"))
+            out.append(
+                row(
+                    "pipeline",
+                    f"p={p} m={m} b={micro_rows}",
+                    "temp bytes 1F1B/GPipe",
+                    temp["1f1b"],
+                    temp["gpipe"],
+                    "bytes",
+                    f"< 1; live stage inputs {live['1f1b']}/{live['gpipe']} = {live['1f1b'] / live['gpipe']:.3f}",
+                )
+            )
     return out
 
 
 # --- the whole report --------------------------------------------------------------------------------------
 
 # Quick mode's model: every measurement compiles in seconds on 2 CPU cores (d_model 64 divides every sharding).
-QUICK_MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-               "data.seq_len=32"]
+QUICK_MODEL = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=32",
+]
 
 
-def run_report(config: str, overrides: Sequence[str] = (), quick: bool = False, steps: int | None = None,
-               rounds: int = 3, log=print) -> list[dict]:
+def run_report(
+    config: str,
+    overrides: Sequence[str] = (),
+    quick: bool = False,
+    steps: int | None = None,
+    rounds: int = 3,
+    log=print,
+) -> list[dict]:
     """All four measurements on this process's devices (D = jax.device_count()); returns the report rows.
 
     quick: QUICK_MODEL, fp32 memory only, pipeline p=2 m=4, 5 timed steps per round, and (on CPU) FAST_COMPILER_OPTIONS
@@ -264,17 +372,19 @@ def run_report(config: str, overrides: Sequence[str] = (), quick: bool = False, 
     options = FAST_COMPILER_OPTIONS if quick and jax.default_backend() == "cpu" else None
     steps = steps or (5 if quick else 20)
     batch = [f"train.global_batch_size={2 * d}"]
-    log(f"benchmarks on {d} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-        f"{'quick' if quick else 'full'} mode")
+    log(
+        f"benchmarks on {d} x {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"{'quick' if quick else 'full'} mode"
+    )
 
     cfg = load_config(config, [*model, *ONE_DEVICE], num_devices=1)
-    rows = overhead_rows(measure_overhead(cfg, steps, rounds),
-                         f"1 device, {cfg.model.n_layers}L d{cfg.model.d_model} "
-                         f"{cfg.train.global_batch_size}x{cfg.data.seq_len}")
+    rows = overhead_rows(
+        measure_overhead(cfg, steps, rounds),
+        f"1 device, {cfg.model.n_layers}L d{cfg.model.d_model} {cfg.train.global_batch_size}x{cfg.data.seq_len}",
+    )
     log(f"overhead done ({time.perf_counter() - start:.0f} s)")
     for layout in ("fp32",) if quick else ("fp32", "16p"):
-        tables = zero_memory_tables(config, [*model, *batch, f"precision.layout={layout}"], d,
-                                    compiler_options=options)
+        tables = zero_memory_tables(config, [*model, *batch, f"precision.layout={layout}"], d, compiler_options=options)
         rows += memory_rows(tables)
     log(f"memory done ({time.perf_counter() - start:.0f} s)")
     if d >= 2 and d % 2 == 0:
@@ -283,14 +393,19 @@ def run_report(config: str, overrides: Sequence[str] = (), quick: bool = False, 
     else:
         log(f"tensor rows left out: need an even device count >= 2, have {d}")
     stages = [p for p in ((2,) if quick else (2, 4)) if p <= d]
-    rows += pipeline_memory_rows(config, list(overrides), stages, (4,) if quick else (4, 8, 16),
-                                 compiler_options=options)
-    log(f"pipeline done ({time.perf_counter() - start:.0f} s)" if stages
-        else f"pipeline rows left out: need >= 2 devices, have {d}")
+    rows += pipeline_memory_rows(
+        config, list(overrides), stages, (4,) if quick else (4, 8, 16), compiler_options=options
+    )
+    log(
+        f"pipeline done ({time.perf_counter() - start:.0f} s)"
+        if stages
+        else f"pipeline rows left out: need >= 2 devices, have {d}"
+    )
     return rows
 
 
 # --- the table ---------------------------------------------------------------------------------------------
+
 
 def _value(x: float, unit: str) -> str:
     if unit == "s":
@@ -303,11 +418,23 @@ def _value(x: float, unit: str) -> str:
 def format_report(rows: list[dict]) -> str:
     """Fixed-width text table: group | case | metric | measured | reference | ratio | target."""
     head = ("group", "case", "metric", "measured", "reference", "ratio", "target")
-    cells = [head] + [(r["group"], r["case"], r["metric"], _value(r["measured"], r["unit"]),
-                       _value(r["reference"], r["unit"]), f"{r['ratio']:.4f}", r["target"]) for r in rows]
+    cells = [head] + [
+        (
+            r["group"],
+            r["case"],
+            r["metric"],
+            _value(r["measured"], r["unit"]),
+            _value(r["reference"], r["unit"]),
+            f"{r['ratio']:.4f}",
+            r["target"],
+        )
+        for r in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
     right = {3, 4, 5}
-    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
-             for line in cells]
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
+        for line in cells
+    ]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(line.rstrip() for line in lines)

@@ -15,12 +15,22 @@ schedule order and are not affected; a program free of such pairs is safe on bot
 the later one does not depend on the loop through its operands. A collective user is a collective op or a
 while/call/conditional whose computations (transitively) hold one.
 """
+
 from __future__ import annotations
 
 from jaxpar.analysis.hlo import called_computations, parse_module
 
-_COLLECTIVE_OPCODES = {"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-                       "collective-broadcast", "all-reduce-start", "all-gather-start", "collective-permute-start"}
+_COLLECTIVE_OPCODES = {
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "all-reduce-start",
+    "all-gather-start",
+    "collective-permute-start",
+}
 _NESTING_OPCODES = {"while", "call", "conditional"}
 
 
@@ -39,9 +49,10 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str, str]]:
     def holds_collective(comp: str) -> bool:
         if comp not in holds:
             holds[comp] = False  # no recursion through a cycle
-            holds[comp] = any(ins.opcode in _COLLECTIVE_OPCODES
-                              or any(holds_collective(c) for c in _called(ins.attrs) if c in comps)
-                              for ins in comps.get(comp, []))
+            holds[comp] = any(
+                ins.opcode in _COLLECTIVE_OPCODES or any(holds_collective(c) for c in _called(ins.attrs) if c in comps)
+                for ins in comps.get(comp, [])
+            )
         return holds[comp]
 
     out = []

@@ -11,6 +11,7 @@ Ring costs (bytes sent per device; NCCL tests, doc/PERFORMANCE.md, "bus bandwidt
 The analytic count of a step's collectives is `jaxpar.analysis.plan_comm` (every mesh axis, Megatron tensor
 parallelism included); `jaxpar.analysis.hlo` applies the same costs to the collectives of a compiled program.
 """
+
 from __future__ import annotations
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

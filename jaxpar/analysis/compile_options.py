@@ -10,8 +10,12 @@ collectives are those of a default build; they change only code generation:
     expensive LLVM passes, about 3-4x faster again; temp bytes can differ by a few percent (fusion decisions)
     and a step runs about 2x slower. CPU only.
 """
+
 from __future__ import annotations
 
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
-FAST_COMPILER_OPTIONS = {**COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": False,
-                         "xla_llvm_disable_expensive_passes": True}
+FAST_COMPILER_OPTIONS = {
+    **COMPILER_OPTIONS,
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_llvm_disable_expensive_passes": True,
+}

@@ -9,6 +9,7 @@ the plan's. `tools/check_gpu_configs.py` runs it for every shipped config and wr
 current configs and planner (`fingerprint`, the 15% agreement, `fits`) and the README table
 (`format_table`), so a config or planner change that is not re-checked fails CI.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,9 @@ def documented_cluster(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         found = CLUSTER_LINE.findall(f.read())
     if len(found) != 1:
-        raise ValueError(f"{path}: expected one '# cluster: KIND:NODESxGPUS' line (e.g. '# cluster: h100:8x8'), "
-                         f"found {len(found)}")
+        raise ValueError(
+            f"{path}: expected one '# cluster: KIND:NODESxGPUS' line (e.g. '# cluster: h100:8x8'), found {len(found)}"
+        )
     return found[0]
 
 
@@ -46,8 +48,11 @@ def fingerprint(cfg: Config) -> str:
     config. A record whose fingerprint differs from the config's was checked on other settings."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
-    keep["batch"] = {"seq_len": cfg.data.seq_len, "global_batch_size": cfg.train.global_batch_size,
-                     "grad_accum_steps": cfg.train.grad_accum_steps}
+    keep["batch"] = {
+        "seq_len": cfg.data.seq_len,
+        "global_batch_size": cfg.train.global_batch_size,
+        "grad_accum_steps": cfg.train.grad_accum_steps,
+    }
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 
@@ -95,18 +100,34 @@ def check_config(path: str, name: str | None = None) -> dict:
     clu = parse_cluster(cluster)
     out = compile_for_gpu(cfg, clu.target.name, clu.nodes, clu.gpus_per_node)
     shape = out["mesh"]
-    rows = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * cfg.train.grad_accum_steps
-                                            * (cfg.pipeline.microbatches if shape["pipeline"] == 1 else 1))
+    rows = cfg.train.global_batch_size // (
+        shape["data"]
+        * shape["fsdp"]
+        * cfg.train.grad_accum_steps
+        * (cfg.pipeline.microbatches if shape["pipeline"] == 1 else 1)
+    )
     planned = planned_peak(cfg)
     m = out["memory"]
-    return {"config": name or os.path.basename(path), "cluster": cluster, "mesh": shape,
-            "rows_per_microbatch": rows, "grad_accum_steps": cfg.train.grad_accum_steps,
-            "remat": cfg.model.remat, "fingerprint": fingerprint(cfg), "argument_bytes": m["argument_bytes"],
-            "temp_bytes": m["temp_bytes"], "peak_bytes": m["peak_bytes"], "planned_peak_bytes": planned,
-            "ratio": m["peak_bytes"] / planned, "usable_bytes": out["usable_bytes"], "fits": out["fits"],
-            "fused_attention": out["fused_attention"],
-            "attention_scores_materialised": out["attention_scores"]["materialised"],
-            "jax_version": jax.__version__, "compile_seconds": round(out["compile_seconds"], 1)}
+    return {
+        "config": name or os.path.basename(path),
+        "cluster": cluster,
+        "mesh": shape,
+        "rows_per_microbatch": rows,
+        "grad_accum_steps": cfg.train.grad_accum_steps,
+        "remat": cfg.model.remat,
+        "fingerprint": fingerprint(cfg),
+        "argument_bytes": m["argument_bytes"],
+        "temp_bytes": m["temp_bytes"],
+        "peak_bytes": m["peak_bytes"],
+        "planned_peak_bytes": planned,
+        "ratio": m["peak_bytes"] / planned,
+        "usable_bytes": out["usable_bytes"],
+        "fits": out["fits"],
+        "fused_attention": out["fused_attention"],
+        "attention_scores_materialised": out["attention_scores"]["materialised"],
+        "jax_version": jax.__version__,
+        "compile_seconds": round(out["compile_seconds"], 1),
+    }
 
 
 def problems(record: dict, path: str) -> list[str]:
@@ -116,16 +137,19 @@ def problems(record: dict, path: str) -> list[str]:
     cfg, cluster = resolved_for_cluster(path)
     out = []
     if record["cluster"] != cluster or record["fingerprint"] != fingerprint(cfg):
-        out.append(f"{record['config']}: the record was compiled for other settings (cluster "
-                   f"{record['cluster']} vs {cluster}, or changed model/mesh/batch keys); re-run "
-                   f"tools/check_gpu_configs.py with the gpu-compile extra")
+        out.append(
+            f"{record['config']}: the record was compiled for other settings (cluster "
+            f"{record['cluster']} vs {cluster}, or changed model/mesh/batch keys); re-run "
+            f"tools/check_gpu_configs.py with the gpu-compile extra"
+        )
     if not record["fits"] or record["peak_bytes"] > record["usable_bytes"]:
-        out.append(f"{record['config']}: peak {record['peak_bytes']:,} B per device exceeds the usable "
-                   f"{record['usable_bytes']:,.0f} B of {cluster}")
+        out.append(
+            f"{record['config']}: peak {record['peak_bytes']:,} B per device exceeds the usable "
+            f"{record['usable_bytes']:,.0f} B of {cluster}"
+        )
     ratio = record["peak_bytes"] / planned_peak(cfg)
     if abs(ratio - 1) > PLAN_TOLERANCE:
-        out.append(f"{record['config']}: GPU-compiled peak / planned peak = {ratio:.3f}, outside 1 +- "
-                   f"{PLAN_TOLERANCE}")
+        out.append(f"{record['config']}: GPU-compiled peak / planned peak = {ratio:.3f}, outside 1 +- {PLAN_TOLERANCE}")
     return out
 
 
@@ -133,17 +157,23 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
     """Markdown table of records: config, cluster, mesh, rows per microbatch x accumulation, remat,
     GPU-compiled peak, planned peak (`planned` overrides the recorded one, by config name), ratio, share of
     the GPU's memory. GB = 1e9 bytes."""
-    lines = [("| config | cluster | mesh (data x fsdp x tensor x pipeline) | rows per microbatch x accumulation "
-              "| remat | GPU-compiled peak | planned peak | compiled / planned | of GPU memory |"),
-             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            "| config | cluster | mesh (data x fsdp x tensor x pipeline) | rows per microbatch x accumulation "
+            "| remat | GPU-compiled peak | planned peak | compiled / planned | of GPU memory |"
+        ),
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
     for r in records:
         m = r["mesh"]
         plan_peak = (planned or {}).get(r["config"], r["planned_peak_bytes"])
         memory = r["usable_bytes"] / _memory_fraction()
-        lines.append(f"| `{r['config']}` | {r['cluster']} | {m['data']} x {m['fsdp']} x {m['tensor']} x "
-                     f"{m['pipeline']} | {r['rows_per_microbatch']} x {r['grad_accum_steps']} | {r['remat']} | "
-                     f"{r['peak_bytes'] / GB:.1f} GB | {plan_peak / GB:.1f} GB | "
-                     f"{r['peak_bytes'] / plan_peak:.2f} | {r['peak_bytes'] / memory:.0%} |")
+        lines.append(
+            f"| `{r['config']}` | {r['cluster']} | {m['data']} x {m['fsdp']} x {m['tensor']} x "
+            f"{m['pipeline']} | {r['rows_per_microbatch']} x {r['grad_accum_steps']} | {r['remat']} | "
+            f"{r['peak_bytes'] / GB:.1f} GB | {plan_peak / GB:.1f} GB | "
+            f"{r['peak_bytes'] / plan_peak:.2f} | {r['peak_bytes'] / memory:.0%} |"
+        )
     return "\n".join(lines)
 
 

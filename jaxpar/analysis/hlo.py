@@ -26,6 +26,7 @@ Replica groups come in three printed forms, all handled:
                                           the mesh; a group is the devices along the listed axes
 and `{}` (one group of every partition). Sub-axis references (`'a':(1)2`) raise ValueError.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,25 @@ from jax.sharding import Mesh
 
 from jaxpar.analysis.comm import KINDS, ring_bytes
 
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-                "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
@@ -125,7 +143,7 @@ def _split_call(rest: str) -> tuple[str, str]:
     for i, ch in enumerate(rest):
         depth += {"(": 1, ")": -1}.get(ch, 0)
         if depth == 0:
-            return rest[:i], rest[i + 1:]
+            return rest[:i], rest[i + 1 :]
     return rest, ""
 
 
@@ -147,8 +165,9 @@ def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str, int]:
         m = _INSTRUCTION.match(line)
         if m:
             operands, attrs = _split_call(m.group(5))
-            comps[current].append(_Instr(m.group(2), m.group(3), m.group(4), re.findall(r"%([\w.\-]+)", operands),
-                                         operands, attrs))
+            comps[current].append(
+                _Instr(m.group(2), m.group(3), m.group(4), re.findall(r"%([\w.\-]+)", operands), operands, attrs)
+            )
     m = re.search(r"num_partitions=(\d+)", text)
     return comps, entry, int(m.group(1)) if m else 1
 
@@ -219,8 +238,11 @@ def _trip_count(instr: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
         return int(m.group(1))
     cond = re.search(r"condition=%?([\w.\-]+)", instr.attrs)
     body = comps.get(cond.group(1), []) if cond else []
-    consts = {i.name: int(i.raw_operands) for i in body
-              if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.raw_operands.strip())}
+    consts = {
+        i.name: int(i.raw_operands)
+        for i in body
+        if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.raw_operands.strip())
+    }
     for i in body:
         if i.opcode == "compare" and "direction=LT" in i.attrs and len(i.operands) == 2 and i.operands[1] in consts:
             return consts[i.operands[1]]
@@ -291,7 +313,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             operands = tuple(a for op in i.operands for a in _arrays(types.get(op, "")))
             if i.opcode.endswith("-start") and kind != "all-reduce":
                 # (operands..., results...[, scratch]) tuple: the results follow the operands.
-                results = results[len(operands):len(operands) + len(operands)] or results
+                results = results[len(operands) : len(operands) + len(operands)] or results
             groups = parse_replica_groups(i.attrs, num_partitions)
             # A permute's components can differ in size (a device mapped to itself is a group of one); a device
             # that sends at all sends its whole operand, so its bytes are those of the largest component.
@@ -300,10 +322,24 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 size = sum(a.bytes for a in results)
             else:
                 size = sum(a.bytes for a in operands) or sum(a.bytes for a in results) * (
-                    n if kind == "reduce-scatter" else 1)
+                    n if kind == "reduce-scatter" else 1
+                )
             times, known = mult.get(comp, (1, False))
-            out.append(Collective(kind, i.name, comp, groups, operands, results, size, ring_bytes(kind, size, n),
-                                  times, known, _op_name(i.attrs)))
+            out.append(
+                Collective(
+                    kind,
+                    i.name,
+                    comp,
+                    groups,
+                    operands,
+                    results,
+                    size,
+                    ring_bytes(kind, size, n),
+                    times,
+                    known,
+                    _op_name(i.attrs),
+                )
+            )
     return out
 
 
@@ -330,8 +366,9 @@ def classify_groups(groups, mesh: Mesh) -> tuple[str, ...] | None:
     return None
 
 
-def collectives_by_axis(hlo_text: str, mesh: Mesh, per_step: bool = True,
-                        computations: set[str] | None = None) -> dict[tuple[tuple[str, ...] | None, str], dict]:
+def collectives_by_axis(
+    hlo_text: str, mesh: Mesh, per_step: bool = True, computations: set[str] | None = None
+) -> dict[tuple[tuple[str, ...] | None, str], dict]:
     """Counts and ring bytes per device of the module's collectives, keyed by (mesh axes, kind).
 
     Args:

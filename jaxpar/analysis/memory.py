@@ -25,6 +25,7 @@ explicitly rather than hidden in a tolerance:
     output buffers in `output_size_in_bytes` (verified on CPU: an n-output jit reports n*8 extra bytes).
     Arguments are passed flattened, so `argument_size_in_bytes` has no such table.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,8 @@ from jaxpar.training.step import StepPlan, make_grad_fn, make_train_step
 
 # Bytes per parameter of each state kind, per precision layout (ZeRO section 3.1).
 BYTES_PER_PARAM: dict[str, dict[str, int]] = {
-    "fp32": {"params": 4, "grads": 4, "opt_state": 8},    # fp32 params, fp32 grads, Adam m + v
-    "16p": {"params": 2, "grads": 2, "opt_state": 12},    # bf16 params, bf16 grads, fp32 master + m + v
+    "fp32": {"params": 4, "grads": 4, "opt_state": 8},  # fp32 params, fp32 grads, Adam m + v
+    "16p": {"params": 2, "grads": 2, "opt_state": 12},  # bf16 params, bf16 grads, fp32 master + m + v
 }
 _STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 POINTER_BYTES = 8  # one entry of XLA's tuple index table
@@ -103,8 +104,7 @@ def _shard_bytes(tree: Any, shardings: Any) -> int:
     """Per-device bytes of a pytree of arrays (or ShapeDtypeStructs) laid out with `shardings`."""
     leaves, treedef = jax.tree.flatten(tree)
     shards = treedef.flatten_up_to(shardings)
-    return int(sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
-                   for x, s in zip(leaves, shards)))
+    return int(sum(math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x, s in zip(leaves, shards)))
 
 
 def _scalar_bytes(tree: Any) -> int:
@@ -129,15 +129,23 @@ def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batc
     persistent = analysis["argument_bytes"] - batch_bytes
     params = _shard_bytes(state["params"], plan.state_shardings["params"])
     scalars = _scalar_bytes(state)
-    return {"persistent": persistent, "params": params, "scalars": scalars,
-            "opt_state": persistent - params - scalars, "temp": analysis["temp_bytes"]}
+    return {
+        "persistent": persistent,
+        "params": params,
+        "scalars": scalars,
+        "opt_state": persistent - params - scalars,
+        "temp": analysis["temp_bytes"],
+    }
 
 
 def gradient_bytes_from_shardings(plan: StepPlan, params: Any) -> int:
     """Per-device bytes of the step's gradients from their shardings (`plan.specs["grads"]`), without compiling;
     `measured_state_bytes` measures the same number from the compiled gradient function."""
-    shardings = jax.tree.map(lambda spec: jax.sharding.NamedSharding(plan.mesh, spec), plan.specs["grads"],
-                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    shardings = jax.tree.map(
+        lambda spec: jax.sharding.NamedSharding(plan.mesh, spec),
+        plan.specs["grads"],
+        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+    )
     return _shard_bytes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, plan.param_dtype), params), shardings)
 
 
@@ -180,8 +188,9 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     return out
 
 
-def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None = None,
-                 compiler_options: dict | None = None) -> list[dict]:
+def memory_table(
+    plan: StepPlan, state: dict, batch: dict, measured: dict | None = None, compiler_options: dict | None = None
+) -> list[dict]:
     """Measured (`measured_state_bytes`) against formula (`state_bytes_formula`) bytes per device.
 
     `measured` reuses an earlier `measured_state_bytes(plan, state, batch)` result instead of compiling again;
@@ -203,12 +212,26 @@ def memory_table(plan: StepPlan, state: dict, batch: dict, measured: dict | None
     rows = []
     for kind in (*STATE_KINDS, "total", "scalars", "temp"):
         f = formula.get(kind)
-        term = (_kind_expression(layout, zero, kind) if kind in STATE_KINDS
-                else expression.split(": ", 1)[1] if kind == "total" else "-")
-        rows.append({"kind": kind, "measured_bytes": measured[kind], "formula_bytes": f,
-                     "ratio": None if not f else measured[kind] / f, "formula": term,
-                     "expression": expression, "n_params": n_params, "data": shape["data"],
-                     "fsdp": shape["fsdp"]})
+        term = (
+            _kind_expression(layout, zero, kind)
+            if kind in STATE_KINDS
+            else expression.split(": ", 1)[1]
+            if kind == "total"
+            else "-"
+        )
+        rows.append(
+            {
+                "kind": kind,
+                "measured_bytes": measured[kind],
+                "formula_bytes": f,
+                "ratio": None if not f else measured[kind] / f,
+                "formula": term,
+                "expression": expression,
+                "n_params": n_params,
+                "data": shape["data"],
+                "fsdp": shape["fsdp"],
+            }
+        )
     return rows
 
 
@@ -220,8 +243,10 @@ def state_memory_report(plan: StepPlan, compiled_step: Any, state: dict, batch: 
     measured = persistent_state_bytes(plan, compiled_step, state, batch)
     measured["grads"] = gradient_bytes_from_shardings(plan, state["params"])
     measured["total"] = measured["params"] + measured["grads"] + measured["opt_state"]
-    return ("model state per device (parameters and optimizer state measured from the compiled step, gradients "
-            "from their shardings):\n" + format_memory_table(memory_table(plan, state, batch, measured)))
+    return (
+        "model state per device (parameters and optimizer state measured from the compiled step, gradients "
+        "from their shardings):\n" + format_memory_table(memory_table(plan, state, batch, measured))
+    )
 
 
 def format_memory_table(rows: list[dict]) -> str:
@@ -229,10 +254,12 @@ def format_memory_table(rows: list[dict]) -> str:
     if not rows:
         return ""
     head = rows[0]
-    lines = [f"{head['expression']}   (P={head['n_params']:,} per tensor/pipeline rank, N=data={head['data']}, "
-             f"F=fsdp={head['fsdp']};"
-             " bytes per device)",
-             f"{'kind':<10} | {'measured':>14} | {'formula':>14} | {'ratio':>7} | term"]
+    lines = [
+        f"{head['expression']}   (P={head['n_params']:,} per tensor/pipeline rank, N=data={head['data']}, "
+        f"F=fsdp={head['fsdp']};"
+        " bytes per device)",
+        f"{'kind':<10} | {'measured':>14} | {'formula':>14} | {'ratio':>7} | term",
+    ]
     for r in rows:
         f = "-" if r["formula_bytes"] is None else f"{r['formula_bytes']:,.0f}"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.4f}"

@@ -10,6 +10,7 @@ at tick k stage s runs the forward of microbatch k - s and the backward of micro
 
 All functions are pure integer/float arithmetic (no jax), so they are cheap to test.
 """
+
 from __future__ import annotations
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -90,20 +91,37 @@ def report_row(schedule: str, p: int, m: int, b: int, seq: int, d_model: int, dt
     ticks = tick_counts(schedule, p, m)
     flight = stage_inputs_in_flight(schedule, p, m)
     one = activation_bytes(b, seq, d_model, dtype_bytes)
-    return {"schedule": schedule, "p": p, "m": m, **ticks, "in_flight": flight["live"],
-            "in_flight_alloc": flight["allocated"], "in_flight_bytes": flight["live"] * one,
-            "bubble": bubble_fraction(p, m), "ideal_ratio": ideal_time_ratio(schedule, p, m)}
+    return {
+        "schedule": schedule,
+        "p": p,
+        "m": m,
+        **ticks,
+        "in_flight": flight["live"],
+        "in_flight_alloc": flight["allocated"],
+        "in_flight_bytes": flight["live"] * one,
+        "bubble": bubble_fraction(p, m),
+        "ideal_ratio": ideal_time_ratio(schedule, p, m),
+    }
 
 
-COLUMNS = (("schedule", "sched", "{}"), ("p", "p", "{}"), ("m", "m", "{}"),
-           ("temp_bytes", "temp KiB", "{:.1f}"), ("in_flight", "live/alloc inputs", "{}"),
-           ("in_flight_bytes", "live KiB", "{:.1f}"), ("ticks", "ticks (half)", "{}"),
-           ("full_equivalent", "full-tick eq", "{}"), ("bubble", "bubble", "{:.3f}"),
-           ("ideal_ratio", "ideal t/dp", "{:.2f}"), ("time_ratio", "meas t/dp", "{:.2f}"))
+COLUMNS = (
+    ("schedule", "sched", "{}"),
+    ("p", "p", "{}"),
+    ("m", "m", "{}"),
+    ("temp_bytes", "temp KiB", "{:.1f}"),
+    ("in_flight", "live/alloc inputs", "{}"),
+    ("in_flight_bytes", "live KiB", "{:.1f}"),
+    ("ticks", "ticks (half)", "{}"),
+    ("full_equivalent", "full-tick eq", "{}"),
+    ("bubble", "bubble", "{:.3f}"),
+    ("ideal_ratio", "ideal t/dp", "{:.2f}"),
+    ("time_ratio", "meas t/dp", "{:.2f}"),
+)
 
 
 def format_table(rows: list[dict]) -> str:
     """Fixed-width text table of `report_row` dicts, with "temp_bytes" and "time_ratio" added (bytes as KiB)."""
+
     def cell(row, key, fmt):
         if key == "in_flight":
             return f"{row['in_flight']}/{row['in_flight_alloc']}"

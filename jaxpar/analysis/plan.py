@@ -58,6 +58,7 @@ implement no bf16 reduction) and every bf16 all-gather and collective-permute (F
 (XLA's source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/unit/test_hlo_collectives.py, and the plans checked
 against both programs by tests/unit/test_plan.py). Memory is planned the same on every platform.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,7 @@ from jaxpar.sharding import storage_axes
 COLLECTIVE_DTYPES = {
     "gpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
     "tpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
-    "cpu": "as XLA:CPU compiles them: bf16 all-reduce, reduce-scatter, all-gather, collective-permute widened "
-           "to fp32",
+    "cpu": "as XLA:CPU compiles them: bf16 all-reduce, reduce-scatter, all-gather, collective-permute widened to fp32",
 }
 
 
@@ -169,12 +169,18 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     else:
         ref = sbh * (10 + 24 / t + ratio / t)
     terms = " + ".join(_layer_bytes(cfg, d))
-    return {"per_layer": per_layer, "layers": layers, "stage_inputs": stash, "outside": outside,
-            "total": layers + stash + outside, "in_flight": in_flight,
-            "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (scores in fp32) x "
-                       f"L/p={d.layers_per_stage} x {formula_flight}; + embedding output and logits (b={d.b}, "
-                       f"s={d.s}, s'={d.s_act})",
-            "korthikanti": ref * d.layers_per_stage * in_flight}
+    return {
+        "per_layer": per_layer,
+        "layers": layers,
+        "stage_inputs": stash,
+        "outside": outside,
+        "total": layers + stash + outside,
+        "in_flight": in_flight,
+        "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (scores in fp32) x "
+        f"L/p={d.layers_per_stage} x {formula_flight}; + embedding output and logits (b={d.b}, "
+        f"s={d.s}, s'={d.s_act})",
+        "korthikanti": ref * d.layers_per_stage * in_flight,
+    }
 
 
 def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -200,10 +206,14 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         w_layer = sum(local_size(x, d.shape) for x in leaves if x.in_blocks) // d.layers_per_stage
         gathered = (w_out + w_layer) * d.compute_bytes
         layer_grads = w_layer * d.reduce_bytes
-    out = {"activations": activation_bytes(cfg, platform)["total"],
-           "attention_working": attention_working_bytes(cfg, platform), "layer_grads": layer_grads,
-           "grad_accumulators": accum, "grad_outputs": int(state_bytes(cfg)["grads"]),
-           "gathered_weights": gathered}
+    out = {
+        "activations": activation_bytes(cfg, platform)["total"],
+        "attention_working": attention_working_bytes(cfg, platform),
+        "layer_grads": layer_grads,
+        "grad_accumulators": accum,
+        "grad_outputs": int(state_bytes(cfg)["grads"]),
+        "gathered_weights": gathered,
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -238,30 +248,44 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     model_state = state["total"]
     temp = temp_bytes(cfg, platform)
     return {
-        "devices": math.prod(d.shape.values()), "mesh": d.shape, "platform": platform,
+        "devices": math.prod(d.shape.values()),
+        "mesh": d.shape,
+        "platform": platform,
         "collective_dtypes": COLLECTIVE_DTYPES[platform],
         "compute_dtype": resolve_compute_dtype(cfg.precision.compute_dtype, platform),
         "layout": cfg.precision.layout,
-        "zero_stage": d.zero, "remat": cfg.model.remat,
+        "zero_stage": d.zero,
+        "remat": cfg.model.remat,
         "pipeline": {"schedule": cfg.pipeline.schedule, "microbatches": d.m, "stages": d.shape["pipeline"]},
         "sequence_parallel": d.sp,
-        "batch": {"global_batch_size": cfg.train.global_batch_size, "seq_len": d.s, "grad_accum_steps": d.accum,
-                  "rows_per_microbatch": d.b, "tokens_per_step": cfg.train.global_batch_size * d.s},
+        "batch": {
+            "global_batch_size": cfg.train.global_batch_size,
+            "seq_len": d.s,
+            "grad_accum_steps": d.accum,
+            "rows_per_microbatch": d.b,
+            "tokens_per_step": cfg.train.global_batch_size * d.s,
+        },
         "params": {"total": total_params, "non_embedding": total_params - embedding, "per_rank": state["n_params"]},
-        "memory": {"params": state["params"], "grads": state["grads"], "opt_state": state["opt_state"],
-                   "model_state": model_state, "activations": act["total"],
-                   "total": model_state + act["total"], "expression": state["expression"],
-                   "activation_formula": act["formula"], "korthikanti_activations": act["korthikanti"],
-                   "temp_estimate": temp,
-                   "peak_estimate": state["params"] + state["opt_state"] + temp["total"]},
+        "memory": {
+            "params": state["params"],
+            "grads": state["grads"],
+            "opt_state": state["opt_state"],
+            "model_state": model_state,
+            "activations": act["total"],
+            "total": model_state + act["total"],
+            "expression": state["expression"],
+            "activation_formula": act["formula"],
+            "korthikanti_activations": act["korthikanti"],
+            "temp_estimate": temp,
+            "peak_estimate": state["params"] + state["opt_state"] + temp["total"],
+        },
         "activations": act,
         "collectives": [dataclasses.asdict(term) | {"bytes": term.bytes} for term in terms],
         "by_axis": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(terms).items()},
     }
 
 
-def zero_exercise(n_params: float = 13e9, devices: int = 8, budget_bytes: float = 24 * GB,
-                  layout: str = "16p") -> dict:
+def zero_exercise(n_params: float = 13e9, devices: int = 8, budget_bytes: float = 24 * GB, layout: str = "16p") -> dict:
     """The seed exercise: model-state bytes per device of P parameters on N data-parallel devices under DDP and
     ZeRO-1/2/3 (`jaxpar.analysis.memory.state_bytes_formula`, fsdp = 1), and the smallest N whose ZeRO-3 state fits
     `budget_bytes`.
@@ -274,16 +298,30 @@ def zero_exercise(n_params: float = 13e9, devices: int = 8, budget_bytes: float 
       ValueError: n_params or budget_bytes <= 0, devices < 1, unknown layout.
     """
     if n_params <= 0 or budget_bytes <= 0 or devices < 1:
-        raise ValueError(f"need n_params > 0, budget_bytes > 0, devices >= 1; got {n_params}, {budget_bytes}, "
-                         f"{devices}")
-    stages = [{"zero_stage": z, "expression": formula_expression(layout, z),
-               "bytes": state_bytes_formula(n_params, layout, z, devices, 1)["total"]} for z in range(4)]
+        raise ValueError(
+            f"need n_params > 0, budget_bytes > 0, devices >= 1; got {n_params}, {budget_bytes}, {devices}"
+        )
+    stages = [
+        {
+            "zero_stage": z,
+            "expression": formula_expression(layout, z),
+            "bytes": state_bytes_formula(n_params, layout, z, devices, 1)["total"],
+        }
+        for z in range(4)
+    ]
     full = state_bytes_formula(n_params, layout, 3, 1, 1)["total"]  # ZeRO-3 state is full / N
     smallest = max(1, math.ceil(full / budget_bytes))
     while full / smallest > budget_bytes:  # guard the float ceil
         smallest += 1
-    return {"n_params": n_params, "devices": devices, "layout": layout, "budget_bytes": budget_bytes,
-            "stages": stages, "smallest_devices_zero3": smallest, "zero3_bytes_at_smallest": full / smallest}
+    return {
+        "n_params": n_params,
+        "devices": devices,
+        "layout": layout,
+        "budget_bytes": budget_bytes,
+        "stages": stages,
+        "smallest_devices_zero3": smallest,
+        "zero3_bytes_at_smallest": full / smallest,
+    }
 
 
 def fsdp_config(cfg: Config, devices: int, rows_per_device: int = 1) -> Config:
@@ -291,14 +329,22 @@ def fsdp_config(cfg: Config, devices: int, rows_per_device: int = 1) -> Config:
     no accumulation, left unvalidated so that a device count jaxpar could not shard (d_model % N != 0) can
     still be planned by formula."""
     return dataclasses.replace(
-        cfg, mesh=dataclasses.replace(cfg.mesh, data=1, fsdp=devices, tensor=1, pipeline=1),
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, data=1, fsdp=devices, tensor=1, pipeline=1),
         tensor=dataclasses.replace(cfg.tensor, sequence_parallel=False),
         pipeline=dataclasses.replace(cfg.pipeline, microbatches=1),
-        train=dataclasses.replace(cfg.train, global_batch_size=devices * rows_per_device, grad_accum_steps=1))
+        train=dataclasses.replace(cfg.train, global_batch_size=devices * rows_per_device, grad_accum_steps=1),
+    )
 
 
-def smallest_fitting_devices(cfg: Config, budget_bytes: float, include_temp: bool, shardable: bool,
-                             platform: str = "gpu", max_devices: int = 1 << 16) -> int | None:
+def smallest_fitting_devices(
+    cfg: Config,
+    budget_bytes: float,
+    include_temp: bool,
+    shardable: bool,
+    platform: str = "gpu",
+    max_devices: int = 1 << 16,
+) -> int | None:
     """Smallest N for which `fsdp_config(cfg, N)` needs at most `budget_bytes` per device: model state plus
     activations, or with `include_temp` model state plus `temp_bytes` (activations, fp32 gradient accumulators,
     gradient outputs, gathered weights). `shardable`: only N that divide d_model (jaxpar shards state along the
@@ -326,11 +372,19 @@ def exercise_activations(cfg: Config, exercise: dict, platform: str = "gpu") -> 
     mdl, s = cfg.model, cfg.data.seq_len
     one_layer = s * mdl.d_model * (34 + 5 * mdl.n_heads * s / mdl.d_model)
     at_n = fsdp_config(cfg, n)
-    return {"n_params": sum(x.size for x in param_leaves(mdl)), "layers": mdl.n_layers, "d_model": mdl.d_model,
-            "heads": mdl.n_heads, "seq_len": s, "remat": mdl.remat,
-            "korthikanti_none": mdl.n_layers * one_layer, "korthikanti_full": 2 * s * mdl.d_model * mdl.n_layers,
-            "one_layer": one_layer, "jaxpar_activations": activation_bytes(at_n, platform)["total"],
-            "attention_working_at_smallest": temp_bytes(at_n, platform)["attention_working"],
-            "fit_state_acts": smallest_fitting_devices(cfg, budget, False, False, platform),
-            "fit_temp": smallest_fitting_devices(cfg, budget, True, False, platform),
-            "fit_temp_shardable": smallest_fitting_devices(cfg, budget, True, True, platform)}
+    return {
+        "n_params": sum(x.size for x in param_leaves(mdl)),
+        "layers": mdl.n_layers,
+        "d_model": mdl.d_model,
+        "heads": mdl.n_heads,
+        "seq_len": s,
+        "remat": mdl.remat,
+        "korthikanti_none": mdl.n_layers * one_layer,
+        "korthikanti_full": 2 * s * mdl.d_model * mdl.n_layers,
+        "one_layer": one_layer,
+        "jaxpar_activations": activation_bytes(at_n, platform)["total"],
+        "attention_working_at_smallest": temp_bytes(at_n, platform)["attention_working"],
+        "fit_state_acts": smallest_fitting_devices(cfg, budget, False, False, platform),
+        "fit_temp": smallest_fitting_devices(cfg, budget, True, False, platform),
+        "fit_temp_shardable": smallest_fitting_devices(cfg, budget, True, True, platform),
+    }

@@ -45,6 +45,7 @@ pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage 
   all-reduced over pipeline once per step (the final norm over pipeline x tensor with SP).
 Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums), a few bytes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -95,8 +96,7 @@ def _passes(cfg: Config, d) -> dict[str, int]:
     elif cfg.pipeline.schedule == "1f1b":
         # With m = 1 the one steady tick is unrolled and its forward, read by nobody, is dropped.
         dead = a if m == 1 else 0
-        out = {"fwd": a * ticks, "fwd_no_head": a * ticks - dead, "bwd": a * ticks,
-               "gathers": 3 * a * ticks - dead}
+        out = {"fwd": a * ticks, "fwd_no_head": a * ticks - dead, "bwd": a * ticks, "gathers": 3 * a * ticks - dead}
     else:
         out = {"fwd": a * ticks, "fwd_no_head": 0, "bwd": a * ticks, "gathers": a * (1 + ticks)}
     if per_stage == 1:
@@ -115,13 +115,34 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     n_block, n_out = sum(x.in_blocks for x in leaves), sum(not x.in_blocks for x in leaves)
     layers = d.layers_per_stage
     bc, br = d.wire(d.compute_bytes), d.wire(d.reduce_bytes)
-    _term(out, shape, "layer weights", axes, "all-gather", passes["gathers"] * layers * n_block,
-          passes["gathers"] * layers * w_layer * bc)
+    _term(
+        out,
+        shape,
+        "layer weights",
+        axes,
+        "all-gather",
+        passes["gathers"] * layers * n_block,
+        passes["gathers"] * layers * w_layer * bc,
+    )
     _term(out, shape, "embedding/norm/head weights", axes, "all-gather", n_out, w_out * bc)
-    _term(out, shape, "layer gradients", axes, "reduce-scatter", passes["bwd"] * layers * n_block,
-          passes["bwd"] * layers * w_layer * br)
-    _term(out, shape, "embedding/norm/head gradients", axes, "reduce-scatter", passes["bwd"] * n_out,
-          passes["bwd"] * w_out * br)
+    _term(
+        out,
+        shape,
+        "layer gradients",
+        axes,
+        "reduce-scatter",
+        passes["bwd"] * layers * n_block,
+        passes["bwd"] * layers * w_layer * br,
+    )
+    _term(
+        out,
+        shape,
+        "embedding/norm/head gradients",
+        axes,
+        "reduce-scatter",
+        passes["bwd"] * n_out,
+        passes["bwd"] * w_out * br,
+    )
 
 
 def _data_terms(cfg: Config, d, out: list) -> None:
@@ -134,7 +155,8 @@ def _data_terms(cfg: Config, d, out: list) -> None:
     if d.zero in (1, 2):
         width = {2: "bf16", 4: "fp32"}
         name = f"updated parameters ({width[d.param_bytes]}" + (
-            f", {width[d.wire(d.param_bytes)]} on {d.platform})" if d.wire(d.param_bytes) != d.param_bytes else ")")
+            f", {width[d.wire(d.param_bytes)]} on {d.platform})" if d.wire(d.param_bytes) != d.param_bytes else ")"
+        )
         _term(out, d.shape, name, ("data",), "all-gather", len(leaves), grads * d.wire(d.param_bytes))
 
 
@@ -154,8 +176,15 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     enter_grads = bwd * (2 * layers + 1 + (layers if full else 0))
     if d.sp:
         ag = fwd * (2 * layers + 1) + fwd_nh * 2 * layers + bwd * (2 * layers + 1 + (2 * layers if full else 0))
-        _term(out, shape, "activations (sequence parallel)", tensor, "reduce-scatter", exits + enter_grads,
-              (exits + enter_grads) * x)
+        _term(
+            out,
+            shape,
+            "activations (sequence parallel)",
+            tensor,
+            "reduce-scatter",
+            exits + enter_grads,
+            (exits + enter_grads) * x,
+        )
         _term(out, shape, "activations (sequence parallel)", tensor, "all-gather", ag, ag * x)
     else:
         _term(out, shape, "activations", tensor, "all-reduce", exits + enter_grads, (exits + enter_grads) * x)
@@ -165,8 +194,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         # Parameters replicated over tensor receive partial gradients under sequence parallelism: the norm
         # scales, [L/p, D/shards] in the stack and [D/shards] outside it.
         replicated = [x for x in param_leaves(cfg.model) if not {"vocab", "heads", "mlp"} & set(x.axes)]
-        stacked = sum(local_size(x, shape, storage) for x in replicated
-                      if x.in_blocks or shape["pipeline"] == 1)
+        stacked = sum(local_size(x, shape, storage) for x in replicated if x.in_blocks or shape["pipeline"] == 1)
         _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.wire(d.reduce_bytes))
 
 
@@ -179,17 +207,38 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     if cfg.pipeline.schedule == "1f1b":
         shifts -= (1 if d.m == 1 else 0) + (1 if p == 2 else 0)
     act = d.b * d.s_act * cfg.model.d_model * d.wire(d.compute_bytes)
-    _term(out, shape, "stage activations and their gradients", ("pipeline",), "collective-permute",
-          d.accum * shifts, d.accum * shifts * act)
+    _term(
+        out,
+        shape,
+        "stage activations and their gradients",
+        ("pipeline",),
+        "collective-permute",
+        d.accum * shifts,
+        d.accum * shifts * act,
+    )
     storage = storage_axes("params", d.zero)
     outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
     norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
     rest = [x for x in outside if x not in norms]
     br = d.wire(d.reduce_bytes)
-    _term(out, shape, "embedding/head gradients (one stage used them)", ("pipeline",), "all-reduce", len(rest),
-          sum(local_size(x, shape, storage) for x in rest) * br)
-    _term(out, shape, "final-norm gradient (one stage, s/t each)", ("pipeline", "tensor"), "all-reduce",
-          len(norms), sum(local_size(x, shape, storage) for x in norms) * br)
+    _term(
+        out,
+        shape,
+        "embedding/head gradients (one stage used them)",
+        ("pipeline",),
+        "all-reduce",
+        len(rest),
+        sum(local_size(x, shape, storage) for x in rest) * br,
+    )
+    _term(
+        out,
+        shape,
+        "final-norm gradient (one stage, s/t each)",
+        ("pipeline", "tensor"),
+        "all-reduce",
+        len(norms),
+        sum(local_size(x, shape, storage) for x in norms) * br,
+    )
 
 
 def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:

@@ -18,6 +18,7 @@ simplification later hoists or drops (`jaxpar.analysis.plan_comm` counts after t
 Needs as many jax devices as the mesh: the CLI (`jaxpar.cli.plan`) sets the simulated CPU device count before
 jax is imported.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +63,10 @@ def _step_plan(cfg: Config):
     devices = jax.devices()
     n = math.prod(mesh_sizes(cfg.mesh).values())
     if len(devices) < n:
-        raise RuntimeError(f"the mesh needs {n} devices but jax has {len(devices)}; set JAX_NUM_CPU_DEVICES={n} "
-                           f"before jax is imported (jaxpar-plan --compile does)")
+        raise RuntimeError(
+            f"the mesh needs {n} devices but jax has {len(devices)}; set JAX_NUM_CPU_DEVICES={n} "
+            f"before jax is imported (jaxpar-plan --compile does)"
+        )
     return build_plan(cfg, build_mesh(cfg, devices[:n]))
 
 
@@ -71,11 +74,11 @@ def _step_plan(cfg: Config):
 class CompiledStep:
     """The train step compiled ahead of time for abstract (state, batch), with what produced it."""
 
-    plan: Any          # jaxpar.training.step.StepPlan
-    state: dict        # abstract state (ShapeDtypeStructs with shardings)
-    batch: dict        # abstract batch
-    executable: Any    # jax.stages.Compiled; callable on real arrays with the same shardings
-    seconds: float     # compile wall time
+    plan: Any  # jaxpar.training.step.StepPlan
+    state: dict  # abstract state (ShapeDtypeStructs with shardings)
+    batch: dict  # abstract batch
+    executable: Any  # jax.stages.Compiled; callable on real arrays with the same shardings
+    seconds: float  # compile wall time
     partitioned_hlo: str | None = None  # HLO text after the SPMD partitioner (module docstring); None if absent
 
 
@@ -152,9 +155,16 @@ def compare_collectives(hlo: dict, analytic: dict) -> list[dict]:
     for key in sorted(set(hlo) | set(analytic["by_axis"])):
         got = hlo.get(key, {"count": 0, "bytes": 0.0})
         want = analytic["by_axis"].get(key, 0.0)
-        rows.append({"key": key, "compiled_bytes": got["bytes"], "compiled_count": got["count"],
-                     "planned_bytes": want, "planned_count": planned_counts.get(key, 0),
-                     "ratio": got["bytes"] / want if want else None})
+        rows.append(
+            {
+                "key": key,
+                "compiled_bytes": got["bytes"],
+                "compiled_count": got["count"],
+                "planned_bytes": want,
+                "planned_count": planned_counts.get(key, 0),
+                "ratio": got["bytes"] / want if want else None,
+            }
+        )
     return rows
 
 
@@ -172,20 +182,30 @@ def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> d
         or not one of `jaxpar.config.precision.PLATFORMS`.
     """
     if check_platform(target) == "cpu":
-        raise ValueError("the partitioned program is compared with a plan for gpu or tpu; for cpu compare the "
-                         "executable (compiled_plan's collectives)")
+        raise ValueError(
+            "the partitioned program is compared with a plan for gpu or tpu; for cpu compare the "
+            "executable (compiled_plan's collectives)"
+        )
     if step.partitioned_hlo is None:
         return None
     dtype = jnp.dtype(step.plan.compute_dtype).name
     pinned = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
     coll = hlo_collectives(step.partitioned_hlo, step.plan.mesh)
-    return {"platform": target, "compute_dtype": dtype,
-            "collectives": compare_collectives(coll["by_axis"], analytic_plan(pinned, target)),
-            "scalars": coll["scalars"]}
+    return {
+        "platform": target,
+        "compute_dtype": dtype,
+        "collectives": compare_collectives(coll["by_axis"], analytic_plan(pinned, target)),
+        "scalars": coll["scalars"],
+    }
 
 
-def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = None,
-                  step: CompiledStep | None = None, target: str = "gpu") -> dict:
+def compiled_plan(
+    cfg: Config,
+    analytic: dict,
+    compiler_options: dict | None = None,
+    step: CompiledStep | None = None,
+    target: str = "gpu",
+) -> dict:
     """Compiles the train step of resolved `cfg` on the first N jax devices (`compile_step`; or takes `step`,
     compiled earlier) and sets it beside `analytic` (`jaxpar.analysis.plan.plan(cfg, platform="cpu")` for a CPU
     compile),
@@ -219,18 +239,31 @@ def compiled_plan(cfg: Config, analytic: dict, compiler_options: dict | None = N
     state_bytes = persistent["persistent"] - persistent["scalars"]
     planned_temp = mem["temp_estimate"]["total"]
     coll = hlo_collectives(compiled.as_text(), plan.mesh)
-    return {"compile_seconds": seconds, "memory_analysis": memory,
-            "state": {"persistent": persistent["persistent"], "scalars": persistent["scalars"],
-                      "params": persistent["params"], "params_plus_opt_state": state_bytes,
-                      "planned": planned_state, "ratio": state_bytes / planned_state},
-            "temp": {"compiled": memory["temp_bytes"], "planned": planned_temp,
-                     "ratio": memory["temp_bytes"] / planned_temp if planned_temp else None},
-            "collectives": compare_collectives(coll["by_axis"], analytic), "scalars": coll["scalars"],
-            "partitioned": partitioned_check(cfg, step, target)}
+    return {
+        "compile_seconds": seconds,
+        "memory_analysis": memory,
+        "state": {
+            "persistent": persistent["persistent"],
+            "scalars": persistent["scalars"],
+            "params": persistent["params"],
+            "params_plus_opt_state": state_bytes,
+            "planned": planned_state,
+            "ratio": state_bytes / planned_state,
+        },
+        "temp": {
+            "compiled": memory["temp_bytes"],
+            "planned": planned_temp,
+            "ratio": memory["temp_bytes"] / planned_temp if planned_temp else None,
+        },
+        "collectives": compare_collectives(coll["by_axis"], analytic),
+        "scalars": coll["scalars"],
+        "partitioned": partitioned_check(cfg, step, target),
+    }
 
 
-def measure_steps(cfg: Config, analytic: dict, steps: int, peak_flops_override: float = 0.0,
-                  step: CompiledStep | None = None) -> dict:
+def measure_steps(
+    cfg: Config, analytic: dict, steps: int, peak_flops_override: float = 0.0, step: CompiledStep | None = None
+) -> dict:
     """Runs `steps` train steps (after one untimed warm-up step) on random tokens and times them, with the
     executable of `step` when given (no second compile; its compiler options then apply to the timing), else a
     fresh `jax.jit` of the step.
@@ -264,9 +297,14 @@ def measure_steps(cfg: Config, analytic: dict, steps: int, peak_flops_override: 
     tokens_per_s = g * t / seconds
     device = plan.mesh.devices.flat[0]
     peak = flops.peak_flops(device.device_kind, peak_flops_override or cfg.train.peak_flops_per_device)
-    per_token = flops.flops_per_token(analytic["params"]["non_embedding"], cfg.model.n_layers, cfg.model.d_model,
-                                      t)
+    per_token = flops.flops_per_token(analytic["params"]["non_embedding"], cfg.model.n_layers, cfg.model.d_model, t)
     stats = device.memory_stats() or {}
-    return {"steps": steps, "step_time_s": seconds, "tokens_per_s": tokens_per_s,
-            "mfu": flops.mfu(tokens_per_s, per_token, plan.mesh.size, peak), "peak_flops_per_device": peak,
-            "peak_memory_bytes": stats.get("peak_bytes_in_use"), "device_kind": device.device_kind}
+    return {
+        "steps": steps,
+        "step_time_s": seconds,
+        "tokens_per_s": tokens_per_s,
+        "mfu": flops.mfu(tokens_per_s, per_token, plan.mesh.size, peak),
+        "peak_flops_per_device": peak,
+        "peak_memory_bytes": stats.get("peak_bytes_in_use"),
+        "device_kind": device.device_kind,
+    }

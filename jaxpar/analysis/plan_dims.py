@@ -4,6 +4,7 @@ shapes), how much of each leaf one device holds, and the step's sizes on a platf
 (`jaxpar.analysis.plan_comm`) and the ZeRO table of a compiled step (`jaxpar.analysis.memory`); no
 compilation, no devices.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,14 +83,14 @@ class Dims:
     zero: int
     b: int
     s: int
-    s_act: int        # s' (s / t with sequence parallelism)
+    s_act: int  # s' (s / t with sequence parallelism)
     sp: bool
-    accum: int        # A
-    m: int            # pipeline microbatches
+    accum: int  # A
+    m: int  # pipeline microbatches
     layers_per_stage: int
-    compute_bytes: int    # Bc: bytes of the compute dtype (activations, gathered weights)
-    reduce_bytes: int     # Br: bytes of precision.reduce_dtype (gradient reductions)
-    param_bytes: int      # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
+    compute_bytes: int  # Bc: bytes of the compute dtype (activations, gathered weights)
+    reduce_bytes: int  # Br: bytes of precision.reduce_dtype (gradient reductions)
+    param_bytes: int  # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
     platform: str
 
     def wire(self, dtype_bytes: int) -> int:
@@ -112,11 +113,21 @@ def dims(cfg: Config, platform: str) -> Dims:
     accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
     b = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum * m)
     s = cfg.data.seq_len
-    return Dims(shape=shape, zero=cfg.optimizer.zero_stage, b=b, s=s, s_act=s // t if sp else s, sp=sp,
-                accum=accum, m=m, layers_per_stage=cfg.model.n_layers // p,
-                compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
-                reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
-                param_bytes=2 if cfg.precision.layout == "16p" else 4, platform=platform)
+    return Dims(
+        shape=shape,
+        zero=cfg.optimizer.zero_stage,
+        b=b,
+        s=s,
+        s_act=s // t if sp else s,
+        sp=sp,
+        accum=accum,
+        m=m,
+        layers_per_stage=cfg.model.n_layers // p,
+        compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
+        reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
+        param_bytes=2 if cfg.precision.layout == "16p" else 4,
+        platform=platform,
+    )
 
 
 def rank_params(model: ModelConfig, shape: dict[str, int]) -> int:

@@ -18,6 +18,7 @@ auto` is compiled as on a GPU (bfloat16), not as the CPU process would resolve i
 Differences from the cluster's own compile: no autotuning (no device to time kernels on), so GEMM fusions use
 the compiler's default tile configurations; their scratch may differ a little from an autotuned build.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,11 @@ CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 _DOT = re.compile(r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+dot\((.*)$", re.MULTILINE)
 # Any instruction with one array result whose op_name names one of the einsums of jax's XLA attention
 # (jax.nn.dot_product_attention: logits "BTNH,BSNH->BNTS", context "BNTS,BSNH->BTNH", and their transposes).
-_ATTENTION_OP = re.compile(r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+[\w.-]+\(.*op_name=\"[^\"]*"
-                           r"(?:BTNH,BSNH->BNTS|BNTS,BSNH->BTNH)", re.MULTILINE)
+_ATTENTION_OP = re.compile(
+    r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+[\w.-]+\(.*op_name=\"[^\"]*"
+    r"(?:BTNH,BSNH->BNTS|BNTS,BSNH->BTNH)",
+    re.MULTILINE,
+)
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
 
 
@@ -65,11 +69,13 @@ def cuda_plugin_version() -> str:
         if jaxlib_version is not None and version != jaxlib_version:
             raise GpuCompileUnavailable(
                 f"{dist} {version} does not match jaxlib {jaxlib_version}; install the plugin of jaxlib's version: "
-                f"{EXTRA}")
+                f"{EXTRA}"
+            )
         return version
     raise GpuCompileUnavailable(
         f"compiling for a GPU cluster needs jax's CUDA plugin (no GPU needed), which is not installed: {EXTRA} "
-        f"(about 2.7 GB: the CUDA plugin of the installed jax's version, ptxas and cuDNN)")
+        f"(about 2.7 GB: the CUDA plugin of the installed jax's version, ptxas and cuDNN)"
+    )
 
 
 def unavailable_reason() -> str | None:
@@ -93,12 +99,12 @@ def compile_devices(clu: Cluster) -> list:
     from jax.experimental import topologies
 
     try:
-        topo = topologies.get_topology_desc(platform="cuda", target_config=clu.target.text,
-                                            topology=clu.topology)
+        topo = topologies.get_topology_desc(platform="cuda", target_config=clu.target.text, topology=clu.topology)
     except NotImplementedError as e:
         raise GpuCompileUnavailable(
             f"jax's CUDA plugin is installed but not registered ({e}): on a machine without a usable GPU driver "
-            f"set JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before jax starts") from e
+            f"set JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) before jax starts"
+        ) from e
     except Exception as e:  # jax's JaxRuntimeError: the description or topology was refused
         raise ValueError(f"the CUDA plugin refused target {clu.target.name!r} topology {clu.topology}: {e}") from e
     devices = list(topo.devices)
@@ -141,8 +147,14 @@ def attention_scores(hlo_text: str, seq_len: int) -> dict:
     return {"materialised": bool(shapes), "shapes": sorted(shapes), "largest_bytes": largest}
 
 
-def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
-                    compiler_options: dict | None = None, keep_hlo: bool = False) -> dict:
+def compile_for_gpu(
+    cfg: Config,
+    target: str,
+    nodes: int,
+    gpus_per_node: int,
+    compiler_options: dict | None = None,
+    keep_hlo: bool = False,
+) -> dict:
     """Compiles the train step of `cfg` for `nodes` x `gpus_per_node` GPUs of `target` (module docstring) and
     reads what the GPU compiler decided. Bytes are per device; the batch is `cfg.train.global_batch_size` rows
     of `cfg.data.seq_len` tokens, split as the step splits it.
@@ -200,24 +212,37 @@ def compile_for_gpu(cfg: Config, target: str, nodes: int, gpus_per_node: int,
     analysis = memory_analysis_bytes(compiled)
     if analysis is None:
         raise RuntimeError("the CUDA compiler gave no memory_analysis() for the compiled step")
-    memory = {k: analysis[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",
-                                       "generated_code_bytes")}
+    memory = {
+        k: analysis[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes")
+    }
     memory["peak_bytes"] = analysis["xla_peak_bytes"] or analysis["peak_bytes"]
     hlo = compiled.as_text()
     coll = hlo_collectives(hlo, mesh)
     analytic = analytic_plan(cfg, "gpu")
     planned = analytic["memory"]["peak_estimate"]
-    out = {"cluster": clu.name, "target": clu.target.name, "device_kind": clu.target.device_kind,
-           "devices": clu.devices, "mesh": dict(mesh.shape), "compute_dtype": jnp.dtype(plan.compute_dtype).name,
-           "compile_seconds": seconds, "memory": memory, "memory_bytes": clu.target.memory_bytes,
-           "usable_bytes": clu.target.usable_bytes,
-           "fraction_of_memory": memory["peak_bytes"] / clu.target.memory_bytes,
-           "fits": memory["peak_bytes"] <= clu.target.usable_bytes,
-           "collectives": coll["by_axis"], "scalars": coll["scalars"],
-           "fused_attention": sorted({c for c in _CUSTOM_CALL.findall(hlo) if "fmha" in c.lower()}),
-           "attention_scores": attention_scores(hlo, t),
-           "planned": {"peak_bytes": planned, "ratio": memory["peak_bytes"] / planned if planned else math.nan,
-                       "collectives": compare_collectives(coll["by_axis"], analytic)}}
+    out = {
+        "cluster": clu.name,
+        "target": clu.target.name,
+        "device_kind": clu.target.device_kind,
+        "devices": clu.devices,
+        "mesh": dict(mesh.shape),
+        "compute_dtype": jnp.dtype(plan.compute_dtype).name,
+        "compile_seconds": seconds,
+        "memory": memory,
+        "memory_bytes": clu.target.memory_bytes,
+        "usable_bytes": clu.target.usable_bytes,
+        "fraction_of_memory": memory["peak_bytes"] / clu.target.memory_bytes,
+        "fits": memory["peak_bytes"] <= clu.target.usable_bytes,
+        "collectives": coll["by_axis"],
+        "scalars": coll["scalars"],
+        "fused_attention": sorted({c for c in _CUSTOM_CALL.findall(hlo) if "fmha" in c.lower()}),
+        "attention_scores": attention_scores(hlo, t),
+        "planned": {
+            "peak_bytes": planned,
+            "ratio": memory["peak_bytes"] / planned if planned else math.nan,
+            "collectives": compare_collectives(coll["by_axis"], analytic),
+        },
+    }
     if keep_hlo:
         out["hlo"] = hlo
     return out

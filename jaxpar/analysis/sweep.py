@@ -47,6 +47,7 @@ fresh subprocess per point, because the device count must be set before jax is i
 Resume: results.json in the output directory is rewritten after every point; a rerun skips points whose key
 (the point's full list of overrides) is already recorded as ok, over_budget or invalid, and retries failed ones.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,11 +70,32 @@ from jaxpar.config.mesh_axes import CONFIG_AXES
 from jaxpar.config.precision import PLATFORMS
 
 DONE = ("ok", "over_budget", "invalid")
-_KEYS = ("base", "overrides", "devices", "constraints", "meshes", "vary", "objective", "memory_budget_gb",
-         "memory_budget_bytes", "measure_steps", "compile", "fast_compile", "real_devices", "platform", "target",
-         "timeout_s")
-_CONSTRAINTS = {"max_data": int, "max_fsdp": int, "max_tensor": int, "max_pipeline": int,
-                "pipeline_divides_layers": bool, "tensor_divides_heads": bool}
+_KEYS = (
+    "base",
+    "overrides",
+    "devices",
+    "constraints",
+    "meshes",
+    "vary",
+    "objective",
+    "memory_budget_gb",
+    "memory_budget_bytes",
+    "measure_steps",
+    "compile",
+    "fast_compile",
+    "real_devices",
+    "platform",
+    "target",
+    "timeout_s",
+)
+_CONSTRAINTS = {
+    "max_data": int,
+    "max_fsdp": int,
+    "max_tensor": int,
+    "max_pipeline": int,
+    "pipeline_divides_layers": bool,
+    "tensor_divides_heads": bool,
+}
 
 
 class SweepError(ValueError):
@@ -132,8 +154,9 @@ def _meshes(raw: dict, base_cfg, cluster=None) -> list[dict]:
     if cluster is not None and "meshes" not in raw:  # the cluster's GPU count (parse_target checked `devices`)
         raw = {**raw, "devices": cluster.devices}
     if ("devices" in raw) == ("meshes" in raw):
-        raise SweepError("give exactly one of `devices: D` (all factorisations of D) or `meshes: [{data: 4, "
-                         "fsdp: 2}, ...]`")
+        raise SweepError(
+            "give exactly one of `devices: D` (all factorisations of D) or `meshes: [{data: 4, fsdp: 2}, ...]`"
+        )
     if "devices" in raw:
         devices = _check_type("devices", raw["devices"], int)
         if devices < 1:
@@ -208,8 +231,10 @@ def load_sweep(path: str) -> Sweep:
     except ConfigError as e:
         raise SweepError(str(e)) from e
     if not isinstance(raw, dict):
-        raise SweepError(f"{path}: the top level must be a mapping (base:, devices: or meshes:, vary:, ...), "
-                         f"got {type(raw).__name__}")
+        raise SweepError(
+            f"{path}: the top level must be a mapping (base:, devices: or meshes:, vary:, ...), "
+            f"got {type(raw).__name__}"
+        )
     unknown = sorted(set(raw) - set(_KEYS))
     if unknown:
         raise SweepError(f"{path}: unknown sweep key {unknown[0]!r}; valid keys: {', '.join(_KEYS)}")
@@ -252,13 +277,22 @@ def load_sweep(path: str) -> Sweep:
     platform = raw.get("platform", "gpu")
     if platform not in PLATFORMS:
         raise SweepError(f"platform: {platform!r} is not one of {', '.join(PLATFORMS)}")
-    return Sweep(path=path, base=base, overrides=tuple(fixed), meshes=tuple(_meshes(raw, base_cfg, cluster)),
-                 vary=_vary(raw.get("vary"), base, list(fixed)), objective=objective, budget_bytes=budget,
-                 measure_steps=measure, compile=_check_type("compile", raw.get("compile", True), bool),
-                 fast_compile=_check_type("fast_compile", raw.get("fast_compile", False), bool),
-                 real_devices=_check_type("real_devices", raw.get("real_devices", False), bool),
-                 platform=platform, timeout_s=_check_type("timeout_s", raw.get("timeout_s", 900), float),
-                 target=cluster.name if cluster else None)
+    return Sweep(
+        path=path,
+        base=base,
+        overrides=tuple(fixed),
+        meshes=tuple(_meshes(raw, base_cfg, cluster)),
+        vary=_vary(raw.get("vary"), base, list(fixed)),
+        objective=objective,
+        budget_bytes=budget,
+        measure_steps=measure,
+        compile=_check_type("compile", raw.get("compile", True), bool),
+        fast_compile=_check_type("fast_compile", raw.get("fast_compile", False), bool),
+        real_devices=_check_type("real_devices", raw.get("real_devices", False), bool),
+        platform=platform,
+        timeout_s=_check_type("timeout_s", raw.get("timeout_s", 900), float),
+        target=cluster.name if cluster else None,
+    )
 
 
 def points(sweep: Sweep) -> list[dict]:
@@ -268,10 +302,17 @@ def points(sweep: Sweep) -> list[dict]:
     names = list(sweep.vary)
     for mesh in sweep.meshes:
         for values in itertools.product(*(sweep.vary[k] for k in names)):
-            own = ([f"mesh.{a}={mesh[a]}" for a in CONFIG_AXES]
-                   + [f"{k}={_yaml_value(v)}" for k, v in zip(names, values)])
-            out.append({"key": " ".join([*sweep.overrides, *own]), "overrides": own,
-                        "devices": math.prod(mesh.values()), "mesh": dict(mesh)})
+            own = [f"mesh.{a}={mesh[a]}" for a in CONFIG_AXES] + [
+                f"{k}={_yaml_value(v)}" for k, v in zip(names, values)
+            ]
+            out.append(
+                {
+                    "key": " ".join([*sweep.overrides, *own]),
+                    "overrides": own,
+                    "devices": math.prod(mesh.values()),
+                    "mesh": dict(mesh),
+                }
+            )
     return out
 
 
@@ -279,10 +320,17 @@ def _planned_summary(analytic: dict, target: dict) -> dict:
     """Memory and communication of `analytic` (the plan the point is checked and budgeted with) and the
     communication of `target` (the plan for the sweep's platform; the same plan when not compiling)."""
     mem = analytic["memory"]
-    return {"platform": analytic["platform"], "model_state": mem["model_state"], "activations": mem["activations"],
-            "total": mem["total"], "peak_estimate": mem["peak_estimate"],
-            "comm_bytes": sum(analytic["by_axis"].values()), "by_axis": analytic["by_axis"],
-            "target_platform": target["platform"], "target_comm_bytes": sum(target["by_axis"].values())}
+    return {
+        "platform": analytic["platform"],
+        "model_state": mem["model_state"],
+        "activations": mem["activations"],
+        "total": mem["total"],
+        "peak_estimate": mem["peak_estimate"],
+        "comm_bytes": sum(analytic["by_axis"].values()),
+        "by_axis": analytic["by_axis"],
+        "target_platform": target["platform"],
+        "target_comm_bytes": sum(target["by_axis"].values()),
+    }
 
 
 def _ratio(rows: list[dict]) -> tuple[float, float | None]:
@@ -297,24 +345,43 @@ def _compiled_summary(compiled: dict) -> dict:
     got, ratio = _ratio(rows)
     part = compiled.get("partitioned")
     part_got, part_ratio = _ratio(part["collectives"]) if part else (None, None)
-    return {"params_plus_opt_state": compiled["state"]["params_plus_opt_state"],
-            "state_ratio": compiled["state"]["ratio"], "temp_bytes": ma["temp_bytes"],
-            "peak_bytes": ma["peak_bytes"],
-            "comm_bytes": got, "comm_ratio": ratio,
-            "partitioned_comm_bytes": part_got, "partitioned_comm_ratio": part_ratio,
-            "collectives": [{k: r[k] for k in ("key", "planned_bytes", "compiled_bytes", "ratio")} for r in rows]}
+    return {
+        "params_plus_opt_state": compiled["state"]["params_plus_opt_state"],
+        "state_ratio": compiled["state"]["ratio"],
+        "temp_bytes": ma["temp_bytes"],
+        "peak_bytes": ma["peak_bytes"],
+        "comm_bytes": got,
+        "comm_ratio": ratio,
+        "partitioned_comm_bytes": part_got,
+        "partitioned_comm_ratio": part_ratio,
+        "collectives": [{k: r[k] for k in ("key", "planned_bytes", "compiled_bytes", "ratio")} for r in rows],
+    }
 
 
 def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
     n = point["devices"]
     if sweep.target is not None:  # compiled for the GPU cluster (jaxpar.analysis.sweep_gpu)
-        cmd, extra = target_command(sweep.base, [*sweep.overrides, *point["overrides"]], sweep.target,
-                                    sweep.budget_bytes)
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=sweep.timeout_s,
-                              env={**os.environ, **extra})
+        cmd, extra = target_command(
+            sweep.base, [*sweep.overrides, *point["overrides"]], sweep.target, sweep.budget_bytes
+        )
+        proc = subprocess.run(
+            cmd, check=False, capture_output=True, text=True, timeout=sweep.timeout_s, env={**os.environ, **extra}
+        )
         return proc.returncode, proc.stdout, proc.stderr
-    cmd = [sys.executable, "-m", "jaxpar.cli.plan", sweep.base, *sweep.overrides, *point["overrides"],
-           "--devices", str(n), "--json", "--compile", "--platform", sweep.platform]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli.plan",
+        sweep.base,
+        *sweep.overrides,
+        *point["overrides"],
+        "--devices",
+        str(n),
+        "--json",
+        "--compile",
+        "--platform",
+        sweep.platform,
+    ]
     cmd += ["--fast-compile"] if sweep.fast_compile else []
     cmd += ["--measure-steps", str(sweep.measure_steps)] if sweep.measure_steps else []
     cmd += ["--memory-budget-gb", repr(sweep.budget_bytes / GB)] if sweep.budget_bytes else []
@@ -323,13 +390,11 @@ def _subprocess(sweep: Sweep, point: dict) -> tuple[int, str, str]:
         cmd.append("--real-devices")
     else:  # simulated CPU devices: the count must be set before jax starts, hence a fresh process
         env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(n))
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=sweep.timeout_s,
-                          env=env)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=sweep.timeout_s, env=env)
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def run_point(sweep: Sweep, point: dict,
-              runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess) -> dict:
+def run_point(sweep: Sweep, point: dict, runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess) -> dict:
     """Plans one point and, if the sweep asks and it fits the budget, compiles (and times) it in a subprocess.
 
     Returns the point with "status" (ok | over_budget | invalid | failed), "error" (message or None),
@@ -340,11 +405,19 @@ def run_point(sweep: Sweep, point: dict,
     from jaxpar.analysis.plan import plan
 
     t0 = time.perf_counter()
-    rec = {**point, "status": "ok", "error": None, "planned": None, "compiled": None, "measured": None,
-           "gpu_compiled": None}
+    rec = {
+        **point,
+        "status": "ok",
+        "error": None,
+        "planned": None,
+        "compiled": None,
+        "measured": None,
+        "gpu_compiled": None,
+    }
     try:
-        cfg = resolve_config(load_config(sweep.base, [*sweep.overrides, *point["overrides"]], validate=False),
-                             point["devices"])
+        cfg = resolve_config(
+            load_config(sweep.base, [*sweep.overrides, *point["overrides"]], validate=False), point["devices"]
+        )
     except ConfigError as e:
         return {**rec, "status": "invalid", "error": str(e), "seconds": time.perf_counter() - t0}
     run = sweep.compile or sweep.measure_steps > 0
@@ -354,8 +427,11 @@ def run_point(sweep: Sweep, point: dict,
     rec["planned"] = _planned_summary(analytic, target)
     budget = sweep.budget_bytes
     if budget is not None and analytic["memory"]["peak_estimate"] > budget:
-        rec.update(status="over_budget", error=f"skipped: over budget (planned peak "
-                   f"{analytic['memory']['peak_estimate']:,.0f} B > {budget:,.0f} B per device)")
+        rec.update(
+            status="over_budget",
+            error=f"skipped: over budget (planned peak "
+            f"{analytic['memory']['peak_estimate']:,.0f} B > {budget:,.0f} B per device)",
+        )
     elif run:
         try:
             code, stdout, stderr = runner(sweep, point)
@@ -375,12 +451,18 @@ def run_point(sweep: Sweep, point: dict,
                 rec["measured"] = out["measured"]
                 compiled_peak, what = rec["compiled"]["peak_bytes"], "compiled peak"
             if out["over_budget"]:
-                rec.update(status="over_budget", error=f"skipped: over budget ({what} {compiled_peak:,} B > "
-                           f"{budget:,.0f} B per device); not measured")
+                rec.update(
+                    status="over_budget",
+                    error=f"skipped: over budget ({what} {compiled_peak:,} B > "
+                    f"{budget:,.0f} B per device); not measured",
+                )
             elif sweep.target is not None and not gpu["fits"]:
-                rec.update(status="over_budget", error=f"does not fit: {what} {compiled_peak:,} B = "
-                           f"{gpu['fraction_of_memory']:.0%} of the {gpu['memory_bytes']:,} B of one "
-                           f"{gpu['device_kind']}")
+                rec.update(
+                    status="over_budget",
+                    error=f"does not fit: {what} {compiled_peak:,} B = "
+                    f"{gpu['fraction_of_memory']:.0%} of the {gpu['memory_bytes']:,} B of one "
+                    f"{gpu['device_kind']}",
+                )
     rec["seconds"] = time.perf_counter() - t0
     return rec
 
@@ -407,20 +489,27 @@ def load_results(path: str, sweep: Sweep) -> dict[str, dict]:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SweepError(f"{path} is not a jaxpar-sweep results file ({e}); delete it or pick another --out") from e
     if data.get("base") != sweep.base:
-        raise SweepError(f"{path} holds results for base {data.get('base')!r}, not {sweep.base!r}; pick another "
-                         f"--out")
+        raise SweepError(f"{path} holds results for base {data.get('base')!r}, not {sweep.base!r}; pick another --out")
     saved, now = data.get("settings", {}), _settings(sweep)
     changed = [f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v]
     if changed:
-        raise SweepError(f"{path} holds results measured with other settings ({'; '.join(changed)}); finished "
-                         f"points would not be comparable: pick another --out, or delete it to start over")
+        raise SweepError(
+            f"{path} holds results measured with other settings ({'; '.join(changed)}); finished "
+            f"points would not be comparable: pick another --out, or delete it to start over"
+        )
     return {r["key"]: r for r in records}
 
 
 def _settings(sweep: Sweep) -> dict:
     """What each point's numbers depend on besides its overrides (a resumed sweep must match them)."""
-    return {"measure_steps": sweep.measure_steps, "compile": sweep.compile, "fast_compile": sweep.fast_compile,
-            "real_devices": sweep.real_devices, "platform": sweep.platform, "target": sweep.target}
+    return {
+        "measure_steps": sweep.measure_steps,
+        "compile": sweep.compile,
+        "fast_compile": sweep.fast_compile,
+        "real_devices": sweep.real_devices,
+        "platform": sweep.platform,
+        "target": sweep.target,
+    }
 
 
 def _target_header(name: str | None) -> dict | None:
@@ -432,8 +521,12 @@ def _target_header(name: str | None) -> dict | None:
     return target_header(parse_cluster(name))
 
 
-def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
-              runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess) -> list[dict]:
+def run_sweep(
+    sweep: Sweep,
+    out_dir: str,
+    log: Callable[[str], None] = print,
+    runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess,
+) -> list[dict]:
     """Runs every point not finished earlier, rewriting out_dir/results.json and results.md after each and
     drawing plot.png at the end (`jaxpar.analysis.sweep_report`). Returns the records in point order.
 
@@ -455,14 +548,21 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:  # a file in the way, a read-only parent, ...
-        raise SweepError(f"--out {out_dir!r} cannot be created as a directory ({e.strerror}: {e.filename}); "
-                         f"pick another --out") from e
+        raise SweepError(
+            f"--out {out_dir!r} cannot be created as a directory ({e.strerror}: {e.filename}); pick another --out"
+        ) from e
     path = os.path.join(out_dir, "results.json")
     records = load_results(path, sweep)
     todo = points(sweep)
-    header = {"sweep": os.path.abspath(sweep.path), "base": sweep.base, "objective": sweep.objective,
-              "budget_bytes": sweep.budget_bytes, "measure_steps": sweep.measure_steps,
-              "settings": _settings(sweep), "target": _target_header(sweep.target)}
+    header = {
+        "sweep": os.path.abspath(sweep.path),
+        "base": sweep.base,
+        "objective": sweep.objective,
+        "budget_bytes": sweep.budget_bytes,
+        "measure_steps": sweep.measure_steps,
+        "settings": _settings(sweep),
+        "target": _target_header(sweep.target),
+    }
 
     def ordered() -> list[dict]:
         return [records[p["key"]] for p in todo if p["key"] in records]
@@ -477,8 +577,10 @@ def run_sweep(sweep: Sweep, out_dir: str, log: Callable[[str], None] = print,
         records[point["key"]] = rec
         _write_json(path, {**header, "points": ordered()})
         write_markdown(os.path.join(out_dir, "results.md"), header, ordered())
-        log(f"{label}: {rec['status']}{': ' + rec['error'].splitlines()[-1] if rec['error'] else ''} "
-            f"({rec['seconds']:.1f} s)")
+        log(
+            f"{label}: {rec['status']}{': ' + rec['error'].splitlines()[-1] if rec['error'] else ''} "
+            f"({rec['seconds']:.1f} s)"
+        )
     _write_json(path, {**header, "points": ordered()})
     write_markdown(os.path.join(out_dir, "results.md"), header, ordered())
     write_plot(os.path.join(out_dir, "plot.png"), header, ordered())

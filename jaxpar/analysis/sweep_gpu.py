@@ -7,6 +7,7 @@ environment, so that jax does not try to start CUDA). Nothing can run: measured 
 options do not apply. This module checks those keys, says when the CUDA plugin is missing, and condenses the GPU
 compile of one point (`gpu_summary`).
 """
+
 from __future__ import annotations
 
 import sys
@@ -38,8 +39,9 @@ def parse_target(raw: dict):
 
     text = raw["target"]
     if not isinstance(text, str):
-        raise SweepTargetError(f"target: expected KIND:NODESxGPUS such as h100:8x8 (kinds: "
-                               f"{', '.join(target_names())}), got {text!r}")
+        raise SweepTargetError(
+            f"target: expected KIND:NODESxGPUS such as h100:8x8 (kinds: {', '.join(target_names())}), got {text!r}"
+        )
     try:
         clu = parse_cluster(text)
     except ValueError as e:
@@ -48,12 +50,16 @@ def parse_target(raw: dict):
     shape = f"{clu.nodes} x {clu.gpus_per_node} = {n} GPUs"
     platform = raw.get("platform", "gpu")
     if platform != "gpu":
-        raise SweepTargetError(f"platform: {platform!r} with target: {name}: a GPU cluster is planned for platform "
-                               f"gpu; drop platform: (or target:)")
+        raise SweepTargetError(
+            f"platform: {platform!r} with target: {name}: a GPU cluster is planned for platform "
+            f"gpu; drop platform: (or target:)"
+        )
     devices = raw.get("devices")
     if "devices" in raw and (isinstance(devices, bool) or devices != n):
-        raise SweepTargetError(f"devices: {devices!r} conflicts with target: {name} ({shape}): the device count "
-                               f"follows from the cluster; drop devices: or change the cluster")
+        raise SweepTargetError(
+            f"devices: {devices!r} conflicts with target: {name} ({shape}): the device count "
+            f"follows from the cluster; drop devices: or change the cluster"
+        )
     meshes = raw.get("meshes")
     for i, mesh in enumerate(meshes if isinstance(meshes, list) else []):
         sizes = list(mesh.values()) if isinstance(mesh, dict) else []
@@ -62,18 +68,26 @@ def parse_target(raw: dict):
             for s in sizes:
                 span *= s
             if span != n:
-                raise SweepTargetError(f"meshes[{i}]: {mesh} spans {span} devices, but target: {name} has {shape}; "
-                                       f"list meshes whose sizes multiply to {n}")
+                raise SweepTargetError(
+                    f"meshes[{i}]: {mesh} spans {span} devices, but target: {name} has {shape}; "
+                    f"list meshes whose sizes multiply to {n}"
+                )
     measure = raw.get("measure_steps", 0)
     if measure:
-        raise SweepTargetError(f"measure_steps: {measure!r} with target: {name}: nothing can run without the "
-                               f"cluster's GPUs (a target only compiles); set measure_steps: 0, or drop target: to "
-                               f"time the steps on simulated CPU devices")
+        raise SweepTargetError(
+            f"measure_steps: {measure!r} with target: {name}: nothing can run without the "
+            f"cluster's GPUs (a target only compiles); set measure_steps: 0, or drop target: to "
+            f"time the steps on simulated CPU devices"
+        )
     if raw.get("objective") in MEASURED_OBJECTIVES:
-        raise SweepTargetError(f"objective: {raw['objective']} needs measured steps, which target: {name} cannot "
-                               f"run (it only compiles); use objective: memory or comm_bytes")
-    for key, why in (("real_devices", "compiles on this machine's devices, target: for GPUs it does not have"),
-                     ("fast_compile", "sets XLA:CPU options; the GPU compiler takes none")):
+        raise SweepTargetError(
+            f"objective: {raw['objective']} needs measured steps, which target: {name} cannot "
+            f"run (it only compiles); use objective: memory or comm_bytes"
+        )
+    for key, why in (
+        ("real_devices", "compiles on this machine's devices, target: for GPUs it does not have"),
+        ("fast_compile", "sets XLA:CPU options; the GPU compiler takes none"),
+    ):
         if raw.get(key):
             raise SweepTargetError(f"{key}: true does not apply with target: {name}: it {why}; drop one of them")
     return clu
@@ -87,16 +101,18 @@ def plugin_missing(cluster_name: str) -> str | None:
     reason = plan_gpu.unavailable_reason()
     if reason is None:
         return None
-    return (f"target: {cluster_name} with compile: true: {reason}; or set compile: false to plan the points "
-            f"analytically, which needs no plugin")
+    return (
+        f"target: {cluster_name} with compile: true: {reason}; or set compile: false to plan the points "
+        f"analytically, which needs no plugin"
+    )
 
 
-def target_command(base: str, overrides: list[str], cluster_name: str, budget_bytes: float | None
-                   ) -> tuple[list[str], dict]:
+def target_command(
+    base: str, overrides: list[str], cluster_name: str, budget_bytes: float | None
+) -> tuple[list[str], dict]:
     """The per-point command line and the environment entries it needs: `python -m jaxpar.cli.plan BASE
     OVERRIDES --target CLUSTER --compile --json [--memory-budget-gb GB]` with `JAX_PLATFORMS=cpu`."""
-    cmd = [sys.executable, "-m", "jaxpar.cli.plan", base, *overrides, "--target", cluster_name, "--compile",
-           "--json"]
+    cmd = [sys.executable, "-m", "jaxpar.cli.plan", base, *overrides, "--target", cluster_name, "--compile", "--json"]
     cmd += ["--memory-budget-gb", repr(budget_bytes / GB)] if budget_bytes else []
     return cmd, {"JAX_PLATFORMS": "cpu"}
 
@@ -120,17 +136,31 @@ def gpu_summary(gpu: dict) -> dict:
     want = sum(r["planned_bytes"] for r in rows)
     scores = gpu["attention_scores"]
     keys = ("key", "planned_bytes", "compiled_bytes", "ratio", "planned_count", "compiled_count")
-    return {"cluster": gpu["cluster"], "device_kind": gpu["device_kind"], "compute_dtype": gpu["compute_dtype"],
-            **{k: mem[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")},
-            "memory_bytes": gpu["memory_bytes"], "fraction_of_memory": gpu["fraction_of_memory"],
-            "fits": gpu["fits"], "planned_peak_bytes": planned["peak_bytes"], "peak_ratio": planned["ratio"],
-            "fused_attention": list(gpu["fused_attention"]), "scores_materialised": scores["materialised"],
-            "largest_scores_bytes": scores["largest_bytes"], "comm_bytes": got,
-            "comm_ratio": got / want if want else None,
-            "collectives": [{k: r[k] for k in keys} for r in rows], "compile_seconds": gpu["compile_seconds"]}
+    return {
+        "cluster": gpu["cluster"],
+        "device_kind": gpu["device_kind"],
+        "compute_dtype": gpu["compute_dtype"],
+        **{k: mem[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "peak_bytes")},
+        "memory_bytes": gpu["memory_bytes"],
+        "fraction_of_memory": gpu["fraction_of_memory"],
+        "fits": gpu["fits"],
+        "planned_peak_bytes": planned["peak_bytes"],
+        "peak_ratio": planned["ratio"],
+        "fused_attention": list(gpu["fused_attention"]),
+        "scores_materialised": scores["materialised"],
+        "largest_scores_bytes": scores["largest_bytes"],
+        "comm_bytes": got,
+        "comm_ratio": got / want if want else None,
+        "collectives": [{k: r[k] for k in keys} for r in rows],
+        "compile_seconds": gpu["compile_seconds"],
+    }
 
 
 def target_header(cluster) -> dict:
     """What a sweep's outputs say about its cluster: {"cluster", "device_kind", "devices", "memory_bytes"}."""
-    return {"cluster": cluster.name, "device_kind": cluster.target.device_kind, "devices": cluster.devices,
-            "memory_bytes": cluster.target.memory_bytes}
+    return {
+        "cluster": cluster.name,
+        "device_kind": cluster.target.device_kind,
+        "devices": cluster.devices,
+        "memory_bytes": cluster.target.memory_bytes,
+    }

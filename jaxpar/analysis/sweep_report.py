@@ -4,6 +4,7 @@ Bytes are per device. "peak" is, for a sweep with a GPU `target`, XLA's GPU comp
 (`jaxpar.analysis.sweep_gpu`); else XLA's arguments + outputs - aliased + temp for a point compiled on simulated CPU
 devices; else the plan's peak estimate (params + optimizer state + temp estimate, `jaxpar.analysis.plan`).
 """
+
 from __future__ import annotations
 
 import os
@@ -75,6 +76,7 @@ def _attention(gpu: dict) -> str:
 
 def _columns(header: dict) -> list[tuple[str, str, Callable[[dict], str]]]:
     """(heading, alignment, cell) of each results.md column after rank, mesh, varied and status."""
+
     def planned(r):
         return r.get("planned") or {}
 
@@ -96,7 +98,8 @@ def _columns(header: dict) -> list[tuple[str, str, Callable[[dict], str]]]:
             ("attention", "---", lambda r: _attention(gpu(r))),
             ("comm/step planned", "---:", lambda r: human_bytes(planned(r).get("target_comm_bytes"))),
             ("GPU HLO comm/step", "---:", lambda r: human_bytes(gpu(r).get("comm_bytes"))),
-            ("GPU comm ratio", "---:", lambda r: _f(gpu(r).get("comm_ratio"), "{:.3f}"))]
+            ("GPU comm ratio", "---:", lambda r: _f(gpu(r).get("comm_ratio"), "{:.3f}")),
+        ]
 
     def step_ms(r):
         step = (r.get("measured") or {}).get("step_time_s")
@@ -111,28 +114,33 @@ def _columns(header: dict) -> list[tuple[str, str, Callable[[dict], str]]]:
         ("partitioned ratio", "---:", lambda r: _f(comp(r).get("partitioned_comm_ratio"), "{:.3f}")),
         ("tokens/s", "---:", lambda r: _f((r.get("measured") or {}).get("tokens_per_s"), "{:,.0f}")),
         ("step ms", "---:", step_ms),
-        ("MFU", "---:", lambda r: _f((r.get("measured") or {}).get("mfu"), "{:.3f}"))]
+        ("MFU", "---:", lambda r: _f((r.get("measured") or {}).get("mfu"), "{:.3f}")),
+    ]
 
 
 def _explanation(header: dict) -> str:
     t = header.get("target")
     if t:
-        return (f"Compiled for **{t['cluster']}** ({t['devices']} x {t['device_kind']}, "
-                f"{human_bytes(t['memory_bytes'])} each) by XLA's GPU compiler on this machine, without GPUs "
-                f"(`jaxpar.analysis.plan_gpu`; no autotuning): "
-                f"the GPU peak, temp, fits, attention and GPU HLO columns are the GPU compiler's, per device; a "
-                f"point is ranked by the GPU peak for the memory objective and marked over budget when that peak "
-                f"exceeds the budget or does not fit one GPU. Planned: the plan for platform gpu "
-                f"(`jaxpar.analysis.plan`). "
-                f"Attention: fused (a cuDNN kernel) or XLA's path with its score tensors materialised (the largest "
-                f"per device). Comm: bytes sent per device per step (ring formulas); GPU comm ratio: the GPU "
-                f"program's / the plan's.")
-    return ("Bytes per device. Peak: XLA's arguments + outputs - aliased + temp when compiled, else the plan's "
-            "estimate. State ratio: compiled / planned params + optimizer state. Comm: bytes sent per device per "
-            "step (ring formulas) planned for the sweep's platform; comm ratio: the compiled executable's / the "
-            "plan for the platform it was compiled on (cpu on simulated devices); partitioned ratio: the "
-            "partitioned program's (before any backend pass) / the plan for the sweep's platform (above 1 for "
-            "pipeline layouts by the gathers and shifts that the backends' simplifier removes later).")
+        return (
+            f"Compiled for **{t['cluster']}** ({t['devices']} x {t['device_kind']}, "
+            f"{human_bytes(t['memory_bytes'])} each) by XLA's GPU compiler on this machine, without GPUs "
+            f"(`jaxpar.analysis.plan_gpu`; no autotuning): "
+            f"the GPU peak, temp, fits, attention and GPU HLO columns are the GPU compiler's, per device; a "
+            f"point is ranked by the GPU peak for the memory objective and marked over budget when that peak "
+            f"exceeds the budget or does not fit one GPU. Planned: the plan for platform gpu "
+            f"(`jaxpar.analysis.plan`). "
+            f"Attention: fused (a cuDNN kernel) or XLA's path with its score tensors materialised (the largest "
+            f"per device). Comm: bytes sent per device per step (ring formulas); GPU comm ratio: the GPU "
+            f"program's / the plan's."
+        )
+    return (
+        "Bytes per device. Peak: XLA's arguments + outputs - aliased + temp when compiled, else the plan's "
+        "estimate. State ratio: compiled / planned params + optimizer state. Comm: bytes sent per device per "
+        "step (ring formulas) planned for the sweep's platform; comm ratio: the compiled executable's / the "
+        "plan for the platform it was compiled on (cpu on simulated devices); partitioned ratio: the "
+        "partitioned program's (before any backend pass) / the plan for the sweep's platform (above 1 for "
+        "pipeline layouts by the gathers and shifts that the backends' simplifier removes later)."
+    )
 
 
 def write_markdown(path: str, header: dict, records: list[dict]) -> None:
@@ -142,18 +150,26 @@ def write_markdown(path: str, header: dict, records: list[dict]) -> None:
     better = "lower" if OBJECTIVES[objective] == "min" else "higher"
     budget = header["budget_bytes"]
     columns = _columns(header)
-    lines = [f"# Sweep: {os.path.basename(header['sweep'])}", "",
-             (f"Base config `{header['base']}`; objective **{objective}** ({better} is better); memory budget "
-             f"{human_bytes(budget) if budget else 'none'} per device; measured steps per point: "
-             f"{header['measure_steps']}."),
-             _explanation(header), "",
-             "| rank | data | fsdp | tensor | pipeline | varied | status | " + " | ".join(c[0] for c in columns) + " |",
-             "|---:|---:|---:|---:|---:|---|---|" + "|".join(c[1] for c in columns) + "|"]
+    lines = [
+        f"# Sweep: {os.path.basename(header['sweep'])}",
+        "",
+        (
+            f"Base config `{header['base']}`; objective **{objective}** ({better} is better); memory budget "
+            f"{human_bytes(budget) if budget else 'none'} per device; measured steps per point: "
+            f"{header['measure_steps']}."
+        ),
+        _explanation(header),
+        "",
+        "| rank | data | fsdp | tensor | pipeline | varied | status | " + " | ".join(c[0] for c in columns) + " |",
+        "|---:|---:|---:|---:|---:|---|---|" + "|".join(c[1] for c in columns) + "|",
+    ]
     notes = []
     for rank, r in ranked(records, objective):
         m = r["mesh"]
-        lines.append(f"| {rank or '-'} | {m['data']} | {m['fsdp']} | {m['tensor']} | {m['pipeline']} | {varied(r)} | "
-                     f"{r['status'].replace('_', ' ')} | " + " | ".join(cell(r) for _, _, cell in columns) + " |")
+        lines.append(
+            f"| {rank or '-'} | {m['data']} | {m['fsdp']} | {m['tensor']} | {m['pipeline']} | {varied(r)} | "
+            f"{r['status'].replace('_', ' ')} | " + " | ".join(cell(r) for _, _, cell in columns) + " |"
+        )
         if r["error"]:
             notes.append(f"- `{' '.join(r['overrides'])}` ({r['status']}): {r['error'].splitlines()[-1]}")
     if notes:
@@ -194,26 +210,36 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
         compiled = [(r.get(compiled_key) or {}).get("comm_bytes", 0) for r in recs]
         scale, name = unit(planned + compiled)
         top.bar([i - 0.2 for i in x], [v / scale for v in planned], 0.4, label="planned")
-        top.bar([i + 0.2 for i in x], [v / scale for v in compiled], 0.4,
-                label="GPU HLO" if gpu_target else "compiled HLO")
+        top.bar(
+            [i + 0.2 for i in x], [v / scale for v in compiled], 0.4, label="GPU HLO" if gpu_target else "compiled HLO"
+        )
         top.set_ylabel(f"communication per step per device ({name})")
         top.legend()
-    where = (f"compiled for {gpu_target['cluster']} ({gpu_target['devices']} x {gpu_target['device_kind']}) by "
-             f"XLA's GPU compiler, without GPUs\n" if gpu_target else "")
-    top.set_title(f"{os.path.basename(header['sweep'])}: {shown}, ranked by {header['objective']}\n"
-                  f"{where}(grey bars: over budget or failed)", fontsize=10)
+    where = (
+        f"compiled for {gpu_target['cluster']} ({gpu_target['devices']} x {gpu_target['device_kind']}) by "
+        f"XLA's GPU compiler, without GPUs\n"
+        if gpu_target
+        else ""
+    )
+    top.set_title(
+        f"{os.path.basename(header['sweep'])}: {shown}, ranked by {header['objective']}\n"
+        f"{where}(grey bars: over budget or failed)",
+        fontsize=10,
+    )
     planned = [r["planned"]["peak_estimate"] for r in recs]
     compiled = [(r.get(compiled_key) or {}).get("peak_bytes", 0) for r in recs]
     memory = gpu_target["memory_bytes"] if gpu_target else 0
     scale, name = unit(planned + compiled + [header["budget_bytes"] or 0, memory])
     bottom.bar([i - 0.2 for i in x], [v / scale for v in planned], 0.4, label="planned peak", color="tab:orange")
-    bottom.bar([i + 0.2 for i in x], [v / scale for v in compiled], 0.4, label=f"compiled peak ({by})",
-               color="tab:green")
+    bottom.bar(
+        [i + 0.2 for i in x], [v / scale for v in compiled], 0.4, label=f"compiled peak ({by})", color="tab:green"
+    )
     if header["budget_bytes"]:
         bottom.axhline(header["budget_bytes"] / scale, color="tab:red", linestyle="--", label="budget")
     if gpu_target:
-        bottom.axhline(memory / scale, color="tab:purple", linestyle=":",
-                       label=f"memory of one GPU ({human_bytes(memory)})")
+        bottom.axhline(
+            memory / scale, color="tab:purple", linestyle=":", label=f"memory of one GPU ({human_bytes(memory)})"
+        )
     bottom.set_ylabel(f"memory per device ({name})")
     bottom.set_xticks(x)
     bottom.set_xticklabels([label(r) for r in recs], fontsize=7, rotation=90 if len(recs) > 12 else 0)

@@ -1,4 +1,5 @@
 """Byte units for the reports: decimal, as GPU vendors state memory (GB = 1e9 bytes). No jax."""
+
 from __future__ import annotations
 
 GB = 1e9

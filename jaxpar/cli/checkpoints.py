@@ -12,6 +12,7 @@ Examples:
 
 Exit status: 0, or 2 for a missing path, no complete checkpoint, or a step that is not complete.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="jaxpar-checkpoints", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxpar-checkpoints", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("path", help="run dir, its checkpoints/ dir, or a step dir")
     p.add_argument("--step", type=int, default=None, help="step to describe (default: latest complete)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")

@@ -8,6 +8,7 @@ with the failed process's status; SIGINT/SIGTERM to the launcher are forwarded t
 
     jaxpar-launch -n 2 --devices-per-process 4 -- jaxpar-train configs/tiny.yaml train.steps=20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,16 +48,25 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
             p.wait()
 
 
-def launch(command: list[str], num_processes: int, devices_per_process: int | None = None,
-           grace: float = 10.0, port: int | None = None) -> int:
+def launch(
+    command: list[str],
+    num_processes: int,
+    devices_per_process: int | None = None,
+    grace: float = 10.0,
+    port: int | None = None,
+) -> int:
     """Runs `command` as `num_processes` local processes; returns 0, or the first failing process's status
     (128 + signal number for a process killed by a signal)."""
     address = f"127.0.0.1:{port or free_port()}"
     procs: list[subprocess.Popen] = []
     pumps = []
     for i in range(num_processes):
-        env = dict(os.environ, JAXPAR_COORDINATOR_ADDRESS=address, JAXPAR_NUM_PROCESSES=str(num_processes),
-                   JAXPAR_PROCESS_ID=str(i))
+        env = dict(
+            os.environ,
+            JAXPAR_COORDINATOR_ADDRESS=address,
+            JAXPAR_NUM_PROCESSES=str(num_processes),
+            JAXPAR_PROCESS_ID=str(i),
+        )
         if devices_per_process is not None:
             env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -78,8 +88,11 @@ def launch(command: list[str], num_processes: int, devices_per_process: int | No
             if failed:
                 i, code = failed[0]
                 status = 128 - code if code < 0 else code
-                print(f"jaxpar-launch: process {i} exited with status {status}; stopping the others",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"jaxpar-launch: process {i} exited with status {status}; stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 _stop(procs, grace)
                 break
             if all(c == 0 for c in codes):
@@ -101,7 +114,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         if not self.double_dash and message.startswith("unrecognized arguments: "):
-            command = message[len("unrecognized arguments: "):]
+            command = message[len("unrecognized arguments: ") :]
             message += f"; put `--` before the command to run, e.g. jaxpar-launch -n N -- {command}"
         super().error(message)
 
@@ -116,10 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on failure")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
     args = p.parse_args(argv[:split])  # exits 0 for --help, 2 for bad flags (with the `--` hint, _Parser)
-    command = argv[split + 1:]
+    command = argv[split + 1 :]
     if not command:
-        print("jaxpar-launch: no COMMAND: put the command to run after `--`, e.g. jaxpar-launch -n 2 -- "
-              "jaxpar-train configs/tiny.yaml", file=sys.stderr)
+        print(
+            "jaxpar-launch: no COMMAND: put the command to run after `--`, e.g. jaxpar-launch -n 2 -- "
+            "jaxpar-train configs/tiny.yaml",
+            file=sys.stderr,
+        )
         return 2
     if args.num_processes < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
         print("jaxpar-launch: -n and --devices-per-process must be >= 1", file=sys.stderr)

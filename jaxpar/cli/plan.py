@@ -31,6 +31,7 @@ follows from the cluster (--devices, if given, must equal it); --platform, --rea
 with ZeRO-3 state <= 24 GB = 9; and what activations add, for the shape of CONFIG (default configs/llama_13b.yaml).
 Exit status: 0 ok, 2 bad arguments or config (the message names the key and the fix), 1 compile/run failure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,34 +50,54 @@ PROG = "jaxpar-plan"
 DEFAULT_DEVICES = 8
 # jaxpar/configs links to the repository's configs/ and is shipped as package data (pyproject.toml), so the
 # exercise finds its config in a source checkout, an editable install and a wheel alike.
-EXERCISE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                               "llama_13b.yaml")
+EXERCISE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "llama_13b.yaml")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="YAML config, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as mesh.fsdp=4 optimizer.zero_stage=3")
-    p.add_argument("--devices", type=int, default=None,
-                   help=f"devices to plan for (default: the mesh's product, or {DEFAULT_DEVICES} if an axis is -1)")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help=f"devices to plan for (default: the mesh's product, or {DEFAULT_DEVICES} if an axis is -1)",
+    )
     p.add_argument("--compile", action="store_true", help="compile the step on N simulated CPU devices and compare")
-    p.add_argument("--fast-compile", action="store_true",
-                   help="with --compile: skip XLA:CPU fusion emitters and LLVM passes (3x faster; same state bytes "
-                        "and collectives, temp may differ by a few percent; --measure-steps then times that code)")
+    p.add_argument(
+        "--fast-compile",
+        action="store_true",
+        help="with --compile: skip XLA:CPU fusion emitters and LLVM passes (3x faster; same state bytes "
+        "and collectives, temp may differ by a few percent; --measure-steps then times that code)",
+    )
     p.add_argument("--measure-steps", type=int, default=0, help="also run K steps and time them (implies --compile)")
-    p.add_argument("--memory-budget-gb", type=float, default=None,
-                   help="per-device budget (1e9 bytes); if the planned or compiled peak exceeds it, "
-                        "--measure-steps is skipped")
-    p.add_argument("--target", default=None, metavar="KIND:NODESxGPUS",
-                   help="GPU cluster, e.g. h100:8x8 (8 nodes of 8 H100s): plan for it and, with --compile, compile "
-                        "for it without its GPUs (needs the gpu-compile extra)")
-    p.add_argument("--platform", default=None, choices=PLATFORMS,
-                   help="machine planned for (default gpu): resolves compute_dtype auto and the width of "
-                        "collectives (cpu: bf16 collectives widened to fp32 as XLA:CPU compiles them); "
-                        "with --compile the CPU executable is compared with the plan for cpu and the "
-                        "partitioned program with the plan for this platform")
-    p.add_argument("--real-devices", action="store_true",
-                   help="compile/measure on jax's default devices instead of simulated CPU devices")
+    p.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        default=None,
+        help="per-device budget (1e9 bytes); if the planned or compiled peak exceeds it, --measure-steps is skipped",
+    )
+    p.add_argument(
+        "--target",
+        default=None,
+        metavar="KIND:NODESxGPUS",
+        help="GPU cluster, e.g. h100:8x8 (8 nodes of 8 H100s): plan for it and, with --compile, compile "
+        "for it without its GPUs (needs the gpu-compile extra)",
+    )
+    p.add_argument(
+        "--platform",
+        default=None,
+        choices=PLATFORMS,
+        help="machine planned for (default gpu): resolves compute_dtype auto and the width of "
+        "collectives (cpu: bf16 collectives widened to fp32 as XLA:CPU compiles them); "
+        "with --compile the CPU executable is compared with the plan for cpu and the "
+        "partitioned program with the plan for this platform",
+    )
+    p.add_argument(
+        "--real-devices",
+        action="store_true",
+        help="compile/measure on jax's default devices instead of simulated CPU devices",
+    )
     p.add_argument("--exercise-13b", action="store_true", help="print the seed exercise (see above)")
     p.add_argument("--budget-gb", type=float, default=24.0, help="budget of --exercise-13b, GB (default 24)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -139,19 +160,26 @@ def gpu_cluster(args: argparse.Namespace):
     except ValueError as e:
         raise ValueError(f"--target {args.target}: {e}") from e
     if args.devices is not None and args.devices != clu.devices:
-        raise ValueError(f"--devices {args.devices} conflicts with --target {clu.name} ({clu.nodes} x "
-                         f"{clu.gpus_per_node} = {clu.devices} GPUs): the device count follows from the cluster; "
-                         f"drop --devices or change the cluster")
+        raise ValueError(
+            f"--devices {args.devices} conflicts with --target {clu.name} ({clu.nodes} x "
+            f"{clu.gpus_per_node} = {clu.devices} GPUs): the device count follows from the cluster; "
+            f"drop --devices or change the cluster"
+        )
     if args.platform not in (None, "gpu"):
-        raise ValueError(f"--platform {args.platform} with --target {clu.name}: a GPU cluster is planned for "
-                         f"platform gpu; drop --platform")
-    for flag, why in (("real_devices", "compiles on this machine's devices, --target for GPUs it does not have"),
-                      ("fast_compile", "sets XLA:CPU options; the GPU compiler takes none"),
-                      ("measure_steps", "runs steps, which needs the GPUs; --target only compiles"),
-                      ("exercise_13b", "is the fixed seed exercise")):
+        raise ValueError(
+            f"--platform {args.platform} with --target {clu.name}: a GPU cluster is planned for "
+            f"platform gpu; drop --platform"
+        )
+    for flag, why in (
+        ("real_devices", "compiles on this machine's devices, --target for GPUs it does not have"),
+        ("fast_compile", "sets XLA:CPU options; the GPU compiler takes none"),
+        ("measure_steps", "runs steps, which needs the GPUs; --target only compiles"),
+        ("exercise_13b", "is the fixed seed exercise"),
+    ):
         if getattr(args, flag):
-            raise ValueError(f"--{flag.replace('_', '-')} does not apply with --target {clu.name}: it {why}; "
-                             f"use one or the other")
+            raise ValueError(
+                f"--{flag.replace('_', '-')} does not apply with --target {clu.name}: it {why}; use one or the other"
+            )
     return clu
 
 
@@ -229,8 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     platform = "cpu" if compile_ and not args.real_devices else args.platform
     analytic = plan(cfg, platform)
     budget = None if args.memory_budget_gb is None else args.memory_budget_gb * GB
-    out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "compiled": None,
-           "measured": None, "over_budget": budget is not None and analytic["memory"]["peak_estimate"] > budget}
+    out = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "plan": analytic,
+        "compiled": None,
+        "measured": None,
+        "over_budget": budget is not None and analytic["memory"]["peak_estimate"] > budget,
+    }
     if compile_:
         from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
         from jaxpar.analysis.plan_compile import (
@@ -270,14 +304,28 @@ def _gpu_target(args, cfg, clu) -> int:
     analytic = plan(cfg, "gpu")
     peak = analytic["memory"]["peak_estimate"]
     mem = clu.target.memory_bytes
-    target = {"cluster": clu.name, "target": clu.target.name, "device_kind": clu.target.device_kind,
-              "devices": clu.devices, "memory_bytes": mem, "usable_bytes": clu.target.usable_bytes,
-              "planned_peak_bytes": peak, "planned_fraction_of_memory": peak / mem,
-              "planned_fits": peak <= clu.target.usable_bytes}
+    target = {
+        "cluster": clu.name,
+        "target": clu.target.name,
+        "device_kind": clu.target.device_kind,
+        "devices": clu.devices,
+        "memory_bytes": mem,
+        "usable_bytes": clu.target.usable_bytes,
+        "planned_peak_bytes": peak,
+        "planned_fraction_of_memory": peak / mem,
+        "planned_fits": peak <= clu.target.usable_bytes,
+    }
     budget = None if args.memory_budget_gb is None else args.memory_budget_gb * GB
-    out = {"config": args.config, "overrides": args.overrides, "plan": analytic, "target": target,
-           "gpu_compiled": None, "compiled": None, "measured": None,
-           "over_budget": budget is not None and peak > budget}
+    out = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "plan": analytic,
+        "target": target,
+        "gpu_compiled": None,
+        "compiled": None,
+        "measured": None,
+        "over_budget": budget is not None and peak > budget,
+    }
     if args.compile:
         from jaxpar.analysis.plan_gpu import GpuCompileUnavailable, compile_for_gpu
 

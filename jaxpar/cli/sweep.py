@@ -14,6 +14,7 @@ cluster without its GPUs, which needs jax's CUDA plugin (pip install -e ".[gpu-c
 stops before the first point. Exit status: 0 done, 2 bad sweep file (the message names the key and the fix) or
 no CUDA plugin for a target, 130 interrupted.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,14 +55,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; finished points are in results.json and are skipped when run again",
-              file=sys.stderr)
+        print(
+            f"{PROG}: interrupted; finished points are in results.json and are skipped when run again", file=sys.stderr
+        )
         return 130
     counts: dict = {}
     for r in records:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    print(f"{PROG}: {len(records)} points ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
-          f"results in {out}/results.json, results.md, plot.png")
+    print(
+        f"{PROG}: {len(records)} points ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
+        f"results in {out}/results.json, results.md, plot.png"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ Examples:
   # a new run on another mesh (data=4 x tensor=2), in its own directory, seeded from runs/tiny's latest checkpoint:
   jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 train.run_dir=runs/data4 --restore-from runs/tiny
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,16 +15,24 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="jaxpar-train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="jaxpar-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     # nargs="?" and a check below: with a required positional followed by nargs="*", argparse would name
     # `overrides` as missing too when no argument is given.
     p.add_argument("config", nargs="?", help="YAML config file, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides such as mesh.fsdp=4 train.steps=50")
-    p.add_argument("--cpu-devices", type=int, default=None,
-                   help="simulate N CPU devices (sets JAX_NUM_CPU_DEVICES before jax starts)")
-    p.add_argument("--restore-from", default=None,
-                   help="checkpoint directory (or one step directory) to start from instead of RUN_DIR's latest")
+    p.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        help="simulate N CPU devices (sets JAX_NUM_CPU_DEVICES before jax starts)",
+    )
+    p.add_argument(
+        "--restore-from",
+        default=None,
+        help="checkpoint directory (or one step directory) to start from instead of RUN_DIR's latest",
+    )
     args = p.parse_intermixed_args(argv)
     if args.config is None:
         p.error("a config path is required, e.g. jaxpar-train configs/tiny.yaml")  # exits with status 2
@@ -48,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.restore_from:
         overrides.append(f"checkpoint.restore_from={args.restore_from}")
     from jaxpar.training import faults
+
     try:
         faults.parse(os.environ.get(faults.ENV, ""))
     except ValueError as e:
@@ -71,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxpar-train: stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("jaxpar-train: interrupted; the run resumes from its latest complete checkpoint when started "
-              "again", file=sys.stderr)
+        print(
+            "jaxpar-train: interrupted; the run resumes from its latest complete checkpoint when started again",
+            file=sys.stderr,
+        )
         return 130
     return 0
 

@@ -9,6 +9,7 @@ value of a key wins (so a script or test can append to a shared list, and so can
 file refuses a repeated key (`check_unique_overrides`). Unknown keys and values of the wrong type raise `ConfigError`
 naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,8 +46,9 @@ def read_yaml(path: str, what: str = "config", example: str = "configs/tiny.yaml
         try:
             return strict_safe_load(f)
         except DuplicateKeyError as e:
-            raise ConfigError(f"{path}, line {e.line}: duplicate key {e.key!r} (first at line {e.first_line}); "
-                              f"keep one of them") from e
+            raise ConfigError(
+                f"{path}, line {e.line}: duplicate key {e.key!r} (first at line {e.first_line}); keep one of them"
+            ) from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
         except UnicodeDecodeError as e:
@@ -59,8 +61,10 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
         raise ConfigError(f"{path}: `base` chain deeper than {_MAX_BASE_DEPTH}; is there a cycle?")
     raw = read_yaml(path)
     if raw is None or raw == {}:  # an empty or truncated file, or the wrong one: never train on bare defaults
-        raise ConfigError(f"{path}: the file is empty and names no settings; pass a config such as "
-                          f"configs/tiny.yaml, or name what yours changes (e.g. `base: tiny.yaml`)")
+        raise ConfigError(
+            f"{path}: the file is empty and names no settings; pass a config such as "
+            f"configs/tiny.yaml, or name what yours changes (e.g. `base: tiny.yaml`)"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections (model:, mesh:, ...)")
     base = raw.pop("base", None)
@@ -157,8 +161,9 @@ def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in t
         return value
     if hint is str and isinstance(value, str):
         return value
-    raise ConfigError(f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r} ({type(value).__name__}); "
-                      f"{fix}")
+    raise ConfigError(
+        f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r} ({type(value).__name__}); {fix}"
+    )
 
 
 def _build(cls: type, values: dict, prefix: str) -> Any:
@@ -169,7 +174,8 @@ def _build(cls: type, values: dict, prefix: str) -> Any:
         where = f"{prefix}." if prefix else ""
         raise ConfigError(
             f"unknown config key {where}{unknown[0]}; valid keys in {prefix or 'the top level'}: "
-            f"{', '.join(sorted(names))}")
+            f"{', '.join(sorted(names))}"
+        )
     kwargs = {}
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -188,8 +194,9 @@ def config_from_dict(values: dict) -> Config:
     return _build(Config, values, "")
 
 
-def load_config(path: str | dict | None, overrides: Sequence[str] = (), *, validate: bool = True,
-                num_devices: int | None = None) -> Config:
+def load_config(
+    path: str | dict | None, overrides: Sequence[str] = (), *, validate: bool = True, num_devices: int | None = None
+) -> Config:
     """Loads `path` (or the defaults when None), applies dotted overrides, validates.
 
     Args:
@@ -216,6 +223,7 @@ def load_config(path: str | dict | None, overrides: Sequence[str] = (), *, valid
     cfg = config_from_dict(values)
     if validate:
         from jaxpar.config.validate import validate_config
+
         validate_config(cfg, num_devices=num_devices)
     return cfg
 

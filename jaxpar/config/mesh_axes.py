@@ -8,6 +8,7 @@ Two orders of the same four names:
   * `CONFIG_AXES`, the `mesh:` section (`jaxpar.config.schema.MeshConfig`'s fields): the order a config, a
     sweep point and a report name the sizes in ("data x fsdp x tensor x pipeline").
 """
+
 from __future__ import annotations
 
 import dataclasses

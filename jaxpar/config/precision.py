@@ -5,11 +5,12 @@ Platforms (`PLATFORMS`) are the machines a step is planned or compiled for, name
 names them: `gpu`, `tpu`, `cpu`. `auto` is bfloat16 on an accelerator and float32 on cpu (XLA:CPU has no fast
 bf16 matmuls, and fp32 keeps the CPU tests' parity tolerances tight).
 """
+
 from __future__ import annotations
 
 PLATFORMS = ("gpu", "tpu", "cpu")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # precision.compute_dtype
-FLOAT_DTYPES = ("float32", "bfloat16")            # precision.reduce_dtype, and compute_dtype once resolved
+FLOAT_DTYPES = ("float32", "bfloat16")  # precision.reduce_dtype, and compute_dtype once resolved
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 

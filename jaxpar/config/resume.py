@@ -6,6 +6,7 @@ goes on (more steps, another mesh, ZeRO stage or process count, logging); the ol
 It may not change the `data` section: the checkpoint's data position is a global sample index into the data as
 it was, so other data would silently serve other batches.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,9 @@ def config_changes(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (saved value, new value) for every setting that differs, ignoring `checkpoint.restore_from`
     and `distributed.*`. A key only one side has (a config saved by another jaxpar version) is not compared."""
     old, cur = _flatten(saved), _flatten(new)
-    return {k: (old[k], cur[k]) for k in sorted(old.keys() & cur.keys())
-            if old[k] != cur[k] and not k.startswith(_IGNORED)}
+    return {
+        k: (old[k], cur[k]) for k in sorted(old.keys() & cur.keys()) if old[k] != cur[k] and not k.startswith(_IGNORED)
+    }
 
 
 def check_resume_config(run_dir: str, cfg: Config) -> dict[str, tuple[Any, Any]]:
@@ -56,7 +58,8 @@ def check_resume_config(run_dir: str, cfg: Config) -> dict[str, tuple[Any, Any]]
         raise ConfigError(
             f"train.run_dir={run_dir!r} was trained on other data ({'; '.join(data)}): its checkpoints' data "
             f"position indexes the data as it was, so resuming would serve other batches; keep the data settings "
-            f"of {path}, or start a fresh train.run_dir")
+            f"of {path}, or start a fresh train.run_dir"
+        )
     return changes
 
 

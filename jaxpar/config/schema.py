@@ -4,6 +4,7 @@ One frozen dataclass per section. Every field has a default, so a YAML file name
 Loading, dotted overrides and type checking live in `jaxpar.config.load`; checks that need several fields
 (divisibility, mesh size against device count) live in `jaxpar.config.validate`.
 """
+
 from __future__ import annotations
 
 import dataclasses

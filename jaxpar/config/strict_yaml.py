@@ -5,6 +5,7 @@ silently trains the second. `strict_safe_load` parses exactly like `yaml.safe_lo
 same merge-key semantics: a mapping's own keys override those it merges in with `<<`) and raises
 `DuplicateKeyError` instead.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,9 +26,12 @@ class DuplicateKeyError(ConstructorError):
 
     def __init__(self, node: yaml.MappingNode, key_node: yaml.Node, key: Any, first_line: int):
         self.key, self.line, self.first_line = key, key_node.start_mark.line + 1, first_line
-        super().__init__("while constructing a mapping", node.start_mark,
-                         f"found duplicate key {key!r} (first at line {first_line}); keep one of them",
-                         key_node.start_mark)
+        super().__init__(
+            "while constructing a mapping",
+            node.start_mark,
+            f"found duplicate key {key!r} (first at line {first_line}); keep one of them",
+            key_node.start_mark,
+        )
 
 
 class StrictSafeLoader(yaml.SafeLoader):
@@ -48,7 +52,6 @@ class StrictSafeLoader(yaml.SafeLoader):
                     raise DuplicateKeyError(node, key_node, key, first_line[key])
                 first_line[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
-
 
 
 def strict_safe_load(stream) -> Any:

@@ -2,6 +2,7 @@
 
 Each failure raises `ConfigError` with the dotted key at fault and how to fix it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,10 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 def _cpu_hint(num_devices: int) -> str:
     if num_devices != 1:
         return ""
-    return ("; on a machine without accelerators, simulate devices with --cpu-devices N (JAX_NUM_CPU_DEVICES=N) "
-            "or use --devices N with jaxpar-plan")
+    return (
+        "; on a machine without accelerators, simulate devices with --cpu-devices N (JAX_NUM_CPU_DEVICES=N) "
+        "or use --devices N with jaxpar-plan"
+    )
 
 
 def sequence_parallel(cfg: Config, tensor_size: int) -> bool:
@@ -49,8 +52,10 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         equal `num_devices`.
     """
     if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ConfigError(f"device count {num_devices!r}: a mesh needs at least 1 device; give a positive device "
-                          f"count (e.g. --devices 8)")
+        raise ConfigError(
+            f"device count {num_devices!r}: a mesh needs at least 1 device; give a positive device "
+            f"count (e.g. --devices 8)"
+        )
     sizes = mesh_sizes(cfg.mesh)
     fill = [a for a, s in sizes.items() if s == -1]
     for axis, size in sizes.items():
@@ -66,12 +71,14 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         if num_devices % fixed:
             raise ConfigError(
                 f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to {fixed}, "
-                f"which does not divide {num_devices}; change the other mesh sizes{_cpu_hint(num_devices)}")
+                f"which does not divide {num_devices}; change the other mesh sizes{_cpu_hint(num_devices)}"
+            )
         sizes[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ConfigError(
             f"mesh: data*fsdp*tensor*pipeline = {fixed} but there are {num_devices} devices; make the product "
-            f"equal the device count (or set one axis to -1), e.g. mesh.fsdp=-1{_cpu_hint(num_devices)}")
+            f"equal the device count (or set one axis to -1), e.g. mesh.fsdp=-1{_cpu_hint(num_devices)}"
+        )
     return sizes
 
 
@@ -102,15 +109,20 @@ def _check_metrics(cfg: Config) -> None:
 
     mc = cfg.metrics
     if mc.wandb_mode not in WANDB_MODES:
-        raise ConfigError(f"metrics.wandb_mode={mc.wandb_mode!r} must be one of "
-                          f"{', '.join(repr(m) for m in WANDB_MODES)}")
+        raise ConfigError(
+            f"metrics.wandb_mode={mc.wandb_mode!r} must be one of {', '.join(repr(m) for m in WANDB_MODES)}"
+        )
     if mc.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"metrics.wandb=true needs Weights & Biases, which is not installed: {WANDB_EXTRA} (or "
-                          f"set metrics.wandb=false)")
+        raise ConfigError(
+            f"metrics.wandb=true needs Weights & Biases, which is not installed: {WANDB_EXTRA} (or "
+            f"set metrics.wandb=false)"
+        )
     if mc.wandb and _wandb_goes_online(mc.wandb_mode) and not _wandb_api_key():
-        raise ConfigError(f"metrics.wandb=true with metrics.wandb_mode={mc.wandb_mode!r} streams to Weights & "
-                          "Biases, but no API key is configured (WANDB_API_KEY, or `wandb login`); log in, or set "
-                          "metrics.wandb_mode=offline (upload later with `wandb sync`)")
+        raise ConfigError(
+            f"metrics.wandb=true with metrics.wandb_mode={mc.wandb_mode!r} streams to Weights & "
+            "Biases, but no API key is configured (WANDB_API_KEY, or `wandb login`); log in, or set "
+            "metrics.wandb_mode=offline (upload later with `wandb sync`)"
+        )
     if mc.wandb and not mc.wandb_project.strip():
         raise ConfigError("metrics.wandb_project is empty; name the W&B project, e.g. metrics.wandb_project=jaxpar")
 
@@ -127,6 +139,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     """
     m, o, d, t, p, c = cfg.model, cfg.optimizer, cfg.data, cfg.train, cfg.precision, cfg.checkpoint
     from jaxpar.model.registry import model_family  # the registry builds nothing until a model is derived
+
     try:
         model_family(m.name)
     except ValueError as e:
@@ -140,13 +153,16 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.head_dim is None and m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; "
-                          f"change one or set model.head_dim")
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; change one or set model.head_dim"
+        )
     if m.head_width % 2:
         raise ConfigError(f"head width {m.head_width} must be even for rotary embeddings; set model.head_dim")
     if d.source != "tokens" and m.vocab_size < BYTE_VOCAB:
-        raise ConfigError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
-                          f"set model.vocab_size >= {BYTE_VOCAB}")
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
+            f"set model.vocab_size >= {BYTE_VOCAB}"
+        )
 
     _choice("precision.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
     _choice("precision.layout", p.layout, ("fp32", "16p"))
@@ -176,13 +192,17 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         raise ConfigError(f"data.validation_fraction={d.validation_fraction} must lie strictly between 0 and 1")
 
     if c.restore_from and not os.path.isdir(c.restore_from):
-        raise ConfigError(f"checkpoint.restore_from={c.restore_from!r} (--restore-from) is not a directory; give a "
-                          f"run directory, its checkpoints/ directory or one of its step directories")
+        raise ConfigError(
+            f"checkpoint.restore_from={c.restore_from!r} (--restore-from) is not a directory; give a "
+            f"run directory, its checkpoints/ directory or one of its step directories"
+        )
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep", c.keep)
     if not t.run_dir.strip():
-        raise ConfigError("train.run_dir is empty; name the directory for the run's config, metrics and "
-                          "checkpoints, e.g. train.run_dir=runs/tiny")
+        raise ConfigError(
+            "train.run_dir is empty; name the directory for the run's config, metrics and "
+            "checkpoints, e.g. train.run_dir=runs/tiny"
+        )
     for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "max_bad_steps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.eval_batches", t.eval_batches, allow_zero=True)  # 0: the whole validation split
@@ -195,29 +215,40 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
 
     if num_devices is None:
         import jax
+
         num_devices = jax.device_count()
     shape = resolve_mesh_shape(cfg, num_devices)
     tp = shape["tensor"]
     if tp > 1:
         for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.d_ff", m.d_ff)):
             if value % tp:
-                hint = (" (grouped-query attention needs at least one key/value head per tensor rank)"
-                        if key == "model.n_kv_heads" else "")
-                raise ConfigError(f"{key}={value} must be divisible by mesh.tensor={tp}{hint}; lower mesh.tensor "
-                                  f"or change {key}")
+                hint = (
+                    " (grouped-query attention needs at least one key/value head per tensor rank)"
+                    if key == "model.n_kv_heads"
+                    else ""
+                )
+                raise ConfigError(
+                    f"{key}={value} must be divisible by mesh.tensor={tp}{hint}; lower mesh.tensor or change {key}"
+                )
         if m.vocab_size % tp:
-            raise ConfigError(f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={tp} (the "
-                              f"vocabulary is sharded over tensor); round it up, e.g. model.vocab_size="
-                              f"{-(-m.vocab_size // tp) * tp}")
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={tp} (the "
+                f"vocabulary is sharded over tensor); round it up, e.g. model.vocab_size="
+                f"{-(-m.vocab_size // tp) * tp}"
+            )
         if sequence_parallel(cfg, tp) and d.seq_len % tp:
-            raise ConfigError(f"data.seq_len={d.seq_len} must be divisible by mesh.tensor={tp} with sequence "
-                              f"parallelism; change data.seq_len or set tensor.sequence_parallel=false")
+            raise ConfigError(
+                f"data.seq_len={d.seq_len} must be divisible by mesh.tensor={tp} with sequence "
+                f"parallelism; change data.seq_len or set tensor.sequence_parallel=false"
+            )
     stages = shape["pipeline"]
     _choice("pipeline.schedule", cfg.pipeline.schedule, ("1f1b", "gpipe"))
     _positive("pipeline.microbatches", cfg.pipeline.microbatches)
     if m.n_layers % stages:
-        raise ConfigError(f"model.n_layers={m.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
-                          f"equal depth); change model.n_layers or mesh.pipeline")
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
+            f"equal depth); change model.n_layers or mesh.pipeline"
+        )
 
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
     # data too for the ZeRO stages that partition something (jaxpar.sharding).
@@ -226,7 +257,8 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         what = "mesh.fsdp" if o.zero_stage == 0 else "mesh.fsdp * mesh.data"
         raise ConfigError(
             f"model.d_model={m.d_model} must be divisible by {what}={state_shards} (state is sharded along "
-            f"the embed dimension); change the mesh, model.d_model or optimizer.zero_stage")
+            f"the embed dimension); change the mesh, model.d_model or optimizer.zero_stage"
+        )
     replicas = shape["data"] * shape["fsdp"]
     splits = replicas * t.grad_accum_steps * cfg.pipeline.microbatches
     if t.global_batch_size % splits:
@@ -234,7 +266,8 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             f"train.global_batch_size={t.global_batch_size} must be divisible by mesh.data*mesh.fsdp "
             f"({replicas}) times train.grad_accum_steps ({t.grad_accum_steps}) times pipeline.microbatches "
             f"({cfg.pipeline.microbatches}) = {splits}; change the batch size, the accumulation steps or the "
-            f"microbatches")
+            f"microbatches"
+        )
     return shape
 
 
@@ -248,6 +281,8 @@ def resolve_config(cfg: Config, num_devices: int) -> Config:
     shape = validate_config(cfg, num_devices)
     m = cfg.model
     return dataclasses.replace(
-        cfg, mesh=dataclasses.replace(cfg.mesh, **shape),
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, **shape),
         model=dataclasses.replace(m, n_kv_heads=m.kv_heads, head_dim=m.head_width),
-        tensor=dataclasses.replace(cfg.tensor, sequence_parallel=sequence_parallel(cfg, shape["tensor"])))
+        tensor=dataclasses.replace(cfg.tensor, sequence_parallel=sequence_parallel(cfg, shape["tensor"])),
+    )

@@ -15,6 +15,7 @@ State in a checkpoint: each process's iterator state, gathered to every process 
 p resumes from its own. Restoring onto another process count is refused unless every process had the same state
 (an iterator whose state does not depend on the process).
 """
+
 from __future__ import annotations
 
 import json
@@ -58,12 +59,13 @@ class IteratorLoader:
       ValueError: the batch rows cannot be split evenly over this process's devices.
     """
 
-    def __init__(self, iterator: Iterator, global_batch_size: int, seq_len: int,
-                 sharding: jax.sharding.NamedSharding):
+    def __init__(self, iterator: Iterator, global_batch_size: int, seq_len: int, sharding: jax.sharding.NamedSharding):
         missing = [name for name in ("__next__", "get_state", "set_state") if not hasattr(iterator, name)]
         if missing:
-            raise TypeError(f"a data iterator needs __next__, get_state and set_state (Grain's iterator protocol); "
-                            f"{type(iterator).__name__} lacks {', '.join(missing)}")
+            raise TypeError(
+                f"a data iterator needs __next__, get_state and set_state (Grain's iterator protocol); "
+                f"{type(iterator).__name__} lacks {', '.join(missing)}"
+            )
         self.iterator = iterator
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
         self._sharding = sharding
@@ -82,7 +84,8 @@ class IteratorLoader:
                 raise ValueError(
                     f"data iterator batch[{key!r}] has shape {value.shape}; this process holds {want[0]} rows of "
                     f"the global batch of {self.global_batch_size} (train.global_batch_size / processes) of "
-                    f"{self.seq_len} tokens (data.seq_len): expected {want}")
+                    f"{self.seq_len} tokens (data.seq_len): expected {want}"
+                )
             if key != "loss_mask" and not np.issubdtype(value.dtype, np.integer):
                 raise ValueError(f"data iterator batch[{key!r}] must hold integer token ids, got {value.dtype}")
             out[key] = value.astype(BATCH_DTYPES[key], copy=False)
@@ -96,8 +99,9 @@ class IteratorLoader:
           StopIteration: the iterator is exhausted.
         """
         local = self._check(next(self.iterator))
-        return {k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)
-                for k, v in local.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape) for k, v in local.items()
+        }
 
     def get_state(self) -> dict:
         """{"processes": [state of process 0, 1, ...]} (JSON-safe; bytes states are kept as UTF-8 text). Every
@@ -110,10 +114,14 @@ class IteratorLoader:
         raw = np.frombuffer(mine.encode("utf-8"), np.uint8)
         sizes = multihost_utils.process_allgather(np.array([raw.size], np.int64))
         padded = np.zeros(int(np.max(sizes)), np.uint8)
-        padded[:raw.size] = raw
+        padded[: raw.size] = raw
         gathered = multihost_utils.process_allgather(padded)
-        return {"processes": [json.loads(bytes(row[:int(n)]).decode("utf-8"))
-                              for row, n in zip(np.asarray(gathered), np.asarray(sizes).reshape(-1))]}
+        return {
+            "processes": [
+                json.loads(bytes(row[: int(n)]).decode("utf-8"))
+                for row, n in zip(np.asarray(gathered), np.asarray(sizes).reshape(-1))
+            ]
+        }
 
     def set_state(self, state: dict) -> None:
         """Resumes this process's iterator from a `get_state` dict.
@@ -125,11 +133,14 @@ class IteratorLoader:
         """
         states = state.get("processes") if isinstance(state, dict) else None
         if not isinstance(states, list) or not states or not all(isinstance(s, dict) for s in states):
-            raise ValueError(f"data iterator state must be {{'processes': [state, ...]}} from get_state(), got "
-                             f"{state!r:.200}")
+            raise ValueError(
+                f"data iterator state must be {{'processes': [state, ...]}} from get_state(), got {state!r:.200}"
+            )
         n, p = len(states), jax.process_count()
         if n != p and any(s != states[0] for s in states):
-            raise ValueError(f"the checkpoint holds the data iterator states of {n} processes, which differ, but "
-                             f"this run has {p}; resume with {n} processes (a custom iterator's position is per "
-                             f"process)")
+            raise ValueError(
+                f"the checkpoint holds the data iterator states of {n} processes, which differ, but "
+                f"this run has {p}; resume with {n} processes (a custom iterator's position is per "
+                f"process)"
+            )
         self.iterator.set_state(_decode(states[jax.process_index() if n == p else 0]))

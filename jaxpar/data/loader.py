@@ -16,6 +16,7 @@ Each process gathers only the rows its addressable devices hold and assembles th
 `jax.make_array_from_process_local_data`. Every process reads and packs the whole corpus (cheap at this
 library's scale).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -63,15 +64,23 @@ class DataLoader:
       ValueError: `packed` lacks a key or its arrays disagree in shape.
     """
 
-    def __init__(self, packed: dict[str, np.ndarray], global_batch_size: int,
-                 sharding: jax.sharding.NamedSharding, seed: int, shuffle: bool = True, split: str = "train"):
+    def __init__(
+        self,
+        packed: dict[str, np.ndarray],
+        global_batch_size: int,
+        sharding: jax.sharding.NamedSharding,
+        seed: int,
+        shuffle: bool = True,
+        split: str = "train",
+    ):
         self.num_sequences, self.seq_len = _packed_shape(packed)
         self.global_batch_size = global_batch_size
         if self.num_sequences < global_batch_size:
             raise ConfigError(
                 f"the {split} split has {self.num_sequences} sequences of {self.seq_len} tokens, fewer than "
                 f"train.global_batch_size={global_batch_size}; lower train.global_batch_size or data.seq_len, "
-                f"or add data (data.max_bytes, data.validation_fraction)")
+                f"or add data (data.max_bytes, data.validation_fraction)"
+            )
         self._packed = {k: packed[k] for k in BATCH_KEYS}
         self._sharding = sharding
         self._global_shape = (global_batch_size, self.seq_len)
@@ -94,11 +103,14 @@ class DataLoader:
         if offset + g > n:  # the batch would cross into the next epoch: skip the remainder
             epoch, offset = epoch + 1, 0
         start = epoch * n + offset
-        ids = np.fromiter((self._order[start + r] for r in self._local_rows), dtype=np.int64,
-                          count=len(self._local_rows))
+        ids = np.fromiter(
+            (self._order[start + r] for r in self._local_rows), dtype=np.int64, count=len(self._local_rows)
+        )
         self._next_sample = start + g
-        return {k: jax.make_array_from_process_local_data(self._sharding, v[ids], self._global_shape)
-                for k, v in self._packed.items()}
+        return {
+            k: jax.make_array_from_process_local_data(self._sharding, v[ids], self._global_shape)
+            for k, v in self._packed.items()
+        }
 
     def get_state(self) -> dict:
         """Returns {"next_sample": int}, the next position in the shuffled, repeated sample stream (JSON-safe)."""
@@ -136,12 +148,19 @@ class EvalLoader:
       ValueError: `packed` lacks a key or its arrays disagree in shape.
     """
 
-    def __init__(self, packed: dict[str, np.ndarray], global_batch_size: int,
-                 sharding: jax.sharding.NamedSharding, max_batches: int = 0):
+    def __init__(
+        self,
+        packed: dict[str, np.ndarray],
+        global_batch_size: int,
+        sharding: jax.sharding.NamedSharding,
+        max_batches: int = 0,
+    ):
         self.num_sequences, self.seq_len = _packed_shape(packed)
         if self.num_sequences == 0:
-            raise ConfigError("the validation split holds no sequence (fewer than 2 tokens); raise "
-                              "data.validation_fraction or add data")
+            raise ConfigError(
+                "the validation split holds no sequence (fewer than 2 tokens); raise "
+                "data.validation_fraction or add data"
+            )
         if max_batches < 0:
             raise ConfigError(f"train.eval_batches={max_batches} must be >= 0 (0: the whole validation split)")
         g = global_batch_size
@@ -168,12 +187,15 @@ class EvalLoader:
         for b in range(self.num_batches):
             ids = b * self.global_batch_size + self._local_rows
             real = ids < self.num_scored
-            local = {k: np.full((rows, self.seq_len), 0 if k == "loss_mask" else PAD_ID, BATCH_DTYPES[k])
-                     for k in BATCH_KEYS}
+            local = {
+                k: np.full((rows, self.seq_len), 0 if k == "loss_mask" else PAD_ID, BATCH_DTYPES[k]) for k in BATCH_KEYS
+            }
             for k in BATCH_KEYS:
                 local[k][real] = self._packed[k][ids[real]]
-            yield {k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)
-                   for k, v in local.items()}
+            yield {
+                k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)
+                for k, v in local.items()
+            }
 
 
 def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> np.ndarray:
@@ -187,14 +209,20 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
         blocks.add(index[0].indices(global_shape[0])[:2])
     blocks = sorted(blocks)
     if len({stop - start for start, stop in blocks}) != 1:
-        raise ValueError(f"uneven batch-row blocks {blocks} for global shape {global_shape}; shard the batch "
-                         f"dimension evenly")
+        raise ValueError(
+            f"uneven batch-row blocks {blocks} for global shape {global_shape}; shard the batch dimension evenly"
+        )
     return np.concatenate([np.arange(start, stop) for start, stop in blocks])
 
 
-def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sharding.NamedSharding,
-                  vocab_size: int | None = None, eval_batches: int = 0,
-                  vocab_multiple: int = 1) -> tuple[DataLoader, EvalLoader, dict]:
+def build_loaders(
+    data_cfg: DataConfig,
+    global_batch_size: int,
+    sharding: jax.sharding.NamedSharding,
+    vocab_size: int | None = None,
+    eval_batches: int = 0,
+    vocab_multiple: int = 1,
+) -> tuple[DataLoader, EvalLoader, dict]:
     """Reads, splits and packs the corpus; returns (train_loader, val_loader, info).
 
     `vocab_multiple` (mesh.tensor) is what model.vocab_size must be a multiple of; the fix an out-of-vocabulary
@@ -219,7 +247,8 @@ def build_loaders(data_cfg: DataConfig, global_batch_size: int, sharding: jax.sh
             raise ConfigError(
                 f"data.source={data_cfg.source} holds token id {largest}, but model.vocab_size={vocab_size} "
                 f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
-                f"{multiple}), or check data.path and data.token_dtype")
+                f"{multiple}), or check data.path and data.token_dtype"
+            )
     train, val = pack(train_tokens, data_cfg.seq_len), pack(val_tokens, data_cfg.seq_len)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)

@@ -2,6 +2,7 @@
 
 Shape key: N sequences, T tokens per sequence (`data.seq_len`).
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -11,6 +11,7 @@ sources is by document and deterministic: a document is held out when a SHA-256 
 to the corpus root, plus the line number for JSONL) falls below `data.validation_fraction`. A token file is split
 by position: its last `validation_fraction` of tokens is validation.
 """
+
 from __future__ import annotations
 
 import glob
@@ -53,11 +54,12 @@ def load_tokens(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     docs = _cap_documents(docs, cfg.max_bytes)
     where = "the standard library" if cfg.source == "stdlib" else f"data.path={cfg.path!r}"
     if not docs:
-        raise ConfigError(f"data.source={cfg.source}: {where} holds no non-empty document; point data.path "
-                          f"at text")
+        raise ConfigError(f"data.source={cfg.source}: {where} holds no non-empty document; point data.path at text")
     if len(docs) < 2:
-        raise ConfigError(f"data.source={cfg.source}: {where} gives a single document, which cannot be split "
-                          f"into train and validation; add documents or raise data.max_bytes")
+        raise ConfigError(
+            f"data.source={cfg.source}: {where} gives a single document, which cannot be split "
+            f"into train and validation; add documents or raise data.max_bytes"
+        )
     is_val = split_documents([key for key, _ in docs], cfg.validation_fraction)
     train = _concat([d for d, v in zip(docs, is_val) if not v])
     val = _concat([d for d, v in zip(docs, is_val) if v])
@@ -108,11 +110,15 @@ def _match_files(cfg: DataConfig) -> tuple[str, list[str]]:
         root = os.path.commonpath([os.path.dirname(f) or "." for f in files]) if files else ""
     files = [f for f in files if os.path.isfile(f)]
     if not files and os.path.isdir(path):
-        raise ConfigError(f"data.path={cfg.path!r} is a directory with no files in it; put text files there or "
-                          f"point data.path at another directory, file or glob pattern")
+        raise ConfigError(
+            f"data.path={cfg.path!r} is a directory with no files in it; put text files there or "
+            f"point data.path at another directory, file or glob pattern"
+        )
     if not files:
-        raise ConfigError(f"data.path={cfg.path!r} matches no file for data.source={cfg.source}; give an "
-                          f"existing directory, file or glob pattern (e.g. 'corpus/**/*.txt')")
+        raise ConfigError(
+            f"data.path={cfg.path!r} matches no file for data.source={cfg.source}; give an "
+            f"existing directory, file or glob pattern (e.g. 'corpus/**/*.txt')"
+        )
     return root, sorted(os.path.relpath(f, root).replace(os.sep, "/") for f in files)
 
 
@@ -131,16 +137,22 @@ def _jsonl_documents(root: str, rels: list[str], text_field: str) -> Iterator[Do
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"data.path: {rel} line {line_no} is not JSON ({e.msg}); "
-                                      f"data.source=jsonl needs one JSON object per line") from None
+                    raise ConfigError(
+                        f"data.path: {rel} line {line_no} is not JSON ({e.msg}); "
+                        f"data.source=jsonl needs one JSON object per line"
+                    ) from None
                 if not isinstance(obj, dict) or text_field not in obj:
                     keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                    raise ConfigError(f"data.text_field={text_field!r} is missing from {rel} line {line_no} "
-                                      f"(found {keys}); set data.text_field to the key holding the text")
+                    raise ConfigError(
+                        f"data.text_field={text_field!r} is missing from {rel} line {line_no} "
+                        f"(found {keys}); set data.text_field to the key holding the text"
+                    )
                 text = obj[text_field]
                 if not isinstance(text, str):
-                    raise ConfigError(f"data.text_field={text_field!r} in {rel} line {line_no} is a "
-                                      f"{type(text).__name__}, not a string; point data.text_field at text")
+                    raise ConfigError(
+                        f"data.text_field={text_field!r} in {rel} line {line_no} is a "
+                        f"{type(text).__name__}, not a string; point data.text_field at text"
+                    )
                 yield f"{rel}:{line_no}", text.encode("utf-8")
 
 
@@ -162,7 +174,7 @@ def _concat(docs: list[Document]) -> np.ndarray:
     pos = 0
     for _, data in docs:
         out[pos] = BOS_ID
-        out[pos + 1: pos + 1 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        out[pos + 1 : pos + 1 + len(data)] = np.frombuffer(data, dtype=np.uint8)
         out[pos + 1 + len(data)] = EOS_ID
         pos += len(data) + 2
     return out
@@ -174,18 +186,23 @@ def _load_token_file(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     dtype = np.dtype(cfg.token_dtype)
     path = os.path.expanduser(cfg.path)
     if not os.path.isfile(path):
-        raise ConfigError(f"data.path={cfg.path!r} is not a file; data.source=tokens needs a flat binary file "
-                          f"of {cfg.token_dtype} token ids")
+        raise ConfigError(
+            f"data.path={cfg.path!r} is not a file; data.source=tokens needs a flat binary file "
+            f"of {cfg.token_dtype} token ids"
+        )
     size = os.path.getsize(path)
     if size % dtype.itemsize:
-        raise ConfigError(f"data.path={cfg.path!r} has {size} bytes, not a multiple of {dtype.itemsize} "
-                          f"(data.token_dtype={cfg.token_dtype}); check data.token_dtype or the file")
+        raise ConfigError(
+            f"data.path={cfg.path!r} has {size} bytes, not a multiple of {dtype.itemsize} "
+            f"(data.token_dtype={cfg.token_dtype}); check data.token_dtype or the file"
+        )
     n = size // dtype.itemsize
     if cfg.max_bytes > 0:
         n = min(n, max(cfg.max_bytes // dtype.itemsize, 2))
     if n < 2:
-        raise ConfigError(f"data.path={cfg.path!r} holds {n} tokens; data.source=tokens needs at least 2 "
-                          f"(one train, one validation)")
+        raise ConfigError(
+            f"data.path={cfg.path!r} holds {n} tokens; data.source=tokens needs at least 2 (one train, one validation)"
+        )
     tokens = np.memmap(path, dtype=dtype, mode="r", shape=(n,))
     n_val = min(max(int(round(n * cfg.validation_fraction)), 1), n - 1)
-    return tokens[: n - n_val], tokens[n - n_val:]
+    return tokens[: n - n_val], tokens[n - n_val :]

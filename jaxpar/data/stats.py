@@ -1,4 +1,5 @@
 """Corpus statistics that give training losses a reference point."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -2,6 +2,7 @@
 
 No vocabulary file and no download: every string round-trips exactly, at about one token per ASCII character.
 """
+
 from __future__ import annotations
 
 import numpy as np

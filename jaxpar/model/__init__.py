@@ -6,6 +6,7 @@ must provide; `stack_layers` / `scan_layers` (`jaxpar.model.stack`) stack and ru
 `RMSNorm` (`jaxpar.model.layers`), `column_parallel`, `row_parallel` and the `TensorParallel` context
 (`jaxpar.parallel.tensor`) make it tensor-parallel; `register_model` gives it the name `model.name` selects.
 """
+
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.interface import LanguageModel
 from jaxpar.model.layers import Embed, LMHead, RMSNorm
@@ -14,7 +15,29 @@ from jaxpar.model.registry import ModelFamily, model_family, register_model, reg
 from jaxpar.model.stack import ATTENTION_CONTEXT, MLP_HIDDEN, Gather, no_gather, scan_layers, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, column_parallel, row_parallel
 
-__all__ = ["ATTENTION_CONTEXT", "MLP_HIDDEN", "NO_TENSOR_PARALLEL", "Embed", "Gather", "LMHead", "LanguageModel",
-           "ModelConfig", "ModelDef", "ModelFamily", "RMSNorm", "TensorParallel", "build_model", "column_parallel",
-           "init_params", "logical_axes", "model_def", "model_family", "no_gather", "register_model",
-           "registered_models", "row_parallel", "scan_layers", "stack_layers"]
+__all__ = [
+    "ATTENTION_CONTEXT",
+    "MLP_HIDDEN",
+    "NO_TENSOR_PARALLEL",
+    "Embed",
+    "Gather",
+    "LMHead",
+    "LanguageModel",
+    "ModelConfig",
+    "ModelDef",
+    "ModelFamily",
+    "RMSNorm",
+    "TensorParallel",
+    "build_model",
+    "column_parallel",
+    "init_params",
+    "logical_axes",
+    "model_def",
+    "model_family",
+    "no_gather",
+    "register_model",
+    "registered_models",
+    "row_parallel",
+    "scan_layers",
+    "stack_layers",
+]

@@ -25,6 +25,7 @@ Activations between the parts are [B, T, D] in the compute dtype, or [B, T/t, D]
 (`tp.sequence_parallel`: the embedding's `tp.exit` reduce-scatters over the sequence; `tp.sequence_start`
 gives this rank's first position).
 """
+
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
@@ -38,7 +39,7 @@ from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.sharding import PARAM_RULES
 
 STACK_ATTRIBUTE = "blocks"  # the attribute holding the layer stack
-LAYERS_AXIS = "layers"      # the logical name of its leading dimension
+LAYERS_AXIS = "layers"  # the logical name of its leading dimension
 PARTS = ("embed_tokens", "run_blocks", "logits")
 
 
@@ -48,15 +49,13 @@ class LanguageModel(Protocol):
 
     blocks: nnx.Module
 
-    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather,
-                     tp: TensorParallel) -> jax.Array: ...
+    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather, tp: TensorParallel) -> jax.Array: ...
 
     def run_blocks(self, x_BTD: jax.Array, gather: Gather, tp: TensorParallel) -> jax.Array: ...
 
     def logits(self, x_BTD: jax.Array, gather: Gather, tp: TensorParallel) -> jax.Array: ...
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather,
-                 tp: TensorParallel) -> jax.Array: ...
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather, tp: TensorParallel) -> jax.Array: ...
 
 
 def _path(path) -> str:
@@ -80,29 +79,41 @@ def check_model(model: nnx.Module, name: str, n_layers: int) -> None:
     where = f"model {name!r} ({type(model).__name__})"
     missing = [part for part in PARTS if not callable(getattr(model, part, None))]
     if missing:
-        raise TypeError(f"{where} lacks {', '.join(missing)}: a jaxpar model has embed_tokens, run_blocks and "
-                        f"logits (see jaxpar.model.interface)")
+        raise TypeError(
+            f"{where} lacks {', '.join(missing)}: a jaxpar model has embed_tokens, run_blocks and "
+            f"logits (see jaxpar.model.interface)"
+        )
     if not isinstance(getattr(model, STACK_ATTRIBUTE, None), nnx.Module):
-        raise TypeError(f"{where} has no `{STACK_ATTRIBUTE}` module: stack its layers with "
-                        f"jaxpar.model.stack.stack_layers and keep them in `{STACK_ATTRIBUTE}`")
+        raise TypeError(
+            f"{where} has no `{STACK_ATTRIBUTE}` module: stack its layers with "
+            f"jaxpar.model.stack.stack_layers and keep them in `{STACK_ATTRIBUTE}`"
+        )
     allowed = sorted(k for k in PARAM_RULES if k != LAYERS_AXIS)
     for path, var in nnx.to_flat_state(nnx.state(model)):
         at = _path(path)
         if not isinstance(var, nnx.Param):
-            raise TypeError(f"{where}: {at} is an {type(var).__name__}; jaxpar trains modules whose state is "
-                            f"nnx.Param only (no RNG or batch-statistics state: draw randomness outside)")
+            raise TypeError(
+                f"{where}: {at} is an {type(var).__name__}; jaxpar trains modules whose state is "
+                f"nnx.Param only (no RNG or batch-statistics state: draw randomness outside)"
+            )
         axes = var.get_metadata().get("logical_axes")
         shape = tuple(var.get_value().shape)
         stacked = str(getattr(path[0], "key", path[0])) == STACK_ATTRIBUTE
         if stacked and (not shape or shape[0] != n_layers):
-            raise ValueError(f"{where}: parameter {at} of shape {shape} has no leading layers dimension of "
-                             f"model.n_layers={n_layers}; create the layers with stack_layers")
+            raise ValueError(
+                f"{where}: parameter {at} of shape {shape} has no leading layers dimension of "
+                f"model.n_layers={n_layers}; create the layers with stack_layers"
+            )
         per_layer = shape[1:] if stacked else shape
         if not isinstance(axes, tuple | list) or len(axes) != len(per_layer):
-            raise TypeError(f"{where}: parameter {at} of shape {per_layer}{' per layer' if stacked else ''} needs "
-                            f"logical_axes, one name per dimension, e.g. nnx.Param(value, logical_axes=('embed', "
-                            f"'mlp')); got {axes!r}")
+            raise TypeError(
+                f"{where}: parameter {at} of shape {per_layer}{' per layer' if stacked else ''} needs "
+                f"logical_axes, one name per dimension, e.g. nnx.Param(value, logical_axes=('embed', "
+                f"'mlp')); got {axes!r}"
+            )
         bad = [a for a in axes if a is not None and a not in allowed]
         if bad:
-            raise ValueError(f"{where}: parameter {at} has logical axes {tuple(axes)}; names must be None or one "
-                             f"of {allowed} ({LAYERS_AXIS!r} is added to the stacked `{STACK_ATTRIBUTE}`)")
+            raise ValueError(
+                f"{where}: parameter {at} has logical axes {tuple(axes)}; names must be None or one "
+                f"of {allowed} ({LAYERS_AXIS!r} is added to the stacked `{STACK_ATTRIBUTE}`)"
+            )

@@ -12,6 +12,7 @@ Tensor parallelism (`jaxpar.parallel.tensor`): attention splits heads and the ML
 `tensor` (column-parallel in, row-parallel out); the embedding and output projection split the vocabulary.
 Each `__call__` takes the `TensorParallel` context; its default (size 1) adds no collective.
 """
+
 from __future__ import annotations
 
 import jax
@@ -54,8 +55,9 @@ def rotary(x_BTHK: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array
 class Attention(nnx.Module):
     """Causal multi-head attention with optional grouped-query attention (G key/value heads, G divides H)."""
 
-    def __init__(self, d: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, std: float,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, d: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, std: float, rngs: nnx.Rngs
+    ):
         self.wq = nnx.Param(_normal(rngs, (d, n_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wk = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wv = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
@@ -102,8 +104,7 @@ class Embed(nnx.Module):
     def __init__(self, vocab: int, d: int, std: float, rngs: nnx.Rngs):
         self.table = nnx.Param(_normal(rngs, (vocab, d), std), logical_axes=("vocab", "embed"))
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype,
-                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
         """Token ids [B, T] -> [B, T/t or T, D] in `dtype`; the table's rows may be a vocabulary shard."""
         return tp.embed(self.table[...].astype(dtype), tokens_BT)
 

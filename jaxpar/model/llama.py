@@ -6,6 +6,7 @@ Shape letters: B batch, T sequence, D model width, V vocabulary, L layers.
 Pre-norm blocks with RMSNorm, rotary attention with grouped-query heads and a SwiGLU MLP (Touvron et al. 2023,
 "LLaMA", section 2.2); the L blocks are stacked on a leading `layers` axis (`jaxpar.model.stack`).
 """
+
 from __future__ import annotations
 
 import jax
@@ -23,8 +24,9 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.rope_theta,
-                              cfg.init_std, rngs)
+        self.attn = Attention(
+            cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.rope_theta, cfg.init_std, rngs
+        )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
 
@@ -53,25 +55,37 @@ class Llama(nnx.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.d_model, cfg.vocab_size, cfg.init_std, rngs)
 
-    def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather = no_gather,
-                     tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def embed_tokens(
+        self,
+        tokens_BT: jax.Array,
+        dtype: jnp.dtype,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+    ) -> jax.Array:
         """Token ids [B, T] -> activations [B, T, D] (T/t under sequence parallelism) in `dtype`."""
         return gather(self.embed)(tokens_BT, dtype, tp)
 
-    def run_blocks(self, x_BTD: jax.Array, gather: Gather = no_gather,
-                   tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def run_blocks(
+        self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL
+    ) -> jax.Array:
         """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]."""
         return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp)
 
-    def logits(self, x_BTD: jax.Array, gather: Gather = no_gather,
-               tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def logits(
+        self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL
+    ) -> jax.Array:
         """Final norm and output projection: [B, T, D] -> [B, T, V] (V/t, this rank's vocabulary shard)."""
         x_BTD = gather(self.final_norm)(x_BTD)
         if self.lm_head is None:
             return gather(self.embed).attend(x_BTD, tp)
         return gather(self.lm_head)(x_BTD, tp)
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, gather: Gather = no_gather,
-                 tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        dtype: jnp.dtype = jnp.float32,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+    ) -> jax.Array:
         x_BTD = self.embed_tokens(tokens_BT, dtype, gather, tp)
         return self.logits(self.run_blocks(x_BTD, gather, tp), gather, tp)

@@ -5,6 +5,7 @@ The train state, the optimizer, checkpoints and sharding all see parameters as a
 module is the family `model.name` selects (`jaxpar.model.registry`), checked against
 `jaxpar.model.interface.LanguageModel` when its structure is first derived.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -5,6 +5,7 @@ A family is a builder `build(cfg: ModelConfig, rngs: nnx.Rngs) -> module` whose 
 `jaxpar.model.interface.LanguageModel`. It reads the `ModelConfig` fields it needs (say which in its docstring)
 and raises ValueError for a setting it cannot honour.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,9 @@ class ModelFamily:
 _FAMILIES: dict[str, ModelFamily] = {}
 
 
-def register_model(name: str, build: ModelBuilder, *, recompute_flops_per_token: RecomputeFlops | None = None,
-                   replace: bool = False) -> ModelFamily:
+def register_model(
+    name: str, build: ModelBuilder, *, recompute_flops_per_token: RecomputeFlops | None = None, replace: bool = False
+) -> ModelFamily:
     """Registers a model family under `name` for `model.name` to select.
 
     Args:
@@ -59,8 +61,9 @@ def register_model(name: str, build: ModelBuilder, *, recompute_flops_per_token:
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a model name must be an identifier such as 'gpt2', got {name!r}")
     if not callable(build):
-        raise TypeError(f"build must be callable (cfg: ModelConfig, rngs: nnx.Rngs) -> module, got "
-                        f"{type(build).__name__}")
+        raise TypeError(
+            f"build must be callable (cfg: ModelConfig, rngs: nnx.Rngs) -> module, got {type(build).__name__}"
+        )
     if name in _FAMILIES and not replace:
         raise ValueError(f"model {name!r} is already registered; pick another name or pass replace=True")
     family = ModelFamily(name, build, recompute_flops_per_token)
@@ -82,9 +85,11 @@ def model_family(name: str) -> ModelFamily:
     """
     _register_builtins()
     if name not in _FAMILIES:
-        raise ValueError(f"model.name={name!r} is not a registered model (registered: "
-                         f"{', '.join(sorted(_FAMILIES))}); a script registers its own with "
-                         f"jaxpar.register_model({name!r}, build) before loading the config")
+        raise ValueError(
+            f"model.name={name!r} is not a registered model (registered: "
+            f"{', '.join(sorted(_FAMILIES))}); a script registers its own with "
+            f"jaxpar.register_model({name!r}, build) before loading the config"
+        )
     return _FAMILIES[name]
 
 

@@ -10,6 +10,7 @@ Parallelism enters through one hook: `gather(module) -> module`, applied to each
 one device it is the identity; inside the train step's `shard_map` it all-gathers the layer's fsdp-sharded
 weights (`jaxpar.parallel.gather`), and its transpose reduce-scatters their gradients.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -83,8 +84,13 @@ def stack_layers(n_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], rn
     return make(rngs)
 
 
-def scan_layers(layers: nnx.Module, x_BTD: jax.Array, remat: str, gather: Gather = no_gather,
-                tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+def scan_layers(
+    layers: nnx.Module,
+    x_BTD: jax.Array,
+    remat: str,
+    gather: Gather = no_gather,
+    tp: TensorParallel = NO_TENSOR_PARALLEL,
+) -> jax.Array:
     """Runs a stack made by `stack_layers` over activations [B, T, D]: x = layer(x, tp) for each layer in order.
 
     Each layer is gathered (`gather`) inside the scan body and checkpointed with `REMAT_POLICIES[remat]`.

@@ -6,6 +6,7 @@ incoming gradient over the same axes in `reduce_dtype` (fp32 unless configured o
 storage dtype. This is FSDP / ZeRO-3 (Rajbhandari et al. 2019, section 5.3): one all-gather in the forward,
 one again in the backward (the gathered weight is not kept, see `GATHERED_WEIGHT`), one reduce-scatter.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,9 @@ def _live(axes: tuple[str, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh_shape[a] > 1)
 
 
-def gather_weight(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], compute_dtype: jnp.dtype,
-                  reduce_dtype: jnp.dtype) -> jax.Array:
+def gather_weight(
+    x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], compute_dtype: jnp.dtype, reduce_dtype: jnp.dtype
+) -> jax.Array:
     """All-gathers local shard `x` along each (dimension, mesh axes) of `dims`; see the module docstring.
 
     Args:
@@ -62,8 +64,9 @@ def gather_weight(x: jax.Array, dims: list[tuple[int, tuple[str, ...]]], compute
     return checkpoint_name(gather(x), GATHERED_WEIGHT)
 
 
-def module_gatherer(mesh_shape: dict[str, int], params_zero3: bool, compute_dtype: jnp.dtype,
-                    reduce_dtype: jnp.dtype) -> Callable[[nnx.Module], nnx.Module]:
+def module_gatherer(
+    mesh_shape: dict[str, int], params_zero3: bool, compute_dtype: jnp.dtype, reduce_dtype: jnp.dtype
+) -> Callable[[nnx.Module], nnx.Module]:
     """Returns `gather(module) -> module` whose parameters are all-gathered with `gather_weight`.
 
     Args:

@@ -20,6 +20,7 @@ about 4/3 of the model FLOPs; a stage input waits 2p - 2 - 2s ticks for its back
 GPipe (Huang et al. 2019): the forward of all microbatches over m + p - 1 ticks, then the backward by
 automatic differentiation of that loop, which keeps every microbatch's stage input: memory grows with m.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -57,6 +58,7 @@ def _after(tree, deps):
     Cost: one element read from each array in `deps` and one add per leaf of `tree`. The added term is exactly
     0 (and 0 for a non-finite element too, so a NaN does not spread into `tree`).
     """
+
     def first(a):
         return jnp.ravel(a)[0].astype(jnp.float32)
 
@@ -70,8 +72,17 @@ def ticks_1f1b(p: int, m: int) -> int:
     return m + 2 * p - 2
 
 
-def one_f_one_b(stage: Callable, params: dict, mbs: dict, *, p: int, m: int, act_shape: tuple[int, ...],
-                act_dtype, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
+def one_f_one_b(
+    stage: Callable,
+    params: dict,
+    mbs: dict,
+    *,
+    p: int,
+    m: int,
+    act_shape: tuple[int, ...],
+    act_dtype,
+    loss_scale: jax.Array,
+) -> tuple[dict, jax.Array]:
     """Runs the 1F1B schedule; returns (fp32 gradient sums of `params`, this stage's summed scaled loss).
 
     Args:
@@ -120,8 +131,13 @@ def one_f_one_b(stage: Callable, params: dict, mbs: dict, *, p: int, m: int, act
         recv_b = _shift(send_b, p, forward=False) if do_backward else recv_b
         return (recv_f, recv_b, stash, g_acc, loss_acc), None
 
-    carry = (zeros_act, zeros_act, jnp.zeros((depth, *act_shape), act_dtype),
-             jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params), jnp.zeros((), jnp.float32))
+    carry = (
+        zeros_act,
+        zeros_act,
+        jnp.zeros((depth, *act_shape), act_dtype),
+        jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params),
+        jnp.zeros((), jnp.float32),
+    )
     phases = ((0, p - 1, True, False), (p - 1, m + p - 1, True, True), (m + p - 1, m + 2 * p - 2, False, True))
     for start, stop, fwd, bwd in phases:
         if stop > start:
@@ -130,8 +146,17 @@ def one_f_one_b(stage: Callable, params: dict, mbs: dict, *, p: int, m: int, act
     return grads, loss
 
 
-def gpipe(stage: Callable, params: dict, mbs: dict, *, p: int, m: int, act_shape: tuple[int, ...], act_dtype,
-          loss_scale: jax.Array) -> tuple[dict, jax.Array]:
+def gpipe(
+    stage: Callable,
+    params: dict,
+    mbs: dict,
+    *,
+    p: int,
+    m: int,
+    act_shape: tuple[int, ...],
+    act_dtype,
+    loss_scale: jax.Array,
+) -> tuple[dict, jax.Array]:
     """Runs GPipe: forward of all m microbatches in m + p - 1 ticks, backward by autodiff of that loop.
 
     Same arguments and results as `one_f_one_b`.

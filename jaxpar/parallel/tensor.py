@@ -20,6 +20,7 @@ The custom VJPs are written for gradients taken inside the shard_map (as the tra
 `check_vma=False`, differentiating through the shard_map boundary from outside adds jax's own transposes of the
 boundary on top of them.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -12,6 +12,7 @@ omitted), before the step is dispatched:
 
 The trainer reads the variable once, at start. It is meant for tests and fire drills; leave it unset otherwise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,9 @@ def parse(spec: str) -> list[Fault]:
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         match = _SPEC.fullmatch(entry)
         if match is None or match["kind"] not in KINDS:
-            raise ValueError(f"{ENV}: bad entry {entry!r}; expected kind@step[:process] with kind in {KINDS}, "
-                             f"e.g. stall@5:1")
+            raise ValueError(
+                f"{ENV}: bad entry {entry!r}; expected kind@step[:process] with kind in {KINDS}, e.g. stall@5:1"
+            )
         process = match["process"]
         faults.append(Fault(match["kind"], int(match["step"]), None if process is None else int(process)))
     return faults
@@ -63,8 +65,9 @@ class FaultInjector:
         me = jax.process_index()
         self.faults = [f for f in parse(spec) if f.process in (None, me)]
         if self.faults:
-            _LOGGER.warning(f"jaxpar: process {me} will inject faults {[(f.kind, f.step) for f in self.faults]} "
-                            f"({ENV})")
+            _LOGGER.warning(
+                f"jaxpar: process {me} will inject faults {[(f.kind, f.step) for f in self.faults]} ({ENV})"
+            )
 
     def before_step(self, step: int, state: dict) -> dict:
         """Injects this step's faults, each once (a rerun of the step after a rollback is spared); returns the

@@ -14,6 +14,7 @@ A run directory holds `config.yaml` (the resolved config), `metrics.jsonl`, `ten
 The train step is lowered and compiled once, ahead of time, and that executable runs every step: a state whose
 sharding drifted would raise instead of silently recompiling.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -63,8 +64,10 @@ def _memory_bytes(compiled) -> dict[str, int | None]:
     """Per-device memory: the allocator's peak where the backend reports it, and the compiled step's need."""
     stats = jax.local_devices()[0].memory_stats() or {}
     analysis = memory_analysis_bytes(compiled)
-    return {"memory_peak_bytes": stats.get("peak_bytes_in_use"),
-            "memory_step_bytes": None if analysis is None else analysis["peak_bytes"]}
+    return {
+        "memory_peak_bytes": stats.get("peak_bytes_in_use"),
+        "memory_step_bytes": None if analysis is None else analysis["peak_bytes"],
+    }
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -89,8 +92,9 @@ def check_run_dir(run_dir: str) -> None:
         os.close(fd)
         os.remove(name)
     except OSError as e:
-        raise ConfigError(f"train.run_dir={run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); "
-                          f"{fix}") from e
+        raise ConfigError(
+            f"train.run_dir={run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); {fix}"
+        ) from e
     finally:
         for created in missing:  # innermost first; another process may have put something there meanwhile
             try:
@@ -113,8 +117,10 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
     try:
         if own:  # the run's own progress wins over checkpoint.restore_from, which only seeds a fresh run
             if cfg.checkpoint.restore_from:
-                _log(f"resuming from this run's own checkpoints in {ckpt.directory}; checkpoint.restore_from="
-                     f"{cfg.checkpoint.restore_from} only starts a run that has none")
+                _log(
+                    f"resuming from this run's own checkpoints in {ckpt.directory}; checkpoint.restore_from="
+                    f"{cfg.checkpoint.restore_from} only starts a run that has none"
+                )
             state, data_state, _ = ckpt.restore(None, target)
             return state, data_state
         if cfg.checkpoint.restore_from:
@@ -122,16 +128,18 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
             _log(f"restored from {cfg.checkpoint.restore_from}")
             return state, data_state
     except FileNotFoundError as e:
-        raise ConfigError(f"{e}; pass a run directory, its checkpoints/ directory or one of its step "
-                          f"directories to --restore-from (checkpoint.restore_from)") from e
+        raise ConfigError(
+            f"{e}; pass a run directory, its checkpoints/ directory or one of its step "
+            f"directories to --restore-from (checkpoint.restore_from)"
+        ) from e
     except CheckpointMismatchError as e:
         raise ConfigError(
             f"the checkpoint in {source} does not fit this config ({e.summary()}); run with the config it was "
             f"saved with (config.yaml beside it) and, if it "
             f"was trained with an optimizer of your own, that optimizer, or start a fresh run in another "
-            f"train.run_dir") from e
+            f"train.run_dir"
+        ) from e
     return None, None
-
 
 
 # Called once the train step is compiled, with (plan, compiled step, state, first batch); returns a report to
@@ -149,12 +157,16 @@ def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
     for i, hook in enumerate(out):
         if not isinstance(hook, Hook):
             what = f"the class {hook.__name__}" if isinstance(hook, type) else repr(hook)
-            raise TypeError(f"hooks[{i}] is {what}, not a jaxpar.training.hooks.Hook instance; subclass Hook and "
-                            f"pass an instance, e.g. hooks=[*default_hooks(cfg), MyHook()]")
+            raise TypeError(
+                f"hooks[{i}] is {what}, not a jaxpar.training.hooks.Hook instance; subclass Hook and "
+                f"pass an instance, e.g. hooks=[*default_hooks(cfg), MyHook()]"
+            )
         every = hook.every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"hooks[{i}] ({type(hook).__name__}) has every={every!r}; give a whole number of "
-                             f"steps >= 1 (0: on_step never runs), or override its due()")
+            raise ValueError(
+                f"hooks[{i}] ({type(hook).__name__}) has every={every!r}; give a whole number of "
+                f"steps >= 1 (0: on_step never runs), or override its due()"
+            )
     return out
 
 
@@ -162,8 +174,9 @@ def _resolved(cfg: Config) -> Config:
     """`cfg` with the mesh sizes and `precision.compute_dtype: auto` resolved for this machine."""
     cfg = resolve_config(cfg, jax.device_count())
     if cfg.precision.compute_dtype == "auto":
-        cfg = dataclasses.replace(cfg, precision=dataclasses.replace(
-            cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name))
+        cfg = dataclasses.replace(
+            cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name)
+        )
     return cfg
 
 
@@ -171,17 +184,28 @@ def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
     """(train loader, validation loader, their counts): the config's corpus, or the caller's `data` iterator
     for training."""
     t = cfg.train
-    train_loader, val_loader, info = build_loaders(cfg.data, t.global_batch_size, plan.batch_sharding,
-                                                   cfg.model.vocab_size, t.eval_batches,
-                                                   vocab_multiple=cfg.mesh.tensor)
+    train_loader, val_loader, info = build_loaders(
+        cfg.data,
+        t.global_batch_size,
+        plan.batch_sharding,
+        cfg.model.vocab_size,
+        t.eval_batches,
+        vocab_multiple=cfg.mesh.tensor,
+    )
     if data is not None:
         train_loader = IteratorLoader(data, t.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
-        _log(f"data: training batches from the caller's {type(data).__name__} ({train_loader.local_rows} rows of "
-             f"{cfg.data.seq_len} tokens per process per step); validation from {cfg.data.source}")
-    val_cover = (f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
-                 f"{info['val_sequences']:,} validation sequences)")
-    _log(f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
-         f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens; each evaluation scores {val_cover}")
+        _log(
+            f"data: training batches from the caller's {type(data).__name__} ({train_loader.local_rows} rows of "
+            f"{cfg.data.seq_len} tokens per process per step); validation from {cfg.data.source}"
+        )
+    val_cover = (
+        f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
+        f"{info['val_sequences']:,} validation sequences)"
+    )
+    _log(
+        f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
+        f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens; each evaluation scores {val_cover}"
+    )
     return train_loader, val_loader, info
 
 
@@ -203,19 +227,25 @@ def _initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train
         try:
             train_loader.set_state(data_state)
         except ValueError as e:
-            raise ValueError(f"the checkpoint's data position does not fit this run's data ({e}); resume with the "
-                             f"data the run was saved with (the built-in corpus, or the same iterator), or start "
-                             f"a fresh run in another train.run_dir") from e
+            raise ValueError(
+                f"the checkpoint's data position does not fit this run's data ({e}); resume with the "
+                f"data the run was saved with (the built-in corpus, or the same iterator), or start "
+                f"a fresh run in another train.run_dir"
+            ) from e
     start = int(state["step"])
     if start > t.steps:
-        raise ConfigError(f"the run in train.run_dir={run_dir!r} is already at step {start}, past train.steps="
-                          f"{t.steps}; raise train.steps to train on, or give another train.run_dir")
+        raise ConfigError(
+            f"the run in train.run_dir={run_dir!r} is already at step {start}, past train.steps="
+            f"{t.steps}; raise train.steps to train on, or give another train.run_dir"
+        )
     if jax.process_index() == 0:  # only once the state fits: a failed restore leaves the old config.yaml
         os.makedirs(run_dir, exist_ok=True)
         if changes:
             kept = keep_previous_config(run_dir, start)
-            _log(f"resuming with changed settings ({'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changes.items())}"
-                 f"); the previous config is kept as {kept}")
+            _log(
+                f"resuming with changed settings ({'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changes.items())}"
+                f"); the previous config is kept as {kept}"
+            )
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     if start:
         position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
@@ -227,47 +257,79 @@ def _model_flops(cfg: Config, state: dict) -> tuple[float, float, float | None]:
     """(model FLOPs per token, hardware FLOPs per token, peak FLOP/s per device or None), logged."""
     n_params = flops_lib.param_count(state["params"])
     flops_per_token = flops_lib.flops_per_token(
-        flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model,
-        cfg.data.seq_len)
+        flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len
+    )
     recompute = model_family(cfg.model.name).recompute_flops_per_token
-    hardware_flops = None if recompute is None else flops_lib.hardware_flops_per_token(
-        flops_per_token, recompute(cfg.model, cfg.data.seq_len),
-        stage_recompute=cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b")
+    hardware_flops = (
+        None
+        if recompute is None
+        else flops_lib.hardware_flops_per_token(
+            flops_per_token,
+            recompute(cfg.model, cfg.data.seq_len),
+            stage_recompute=cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b",
+        )
+    )
     peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops_per_device)
-    hardware = (f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat})"
-                if hardware_flops is not None else
-                f"hardware FLOPs unknown (model {cfg.model.name!r} registered no recompute count; HFU null)")
-    _log(f"model {cfg.model.name}: {n_params:,} parameters; {flops_per_token:,.0f} model FLOPs/token (6N + 12*L*h*s, "
-         f"PaLM app. B), {hardware}; "
-         f"peak {'unknown, MFU null' if peak is None else f'{peak:.3g} FLOP/s per device'}")
+    hardware = (
+        f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat})"
+        if hardware_flops is not None
+        else f"hardware FLOPs unknown (model {cfg.model.name!r} registered no recompute count; HFU null)"
+    )
+    _log(
+        f"model {cfg.model.name}: {n_params:,} parameters; {flops_per_token:,.0f} model FLOPs/token (6N + 12*L*h*s, "
+        f"PaLM app. B), {hardware}; "
+        f"peak {'unknown, MFU null' if peak is None else f'{peak:.3g} FLOP/s per device'}"
+    )
     return flops_per_token, hardware_flops, peak
 
 
-def _start_run(cfg: Config, stack: contextlib.ExitStack, *, loss_fn, optimizer, learning_rate, data,
-               on_compiled: Sequence[CompiledHook]) -> tuple[RunContext, dict]:
+def _start_run(
+    cfg: Config,
+    stack: contextlib.ExitStack,
+    *,
+    loss_fn,
+    optimizer,
+    learning_rate,
+    data,
+    on_compiled: Sequence[CompiledHook],
+) -> tuple[RunContext, dict]:
     """Builds the mesh, plan, data and state (restored or fresh), compiles the step and opens the checkpointer
     and the metrics writer on `stack`; returns the run's context and the first training batch."""
     t = cfg.train
     if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
-        _log(f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
-             f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
-             f"decays; lower optimizer.warmup_steps to reach the peak")
+        _log(
+            f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
+            f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
+            f"decays; lower optimizer.warmup_steps to reach the peak"
+        )
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
     _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
-    _log(f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
-         f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}")
+    _log(
+        f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
+        f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}"
+    )
     if optimizer is not None:
         skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None
-        _log("optimizer: the caller's optax transformation (optimizer.* keys other than zero_stage are not read)"
-             + ("" if skips else "; it has no skip_nonfinite wrapper: a NaN or inf update is applied, and "
-                "train.max_bad_steps and train.divergence_rollbacks cannot act"))
+        _log(
+            "optimizer: the caller's optax transformation (optimizer.* keys other than zero_stage are not read)"
+            + (
+                ""
+                if skips
+                else "; it has no skip_nonfinite wrapper: a NaN or inf update is applied, and "
+                "train.max_bad_steps and train.divergence_rollbacks cannot act"
+            )
+        )
     train_loader, val_loader, info = _loaders(cfg, plan, data)
 
     ckpt = None
     if cfg.checkpoint.every_steps > 0:
-        ckpt = Checkpointer(os.path.join(t.run_dir, RUN_CHECKPOINT_DIR), every_steps=cfg.checkpoint.every_steps,
-                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+        ckpt = Checkpointer(
+            os.path.join(t.run_dir, RUN_CHECKPOINT_DIR),
+            every_steps=cfg.checkpoint.every_steps,
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+        )
         stack.callback(ckpt.close)
     state = _initial_state(cfg, plan, ckpt, train_loader)
     flops_per_token, hardware_flops, peak = _model_flops(cfg, state)
@@ -278,17 +340,47 @@ def _start_run(cfg: Config, stack: contextlib.ExitStack, *, loss_fn, optimizer, 
     for hook in on_compiled:
         report = hook(plan, compiled, state, first_batch)
         if report:
-            _log(report + ("\n(the ZeRO formula counts AdamW's two moments, not this optimizer's state)"
-                           if optimizer is not None else ""))
+            _log(
+                report
+                + (
+                    "\n(the ZeRO formula counts AdamW's two moments, not this optimizer's state)"
+                    if optimizer is not None
+                    else ""
+                )
+            )
     mc = cfg.metrics
-    writer = MetricsWriter(t.run_dir, enabled=jax.process_index() == 0, trackers=lambda d: default_trackers(
-        d, tensorboard=mc.tensorboard, wandb=mc.wandb, wandb_project=mc.wandb_project, wandb_mode=mc.wandb_mode,
-        config=cfg.to_dict()))
+    writer = MetricsWriter(
+        t.run_dir,
+        enabled=jax.process_index() == 0,
+        trackers=lambda d: default_trackers(
+            d,
+            tensorboard=mc.tensorboard,
+            wandb=mc.wandb,
+            wandb_project=mc.wandb_project,
+            wandb_mode=mc.wandb_mode,
+            config=cfg.to_dict(),
+        ),
+    )
     stack.callback(writer.close)
-    run = RunContext(cfg=cfg, plan=plan, mesh=mesh, compiled=compiled, train_loader=train_loader,
-                     val_loader=val_loader, eval_step=make_eval_step(plan), data_info=info, checkpointer=ckpt,
-                     writer=writer, stack=stack, start_step=int(state["step"]), state=state, memory=memory,
-                     flops_per_token=flops_per_token, hardware_flops_per_token=hardware_flops, peak_flops=peak)
+    run = RunContext(
+        cfg=cfg,
+        plan=plan,
+        mesh=mesh,
+        compiled=compiled,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        eval_step=make_eval_step(plan),
+        data_info=info,
+        checkpointer=ckpt,
+        writer=writer,
+        stack=stack,
+        start_step=int(state["step"]),
+        state=state,
+        memory=memory,
+        flops_per_token=flops_per_token,
+        hardware_flops_per_token=hardware_flops,
+        peak_flops=peak,
+    )
     return run, first_batch
 
 
@@ -319,9 +411,16 @@ def _run_steps(run: RunContext, hooks: list[Hook], batch: dict | None) -> None:
                     break
 
 
-def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.GradientTransformation | None = None,
-          learning_rate: optax.Schedule | float | None = None, data: Iterator | None = None,
-          on_compiled: Sequence[CompiledHook] = (), hooks: Sequence[Hook] | None = None) -> TrainResult:
+def train(
+    cfg: Config,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    learning_rate: optax.Schedule | float | None = None,
+    data: Iterator | None = None,
+    on_compiled: Sequence[CompiledHook] = (),
+    hooks: Sequence[Hook] | None = None,
+) -> TrainResult:
     """Runs `cfg.train.steps` optimizer steps (resuming if RUN_DIR has checkpoints); returns a `TrainResult`.
 
     Args:
@@ -355,16 +454,31 @@ def train(cfg: Config, *, loss_fn: LossFn | None = None, optimizer: optax.Gradie
     hooks = default_hooks(cfg) if hooks is None else hooks
     check_run_dir(cfg.train.run_dir)
     with contextlib.ExitStack() as stack:  # closes the hooks' contexts, the writer and the checkpointer
-        run, first_batch = _start_run(cfg, stack, loss_fn=loss_fn, optimizer=optimizer,
-                                      learning_rate=learning_rate, data=data, on_compiled=on_compiled)
+        run, first_batch = _start_run(
+            cfg,
+            stack,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            learning_rate=learning_rate,
+            data=data,
+            on_compiled=on_compiled,
+        )
         for hook in hooks:
             hook.on_start(run)
         _run_steps(run, hooks, first_batch)
     info = run.data_info
-    result = TrainResult(losses=run.losses, val_loss=None, initial_val_loss=run.initial_val_loss,
-                         val_unigram_entropy=info["val_unigram_entropy"], val_tokens=info["val_scored_tokens"],
-                         tokens_per_s=run.tokens_per_s, start_step=run.start_step, sample="", state=run.state,
-                         preempted_at=run.preempted_at)
+    result = TrainResult(
+        losses=run.losses,
+        val_loss=None,
+        initial_val_loss=run.initial_val_loss,
+        val_unigram_entropy=info["val_unigram_entropy"],
+        val_tokens=info["val_scored_tokens"],
+        tokens_per_s=run.tokens_per_s,
+        start_step=run.start_step,
+        sample="",
+        state=run.state,
+        preempted_at=run.preempted_at,
+    )
     for hook in hooks:
         hook.on_end(run, result)
     return result

@@ -30,6 +30,7 @@ tensor rank computes the loss; its value must be the same on all of them (it is 
 Only training uses the loss. Evaluation (`jaxpar.training.step.make_eval_step`, the `val_loss` metric) stays the
 token-mean cross-entropy, comparable across runs and with the unigram entropy the training loop prints.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -119,18 +120,24 @@ def check_loss_fn(loss_fn: LossFn, seq_len: int, vocab_size: int) -> None:
       TypeError: `loss_fn` is not callable, fails on those inputs, or does not return a real scalar.
     """
     if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable: (logits [b, T, V], batch) -> summed loss, or a "
-                        f"jaxpar.training.loss.VocabParallelLoss; got {type(loss_fn).__name__}")
+        raise TypeError(
+            f"loss_fn must be callable: (logits [b, T, V], batch) -> summed loss, or a "
+            f"jaxpar.training.loss.VocabParallelLoss; got {type(loss_fn).__name__}"
+        )
     logits = jax.ShapeDtypeStruct((1, seq_len, vocab_size), jnp.float32)
     batch = abstract_batch(1, seq_len)
     try:
         out = jax.eval_shape(lambda x, b: summed_loss(loss_fn, x, b, NO_TENSOR_PARALLEL), logits, batch)
     except Exception as e:  # any failure of the caller's function, reported with what it got
-        raise TypeError(f"loss_fn failed on logits float32 [1, {seq_len}, {vocab_size}] and a batch of "
-                        f"'inputs', 'targets' (int32 [1, {seq_len}]) and 'loss_mask' (float32 [1, {seq_len}]): "
-                        f"{type(e).__name__}: {e}") from e
+        raise TypeError(
+            f"loss_fn failed on logits float32 [1, {seq_len}, {vocab_size}] and a batch of "
+            f"'inputs', 'targets' (int32 [1, {seq_len}]) and 'loss_mask' (float32 [1, {seq_len}]): "
+            f"{type(e).__name__}: {e}"
+        ) from e
     if not isinstance(out, jax.ShapeDtypeStruct) or out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
         what = f"shape {out.shape} {out.dtype}" if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
-        raise TypeError(f"loss_fn must return the microbatch's summed loss as a real scalar, got {what}; sum "
-                        f"over rows and tokens (weighted by batch['loss_mask']), the step divides by the global "
-                        f"token count")
+        raise TypeError(
+            f"loss_fn must return the microbatch's summed loss as a real scalar, got {what}; sum "
+            f"over rows and tokens (weighted by batch['loss_mask']), the step divides by the global "
+            f"token count"
+        )

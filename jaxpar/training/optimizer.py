@@ -7,6 +7,7 @@ norm scales or biases (parameters with one non-layer dimension).
 A caller's own `optax.GradientTransformation` replaces the default through `jaxpar.training.step.build_plan(...,
 optimizer=tx)`; wrap it in `skip_nonfinite` to get the default's NaN/inf handling and its step metrics.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,8 +61,9 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
 
 def weight_decay_mask(logical: dict) -> dict:
     """True for leaves with at least two non-`layers` dimensions (matrices, embeddings)."""
-    return jax.tree.map(lambda names: len([n for n in names if n != "layers"]) >= 2, logical,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda names: len([n for n in names if n != "layers"]) >= 2, logical, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def build_optimizer(cfg: OptimizerConfig, logical: dict, total_steps: int) -> optax.GradientTransformation:
@@ -74,8 +76,14 @@ def build_optimizer(cfg: OptimizerConfig, logical: dict, total_steps: int) -> op
     A skipped update leaves the inner state untouched, its update count included, so the next applied update
     uses the rate the skipped one would have used (see `applied_learning_rate`).
     """
-    adamw = optax.adamw(learning_rate_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=weight_decay_mask(logical))
+    adamw = optax.adamw(
+        learning_rate_schedule(cfg, total_steps),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=weight_decay_mask(logical),
+    )
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw) if cfg.grad_clip_norm > 0 else adamw
     return skip_nonfinite(tx)
 
@@ -113,8 +121,10 @@ def nonfinite_state(opt_state) -> optax.ApplyIfFiniteState | None:
                 found.append(s)
                 todo.append(s.inner_state)
     if len(found) > 1:
-        raise ValueError(f"the optimizer state holds {len(found)} optax.ApplyIfFiniteState (nested skip_nonfinite "
-                         f"or optax.apply_if_finite wrappers); wrap the optimizer in one, around the whole chain")
+        raise ValueError(
+            f"the optimizer state holds {len(found)} optax.ApplyIfFiniteState (nested skip_nonfinite "
+            f"or optax.apply_if_finite wrappers); wrap the optimizer in one, around the whole chain"
+        )
     return found[0] if found else None
 
 
@@ -131,10 +141,12 @@ def schedule_count(opt_state) -> jax.Array:
     is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
     found = [s.count for s in jax.tree.leaves(opt_state, is_leaf=is_schedule) if is_schedule(s)]
     if len(found) != 1:
-        raise ValueError(f"expected one optax.ScaleByScheduleState in the optimizer state, found {len(found)}: the "
-                         f"learning-rate metric reads the count of the optimizer's one schedule; give the optimizer "
-                         f"its schedule as a callable learning_rate (one schedule in the whole chain), or pass no "
-                         f"learning_rate to build_plan (the metric is then left out)")
+        raise ValueError(
+            f"expected one optax.ScaleByScheduleState in the optimizer state, found {len(found)}: the "
+            f"learning-rate metric reads the count of the optimizer's one schedule; give the optimizer "
+            f"its schedule as a callable learning_rate (one schedule in the whole chain), or pass no "
+            f"learning_rate to build_plan (the metric is then left out)"
+        )
     return found[0]
 
 

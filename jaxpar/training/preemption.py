@@ -4,6 +4,7 @@ Multi-process runs use jax's preemption sync manager (started by `jax.distribute
 SIGTERM delivered to any process into a step that every process reaches, so all of them save the same step).
 A single process installs its own SIGTERM handler that raises a flag checked between steps.
 """
+
 from __future__ import annotations
 
 import signal

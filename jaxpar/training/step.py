@@ -18,6 +18,7 @@ all-masked microbatch contributes zero (no NaN). A caller's own loss (`build_pla
 `jaxpar.training.loss`) replaces the cross-entropy's per-microbatch sum under the same normalisation; a caller's own
 optax optimizer (`build_plan(..., optimizer=...)`) replaces the default AdamW.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -102,9 +103,14 @@ class StepPlan:
         return self.cfg.precision.layout == "16p"
 
 
-def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
-               optimizer: optax.GradientTransformation | None = None,
-               learning_rate: optax.Schedule | float | None = None) -> StepPlan:
+def build_plan(
+    cfg: Config,
+    mesh: Mesh,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    learning_rate: optax.Schedule | float | None = None,
+) -> StepPlan:
     """Derives model structure, optimizer and every sharding for `cfg` on `mesh` (no device work).
 
     Args:
@@ -138,20 +144,25 @@ def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
     specs = {kind: param_specs(logical, kind, zero) for kind in ("params", "grads", "opt_state")}
     if optimizer is None:
         if learning_rate is not None:
-            raise ValueError("learning_rate is only for a caller's own optimizer; the default AdamW's schedule "
-                             "comes from the optimizer.* config keys (optimizer.learning_rate, warmup_steps, decay)")
+            raise ValueError(
+                "learning_rate is only for a caller's own optimizer; the default AdamW's schedule "
+                "comes from the optimizer.* config keys (optimizer.learning_rate, warmup_steps, decay)"
+            )
         tx = build_optimizer(cfg.optimizer, logical, cfg.train.steps)
         schedule = learning_rate_schedule(cfg.optimizer, cfg.train.steps)
     else:
         if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"optimizer must be an optax.GradientTransformation (e.g. optax.lion(1e-4)), got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"optimizer must be an optax.GradientTransformation (e.g. optax.lion(1e-4)), got "
+                f"{type(optimizer).__name__}"
+            )
         if learning_rate is not None and not callable(learning_rate):
             try:
                 learning_rate = float(learning_rate)
             except (TypeError, ValueError) as e:
-                raise TypeError(f"learning_rate must be a schedule (count -> rate) or a number, got "
-                                f"{learning_rate!r}") from e
+                raise TypeError(
+                    f"learning_rate must be a schedule (count -> rate) or a number, got {learning_rate!r}"
+                ) from e
         tx, schedule = optimizer, learning_rate
     if loss_fn is None:
         loss_fn = cross_entropy
@@ -163,14 +174,28 @@ def build_plan(cfg: Config, mesh: Mesh, *, loss_fn: LossFn | None = None,
     nonfinite_state(abstract_opt)  # raises on nested skip wrappers
     if callable(schedule):
         schedule_count(abstract_opt)  # raises unless the state holds exactly one schedule count
-    state_specs = {"step": P(), "params": specs["params"],
-                   "opt_state": opt_state_specs(abstract_opt, abstract_params, specs["opt_state"])}
+    state_specs = {
+        "step": P(),
+        "params": specs["params"],
+        "opt_state": opt_state_specs(abstract_opt, abstract_params, specs["opt_state"]),
+    }
     if cfg.precision.layout == "16p":
         state_specs["master"] = specs["opt_state"]
-    return StepPlan(cfg=cfg, mesh=mesh, mdef=model_def(cfg.model), logical=logical, tx=tx, schedule=schedule,
-                    compute_dtype=compute_dtype(cfg), reduce_dtype=_DTYPES[cfg.precision.reduce_dtype],
-                    param_dtype=param_dtype, specs=specs, state_shardings=named(mesh, state_specs),
-                    batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")), loss_fn=loss_fn)
+    return StepPlan(
+        cfg=cfg,
+        mesh=mesh,
+        mdef=model_def(cfg.model),
+        logical=logical,
+        tx=tx,
+        schedule=schedule,
+        compute_dtype=compute_dtype(cfg),
+        reduce_dtype=_DTYPES[cfg.precision.reduce_dtype],
+        param_dtype=param_dtype,
+        specs=specs,
+        state_shardings=named(mesh, state_specs),
+        batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")),
+        loss_fn=loss_fn,
+    )
 
 
 def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> dict:
@@ -191,8 +216,10 @@ def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> 
     want = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
     got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
     if jax.tree.structure(got) != jax.tree.structure(want) or jax.tree.leaves(got) != jax.tree.leaves(want):
-        raise ValueError(f"params do not fit model {plan.cfg.model.name!r} of this plan's config: give the "
-                         f"parameters of a run with the same model.* settings")
+        raise ValueError(
+            f"params do not fit model {plan.cfg.model.name!r} of this plan's config: give the "
+            f"parameters of a run with the same model.* settings"
+        )
     fp32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     return jax.jit(lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings)(fp32)
 
@@ -220,8 +247,12 @@ def _split_microbatches(batch: dict, n: int) -> dict:
 def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
     """`loss_sum(params, mb)`: one microbatch's summed loss on this device's rows (inside the shard_map): the
     plan's training loss, or with `train=False` the cross-entropy that evaluation reports."""
-    gather = module_gatherer(plan.mesh_shape, partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
-                             plan.compute_dtype, plan.reduce_dtype)
+    gather = module_gatherer(
+        plan.mesh_shape,
+        partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
+        plan.compute_dtype,
+        plan.reduce_dtype,
+    )
 
     tp = plan.tensor_parallel
 
@@ -297,8 +328,12 @@ def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
 def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
     """Gradients and scaled loss of one accumulation step's local batch through the configured pipeline
     schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches."""
-    gather = module_gatherer(plan.mesh_shape, partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
-                             plan.compute_dtype, plan.reduce_dtype)
+    gather = module_gatherer(
+        plan.mesh_shape,
+        partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
+        plan.compute_dtype,
+        plan.reduce_dtype,
+    )
     tp = plan.tensor_parallel
 
     def stage(prm, x_in, mb, is_first, is_last):
@@ -314,8 +349,16 @@ def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.A
     b, seq = mbs["inputs"].shape[1:]
     act_shape = (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
     schedule = pipeline_lib.one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
-    return schedule(stage, params, mbs, p=plan.mesh_shape["pipeline"], m=m, act_shape=act_shape,
-                    act_dtype=plan.compute_dtype, loss_scale=loss_scale)
+    return schedule(
+        stage,
+        params,
+        mbs,
+        p=plan.mesh_shape["pipeline"],
+        m=m,
+        act_shape=act_shape,
+        act_dtype=plan.compute_dtype,
+        loss_scale=loss_scale,
+    )
 
 
 def make_grad_fn(plan: StepPlan) -> Callable:
@@ -352,8 +395,7 @@ def make_grad_fn(plan: StepPlan) -> Callable:
             return (g_acc, l_acc + loss), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)),
-                                        _split_microbatches(batch, accum))
+        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), _split_microbatches(batch, accum))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
         grads = _reduce_replicated(plan, grads)
         grads = _reduce_over_data(plan, grads)
@@ -364,8 +406,13 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         return grads, loss, n_tokens
 
     batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
-    return jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec),
-                         out_specs=(plan.specs["grads"], P(), P()), check_vma=False)
+    return jax.shard_map(
+        body,
+        mesh=plan.mesh,
+        in_specs=(plan.specs["params"], batch_spec),
+        out_specs=(plan.specs["grads"], P(), P()),
+        check_vma=False,
+    )
 
 
 def make_train_step(plan: StepPlan) -> Callable:
@@ -413,9 +460,13 @@ def make_train_step(plan: StepPlan) -> Callable:
 
     batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
     replicated = NamedSharding(plan.mesh, P())
-    return jax.jit(train_step, in_shardings=(plan.state_shardings, batch_shardings),
-                   out_shardings=(plan.state_shardings, replicated), donate_argnums=0,
-                   keep_unused=True)  # the whole state is an argument, even a flag the update only writes
+    return jax.jit(
+        train_step,
+        in_shardings=(plan.state_shardings, batch_shardings),
+        out_shardings=(plan.state_shardings, replicated),
+        donate_argnums=0,
+        keep_unused=True,
+    )  # the whole state is an argument, even a flag the update only writes
 
 
 def make_eval_step(plan: StepPlan) -> Callable:
@@ -433,16 +484,17 @@ def make_eval_step(plan: StepPlan) -> Callable:
     # The forward here runs the whole layer stack on every device, so the blocks split into pipeline stages
     # enter whole: the shard_map boundary all-gathers them over `pipeline` (one stage's layers alone are not
     # the model).
-    whole_stack = jax.tree.map(lambda spec: P(*(None if dim == pipeline_lib.AXIS else dim for dim in spec)),
-                               plan.specs["params"], is_leaf=lambda x: isinstance(x, P))
+    whole_stack = jax.tree.map(
+        lambda spec: P(*(None if dim == pipeline_lib.AXIS else dim for dim in spec)),
+        plan.specs["params"],
+        is_leaf=lambda x: isinstance(x, P),
+    )
     batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(whole_stack, batch_spec),
-                       out_specs=(P(), P()), check_vma=False)
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(whole_stack, batch_spec), out_specs=(P(), P()), check_vma=False)
     return jax.jit(fn)
 
 
 def abstract_state(plan: StepPlan) -> dict:
     """`init_state`'s output as ShapeDtypeStructs carrying their shardings (a restore target; no device work)."""
     shapes = jax.eval_shape(_state_initializer(plan, 0))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                        plan.state_shardings)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, plan.state_shardings)

@@ -14,6 +14,7 @@ step, or that sits outside jax while its peers wait inside it (it stalled before
 wait in). If the store cannot be reached, process 0 (its host) is named. The store is reached through
 `jax._src.distributed.global_state.client`, the client jax itself uses.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def _kv_client():
     if jax.process_count() == 1:
         return None
     from jax._src import distributed
+
     return distributed.global_state.client
 
 
@@ -77,14 +79,18 @@ def diagnose(heartbeats: dict[int, dict], num_processes: int, now: float, timeou
         if h is None:
             missing.append(f"process {p}: no heartbeat at all (never started the loop, or died before it)")
         elif p not in alive:
-            missing.append(f"process {p}: last heartbeat {now - h['time']:.0f} s ago at step {h['step']} "
-                           f"(dead or unreachable)")
+            missing.append(
+                f"process {p}: last heartbeat {now - h['time']:.0f} s ago at step {h['step']} (dead or unreachable)"
+            )
         elif h["step"] < furthest:
-            missing.append(f"process {p}: stuck at step {h['step']} in {h.get('where', '?')} while others "
-                           f"reached step {furthest}")
+            missing.append(
+                f"process {p}: stuck at step {h['step']} in {h.get('where', '?')} while others reached step {furthest}"
+            )
         elif someone_waits and not h.get("in_jax"):
-            missing.append(f"process {p}: stuck at step {h['step']} in {h.get('where', '?')}, outside the "
-                           f"collective its peers wait in")
+            missing.append(
+                f"process {p}: stuck at step {h['step']} in {h.get('where', '?')}, outside the "
+                f"collective its peers wait in"
+            )
     return missing
 
 
@@ -169,20 +175,27 @@ class Watchdog:
 
     def _fire(self, idle: float, fired_by: int | None) -> None:
         me, n = jax.process_index(), jax.process_count()
-        reason = (f"made no progress for {idle:.0f} s" if fired_by is None
-                  else f"stops because process {fired_by}'s watchdog fired (idle here {idle:.0f} s)")
+        reason = (
+            f"made no progress for {idle:.0f} s"
+            if fired_by is None
+            else f"stops because process {fired_by}'s watchdog fired (idle here {idle:.0f} s)"
+        )
         lines = [f"jaxpar watchdog: process {me} {reason} at step {self._step} (train.watchdog_s={self.timeout_s:g})"]
         if self._client is None:
-            lines.append(f"process {me} (this single process) is stuck in {_where(self._thread_id)[0]}: a hung "
-                         f"device, collective or input")
+            lines.append(
+                f"process {me} (this single process) is stuck in {_where(self._thread_id)[0]}: a hung "
+                f"device, collective or input"
+            )
         else:
             try:
-                _call_with_timeout(lambda: self._client.key_value_set(f"{_HUNG_KEY}{me}", lines[0],
-                                                                      allow_overwrite=True), 10.0)
+                _call_with_timeout(
+                    lambda: self._client.key_value_set(f"{_HUNG_KEY}{me}", lines[0], allow_overwrite=True), 10.0
+                )
                 heartbeats = _call_with_timeout(self._heartbeats, 10.0)
                 missing = diagnose(heartbeats, n, time.time(), self.timeout_s)
-                lines += [f"missing {m}" + (" <- this process" if m.startswith(f"process {me}:") else "")
-                          for m in missing]
+                lines += [
+                    f"missing {m}" + (" <- this process" if m.startswith(f"process {me}:") else "") for m in missing
+                ]
                 if not missing:
                     lines.append(f"every process is alive at step {self._step}: all wait on a device or collective")
                 if me == 0:  # this process hosts the coordination service: let the others report first

@@ -8,6 +8,7 @@ loss and gradients of the unsplit batch (grad_accum_steps=1, one device) to 1e-6
 
 Shape letters: A microbatches, b rows per microbatch and device, T sequence length.
 """
+
 import re
 from collections import Counter
 
@@ -48,8 +49,13 @@ LAYOUTS = {"accum4": (1, 4), "data2_accum2": (2, 2)}
 
 
 def _overrides(data: int, accum: int) -> list[str]:
-    return [*FP32, f"mesh.data={data}", "mesh.fsdp=1", f"train.global_batch_size={G}",
-            f"train.grad_accum_steps={accum}"]
+    return [
+        *FP32,
+        f"mesh.data={data}",
+        "mesh.fsdp=1",
+        f"train.global_batch_size={G}",
+        f"train.grad_accum_steps={accum}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +90,9 @@ def while_carries(hlo_text: str) -> list[list[tuple[tuple[int, ...], str]]]:
     for line in hlo_text.splitlines():
         if "stablehlo.while(" in line:
             signature = line.rsplit(") : ", 1)[1]
-            loops.append([(tuple(int(d) for d in dims.split("x") if d), dtype)
-                          for dims, dtype in _TENSOR.findall(signature)])
+            loops.append(
+                [(tuple(int(d) for d in dims.split("x") if d), dtype) for dims, dtype in _TENSOR.findall(signature)]
+            )
     return loops
 
 
@@ -96,8 +103,9 @@ def accumulation_loop(hlo_text: str, accum: int, rows: int) -> list[tuple[tuple[
     return loops[0]
 
 
-@pytest.mark.parametrize("valid", [VALID, (2, 0, 8, 1), (0, 0, 8, 1)],
-                         ids=["uneven", "one_empty_microbatch", "one_empty_device"])
+@pytest.mark.parametrize(
+    "valid", [VALID, (2, 0, 8, 1), (0, 0, 8, 1)], ids=["uneven", "one_empty_microbatch", "one_empty_device"]
+)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_accumulation_equals_full_batch(grad_fns, layout, valid):
     data, accum = LAYOUTS[layout]
@@ -118,8 +126,9 @@ def test_accumulation_equals_full_batch(grad_fns, layout, valid):
 
 def test_token_mean_differs_from_mean_of_microbatch_means(grad_fns):
     """The test batch can tell the two normalisations apart, so the equality above means something."""
-    per_row = [_grads(grad_fns, "full", tuple(v if i == j else 0 for j, v in enumerate(VALID)))[1]
-               for i in range(G)]  # one row's tokens at a time: that row's token-mean loss
+    per_row = [
+        _grads(grad_fns, "full", tuple(v if i == j else 0 for j, v in enumerate(VALID)))[1] for i in range(G)
+    ]  # one row's tokens at a time: that row's token-mean loss
     _, token_mean, _ = _grads(grad_fns, "full", VALID)
     assert_scalar_close(token_mean, np.dot(per_row, VALID) / sum(VALID), RTOL, "token mean")
     assert abs(np.mean(per_row) - token_mean) > 1e3 * RTOL * token_mean
@@ -134,8 +143,13 @@ def test_fully_masked_batch_gives_zero_loss_and_gradients(grad_fns):
 
 
 def test_bf16_accumulation_is_fp32_and_matches_fp32_big_batch():
-    mixed = [f"train.global_batch_size={G}", "train.grad_accum_steps=4", "mesh.data=1", "mesh.fsdp=1",
-             *FIRST_STEP_AT_PEAK]
+    mixed = [
+        f"train.global_batch_size={G}",
+        "train.grad_accum_steps=4",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        *FIRST_STEP_AT_PEAK,
+    ]
     plan = make_plan([*mixed, "precision.compute_dtype=bfloat16", "precision.layout=16p"], jax.devices()[:1])
     ref_plan = make_plan([*mixed, *FP32, "train.grad_accum_steps=1"], jax.devices()[:1])
     state, ref_state = init_state(plan, SEED), init_state(ref_plan, SEED)
@@ -167,10 +181,19 @@ def test_bf16_accumulation_is_fp32_and_matches_fp32_big_batch():
     master = to_host(new["master"])
     for leaf in jax.tree.leaves(master):
         assert leaf.dtype == np.float32
-    got = {"params": master, "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
-           "nu": to_host(otu.tree_get(new["opt_state"], "nu"))}
-    want = {"params": to_host(ref_new["params"]), "mu": to_host(otu.tree_get(ref_new["opt_state"], "mu")),
-            "nu": to_host(otu.tree_get(ref_new["opt_state"], "nu"))}
+    got = {
+        "params": master,
+        "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
+        "nu": to_host(otu.tree_get(new["opt_state"], "nu")),
+    }
+    want = {
+        "params": to_host(ref_new["params"]),
+        "mu": to_host(otu.tree_get(ref_new["opt_state"], "mu")),
+        "nu": to_host(otu.tree_get(ref_new["opt_state"], "nu")),
+    }
     assert_adam_step_close(got, want, master0, bf16_rtol, elementwise=False, **adam_step_args(plan, metrics))
-    jax.tree.map(np.testing.assert_array_equal, to_host(new["params"]),
-                 jax.tree.map(lambda m: np.asarray(jnp.asarray(m).astype(jnp.bfloat16)), master))
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        to_host(new["params"]),
+        jax.tree.map(lambda m: np.asarray(jnp.asarray(m).astype(jnp.bfloat16)), master),
+    )

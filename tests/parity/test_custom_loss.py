@@ -12,6 +12,7 @@ loss (tests/parity/test_step_parity.py and the others cover it).
 
 Shape letters: G global batch, T sequence length, V vocabulary, L layers, D model width.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +50,9 @@ Z_LOSS = cross_entropy_with_z_loss(Z_WEIGHT)
 
 
 def _plan(overrides, n: int, loss_fn=Z_LOSS):
-    cfg = load_config(CONFIG, [*TINY, *FP32, f"train.global_batch_size={G}", "mesh.data=1", "mesh.fsdp=1", *overrides],
-                      num_devices=n)
+    cfg = load_config(
+        CONFIG, [*TINY, *FP32, f"train.global_batch_size={G}", "mesh.data=1", "mesh.fsdp=1", *overrides], num_devices=n
+    )
     return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]), loss_fn=loss_fn)
 
 
@@ -84,9 +86,18 @@ def reference() -> dict:
     _, _, ce_grads, ce_loss, _ = _grads(ce_plan, host_params)
     eval_sum, eval_count = make_eval_step(plan)(params, batch)
     logits = np.asarray(plan.mdef.bind(params)(batch["inputs"]), np.float64)  # [G, T, V], no tensor parallelism
-    return {"plan": plan, "params": host_params, "grads": grads, "loss": loss, "tokens": n_tokens,
-            "ce_grads": ce_grads, "ce_loss": ce_loss, "eval": (float(eval_sum), float(eval_count)),
-            "logits": logits, "batch": to_host(batch)}
+    return {
+        "plan": plan,
+        "params": host_params,
+        "grads": grads,
+        "loss": loss,
+        "tokens": n_tokens,
+        "ce_grads": ce_grads,
+        "ce_loss": ce_loss,
+        "eval": (float(eval_sum), float(eval_count)),
+        "logits": logits,
+        "batch": to_host(batch),
+    }
 
 
 def test_z_loss_is_its_formula_and_changes_the_gradients(reference):
@@ -105,8 +116,10 @@ def test_z_loss_is_its_formula_and_changes_the_gradients(reference):
     assert_scalar_close(ref["ce_loss"], ce, RTOL, "cross-entropy")
     assert_scalar_close(ref["loss"], ce + Z_WEIGHT * z, RTOL, "cross-entropy + z-loss")
     assert Z_WEIGHT * z > 100 * RTOL * ce  # the z-term is far above the tolerance
-    diff = [np.linalg.norm(a - c) / np.linalg.norm(c)
-            for a, c in zip(jax.tree.leaves(ref["grads"]), jax.tree.leaves(ref["ce_grads"]))]
+    diff = [
+        np.linalg.norm(a - c) / np.linalg.norm(c)
+        for a, c in zip(jax.tree.leaves(ref["grads"]), jax.tree.leaves(ref["ce_grads"]))
+    ]
     assert max(diff) > 100 * RTOL  # and so is its gradient
     eval_sum, eval_count = ref["eval"]
     assert eval_count == mask.sum()
@@ -132,8 +145,9 @@ def test_z_loss_data_fsdp_accumulation_equals_one_device(reference):
 
 def test_z_loss_tensor_sequence_parallel_equals_one_device(reference):
     _need(8)
-    plan = _plan(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "tensor.sequence_parallel=true",
-                  "optimizer.zero_stage=3"], 8)
+    plan = _plan(
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "tensor.sequence_parallel=true", "optimizer.zero_stage=3"], 8
+    )
     params, batch, grads, loss, n_tokens = _grads(plan, reference["params"])
     assert plan.tensor_parallel.size == 2 and plan.tensor_parallel.sequence_parallel
     table = params["embed"]["table"]
@@ -146,8 +160,9 @@ def test_z_loss_tensor_sequence_parallel_equals_one_device(reference):
 def test_z_loss_pipeline_equals_one_device(schedule, reference):
     """The last stage computes the loss; pipeline=2 x data=2 x fsdp=2, 2 microbatches."""
     _need(8)
-    plan = _plan(["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2",
-                  f"pipeline.schedule={schedule}"], 8)
+    plan = _plan(
+        ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2", f"pipeline.schedule={schedule}"], 8
+    )
     params, batch, grads, loss, n_tokens = _grads(plan, reference["params"])
     w = params["blocks"]["mlp"]["w_up"]
     assert plan.mesh.shape["pipeline"] == 2 and plan.cfg.pipeline.schedule == schedule
@@ -189,12 +204,14 @@ def test_vocab_parallel_loss_sees_its_shard():
     assert (VOCAB // 2, 2) in seen
 
 
-@pytest.mark.parametrize("loss_fn,match", [
-    (lambda logits, batch: logits.sum(-1), r"real scalar, got shape \(1, 8\)"),
-    (lambda logits, batch: batch["weights"].sum(), r"loss_fn failed on logits float32 \[1, 8, 264\].*KeyError"),
-    ("cross_entropy", r"loss_fn must be callable"),
-])
-
+@pytest.mark.parametrize(
+    "loss_fn,match",
+    [
+        (lambda logits, batch: logits.sum(-1), r"real scalar, got shape \(1, 8\)"),
+        (lambda logits, batch: batch["weights"].sum(), r"loss_fn failed on logits float32 \[1, 8, 264\].*KeyError"),
+        ("cross_entropy", r"loss_fn must be callable"),
+    ],
+)
 def test_bad_loss_is_refused_at_plan_time(loss_fn, match):
     with pytest.raises(TypeError, match=match):
         _plan([], 1, loss_fn=loss_fn)

@@ -21,6 +21,7 @@ factor (a doubled or lost microbatch) moves the moments by far more than their i
 
 Shape letters: G global batch, T sequence length, L layers, D model width, F mlp hidden width.
 """
+
 import json
 
 import jax
@@ -75,8 +76,19 @@ OPTIMIZERS = {
 
 
 def _plan(overrides, n: int, **kw):
-    cfg = load_config(CONFIG, [*TINY, *FP32, f"train.global_batch_size={G}", "mesh.data=1", "mesh.fsdp=1",
-                               "optimizer.warmup_steps=0", *overrides], num_devices=n)
+    cfg = load_config(
+        CONFIG,
+        [
+            *TINY,
+            *FP32,
+            f"train.global_batch_size={G}",
+            "mesh.data=1",
+            "mesh.fsdp=1",
+            "optimizer.warmup_steps=0",
+            *overrides,
+        ],
+        num_devices=n,
+    )
     return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]), **kw)
 
 
@@ -117,11 +129,17 @@ def _step(plan, host_params) -> dict:
     shardings = jax.tree.map(lambda x: x.sharding, state["opt_state"])
     measured = persistent_state_bytes(plan, compiled, state, batch)
     new, metrics = compiled(state, batch)
-    return {"params": to_host(new["params"]), "opt_state": to_host(new["opt_state"]), "metrics": to_host(metrics),
-            "opt_shardings": shardings, "measured": measured}
+    return {
+        "params": to_host(new["params"]),
+        "opt_state": to_host(new["opt_state"]),
+        "metrics": to_host(metrics),
+        "opt_shardings": shardings,
+        "measured": measured,
+    }
 
 
 # ---- the enclosure: first updates over the gradient box, interval arithmetic in float64 ------------------------
+
 
 def _mul(a, b):
     """Interval product [a_lo, a_hi] * [b_lo, b_hi]."""
@@ -139,8 +157,10 @@ def _square(a):
 def _mean(a, axis, keepdims=False):
     """Interval of a mean of n values, widened by its fp32 summation error n * U32 (relative, positive values)."""
     n = a[0].size if axis is None else a[0].shape[axis]
-    return (np.mean(a[0], axis, keepdims=keepdims) * (1 - n * U32),
-            np.mean(a[1], axis, keepdims=keepdims) * (1 + n * U32))
+    return (
+        np.mean(a[0], axis, keepdims=keepdims) * (1 - n * U32),
+        np.mean(a[1], axis, keepdims=keepdims) * (1 + n * U32),
+    )
 
 
 def _factored_dims(shape):
@@ -177,8 +197,10 @@ def _adafactor(g, p):
         v_row, v_col = _mean(sq, d0), _mean(sq, d1)
         rcm = _mean(v_row, d1 - 1 if d1 > d0 else d1, keepdims=True)
         row = (np.sqrt(rcm[0] / v_row[1]), np.sqrt(rcm[1] / v_row[0]))
-        scale = _mul((np.expand_dims(row[0], d0), np.expand_dims(row[1], d0)),
-                     (1 / np.sqrt(np.expand_dims(v_col[1], d1)), 1 / np.sqrt(np.expand_dims(v_col[0], d1))))
+        scale = _mul(
+            (np.expand_dims(row[0], d0), np.expand_dims(row[1], d0)),
+            (1 / np.sqrt(np.expand_dims(v_col[1], d1)), 1 / np.sqrt(np.expand_dims(v_col[0], d1))),
+        )
         u = _mul(g, scale)
         state = {"v_row": v_row, "v_col": v_col}
     rms = np.sqrt(_mean(_square(u), None))
@@ -198,8 +220,10 @@ def _within(name: str, got, lo, hi, pad) -> None:
     got = np.asarray(got, np.float64)
     assert got.shape == lo.shape, f"{name}: shape {got.shape} != {lo.shape}"
     bad = (got < lo - pad) | (got > hi + pad)
-    assert not bad.any(), (f"{name}: {int(bad.sum())} of {got.size} entries outside the enclosure, e.g. "
-                           f"{got[bad][:3]} not in [{(lo - pad)[bad][:3]}, {(hi + pad)[bad][:3]}]")
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())} of {got.size} entries outside the enclosure, e.g. "
+        f"{got[bad][:3]} not in [{(lo - pad)[bad][:3]}, {(hi + pad)[bad][:3]}]"
+    )
 
 
 def _opt_leaves(opt_state, field: str) -> dict:
@@ -216,8 +240,9 @@ def _enclosure(name: str, old_params, grads, new_params, opt_state) -> int:
     number of entries whose update the enclosure pins (its interval narrower than 1% of the step size)."""
     pinned = 0
     states = {f: _opt_leaves(opt_state, f) for f in ("mu", "v_row", "v_col", "v")}
-    for (path, g), p, new in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(old_params),
-                                 jax.tree.leaves(new_params)):
+    for (path, g), p, new in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(old_params), jax.tree.leaves(new_params)
+    ):
         key = jax.tree_util.keystr(path)
         g, p = np.asarray(g, np.float64), np.asarray(p, np.float64)
         tol = RTOL * (np.abs(g) + np.max(np.abs(g)))
@@ -283,13 +308,21 @@ def test_default_optimizer_state_specs_are_unchanged():
     params = jax.eval_shape(lambda: init_state(plan, 0)["params"])
     opt = jax.eval_shape(plan.tx.init, params)
     specs = plan.specs["opt_state"]
-    old = optax.tree_map_params(plan.tx, lambda _, spec: spec, opt, specs, transform_non_params=lambda _: P(),
-                                is_leaf=lambda x: isinstance(x, P))
+    old = optax.tree_map_params(
+        plan.tx,
+        lambda _, spec: spec,
+        opt,
+        specs,
+        transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P),
+    )
     new = opt_state_specs(opt, params, specs)
     assert jax.tree.structure(new, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(
-        old, is_leaf=lambda x: isinstance(x, P))
+        old, is_leaf=lambda x: isinstance(x, P)
+    )
     assert jax.tree.leaves(new, is_leaf=lambda x: isinstance(x, P)) == jax.tree.leaves(
-        old, is_leaf=lambda x: isinstance(x, P))
+        old, is_leaf=lambda x: isinstance(x, P)
+    )
     assert sum(spec != P() for spec in jax.tree.leaves(new, is_leaf=lambda x: isinstance(x, P))) > 0
 
 
@@ -300,10 +333,12 @@ def test_adafactor_factored_statistics_get_a_spec_that_fits():
     params = jax.eval_shape(lambda: init_state(plan, 0)["params"])
     tx = OPTIMIZERS["adafactor"]()
     opt = jax.eval_shape(tx.init, params)
-    specs = {"embed": {"table": P("tensor", "fsdp")}} | {k: v for k, v in plan.specs["opt_state"].items()
-                                                         if k != "embed"}
-    old = optax.tree_map_params(tx, lambda _, spec: spec, opt, specs, transform_non_params=lambda _: P(),
-                                is_leaf=lambda x: isinstance(x, P))
+    specs = {"embed": {"table": P("tensor", "fsdp")}} | {
+        k: v for k, v in plan.specs["opt_state"].items() if k != "embed"
+    }
+    old = optax.tree_map_params(
+        tx, lambda _, spec: spec, opt, specs, transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P)
+    )
     row = _opt_leaves(opt, "v_row")["['embed']['table']"]
     assert len(_opt_leaves(old, "v_row")["['embed']['table']"]) > len(row.shape)  # more dims than the array
     new = opt_state_specs(opt, params, specs)
@@ -334,7 +369,10 @@ def test_skip_nonfinite_is_an_explicit_wrapper():
     step = compile_fast(make_train_step(plan), state, device_batch(plan, good))
     state, metrics = step(state, device_batch(plan, bad))
     assert (int(metrics["bad_steps_in_a_row"]), int(metrics["skipped_steps"]), float(metrics["learning_rate"])) == (
-        1, 1, 0.0)
+        1,
+        1,
+        0.0,
+    )
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(to_host(state["params"]))):
         np.testing.assert_array_equal(a, b)
     state, metrics = step(state, device_batch(plan, good))
@@ -347,14 +385,24 @@ def test_skip_nonfinite_is_an_explicit_wrapper():
     assert float(metrics["learning_rate"]) == pytest.approx(1e-3, rel=1e-6) and "skipped_steps" not in metrics
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    ({"optimizer": "lion"}, TypeError, r"optimizer must be an optax.GradientTransformation"),
-    ({"learning_rate": 1e-3}, ValueError, r"learning_rate is only for a caller's own optimizer"),
-    ({"optimizer": optax.lion(1e-3), "learning_rate": "fast"}, TypeError, r"learning_rate must be a schedule"),
-    ({"optimizer": optax.lion(1e-3), "learning_rate": optax.constant_schedule(1e-3)}, ValueError,
-     r"expected one optax.ScaleByScheduleState .*found 0"),
-    ({"optimizer": skip_nonfinite(skip_nonfinite(optax.sgd(1e-3)))}, ValueError, r"holds 2 optax.ApplyIfFiniteState"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"optimizer": "lion"}, TypeError, r"optimizer must be an optax.GradientTransformation"),
+        ({"learning_rate": 1e-3}, ValueError, r"learning_rate is only for a caller's own optimizer"),
+        ({"optimizer": optax.lion(1e-3), "learning_rate": "fast"}, TypeError, r"learning_rate must be a schedule"),
+        (
+            {"optimizer": optax.lion(1e-3), "learning_rate": optax.constant_schedule(1e-3)},
+            ValueError,
+            r"expected one optax.ScaleByScheduleState .*found 0",
+        ),
+        (
+            {"optimizer": skip_nonfinite(skip_nonfinite(optax.sgd(1e-3)))},
+            ValueError,
+            r"holds 2 optax.ApplyIfFiniteState",
+        ),
+    ],
+)
 def test_bad_optimizer_arguments_are_refused_at_plan_time(kwargs, error, match):
     with pytest.raises(error, match=match):
         _plan([], 1, **kwargs)
@@ -367,13 +415,25 @@ def test_train_loop_with_an_optimizer_without_skip_or_schedule(tmp_path):
     from jaxpar.training.loop import train
 
     def cfg(steps: int):
-        return load_config(CONFIG, ["model.n_layers=1", "data.seq_len=32", "data.max_bytes=200000",
-                                    "data.validation_fraction=0.3", "train.global_batch_size=8",
-                                    "train.eval_batches=1", "train.progress_bar=false", "train.sample_tokens=0",
-                                    "train.log_every=1", "train.eval_every=0", f"train.steps={steps}",
-                                    "checkpoint.every_steps=2", "checkpoint.async_save=false",
-                                    f"train.run_dir={tmp_path}"])
-
+        return load_config(
+            CONFIG,
+            [
+                "model.n_layers=1",
+                "data.seq_len=32",
+                "data.max_bytes=200000",
+                "data.validation_fraction=0.3",
+                "train.global_batch_size=8",
+                "train.eval_batches=1",
+                "train.progress_bar=false",
+                "train.sample_tokens=0",
+                "train.log_every=1",
+                "train.eval_every=0",
+                f"train.steps={steps}",
+                "checkpoint.every_steps=2",
+                "checkpoint.async_save=false",
+                f"train.run_dir={tmp_path}",
+            ],
+        )
 
     def adafactor():
         return optax.adafactor(1e-2, min_dim_size_to_factor=FACTOR_MIN)
@@ -396,6 +456,7 @@ def test_example_script_trains_with_its_own_loss_and_optimizer(capsys):
     data x fsdp."""
     import importlib.util
     import os
+
     path = os.path.join(os.path.dirname(CONFIG), os.pardir, "experiments", "custom_loss_optimizer.py")
     spec = importlib.util.spec_from_file_location("custom_loss_optimizer", path)
     module = importlib.util.module_from_spec(spec)

@@ -6,6 +6,7 @@ values must not depend on how they are split. Four layouts on 8 simulated CPU de
 
 Shape letters: L layers, D model width, F mlp hidden width.
 """
+
 import jax
 import numpy as np
 import pytest
@@ -21,8 +22,9 @@ LAYOUTS = {"single": (1, 1, 0, 1), "data8": (8, 1, 1, 8), "fsdp8": (1, 8, 1, 8),
 
 def _init(name: str):
     data, fsdp, zero, n = LAYOUTS[name]
-    plan = make_plan([*FP32, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"optimizer.zero_stage={zero}"],
-                     jax.devices()[:n])
+    plan = make_plan(
+        [*FP32, f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"optimizer.zero_stage={zero}"], jax.devices()[:n]
+    )
     state = init_state(plan, SEED)
     for leaf, sharding in zip(jax.tree.leaves(state), jax.tree.leaves(plan.state_shardings)):
         assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), name
@@ -33,10 +35,13 @@ def _layout(state) -> dict:
     """Where each device's piece of a weight and of its Adam moment lies: {device id: (start along D,
     shard shape)}. Distinguishes layouts with equal shard shapes but different shard placement."""
     out = {}
-    for kind, x in (("w", state["params"]["blocks"]["mlp"]["w_up"]),  # [L, D, F], sharded along D
-                    ("mu", otu.tree_get(state["opt_state"], "mu")["blocks"]["mlp"]["w_up"])):
-        out[kind] = {d.id: (idx[1].start or 0, shard_shape(x))
-                     for d, idx in x.sharding.devices_indices_map(x.shape).items()}
+    for kind, x in (
+        ("w", state["params"]["blocks"]["mlp"]["w_up"]),  # [L, D, F], sharded along D
+        ("mu", otu.tree_get(state["opt_state"], "mu")["blocks"]["mlp"]["w_up"]),
+    ):
+        out[kind] = {
+            d.id: (idx[1].start or 0, shard_shape(x)) for d, idx in x.sharding.devices_indices_map(x.shape).items()
+        }
     return out
 
 
@@ -67,7 +72,7 @@ def test_init_is_identical_across_layouts():
     zero3 = {4 * d + f: ((2 * f + d) * D // 8, eighth) for d in range(2) for f in range(4)}
     assert layouts["data2_fsdp4_zero3"]["w"] == layouts["data2_fsdp4_zero3"]["mu"] == zero3
     names = list(LAYOUTS)
-    assert all(layouts[a] != layouts[b] for i, a in enumerate(names) for b in names[i + 1:])
+    assert all(layouts[a] != layouts[b] for i, a in enumerate(names) for b in names[i + 1 :])
 
     ref = to_host(states["single"])
     assert all(np.any(x != 0) for x in jax.tree.leaves(ref["params"]))

@@ -12,6 +12,7 @@ data x fsdp with accumulation under ZeRO 0-3, tensor with and without sequence p
 
 Shape letters: G global batch, T sequence length, L layers, D model width, F mlp hidden width, V vocabulary.
 """
+
 import importlib.util
 import json
 import os
@@ -63,26 +64,61 @@ GPT2 = ("model.name=gpt2", "model.n_kv_heads=null", "model.tie_embeddings=true")
 
 # name: (overrides, marks). Every ZeRO stage, every axis, both schedules (about 20 s in all).
 LAYOUTS = {
-    "data2_fsdp4_zero1_accum2": (["mesh.data=2", "mesh.fsdp=4", "optimizer.zero_stage=1",
-                                  "train.grad_accum_steps=2"], ()),
-    "data2_fsdp2_tensor2_sp_zero3": (["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-                                      "tensor.sequence_parallel=true", "optimizer.zero_stage=3"], ()),
-    "pipeline2_1f1b_data2_fsdp2_zero2": (["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2",
-                                          "pipeline.schedule=1f1b", "optimizer.zero_stage=2"], ()),
+    "data2_fsdp4_zero1_accum2": (
+        ["mesh.data=2", "mesh.fsdp=4", "optimizer.zero_stage=1", "train.grad_accum_steps=2"],
+        (),
+    ),
+    "data2_fsdp2_tensor2_sp_zero3": (
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "tensor.sequence_parallel=true", "optimizer.zero_stage=3"],
+        (),
+    ),
+    "pipeline2_1f1b_data2_fsdp2_zero2": (
+        [
+            "mesh.pipeline=2",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "pipeline.microbatches=2",
+            "pipeline.schedule=1f1b",
+            "optimizer.zero_stage=2",
+        ],
+        (),
+    ),
     "data8_zero0": (["mesh.data=8", "mesh.fsdp=1", "optimizer.zero_stage=0"], ()),
     "fsdp8_zero3": (["mesh.data=1", "mesh.fsdp=8", "optimizer.zero_stage=3"], ()),
     "data4_fsdp2_zero2": (["mesh.data=4", "mesh.fsdp=2", "optimizer.zero_stage=2"], ()),
-    "data4_tensor2_zero1": (["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2", "tensor.sequence_parallel=false",
-                             "optimizer.zero_stage=1"], ()),
-    "pipeline2_gpipe_data2_fsdp2_zero1": (["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2",
-                                           "pipeline.microbatches=2", "pipeline.schedule=gpipe",
-                                           "optimizer.zero_stage=1"], ()),
+    "data4_tensor2_zero1": (
+        ["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2", "tensor.sequence_parallel=false", "optimizer.zero_stage=1"],
+        (),
+    ),
+    "pipeline2_gpipe_data2_fsdp2_zero1": (
+        [
+            "mesh.pipeline=2",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "pipeline.microbatches=2",
+            "pipeline.schedule=gpipe",
+            "optimizer.zero_stage=1",
+        ],
+        (),
+    ),
 }
 
 
 def _plan(overrides, n: int):
-    cfg = load_config(CONFIG, [*TINY, *FP32, *FIRST_STEP_AT_PEAK, *GPT2, "mesh.data=1", "mesh.fsdp=1",
-                               f"train.global_batch_size={G}", *overrides], num_devices=n)
+    cfg = load_config(
+        CONFIG,
+        [
+            *TINY,
+            *FP32,
+            *FIRST_STEP_AT_PEAK,
+            *GPT2,
+            "mesh.data=1",
+            "mesh.fsdp=1",
+            f"train.global_batch_size={G}",
+            *overrides,
+        ],
+        num_devices=n,
+    )
     return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]))
 
 
@@ -91,11 +127,19 @@ def _one_step(plan, state, batch) -> dict:
     grad_fn = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], batch)
     step = compile_fast(make_train_step(plan), state, batch)
     grads, loss, n_tokens = grad_fn(state["params"], batch)
-    out = {"grads": to_host(grads), "grad_loss": float(loss), "grad_tokens": float(n_tokens),
-           "params0": to_host(state["params"])}
+    out = {
+        "grads": to_host(grads),
+        "grad_loss": float(loss),
+        "grad_tokens": float(n_tokens),
+        "params0": to_host(state["params"]),
+    }
     new, metrics = step(state, batch)
-    out.update(metrics=to_host(metrics), params=to_host(new["params"]),
-               mu=to_host(otu.tree_get(new["opt_state"], "mu")), nu=to_host(otu.tree_get(new["opt_state"], "nu")))
+    out.update(
+        metrics=to_host(metrics),
+        params=to_host(new["params"]),
+        mu=to_host(otu.tree_get(new["opt_state"], "mu")),
+        nu=to_host(otu.tree_get(new["opt_state"], "nu")),
+    )
     return out
 
 
@@ -178,6 +222,7 @@ def _without_key_bias(step: dict) -> dict:
 
 # --- the interface is checked before any device work ---------------------------------------------------------
 
+
 class _NoBlocks(nnx.Module):
     def __init__(self, cfg, rngs):
         self.w = nnx.Param(jax.numpy.zeros((cfg.d_model,)), logical_axes=("embed",))
@@ -211,13 +256,16 @@ class _Flat(_NoBlocks):
         self.blocks = _NoBlocks(cfg, rngs)  # one layer, not a stack
 
 
-@pytest.mark.parametrize("build,error,match", [
-    (_NoBlocks, TypeError, "has no `blocks` module"),
-    (_Unnamed, TypeError, r"parameter blocks/bias of shape \(64,\) per layer needs logical_axes"),
-    (_UnknownAxis, ValueError, r"logical axes \('experts', 'embed'\); names must be None or one of"),
-    (_WithRngState, TypeError, r"dropout_rngs.*nnx.Param only"),
-    (_Flat, ValueError, "no leading layers dimension of model.n_layers=2"),
-])
+@pytest.mark.parametrize(
+    "build,error,match",
+    [
+        (_NoBlocks, TypeError, "has no `blocks` module"),
+        (_Unnamed, TypeError, r"parameter blocks/bias of shape \(64,\) per layer needs logical_axes"),
+        (_UnknownAxis, ValueError, r"logical axes \('experts', 'embed'\); names must be None or one of"),
+        (_WithRngState, TypeError, r"dropout_rngs.*nnx.Param only"),
+        (_Flat, ValueError, "no leading layers dimension of model.n_layers=2"),
+    ],
+)
 def test_a_model_off_the_interface_is_refused_at_plan_time(build, error, match):
     jm.register_model("off_interface", build, replace=True)
     cfg = load_config(CONFIG, [*TINY, "model.name=off_interface", "mesh.data=1", "mesh.fsdp=1"], num_devices=1)
@@ -239,8 +287,11 @@ def test_missing_parts_are_named():
 
 
 def test_unknown_model_name_is_a_config_error_naming_the_registered_ones():
-    with pytest.raises(ConfigError, match=r"model.name='gpt3' is not a registered model \(registered: .*llama.*\);"
-                                          r" a script registers its own with jaxpar.register_model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.name='gpt3' is not a registered model \(registered: .*llama.*\);"
+        r" a script registers its own with jaxpar.register_model",
+    ):
         load_config(CONFIG, ["model.name=gpt3"], num_devices=8)
 
 
@@ -254,8 +305,9 @@ def test_registering_a_taken_name_or_a_bad_builder_is_refused():
 
 
 def test_gpt2_refuses_settings_it_cannot_honour():
-    cfg = load_config(CONFIG, [*TINY, "model.name=gpt2", "model.tie_embeddings=true", "mesh.data=1", "mesh.fsdp=1"],
-                      num_devices=1)  # TINY has n_kv_heads=2 < n_heads=4
+    cfg = load_config(
+        CONFIG, [*TINY, "model.name=gpt2", "model.tie_embeddings=true", "mesh.data=1", "mesh.fsdp=1"], num_devices=1
+    )  # TINY has n_kv_heads=2 < n_heads=4
     with pytest.raises(ValueError, match="no grouped-query attention: set model.n_kv_heads=null"):
         build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
 
@@ -267,12 +319,36 @@ def test_own_model_script_resumes_bitwise_and_runs_unchanged_on_two_processes(tm
     uninterrupted ones (the script exits 0 only then), and the two runs' losses are bitwise equal."""
     script = os.path.join(ROOT, "experiments", "own_model.py")
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    one = subprocess.run([sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "one")],
-                         capture_output=True, text=True, env=env, timeout=900)
+    one = subprocess.run(
+        [sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "jaxpar.cli.launch", "-n", "2", "--devices-per-process", "4", "--",
-                          sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "two")],
-                         capture_output=True, text=True, env=env, timeout=900)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli.launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            sys.executable,
+            script,
+            "--steps",
+            "4",
+            "--run-dir",
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
 
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-2000:]
     assert "resumed losses equal the uninterrupted run's, bitwise" in one.stdout + two.stdout

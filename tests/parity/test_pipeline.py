@@ -31,6 +31,7 @@ head are replicated over `pipeline`.
 Shape letters: G global batch, T sequence length, L layers, D model width, F mlp hidden width, M microbatches,
 p stages.
 """
+
 import os
 import pickle
 import shutil
@@ -76,15 +77,30 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # step_
 # (stages, microbatches, schedule): every M at p=4; both schedules at both p; M < p three times; M > 2p - 1
 # (the 1F1B stash ring wraps) at both p. Compile time limits the grid; p=2 with M=2 (GPipe), M=3 (1F1B) and
 # M=4 (both) runs in the composed-mesh and accumulation tests below.
-GRID = [(2, 1, "gpipe"), (2, 8, "1f1b"),
-        (4, 1, "1f1b"), (4, 2, "gpipe"), (4, 3, "1f1b"), (4, 4, "gpipe"), (4, 8, "1f1b")]
+GRID = [
+    (2, 1, "gpipe"),
+    (2, 8, "1f1b"),
+    (4, 1, "1f1b"),
+    (4, 2, "gpipe"),
+    (4, 3, "1f1b"),
+    (4, 4, "gpipe"),
+    (4, 8, "1f1b"),
+]
 REPLICATED_OVER_PIPELINE = (("embed", "table"), ("final_norm", "scale"), ("lm_head", "kernel"))
 
 
 def _overrides(*extra: str) -> list[str]:
     # Clipping off: Adam's first moment is then (1 - b1) * gradient (see the module docstring).
-    return [*FP32, *FIRST_STEP_AT_PEAK, "optimizer.grad_clip_norm=0", f"model.n_layers={L}",
-            f"train.global_batch_size={G}", "mesh.data=1", "mesh.fsdp=1", *extra]
+    return [
+        *FP32,
+        *FIRST_STEP_AT_PEAK,
+        "optimizer.grad_clip_norm=0",
+        f"model.n_layers={L}",
+        f"train.global_batch_size={G}",
+        "mesh.data=1",
+        "mesh.fsdp=1",
+        *extra,
+    ]
 
 
 def _w_up(tree):
@@ -120,10 +136,17 @@ def reference() -> dict:
     eval_sum, eval_count = make_eval_step(plan)(state["params"], batch)
     step = compile_fast(make_train_step(plan), state, batch)
     new, metrics = step(state, batch)
-    ref = {"host_state": host_state, "grads": to_host(grads), "loss": float(loss), "tokens": float(n_tokens),
-           "eval": (float(eval_sum), float(eval_count)), "metrics": to_host(metrics),
-           "params": to_host(new["params"]), "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
-           "nu": to_host(otu.tree_get(new["opt_state"], "nu"))}
+    ref = {
+        "host_state": host_state,
+        "grads": to_host(grads),
+        "loss": float(loss),
+        "tokens": float(n_tokens),
+        "eval": (float(eval_sum), float(eval_count)),
+        "metrics": to_host(metrics),
+        "params": to_host(new["params"]),
+        "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
+        "nu": to_host(otu.tree_get(new["opt_state"], "nu")),
+    }
     assert ref["tokens"] == sum(VALID)
     assert_scalar_close(ref["metrics"]["loss"], ref["loss"], RTOL, "train step loss vs grad_fn loss")
     # The identity the grid relies on: first moment = (1 - b1) * gradient.
@@ -151,8 +174,10 @@ def _assert_grads_match(ref: dict, grads, loss, n_tokens) -> None:
 def test_one_step_equals_single_device(p, m, schedule, reference):
     _need(p)
     ref = reference
-    plan = make_plan(_overrides(f"mesh.pipeline={p}", f"pipeline.microbatches={m}", f"pipeline.schedule={schedule}"),
-                     jax.devices()[:p])
+    plan = make_plan(
+        _overrides(f"mesh.pipeline={p}", f"pipeline.microbatches={m}", f"pipeline.schedule={schedule}"),
+        jax.devices()[:p],
+    )
     assert plan.cfg.pipeline.schedule == schedule and plan.cfg.pipeline.microbatches == m
     state = jax.device_put(ref["host_state"], plan.state_shardings)
     batch = device_batch(plan, host_batch(VALID, T, SEED))
@@ -167,8 +192,11 @@ def test_one_step_equals_single_device(p, m, schedule, reference):
     assert metrics["learning_rate"] == ref["metrics"]["learning_rate"] > 0
     assert_scalar_close(metrics["loss"], ref["metrics"]["loss"], RTOL, "loss")
     assert_scalar_close(metrics["grad_norm"], ref["metrics"]["grad_norm"], RTOL, "grad_norm")
-    got = {"params": to_host(new["params"]), "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
-           "nu": to_host(otu.tree_get(new["opt_state"], "nu"))}
+    got = {
+        "params": to_host(new["params"]),
+        "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
+        "nu": to_host(otu.tree_get(new["opt_state"], "nu")),
+    }
     assert_adam_step_close(got, ref, ref["host_state"]["params"], RTOL, **adam_step_args(plan, metrics))
 
 
@@ -177,8 +205,15 @@ def test_grads_pipeline_data_fsdp_zero2_and_eval(reference):
     """pipeline=2 x data=2 x fsdp=2 (ZeRO-2: gradients reduce-scattered over data), 1F1B, M=3."""
     _need(8)
     plan, params, batch, grads, loss, n_tokens = _pipelined_grads(
-        reference, "mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "optimizer.zero_stage=2",
-        "pipeline.microbatches=3", "pipeline.schedule=1f1b", devices=jax.devices()[:8])
+        reference,
+        "mesh.pipeline=2",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "optimizer.zero_stage=2",
+        "pipeline.microbatches=3",
+        "pipeline.schedule=1f1b",
+        devices=jax.devices()[:8],
+    )
     _assert_pipelined(plan, params, 2)
     w = _w_up(params)
     _, D, F = w.shape
@@ -198,8 +233,14 @@ def test_grads_pipeline_fsdp_tensor_sequence_parallel(reference):
     """pipeline=2 x fsdp=2 x tensor=2 with sequence parallelism, GPipe, M=4."""
     _need(8)
     plan, params, batch, grads, loss, n_tokens = _pipelined_grads(
-        reference, "mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=4",
-        "pipeline.schedule=gpipe", devices=jax.devices()[:8])
+        reference,
+        "mesh.pipeline=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "pipeline.microbatches=4",
+        "pipeline.schedule=gpipe",
+        devices=jax.devices()[:8],
+    )
     _assert_pipelined(plan, params, 2)
     assert plan.tensor_parallel.size == 2 and plan.tensor_parallel.sequence_parallel
     w = _w_up(params)
@@ -239,16 +280,35 @@ def _grads_on_16_devices(reference: dict, tmp_path, schedule: str, runs: int, xl
     and the parameter layout come back. Asserts the layout."""
     inputs, outputs = tmp_path / f"{schedule}_in.pkl", tmp_path / f"{schedule}_out.pkl"
     with open(inputs, "wb") as f:
-        pickle.dump({"overrides": _overrides(*MESH_16, f"pipeline.schedule={schedule}"), "runs": runs,
-                     "params": reference["host_state"]["params"], "valid": VALID, "T": T, "seed": SEED}, f)
+        pickle.dump(
+            {
+                "overrides": _overrides(*MESH_16, f"pipeline.schedule={schedule}"),
+                "runs": runs,
+                "params": reference["host_state"]["params"],
+                "valid": VALID,
+                "T": T,
+                "seed": SEED,
+            },
+            f,
+        )
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="16", JAX_PLATFORMS="cpu")
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, *xla_flags.split()])
-    done = subprocess.run([sys.executable, "-c", _CHILD, TESTS_DIR, str(inputs), str(outputs)], env=env,
-                          capture_output=True, text=True, timeout=240)
-    stuck = sorted({line.split("waiting for `")[1].split(" RendezvousKey")[0]
-                    for line in done.stderr.splitlines() if "may be stuck" in line and "waiting for `" in line})
-    assert done.returncode == 0, (f"exit {done.returncode}; collectives stuck: {stuck}\n" + done.stderr[-2000:])
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, TESTS_DIR, str(inputs), str(outputs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    stuck = sorted(
+        {
+            line.split("waiting for `")[1].split(" RendezvousKey")[0]
+            for line in done.stderr.splitlines()
+            if "may be stuck" in line and "waiting for `" in line
+        }
+    )
+    assert done.returncode == 0, f"exit {done.returncode}; collectives stuck: {stuck}\n" + done.stderr[-2000:]
     with open(outputs, "rb") as f:
         out = pickle.load(f)
     assert out["mesh"] == {"data": 2, "pipeline": 2, "fsdp": 2, "tensor": 2} and out["sequence_parallel"]
@@ -280,9 +340,14 @@ def test_grads_16_devices_1f1b_no_deadlock(reference, tmp_path):
     most runs: XLA:CPU let the permute start while the backward's loop of all-gathers ran, so devices issued
     them in different orders and the shared pool of blocking collective threads ran dry.
     """
-    out = _grads_on_16_devices(reference, tmp_path, "1f1b", runs=10,
-                               xla_flags="--xla_cpu_collective_call_warn_stuck_timeout_seconds=2 "
-                                         "--xla_cpu_collective_call_terminate_timeout_seconds=5")
+    out = _grads_on_16_devices(
+        reference,
+        tmp_path,
+        "1f1b",
+        runs=10,
+        xla_flags="--xla_cpu_collective_call_warn_stuck_timeout_seconds=2 "
+        "--xla_cpu_collective_call_terminate_timeout_seconds=5",
+    )
     assert out["tokens"] == reference["tokens"]
     assert_scalar_close(out["loss"], reference["loss"], RTOL, "loss")
     assert_tree_close(out["grads"], reference["grads"], RTOL)
@@ -293,8 +358,13 @@ def test_pipeline_inside_grad_accumulation(reference):
     """pipeline=2, M=4, inside train.grad_accum_steps=2 (8 microbatches of 3 rows) equals the unsplit batch."""
     _need(2)
     plan, params, _, grads, loss, n_tokens = _pipelined_grads(
-        reference, "mesh.pipeline=2", "train.grad_accum_steps=2", "pipeline.microbatches=4",
-        "pipeline.schedule=1f1b", devices=jax.devices()[:2])
+        reference,
+        "mesh.pipeline=2",
+        "train.grad_accum_steps=2",
+        "pipeline.microbatches=4",
+        "pipeline.schedule=1f1b",
+        devices=jax.devices()[:2],
+    )
     assert plan.cfg.train.grad_accum_steps == 2
     _assert_pipelined(plan, params, 2)
     _assert_grads_match(reference, grads, loss, n_tokens)
@@ -320,8 +390,11 @@ def _load(*overrides: str, num_devices: int):
 def test_config_errors_before_device_work(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"model\.n_layers=4 must be divisible by mesh\.pipeline=3"):
         _load("mesh.pipeline=3", num_devices=3)
-    with pytest.raises(ConfigError, match=r"train\.global_batch_size=24 must be divisible by .*pipeline\."
-                                          r"microbatches \(5\) = 10"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.global_batch_size=24 must be divisible by .*pipeline\."
+        r"microbatches \(5\) = 10",
+    ):
         _load("mesh.pipeline=2", "mesh.data=2", "pipeline.microbatches=5", num_devices=4)
     with pytest.raises(ConfigError, match=r"pipeline\.schedule='interleaved' is not one of 1f1b, gpipe"):
         _load("mesh.pipeline=2", "pipeline.schedule=interleaved", num_devices=2)
@@ -337,18 +410,44 @@ def test_config_errors_before_device_work(monkeypatch, tmp_path):
 
     monkeypatch.setattr(loop, "build_mesh", no_device_work)
     monkeypatch.setattr(loop, "init_state", no_device_work)
-    cfg = load_config(CONFIG, [*TINY, *_overrides("mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=16",
-                                                  f"train.run_dir={tmp_path / 'run'}")], validate=False)
+    cfg = load_config(
+        CONFIG,
+        [
+            *TINY,
+            *_overrides(
+                "mesh.pipeline=4", "mesh.data=2", "pipeline.microbatches=16", f"train.run_dir={tmp_path / 'run'}"
+            ),
+        ],
+        validate=False,
+    )
     with pytest.raises(ConfigError, match=r"train\.global_batch_size=24 must be divisible"):
         loop.train(cfg)
     assert not (tmp_path / "run").exists()
 
 
-RUN = ["model.n_layers=2", "model.d_model=64", "model.d_ff=128", "data.seq_len=32", "data.max_bytes=300000",
-       "data.validation_fraction=0.3", "train.global_batch_size=8", "train.eval_batches=1", "train.eval_every=0",
-       "train.progress_bar=false", "train.sample_tokens=0", "train.log_every=1", "train.steps=4",
-       "checkpoint.every_steps=2", "checkpoint.async_save=false", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1",
-       "mesh.pipeline=2", "pipeline.microbatches=2", "pipeline.schedule=1f1b"]
+RUN = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "data.validation_fraction=0.3",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.eval_every=0",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.log_every=1",
+    "train.steps=4",
+    "checkpoint.every_steps=2",
+    "checkpoint.async_save=false",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=1",
+    "mesh.pipeline=2",
+    "pipeline.microbatches=2",
+    "pipeline.schedule=1f1b",
+]
 
 
 @pytest.mark.timeout(300)
@@ -375,6 +474,5 @@ def test_resume_with_pipeline_reproduces_losses(tmp_path):
     assert resumed.start_step == 2 and sorted(resumed.losses) == [3, 4]
     for step in (3, 4):
         assert resumed.losses[step] == full.losses[step], (step, resumed.losses[step], full.losses[step])
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(to_host(resumed.state))[0],
-                            jax.tree.leaves(final)):
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(to_host(resumed.state))[0], jax.tree.leaves(final)):
         np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))

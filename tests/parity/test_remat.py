@@ -1,4 +1,5 @@
 """Activation checkpointing policies (`model.remat`) change what the backward keeps, never the gradients."""
+
 import jax
 import pytest
 from step_helpers import (
@@ -23,9 +24,19 @@ def test_remat_policies_same_gradients_less_memory():
     batch = host_batch([8, 5, 8, 2], 8, seed=0)
     grads, temp = {}, {}
     for policy in POLICIES:
-        plan = make_plan([*FP32, "mesh.data=1", "mesh.fsdp=2", "mesh.pipeline=2", "pipeline.microbatches=2",
-                          "model.n_layers=4", "train.global_batch_size=4", f"model.remat={policy}"],
-                         jax.devices()[:4])
+        plan = make_plan(
+            [
+                *FP32,
+                "mesh.data=1",
+                "mesh.fsdp=2",
+                "mesh.pipeline=2",
+                "pipeline.microbatches=2",
+                "model.n_layers=4",
+                "train.global_batch_size=4",
+                f"model.remat={policy}",
+            ],
+            jax.devices()[:4],
+        )
         with quick_compile():
             state = init_state(plan, 0)
         b = device_batch(plan, batch)

@@ -13,6 +13,7 @@ says (`jaxpar.sharding`).
 
 Shape letters: G global batch, T sequence length, L layers, D model width, F mlp hidden width.
 """
+
 import jax
 import pytest
 from optax import tree_utils as otu
@@ -50,8 +51,15 @@ CLIPPED_MESHES = ("data8", "data2_fsdp4")
 
 def _overrides(data: int, fsdp: int, zero: int, clipped: bool) -> list[str]:
     clip = CLIP_NORM if clipped else 0  # 0 disables clipping: both optimizer chains get exercised
-    return [*FP32, *FIRST_STEP_AT_PEAK, f"optimizer.grad_clip_norm={clip}", f"optimizer.zero_stage={zero}",
-            f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"train.global_batch_size={G}"]
+    return [
+        *FP32,
+        *FIRST_STEP_AT_PEAK,
+        f"optimizer.grad_clip_norm={clip}",
+        f"optimizer.zero_stage={zero}",
+        f"mesh.data={data}",
+        f"mesh.fsdp={fsdp}",
+        f"train.global_batch_size={G}",
+    ]
 
 
 def _w_up(tree):
@@ -63,11 +71,21 @@ def _one_step(plan, state, batch) -> dict:
     grad_fn = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], batch)
     step = compile_fast(make_train_step(plan), state, batch)
     grads, loss, n_tokens = grad_fn(state["params"], batch)
-    out = {"grads": to_host(grads), "grad_loss": float(loss), "grad_tokens": float(n_tokens),
-           "grads_sharding": _w_up(grads).sharding, "params0": to_host(state["params"])}
+    out = {
+        "grads": to_host(grads),
+        "grad_loss": float(loss),
+        "grad_tokens": float(n_tokens),
+        "grads_sharding": _w_up(grads).sharding,
+        "params0": to_host(state["params"]),
+    }
     new, metrics = step(state, batch)
-    out.update(metrics=to_host(metrics), params=to_host(new["params"]), new_state=new,
-               mu=to_host(otu.tree_get(new["opt_state"], "mu")), nu=to_host(otu.tree_get(new["opt_state"], "nu")))
+    out.update(
+        metrics=to_host(metrics),
+        params=to_host(new["params"]),
+        new_state=new,
+        mu=to_host(otu.tree_get(new["opt_state"], "mu")),
+        nu=to_host(otu.tree_get(new["opt_state"], "nu")),
+    )
 
     return out
 
@@ -91,8 +109,11 @@ def reference():
 
 # Every ZeRO stage and every mesh runs by default; the other 11 pairs run under `-m slow` (suite time budget).
 DEFAULT_PAIRS = {("data8", 0), ("data8", 1), ("data2_fsdp4", 2), ("data4_fsdp2", 3), ("fsdp8", 3)}
-PAIRS = [pytest.param(m, z, id=f"{m}-{z}", marks=() if (m, z) in DEFAULT_PAIRS else pytest.mark.slow)
-         for m in MESHES for z in (0, 1, 2, 3)]
+PAIRS = [
+    pytest.param(m, z, id=f"{m}-{z}", marks=() if (m, z) in DEFAULT_PAIRS else pytest.mark.slow)
+    for m in MESHES
+    for z in (0, 1, 2, 3)
+]
 
 
 @pytest.mark.parametrize("mesh_name,zero", PAIRS)

@@ -21,6 +21,7 @@ receives on each rank the gradient of its sequence slice only; the train step su
 Shape letters: B batch, T sequence, D model width, F hidden width, H query heads, G key/value heads,
 K head width, V vocabulary, t tensor size.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -77,8 +78,7 @@ def _per_rank(specs, tree):
     return vals, outs
 
 
-def run_sharded(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, ct, t: int, sp: bool,
-                n_diff: int):
+def run_sharded(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, ct, t: int, sp: bool, n_diff: int):
     """Runs `fn(tp, *args)` on t ranks; returns (out, grads, local_shapes).
 
     Inside the shard_map each rank differentiates sum(local out * local cotangent) with respect to its local
@@ -103,8 +103,9 @@ def run_sharded(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, ct, 
 
     _, out_specs = _per_rank(out_spec, ct)
     _, grad_specs = _per_rank(diff_specs, tuple(args[:n_diff]))
-    sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(out_spec, *specs), out_specs=(out_specs, grad_specs),
-                                    check_vma=False))
+    sharded = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(out_spec, *specs), out_specs=(out_specs, grad_specs), check_vma=False)
+    )
     out, grads = compile_fast(sharded, ct, *args)(ct, *args)
     assert len(seen) == 1
     return out, grads, seen[0]
@@ -122,8 +123,9 @@ def reference(fn: Callable, args: Sequence, ct, n_diff: int):
     return out, grads
 
 
-def check_block(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, t: int, sp: bool, n_diff: int,
-                seed: int = 99):
+def check_block(
+    fn: Callable, args: Sequence, specs: Sequence, out_spec: P, t: int, sp: bool, n_diff: int, seed: int = 99
+):
     """Sharded against unsharded: the output and the gradients of every differentiable argument; the args
     with a `tensor` dimension really are split (the body saw 1/t of that dimension). Returns the sharded
     output (global) for further checks."""
@@ -132,9 +134,12 @@ def check_block(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, t: i
     out, grads, local_shapes = run_sharded(fn, args, specs, out_spec, ct, t, sp, n_diff)
 
     split = 0
-    for (path, x), spec, local in zip(jax.tree_util.tree_flatten_with_path(tuple(args))[0],
-                                      jax.tree.leaves(tuple(specs), is_leaf=_is_spec),
-                                      local_shapes, strict=True):
+    for (path, x), spec, local in zip(
+        jax.tree_util.tree_flatten_with_path(tuple(args))[0],
+        jax.tree.leaves(tuple(specs), is_leaf=_is_spec),
+        local_shapes,
+        strict=True,
+    ):
         name = jax.tree_util.keystr(path)
         assert local == _local_shape(x.shape, spec, t), f"{name}: local {local} for global {x.shape}, {spec}"
         if _on_tensor(spec):
@@ -150,8 +155,12 @@ def check_block(fn: Callable, args: Sequence, specs: Sequence, out_spec: P, t: i
         for rank in range(t):
             assert_tree_close(out[rank], ref_out, RTOL)
     for spec, g, ref_g in zip(specs[:n_diff], grads, ref_grads, strict=True):
-        for (_path, gx), s, rx in zip(jax.tree_util.tree_flatten_with_path(g)[0],
-                                     jax.tree.leaves(spec, is_leaf=_is_spec), jax.tree.leaves(ref_g), strict=True):
+        for (_path, gx), s, rx in zip(
+            jax.tree_util.tree_flatten_with_path(g)[0],
+            jax.tree.leaves(spec, is_leaf=_is_spec),
+            jax.tree.leaves(ref_g),
+            strict=True,
+        ):
             if _on_tensor(s):
                 assert_tree_close(gx, rx, RTOL)
             elif sp:  # a tensor-replicated weight under sequence parallelism: per-rank partials, summed
@@ -172,6 +181,7 @@ def _ct(fn: Callable, args: Sequence, seed: int) -> jax.Array:
 
 # --- modules: NNX state as a pure dict, split as its logical axes say, bound back inside the body ---
 
+
 def module_parts(make: Callable[[], nnx.Module], std: float, seed: int):
     """(graphdef, abstract state, params as a pure dict, params' PartitionSpecs) of the module `make` builds.
 
@@ -184,7 +194,9 @@ def module_parts(make: Callable[[], nnx.Module], std: float, seed: int):
     params = jax.tree.unflatten(treedef, [_normal(seed + i, *x.shape, std=std) for i, x in enumerate(leaves)])
     specs = jax.tree.map(
         lambda v: P(*("tensor" if a in TENSOR_LOGICAL else None for a in v.get_metadata()["logical_axes"])),
-        template, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        template,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
     return graphdef, template, params, nnx.to_pure_dict(specs)
 
 
@@ -196,6 +208,7 @@ def bind(graphdef, template, params: dict) -> nnx.Module:
 
 
 # --- column- and row-parallel linears ---
+
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("t,sp", SIZES_SP)
@@ -237,13 +250,24 @@ def test_row_parallel(t, sp, bias):
 
 # --- transformer modules ---
 
-@pytest.mark.parametrize("t,sp,n_kv_heads", [pytest.param(t, sp, g, id=f"t{t}-{'sp' if sp else 'nosp'}-G{g}")
-                                            for t, g in ((2, 4), (2, 2), (4, 4)) for sp in (False, True)])
+
+@pytest.mark.parametrize(
+    "t,sp,n_kv_heads",
+    [
+        pytest.param(t, sp, g, id=f"t{t}-{'sp' if sp else 'nosp'}-G{g}")
+        for t, g in ((2, 4), (2, 2), (4, 4))
+        for sp in (False, True)
+    ],
+)
 def test_attention(t, sp, n_kv_heads):
     # std 0.3: scores of order 1, so the softmax is far from uniform and the causal mask matters.
     graphdef, template, params, pspecs = module_parts(
-        lambda: Attention(D, n_heads=4, n_kv_heads=n_kv_heads, head_dim=HEAD_DIM, rope_theta=10_000.0, std=0.3,
-                          rngs=nnx.Rngs(0)), std=0.3, seed=70)
+        lambda: Attention(
+            D, n_heads=4, n_kv_heads=n_kv_heads, head_dim=HEAD_DIM, rope_theta=10_000.0, std=0.3, rngs=nnx.Rngs(0)
+        ),
+        std=0.3,
+        seed=70,
+    )
     assert pspecs["wq"] == P(None, "tensor", None) and pspecs["wo"] == P("tensor", None, None)
 
     def fn(tp, params, x):
@@ -269,8 +293,9 @@ def test_embed_lookup(t, sp):
     assert pspecs["table"] == P("tensor", None)
     # [2B, T] ids: every vocabulary id twice, shuffled, so every rank's rows are looked up and some rows'
     # gradients accumulate over two positions.
-    tokens_BT = jnp.asarray(np.random.default_rng(12).permutation(np.arange(2 * B * T) % V).reshape(2 * B, T),
-                            jnp.int32)
+    tokens_BT = jnp.asarray(
+        np.random.default_rng(12).permutation(np.arange(2 * B * T) % V).reshape(2 * B, T), jnp.int32
+    )
     assert len(np.unique(tokens_BT)) == V and tokens_BT.size == 2 * V
 
     def fn(tp, params, tokens):
@@ -303,14 +328,16 @@ def test_lm_head(t, sp):
 
 # --- vocab-parallel cross-entropy ---
 
+
 @pytest.mark.parametrize("t", [2, 4])
 def test_cross_entropy_sum(t):
     """The loss is a replicated scalar; sequence parallelism does not enter (the logits cover the whole T)."""
     # std 3: peaked softmaxes, so the global max differs from each shard's and the pmax shift matters.
     logits_BTV = _normal(17, B, T, V, std=3.0)
     # Targets spread evenly over the vocabulary (ids 0, 1, ..., V - 1 in a shuffled order), so every shard holds some.
-    targets_BT = jnp.asarray(np.random.default_rng(18).permutation(np.arange(B * T) * V // (B * T)).reshape(B, T),
-                             jnp.int32)
+    targets_BT = jnp.asarray(
+        np.random.default_rng(18).permutation(np.arange(B * T) * V // (B * T)).reshape(B, T), jnp.int32
+    )
 
     mask_BT = jnp.asarray(np.random.default_rng(19).random((B, T)) < 0.7, jnp.float32)
     masked_targets = np.asarray(targets_BT)[np.asarray(mask_BT) == 0]

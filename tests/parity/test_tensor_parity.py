@@ -16,6 +16,7 @@ all-reduces without. (A light check; golden collective counts are another test's
 Shape letters: G global batch, T sequence length, L layers, D model width, H query heads, K head width,
 V vocabulary, t tensor size.
 """
+
 import re
 
 import jax
@@ -62,9 +63,16 @@ MESHES = {  # (data, fsdp, tensor)
 CLIPPED_MESHES = ("tensor4",)
 # (mesh, sequence parallel, ZeRO stage): every mesh and mode once; stages 1 and 3 alternate, so that each
 # fsdp/data mesh runs both.
-CASES = [("tensor2", True, 1), ("tensor2", False, 3), ("tensor4", True, 3), ("tensor4", False, 1),
-         ("fsdp2_tensor2", True, 3), ("fsdp2_tensor2", False, 1),
-         ("data2_fsdp2_tensor2", True, 1), ("data2_fsdp2_tensor2", False, 3)]
+CASES = [
+    ("tensor2", True, 1),
+    ("tensor2", False, 3),
+    ("tensor4", True, 3),
+    ("tensor4", False, 1),
+    ("fsdp2_tensor2", True, 3),
+    ("fsdp2_tensor2", False, 1),
+    ("data2_fsdp2_tensor2", True, 1),
+    ("data2_fsdp2_tensor2", False, 3),
+]
 
 
 def _kv_heads(tensor: int) -> int:
@@ -73,10 +81,18 @@ def _kv_heads(tensor: int) -> int:
 
 def _overrides(data: int, fsdp: int, tensor: int, sp: bool, zero: int, clipped: bool) -> list[str]:
     clip = CLIP_NORM if clipped else 0
-    return [*FP32, *FIRST_STEP_AT_PEAK, f"optimizer.grad_clip_norm={clip}", f"optimizer.zero_stage={zero}",
-            f"model.n_kv_heads={_kv_heads(tensor)}", f"mesh.data={data}", f"mesh.fsdp={fsdp}",
-            f"mesh.tensor={tensor}", f"tensor.sequence_parallel={str(sp).lower()}",
-            f"train.global_batch_size={G}"]
+    return [
+        *FP32,
+        *FIRST_STEP_AT_PEAK,
+        f"optimizer.grad_clip_norm={clip}",
+        f"optimizer.zero_stage={zero}",
+        f"model.n_kv_heads={_kv_heads(tensor)}",
+        f"mesh.data={data}",
+        f"mesh.fsdp={fsdp}",
+        f"mesh.tensor={tensor}",
+        f"tensor.sequence_parallel={str(sp).lower()}",
+        f"train.global_batch_size={G}",
+    ]
 
 
 def _wq(tree):
@@ -98,11 +114,21 @@ def _one_step(plan, state, batch) -> dict:
     grad_fn = lowered.compile(compiler_options=FAST_COMPILE)
     step = make_train_step(plan).lower(state, batch).compile(compiler_options=FAST_COMPILE)
     grads, loss, n_tokens = grad_fn(state["params"], batch)
-    out = {"grads": to_host(grads), "grad_loss": float(loss), "grad_tokens": float(n_tokens),
-           "grads_sharding": _wq(grads).sharding, "params0": to_host(state["params"]), "hlo": lowered.as_text()}
+    out = {
+        "grads": to_host(grads),
+        "grad_loss": float(loss),
+        "grad_tokens": float(n_tokens),
+        "grads_sharding": _wq(grads).sharding,
+        "params0": to_host(state["params"]),
+        "hlo": lowered.as_text(),
+    }
     new, metrics = step(state, batch)
-    out.update(metrics=to_host(metrics), params=to_host(new["params"]),
-               mu=to_host(otu.tree_get(new["opt_state"], "mu")), nu=to_host(otu.tree_get(new["opt_state"], "nu")))
+    out.update(
+        metrics=to_host(metrics),
+        params=to_host(new["params"]),
+        mu=to_host(otu.tree_get(new["opt_state"], "mu")),
+        nu=to_host(otu.tree_get(new["opt_state"], "nu")),
+    )
     return out
 
 
@@ -125,8 +151,9 @@ def reference():
     return get
 
 
-@pytest.mark.parametrize("mesh_name,sp,zero",
-                         [pytest.param(*c, id=f"{c[0]}-{'sp' if c[1] else 'nosp'}-zero{c[2]}") for c in CASES])
+@pytest.mark.parametrize(
+    "mesh_name,sp,zero", [pytest.param(*c, id=f"{c[0]}-{'sp' if c[1] else 'nosp'}-zero{c[2]}") for c in CASES]
+)
 def test_one_step_equals_single_device(mesh_name, sp, zero, reference):
     data, fsdp, tensor = MESHES[mesh_name]
     n = data * fsdp * tensor
@@ -176,10 +203,12 @@ def test_one_step_equals_single_device(mesh_name, sp, zero, reference):
 
 # --- tensor-parallel configs that cannot run fail at load, naming the key and the fix ---
 
+
 def _load(tensor: int, *overrides: str):
     """tiny.yaml + TINY on a mesh of `tensor` devices, all on the tensor axis."""
-    return load_config(CONFIG, [*TINY, "mesh.data=1", "mesh.fsdp=1", f"mesh.tensor={tensor}", *overrides],
-                       num_devices=tensor)
+    return load_config(
+        CONFIG, [*TINY, "mesh.data=1", "mesh.fsdp=1", f"mesh.tensor={tensor}", *overrides], num_devices=tensor
+    )
 
 
 def test_config_rejects_kv_heads_not_divisible_by_tensor():

@@ -1,5 +1,6 @@
 """experiments/benchmarks.py: one table of ratios; the quick mode end to end in a subprocess (slow), and the row
 and table helpers of `jaxpar.analysis.bench_report` (cheap)."""
+
 import json
 import math
 import os
@@ -14,9 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_row_and_table():
-    rows = [row("memory", "DDP fp32 data=8", "total (16P)", 1600, 1600, "bytes", "1.000"),
-            row("overhead", "1 device", "step time jaxpar/reference", 0.0125, 0.0100, "s", "<= 1.03"),
-            row("tensor", "sp=on", "all-to-all HLO/Megatron", 5.0, 0.0, "bytes", "1.00")]
+    rows = [
+        row("memory", "DDP fp32 data=8", "total (16P)", 1600, 1600, "bytes", "1.000"),
+        row("overhead", "1 device", "step time jaxpar/reference", 0.0125, 0.0100, "s", "<= 1.03"),
+        row("tensor", "sp=on", "all-to-all HLO/Megatron", 5.0, 0.0, "bytes", "1.00"),
+    ]
     assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] == pytest.approx(1.25)
     assert math.isnan(rows[2]["ratio"])  # no formula term: never a division by zero
     lines = format_report(rows).splitlines()
@@ -27,9 +30,17 @@ def test_row_and_table():
 
 
 def test_memory_rows_keep_state_kinds_only():
-    table = [{"kind": k, "measured_bytes": 8, "formula_bytes": None if k in ("scalars", "temp") else 8,
-              "formula": "-", "expression": "ZeRO-1 fp32: 8P + 8P/N", "data": 8}
-             for k in ("params", "grads", "opt_state", "total", "scalars", "temp")]
+    table = [
+        {
+            "kind": k,
+            "measured_bytes": 8,
+            "formula_bytes": None if k in ("scalars", "temp") else 8,
+            "formula": "-",
+            "expression": "ZeRO-1 fp32: 8P + 8P/N",
+            "data": 8,
+        }
+        for k in ("params", "grads", "opt_state", "total", "scalars", "temp")
+    ]
     rows = memory_rows({1: table})
     assert [r["metric"].split()[0] for r in rows] == ["params", "grads", "opt_state", "total"]
     assert {r["case"] for r in rows} == {"ZeRO-1 fp32 data=8"}
@@ -40,9 +51,22 @@ def test_memory_rows_keep_state_kinds_only():
 def test_quick_mode_prints_every_ratio(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "benchmarks.py"), "--quick", "--json",
-                           "--config", os.path.join(ROOT, "configs", "tiny.yaml")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "experiments", "benchmarks.py"),
+            "--quick",
+            "--json",
+            "--config",
+            os.path.join(ROOT, "configs", "tiny.yaml"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
     for r in rows:
@@ -52,10 +76,16 @@ def test_quick_mode_prints_every_ratio(tmp_path):
     for r in rows:
         groups.setdefault(r["group"], []).append(r)
     assert {r["metric"] for r in groups["overhead"]} == {
-        "step time jaxpar/reference", "XLA FLOPs jaxpar/reference", "XLA bytes accessed"}
+        "step time jaxpar/reference",
+        "XLA FLOPs jaxpar/reference",
+        "XLA bytes accessed",
+    }
     memory = {(r["case"], r["metric"].split()[0]) for r in groups["memory"]}
-    assert memory == {(f"{stage} fp32 data=8", kind) for stage in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-                      for kind in ("params", "grads", "opt_state", "total")}
+    assert memory == {
+        (f"{stage} fp32 data=8", kind)
+        for stage in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+        for kind in ("params", "grads", "opt_state", "total")
+    }
     for r in groups["memory"]:
         assert r["ratio"] == pytest.approx(1.0, abs=1e-3), r
     totals = {r["case"]: r for r in groups["tensor"] if r["metric"].startswith("total")}

@@ -1,6 +1,7 @@
 """Per-process data with real processes: `jaxpar-launch` starts K jax processes (gloo on CPU) that each run
 tests/data_worker.py, a `DataLoader` over integer ids on the trainer's mesh and batch sharding, and write the batch
 rows their shards hold. Shape letters: N sequences, G global batch size."""
+
 import json
 import os
 import signal
@@ -18,8 +19,17 @@ BATCHES = 7  # one epoch and 3 batches of the next
 
 def _run(out_dir, processes: int, devices: int, batches: int, resume_state: dict | None = None) -> list[dict]:
     """Launches `processes` x `devices` workers; returns their JSON results ordered by process index."""
-    args = [str(out_dir), "--batches", str(batches), "--num-sequences", str(N), "--global-batch", str(G),
-            "--seed", str(SEED)]
+    args = [
+        str(out_dir),
+        "--batches",
+        str(batches),
+        "--num-sequences",
+        str(N),
+        "--global-batch",
+        str(G),
+        "--seed",
+        str(SEED),
+    ]
     if resume_state is not None:
         os.makedirs(out_dir, exist_ok=True)
         state_file = os.path.join(out_dir, "resume_state.json")
@@ -28,11 +38,25 @@ def _run(out_dir, processes: int, devices: int, batches: int, resume_state: dict
         args += ["--resume", state_file]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.path.dirname(HERE))
-    cmd = [sys.executable, "-m", "jaxpar.cli.launch", "-n", str(processes), "--devices-per-process", str(devices),
-           "--grace", "2", "--", sys.executable, WORKER, *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli.launch",
+        "-n",
+        str(processes),
+        "--devices-per-process",
+        str(devices),
+        "--grace",
+        "2",
+        "--",
+        sys.executable,
+        WORKER,
+        *args,
+    ]
     # Own process group: on a timeout the launcher and every worker it started are killed together.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:

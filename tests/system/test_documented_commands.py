@@ -49,6 +49,7 @@ directory first. Appended to the words of a part (later arguments win):
 Parts whose programs parse to the same arguments after this (e.g. `benchmarks.py` and `benchmarks.py --quick`)
 run once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,7 +84,7 @@ FAST_SCRIPTS = {"tools/resolve_config.py"}
 SYNOPSIS = "a usage synopsis with placeholders; its flags are checked against the program's parser"
 NOT_RUN = {
     "tensorboard --logdir runs/tiny": "TensorBoard is a viewer, not a jaxpar dependency; the event files it reads "
-                                      "are tested in tests/unit/test_metrics.py",
+    "are tested in tests/unit/test_metrics.py",
     "jaxpar-checkpoints RUN_DIR": SYNOPSIS,
     "jaxpar-sweep SWEEP.yaml": SYNOPSIS,
     "python experiments/train.py CONFIG [--cpu-devices N] [key=value ...]": SYNOPSIS,
@@ -93,9 +94,9 @@ NOT_RUN = {
     "jaxpar-plan CONFIG --compile --target KIND:NODESxGPUS": SYNOPSIS,
     "jaxpar-train CONFIG [section.key=value ...]": SYNOPSIS,
     ".venv/bin/python tools/check_gpu_configs.py": "needs the gpu-compile extra (about 2.7 GB, not in CI) and rewrites "
-                                         "configs/gpu_check.json; tests/unit/test_gpu_check.py checks that record "
-                                         "against the configs, planner and README, and where the extra is "
-                                         "installed recompiles a shipped config and compares",
+    "configs/gpu_check.json; tests/unit/test_gpu_check.py checks that record "
+    "against the configs, planner and README, and where the extra is "
+    "installed recompiles a shipped config and compares",
 }
 
 
@@ -104,6 +105,7 @@ EXTRAS = set(pyproject_section("project.optional-dependencies"))
 
 
 # ---- parts and their classes ------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Part:
@@ -156,13 +158,17 @@ def _part(full: list[str], not_run: bool) -> Part:
         kind = "not_run"
     elif program in ("python", "python3") and args[:2] == ["-m", "venv"]:
         kind = "install"
-    elif (program in ("pip", "pip3") and args[:1] == ["install"]) or \
-            (program in ("python", "python3") and args[:3] == ["-m", "pip", "install"]):
+    elif (program in ("pip", "pip3") and args[:1] == ["install"]) or (
+        program in ("python", "python3") and args[:3] == ["-m", "pip", "install"]
+    ):
         kind = "install"
     elif program == "sbatch":
         kind = "cluster"
-    elif program == "jaxpar-plan" and "--compile" in args and any(
-            a == "--target" or a.startswith("--target=") for a in args):
+    elif (
+        program == "jaxpar-plan"
+        and "--compile" in args
+        and any(a == "--target" or a.startswith("--target=") for a in args)
+    ):
         kind = "gpu"
     elif program == "jaxpar-sweep" and _compiles_for_a_target(args):
         kind = "gpu"
@@ -187,6 +193,7 @@ IDS = [c.text if len(c.text) <= 90 else c.text[:87] + "..." for c in COMMANDS]
 
 # ---- running a program's own main in this process ---------------------------------------------------------------
 
+
 class _Parsed(BaseException):  # BaseException: passes through the programs' `except Exception`
     def __init__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace | None):
         super().__init__()
@@ -197,13 +204,18 @@ class _Parsed(BaseException):  # BaseException: passes through the programs' `ex
 def _stop_at_parsing(parse: bool):
     """Patches ArgumentParser so that the program's first parse raises _Parsed (with the parser and, when `parse`,
     the namespace it parsed) instead of running the program."""
+
     def wrap(original):
         def method(self, args=None, namespace=None):
             raise _Parsed(self, original(self, args, namespace) if parse else None)
+
         return method
-    with mock.patch.multiple(argparse.ArgumentParser,
-                             parse_args=wrap(argparse.ArgumentParser.parse_args),
-                             parse_intermixed_args=wrap(argparse.ArgumentParser.parse_intermixed_args)):
+
+    with mock.patch.multiple(
+        argparse.ArgumentParser,
+        parse_args=wrap(argparse.ArgumentParser.parse_args),
+        parse_intermixed_args=wrap(argparse.ArgumentParser.parse_intermixed_args),
+    ):
         yield
 
 
@@ -240,7 +252,8 @@ def _parse(part: Part, parse: bool = True) -> _Parsed:
     flag or a missing argument fails here with the program's own usage message."""
     if part.program not in SCRIPTS:
         assert not part.program.startswith("jaxpar-"), (
-            f"{part.program!r} is not a console script of pyproject.toml ({', '.join(sorted(SCRIPTS))})")
+            f"{part.program!r} is not a console script of pyproject.toml ({', '.join(sorted(SCRIPTS))})"
+        )
     if part.script:
         assert os.path.isfile(os.path.join(ROOT, part.script)), f"{part.script} does not exist"
     err = io.StringIO()
@@ -258,12 +271,13 @@ def _parse(part: Part, parse: bool = True) -> _Parsed:
 
 # ---- what a command reads and makes -----------------------------------------------------------------------------
 
+
 def _launch_split(part: Part) -> tuple[Part, Part | None]:
     """jaxpar-launch's own part and the command it launches (after `--`)."""
     if part.program != "jaxpar-launch" or "--" not in part.args:
         return part, None
     cut = part.args.index("--")
-    return dataclasses.replace(part, args=part.args[:cut]), _part(part.args[cut + 1:], False)
+    return dataclasses.replace(part, args=part.args[:cut]), _part(part.args[cut + 1 :], False)
 
 
 def _is_train(parsed: _Parsed) -> bool:
@@ -283,8 +297,11 @@ def _run_dir(part: Part) -> str | None:
         parsed = _parse(part)
         if not _is_train(parsed) or parsed.namespace.config.startswith("runs/"):
             return None
-        return os.path.normpath(load_config(os.path.join(ROOT, parsed.namespace.config), parsed.namespace.overrides,
-                                            validate=False).train.run_dir)
+        return os.path.normpath(
+            load_config(
+                os.path.join(ROOT, parsed.namespace.config), parsed.namespace.overrides, validate=False
+            ).train.run_dir
+        )
     except Exception:  # noqa: BLE001 -- a broken producer fails its own static test
         return None
 
@@ -297,8 +314,10 @@ def _producer(path: str) -> tuple[Documented, int, str]:
     for cmd, index, run_dir in PRODUCERS:
         if path == run_dir or path.startswith(run_dir + os.sep):
             return cmd, index, run_dir
-    raise AssertionError(f"{path} is read but no documented jaxpar-train command makes it "
-                         f"(run directories made: {sorted({d for _, _, d in PRODUCERS})})")
+    raise AssertionError(
+        f"{path} is read but no documented jaxpar-train command makes it "
+        f"(run directories made: {sorted({d for _, _, d in PRODUCERS})})"
+    )
 
 
 def _inputs(part: Part) -> list[str]:
@@ -308,11 +327,15 @@ def _inputs(part: Part) -> list[str]:
     if part.module == "pytest":
         return []
     namespace = _parse(part).namespace
-    return [v for k in ("config", "restore_from", "path") if isinstance(v := getattr(namespace, k, None), str)
-            and v.startswith("runs/")]
+    return [
+        v
+        for k in ("config", "restore_from", "path")
+        if isinstance(v := getattr(namespace, k, None), str) and v.startswith("runs/")
+    ]
 
 
 # ---- static checks ----------------------------------------------------------------------------------------------
+
 
 def _check_config(parsed: _Parsed, devices: int | None):
     """Loads the part's config with its overrides (validating at `devices` when given); returns the Config."""
@@ -359,6 +382,7 @@ def _check_local(part: Part, devices: int | None = None) -> None:
     _check_config(parsed, devices)
     if getattr(ns, "sweep", None):
         from jaxpar.analysis.sweep import load_sweep
+
         load_sweep(os.path.join(ROOT, ns.sweep))
 
 
@@ -380,8 +404,8 @@ def _sbatch_devices(part: Part) -> tuple[int, str, list[str]]:
     tasks = re.search(r"^#SBATCH\s+--ntasks-per-node=(\d+)\s*$", text, re.M)
     assert gpus and tasks and gpus.group(1) == tasks.group(1), f"{script}: one process per GPU expected"
     last = [line for line in text.splitlines() if line.strip() and not line.startswith("#")][-1]
-    assert re.search(r"jaxpar-train \"\$@\"$", last), f"{script} must end by running jaxpar-train \"$@\""
-    return int(nodes) * int(gpus.group(1)), script, part.args[i + 1:]
+    assert re.search(r"jaxpar-train \"\$@\"$", last), f'{script} must end by running jaxpar-train "$@"'
+    return int(nodes) * int(gpus.group(1)), script, part.args[i + 1 :]
 
 
 def _check_cluster(part: Part) -> dict:
@@ -413,8 +437,9 @@ def _check_gpu(part: Part) -> dict:
         plans = []
         for point in points(sweep):
             try:
-                cfg = resolve_config(load_config(sweep.base, [*sweep.overrides, *point["overrides"]],
-                                                 validate=False), point["devices"])
+                cfg = resolve_config(
+                    load_config(sweep.base, [*sweep.overrides, *point["overrides"]], validate=False), point["devices"]
+                )
             except ConfigError:
                 continue  # an invalid point is recorded by the sweep, not fatal
             plans.append(plan(cfg, "gpu"))
@@ -432,7 +457,7 @@ def _synopsis_flags(cmd: Documented) -> None:
     """Each flag of a synopsis is an option of its program's parser."""
     words = shlex.split(cmd.text.replace("[", " ").replace("]", " "))
     if "--" in words:
-        words = words[:words.index("--")]
+        words = words[: words.index("--")]
     part = _part(words, False)
     if part.program not in SCRIPTS and not part.script:
         return  # not jaxpar's program (NOT_RUN gives the reason)
@@ -444,6 +469,7 @@ def _synopsis_flags(cmd: Documented) -> None:
 
 # ---- what runs where --------------------------------------------------------------------------------------------
 
+
 def _fast(part: Part) -> bool:
     """Analytic: runs in-process in the default suite."""
     if part.kind != "local":
@@ -454,6 +480,7 @@ def _fast(part: Part) -> bool:
         return "--compile" not in part.args and not any(a.startswith("--measure-steps") for a in part.args)
     if part.program == "jaxpar-sweep":
         from jaxpar.analysis.sweep import load_sweep
+
         if "--list" in part.args:
             return True
         files = [a for a in part.args if a.endswith(".yaml")]
@@ -478,22 +505,25 @@ def _classified(cmd: Documented) -> list[Part]:
 
 
 FAST = [(c, i) for c, i in zip(COMMANDS, IDS) if any(_fast(p) for p in _classified(c))]
-SLOW = [(c, i) for c, i in zip(COMMANDS, IDS)
-        if any(p.kind == "local" and not _fast(p) for p in _classified(c))]
+SLOW = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "local" and not _fast(p) for p in _classified(c))]
 CLUSTER = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "cluster" for p in parts(c))]
 GPU = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "gpu" for p in parts(c))]
 
 
 # ---- tests ------------------------------------------------------------------------------------------------------
 
+
 def test_extraction_finds_the_known_commands():
     texts = {c.text for c in COMMANDS}
-    for expected in ("sbatch --nodes=8 tools/slurm_gpu.sbatch configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8",
-                     "jaxpar-sweep configs/sweeps/llama_7b_64.yaml --out runs/sweeps/llama_7b_64",
-                     ".venv/bin/jaxpar-plan --exercise-13b"):
+    for expected in (
+        "sbatch --nodes=8 tools/slurm_gpu.sbatch configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8",
+        "jaxpar-sweep configs/sweeps/llama_7b_64.yaml --out runs/sweeps/llama_7b_64",
+        ".venv/bin/jaxpar-plan --exercise-13b",
+    ):
         assert expected in texts
-    assert any(c.text.startswith("python experiments/bench_pipeline.py") and "[--optimized]" in c.text
-               for c in COMMANDS), "a docstring command's continuation line was not joined"
+    assert any(
+        c.text.startswith("python experiments/bench_pipeline.py") and "[--optimized]" in c.text for c in COMMANDS
+    ), "a docstring command's continuation line was not joined"
     assert len(COMMANDS) >= 40
 
 
@@ -510,8 +540,10 @@ def test_a_sweep_compiling_for_a_gpu_target_is_a_gpu_command():
 
 def _classify(cmd: Documented) -> None:
     unclassified = [" ".join(p.words) for p in parts(cmd) if p.kind == "unclassified"]
-    assert not unclassified, (f"{cmd.where}: cannot run or check {unclassified}: fix the command, or list it in "
-                              f"NOT_RUN with the reason it cannot run here")
+    assert not unclassified, (
+        f"{cmd.where}: cannot run or check {unclassified}: fix the command, or list it in "
+        f"NOT_RUN with the reason it cannot run here"
+    )
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=IDS)
@@ -563,30 +595,33 @@ def test_gpu_compile_command_resolves_and_plans(cmd):
             assert out["plan"]["platform"] == "gpu" and out["plan"]["memory"]["peak_estimate"] > 0
 
 
-@pytest.mark.parametrize("text", [
-    ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-devise 8",                  # a typo'd flag
-    ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-device 8",                  # an abbreviated flag
-    ".venv/bin/jaxpar-train configs/tinny.yaml --cpu-devices 8",                # a config that does not exist
-    ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.dta=8",      # a typo'd key
-    ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=8",     # a mesh of 16 on 8 devices
-    "jaxpar-train configs/tiny.yaml",                                           # one CPU device
-    ".venv/bin/jaxpar-trian configs/tiny.yaml --cpu-devices 8",                 # no such program
-    "jaxpar-launch -n 2 -- jaxpar-train configs/tiny.yaml",                     # 2 processes x 1 device
-    "python experiments/bench_overhead.py --stepz 3",                           # a script's typo'd flag
-    "python experiments/no_such_script.py",
-    "python tools/resolve_config.py configs/llama_7b.yaml mesh.fsdp=16 --devices 64",   # 8 x 16 != 64
-    "sbatch --nodes=2 tools/slurm_gpu.sbatch configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8",
-    "sbatch --nodes=8 tools/slurm_gpu.sbatch configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8 --cpu-devices 8",
-    "jaxpar-checkpoints runs/nowhere",                                          # read, but made by no command
-    "jaxpar-sweep configs/sweeps/no_such_sweep.yaml",
-    "pip install -e .[tests]",                                                  # no such extra
-    "python -m pytest -m slwo",                                                 # an unregistered marker
-    "tensorboard2 --logdir runs/tiny",                                          # not a program known here
-    "jaxpar-train CONFIG --cpu-devics N",                                       # a synopsis not listed
-    "jaxpar-plan configs/tiny.yaml --compile --target h100:8",                  # not KIND:NODESxGPUS
-    "jaxpar-plan configs/tiny.yaml --compile --target h100:2x8 --devices 8",    # devices follow from the cluster
-    "jaxpar-plan configs/tiny.yaml mesh.fsdp=2 --compile --target h100:2x8",    # a mesh of 8 on 16 GPUs
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-devise 8",  # a typo'd flag
+        ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-device 8",  # an abbreviated flag
+        ".venv/bin/jaxpar-train configs/tinny.yaml --cpu-devices 8",  # a config that does not exist
+        ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.dta=8",  # a typo'd key
+        ".venv/bin/jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=8",  # a mesh of 16 on 8 devices
+        "jaxpar-train configs/tiny.yaml",  # one CPU device
+        ".venv/bin/jaxpar-trian configs/tiny.yaml --cpu-devices 8",  # no such program
+        "jaxpar-launch -n 2 -- jaxpar-train configs/tiny.yaml",  # 2 processes x 1 device
+        "python experiments/bench_overhead.py --stepz 3",  # a script's typo'd flag
+        "python experiments/no_such_script.py",
+        "python tools/resolve_config.py configs/llama_7b.yaml mesh.fsdp=16 --devices 64",  # 8 x 16 != 64
+        "sbatch --nodes=2 tools/slurm_gpu.sbatch configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8",
+        "sbatch --nodes=8 tools/slurm_gpu.sbatch configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8 --cpu-devices 8",
+        "jaxpar-checkpoints runs/nowhere",  # read, but made by no command
+        "jaxpar-sweep configs/sweeps/no_such_sweep.yaml",
+        "pip install -e .[tests]",  # no such extra
+        "python -m pytest -m slwo",  # an unregistered marker
+        "tensorboard2 --logdir runs/tiny",  # not a program known here
+        "jaxpar-train CONFIG --cpu-devics N",  # a synopsis not listed
+        "jaxpar-plan configs/tiny.yaml --compile --target h100:8",  # not KIND:NODESxGPUS
+        "jaxpar-plan configs/tiny.yaml --compile --target h100:2x8 --devices 8",  # devices follow from the cluster
+        "jaxpar-plan configs/tiny.yaml mesh.fsdp=2 --compile --target h100:2x8",  # a mesh of 8 on 16 GPUs
+    ],
+)
 def test_a_broken_example_fails(text, tmp_path):
     """The checks above refuse each kind of broken example (so the documented commands passing them means
     something)."""
@@ -612,11 +647,11 @@ def _workdir(path) -> str:
             os.symlink(os.path.join(ROOT, name), os.path.join(path, name))
     bin_dir = os.path.join(path, ".venv", "bin")
     os.makedirs(bin_dir)
-    wrappers = {name: f"exec {shlex.quote(sys.executable)} \"$@\"" for name in ("python", "python3")}
+    wrappers = {name: f'exec {shlex.quote(sys.executable)} "$@"' for name in ("python", "python3")}
     for name, entry in SCRIPTS.items():
         module, func = entry.split(":")
         code = f"import sys; from {module} import {func}; sys.exit({func}())"
-        wrappers[name] = f"exec {shlex.quote(sys.executable)} -c {shlex.quote(code)} \"$@\""
+        wrappers[name] = f'exec {shlex.quote(sys.executable)} -c {shlex.quote(code)} "$@"'
     for name, body in wrappers.items():
         with open(os.path.join(bin_dir, name), "w") as f:
             f.write(f"#!/bin/sh\n{body}\n")
@@ -641,15 +676,18 @@ def _meaning(part: Part) -> tuple:
     if own.module == "pytest":
         return ("pytest", tuple(own.args))
     namespace = vars(_parse(own).namespace)
-    return (own.script or own.program, tuple(sorted((k, repr(v)) for k, v in namespace.items())),
-            _meaning(inner) if inner else None)
+    return (
+        own.script or own.program,
+        tuple(sorted((k, repr(v)) for k, v in namespace.items())),
+        _meaning(inner) if inner else None,
+    )
 
 
 def _run(cmd: Documented, factory) -> tuple[int, str, str]:
     """Runs the command's local parts in a fresh directory (module docstring); cached by what they run."""
     local = [p for p in parts(cmd) if p.kind in ("local", "gpu")]
     words = [[*p.words, *_appended(p)] for p in local]
-    key = tuple(_meaning(dataclasses.replace(p, words=ws, args=ws[len(p.env) + 1:])) for p, ws in zip(local, words))
+    key = tuple(_meaning(dataclasses.replace(p, words=ws, args=ws[len(p.env) + 1 :])) for p, ws in zip(local, words))
     if key in _RUNS:
         return _RUNS[key]
     cwd = _workdir(factory.mktemp("cmd"))
@@ -681,8 +719,9 @@ def _plugin_missing() -> str | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_plugin_missing() is not None, reason=f"a gpu command needs the gpu-compile extra: "
-                                                          f"{_plugin_missing()}")
+@pytest.mark.skipif(
+    _plugin_missing() is not None, reason=f"a gpu command needs the gpu-compile extra: {_plugin_missing()}"
+)
 @pytest.mark.parametrize("cmd", [c for c, _ in GPU], ids=[i for _, i in GPU])
 def test_gpu_compile_command_runs(cmd, tmp_path_factory):
     code, output, _ = _run(cmd, tmp_path_factory)

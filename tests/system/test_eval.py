@@ -4,6 +4,7 @@ each figure covers. Checked against a direct single-device computation of the to
 
 Shape letters: N validation sequences, T sequence length, V vocabulary.
 """
+
 import json
 import os
 
@@ -24,10 +25,21 @@ T, G = 16, 8
 VAL_TOKENS = 17 * T - 9  # 16 full sequences and a 17th with 6 valid targets: N = 17 does not divide by G
 TRAIN_TOKENS = 40 * T
 # A small model on the default 8-device mesh (data=2, fsdp=2, tensor=2, sequence parallel).
-SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_ff=128", f"data.seq_len={T}", "data.source=tokens",
-         f"train.global_batch_size={G}", "train.progress_bar=false", "train.sample_tokens=0", "train.log_every=1",
-         "train.eval_every=0", "checkpoint.every_steps=0", "precision.compute_dtype=float32",
-         "model.init_std=1.0"]  # large logits: per-token losses spread widely, so which tokens are scored shows
+SMALL = [
+    "model.n_layers=1",
+    "model.d_model=64",
+    "model.d_ff=128",
+    f"data.seq_len={T}",
+    "data.source=tokens",
+    f"train.global_batch_size={G}",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "checkpoint.every_steps=0",
+    "precision.compute_dtype=float32",
+    "model.init_std=1.0",
+]  # large logits: per-token losses spread widely, so which tokens are scored shows
 
 
 def _token_file(path) -> np.ndarray:
@@ -43,8 +55,10 @@ def _direct_token_mean(cfg, params, val_tokens: np.ndarray) -> tuple[float, int]
     unsharded forward on one device and a float64 log-softmax in numpy; and the number of tokens."""
     packed = pack(val_tokens, T)
     host = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
-    logits_NTV = np.asarray(jax.jit(lambda p, x: model_def(cfg.model).bind(p)(x, jnp.float32))(
-        host, jnp.asarray(packed["inputs"])), np.float64)
+    logits_NTV = np.asarray(
+        jax.jit(lambda p, x: model_def(cfg.model).bind(p)(x, jnp.float32))(host, jnp.asarray(packed["inputs"])),
+        np.float64,
+    )
     shifted = logits_NTV - logits_NTV.max(axis=-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
     nll_NT = -np.take_along_axis(log_probs, packed["targets"][..., None], axis=-1)[..., 0]
@@ -57,9 +71,17 @@ def test_validation_scores_the_whole_split_once_and_says_how_many_tokens(tmp_pat
     val_tokens = _token_file(path)
     fraction = (VAL_TOKENS + 0.2) / (TRAIN_TOKENS + VAL_TOKENS)  # rounds to VAL_TOKENS tokens exactly
     # eval_batches = 5 asks for 40 sequences of a split of 17: the 17, each once (3 batches, the last padded).
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                      [*SMALL, f"data.path={path}", f"data.validation_fraction={fraction}", "train.eval_batches=5",
-                       "train.steps=1", f"train.run_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        [
+            *SMALL,
+            f"data.path={path}",
+            f"data.validation_fraction={fraction}",
+            "train.eval_batches=5",
+            "train.steps=1",
+            f"train.run_dir={tmp_path / 'run'}",
+        ],
+    )
 
     result = train(cfg)
 

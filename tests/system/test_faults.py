@@ -1,4 +1,5 @@
 """Injected faults: non-finite gradients are skipped and counted, then stop the run; SIGTERM saves and exits 0."""
+
 import json
 import os
 import signal
@@ -13,20 +14,37 @@ from jaxpar.config import load_config
 from jaxpar.training.loop import TrainingDiverged, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=300000", "data.validation_fraction=0.3",
-         "train.global_batch_size=8", "train.eval_batches=1", "train.progress_bar=false", "train.sample_tokens=0",
-         "train.log_every=1", "train.eval_every=0"]
+SMALL = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "data.validation_fraction=0.3",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.log_every=1",
+    "train.eval_every=0",
+]
 
 
 def test_non_finite_gradients_are_skipped_then_stop_the_run(tmp_path):
     # Weights of size 1e30 overflow the forward: every gradient is NaN or inf from the first step.
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                      [*SMALL, f"train.run_dir={tmp_path}", "model.init_std=1e30", "train.steps=20",
-                       "train.max_bad_steps=3", "checkpoint.every_steps=0"])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        [
+            *SMALL,
+            f"train.run_dir={tmp_path}",
+            "model.init_std=1e30",
+            "train.steps=20",
+            "train.max_bad_steps=3",
+            "checkpoint.every_steps=0",
+        ],
+    )
     with pytest.raises(TrainingDiverged, match=r"3 consecutive updates up to step 3 .*train.max_bad_steps=3"):
         train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped_steps"] for r in rows] == [1, 2, 3, 4][:len(rows)] and len(rows) >= 3
+    assert [r["skipped_steps"] for r in rows] == [1, 2, 3, 4][: len(rows)] and len(rows) >= 3
     assert not np.isfinite(rows[0]["grad_norm"])
     assert all(r["learning_rate"] == 0.0 for r in rows)  # no update was applied: the rate applied is 0
 
@@ -36,8 +54,15 @@ def test_divergence_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypatch
     """Parameters poisoned with NaN at step 6: steps 6 and 7 are skipped, no checkpoint is taken of the bad
     state, the run rolls back to step 4 once and finishes with finite losses on later batches."""
     monkeypatch.setenv("JAXPAR_INJECT_FAULT", "nan@6")
-    overrides = [*SMALL, f"train.run_dir={tmp_path}", "train.steps=10", "train.max_bad_steps=2",
-                 "checkpoint.every_steps=2", "checkpoint.keep=10", "checkpoint.async_save=false"]
+    overrides = [
+        *SMALL,
+        f"train.run_dir={tmp_path}",
+        "train.steps=10",
+        "train.max_bad_steps=2",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep=10",
+        "checkpoint.async_save=false",
+    ]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*overrides, "train.divergence_rollbacks=1"])
     result = train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -52,15 +77,26 @@ def test_divergence_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypatch
 
     monkeypatch.setenv("JAXPAR_INJECT_FAULT", "nan@3")  # no rollback allowed: stop, naming the last good step
     with pytest.raises(TrainingDiverged, match=r"up to step 4 .*last good checkpoint is step 2"):
-        train(load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                          [*overrides, f"train.run_dir={tmp_path / 'stop'}"]))
+        train(
+            load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*overrides, f"train.run_dir={tmp_path / 'stop'}"])
+        )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
-    cmd = [sys.executable, "-m", "jaxpar.cli.train", os.path.join(ROOT, "configs", "tiny.yaml"), "--cpu-devices",
-           "8", f"train.run_dir={tmp_path}", *SMALL, "train.steps=100000", "checkpoint.every_steps=1000"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli.train",
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        "--cpu-devices",
+        "8",
+        f"train.run_dir={tmp_path}",
+        *SMALL,
+        "train.steps=100000",
+        "checkpoint.every_steps=1000",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
@@ -76,7 +112,12 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
     saved = int(out.split("preempted: saved step ")[1].split()[0])
     assert saved >= 3 and os.listdir(tmp_path / "checkpoints") == [str(saved)]
 
-    resumed = subprocess.run([*cmd[:-2], f"train.steps={saved + 1}", "checkpoint.every_steps=1000"], env=env,
-                             capture_output=True, text=True, timeout=200)
+    resumed = subprocess.run(
+        [*cmd[:-2], f"train.steps={saved + 1}", "checkpoint.every_steps=1000"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed at step {saved}" in resumed.stdout

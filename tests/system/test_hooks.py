@@ -2,6 +2,7 @@
 own runs every N steps with the step, state and metrics; without `EvalHook` nothing is evaluated; a replaced
 `CheckpointHook` decides what is saved; a hook that raises leaves no watchdog, SIGTERM handler or open
 checkpointer behind; entries that are not hooks are refused before any device work."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,20 @@ from jaxpar.training.loop import train
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "configs", "tiny.yaml")
-SMALL = ["model.n_layers=1", "model.d_model=64", "model.d_ff=128", "data.seq_len=32", "data.max_bytes=200000",
-         "data.validation_fraction=0.3", "train.global_batch_size=8", "train.eval_batches=1",
-         "train.progress_bar=false", "train.sample_tokens=0", "checkpoint.async_save=false", "checkpoint.keep=10"]
+SMALL = [
+    "model.n_layers=1",
+    "model.d_model=64",
+    "model.d_ff=128",
+    "data.seq_len=32",
+    "data.max_bytes=200000",
+    "data.validation_fraction=0.3",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "checkpoint.async_save=false",
+    "checkpoint.keep=10",
+]
 
 
 def _cfg(run_dir, *overrides):
@@ -56,7 +68,13 @@ class Recorder(Hook):
 def test_a_hook_added_to_the_defaults_runs_every_n_steps_with_step_state_and_metrics(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=5", "train.log_every=3", "train.eval_every=0", "checkpoint.every_steps=0")
     assert [type(h).__name__ for h in default_hooks(cfg)] == [
-        "DivergenceHook", "EvalHook", "MetricsHook", "PreemptionHook", "CheckpointHook", "WatchdogHook"]
+        "DivergenceHook",
+        "EvalHook",
+        "MetricsHook",
+        "PreemptionHook",
+        "CheckpointHook",
+        "WatchdogHook",
+    ]
     recorder = Recorder()
     result = train(cfg, hooks=[*default_hooks(cfg), recorder])
 
@@ -85,8 +103,9 @@ class SaveOddSteps(Hook):
 
     def on_step(self, run, step, state, metrics):
         if step % 2:
-            run.checkpointer.save(step, state, data_state=run.train_loader.get_state(), config=run.cfg.to_dict(),
-                                  force=True)
+            run.checkpointer.save(
+                step, state, data_state=run.train_loader.get_state(), config=run.cfg.to_dict(), force=True
+            )
 
 
 class StopAt(Hook):
@@ -134,12 +153,18 @@ class EveryMinusOne(Hook):
     every = -1
 
 
-@pytest.mark.parametrize("entry, error, match", [
-    (EvalHook, TypeError, r"hooks\[1\] is the class EvalHook, not a jaxpar.training.hooks.Hook instance.*MyHook\(\)"),
-    (print, TypeError, r"hooks\[1\] is <built-in function print>, not a jaxpar.training.hooks.Hook instance"),
-    (EveryMinusOne(), ValueError, r"hooks\[1\] \(EveryMinusOne\) has every=-1; give a whole number of steps"),
-])
-
+@pytest.mark.parametrize(
+    "entry, error, match",
+    [
+        (
+            EvalHook,
+            TypeError,
+            r"hooks\[1\] is the class EvalHook, not a jaxpar.training.hooks.Hook instance.*MyHook\(\)",
+        ),
+        (print, TypeError, r"hooks\[1\] is <built-in function print>, not a jaxpar.training.hooks.Hook instance"),
+        (EveryMinusOne(), ValueError, r"hooks\[1\] \(EveryMinusOne\) has every=-1; give a whole number of steps"),
+    ],
+)
 def test_entries_that_are_not_hooks_are_refused_before_any_work(tmp_path, entry, error, match):
     run_dir = tmp_path / "never"
     with pytest.raises(error, match=match):

@@ -1,5 +1,6 @@
 """The real multi-host path on one machine: `jaxpar-launch` starts processes that join through
 `jax.distributed.initialize` on 127.0.0.1 (gloo collectives on CPU)."""
+
 import json
 import os
 import subprocess
@@ -12,10 +13,22 @@ from step_helpers import FP32_RTOL
 from jaxpar.cli.launch import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=1000000", "data.validation_fraction=0.2",
-       "train.global_batch_size=8", "train.eval_batches=1", "train.log_every=1", "train.eval_every=0",
-       "train.progress_bar=false", "train.sample_tokens=0", "train.steps=3", "checkpoint.every_steps=2",
-       "precision.compute_dtype=float32", "optimizer.warmup_steps=0"]
+RUN = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.max_bytes=1000000",
+    "data.validation_fraction=0.2",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.steps=3",
+    "checkpoint.every_steps=2",
+    "precision.compute_dtype=float32",
+    "optimizer.warmup_steps=0",
+]
 
 
 def _losses(run_dir):
@@ -29,12 +42,33 @@ def test_two_processes_train_like_one(tmp_path):
     """2 processes x 4 devices reproduce the 1 x 8 run's losses; both processes save the checkpoint."""
     train = [sys.executable, "-m", "jaxpar.cli.train", os.path.join(ROOT, "configs", "tiny.yaml")]
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-    one = subprocess.run([*train, "--cpu-devices", "8", f"train.run_dir={tmp_path / 'one'}", *RUN], env=env,
-                         capture_output=True, text=True, timeout=300)
+    one = subprocess.run(
+        [*train, "--cpu-devices", "8", f"train.run_dir={tmp_path / 'one'}", *RUN],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "jaxpar.cli.launch", "-n", "2", "--devices-per-process", "4", "--",
-                          *train, f"train.run_dir={tmp_path / 'two'}", *RUN], env=env, capture_output=True,
-                         text=True, timeout=300)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxpar.cli.launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            *train,
+            f"train.run_dir={tmp_path / 'two'}",
+            *RUN,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-2000:]
     for i in (0, 1):  # every process logs itself once, with its local devices
         assert f"[{i}] jaxpar: process {i}/2: local devices" in two.stdout
@@ -48,12 +82,14 @@ def test_two_processes_train_like_one(tmp_path):
 
 
 def test_launcher_fails_fast_and_stops_the_others():
-    code = ("import os, sys, time\n"
-            "if os.environ['JAXPAR_PROCESS_ID'] == '1':\n"
-            "    time.sleep(0.3); sys.exit(3)\n"
-            "assert os.environ['JAXPAR_NUM_PROCESSES'] == '2' and os.environ['JAX_NUM_CPU_DEVICES'] == '2'\n"
-            "assert os.environ['JAXPAR_COORDINATOR_ADDRESS'].startswith('127.0.0.1:')\n"
-            "time.sleep(60)\n")
+    code = (
+        "import os, sys, time\n"
+        "if os.environ['JAXPAR_PROCESS_ID'] == '1':\n"
+        "    time.sleep(0.3); sys.exit(3)\n"
+        "assert os.environ['JAXPAR_NUM_PROCESSES'] == '2' and os.environ['JAX_NUM_CPU_DEVICES'] == '2'\n"
+        "assert os.environ['JAXPAR_COORDINATOR_ADDRESS'].startswith('127.0.0.1:')\n"
+        "time.sleep(60)\n"
+    )
     start = time.monotonic()
     status = launch([sys.executable, "-c", code], num_processes=2, devices_per_process=2, grace=2.0)
     assert status == 3
@@ -62,6 +98,7 @@ def test_launcher_fails_fast_and_stops_the_others():
 
 def test_launcher_rejects_bad_arguments_with_a_message(capsys):
     from jaxpar.cli.launch import main
+
     assert main(["-n", "2"]) == 2
     assert "no COMMAND" in capsys.readouterr().err
     assert main(["-n", "0", "--", "true"]) == 2
@@ -76,6 +113,7 @@ def test_launcher_rejects_bad_arguments_with_a_message(capsys):
 
 def test_train_cli_rejects_a_bad_fault_spec_before_any_work(monkeypatch, capsys):
     from jaxpar.cli.train import main
+
     monkeypatch.setenv("JAXPAR_INJECT_FAULT", "stall@x")
     assert main([os.path.join(ROOT, "configs", "tiny.yaml")]) == 2
     assert "bad entry 'stall@x'" in capsys.readouterr().err

@@ -5,6 +5,7 @@ every 2) is compared with: a SIGTERM to one process, a SIGKILL of one process, a
 its step-2 checkpoint onto other process counts, meshes and ZeRO stages. Faults are injected with
 JAXPAR_INJECT_FAULT (jaxpar.training.faults). Every launch has a hard timeout.
 """
+
 import json
 import os
 import subprocess
@@ -27,11 +28,26 @@ pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "tiny.yaml")
-RUN = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=300000", "data.validation_fraction=0.3",
-       "train.global_batch_size=8", "train.eval_batches=1", "train.log_every=1", "train.eval_every=0",
-       "train.progress_bar=false", "train.sample_tokens=0", "train.steps=6", "checkpoint.every_steps=2",
-       "checkpoint.keep=10", "precision.compute_dtype=float32", "optimizer.warmup_steps=0",
-       "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+RUN = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "data.validation_fraction=0.3",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.steps=6",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep=10",
+    "precision.compute_dtype=float32",
+    "optimizer.warmup_steps=0",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=2",
+]
 TRAIN = [sys.executable, "-m", "jaxpar.cli.train", CONFIG]
 LIMIT = 300  # seconds: hard timeout of every launch
 
@@ -64,8 +80,22 @@ def _stream(cmd, env, timeout=LIMIT):
 
 
 def _launch(run_dir, *overrides, processes=2, devices=4, fault=None, timeout=LIMIT):
-    cmd = [sys.executable, "-m", "jaxpar.cli.launch", "-n", str(processes), "--devices-per-process", str(devices),
-           "--grace", "3", "--", *TRAIN, f"train.run_dir={run_dir}", *RUN, *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli.launch",
+        "-n",
+        str(processes),
+        "--devices-per-process",
+        str(devices),
+        "--grace",
+        "3",
+        "--",
+        *TRAIN,
+        f"train.run_dir={run_dir}",
+        *RUN,
+        *overrides,
+    ]
     return _stream(cmd, _env(**({"JAXPAR_INJECT_FAULT": fault} if fault else {})), timeout)
 
 
@@ -151,10 +181,21 @@ def test_a_stalled_process_makes_every_process_exit_naming_it(tmp_path):
     port = free_port()
     procs = []
     for i in range(2):
-        env = _env(JAXPAR_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAXPAR_NUM_PROCESSES="2",
-                   JAXPAR_PROCESS_ID=str(i), JAXPAR_INJECT_FAULT="stall@5:1", JAX_NUM_CPU_DEVICES="4")
-        cmd = [*TRAIN, f"train.run_dir={tmp_path}", *RUN, "train.steps=1000", "checkpoint.every_steps=0",
-               f"train.watchdog_s={watchdog_s}"]
+        env = _env(
+            JAXPAR_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            JAXPAR_NUM_PROCESSES="2",
+            JAXPAR_PROCESS_ID=str(i),
+            JAXPAR_INJECT_FAULT="stall@5:1",
+            JAX_NUM_CPU_DEVICES="4",
+        )
+        cmd = [
+            *TRAIN,
+            f"train.run_dir={tmp_path}",
+            *RUN,
+            "train.steps=1000",
+            "checkpoint.every_steps=0",
+            f"train.watchdog_s={watchdog_s}",
+        ]
         procs.append(_Async(cmd, env))
     results = [p.result(LIMIT) for p in procs]
     stall_at = _when(results[1][1], "injecting stall")
@@ -189,8 +230,7 @@ class _Async:
 TOPOLOGIES = {
     "1 process x 4 devices, fsdp=2 tensor=2": (1, 4, ["mesh.data=1"]),
     "1 process x 1 device": (1, 1, ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]),
-    "1 process x 8 devices, fsdp=4 tensor=2, ZeRO-3": (1, 8, ["mesh.data=1", "mesh.fsdp=4",
-                                                              "optimizer.zero_stage=3"]),
+    "1 process x 8 devices, fsdp=4 tensor=2, ZeRO-3": (1, 8, ["mesh.data=1", "mesh.fsdp=4", "optimizer.zero_stage=3"]),
     "4 processes x 2 devices, same mesh": (4, 2, []),
 }
 
@@ -221,11 +261,13 @@ def test_restored_values_are_bitwise_equal_on_every_mesh(reference):
     """The step-2 arrays restored onto 1 device and onto three other 8-device layouts are bitwise equal."""
     run_dir, _ = reference
     path = str(run_dir / "checkpoints" / "2")
-    layouts = [(1, ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]),
-               (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
-               (8, ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "optimizer.zero_stage=3"]),
-               (8, ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=2"]),
-               (8, ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "mesh.pipeline=2"])]
+    layouts = [
+        (1, ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]),
+        (8, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
+        (8, ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "optimizer.zero_stage=3"]),
+        (8, ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=2"]),
+        (8, ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "mesh.pipeline=2"]),
+    ]
     restored, specs = [], []
     for n, overrides in layouts:
         devices = jax.devices()[:n]

@@ -5,6 +5,7 @@ The compile test needs the `gpu-compile` extra and is skipped without it, with t
 is slow: `pytest -m slow`): it compiles the tiny model for 2 nodes x 8 H100s and checks the memory analysis and
 that the GPU HLO's collectives run over the mesh axes the plan puts them on.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -53,8 +54,11 @@ def test_attention_scores_are_batched_matmuls_ending_seq_by_seq():
   %stack = bf16[4,1,128,128]{3,2,1,0} dynamic-update-slice(%s, %x, %i, %z, %z, %z)
   %dot.3 = f32[8,128,64]{2,1,0} dot(%a, %b), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}
 """
-    assert plan_gpu.attention_scores(hlo, 128) == {"materialised": True, "shapes": ["f32[2,4,128,128]"],
-                                                   "largest_bytes": 2 * 4 * 128 * 128 * 4}
+    assert plan_gpu.attention_scores(hlo, 128) == {
+        "materialised": True,
+        "shapes": ["f32[2,4,128,128]"],
+        "largest_bytes": 2 * 4 * 128 * 128 * 4,
+    }
     assert plan_gpu.attention_scores(hlo, 64) == {"materialised": False, "shapes": [], "largest_bytes": 0}
 
 
@@ -102,15 +106,23 @@ def test_tiny_compiles_for_two_h100_nodes():
     mem = out["memory"]
     assert mem["argument_bytes"] > 0 and mem["temp_bytes"] > 0 and mem["output_bytes"] > 0
     # XLA's peak: at least the arguments, at most everything allocated at once
-    assert mem["argument_bytes"] < mem["peak_bytes"] <= (mem["argument_bytes"] + mem["output_bytes"]
-                                                         - mem["alias_bytes"] + mem["temp_bytes"])
+    assert (
+        mem["argument_bytes"]
+        < mem["peak_bytes"]
+        <= (mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"])
+    )
     assert out["fits"] and out["fraction_of_memory"] == mem["peak_bytes"] / 80e9
     live = {a for a, n in out["mesh"].items() if n > 1}
     axes = {a for key in out["collectives"] for a in key.split(" ")[0].split(",")}
     assert axes <= live and {"data", "fsdp", "tensor"} <= axes, out["collectives"]
     rows = {r["key"]: r for r in out["planned"]["collectives"]}
-    for key in ("fsdp all-gather", "fsdp reduce-scatter", "tensor all-gather", "tensor reduce-scatter",
-                "data all-gather"):
+    for key in (
+        "fsdp all-gather",
+        "fsdp reduce-scatter",
+        "tensor all-gather",
+        "tensor reduce-scatter",
+        "data all-gather",
+    ):
         assert rows[key]["ratio"] == pytest.approx(1.0, rel=0.01), rows[key]
     assert out["fused_attention"] == [] and out["attention_scores"]["materialised"]  # jax's XLA attention path
     assert out["planned"]["peak_bytes"] > 0
@@ -126,5 +138,7 @@ def test_attention_scores_of_grouped_kv_heads_come_out_of_a_fusion():
   %stack = bf16[32,1,1024,1024]{3,2,1,0} dynamic-update-slice(%s, %x, %i, %z, %z, %z), metadata={op_name="jit(train_step)/scan"}
 """  # noqa: E501 -- HLO lines as the compiler prints them
     assert plan_gpu.attention_scores(hlo, 1024) == {
-        "materialised": True, "shapes": ["bf16[1,8,4,1024,1024]", "f32[8,4,1024,1024]"],
-        "largest_bytes": 8 * 4 * 1024 * 1024 * 4}
+        "materialised": True,
+        "shapes": ["bf16[1,8,4,1024,1024]", "f32[8,4,1024,1024]"],
+        "largest_bytes": 8 * 4 * 1024 * 1024 * 4,
+    }

@@ -6,6 +6,7 @@ the extra, the plan for the cluster, and the report of a canned `compile_for_gpu
 extra, one real compile of tiny.yaml for 2 nodes x 8 H100s goes through the CLI (slow; skipped without it, with
 the library's reason).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,22 @@ TINY = [TINY_YAML, "mesh.fsdp=4"]  # data=2 x fsdp=4 x tensor=2 = 16 GPUs
 EXTRA = 'pip install -e ".[gpu-compile]"'
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--target", "h100"], "--target h100: cluster 'h100': expected KIND:NODESxGPUS such as h100:8x8"),
-    (["--target", "v100:1x8"], ("--target v100:1x8: unknown GPU target 'v100'; shipped targets: a100, b200, "
-                                "h100, h200")),
-    (["--target", "h100:0x8"], "nodes must be a positive integer"),
-    (["--target", "h100:2x8", "--devices", "8"], "--devices 8 conflicts with --target h100:2x8 (2 x 8 = 16 GPUs)"),
-    (["--target", "h100:2x8", "--platform", "cpu"], "--platform cpu with --target h100:2x8"),
-    (["--target", "h100:2x8", "--compile", "--measure-steps", "2"], "--measure-steps does not apply"),
-    (["--target", "h100:2x8", "--compile", "--fast-compile"], "--fast-compile does not apply"),
-    (["--target", "h100:2x8", "--compile", "--real-devices"], "--real-devices does not apply"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--target", "h100"], "--target h100: cluster 'h100': expected KIND:NODESxGPUS such as h100:8x8"),
+        (
+            ["--target", "v100:1x8"],
+            ("--target v100:1x8: unknown GPU target 'v100'; shipped targets: a100, b200, h100, h200"),
+        ),
+        (["--target", "h100:0x8"], "nodes must be a positive integer"),
+        (["--target", "h100:2x8", "--devices", "8"], "--devices 8 conflicts with --target h100:2x8 (2 x 8 = 16 GPUs)"),
+        (["--target", "h100:2x8", "--platform", "cpu"], "--platform cpu with --target h100:2x8"),
+        (["--target", "h100:2x8", "--compile", "--measure-steps", "2"], "--measure-steps does not apply"),
+        (["--target", "h100:2x8", "--compile", "--fast-compile"], "--fast-compile does not apply"),
+        (["--target", "h100:2x8", "--compile", "--real-devices"], "--real-devices does not apply"),
+    ],
+)
 def test_target_flags_are_checked(argv, needle, capsys, monkeypatch):
     monkeypatch.setattr(plan_gpu, "compile_for_gpu", _never)
     assert plan_cli.main([*TINY, *argv]) == 2
@@ -82,23 +88,57 @@ def test_mesh_that_does_not_fill_the_cluster_is_a_config_error(capsys):
 def _canned(fits: bool = True) -> dict:
     """A `compile_for_gpu` result (its documented shape) with made-up figures."""
     peak = 7_650_877 if fits else 133_000_000_000
-    return {"cluster": "h100:2x8", "target": "h100", "device_kind": "NVIDIA H100 80GB HBM3", "devices": 16,
-            "mesh": {"data": 2, "pipeline": 1, "fsdp": 4, "tensor": 2}, "compute_dtype": "bfloat16",
-            "compile_seconds": 12.3,
-            "memory": {"argument_bytes": 859_413, "output_bytes": 856_749, "alias_bytes": 856_341,
-                       "temp_bytes": 7_202_432, "generated_code_bytes": 0, "peak_bytes": peak},
-            "memory_bytes": 80_000_000_000, "usable_bytes": 72e9, "fraction_of_memory": peak / 80e9, "fits": fits,
-            "collectives": {"fsdp all-gather": {"count": 8, "bytes": 1_233_600.0}},
-            "scalars": {"count": 2, "bytes": 14.0, "kinds": ["all-reduce"], "axes": ["data,fsdp"]},
-            "fused_attention": [] if fits else ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
-            "attention_scores": ({"materialised": True, "shapes": ["f32[8,128,128]"], "largest_bytes": 524_288}
-                                 if fits else {"materialised": False, "shapes": [], "largest_bytes": 0}),
-            "planned": {"peak_bytes": 5_062_656, "ratio": peak / 5_062_656,
-                        "collectives": [
-                            {"key": "fsdp all-gather", "compiled_bytes": 1_233_600.0, "compiled_count": 8,
-                             "planned_bytes": 1_233_600.0, "planned_count": 75, "ratio": 1.0},
-                            {"key": "fsdp,tensor all-reduce", "compiled_bytes": 94.0, "compiled_count": 2,
-                             "planned_bytes": 0.0, "planned_count": 0, "ratio": None}]}}
+    return {
+        "cluster": "h100:2x8",
+        "target": "h100",
+        "device_kind": "NVIDIA H100 80GB HBM3",
+        "devices": 16,
+        "mesh": {"data": 2, "pipeline": 1, "fsdp": 4, "tensor": 2},
+        "compute_dtype": "bfloat16",
+        "compile_seconds": 12.3,
+        "memory": {
+            "argument_bytes": 859_413,
+            "output_bytes": 856_749,
+            "alias_bytes": 856_341,
+            "temp_bytes": 7_202_432,
+            "generated_code_bytes": 0,
+            "peak_bytes": peak,
+        },
+        "memory_bytes": 80_000_000_000,
+        "usable_bytes": 72e9,
+        "fraction_of_memory": peak / 80e9,
+        "fits": fits,
+        "collectives": {"fsdp all-gather": {"count": 8, "bytes": 1_233_600.0}},
+        "scalars": {"count": 2, "bytes": 14.0, "kinds": ["all-reduce"], "axes": ["data,fsdp"]},
+        "fused_attention": [] if fits else ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
+        "attention_scores": (
+            {"materialised": True, "shapes": ["f32[8,128,128]"], "largest_bytes": 524_288}
+            if fits
+            else {"materialised": False, "shapes": [], "largest_bytes": 0}
+        ),
+        "planned": {
+            "peak_bytes": 5_062_656,
+            "ratio": peak / 5_062_656,
+            "collectives": [
+                {
+                    "key": "fsdp all-gather",
+                    "compiled_bytes": 1_233_600.0,
+                    "compiled_count": 8,
+                    "planned_bytes": 1_233_600.0,
+                    "planned_count": 75,
+                    "ratio": 1.0,
+                },
+                {
+                    "key": "fsdp,tensor all-reduce",
+                    "compiled_bytes": 94.0,
+                    "compiled_count": 2,
+                    "planned_bytes": 0.0,
+                    "planned_count": 0,
+                    "ratio": None,
+                },
+            ],
+        },
+    }
 
 
 def test_compiled_report_through_the_cli(capsys, monkeypatch):
@@ -118,17 +158,23 @@ def test_compiled_report_through_the_cli(capsys, monkeypatch):
     assert out["gpu_compiled"] == _canned() and out["target"]["cluster"] == "h100:2x8" and out["compiled"] is None
     assert plan_cli.main([*TINY, "--compile", "--target", "h100:2x8"]) == 0
     text = capsys.readouterr().out
-    for needle in ("compiled for h100:2x8 by XLA's GPU compiler without GPUs",
-                   "mesh data=2 pipeline=1 fsdp=4 tensor=2, compute bfloat16, 12.3 s",
-                   "arguments                                        859,413    859.4 kB",
-                   "temporaries                                    7,202,432    7.202 MB",
-                   "peak                                           7,650,877    7.651 MB",
-                   "peak compiled / planned: 7.651 MB / 5.063 MB = 1.5112",
-                   ("fits: peak 7.651 MB = 0.00956% of the 80 GB of one NVIDIA H100 80GB HBM3 (a jax process may "
-                    "use 90%: XLA_PYTHON_CLIENT_MEM_FRACTION as tools/slurm_gpu.sbatch sets it)"),
-                   ("fused attention (cuDNN): no (XLA attention path); attention scores materialised: yes, "
-                    "largest 524.3 kB per device (f32[8,128,128])"),
-                   "+ scalar all-reduces, not planned: 2 ops, 14 B over data,fsdp"):
+    for needle in (
+        "compiled for h100:2x8 by XLA's GPU compiler without GPUs",
+        "mesh data=2 pipeline=1 fsdp=4 tensor=2, compute bfloat16, 12.3 s",
+        "arguments                                        859,413    859.4 kB",
+        "temporaries                                    7,202,432    7.202 MB",
+        "peak                                           7,650,877    7.651 MB",
+        "peak compiled / planned: 7.651 MB / 5.063 MB = 1.5112",
+        (
+            "fits: peak 7.651 MB = 0.00956% of the 80 GB of one NVIDIA H100 80GB HBM3 (a jax process may "
+            "use 90%: XLA_PYTHON_CLIENT_MEM_FRACTION as tools/slurm_gpu.sbatch sets it)"
+        ),
+        (
+            "fused attention (cuDNN): no (XLA attention path); attention scores materialised: yes, "
+            "largest 524.3 kB per device (f32[8,128,128])"
+        ),
+        "+ scalar all-reduces, not planned: 2 ops, 14 B over data,fsdp",
+    ):
         assert needle in text, needle
     rows = [line.split() for line in text.splitlines()]
     assert ["fsdp", "all-gather", "1,233,600", "75", "1,233,600", "8", "1.0000"] in rows  # planned beside GPU HLO
@@ -136,14 +182,23 @@ def test_compiled_report_through_the_cli(capsys, monkeypatch):
 
 
 def test_report_of_a_run_that_does_not_fit():
-    target = {"cluster": "h100:8x8", "device_kind": "NVIDIA H100 80GB HBM3", "devices": 64,
-              "memory_bytes": 80_000_000_000, "usable_bytes": 72e9, "planned_peak_bytes": 96e9,
-              "planned_fraction_of_memory": 1.2, "planned_fits": False}
+    target = {
+        "cluster": "h100:8x8",
+        "device_kind": "NVIDIA H100 80GB HBM3",
+        "devices": 64,
+        "memory_bytes": 80_000_000_000,
+        "usable_bytes": 72e9,
+        "planned_peak_bytes": 96e9,
+        "planned_fraction_of_memory": 1.2,
+        "planned_fits": False,
+    }
     text = format_gpu_target(target, _canned(fits=False))
     assert "planned peak 96 GB = 120% of it (DOES NOT FIT in the 90% a jax process may use)" in text
     assert "DOES NOT FIT: peak 133 GB = 166% of the 80 GB of one NVIDIA H100 80GB HBM3" in text
-    assert "fused attention (cuDNN): yes, __cudnn$fmhaSoftmax, __cudnn$fmhaSoftmaxBackward; attention scores " \
-           "materialised: no" in text
+    assert (
+        "fused attention (cuDNN): yes, __cudnn$fmhaSoftmax, __cudnn$fmhaSoftmaxBackward; attention scores "
+        "materialised: no" in text
+    )
     assert "--compile compiles" in format_gpu_target(target)
 
 
@@ -164,8 +219,12 @@ def test_cli_compiles_tiny_for_two_h100_nodes(capsys):
     assert gpu["cluster"] == target["cluster"] == "h100:2x8" and gpu["devices"] == plan["devices"] == 16
     assert gpu["mesh"] == plan["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 4, "tensor": 2}
     m = gpu["memory"]
-    assert 0 < m["argument_bytes"] < m["peak_bytes"] <= (m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"]
-                                                         + m["temp_bytes"])
+    assert (
+        0
+        < m["argument_bytes"]
+        < m["peak_bytes"]
+        <= (m["argument_bytes"] + m["output_bytes"] - m["alias_bytes"] + m["temp_bytes"])
+    )
     assert gpu["planned"]["peak_bytes"] == plan["memory"]["peak_estimate"] == target["planned_peak_bytes"]
     assert gpu["planned"]["ratio"] == pytest.approx(m["peak_bytes"] / plan["memory"]["peak_estimate"])
     assert gpu["fits"] and gpu["fraction_of_memory"] == pytest.approx(m["peak_bytes"] / 80e9)

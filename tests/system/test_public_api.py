@@ -3,6 +3,7 @@ function, the README's script runs as written, and `jaxpar.restore` puts a saved
 
 Shape letters: G global batch, T sequence length.
 """
+
 import os
 import re
 import subprocess
@@ -18,27 +19,39 @@ import jaxpar
 from jaxpar.checkpoint import CheckpointMismatchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-QUICK = ["train.steps=2", "checkpoint.every_steps=2", "checkpoint.async_save=false", "train.eval_batches=1",
-         "train.sample_tokens=0", "train.progress_bar=false", "data.max_bytes=300000", "model.n_layers=2",
-         "data.seq_len=32", "precision.compute_dtype=float32"]
+QUICK = [
+    "train.steps=2",
+    "checkpoint.every_steps=2",
+    "checkpoint.async_save=false",
+    "train.eval_batches=1",
+    "train.sample_tokens=0",
+    "train.progress_bar=false",
+    "data.max_bytes=300000",
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "precision.compute_dtype=float32",
+]
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
 
 
 def test_import_is_lazy_and_every_public_name_resolves():
-    code = ("import sys, jaxpar; assert 'jax' not in sys.modules, 'import jaxpar imported jax'; "
-            "[getattr(jaxpar, n) for n in jaxpar.__all__]; import jaxpar.training.loop; "
-            "assert callable(jaxpar.train) and jaxpar.train.__module__ == 'jaxpar.training.loop'; print('ok')")
+    code = (
+        "import sys, jaxpar; assert 'jax' not in sys.modules, 'import jaxpar imported jax'; "
+        "[getattr(jaxpar, n) for n in jaxpar.__all__]; import jaxpar.training.loop; "
+        "assert callable(jaxpar.train) and jaxpar.train.__module__ == 'jaxpar.training.loop'; print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
     assert {"train", "load_config", "build_plan", "restore", "register_model", "Hook", "default_hooks"} <= set(
-        jaxpar.__all__)
+        jaxpar.__all__
+    )
     with pytest.raises(AttributeError, match="has no attribute 'trian'"):
         jaxpar.trian  # noqa: B018
 
 
 def _readme_example() -> str:
     text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    section = text[text.index("## Use jaxpar from your own script"):]
+    section = text[text.index("## Use jaxpar from your own script") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
@@ -49,8 +62,9 @@ def test_readme_script_runs_as_written(tmp_path):
     (tmp_path / "script.py").write_text(_readme_example())
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}  # the script sets it
     env["PYTHONPATH"] = ROOT
-    out = subprocess.run([sys.executable, "script.py"], capture_output=True, text=True, cwd=tmp_path, env=env,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "script.py"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert re.search(r"step 5: training loss \d+\.\d+\nstep 10: training loss", out.stdout), out.stdout[-2000:]
     assert re.search(r"step 10: \d+\.\d+ nats/token on README.md's first 256 bytes", out.stdout)
@@ -68,8 +82,11 @@ def saved_run(tmp_path_factory):
 
 def _batch(g: int, t: int) -> dict:
     rng = np.random.default_rng(0)
-    return {"inputs": rng.integers(0, 259, (g, t), dtype=np.int32),
-            "targets": rng.integers(0, 259, (g, t), dtype=np.int32), "loss_mask": np.ones((g, t), np.float32)}
+    return {
+        "inputs": rng.integers(0, 259, (g, t), dtype=np.int32),
+        "targets": rng.integers(0, 259, (g, t), dtype=np.int32),
+        "loss_mask": np.ones((g, t), np.float32),
+    }
 
 
 def test_restore_onto_one_device_and_onto_data_parallel_is_exact(saved_run):

@@ -1,4 +1,5 @@
 """Mesh sweeps (jaxpar.analysis.sweep, jaxpar.cli.sweep): sweep-file checks, the point grid, outputs, resume."""
+
 from __future__ import annotations
 
 import glob
@@ -17,8 +18,15 @@ from jaxpar.config import load_config, resolve_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
-SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-         "data.seq_len=8", "train.global_batch_size=8"]
+SMALL = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=8",
+    "train.global_batch_size=8",
+]
 
 
 def _write(tmp_path, text: str, name: str = "sweep.yaml") -> str:
@@ -41,8 +49,9 @@ def test_factorisations_of_8():
     assert {m["pipeline"] for m in free} == {1, 2, 4, 8}
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))),
-                         ids=os.path.basename)
+@pytest.mark.parametrize(
+    "path", sorted(glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))), ids=os.path.basename
+)
 def test_shipped_sweep_files_load(path):
     sweep = load_sweep(path)
     pts = points(sweep)
@@ -59,47 +68,69 @@ def test_shipped_sweep_files_load(path):
 
 
 def test_points_are_the_cartesian_product(tmp_path):
-    path = _write(tmp_path, "base: {tiny}\noverrides: {small}\nmeshes: [{data: 8}, {data: 4, fsdp: 2}]\n"
-                            "vary: {optimizer.zero_stage: [1, 3], model.remat: [none, full]}\ncompile: false\n")
+    path = _write(
+        tmp_path,
+        "base: {tiny}\noverrides: {small}\nmeshes: [{data: 8}, {data: 4, fsdp: 2}]\n"
+        "vary: {optimizer.zero_stage: [1, 3], model.remat: [none, full]}\ncompile: false\n",
+    )
     sweep = load_sweep(path)
     pts = points(sweep)
     assert len(pts) == 2 * 2 * 2 and len({p["key"] for p in pts}) == 8
-    assert pts[0]["overrides"] == ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1",
-                                   "optimizer.zero_stage=1", "model.remat=none"]
+    assert pts[0]["overrides"] == [
+        "mesh.data=8",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "mesh.pipeline=1",
+        "optimizer.zero_stage=1",
+        "model.remat=none",
+    ]
     assert all(p["key"].startswith(" ".join(SMALL)) for p in pts)
     assert sweep.base == TINY_YAML and not sweep.compile
 
 
-@pytest.mark.parametrize("text, needle", [
-    ("- just\n- a list\n", "top level must be a mapping"),
-    ("model: [1, 2\n", "not valid YAML"),
-    ("devices: 8\n", "`base:` must name the config"),
-    ("base: missing.yaml\ndevices: 8\n", "base config 'missing.yaml'"),
-    ("base: {tiny}\ndevices: 8\nmeshs: []\n", "unknown sweep key 'meshs'"),
-    ("base: {tiny}\n", "exactly one of `devices: D`"),
-    ("base: {tiny}\ndevices: 8\nmeshes: [{data: 8}]\n", "exactly one of `devices: D`"),
-    ("base: {tiny}\nmeshes: {data: 8}\n", "meshes: must be a non-empty list"),
-    ("base: {tiny}\nmeshes: [[8, 1]]\n", "meshes[0]: must be a mapping"),
-    ("base: {tiny}\nmeshes: [{data: 4, expert: 2}]\n", "meshes[0]: unknown mesh axis 'expert'"),
-    ("base: {tiny}\nmeshes: [{data: 8}, {data: 0}]\n", "meshes[1].data: must be a positive integer"),
-    ("base: {tiny}\ndevices: eight\n", "devices: expected int"),
-    ("base: {tiny}\ndevices: 8\nconstraints: {max_expert: 2}\n", "unknown constraint constraints.max_expert"),
-    ("base: {tiny}\ndevices: 8\nconstraints: {max_tensor: 0, max_data: 0}\n", "no factorisation of 8"),
-    ("base: {tiny}\ndevices: 8\nvary: {model.hidden: [1]}\n", "unknown config key model.hidden"),
-    ("base: {tiny}\ndevices: 8\nvary: {model.remat: [1]}\n", "model.remat: expected str"),
-    ("base: {tiny}\ndevices: 8\nvary: {optimizer.zero_stage: 3}\n", "vary.optimizer.zero_stage: must be a non-empty"),
-    ("base: {tiny}\ndevices: 8\nvary: {mesh.data: [2]}\n", "mesh sizes come from `devices` or `meshes`"),
-    ("base: {tiny}\ndevices: 8\noverrides: [model.hidden=2]\n", "unknown config key model.hidden"),
-    ("base: {tiny}\ndevices: 8\noverrides: [mesh.tensor=1]\n", "mesh sizes come from `devices` or `meshes`, not from "
-                                                               "overrides"),
-    ("base: {tiny}\ndevices: 8\noverrides: [train.steps=2, train.steps=3]\n", "train.steps is given twice"),
-    ("base: {tiny}\ndevices: 8\noverrides: [model.remat=full]\nvary: {model.remat: [none]}\n",
-     "vary.model.remat: also set in `overrides`"),
-    ("base: {tiny}\ndevices: 8\nobjective: speed\n", "objective: 'speed' is not one of"),
-    ("base: {tiny}\ndevices: 8\nobjective: tokens_per_s\n", "needs measured steps: set measure_steps"),
-    ("base: {tiny}\ndevices: 8\nmemory_budget_gb: 1\nmemory_budget_bytes: 5\n", "not both"),
-    ("base: {tiny}\ndevices: 8\nobjective: memory\ndevices: 4\n", "line 4: duplicate key 'devices' (first at line 2)"),
-])
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("- just\n- a list\n", "top level must be a mapping"),
+        ("model: [1, 2\n", "not valid YAML"),
+        ("devices: 8\n", "`base:` must name the config"),
+        ("base: missing.yaml\ndevices: 8\n", "base config 'missing.yaml'"),
+        ("base: {tiny}\ndevices: 8\nmeshs: []\n", "unknown sweep key 'meshs'"),
+        ("base: {tiny}\n", "exactly one of `devices: D`"),
+        ("base: {tiny}\ndevices: 8\nmeshes: [{data: 8}]\n", "exactly one of `devices: D`"),
+        ("base: {tiny}\nmeshes: {data: 8}\n", "meshes: must be a non-empty list"),
+        ("base: {tiny}\nmeshes: [[8, 1]]\n", "meshes[0]: must be a mapping"),
+        ("base: {tiny}\nmeshes: [{data: 4, expert: 2}]\n", "meshes[0]: unknown mesh axis 'expert'"),
+        ("base: {tiny}\nmeshes: [{data: 8}, {data: 0}]\n", "meshes[1].data: must be a positive integer"),
+        ("base: {tiny}\ndevices: eight\n", "devices: expected int"),
+        ("base: {tiny}\ndevices: 8\nconstraints: {max_expert: 2}\n", "unknown constraint constraints.max_expert"),
+        ("base: {tiny}\ndevices: 8\nconstraints: {max_tensor: 0, max_data: 0}\n", "no factorisation of 8"),
+        ("base: {tiny}\ndevices: 8\nvary: {model.hidden: [1]}\n", "unknown config key model.hidden"),
+        ("base: {tiny}\ndevices: 8\nvary: {model.remat: [1]}\n", "model.remat: expected str"),
+        (
+            "base: {tiny}\ndevices: 8\nvary: {optimizer.zero_stage: 3}\n",
+            "vary.optimizer.zero_stage: must be a non-empty",
+        ),
+        ("base: {tiny}\ndevices: 8\nvary: {mesh.data: [2]}\n", "mesh sizes come from `devices` or `meshes`"),
+        ("base: {tiny}\ndevices: 8\noverrides: [model.hidden=2]\n", "unknown config key model.hidden"),
+        (
+            "base: {tiny}\ndevices: 8\noverrides: [mesh.tensor=1]\n",
+            "mesh sizes come from `devices` or `meshes`, not from overrides",
+        ),
+        ("base: {tiny}\ndevices: 8\noverrides: [train.steps=2, train.steps=3]\n", "train.steps is given twice"),
+        (
+            "base: {tiny}\ndevices: 8\noverrides: [model.remat=full]\nvary: {model.remat: [none]}\n",
+            "vary.model.remat: also set in `overrides`",
+        ),
+        ("base: {tiny}\ndevices: 8\nobjective: speed\n", "objective: 'speed' is not one of"),
+        ("base: {tiny}\ndevices: 8\nobjective: tokens_per_s\n", "needs measured steps: set measure_steps"),
+        ("base: {tiny}\ndevices: 8\nmemory_budget_gb: 1\nmemory_budget_bytes: 5\n", "not both"),
+        (
+            "base: {tiny}\ndevices: 8\nobjective: memory\ndevices: 4\n",
+            "line 4: duplicate key 'devices' (first at line 2)",
+        ),
+    ],
+)
 def test_bad_sweep_files(tmp_path, text, needle):
     path = _write(tmp_path, text)
     with pytest.raises(SweepError) as err:
@@ -152,10 +183,13 @@ def test_analytic_sweep_writes_outputs_and_resumes(tmp_path):
     low = _peak(["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1", "optimizer.zero_stage=3"])
     high = _peak(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=1"])
     assert low < high
-    path = _write(tmp_path, f"base: {{tiny}}\noverrides: {{small}}\n"
-                            f"meshes: [{{data: 8}}, {{fsdp: 8}}, {{data: 1, tensor: 8}}]\n"
-                            f"vary: {{optimizer.zero_stage: [1, 3]}}\nobjective: memory\ncompile: false\n"
-                            f"memory_budget_bytes: {(low + high) / 2}\n")
+    path = _write(
+        tmp_path,
+        f"base: {{tiny}}\noverrides: {{small}}\n"
+        f"meshes: [{{data: 8}}, {{fsdp: 8}}, {{data: 1, tensor: 8}}]\n"
+        f"vary: {{optimizer.zero_stage: [1, 3]}}\nobjective: memory\ncompile: false\n"
+        f"memory_budget_bytes: {(low + high) / 2}\n",
+    )
     out = tmp_path / "out"
     logs: list[str] = []
     records = run_sweep(load_sweep(path), str(out), log=logs.append)
@@ -193,9 +227,18 @@ def test_analytic_sweep_writes_outputs_and_resumes(tmp_path):
 
 def _fake_runner(calls: list, fail_on: set[int] = frozenset(), interrupt_on: int | None = None):
     """Stands in for the `jaxpar-plan --compile --json` subprocess: returns a minimal compiled result."""
-    compiled = {"memory_analysis": {"argument_bytes": 100, "output_bytes": 90, "alias_bytes": 80, "temp_bytes": 50,
-                                    "generated_code_bytes": 0, "peak_bytes": 100 + 90 - 80 + 50},
-                "state": {"params_plus_opt_state": 70, "ratio": 1.0}, "collectives": []}
+    compiled = {
+        "memory_analysis": {
+            "argument_bytes": 100,
+            "output_bytes": 90,
+            "alias_bytes": 80,
+            "temp_bytes": 50,
+            "generated_code_bytes": 0,
+            "peak_bytes": 100 + 90 - 80 + 50,
+        },
+        "state": {"params_plus_opt_state": 70, "ratio": 1.0},
+        "collectives": [],
+    }
 
     def run(sweep, point):
         calls.append(point["key"])
@@ -234,8 +277,11 @@ def test_comm_objective_ranks_by_the_plan_for_the_platform(tmp_path):
     ranked by the plan for the sweep's platform: with bf16 collectives the plan for cpu counts them at fp32, as
     XLA:CPU compiles them, which a GPU does not."""
     bf16 = [*SMALL, "precision.layout=16p", "precision.compute_dtype=bfloat16"]
-    path = _write(tmp_path, f"base: {{tiny}}\noverrides: {json.dumps(bf16)}\n"
-                            "meshes: [{data: 8}, {data: 4, fsdp: 2}]\nobjective: comm_bytes\nplatform: gpu\n")
+    path = _write(
+        tmp_path,
+        f"base: {{tiny}}\noverrides: {json.dumps(bf16)}\n"
+        "meshes: [{data: 8}, {data: 4, fsdp: 2}]\nobjective: comm_bytes\nplatform: gpu\n",
+    )
     records = run_sweep(load_sweep(path), str(tmp_path / "out"), log=lambda _: None, runner=_fake_runner([]))
     for r in records:
         cfg = resolve_config(load_config(TINY_YAML, [*bf16, *r["overrides"]], validate=False), 8)
@@ -249,8 +295,11 @@ def test_results_of_another_base_are_not_mixed_in(tmp_path):
     path = _write(tmp_path, "base: {tiny}\noverrides: {small}\nmeshes: [{data: 8}]\ncompile: false\n")
     out = tmp_path / "out"
     run_sweep(load_sweep(path), str(out), log=lambda _: None)
-    other = _write(tmp_path, f"base: {os.path.join(ROOT, 'configs', 'llama_125m.yaml')}\nmeshes: [{{data: 8}}]\n"
-                             "compile: false\n", name="other.yaml")
+    other = _write(
+        tmp_path,
+        f"base: {os.path.join(ROOT, 'configs', 'llama_125m.yaml')}\nmeshes: [{{data: 8}}]\ncompile: false\n",
+        name="other.yaml",
+    )
     with pytest.raises(SweepError, match="holds results for base"):
         run_sweep(load_sweep(other), str(out), log=lambda _: None)
 
@@ -259,8 +308,11 @@ def test_results_of_another_base_are_not_mixed_in(tmp_path):
 def test_two_point_sweep_end_to_end(tmp_path):
     """jaxpar-sweep in a subprocess: each point compiled and timed for one step in its own process with 8
     simulated CPU devices; the rerun skips both points."""
-    path = _write(tmp_path, "base: {tiny}\noverrides: {small}\nmeshes: [{data: 8}, {data: 2, fsdp: 2, tensor: 2}]\n"
-                            "objective: tokens_per_s\nmeasure_steps: 1\nfast_compile: true\n")
+    path = _write(
+        tmp_path,
+        "base: {tiny}\noverrides: {small}\nmeshes: [{data: 8}, {data: 2, fsdp: 2, tensor: 2}]\n"
+        "objective: tokens_per_s\nmeasure_steps: 1\nfast_compile: true\n",
+    )
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "jaxpar.cli.sweep", path, "--out", str(out)]
     first = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=900)

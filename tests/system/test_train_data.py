@@ -1,5 +1,6 @@
 """`train(cfg, data=iterator)`: a script's own Grain iterator trains, checkpoints its state and resumes with the
 same losses as an uninterrupted run; a checkpoint of the built-in loader is refused by it, with the fix."""
+
 from __future__ import annotations
 
 import os
@@ -19,20 +20,38 @@ def _iterator():
     """Grain: 64 synthetic sequences of T + 1 byte-vocabulary tokens, shuffled, batched G at a time."""
     rng = np.random.default_rng(0)
     rows = list(rng.integers(0, 256, size=(64, T + 1)))
-    ds = grain.MapDataset.source(rows).shuffle(seed=1).repeat().map(
-        lambda r: {"inputs": r[:-1], "targets": r[1:], "loss_mask": np.ones(T, np.float32)})
+    ds = (
+        grain.MapDataset.source(rows)
+        .shuffle(seed=1)
+        .repeat()
+        .map(lambda r: {"inputs": r[:-1], "targets": r[1:], "loss_mask": np.ones(T, np.float32)})
+    )
     return iter(ds.to_iter_dataset().batch(G))
 
 
 def _cfg(run_dir, steps: int):
     # A constant learning rate, so the schedule does not depend on train.steps and the runs are comparable.
-    return load_config(CONFIG, ["model.n_layers=1", f"data.seq_len={T}", "data.max_bytes=200000",
-                                "data.validation_fraction=0.3", f"train.global_batch_size={G}",
-                                "train.eval_batches=1", "train.progress_bar=false", "train.sample_tokens=0",
-                                "train.log_every=1", "train.eval_every=0", f"train.steps={steps}",
-                                "optimizer.decay=constant", "optimizer.warmup_steps=0",
-                                "checkpoint.every_steps=2", "checkpoint.async_save=false",
-                                f"train.run_dir={run_dir}"])
+    return load_config(
+        CONFIG,
+        [
+            "model.n_layers=1",
+            f"data.seq_len={T}",
+            "data.max_bytes=200000",
+            "data.validation_fraction=0.3",
+            f"train.global_batch_size={G}",
+            "train.eval_batches=1",
+            "train.progress_bar=false",
+            "train.sample_tokens=0",
+            "train.log_every=1",
+            "train.eval_every=0",
+            f"train.steps={steps}",
+            "optimizer.decay=constant",
+            "optimizer.warmup_steps=0",
+            "checkpoint.every_steps=2",
+            "checkpoint.async_save=false",
+            f"train.run_dir={run_dir}",
+        ],
+    )
 
 
 def test_own_iterator_trains_and_resumes_exactly(tmp_path):
@@ -47,8 +66,11 @@ def test_own_iterator_trains_and_resumes_exactly(tmp_path):
 
 def test_checkpoint_of_the_built_in_loader_is_refused_by_an_iterator(tmp_path):
     train(_cfg(tmp_path, 2))
-    with pytest.raises(ValueError, match="the checkpoint's data position does not fit this run's data.*resume "
-                                         "with the data the run was saved with"):
+    with pytest.raises(
+        ValueError,
+        match="the checkpoint's data position does not fit this run's data.*resume "
+        "with the data the run was saved with",
+    ):
         train(_cfg(tmp_path, 4), data=_iterator())
 
 

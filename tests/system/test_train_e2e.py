@@ -1,5 +1,6 @@
 """End to end through the CLI in subprocesses: a run of the default config, and a run killed (SIGKILL) after a
 checkpoint and restarted, which must reproduce the uninterrupted run's losses bitwise (CPU, fp32)."""
+
 import json
 import os
 import signal
@@ -10,17 +11,46 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=1000000", "data.validation_fraction=0.2",
-         "train.global_batch_size=8",
-         "train.eval_batches=1", "train.log_every=1", "train.eval_every=0", "train.progress_bar=false",
-         "precision.compute_dtype=float32", "optimizer.warmup_steps=5"]
-REQUIRED_METRICS = {"step", "loss", "val_loss", "val_tokens", "learning_rate", "grad_norm", "tokens_per_s",
-                    "step_time_s", "mfu", "memory_peak_bytes", "memory_step_bytes"}
+SMALL = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.max_bytes=1000000",
+    "data.validation_fraction=0.2",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.progress_bar=false",
+    "precision.compute_dtype=float32",
+    "optimizer.warmup_steps=5",
+]
+REQUIRED_METRICS = {
+    "step",
+    "loss",
+    "val_loss",
+    "val_tokens",
+    "learning_rate",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "memory_peak_bytes",
+    "memory_step_bytes",
+}
 
 
 def _cmd(run_dir, *overrides):
-    return [sys.executable, "-m", "jaxpar.cli.train", os.path.join(ROOT, "configs", "tiny.yaml"),
-            "--cpu-devices", "8", f"train.run_dir={run_dir}", *SMALL, *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "jaxpar.cli.train",
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        "--cpu-devices",
+        "8",
+        f"train.run_dir={run_dir}",
+        *SMALL,
+        *overrides,
+    ]
 
 
 def _env():
@@ -43,8 +73,13 @@ def _losses(run_dir):
 def test_default_config_runs_and_resume_after_kill_reproduces_losses(tmp_path):
     steps = 40
     full = tmp_path / "full"
-    done = subprocess.run(_cmd(full, f"train.steps={steps}", "checkpoint.every_steps=20"), env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        _cmd(full, f"train.steps={steps}", "checkpoint.every_steps=20"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh data=2 pipeline=1 fsdp=2 tensor=2 (8 devices)" in done.stdout
     assert "final val_loss" in done.stdout and "sample:" in done.stdout
@@ -56,8 +91,12 @@ def test_default_config_runs_and_resume_after_kill_reproduces_losses(tmp_path):
     assert sorted(os.listdir(full / "checkpoints")) == ["20", "40"]
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(killed, f"train.steps={steps}", "checkpoint.every_steps=5"), env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cmd(killed, f"train.steps={steps}", "checkpoint.every_steps=5"),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     marker = killed / "checkpoints" / "10" / "commit_success.txt"
     deadline = time.time() + 240
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
@@ -68,8 +107,13 @@ def test_default_config_runs_and_resume_after_kill_reproduces_losses(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert len(_losses(killed)) < steps, "the run finished before it was killed; the test proved nothing"
 
-    resumed = subprocess.run(_cmd(killed, f"train.steps={steps}", "checkpoint.every_steps=5"), env=_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        _cmd(killed, f"train.steps={steps}", "checkpoint.every_steps=5"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     line = next(x for x in resumed.stdout.splitlines() if x.startswith("resumed at step"))
     start = int(line.split()[3])

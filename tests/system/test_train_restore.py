@@ -2,6 +2,7 @@
 none, or resuming with other data settings, fails with a ConfigError before any step, leaves the run directory's
 config.yaml as it was and creates nothing that was not there; the saved config is fully resolved; a resume with
 other settings keeps the previous config.yaml as config.step<N>.yaml."""
+
 import os
 
 import pytest
@@ -12,9 +13,19 @@ from jaxpar.config.resume import config_changes
 from jaxpar.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SMALL = ["model.n_layers=2", "data.seq_len=32", "data.max_bytes=300000", "data.validation_fraction=0.3",
-         "train.global_batch_size=8", "train.eval_batches=1", "train.progress_bar=false", "train.sample_tokens=0",
-         "train.steps=2", "checkpoint.every_steps=2", "checkpoint.async_save=false"]
+SMALL = [
+    "model.n_layers=2",
+    "data.seq_len=32",
+    "data.max_bytes=300000",
+    "data.validation_fraction=0.3",
+    "train.global_batch_size=8",
+    "train.eval_batches=1",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.steps=2",
+    "checkpoint.every_steps=2",
+    "checkpoint.async_save=false",
+]
 
 
 def _cfg(run_dir, *overrides):
@@ -30,8 +41,10 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
     assert resolved["model"]["head_dim"] == 32 and resolved["tensor"]["sequence_parallel"] is True
     assert resolved["precision"]["compute_dtype"] == "float32"
 
-    mismatch = (r"does not fit this config \(36 arrays differ, e\.g\. params\.blocks\.attn\.wk: checkpoint shape "
-                r"\(2, 128, 2, 32\) != target shape \(2, 64, 2, 16\).*train\.run_dir")
+    mismatch = (
+        r"does not fit this config \(36 arrays differ, e\.g\. params\.blocks\.attn\.wk: checkpoint shape "
+        r"\(2, 128, 2, 32\) != target shape \(2, 64, 2, 16\).*train\.run_dir"
+    )
     with pytest.raises(ConfigError, match=mismatch):
         train(_cfg(tmp_path, "model.d_model=64", "train.steps=4"))
     assert (tmp_path / "config.yaml").read_text() == saved
@@ -44,8 +57,16 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
 
     # The run's own checkpoints win over checkpoint.restore_from (which only seeds a fresh run), so the same
     # command run again resumes instead of going back to the seed.
-    again = train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=3",
-                       f"checkpoint.restore_from={tmp_path / 'checkpoints' / '2'}"))
+    again = train(
+        _cfg(
+            tmp_path,
+            "mesh.data=1",
+            "mesh.tensor=1",
+            "optimizer.zero_stage=3",
+            "train.steps=3",
+            f"checkpoint.restore_from={tmp_path / 'checkpoints' / '2'}",
+        )
+    )
     assert again.start_step == 3 and again.losses == {}
     saved = (tmp_path / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"already at step 3, past train.steps=2; raise train.steps"):
@@ -67,10 +88,19 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
 
 
 def test_config_changes_ignore_the_seed_checkpoint_and_process_settings():
-    saved = {"optimizer": {"learning_rate": 3e-3}, "checkpoint": {"restore_from": ""},
-             "distributed": {"num_processes": 2}, "data": {"seed": 0}}
-    new = {"optimizer": {"learning_rate": 0.5}, "checkpoint": {"restore_from": "/x"},
-           "distributed": {"num_processes": 1}, "data": {"seed": 0}, "train": {"new_key": 1}}
+    saved = {
+        "optimizer": {"learning_rate": 3e-3},
+        "checkpoint": {"restore_from": ""},
+        "distributed": {"num_processes": 2},
+        "data": {"seed": 0},
+    }
+    new = {
+        "optimizer": {"learning_rate": 0.5},
+        "checkpoint": {"restore_from": "/x"},
+        "distributed": {"num_processes": 1},
+        "data": {"seed": 0},
+        "train": {"new_key": 1},
+    }
     assert config_changes(saved, new) == {"optimizer.learning_rate": (3e-3, 0.5)}
 
 

@@ -1,5 +1,6 @@
 """The hang watchdog's diagnosis from heartbeats, its timer in one process, and the fault-injection spec.
 The two-process stall is in test_multiprocess_faults.py."""
+
 import threading
 import time
 
@@ -19,8 +20,7 @@ def test_diagnose_names_dead_behind_and_stalled_processes():
     # all alive at one step, all in jax: nobody to blame (a device or collective hang)
     assert diagnose({0: _beat(5, 1), 1: _beat(5, 2)}, 2, now, timeout) == []
     # process 1 outside jax while process 0 waits in the collective
-    stalled = diagnose({0: _beat(5, 1), 1: _beat(5, 1, False, "jaxpar/data/loader.py:90 next_batch")}, 2, now,
-                       timeout)
+    stalled = diagnose({0: _beat(5, 1), 1: _beat(5, 1, False, "jaxpar/data/loader.py:90 next_batch")}, 2, now, timeout)
     assert len(stalled) == 1 and stalled[0].startswith("process 1: stuck at step 5 in jaxpar/data/loader.py:90")
     # process 2 is behind the others
     behind = diagnose({0: _beat(7, 1), 1: _beat(7, 1), 2: _beat(6, 1)}, 3, now, timeout)
@@ -60,7 +60,10 @@ def test_disabled_watchdog_starts_no_thread():
 
 def test_fault_spec_parses_and_rejects_bad_entries():
     assert faults.parse("stall@5:1, kill@3,nan@7:0") == [
-        faults.Fault("stall", 5, 1), faults.Fault("kill", 3, None), faults.Fault("nan", 7, 0)]
+        faults.Fault("stall", 5, 1),
+        faults.Fault("kill", 3, None),
+        faults.Fault("nan", 7, 0),
+    ]
     assert faults.parse("") == []
     for bad in ("stall", "explode@3", "kill@x", "stall@5:"):
         with pytest.raises(ValueError, match="kind@step\\[:process\\]"):
@@ -70,6 +73,7 @@ def test_fault_spec_parses_and_rejects_bad_entries():
 def test_injector_fires_each_fault_once_on_its_process(monkeypatch):
     import jax.numpy as jnp
     import numpy as np
+
     injector = faults.FaultInjector("nan@2,nan@3:1")  # the second targets process 1, not this one
     state = {"params": {"w": jnp.ones(3)}, "step": 0}
     assert injector.before_step(1, state) is state

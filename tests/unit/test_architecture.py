@@ -3,6 +3,7 @@
 Core: every module of jaxpar/ outside jaxpar/analysis/ and jaxpar/cli/. Imports are read from the source (module
 level and inside functions), so a lazy import counts too.
 """
+
 from __future__ import annotations
 
 import ast
@@ -36,18 +37,18 @@ def _imports(path: str, module: str) -> set[str]:
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names)
     return names
 
 
 def test_core_never_imports_analysis_or_cli():
-    core = {m: p for m, p in _modules(PACKAGE).items()
-            if not m.startswith(("jaxpar.analysis", "jaxpar.cli"))}
+    core = {m: p for m, p in _modules(PACKAGE).items() if not m.startswith(("jaxpar.analysis", "jaxpar.cli"))}
     assert "jaxpar.training.loop" in core and "jaxpar.training.step" in core
-    bad = {m: sorted(i for i in _imports(p, m) if i.startswith(("jaxpar.analysis", "jaxpar.cli")))
-           for m, p in core.items()}
+    bad = {
+        m: sorted(i for i in _imports(p, m) if i.startswith(("jaxpar.analysis", "jaxpar.cli"))) for m, p in core.items()
+    }
     assert {m: v for m, v in bad.items() if v} == {}
 
 
@@ -96,8 +97,14 @@ def test_no_import_cycles():
 
 def test_analysis_is_a_package_of_its_own():
     analysis = _modules(os.path.join(PACKAGE, "analysis"))
-    for name in ("jaxpar.analysis.plan", "jaxpar.analysis.sweep", "jaxpar.analysis.hlo", "jaxpar.analysis.memory",
-                 "jaxpar.analysis.plan_gpu", "jaxpar.analysis.gpu_targets"):
+    for name in (
+        "jaxpar.analysis.plan",
+        "jaxpar.analysis.sweep",
+        "jaxpar.analysis.hlo",
+        "jaxpar.analysis.memory",
+        "jaxpar.analysis.plan_gpu",
+        "jaxpar.analysis.gpu_targets",
+    ):
         assert name in analysis
     top = {m for m in _modules(PACKAGE) if m.count(".") == 1}
     assert not top & {"jaxpar.plan", "jaxpar.sweep", "jaxpar.hlo", "jaxpar.memory", "jaxpar.comm"}
@@ -106,8 +113,11 @@ def test_analysis_is_a_package_of_its_own():
 def _literal_tuples(path: str):
     """(line, tuple of str) for every tuple or list literal of string constants in the file."""
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
-        if isinstance(node, (ast.Tuple, ast.List)) and node.elts and all(
-                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+        if (
+            isinstance(node, (ast.Tuple, ast.List))
+            and node.elts
+            and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts)
+        ):
             yield node.lineno, tuple(e.value for e in node.elts)
 
 
@@ -145,19 +155,23 @@ def test_compile_options_are_written_once():
                     continue
                 for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
                     if isinstance(node, ast.Dict) and any(
-                            isinstance(k, ast.Constant) and k.value in FAST_COMPILER_OPTIONS for k in node.keys):
+                        isinstance(k, ast.Constant) and k.value in FAST_COMPILER_OPTIONS for k in node.keys
+                    ):
                         where.append(rel)
     assert where == [os.path.join("jaxpar", "analysis", "compile_options.py")] * 2
 
 
 def test_jax_free_modules_do_not_start_jax():
     """The commands set jax's device count before jax starts, so what they import first must not import jax."""
-    code = ("import sys\n"
-            "import jaxpar.cli.plan, jaxpar.cli.sweep, jaxpar.analysis.sweep, jaxpar.config.mesh_axes, "
-            "jaxpar.config.precision\n"
-            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n")
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    code = (
+        "import sys\n"
+        "import jaxpar.cli.plan, jaxpar.cli.sweep, jaxpar.analysis.sweep, jaxpar.config.mesh_axes, "
+        "jaxpar.config.precision\n"
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -183,6 +197,5 @@ def test_byte_formatting_has_one_source():
     from jaxpar.analysis import plan_report, sweep_report
     from jaxpar.analysis.units import human_bytes
 
-    assert [human_bytes(x) for x in (None, 512, 431_400, 26e9, -3e12)] == ["-", "512 B", "431.4 kB", "26 GB",
-                                                                            "-3 TB"]
+    assert [human_bytes(x) for x in (None, 512, 431_400, 26e9, -3e12)] == ["-", "512 B", "431.4 kB", "26 GB", "-3 TB"]
     assert plan_report.human_bytes is human_bytes and sweep_report.human_bytes is human_bytes

@@ -1,4 +1,5 @@
 """Checkpointer on 8 simulated CPU devices: round trip, resharding, retention, completeness, mismatches, async."""
+
 import os
 
 import jax
@@ -66,8 +67,10 @@ def test_round_trip_same_and_different_sharding(tmp_path, mesh):
         assert r.sharding == a.sharding
 
     # Different layouts: fully replicated, and the matrix sharded over the transposed axes.
-    for fn in (lambda x: NamedSharding(mesh, P()),
-               lambda x: NamedSharding(mesh, P("fsdp", "data") if x.ndim == 2 else P())):
+    for fn in (
+        lambda x: NamedSharding(mesh, P()),
+        lambda x: NamedSharding(mesh, P("fsdp", "data") if x.ndim == 2 else P()),
+    ):
         target = _abstract(state, fn)
         assert any(t.sharding != s.sharding for t, s in zip(jax.tree.leaves(target), jax.tree.leaves(state)))
         resharded, _, _ = ckpt.restore(None, target)
@@ -123,6 +126,7 @@ def test_structure_and_shape_mismatch_names_keys(tmp_path, mesh):
     state = _state(mesh)
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
     ckpt.save(1, state, data_state={}, config={})
+
     def repl(x):
         return NamedSharding(mesh, P())
 
@@ -157,8 +161,10 @@ def test_mismatch_is_a_structured_error(tmp_path, mesh):
     state = _state(mesh)
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
     ckpt.save(3, state, data_state={}, config={})
+
     def repl(x):
         return NamedSharding(mesh, P())
+
     target = _abstract(state, repl)
     target["params"]["w_DF"] = jax.ShapeDtypeStruct((8, 32), jnp.bfloat16, sharding=repl(None))
     target["opt_state"] = (*target["opt_state"], optax.EmptyState())  # one more (empty) optimizer stage
@@ -166,10 +172,14 @@ def test_mismatch_is_a_structured_error(tmp_path, mesh):
         ckpt.restore(None, target)
     e = err.value
     assert isinstance(e, ValueError) and e.step == 3 and e.path == str(tmp_path / "3" / "state")
-    assert e.differences == (ArrayDifference("opt_state.2", None, EMPTY),
-                             ArrayDifference("params.w_DF", ((8, 16), "float32"), ((8, 32), "bfloat16")))
-    assert str(e.differences[1]) == ("params.w_DF: checkpoint shape (8, 16) != target shape (8, 32); checkpoint "
-                                     "dtype float32 != target dtype bfloat16")
+    assert e.differences == (
+        ArrayDifference("opt_state.2", None, EMPTY),
+        ArrayDifference("params.w_DF", ((8, 16), "float32"), ((8, 32), "bfloat16")),
+    )
+    assert str(e.differences[1]) == (
+        "params.w_DF: checkpoint shape (8, 16) != target shape (8, 32); checkpoint "
+        "dtype float32 != target dtype bfloat16"
+    )
     assert e.summary(1) == f"2 arrays differ, e.g. {e.differences[1]}"  # parameters first
     assert ckpt.all_steps() == [3]  # a mismatch is not damage: nothing set aside
     ckpt.close()
@@ -198,7 +208,10 @@ def test_async_save_then_wait_and_restore_from_path(tmp_path, mesh):
     # One resolution of a path for restores and for jaxpar-checkpoints; an unfinished save is no checkpoint.
     root = str(tmp_path)
     assert [resolve_checkpoint_path(str(p)) for p in (tmp_path, tmp_path / "1", run_dir)] == [
-        (root, None), (root, 1), (str(run_dir / "checkpoints"), None)]
+        (root, None),
+        (root, 1),
+        (str(run_dir / "checkpoints"), None),
+    ]
     os.makedirs(tmp_path / "3.orbax-checkpoint-tmp" / "state")
     for use in (resolve_checkpoint_path, lambda p: restore_from_path(p, target)):
         with pytest.raises(FileNotFoundError, match=r"unfinished save .*pass its parent"):

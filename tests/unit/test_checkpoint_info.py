@@ -1,4 +1,5 @@
 """`jaxpar-checkpoints`: steps, saved config and mesh, data position and array metadata of a checkpoint on disk."""
+
 import dataclasses
 import json
 import os
@@ -20,23 +21,27 @@ from jaxpar.config.schema import Config
 
 def _state(mesh):
     """params w_DF [8, 16] fp32 sharded (data, fsdp), b_F [16] bf16 replicated; adam state; int32 step."""
-    params = {"w_DF": jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data", "fsdp"))),
-              "b_F": jax.device_put(jnp.zeros((16,), jnp.bfloat16), NamedSharding(mesh, P()))}
+    params = {
+        "w_DF": jax.device_put(jnp.ones((8, 16)), NamedSharding(mesh, P("data", "fsdp"))),
+        "b_F": jax.device_put(jnp.zeros((16,), jnp.bfloat16), NamedSharding(mesh, P())),
+    }
     return {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": jnp.array(4, jnp.int32)}
 
 
 def _config():
     cfg = Config()
-    cfg = cfg.replace(mesh=dataclasses.replace(cfg.mesh, data=2, fsdp=4, tensor=1, pipeline=1),
-                      optimizer=dataclasses.replace(cfg.optimizer, zero_stage=2),
-                      model=dataclasses.replace(cfg.model, d_model=16, n_layers=3, d_ff=48))
+    cfg = cfg.replace(
+        mesh=dataclasses.replace(cfg.mesh, data=2, fsdp=4, tensor=1, pipeline=1),
+        optimizer=dataclasses.replace(cfg.optimizer, zero_stage=2),
+        model=dataclasses.replace(cfg.model, d_model=16, n_layers=3, d_ff=48),
+    )
     return cfg.to_dict()
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A run dir with complete steps 2 and 4, a crashed save of 6 (Orbax tmp dir), a hand-made step 9 and a
-step 3 set aside as unreadable."""
+    step 3 set aside as unreadable."""
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     run = tmp_path_factory.mktemp("run")
     ckpt = Checkpointer(str(run / "checkpoints"), every_steps=1, keep=3, async_save=False)
@@ -88,15 +93,18 @@ def test_json_step_dir_and_checkpoints_dir(run_dir, capsys):
     assert checkpoint_info(str(run / "checkpoints"))["step"] == 4
 
 
-@pytest.mark.parametrize("args, message", [
-    (["{tmp}/missing"], "does not exist"),
-    (["{tmp}"], "no complete checkpoint in"),
-    (["{run}", "--step", "3"], "no complete checkpoint for step 3 .*complete steps: 2, 4"),
-    (["{run}", "--step", "9"], "step 9 .*no commit_success.txt"),
-    (["{run}/checkpoints/9"], "step 9"),
-    (["{run}/checkpoints/6.orbax-checkpoint-tmp"], "unfinished save"),
-    (["{run}/checkpoints/2", "--step", "4"], "contradicts"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["{tmp}/missing"], "does not exist"),
+        (["{tmp}"], "no complete checkpoint in"),
+        (["{run}", "--step", "3"], "no complete checkpoint for step 3 .*complete steps: 2, 4"),
+        (["{run}", "--step", "9"], "step 9 .*no commit_success.txt"),
+        (["{run}/checkpoints/9"], "step 9"),
+        (["{run}/checkpoints/6.orbax-checkpoint-tmp"], "unfinished save"),
+        (["{run}/checkpoints/2", "--step", "4"], "contradicts"),
+    ],
+)
 def test_errors_exit_2_without_traceback(run_dir, tmp_path, capsys, args, message):
     run, _ = run_dir
     argv = [a.format(tmp=tmp_path, run=run) for a in args]

@@ -1,4 +1,5 @@
 """Command lines without a config: the error names the missing config path (not `overrides`) and shows the usage."""
+
 import importlib.util
 import os
 
@@ -16,11 +17,15 @@ def _resolve_tool():
     return module
 
 
-@pytest.mark.parametrize("main, argv, prog", [
-    (train_cli.main, [], "jaxpar-train"),
-    (train_cli.main, ["--cpu-devices", "8"], "jaxpar-train"),
-    (lambda argv: _resolve_tool().main(argv), ["--devices", "8"], ""),  # prog is argv[0], here pytest's
-], ids=["train", "train-flags-only", "resolve_config"])
+@pytest.mark.parametrize(
+    "main, argv, prog",
+    [
+        (train_cli.main, [], "jaxpar-train"),
+        (train_cli.main, ["--cpu-devices", "8"], "jaxpar-train"),
+        (lambda argv: _resolve_tool().main(argv), ["--devices", "8"], ""),  # prog is argv[0], here pytest's
+    ],
+    ids=["train", "train-flags-only", "resolve_config"],
+)
 def test_missing_config_path_is_named(main, argv, prog, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -50,8 +55,11 @@ def test_run_dir_that_cannot_be_created_is_refused_before_device_work(tmp_path, 
     afile = tmp_path / "afile"
     afile.write_text("x")
     tiny = os.path.join(ROOT, "configs", "tiny.yaml")
-    for run_dir, needle in ((afile / "sub", f"cannot be created: {afile} is a file, not a directory"),
-                            (afile, "is a file"), ("/proc/jaxpar-x", "cannot be created or written")):
+    for run_dir, needle in (
+        (afile / "sub", f"cannot be created: {afile} is a file, not a directory"),
+        (afile, "is a file"),
+        ("/proc/jaxpar-x", "cannot be created or written"),
+    ):
         assert train_cli.main([tiny, f"train.run_dir={run_dir}"]) == 2
         err = capsys.readouterr().err
         assert f"config error: train.run_dir='{run_dir}' {needle}" in err and "e.g. train.run_dir=" in err
@@ -76,8 +84,10 @@ def test_launch_without_double_dash_hints_at_it(capsys):
         launch.main(["-n", "2", "--devices-per-process", "4", ".venv/bin/jaxpar-train", "configs/tiny.yaml"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert ("unrecognized arguments: .venv/bin/jaxpar-train configs/tiny.yaml; put `--` before the command to "
-            "run, e.g. jaxpar-launch -n N -- .venv/bin/jaxpar-train configs/tiny.yaml") in err
+    assert (
+        "unrecognized arguments: .venv/bin/jaxpar-train configs/tiny.yaml; put `--` before the command to "
+        "run, e.g. jaxpar-launch -n N -- .venv/bin/jaxpar-train configs/tiny.yaml"
+    ) in err
     with pytest.raises(SystemExit):  # a bad flag before `--` is only named
         launch.main(["-n", "2", "--bogus", "--", "true"])
     err = capsys.readouterr().err

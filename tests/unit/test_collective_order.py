@@ -10,6 +10,7 @@ compiled program, so it runs on 8 devices in seconds:
 * with the data dependencies that order a 1F1B tick removed (`pipeline._after` made the identity), the same
   check finds the pairs: the forward's loop followed by the backward's collectives and the permutes.
 """
+
 import jax
 import pytest
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan, quick_compile
@@ -23,16 +24,30 @@ LAYOUTS = {
     "1f1b_p2_data2_fsdp2": ("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2"),
     "1f1b_p4_fsdp2": ("mesh.pipeline=4", "mesh.fsdp=2", "pipeline.microbatches=4"),
     "1f1b_p2_fsdp2_tensor2_sp": ("mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=2"),
-    "gpipe_p2_data2_fsdp2": ("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2",
-                             "pipeline.schedule=gpipe"),
+    "gpipe_p2_data2_fsdp2": (
+        "mesh.pipeline=2",
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "pipeline.microbatches=2",
+        "pipeline.schedule=gpipe",
+    ),
     "data2_fsdp2_tensor2_accum2": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"),
 }
 
 
 def _compiled_grad_fn_hlo(overrides) -> str:
     with quick_compile():
-        plan = make_plan([*FP32, "model.n_layers=4", f"train.global_batch_size={len(VALID)}", "mesh.data=1",
-                          "mesh.fsdp=1", *overrides], jax.devices()[:8])
+        plan = make_plan(
+            [
+                *FP32,
+                "model.n_layers=4",
+                f"train.global_batch_size={len(VALID)}",
+                "mesh.data=1",
+                "mesh.fsdp=1",
+                *overrides,
+            ],
+            jax.devices()[:8],
+        )
         assert plan.mesh.size == 8
         params = init_state(plan, 0)["params"]
         batch = device_batch(plan, host_batch(VALID, 8, 0))

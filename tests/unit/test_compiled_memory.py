@@ -1,4 +1,5 @@
 """jaxpar.compiled_memory: XLA's per-device memory analysis as ints, and the one peak formula every report uses."""
+
 import jax
 import jax.numpy as jnp
 

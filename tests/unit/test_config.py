@@ -1,4 +1,5 @@
 """Every shipped config loads and validates; bad configs raise ConfigError naming the key and the fix."""
+
 import dataclasses
 import glob
 import os
@@ -51,11 +52,10 @@ def test_gpu_configs_state_every_key_and_do_not_extend_the_cpu_demo(path):
 
 
 def test_base_chain_and_overrides():
-    cfg = load_config(os.path.join(ROOT, "configs", "llama_70b.yaml"), ["train.steps=7", "mesh.fsdp=-1"],
-                      num_devices=8)
+    cfg = load_config(os.path.join(ROOT, "configs", "llama_70b.yaml"), ["train.steps=7", "mesh.fsdp=-1"], num_devices=8)
     assert cfg.model.d_model == 8192 and cfg.model.n_kv_heads == 8  # from llama_70b.yaml
-    assert cfg.model.remat == "full"                                 # from llama_7b.yaml
-    assert cfg.data.source == "tokens"                                # from gpu_base.yaml
+    assert cfg.model.remat == "full"  # from llama_7b.yaml
+    assert cfg.data.source == "tokens"  # from gpu_base.yaml
     assert cfg.checkpoint.every_steps == 1000 and cfg.train.steps == 7
 
 
@@ -67,44 +67,52 @@ def test_resolved_config_round_trips(tmp_path):
     assert load_config(str(out), num_devices=8) == cfg
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["model.hidden=3"], "unknown config key model.hidden"),
-    (["trainer.steps=3"], "unknown config key trainer"),
-    (["train.steps=ten"], "train.steps: expected int"),
-    (["optimizer.eps=tiny"], "optimizer.eps: expected float"),
-    (["model.tie_embeddings=3"], "model.tie_embeddings: expected bool"),
-    (["mesh.fsdp=3"], "make the product equal the device count"),
-    (["mesh.fsdp=-1", "mesh.data=-1"], "only one axis may be -1"),
-    (["mesh.data=3", "mesh.fsdp=-1"], "cannot fill 8 devices"),
-    (["mesh.data=0"], "mesh.data=0"),
-    (["mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=3"], "model.n_layers=3 must be divisible by mesh.pipeline=2"),
-    (["pipeline.schedule=zb"], "pipeline.schedule='zb'"),
-    (["pipeline.microbatches=0"], "pipeline.microbatches=0 must be > 0"),
-    (["pipeline.microbatches=3"], "pipeline.microbatches (3)"),
-    (["optimizer.zero_stage=4"], "optimizer.zero_stage=4 must be 0 (DDP), 1, 2 or 3"),
-    (["optimizer.zero_stage=-1"], "optimizer.zero_stage=-1"),
-    (["model.n_heads=3", "model.n_kv_heads=1"], "model.d_model=128 is not divisible by model.n_heads=3"),
-    (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
-    (["model.vocab_size=200"], "set model.vocab_size >= 259"),
-    (["mesh.tensor=1", "model.d_model=100", "model.n_heads=2", "model.n_kv_heads=1"],
-     "must be divisible by mesh.fsdp * mesh.data=8"),
-    (["train.global_batch_size=10"], "train.global_batch_size=10 must be divisible"),
-    (["train.grad_accum_steps=3"], "train.grad_accum_steps (3)"),
-    (["data.source=jsonl"], "data.path is required"),
-    (["data.source=web"], "data.source='web' is not one of"),
-    (["precision.layout=fp8"], "precision.layout='fp8'"),
-    (["model.remat=some"], "model.remat='some'"),
-    (["data.validation_fraction=1.5"], "data.validation_fraction"),
-    (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan must be a finite number"),
-    (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0 must be > 0"),
-    (["optimizer.eps=-1"], "optimizer.eps=-1.0 must be > 0"),
-    (["optimizer.eps=0"], "optimizer.eps=0.0 must be > 0"),
-    (["optimizer.eps=nan"], "optimizer.eps=nan must be a finite number"),
-    (["optimizer.b2=1.0"], "optimizer.b2=1.0 must lie in [0, 1)"),
-    (["optimizer.b1=-0.1"], "optimizer.b1=-0.1 must lie in [0, 1)"),
-    (["train.run_dir="], "train.run_dir is empty; name the directory"),
-    (["train.run_dir=' '"], "train.run_dir is empty; name the directory"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.hidden=3"], "unknown config key model.hidden"),
+        (["trainer.steps=3"], "unknown config key trainer"),
+        (["train.steps=ten"], "train.steps: expected int"),
+        (["optimizer.eps=tiny"], "optimizer.eps: expected float"),
+        (["model.tie_embeddings=3"], "model.tie_embeddings: expected bool"),
+        (["mesh.fsdp=3"], "make the product equal the device count"),
+        (["mesh.fsdp=-1", "mesh.data=-1"], "only one axis may be -1"),
+        (["mesh.data=3", "mesh.fsdp=-1"], "cannot fill 8 devices"),
+        (["mesh.data=0"], "mesh.data=0"),
+        (
+            ["mesh.pipeline=2", "mesh.fsdp=1", "model.n_layers=3"],
+            "model.n_layers=3 must be divisible by mesh.pipeline=2",
+        ),
+        (["pipeline.schedule=zb"], "pipeline.schedule='zb'"),
+        (["pipeline.microbatches=0"], "pipeline.microbatches=0 must be > 0"),
+        (["pipeline.microbatches=3"], "pipeline.microbatches (3)"),
+        (["optimizer.zero_stage=4"], "optimizer.zero_stage=4 must be 0 (DDP), 1, 2 or 3"),
+        (["optimizer.zero_stage=-1"], "optimizer.zero_stage=-1"),
+        (["model.n_heads=3", "model.n_kv_heads=1"], "model.d_model=128 is not divisible by model.n_heads=3"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads=3 must divide model.n_heads=4"),
+        (["model.vocab_size=200"], "set model.vocab_size >= 259"),
+        (
+            ["mesh.tensor=1", "model.d_model=100", "model.n_heads=2", "model.n_kv_heads=1"],
+            "must be divisible by mesh.fsdp * mesh.data=8",
+        ),
+        (["train.global_batch_size=10"], "train.global_batch_size=10 must be divisible"),
+        (["train.grad_accum_steps=3"], "train.grad_accum_steps (3)"),
+        (["data.source=jsonl"], "data.path is required"),
+        (["data.source=web"], "data.source='web' is not one of"),
+        (["precision.layout=fp8"], "precision.layout='fp8'"),
+        (["model.remat=some"], "model.remat='some'"),
+        (["data.validation_fraction=1.5"], "data.validation_fraction"),
+        (["optimizer.learning_rate=nan"], "optimizer.learning_rate=nan must be a finite number"),
+        (["optimizer.learning_rate=0"], "optimizer.learning_rate=0.0 must be > 0"),
+        (["optimizer.eps=-1"], "optimizer.eps=-1.0 must be > 0"),
+        (["optimizer.eps=0"], "optimizer.eps=0.0 must be > 0"),
+        (["optimizer.eps=nan"], "optimizer.eps=nan must be a finite number"),
+        (["optimizer.b2=1.0"], "optimizer.b2=1.0 must lie in [0, 1)"),
+        (["optimizer.b1=-0.1"], "optimizer.b1=-0.1 must lie in [0, 1)"),
+        (["train.run_dir="], "train.run_dir is empty; name the directory"),
+        (["train.run_dir=' '"], "train.run_dir is empty; name the directory"),
+    ],
+)
 def test_bad_config_names_key_and_fix(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, overrides, num_devices=8)
@@ -115,15 +123,21 @@ def test_bad_config_names_key_and_fix(overrides, needle):
 def test_device_counts_below_one_are_refused(devices):
     """0 used to divide by zero; -4 with mesh.fsdp=-1 used to resolve to a mesh of negative sizes."""
     cfg = load_config(TINY, validate=False)
-    for check in (lambda: resolve_mesh_shape(cfg, devices), lambda: resolve_config(cfg, devices),
-                  lambda: load_config(TINY, num_devices=devices)):
+    for check in (
+        lambda: resolve_mesh_shape(cfg, devices),
+        lambda: resolve_config(cfg, devices),
+        lambda: load_config(TINY, num_devices=devices),
+    ):
         with pytest.raises(ConfigError, match=rf"device count {devices}: a mesh needs at least 1 device"):
             check()
 
 
 def test_repeated_override_key_is_refused():
-    with pytest.raises(ConfigError, match=r"override mesh\.data is given twice \('mesh.data=4' and "
-                                          r"'mesh.data=2'\); keep one of them"):
+    with pytest.raises(
+        ConfigError,
+        match=r"override mesh\.data is given twice \('mesh.data=4' and "
+        r"'mesh.data=2'\); keep one of them",
+    ):
         check_unique_overrides(["mesh.data=4", "train.steps=3", "mesh.data=2"])
     with pytest.raises(ConfigError, match=r"override train\.steps is given twice"):
         check_unique_overrides(["train.steps=3", " train.steps =4"])

@@ -1,4 +1,5 @@
 """Data pipeline: tokenizer, sources, packing, sharded loader, unigram entropy (8 simulated CPU devices)."""
+
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from jaxpar.data.loader import _process_rows
 
 # --- tokenizer ---------------------------------------------------------------------------------------------
 
+
 def test_tokenizer_round_trips_non_ascii():
     tok = ByteTokenizer()
     text = "héllo, wörld — 日本語 🙂"
@@ -44,6 +46,7 @@ def test_tokenizer_round_trips_non_ascii():
 
 
 # --- packing -----------------------------------------------------------------------------------------------
+
 
 def test_pack_shifts_targets_and_masks_padding():
     stream = np.arange(10, dtype=np.uint16)  # 9 targets, T=4 -> 3 sequences, the last with 1 real target
@@ -60,6 +63,7 @@ def test_pack_shifts_targets_and_masks_padding():
 
 
 # --- sources -----------------------------------------------------------------------------------------------
+
 
 def _docs(tokens: np.ndarray) -> list[bytes]:
     """Splits a BOS ... EOS stream back into document bytes."""
@@ -123,8 +127,7 @@ def test_token_file_split_by_fraction(tmp_path, dtype):
     ids = (np.arange(1000) * 7919 % 70000).astype(dtype)
     path = tmp_path / "tokens.bin"
     ids.tofile(path)
-    train, val = load_tokens(DataConfig(source="tokens", path=str(path), token_dtype=dtype,
-                                        validation_fraction=0.1))
+    train, val = load_tokens(DataConfig(source="tokens", path=str(path), token_dtype=dtype, validation_fraction=0.1))
     assert train.dtype == val.dtype == np.dtype(dtype)
     assert (len(train), len(val)) == (900, 100)
     np.testing.assert_array_equal(np.concatenate([train, val]), ids)
@@ -307,8 +310,16 @@ def test_loader_two_processes_read_their_own_rows(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=root)
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), str(port)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     for p, out in zip(procs, outs):
         assert p.returncode == 0 and out.strip().endswith("ok"), out[-3000:]
@@ -350,6 +361,7 @@ def test_out_of_vocabulary_fix_is_a_multiple_of_mesh_tensor(tmp_path, sharding):
 
 
 # --- stats -------------------------------------------------------------------------------------------------
+
 
 def test_unigram_entropy_uniform_is_log_k():
     for k in (1, 2, 7, 259):

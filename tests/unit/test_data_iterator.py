@@ -1,5 +1,6 @@
 """A script's own data iterator (jaxpar.data.IteratorLoader): global batches from process-local ones, exact resume
 from the iterator's own state (a Grain dataset iterator and a bytes-state iterator), and clear errors."""
+
 from __future__ import annotations
 
 import grain
@@ -22,8 +23,11 @@ def _sharding():
 def _grain_iterator(seed: int = 3):
     """Grain: 40 sequences of T tokens, shuffled, batched G at a time into the batch dict."""
     rows = np.arange(40 * (T + 1), dtype=np.int64).reshape(40, T + 1) % 97
-    ds = grain.MapDataset.source(list(rows)).shuffle(seed=seed).map(
-        lambda r: {"inputs": r[:-1], "targets": r[1:], "loss_mask": np.ones(T, np.float32)})
+    ds = (
+        grain.MapDataset.source(list(rows))
+        .shuffle(seed=seed)
+        .map(lambda r: {"inputs": r[:-1], "targets": r[1:], "loss_mask": np.ones(T, np.float32)})
+    )
     return iter(ds.to_iter_dataset().batch(G))
 
 
@@ -81,11 +85,21 @@ def test_bad_iterators_and_batches_are_named():
     with pytest.raises(TypeError, match="lacks get_state, set_state"):
         IteratorLoader(iter([]), G, T, _sharding())
     loader = IteratorLoader(BytesState(), G, T, _sharding())
-    wrong = [({"inputs": np.zeros((G, T), np.int32)}, r"keys \['inputs', 'targets', 'loss_mask'\]"),
-             ({"inputs": np.zeros((4, T), np.int32), "targets": np.zeros((4, T), np.int32),
-               "loss_mask": np.zeros((4, T))}, r"batch\['inputs'\] has shape \(4, 6\).*expected \(8, 6\)"),
-             ({"inputs": np.zeros((G, T)), "targets": np.zeros((G, T), np.int32), "loss_mask": np.zeros((G, T))},
-              "must hold integer token ids, got float64")]
+    wrong = [
+        ({"inputs": np.zeros((G, T), np.int32)}, r"keys \['inputs', 'targets', 'loss_mask'\]"),
+        (
+            {
+                "inputs": np.zeros((4, T), np.int32),
+                "targets": np.zeros((4, T), np.int32),
+                "loss_mask": np.zeros((4, T)),
+            },
+            r"batch\['inputs'\] has shape \(4, 6\).*expected \(8, 6\)",
+        ),
+        (
+            {"inputs": np.zeros((G, T)), "targets": np.zeros((G, T), np.int32), "loss_mask": np.zeros((G, T))},
+            "must hold integer token ids, got float64",
+        ),
+    ]
     for batch, message in wrong:
         loader.iterator = iter([batch])  # next_batch only draws from it
         with pytest.raises(ValueError, match=message):
@@ -97,8 +111,11 @@ def test_state_of_another_process_count():
     same = {"processes": [{"bytes": '{"k": 4}'}, {"bytes": '{"k": 4}'}]}
     loader.set_state(same)  # equal states: the position does not depend on the process
     assert loader.iterator.k == 4
-    with pytest.raises(ValueError, match="holds the data iterator states of 2 processes, which differ, but this "
-                                         "run has 1; resume with 2 processes"):
+    with pytest.raises(
+        ValueError,
+        match="holds the data iterator states of 2 processes, which differ, but this "
+        "run has 1; resume with 2 processes",
+    ):
         loader.set_state({"processes": [{"bytes": '{"k": 4}'}, {"bytes": '{"k": 5}'}]})
     with pytest.raises(ValueError, match="must be {'processes'"):
         loader.set_state({"next_sample": 3})

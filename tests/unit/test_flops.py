@@ -1,4 +1,5 @@
 """FLOPs formulas, parameter counts, peak lookup and MFU arithmetic, checked against hand-computed numbers."""
+
 import os
 
 import jax
@@ -30,9 +31,19 @@ def test_recompute_flops_match_xla_cost_analysis(policy):
     b, t = 2, 64
 
     def grad_flops(remat):
-        cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [
-            "model.n_layers=2", f"model.remat={remat}", "model.d_model=256", "model.d_ff=1024", "model.n_heads=4",
-            "model.n_kv_heads=2", "mesh.data=1", "mesh.tensor=1"]).model
+        cfg = load_config(
+            os.path.join(ROOT, "configs", "tiny.yaml"),
+            [
+                "model.n_layers=2",
+                f"model.remat={remat}",
+                "model.d_model=256",
+                "model.d_ff=1024",
+                "model.n_heads=4",
+                "model.n_kv_heads=2",
+                "mesh.data=1",
+                "mesh.tensor=1",
+            ],
+        ).model
         graphdef, state = nnx.split(Llama(cfg, nnx.Rngs(0)))
 
         def loss(state, x):
@@ -53,10 +64,10 @@ def test_recompute_flops_match_xla_cost_analysis(policy):
 
 def test_param_counts_exclude_top_level_embeddings():
     params = {
-        "embed": {"table": jnp.zeros((10, 4))},                      # 40
+        "embed": {"table": jnp.zeros((10, 4))},  # 40
         "layers": {"w": jnp.zeros((4, 8)), "b": jnp.zeros((8,))},  # 40
         "norm": {"scale": jax.ShapeDtypeStruct((4,), jnp.float32)},  # 4
-        "lm_head": {"w": jnp.zeros((4, 10))},                        # 40
+        "lm_head": {"w": jnp.zeros((4, 10))},  # 40
     }
     assert param_count(params) == 124
     assert flops.count_non_embedding_params(params) == 44
@@ -65,18 +76,21 @@ def test_param_counts_exclude_top_level_embeddings():
         flops.count_non_embedding_params([jnp.zeros(3)])
 
 
-@pytest.mark.parametrize("kind, peak", [
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA A100-SXM4-40GB", 312e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("TPU v4", 275e12),
-    ("TPU v5 lite", 197e12),
-    ("TPU v5p", 459e12),
-    ("TPU v6 lite", 918e12),
-    ("cpu", None),
-    ("NVIDIA GeForce RTX 4090", None),
-])
+@pytest.mark.parametrize(
+    "kind, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("TPU v4", 275e12),
+        ("TPU v5 lite", 197e12),
+        ("TPU v5p", 459e12),
+        ("TPU v6 lite", 918e12),
+        ("cpu", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
 def test_peak_lookup(kind, peak):
     assert flops.peak_flops(kind) == peak
 

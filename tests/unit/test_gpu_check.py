@@ -6,6 +6,7 @@ Without the plugin these tests check that record against the current configs (fi
 (within 15%) and the README's table, so an unchecked change to a config or to the planner fails here. Where the
 plugin is installed, one small config is compiled for two H100 nodes and one shipped config recompiled.
 """
+
 from __future__ import annotations
 
 import glob
@@ -65,7 +66,8 @@ def test_stale_or_off_record_is_reported():
     path = os.path.join(CONFIGS, "llama_7b.yaml")
     rec = dict(RECORDS["llama_7b.yaml"])
     assert gpu_check.problems({**rec, "fingerprint": "0" * 64}, path)[0].startswith(
-        "llama_7b.yaml: the record was compiled for other settings")
+        "llama_7b.yaml: the record was compiled for other settings"
+    )
     assert "exceeds the usable" in gpu_check.problems({**rec, "fits": False}, path)[0]
     off = gpu_check.problems({**rec, "peak_bytes": int(rec["planned_peak_bytes"] * 1.2)}, path)
     assert len(off) == 1 and "outside 1 +- 0.15" in off[0]
@@ -73,8 +75,9 @@ def test_stale_or_off_record_is_reported():
 
 def test_fingerprint_follows_what_the_step_compiles():
     base = load_config(os.path.join(CONFIGS, "llama_7b.yaml"), num_devices=64)
-    same = load_config(os.path.join(CONFIGS, "llama_7b.yaml"), ["train.run_dir=elsewhere", "train.steps=5"],
-                       num_devices=64)
+    same = load_config(
+        os.path.join(CONFIGS, "llama_7b.yaml"), ["train.run_dir=elsewhere", "train.steps=5"], num_devices=64
+    )
     other = load_config(os.path.join(CONFIGS, "llama_7b.yaml"), ["train.grad_accum_steps=2"], num_devices=64)
     assert gpu_check.fingerprint(base) == gpu_check.fingerprint(same) != gpu_check.fingerprint(other)
 
@@ -83,8 +86,7 @@ def test_readme_table_is_the_records_with_the_current_plan():
     """The README's "Will it fit?" table is `format_table` of the stored records, planned by today's code."""
     records = [RECORDS[os.path.basename(p)] for p in GPU_CONFIGS]
     records.sort(key=lambda r: list(RECORDS).index(r["config"]))  # the order of the file (smallest first)
-    planned = {os.path.basename(p): gpu_check.planned_peak(gpu_check.resolved_for_cluster(p)[0])
-               for p in GPU_CONFIGS}
+    planned = {os.path.basename(p): gpu_check.planned_peak(gpu_check.resolved_for_cluster(p)[0]) for p in GPU_CONFIGS}
     table = gpu_check.format_table(records, planned)
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
@@ -97,8 +99,7 @@ def test_small_config_on_two_h100_nodes_is_planned_within_15_percent(tmp_path):
     plan agree within 15%, and it fits."""
     from jaxpar.analysis.plan_gpu import compile_for_gpu
 
-    cfg = load_config(os.path.join(CONFIGS, "llama_125m.yaml"), ["train.global_batch_size=512"],
-                      num_devices=16)
+    cfg = load_config(os.path.join(CONFIGS, "llama_125m.yaml"), ["train.global_batch_size=512"], num_devices=16)
     out = compile_for_gpu(cfg, "h100", 2, 8)
     assert out["mesh"] == {"data": 16, "pipeline": 1, "fsdp": 1, "tensor": 1} and out["fits"]
     assert abs(out["planned"]["ratio"] - 1) <= gpu_check.PLAN_TOLERANCE, out["planned"]["ratio"]

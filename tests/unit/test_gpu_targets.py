@@ -3,6 +3,7 @@
 No CUDA plugin needed: the descriptions are parsed here as text (the plugin's own parsing is exercised by
 tests/system/test_plan_gpu.py where the `gpu-compile` extra is installed).
 """
+
 from __future__ import annotations
 
 import ast
@@ -49,9 +50,16 @@ def test_parse_text_proto():
     r { k: 1 } r: { k: 2 }
     """
     assert gpu_targets.parse_text_proto(text) == {
-        "a": {"b": 1, "c": -2.5, "d": {"e": "ENUM_VALUE"}}, "s": "NVIDIA X", "r": [{"k": 1}, {"k": 2}]}
-    for bad, message in (("a { b: 1", "unbalanced"), ("a: 1 }", "unbalanced"), ("a b: 1", "no value"),
-                         ("{ b: 1 }", "without a field name")):
+        "a": {"b": 1, "c": -2.5, "d": {"e": "ENUM_VALUE"}},
+        "s": "NVIDIA X",
+        "r": [{"k": 1}, {"k": 2}],
+    }
+    for bad, message in (
+        ("a { b: 1", "unbalanced"),
+        ("a: 1 }", "unbalanced"),
+        ("a b: 1", "no value"),
+        ("{ b: 1 }", "without a field name"),
+    ):
         with pytest.raises(ValueError, match=message):
             gpu_targets.parse_text_proto(bad)
 
@@ -69,7 +77,13 @@ def test_target_text_missing_field_platform_or_peak_is_refused():
 def test_cluster_names():
     c = gpu_targets.parse_cluster(" H100:8x8 ")
     assert (c.target.name, c.nodes, c.gpus_per_node, c.devices, c.topology, c.name) == (
-        "h100", 8, 8, 64, "1x8x8", "h100:8x8")
+        "h100",
+        8,
+        8,
+        64,
+        "1x8x8",
+        "h100:8x8",
+    )
     for bad in ("h100", "h100:8", "h100:8x", "h100:0x8", "h100:2x0"):
         with pytest.raises(ValueError):
             gpu_targets.parse_cluster(bad)

@@ -19,6 +19,7 @@ Outside the loops the embedding/head/cross-entropy collectives and the optimizer
 run once; the combiner merges some of them into tuple all-reduces (e.g. the head's backward all-reduce with a
 grad-norm partial sum), so they are only checked in total by experiments/bench_tensor_collectives.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -68,9 +69,11 @@ def _counts(hlo_text, mesh, body) -> dict:
 @pytest.mark.parametrize("fsdp", [1, 2])
 @pytest.mark.parametrize("sp", [False, True])
 def test_layer_collectives(fsdp, sp):
-    devices = jax.devices()[:2 * fsdp]
-    plan = make_plan([*FP32, "mesh.data=1", f"mesh.fsdp={fsdp}", "mesh.tensor=2",
-                      f"tensor.sequence_parallel={str(sp).lower()}"], devices)
+    devices = jax.devices()[: 2 * fsdp]
+    plan = make_plan(
+        [*FP32, "mesh.data=1", f"mesh.fsdp={fsdp}", "mesh.tensor=2", f"tensor.sequence_parallel={str(sp).lower()}"],
+        devices,
+    )
     batch = device_batch(plan, host_batch([8] * 8, 8, seed=0))
     text = compile_fast(make_train_step(plan), abstract_state(plan), batch).as_text()
     fwd, bwd = _layer_loops(text)
@@ -123,16 +126,21 @@ def test_cpu_backend_widens_bf16_collectives(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
     def body(a, b):
-        out = [jax.lax.psum(a, "x"), jax.lax.psum_scatter(a, "x", tiled=True), jax.lax.all_gather(a, "x", tiled=True),
-               jax.lax.ppermute(a, "x", [(i, (i + 1) % 4) for i in range(4)])]
+        out = [
+            jax.lax.psum(a, "x"),
+            jax.lax.psum_scatter(a, "x", tiled=True),
+            jax.lax.all_gather(a, "x", tiled=True),
+            jax.lax.ppermute(a, "x", [(i, (i + 1) % 4) for i in range(4)]),
+        ]
         return [*out, jax.lax.psum(b, "x")]
 
     def collectives(a, b):
         return jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))(a, b)
 
     lowered = jax.jit(collectives).lower(jnp.ones((16, 8), jnp.bfloat16), jnp.ones((16, 8), jnp.float32))
-    executable = lowered.compile({"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": PARTITIONER_PASS,
-                                  "xla_dump_hlo_as_text": True})
+    executable = lowered.compile(
+        {"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": PARTITIONER_PASS, "xla_dump_hlo_as_text": True}
+    )
 
     def table(text):
         """{(kind, dtype): elements of the operands}, and the number of all-reduce instructions."""

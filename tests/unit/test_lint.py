@@ -1,5 +1,6 @@
-"""The tree is clean under the project's ruff configuration (pyproject.toml [tool.ruff]); ruff is in the test
-extra."""
+"""The tree is clean under the project's ruff configuration (pyproject.toml [tool.ruff]): the linter finds
+nothing and the formatter would change nothing. ruff is in the test extra."""
+
 from __future__ import annotations
 
 import os
@@ -12,9 +13,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_ruff_check_is_clean():
+def _ruff(*args: str) -> subprocess.CompletedProcess:
     pytest.importorskip("ruff", reason="ruff (in the test extra) is not installed")
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
-    out = subprocess.run([ruff or sys.executable, *([] if ruff else ["-m", "ruff"]), "check", "--no-cache", ROOT],
-                         capture_output=True, text=True, cwd=ROOT)
+    command = [ruff] if ruff else [sys.executable, "-m", "ruff"]
+    return subprocess.run([*command, *args, "--no-cache", ROOT], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_ruff_check_is_clean():
+    out = _ruff("check")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_ruff_format_is_clean():
+    out = _ruff("format", "--check")
+    assert out.returncode == 0, f"run `ruff format .`; it would change:\n{out.stdout}{out.stderr}"

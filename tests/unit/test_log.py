@@ -1,5 +1,6 @@
 """Library messages go through `logging` (jaxpar.log): a script can silence or redirect them; the commands print
 plain lines, info and warnings on stdout, errors on stderr; the training core has no print()."""
+
 from __future__ import annotations
 
 import ast
@@ -32,7 +33,8 @@ def test_training_messages_are_log_records(caplog):
     with caplog.at_level(logging.INFO, logger="jaxpar"):
         _log("step 0: val_loss 5.5")
     assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
-        ("jaxpar.training", "INFO", "step 0: val_loss 5.5")]
+        ("jaxpar.training", "INFO", "step 0: val_loss 5.5")
+    ]
 
 
 @pytest.fixture

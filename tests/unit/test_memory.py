@@ -1,4 +1,5 @@
 """Model-state bytes per device: the ZeRO formula by hand, and the formula against XLA's compiled step."""
+
 import jax
 import pytest
 
@@ -63,8 +64,13 @@ _MEASURED: dict = {}
 
 
 def _plan_state_batch(zero: int, layout: str, data: int = 8, fsdp: int = 1):
-    overrides = SMALL + ["mesh.tensor=1", f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"optimizer.zero_stage={zero}",
-                         f"precision.layout={layout}"]
+    overrides = SMALL + [
+        "mesh.tensor=1",
+        f"mesh.data={data}",
+        f"mesh.fsdp={fsdp}",
+        f"optimizer.zero_stage={zero}",
+        f"precision.layout={layout}",
+    ]
     cfg = load_config("configs/tiny.yaml", overrides, num_devices=8)
     plan = build_plan(cfg, build_mesh(cfg))
     state = jax.eval_shape(lambda: init_state(plan, 0))  # abstract: only compiled, never run
@@ -83,9 +89,14 @@ def _measure(zero: int, layout: str, data: int = 8, fsdp: int = 1):
 
 # fp32 at every ZeRO stage on data=8; 16p ZeRO-1 on data=8 and ZeRO-3 on data=4 x fsdp=2 (the F divisor).
 # Three of them run under `-m slow` only, to keep the default suite within its time budget.
-CASES = [pytest.param(0, "fp32", 8, 1, marks=pytest.mark.slow), (1, "fp32", 8, 1),
-         pytest.param(2, "fp32", 8, 1, marks=pytest.mark.slow), (3, "fp32", 8, 1),
-         pytest.param(1, "16p", 8, 1, marks=pytest.mark.slow), (3, "16p", 4, 2)]
+CASES = [
+    pytest.param(0, "fp32", 8, 1, marks=pytest.mark.slow),
+    (1, "fp32", 8, 1),
+    pytest.param(2, "fp32", 8, 1, marks=pytest.mark.slow),
+    (3, "fp32", 8, 1),
+    pytest.param(1, "16p", 8, 1, marks=pytest.mark.slow),
+    (3, "16p", 4, 2),
+]
 
 
 @pytest.mark.parametrize("zero,layout,data,fsdp", CASES)

@@ -1,4 +1,5 @@
 """MetricsWriter: JSON lines, TensorBoard events, append on resume, and a disabled writer that writes nothing."""
+
 import json
 import os
 

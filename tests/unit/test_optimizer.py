@@ -7,6 +7,7 @@
 
 Shape letters: G global batch, T sequence length.
 """
+
 import math
 
 import jax
@@ -32,12 +33,15 @@ def _rate(schedule, update: int) -> float:
 @pytest.mark.parametrize("decay", ["linear", "cosine", "constant"])
 def test_schedule_values_at_the_documented_updates(decay):
     peak, ratio, warmup, steps = 3e-3, 0.1, 20, 200
-    schedule = learning_rate_schedule(OptimizerConfig(learning_rate=peak, warmup_steps=warmup, decay=decay,
-                                                      min_lr_ratio=ratio), steps)
+    schedule = learning_rate_schedule(
+        OptimizerConfig(learning_rate=peak, warmup_steps=warmup, decay=decay, min_lr_ratio=ratio), steps
+    )
     end, d = peak * ratio, steps - warmup
-    last = {"linear": peak + (end - peak) * (d - 1) / d,
-            "cosine": end + (peak - end) * (1 + math.cos(math.pi * (d - 1) / d)) / 2,
-            "constant": peak}[decay]
+    last = {
+        "linear": peak + (end - peak) * (d - 1) / d,
+        "cosine": end + (peak - end) * (1 + math.cos(math.pi * (d - 1) / d)) / 2,
+        "constant": peak,
+    }[decay]
     got = [_rate(schedule, k) for k in (1, 2, warmup, warmup + 1, steps)]
     np.testing.assert_allclose(got, [peak / warmup, 2 * peak / warmup, peak, peak, last], rtol=1e-6)
     assert float(schedule(steps)) == pytest.approx(end if decay != "constant" else peak, rel=1e-6)
@@ -45,8 +49,9 @@ def test_schedule_values_at_the_documented_updates(decay):
 
 
 def _plan(*overrides):
-    return make_plan([*FP32, "mesh.data=2", "mesh.fsdp=1", f"train.global_batch_size={G}", *overrides],
-                     jax.devices()[:2])
+    return make_plan(
+        [*FP32, "mesh.data=2", "mesh.fsdp=1", f"train.global_batch_size={G}", *overrides], jax.devices()[:2]
+    )
 
 
 def _batches(plan, n):
@@ -58,12 +63,15 @@ def test_first_update_moves_every_parameter():
     plan = _plan("train.steps=200")
     assert plan.cfg.optimizer.warmup_steps == 20
     state = init_state(plan, SEED)
-    batch, = _batches(plan, 1)
+    (batch,) = _batches(plan, 1)
     step = compile_fast(make_train_step(plan), state, batch)
     before = to_host(state["params"])
     state, metrics = step(state, batch)
-    for path, old, new in zip(jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(before),
-                              jax.tree.leaves(to_host(state["params"]))):
+    for path, old, new in zip(
+        jax.tree_util.tree_flatten_with_path(before)[0],
+        jax.tree.leaves(before),
+        jax.tree.leaves(to_host(state["params"])),
+    ):
         assert not np.array_equal(old, new), f"{jax.tree_util.keystr(path[0])} did not move in the first update"
     assert float(metrics["learning_rate"]) == pytest.approx(plan.cfg.optimizer.learning_rate / 20, rel=1e-6)
 
@@ -72,8 +80,13 @@ def test_logged_rate_is_the_applied_rate_after_a_skipped_update():
     """Linear decay 1e-2 -> 0 over 4 steps, no warmup, a non-finite step 2 (a NaN loss mask makes every
     gradient NaN): the four steps report 1e-2, 0 (skipped), 7.5e-3, 5e-3, the rates a run that never saw the
     bad batch applies to the same three good batches, and both runs end with the same parameters."""
-    plan = _plan("train.steps=4", "optimizer.warmup_steps=0", "optimizer.decay=linear",
-                 "optimizer.learning_rate=1e-2", "optimizer.min_lr_ratio=0")
+    plan = _plan(
+        "train.steps=4",
+        "optimizer.warmup_steps=0",
+        "optimizer.decay=linear",
+        "optimizer.learning_rate=1e-2",
+        "optimizer.min_lr_ratio=0",
+    )
 
     good = _batches(plan, 3)
     bad = device_batch(plan, dict(host_batch([T] * G, T, seed=SEED), loss_mask=np.full((G, T), np.nan, np.float32)))

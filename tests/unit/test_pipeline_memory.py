@@ -32,6 +32,7 @@ Only M = 4 and M = 32 are compiled for the fixed-G regime here (M = 32 is the sa
 Shape letters: G global batch, b microbatch rows, T sequence length, L layers, D model width, F mlp hidden
 width, V vocabulary, M microbatches, p stages.
 """
+
 import jax
 import pytest
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
@@ -49,9 +50,20 @@ SCHEDULES = ("1f1b", "gpipe")
 
 
 def _temp_bytes(schedule: str, m: int, g: int) -> int:
-    plan = make_plan([*FP32, f"model.n_layers={L}", f"data.seq_len={T}", "mesh.data=1", "mesh.fsdp=1",
-                      f"mesh.pipeline={P_STAGES}", f"pipeline.microbatches={m}", f"pipeline.schedule={schedule}",
-                      f"train.global_batch_size={g}"], jax.devices()[:P_STAGES])
+    plan = make_plan(
+        [
+            *FP32,
+            f"model.n_layers={L}",
+            f"data.seq_len={T}",
+            "mesh.data=1",
+            "mesh.fsdp=1",
+            f"mesh.pipeline={P_STAGES}",
+            f"pipeline.microbatches={m}",
+            f"pipeline.schedule={schedule}",
+            f"train.global_batch_size={g}",
+        ],
+        jax.devices()[:P_STAGES],
+    )
     params = abstract_state(plan)["params"]  # ShapeDtypeStructs with shardings: nothing is allocated
     w = params["blocks"]["mlp"]["w_up"]
     assert plan.mesh.shape["pipeline"] == P_STAGES and shard_shape(w)[0] == L // P_STAGES  # 1 layer per stage
@@ -88,8 +100,9 @@ def test_gpipe_temp_grows_linearly_in_microbatches_at_fixed_microbatch_size(temp
     assert all(a < b for a, b in zip(values, values[1:])), values
     assert values[-1] > 2 * values[0], values
     # Linear: every extra microbatch keeps the same residuals (one more tick of the differentiated loop).
-    slopes = [(b - a) / (mb - ma) for (a, ma), (b, mb) in zip(zip(values, MICROBATCHES),
-                                                              zip(values[1:], MICROBATCHES[1:]))]
+    slopes = [
+        (b - a) / (mb - ma) for (a, ma), (b, mb) in zip(zip(values, MICROBATCHES), zip(values[1:], MICROBATCHES[1:]))
+    ]
     assert max(slopes) <= 1.05 * min(slopes), slopes
     for m in MICROBATCHES:
         assert temp["b", "gpipe", m] > temp["b", "1f1b", m]
@@ -105,5 +118,4 @@ def test_temp_at_fixed_global_batch(temp):
     for m in (first, last):
         assert temp["G", "gpipe", m] > 2 * temp["G", "1f1b", m]
     # The gap widens with M: GPipe keeps the whole batch, 1F1B only 2p - 1 ever smaller microbatches.
-    assert (temp["G", "gpipe", last] / temp["G", "1f1b", last]
-            > temp["G", "gpipe", first] / temp["G", "1f1b", first])
+    assert temp["G", "gpipe", last] / temp["G", "1f1b", last] > temp["G", "gpipe", first] / temp["G", "1f1b", first]

@@ -1,4 +1,5 @@
 """Pipeline schedule arithmetic (`jaxpar.analysis.pipeline_report`): pure integer/float checks, no compilation."""
+
 import pytest
 
 from jaxpar.analysis.pipeline_report import (
@@ -63,8 +64,10 @@ def test_ideal_time_ratio():
     assert ideal_time_ratio("1f1b", 2, 4) == pytest.approx(4 * 5 / 12)
 
 
-@pytest.mark.parametrize("call", [lambda: tick_counts("zb", 2, 4), lambda: bubble_fraction(0, 4),
-                                  lambda: stage_inputs_in_flight("1f1b", 2, 0)])
+@pytest.mark.parametrize(
+    "call",
+    [lambda: tick_counts("zb", 2, 4), lambda: bubble_fraction(0, 4), lambda: stage_inputs_in_flight("1f1b", 2, 0)],
+)
 def test_bad_arguments_raise(call):
     with pytest.raises(ValueError):
         call()

@@ -11,6 +11,7 @@ all-reduce combiner can put a few grad-norm scalars (tens of bytes) into a tuple
 integer arithmetic and the partitioned program has no combined ops, so its rows match exactly (ratio 1.0000
 measured), and a dtype error is a factor of 2, far outside either bound.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,8 +47,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
 LLAMA_13B = os.path.join(ROOT, "configs", "llama_13b.yaml")
 # Compile time dominates: the model is as small as the checks allow (d_model 64 divides by 8 state shards).
-SMALL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
-         "data.seq_len=8", "train.global_batch_size=8"]
+SMALL = [
+    "model.n_layers=2",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "data.seq_len=8",
+    "train.global_batch_size=8",
+]
 FAST = ["--fast-compile"]
 
 
@@ -83,8 +91,16 @@ def _rank_params_from_specs(cfg) -> int:
         used = {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
         return x.size // math.prod(shape[a] for a in ("tensor", "pipeline") if a in used)
 
-    return sum(jax.tree.leaves(jax.tree.map(rank_size, params, step_plan.specs["params"],
-                                            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))))
+    return sum(
+        jax.tree.leaves(
+            jax.tree.map(
+                rank_size,
+                params,
+                step_plan.specs["params"],
+                is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+            )
+        )
+    )
 
 
 def test_rank_params_match_the_step_on_a_tensor_pipeline_mesh():
@@ -107,8 +123,7 @@ def test_state_bytes_by_hand():
 def test_activation_formula_by_hand():
     # remat=full, no pipeline: each layer keeps its block input b*s*D; outside, the embedding output b*s*D and
     # the logits b*s*V in the compute dtype. data=8: b = 8 / 8 = 1 row.
-    cfg = _cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=full",
-                "precision.compute_dtype=bfloat16"])
+    cfg = _cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=full", "precision.compute_dtype=bfloat16"])
     b, s, d, v, layers, heads = 1, 8, 64, 264, 2, 4
     act = activation_bytes(cfg)
     assert act["per_layer"] == b * s * d * 2
@@ -118,8 +133,9 @@ def test_activation_formula_by_hand():
     # their gradient, 2*4 + 2*2 bytes per score element [b, H, s, s]; no fused kernel keeps them on chip.
     assert attention_working_bytes(cfg) == 12 * b * heads * s * s
     assert temp_bytes(cfg)["attention_working"] == 12 * b * heads * s * s
-    none = activation_bytes(_cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=none",
-                                  "precision.compute_dtype=bfloat16"]))
+    none = activation_bytes(
+        _cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=none", "precision.compute_dtype=bfloat16"])
+    )
     assert none["korthikanti"] == layers * s * b * d * (34 + 5 * 4 * s / d)
     # remat none keeps, per layer, q, k, v (4 heads of 16, 2 key/value heads), two projection outputs, gate and
     # up (d_ff 128), the attention context, and the fp32 probabilities.
@@ -128,8 +144,16 @@ def test_activation_formula_by_hand():
     assert none["per_layer"] == b * s * d * 2 + matmuls + b * s * heads * 16 * 2 + 4 * b * heads * s * s
     # 1F1B keeps a ring of 2p - 1 stage inputs [b, s, D] whatever m; compute_dtype auto is bf16 on a GPU target
     # and fp32 on CPU.
-    pipe = _cfg(["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=2", "model.remat=full",
-                 "pipeline.microbatches=2"])
+    pipe = _cfg(
+        [
+            "mesh.data=4",
+            "mesh.fsdp=1",
+            "mesh.tensor=1",
+            "mesh.pipeline=2",
+            "model.remat=full",
+            "pipeline.microbatches=2",
+        ]
+    )
     assert activation_bytes(pipe, "gpu")["stage_inputs"] == 3 * (8 // 4 // 2) * s * d * 2
     assert activation_bytes(pipe, "cpu")["stage_inputs"] == 3 * (8 // 4 // 2) * s * d * 4
 
@@ -137,8 +161,12 @@ def test_activation_formula_by_hand():
 def test_seed_exercise_numbers():
     ex = zero_exercise(13e9, 8, 24 * GB, "16p")
     assert [s["bytes"] / GB for s in ex["stages"]] == pytest.approx([208.0, 71.5, 48.75, 26.0], rel=1e-12)
-    assert [s["expression"] for s in ex["stages"]] == ["DDP 16p: 16P", "ZeRO-1 16p: 4P + 12P/N",
-                                                       "ZeRO-2 16p: 2P + 14P/N", "ZeRO-3 16p: 16P/N"]
+    assert [s["expression"] for s in ex["stages"]] == [
+        "DDP 16p: 16P",
+        "ZeRO-1 16p: 4P + 12P/N",
+        "ZeRO-2 16p: 2P + 14P/N",
+        "ZeRO-3 16p: 16P/N",
+    ]
     assert ex["smallest_devices_zero3"] == 9 and ex["zero3_bytes_at_smallest"] / GB == pytest.approx(208 / 9)
     cfg = load_config(LLAMA_13B, validate=False)
     acts = exercise_activations(cfg, ex)
@@ -158,23 +186,35 @@ def test_seed_exercise_numbers():
 def test_cli_exercise(capsys):
     assert plan_cli.main(["--exercise-13b"]) == 0
     out = capsys.readouterr().out
-    for needle in ("208.00 GB", "71.50 GB", "48.75 GB", "26.00 GB", "N = 9 (23.11 GB per device)",
-                   "no recomputation", "Smallest N for model state + jaxpar activations <= 24 GB: 10"):
+    for needle in (
+        "208.00 GB",
+        "71.50 GB",
+        "48.75 GB",
+        "26.00 GB",
+        "N = 9 (23.11 GB per device)",
+        "no recomputation",
+        "Smallest N for model state + jaxpar activations <= 24 GB: 10",
+    ):
         assert needle in out, needle
     assert plan_cli.main(["--exercise-13b", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["exercise"]["smallest_devices_zero3"] == 9
 
 
-@pytest.mark.parametrize("argv, needle", [
-    ([TINY_YAML, "model.hidden=3"], "unknown config key model.hidden"),
-    ([TINY_YAML, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--devices", "16"],
-     "make the product equal the device count"),
-    ([TINY_YAML, "mesh.data=1", "mesh.tensor=8"], "must be divisible by mesh.tensor=8"),
-    (["configs/missing.yaml"], "does not exist"),
-    ([TINY_YAML, "--devices", "0"], "--devices must be >= 1"),
-    ([], "give a CONFIG file"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([TINY_YAML, "model.hidden=3"], "unknown config key model.hidden"),
+        (
+            [TINY_YAML, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--devices", "16"],
+            "make the product equal the device count",
+        ),
+        ([TINY_YAML, "mesh.data=1", "mesh.tensor=8"], "must be divisible by mesh.tensor=8"),
+        (["configs/missing.yaml"], "does not exist"),
+        ([TINY_YAML, "--devices", "0"], "--devices must be >= 1"),
+        ([], "give a CONFIG file"),
+    ],
+)
 def test_cli_bad_input(capsys, argv, needle):
     assert plan_cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -184,16 +224,25 @@ def test_cli_bad_input(capsys, argv, needle):
 def test_cli_plans_64_devices_without_them():
     """--devices 64 in a process that has one CPU device: the analytic plan needs no devices."""
     env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, "-m", "jaxpar.cli.plan", os.path.join(ROOT, "configs", "llama_7b.yaml"), "--devices",
-           "64", "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=8", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli.plan",
+        os.path.join(ROOT, "configs", "llama_7b.yaml"),
+        "--devices",
+        "64",
+        "mesh.data=1",
+        "mesh.fsdp=8",
+        "mesh.tensor=8",
+        "--json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, timeout=300)
     p = json.loads(out.stdout)["plan"]
     assert p["devices"] == 64 and p["mesh"]["tensor"] == 8
     # ZeRO-3 (llama_1b.yaml) over data x fsdp = 8: 16 bytes per parameter of a tensor rank, / 8.
     assert p["memory"]["model_state"] == pytest.approx(16 * p["params"]["per_rank"] / 8)
     assert p["params"]["per_rank"] < p["params"]["total"] / 7  # tensor=8 splits all but the norms
-    assert {"fsdp all-gather", "fsdp reduce-scatter", "tensor all-gather", "tensor reduce-scatter"} <= set(
-        p["by_axis"])
+    assert {"fsdp all-gather", "fsdp reduce-scatter", "tensor all-gather", "tensor reduce-scatter"} <= set(p["by_axis"])
 
 
 # ---- planned vs compiled -------------------------------------------------------------------------------------
@@ -204,17 +253,45 @@ MESHES = {  # name -> overrides; the first two are in the default suite, the oth
     # bf16 working parameters and compute: XLA:CPU widens every bf16 collective, so the plans for cpu and gpu
     # differ by 2x in the updated-parameter gather (ZeRO-1/2), the fsdp weight gathers and the tensor
     # activations, and with reduce_dtype bf16 (ZeRO-2 below) in the gradient reduce-scatters.
-    "zero1_d2f2t2_16p": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optimizer.zero_stage=1",
-                         "precision.layout=16p", "precision.compute_dtype=bfloat16"],
-    "zero2_d4f2_16p": ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1", "optimizer.zero_stage=2",
-                       "precision.layout=16p", "precision.compute_dtype=bfloat16", "precision.reduce_dtype=bfloat16"],
-    "zero3_d4f2_16p": ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1", "optimizer.zero_stage=3",
-                       "precision.layout=16p"],
-    "zero1_d2f2p2_1f1b": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=1", "mesh.pipeline=2", "model.n_layers=4",
-                          "pipeline.microbatches=2", "optimizer.zero_stage=1"],
-    "zero2_f2t2p2_gpipe": ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.pipeline=2", "model.n_layers=4",
-                           "pipeline.microbatches=2", "pipeline.schedule=gpipe", "optimizer.zero_stage=2",
-                           "tensor.sequence_parallel=false", "model.remat=full"],
+    "zero1_d2f2t2_16p": [
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "optimizer.zero_stage=1",
+        "precision.layout=16p",
+        "precision.compute_dtype=bfloat16",
+    ],
+    "zero2_d4f2_16p": [
+        "mesh.data=4",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        "optimizer.zero_stage=2",
+        "precision.layout=16p",
+        "precision.compute_dtype=bfloat16",
+        "precision.reduce_dtype=bfloat16",
+    ],
+    "zero3_d4f2_16p": ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1", "optimizer.zero_stage=3", "precision.layout=16p"],
+    "zero1_d2f2p2_1f1b": [
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        "mesh.pipeline=2",
+        "model.n_layers=4",
+        "pipeline.microbatches=2",
+        "optimizer.zero_stage=1",
+    ],
+    "zero2_f2t2p2_gpipe": [
+        "mesh.data=1",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "mesh.pipeline=2",
+        "model.n_layers=4",
+        "pipeline.microbatches=2",
+        "pipeline.schedule=gpipe",
+        "optimizer.zero_stage=2",
+        "tensor.sequence_parallel=false",
+        "model.remat=full",
+    ],
 }
 SLOW = {"zero3_d4f2_16p", "zero1_d2f2p2_1f1b", "zero2_f2t2p2_gpipe"}
 _COMPILED: dict = {}
@@ -223,8 +300,7 @@ _COMPILED: dict = {}
 def _compiled(name, capsys) -> dict:
     """The CLI's --compile --json output for a mesh (compiled once per session, in this process)."""
     if name not in _COMPILED:
-        assert plan_cli.main([TINY_YAML, *SMALL, *MESHES[name], "--devices", "8", "--compile", "--json",
-                              *FAST]) == 0
+        assert plan_cli.main([TINY_YAML, *SMALL, *MESHES[name], "--devices", "8", "--compile", "--json", *FAST]) == 0
         _COMPILED[name] = json.loads(capsys.readouterr().out)
     return _COMPILED[name]
 
@@ -267,8 +343,7 @@ def test_planned_collectives_equal_compiled(name, capsys):
 PARTITIONED = [n for n in MESHES if "mesh.pipeline=2" not in MESHES[n]]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in PARTITIONED])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in PARTITIONED])
 def test_planned_collectives_for_gpu_equal_partitioned_program(name, capsys):
     """The plan for gpu against the partitioned program, the HLO every backend receives (bf16 stays bf16)."""
     out = _compiled(name, capsys)
@@ -303,8 +378,18 @@ def test_updated_parameters_are_gathered_in_bf16_before_the_cpu_backend(name, ca
 def test_cli_compile_in_a_fresh_process():
     """`jaxpar-plan CONFIG --compile` sets the CPU device count itself before jax starts."""
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-    cmd = [sys.executable, "-m", "jaxpar.cli.plan", TINY_YAML, *SMALL, "mesh.data=1", "--devices", "4",
-           "--compile", "--fast-compile"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxpar.cli.plan",
+        TINY_YAML,
+        *SMALL,
+        "mesh.data=1",
+        "--devices",
+        "4",
+        "--compile",
+        "--fast-compile",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, timeout=600).stdout
     assert "data=1 pipeline=1 fsdp=2 tensor=2 (4 devices)" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("params + optimizer state"))
@@ -320,8 +405,9 @@ def _gathered_updates(cfg, platform) -> float:
 def test_13b_zero1_16p_gathers_bf16_updates_on_gpu():
     """Llama 2 13B, 16p, ZeRO-1 over data=8: the updated parameters are gathered in bf16 on a GPU, 2 bytes per
     parameter (26.0 GB per step, S of the ring formula); only the plan for cpu counts 4 (XLA:CPU widens)."""
-    cfg = resolve_config(load_config(LLAMA_13B, ["mesh.data=8", "mesh.fsdp=1", "optimizer.zero_stage=1"],
-                                     validate=False), 8)
+    cfg = resolve_config(
+        load_config(LLAMA_13B, ["mesh.data=8", "mesh.fsdp=1", "optimizer.zero_stage=1"], validate=False), 8
+    )
     p = sum(leaf.size for leaf in param_leaves(cfg.model))
     assert p == 13_015_864_320
     assert _gathered_updates(cfg, "gpu") == 2 * p == _gathered_updates(cfg, "tpu")
@@ -337,8 +423,16 @@ def test_13b_zero1_16p_gathers_bf16_updates_on_gpu():
 def test_cpu_plan_widens_every_bf16_collective():
     """The plan for cpu is the plan for gpu with each bf16 collective counted at fp32 (XLA:CPU's
     AllReducePromotion and FloatNormalization); the fp32 cross-entropy statistics stay as they are."""
-    cfg = _cfg(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "precision.layout=16p",
-                "precision.compute_dtype=bfloat16", "precision.reduce_dtype=bfloat16"])
+    cfg = _cfg(
+        [
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "precision.layout=16p",
+            "precision.compute_dtype=bfloat16",
+            "precision.reduce_dtype=bfloat16",
+        ]
+    )
     gpu, cpu = collective_terms(cfg, "gpu"), collective_terms(cfg, "cpu")
     assert [t.name.split(" (")[0] for t in gpu] == [t.name.split(" (")[0] for t in cpu]
     for g, c in zip(gpu, cpu):
@@ -350,13 +444,40 @@ def test_platform_is_checked_and_stated(capsys):
     cfg = _cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
     with pytest.raises(ValueError, match="'cuda' is not one of gpu, tpu, cpu"):
         plan(cfg, "cuda")
-    assert plan_cli.main([TINY_YAML, *SMALL, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=1",
-                          "precision.layout=16p", "--platform", "cpu"]) == 0
+    assert (
+        plan_cli.main(
+            [
+                TINY_YAML,
+                *SMALL,
+                "mesh.data=8",
+                "mesh.fsdp=1",
+                "mesh.tensor=1",
+                "optimizer.zero_stage=1",
+                "precision.layout=16p",
+                "--platform",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "planned for platform cpu: as XLA:CPU compiles them" in out
     assert "updated parameters (bf16, fp32 on cpu)" in out
-    assert plan_cli.main([TINY_YAML, *SMALL, "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=1",
-                          "precision.layout=16p", "--json"]) == 0
+    assert (
+        plan_cli.main(
+            [
+                TINY_YAML,
+                *SMALL,
+                "mesh.data=8",
+                "mesh.fsdp=1",
+                "mesh.tensor=1",
+                "optimizer.zero_stage=1",
+                "precision.layout=16p",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)["plan"]
     assert data["platform"] == "gpu" and data["collective_dtypes"].startswith("collectives in the partitioned")
 

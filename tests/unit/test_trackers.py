@@ -1,5 +1,6 @@
 """Trackers (jaxpar.trackers): a script's own tracker, TensorBoard off, and Weights & Biases offline with no
 network (the `wandb` extra; part of the test extra), resumed into the same W&B run; config checks."""
+
 from __future__ import annotations
 
 import glob
@@ -63,19 +64,21 @@ def _wandb_history(run_dir) -> list[dict]:
             if left < 7:
                 pos += left
                 continue
-            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
             pos += 7
             if kind == 0 and length == 0:
                 break
-            buf += data[pos:pos + length]
+            buf += data[pos : pos + length]
             pos += length
             if kind in (1, 4):  # a full record, or the last fragment of one
                 record = pb.Record()
                 record.ParseFromString(buf)
                 buf = b""
                 if record.WhichOneof("record_type") == "history":
-                    items = {i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json)
-                             for i in record.history.item}
+                    items = {
+                        i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json)
+                        for i in record.history.item
+                    }
                     rows.append({k: v for k, v in items.items() if not k.startswith("_") or k == "_step"})
     return rows
 
@@ -84,8 +87,10 @@ def test_wandb_offline_logs_numbers_and_resumes_the_same_run(tmp_path, monkeypat
     pytest.importorskip("wandb", reason="the wandb extra (in the test extra) is not installed")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = str(tmp_path / "run")
-    w = MetricsWriter(run_dir, trackers=lambda d: default_trackers(d, wandb=True, wandb_mode="offline",
-                                                                   config={"train": {"steps": 4}}))
+    w = MetricsWriter(
+        run_dir,
+        trackers=lambda d: default_trackers(d, wandb=True, wandb_mode="offline", config={"train": {"steps": 4}}),
+    )
     w.write(1, {"loss": 2.5, "val_loss": None, "mfu": float("nan"), "bad": True})
     w.write(2, {"loss": 2.0, "learning_rate": 1e-3})
     w.close()

@@ -39,6 +39,7 @@ A cluster is named `KIND:NODESxGPUS` (e.g. `h100:8x8`: 8 nodes of 8 H100s). The 
 `<partitions>x<hosts per partition>x<devices per host>`; a cluster is one partition (`1xNODESxGPUS`): the
 compiled step's HLO was identical for `1x8x8` and `8x1x8` (llama_7b, data=8 fsdp=8).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,7 +81,7 @@ def parse_text_proto(text: str) -> dict:
         m = _TOKEN.match(text, pos)
         if m is None or m.end() == pos:
             if text[pos:].strip():
-                raise ValueError(f"target description: cannot parse at character {pos}: {text[pos:pos + 30]!r}")
+                raise ValueError(f"target description: cannot parse at character {pos}: {text[pos : pos + 30]!r}")
             break
         pos = m.end()
         comment, ident, open_, close, col, quoted, bare = m.groups()
@@ -163,22 +164,37 @@ def target_from_text(name: str, text: str) -> GpuTarget:
     info = proto.get("gpu_device_info")
     if not isinstance(info, dict):
         raise ValueError(f"target {name!r}: no gpu_device_info {{ ... }} block")
-    needed = ("cuda_compute_capability", "threads_per_warp", "block_dim_limit_x", "shared_memory_per_block_optin",
-              "device_memory_size")
+    needed = (
+        "cuda_compute_capability",
+        "threads_per_warp",
+        "block_dim_limit_x",
+        "shared_memory_per_block_optin",
+        "device_memory_size",
+    )
     missing = [f for f in needed if f not in info] + [f for f in ("device_description_str",) if f not in proto]
     if missing:
-        raise ValueError(f"target {name!r}: missing field(s) {', '.join(missing)} (needed to compile; see "
-                         f"jaxpar.analysis.gpu_targets)")
+        raise ValueError(
+            f"target {name!r}: missing field(s) {', '.join(missing)} (needed to compile; see "
+            f"jaxpar.analysis.gpu_targets)"
+        )
     if proto.get("platform_name") != "CUDA":
-        raise ValueError(f"target {name!r}: platform_name must be \"CUDA\", got {proto.get('platform_name')!r}")
+        raise ValueError(f'target {name!r}: platform_name must be "CUDA", got {proto.get("platform_name")!r}')
     kind = proto["device_description_str"]
     peak = flops.peak_flops(kind)
     if peak is None:
-        raise ValueError(f"target {name!r}: no dense bf16 peak for device kind {kind!r} in jaxpar.flops.PEAK_FLOPS; "
-                         f"add it there (one table of peaks)")
+        raise ValueError(
+            f"target {name!r}: no dense bf16 peak for device kind {kind!r} in jaxpar.flops.PEAK_FLOPS; "
+            f"add it there (one table of peaks)"
+        )
     cc = info["cuda_compute_capability"]
-    return GpuTarget(name=name, text=text, device_kind=kind, memory_bytes=int(info["device_memory_size"]),
-                     compute_capability=(int(cc.get("major", 0)), int(cc.get("minor", 0))), peak_flops=peak)
+    return GpuTarget(
+        name=name,
+        text=text,
+        device_kind=kind,
+        memory_bytes=int(info["device_memory_size"]),
+        compute_capability=(int(cc.get("major", 0)), int(cc.get("minor", 0))),
+        peak_flops=peak,
+    )
 
 
 def target(name: str) -> GpuTarget:
@@ -236,6 +252,7 @@ def parse_cluster(text: str) -> Cluster:
     """
     m = _CLUSTER.match(text.strip().lower())
     if m is None:
-        raise ValueError(f"cluster {text!r}: expected KIND:NODESxGPUS such as h100:8x8 (kinds: "
-                         f"{', '.join(target_names())})")
+        raise ValueError(
+            f"cluster {text!r}: expected KIND:NODESxGPUS such as h100:8x8 (kinds: {', '.join(target_names())})"
+        )
     return cluster(m.group(1), int(m.group(2)), int(m.group(3)))

@@ -6,6 +6,7 @@
 
 `default_hooks(cfg)` is what `train(cfg)` and `jaxpar-train` run; `base` documents the order of events.
 """
+
 from __future__ import annotations
 
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
@@ -14,26 +15,42 @@ from jaxpar.training.hooks.evaluation import EvalHook, evaluate
 from jaxpar.training.hooks.reporting import MetricsHook, ProgressBarHook, SampleHook
 from jaxpar.training.hooks.resilience import DivergenceHook, PreemptionHook, TrainingDiverged, WatchdogHook
 
-__all__ = ["CheckpointHook", "DivergenceHook", "EvalHook", "Hook", "MetricsHook", "PreemptionHook",
-           "ProgressBarHook", "RunContext", "SampleHook", "TrainResult", "TrainingDiverged", "WatchdogHook",
-           "default_hooks", "evaluate"]
+__all__ = [
+    "CheckpointHook",
+    "DivergenceHook",
+    "EvalHook",
+    "Hook",
+    "MetricsHook",
+    "PreemptionHook",
+    "ProgressBarHook",
+    "RunContext",
+    "SampleHook",
+    "TrainResult",
+    "TrainingDiverged",
+    "WatchdogHook",
+    "default_hooks",
+    "evaluate",
+]
 
 
 def default_hooks(cfg) -> list[Hook]:
     """The hooks of a run of `cfg` (a `jaxpar.config.Config`), in the order they run:
 
-      DivergenceHook(train.max_bad_steps, train.divergence_rollbacks)  first: it may undo the step
-      EvalHook(train.eval_every)                                        before the metrics row it fills
-      MetricsHook(train.log_every)
-      ProgressBarHook()                                                 with train.progress_bar
-      PreemptionHook()                                                  before the checkpoint it asks for
-      CheckpointHook()
-      WatchdogHook(train.watchdog_s)                                    entered last, closed first
-      SampleHook(train.sample_tokens, seed=train.seed)                  with train.sample_tokens > 0
+    DivergenceHook(train.max_bad_steps, train.divergence_rollbacks)  first: it may undo the step
+    EvalHook(train.eval_every)                                        before the metrics row it fills
+    MetricsHook(train.log_every)
+    ProgressBarHook()                                                 with train.progress_bar
+    PreemptionHook()                                                  before the checkpoint it asks for
+    CheckpointHook()
+    WatchdogHook(train.watchdog_s)                                    entered last, closed first
+    SampleHook(train.sample_tokens, seed=train.seed)                  with train.sample_tokens > 0
     """
     t = cfg.train
-    hooks: list[Hook] = [DivergenceHook(t.max_bad_steps, t.divergence_rollbacks), EvalHook(t.eval_every),
-                         MetricsHook(t.log_every)]
+    hooks: list[Hook] = [
+        DivergenceHook(t.max_bad_steps, t.divergence_rollbacks),
+        EvalHook(t.eval_every),
+        MetricsHook(t.log_every),
+    ]
     if t.progress_bar:
         hooks.append(ProgressBarHook())
     hooks += [PreemptionHook(), CheckpointHook(), WatchdogHook(t.watchdog_s)]

@@ -13,6 +13,7 @@ The loop (`jaxpar.training.loop.train`) runs, for hooks h1..hn in list order:
     every context the hooks entered on run.stack is closed (last entered, first closed), also on an error
     h.on_end(run, result) for each hook   (not after an error)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,15 +39,15 @@ class TrainResult:
     """What a run produced. Training losses are token means of the training loss (cross-entropy in nats, unless
     `train` was given a `loss_fn`); validation losses are always token-mean cross-entropy in nats."""
 
-    losses: dict[int, float]           # step (1-based, after the update) -> training loss of that step
+    losses: dict[int, float]  # step (1-based, after the update) -> training loss of that step
     val_loss: float | None
     initial_val_loss: float | None
-    val_unigram_entropy: float         # of the target tokens val_loss covers
-    val_tokens: int                    # valid tokens every validation figure covers (train.eval_batches)
+    val_unigram_entropy: float  # of the target tokens val_loss covers
+    val_tokens: int  # valid tokens every validation figure covers (train.eval_batches)
     tokens_per_s: float | None
     start_step: int
     sample: str
-    preempted_at: int | None = None    # step saved and stopped at after a SIGTERM
+    preempted_at: int | None = None  # step saved and stopped at after a SIGTERM
     state: Any = dataclasses.field(repr=False, default=None)
 
 
@@ -126,8 +127,10 @@ class RunContext:
     def val_cover(self) -> str:
         """What each evaluation scores, in words (for log lines)."""
         i = self.data_info
-        return (f"{i['val_scored_tokens']:,} validation tokens ({i['val_scored_sequences']:,} of "
-                f"{i['val_sequences']:,} validation sequences)")
+        return (
+            f"{i['val_scored_tokens']:,} validation tokens ({i['val_scored_sequences']:,} of "
+            f"{i['val_sequences']:,} validation sequences)"
+        )
 
     def log(self, msg: str) -> None:
         """Logs `msg` from process 0 (logger `jaxpar.training`)."""

@@ -1,4 +1,5 @@
 """`CheckpointHook`: saves the train state and the data position to the run's checkpointer."""
+
 from __future__ import annotations
 
 from jaxpar.training.hooks.base import Hook, RunContext

@@ -1,5 +1,6 @@
 """Validation: `evaluate` (one pass over the validation split) and `EvalHook` (at step 0, every N steps, at the
 last step, and the final figure of the run)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,8 +9,9 @@ from jaxpar.data import EvalLoader
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 
 
-def evaluate(eval_step, params, loader: EvalLoader, beat: Callable[[int], None] | None = None,
-             step: int = 0) -> tuple[float, int]:
+def evaluate(
+    eval_step, params, loader: EvalLoader, beat: Callable[[int], None] | None = None, step: int = 0
+) -> tuple[float, int]:
     """Token-mean validation loss (nats) over one pass of `loader` (every scored sequence once, padding rows
     masked out), and the number of valid tokens it covers.
 
@@ -52,15 +54,19 @@ class EvalHook(Hook):
     def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
         run.host_metrics(step, metrics)  # waits for the step first, so its time is measured without evaluation
         with run.untimed():
-            run.val_loss, run.val_tokens = evaluate(run.eval_step, state["params"], run.val_loader, run.beat,
-                                                    step)
+            run.val_loss, run.val_tokens = evaluate(run.eval_step, state["params"], run.val_loader, run.beat, step)
 
     def on_end(self, run: RunContext, result: TrainResult) -> None:
         if result.preempted_at:
             return
-        final = (run.val_loss if run.val_loss is not None
-                 else evaluate(run.eval_step, result.state["params"], run.val_loader)[0])
+        final = (
+            run.val_loss
+            if run.val_loss is not None
+            else evaluate(run.eval_step, result.state["params"], run.val_loader)[0]
+        )
         result.val_loss = final
         entropy = result.val_unigram_entropy
-        run.log(f"final val_loss {final:.4f} nats/token over {run.val_cover} vs their unigram entropy "
-                f"{entropy:.4f} (ratio {final / entropy:.3f})")
+        run.log(
+            f"final val_loss {final:.4f} nats/token over {run.val_cover} vs their unigram entropy "
+            f"{entropy:.4f} (ratio {final / entropy:.3f})"
+        )

@@ -1,5 +1,6 @@
 """What a run reports: `MetricsHook` (a metrics row every N steps), `ProgressBarHook` (tqdm) and `SampleHook`
 (generated text at the end)."""
+
 from __future__ import annotations
 
 import jax
@@ -33,13 +34,29 @@ class MetricsHook(Hook):
         m = run.host_metrics(step, metrics)
         skipped = int(m["skipped_steps"]) if "skipped_steps" in m else None
         mfu = flops_lib.mfu(run.tokens_per_s, run.flops_per_token, run.mesh.size, run.peak_flops)
-        hfu = (None if run.hardware_flops_per_token is None else
-               flops_lib.mfu(run.tokens_per_s, run.hardware_flops_per_token, run.mesh.size, run.peak_flops))
-        run.writer.write(step, {"loss": m["loss"], "val_loss": run.val_loss, "val_tokens": run.val_tokens,
-                                "learning_rate": m.get("learning_rate"), "grad_norm": m["grad_norm"],
-                                "skipped_steps": skipped, "rollbacks": run.rollbacks,
-                                "tokens_per_s": run.tokens_per_s, "step_time_s": run.step_time_s,
-                                "tokens": m["tokens"], "mfu": mfu, "hfu": hfu, **run.memory})
+        hfu = (
+            None
+            if run.hardware_flops_per_token is None
+            else flops_lib.mfu(run.tokens_per_s, run.hardware_flops_per_token, run.mesh.size, run.peak_flops)
+        )
+        run.writer.write(
+            step,
+            {
+                "loss": m["loss"],
+                "val_loss": run.val_loss,
+                "val_tokens": run.val_tokens,
+                "learning_rate": m.get("learning_rate"),
+                "grad_norm": m["grad_norm"],
+                "skipped_steps": skipped,
+                "rollbacks": run.rollbacks,
+                "tokens_per_s": run.tokens_per_s,
+                "step_time_s": run.step_time_s,
+                "tokens": m["tokens"],
+                "mfu": mfu,
+                "hfu": hfu,
+                **run.memory,
+            },
+        )
 
 
 class ProgressBarHook(Hook):
@@ -54,16 +71,20 @@ class ProgressBarHook(Hook):
         if jax.process_index() == 0:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=run.cfg.train.steps, initial=run.start_step, desc="train", unit="step",
-                             dynamic_ncols=True)
+            self._bar = tqdm(
+                total=run.cfg.train.steps, initial=run.start_step, desc="train", unit="step", dynamic_ncols=True
+            )
             run.stack.callback(self._bar.close)
 
     def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
         if self._bar is None:
             return
         if run.host is not None:
-            self._bar.set_postfix(loss=f"{run.host['loss']:.3f}", tok_s=f"{run.tokens_per_s:,.0f}",
-                                  **({"val": f"{run.val_loss:.3f}"} if run.val_loss is not None else {}))
+            self._bar.set_postfix(
+                loss=f"{run.host['loss']:.3f}",
+                tok_s=f"{run.tokens_per_s:,.0f}",
+                **({"val": f"{run.val_loss:.3f}"} if run.val_loss is not None else {}),
+            )
         self._bar.update(1)
 
 
@@ -82,6 +103,7 @@ class SampleHook(Hook):
     def on_end(self, run: RunContext, result: TrainResult) -> None:
         if result.preempted_at or self.num_tokens <= 0:
             return
-        result.sample = sample_text(run.plan, result.state["params"], prompt=self.prompt,
-                                    num_tokens=self.num_tokens, seed=self.seed)
+        result.sample = sample_text(
+            run.plan, result.state["params"], prompt=self.prompt, num_tokens=self.num_tokens, seed=self.seed
+        )
         run.log("sample:\n" + result.sample)

@@ -1,5 +1,6 @@
 """Fault handling as hooks: `WatchdogHook` (a stalled loop ends the process), `PreemptionHook` (SIGTERM: save and
 stop) and `DivergenceHook` (too many non-finite updates in a row: roll back or stop with `TrainingDiverged`)."""
+
 from __future__ import annotations
 
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
@@ -84,16 +85,23 @@ class DivergenceHook(Hook):
         ckpt.wait()
         restored, _, _ = ckpt.restore(None, abstract_state(run.plan))
         self._previous = None
-        run.log(f"diverged: {bad} consecutive updates up to step {step - 1} were skipped for NaN or inf "
-                f"gradients; rolled back to step {int(restored['step'])} ({run.rollbacks}/{self.rollbacks} "
-                f"train.divergence_rollbacks), skipping the batches since")
+        run.log(
+            f"diverged: {bad} consecutive updates up to step {step - 1} were skipped for NaN or inf "
+            f"gradients; rolled back to step {int(restored['step'])} ({run.rollbacks}/{self.rollbacks} "
+            f"train.divergence_rollbacks), skipping the batches since"
+        )
         return restored
 
     def _message(self, bad: int, step: int, ckpt, rollbacks: int) -> str:
         last_good = ckpt.latest_step() if ckpt is not None else None
-        where = (f"the last good checkpoint is step {last_good} in {ckpt.directory}" if last_good is not None
-                 else "no checkpoint was saved")
-        return (f"{bad} consecutive updates up to step {step} had NaN or inf gradients and were skipped "
-                f"(train.max_bad_steps={self.max_bad_steps}; {rollbacks} of {self.rollbacks} rollbacks allowed "
-                f"by train.divergence_rollbacks used); {where}. Lower optimizer.learning_rate, raise "
-                f"train.divergence_rollbacks, or restart from an earlier checkpoint with --restore-from")
+        where = (
+            f"the last good checkpoint is step {last_good} in {ckpt.directory}"
+            if last_good is not None
+            else "no checkpoint was saved"
+        )
+        return (
+            f"{bad} consecutive updates up to step {step} had NaN or inf gradients and were skipped "
+            f"(train.max_bad_steps={self.max_bad_steps}; {rollbacks} of {self.rollbacks} rollbacks allowed "
+            f"by train.divergence_rollbacks used); {where}. Lower optimizer.learning_rate, raise "
+            f"train.divergence_rollbacks, or restart from an earlier checkpoint with --restore-from"
+        )
