@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from jaxpar.checkpoint import Checkpointer, resolve_checkpoint_path
+from jaxpar.checkpoint import Checkpointer, CheckpointMismatchError, resolve_checkpoint_path
 from jaxpar.checkpoint_info import read_json_item
-from jaxpar.config import Config, load_config
+from jaxpar.config import Config, ConfigError, load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.training.loss import LossFn
 from jaxpar.training.step import StepPlan, abstract_state, build_plan
@@ -76,8 +76,9 @@ def restore(
 
     Raises:
       FileNotFoundError: no complete checkpoint at `path` (or no step `step`).
-      ConfigError: the saved config with `overrides` does not fit `devices` (the message names the key).
-      CheckpointMismatchError: the arrays do not fit (e.g. an optimizer other than the run's).
+      ConfigError: the saved config with `overrides` does not fit `devices` (the message names the key);
+        `overrides` change `model.*`; the arrays do not fit (an optimizer other than the run's: the message
+        summarises the differences, `jaxpar.checkpoint.CheckpointMismatchError` is its cause).
     """
     root, given = resolve_checkpoint_path(path)
     reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
@@ -94,10 +95,27 @@ def restore(
             raise FileNotFoundError(f"checkpoint step {chosen} in {root} holds no config")
         devices = list(devices) if devices is not None else jax.devices()
         cfg = load_config(saved, overrides, num_devices=len(devices))
+        trained = load_config(saved, validate=False).model
+        if cfg.model != trained:
+            changed = [
+                f"model.{f.name}: {getattr(trained, f.name)!r} -> {getattr(cfg.model, f.name)!r}"
+                for f in dataclasses.fields(trained)
+                if getattr(trained, f.name) != getattr(cfg.model, f.name)
+            ]
+            raise ConfigError(
+                f"restore cannot change the model the checkpoint holds ({'; '.join(changed)}); leave model.* out "
+                f"of the overrides (the mesh, ZeRO stage and precision may change)"
+            )
         plan = build_plan(
             cfg, build_mesh(cfg, devices), optimizer=optimizer, learning_rate=learning_rate, loss_fn=loss_fn
         )
-        state, data_state, _ = reader.restore(chosen, abstract_state(plan))
+        try:
+            state, data_state, _ = reader.restore(chosen, abstract_state(plan))
+        except CheckpointMismatchError as e:
+            raise ConfigError(
+                f"checkpoint step {chosen} in {root} does not fit ({e.summary()}); a run trained with an optimizer "
+                f"of its own restores with optimizer= that optimizer (a run of the default AdamW without one)"
+            ) from e
     finally:
         reader.close()
     return Restored(cfg=cfg, plan=plan, state=state, step=chosen, data_state=data_state)

@@ -5,6 +5,9 @@ Examples:
   jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 mesh.fsdp=2 mesh.tensor=1 optimizer.zero_stage=2
   # a new run on another mesh (data=4 x tensor=2), in its own directory, seeded from runs/tiny's latest checkpoint:
   jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 train.run_dir=runs/data4 --restore-from runs/tiny
+  # a model family of one's own (a file that calls jaxpar.register_model), selected by model.name:
+  jaxpar-train configs/tiny.yaml --cpu-devices 8 --import experiments/gpt2.py model.name=gpt2
+    model.n_kv_heads=null model.tie_embeddings=true
 """
 
 from __future__ import annotations
@@ -33,10 +36,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="checkpoint directory (or one step directory) to start from instead of RUN_DIR's latest",
     )
+    p.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="FILE.py|MODULE",
+        help="import a Python file or module first, e.g. one that registers a model family for model.name "
+        "(jaxpar.register_model); repeatable",
+    )
     args = p.parse_intermixed_args(argv)
     if args.config is None:
         p.error("a config path is required, e.g. jaxpar-train configs/tiny.yaml")  # exits with status 2
     return args
+
+
+def import_module_or_file(spec: str) -> None:
+    """Imports `spec`: a .py file (as a module named after it, its directory first on sys.path, so that it can
+    import its neighbours) or a dotted module name.
+
+    Raises:
+      FileNotFoundError: a .py path that does not exist. ImportError: a module that cannot be imported.
+    """
+    import importlib
+    import importlib.util
+
+    if not spec.endswith(".py"):
+        importlib.import_module(spec)
+        return
+    path = os.path.abspath(spec)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file {path}")
+    name = os.path.splitext(os.path.basename(path))[0]
+    sys.path.insert(0, os.path.dirname(path))
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxpar-train: {e}", file=sys.stderr)
         return 2
+    for spec in args.imports:
+        try:
+            import_module_or_file(spec)
+        except (ImportError, OSError) as e:
+            print(f"jaxpar-train: --import {spec}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     try:
         cfg = load_config(args.config, overrides, validate=False)
         distributed.initialize(cfg.distributed)  # before anything asks jax for devices

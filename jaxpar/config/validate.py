@@ -76,8 +76,9 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         sizes[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ConfigError(
-            f"mesh: data*fsdp*tensor*pipeline = {fixed} but there are {num_devices} devices; make the product "
-            f"equal the device count (or set one axis to -1), e.g. mesh.fsdp=-1{_cpu_hint(num_devices)}"
+            f"mesh: data*fsdp*tensor*pipeline = {' * '.join(str(v) for v in sizes.values())} = {fixed} but "
+            f"there are {num_devices} devices; make the product equal the device count (or set "
+            f"one axis to -1 and the others so that they divide it, e.g. mesh.fsdp=-1){_cpu_hint(num_devices)}"
         )
     return sizes
 

@@ -9,6 +9,7 @@ and raises ValueError for a setting it cannot honour.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 from collections.abc import Callable
 
 from flax import nnx
@@ -58,7 +59,8 @@ def register_model(
       ValueError: `name` is empty or not an identifier, or already registered and `replace` is false.
       TypeError: `build` is not callable.
     """
-    if not isinstance(name, str) or not name.isidentifier():
+    _register_builtins()  # first, so that a built-in name is taken whatever ran before
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"a model name must be an identifier such as 'gpt2', got {name!r}")
     if not callable(build):
         raise TypeError(
@@ -88,15 +90,20 @@ def model_family(name: str) -> ModelFamily:
         raise ValueError(
             f"model.name={name!r} is not a registered model (registered: "
             f"{', '.join(sorted(_FAMILIES))}); a script registers its own with "
-            f"jaxpar.register_model({name!r}, build) before loading the config"
+            f"jaxpar.register_model({name!r}, build) before loading the config (jaxpar-train: --import FILE.py)"
         )
     return _FAMILIES[name]
 
 
+_BUILTINS_REGISTERED = False
+
+
 def _register_builtins() -> None:
-    if "llama" in _FAMILIES:
+    global _BUILTINS_REGISTERED
+    if _BUILTINS_REGISTERED:
         return
+    _BUILTINS_REGISTERED = True
     from jaxpar.flops import recompute_flops_per_token
     from jaxpar.model.llama import Llama
 
-    register_model("llama", Llama, recompute_flops_per_token=recompute_flops_per_token)
+    _FAMILIES["llama"] = ModelFamily("llama", Llama, recompute_flops_per_token)

@@ -153,6 +153,11 @@ def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
     Raises:
       TypeError / ValueError: naming the entry and the fix.
     """
+    if isinstance(hooks, Hook) or not isinstance(hooks, Sequence):
+        raise TypeError(
+            f"hooks must be a list of Hook instances, e.g. hooks=[*default_hooks(cfg), MyHook()]; got "
+            f"{type(hooks).__name__}"
+        )
     out = list(hooks)
     for i, hook in enumerate(out):
         if not isinstance(hook, Hook):
@@ -405,10 +410,19 @@ def _run_steps(run: RunContext, hooks: list[Hook], batch: dict | None) -> None:
                 continue
             replaced = hook.on_step(run, step, state, metrics)
             if replaced is not None:
+                if not isinstance(replaced, dict) or "step" not in replaced:
+                    raise TypeError(
+                        f"{type(hook).__name__}.on_step returned {type(replaced).__name__}; return None, or a "
+                        f"train state to replace the run's (a dict with 'step', 'params', 'opt_state', like the "
+                        f"state it was given)"
+                    )
                 state = run.state = replaced
                 if int(replaced["step"]) != step:  # undone (a rollback): the loop goes on from that step
                     step = int(replaced["step"])
                     break
+        if run.stop_requested:
+            for hook in hooks:
+                hook.on_stop(run, step, state, metrics)
 
 
 def train(

@@ -126,8 +126,13 @@ def check_loss_fn(loss_fn: LossFn, seq_len: int, vocab_size: int) -> None:
         )
     logits = jax.ShapeDtypeStruct((1, seq_len, vocab_size), jnp.float32)
     batch = abstract_batch(1, seq_len)
+
+    def raw(x, b):  # the loss's own output, before summed_loss casts it to fp32
+        out = loss_fn(x, b, NO_TENSOR_PARALLEL) if isinstance(loss_fn, VocabParallelLoss) else loss_fn(x, b)
+        return jnp.asarray(out)
+
     try:
-        out = jax.eval_shape(lambda x, b: summed_loss(loss_fn, x, b, NO_TENSOR_PARALLEL), logits, batch)
+        out = jax.eval_shape(raw, logits, batch)
     except Exception as e:  # any failure of the caller's function, reported with what it got
         raise TypeError(
             f"loss_fn failed on logits float32 [1, {seq_len}, {vocab_size}] and a batch of "

@@ -22,16 +22,19 @@ optax optimizer (`build_plan(..., optimizer=...)`) replaces the default AdamW.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import BATCH_KEYS
+from jaxpar.config.errors import ConfigError
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.config.validate import sequence_parallel
@@ -170,6 +173,7 @@ def build_plan(
         check_loss_fn(loss_fn, cfg.data.seq_len, cfg.model.vocab_size)
     param_dtype = jnp.bfloat16 if cfg.precision.layout == "16p" else jnp.float32
     abstract_params = jax.eval_shape(lambda: init_params(cfg.model, 0))
+    _check_divisible(abstract_params, logical, specs, dict(mesh.shape))
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     nonfinite_state(abstract_opt)  # raises on nested skip wrappers
     if callable(schedule):
@@ -198,6 +202,33 @@ def build_plan(
     )
 
 
+def _check_divisible(abstract_params: dict, logical: dict, specs: dict, mesh_shape: dict[str, int]) -> None:
+    """Every parameter dimension splits evenly over the mesh axes its spec puts on it (a model of one's own may
+    have widths the config checks do not know of).
+
+    Raises:
+      ConfigError: naming the parameter, its logical axis, the size and the mesh axes, and the fix.
+    """
+    for kind in ("params", "opt_state"):  # opt_state: the widest split (over data too from ZeRO-1)
+        flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+        for (path, leaf), spec, names in zip(
+            flat,
+            jax.tree.leaves(specs[kind], is_leaf=lambda x: isinstance(x, P)),
+            jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
+        ):
+            for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim)):
+                axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+                split = math.prod(mesh_shape[a] for a in axes)
+                if split > 1 and size % split:
+                    where = "/".join(str(getattr(k, "key", k)) for k in path)
+                    raise ConfigError(
+                        f"parameter {where} has {size} entries along dimension {dim} (logical axis "
+                        f"{names[dim]!r}), which {' x '.join(f'{a}={mesh_shape[a]}' for a in axes)} = {split} "
+                        f"does not divide ({kind.replace('_', ' ')} sharding at optimizer.zero_stage); change the "
+                        f"model's width or the mesh"
+                    )
+
+
 def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> dict:
     """Creates the sharded train state {"step", "params", "opt_state"[, "master"]} directly on the mesh.
 
@@ -214,14 +245,31 @@ def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> 
     if params is None:
         return jax.jit(_state_initializer(plan, seed), out_shardings=plan.state_shardings)()
     want = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
-    got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32), params)
-    if jax.tree.structure(got) != jax.tree.structure(want) or jax.tree.leaves(got) != jax.tree.leaves(want):
-        raise ValueError(
-            f"params do not fit model {plan.cfg.model.name!r} of this plan's config: give the "
-            f"parameters of a run with the same model.* settings"
-        )
+    _check_params_fit(params, want, plan.cfg.model.name)
     fp32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     return jax.jit(lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings)(fp32)
+
+
+def _check_params_fit(params, want: dict, model_name: str) -> None:
+    """`params` has `want`'s paths and shapes, with floating-point leaves; raises ValueError naming the first
+    difference."""
+
+    def flat(tree) -> dict:
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {"/".join(str(getattr(k, "key", k)) for k in path): x for path, x in leaves}
+
+    got, expected = flat(params), flat(want)
+    fix = "give the parameters of a run with the same model.* settings (e.g. jaxpar.restore(...).params)"
+    for path in sorted(set(got) | set(expected)):
+        if path not in got or path not in expected:
+            what = "missing" if path not in got else "not a parameter of the model"
+            raise ValueError(f"params do not fit model {model_name!r}: {path} is {what}; {fix}")
+        shape, dtype = tuple(np.shape(got[path])), getattr(got[path], "dtype", None)
+        if shape != expected[path].shape or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"params do not fit model {model_name!r}: {path} is {dtype} {shape}, the model's is floating-point "
+                f"{expected[path].shape}; {fix}"
+            )
 
 
 def _fill_state(plan: StepPlan, params: dict) -> dict:

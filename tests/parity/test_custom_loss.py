@@ -208,6 +208,7 @@ def test_vocab_parallel_loss_sees_its_shard():
     "loss_fn,match",
     [
         (lambda logits, batch: logits.sum(-1), r"real scalar, got shape \(1, 8\)"),
+        (lambda logits, batch: jnp.sum(batch["targets"]), r"real scalar, got shape \(\) int32"),  # no gradient
         (lambda logits, batch: batch["weights"].sum(), r"loss_fn failed on logits float32 \[1, 8, 264\].*KeyError"),
         ("cross_entropy", r"loss_fn must be callable"),
     ],

@@ -298,8 +298,9 @@ def test_unknown_model_name_is_a_config_error_naming_the_registered_ones():
 def test_registering_a_taken_name_or_a_bad_builder_is_refused():
     with pytest.raises(ValueError, match="'llama' is already registered"):
         jm.register_model("llama", gpt2.GPT2)
-    with pytest.raises(ValueError, match="must be an identifier"):
-        jm.register_model("gpt-2", gpt2.GPT2)
+    for name in ("gpt-2", "for"):
+        with pytest.raises(ValueError, match="must be an identifier"):
+            jm.register_model(name, gpt2.GPT2)
     with pytest.raises(TypeError, match="build must be callable"):
         jm.register_model("gpt_none", None)
 
@@ -358,3 +359,20 @@ def test_own_model_script_resumes_bitwise_and_runs_unchanged_on_two_processes(tm
             return {row["step"]: row["loss"] for row in map(json.loads, f)}
 
     assert losses("one") == losses("two") and len(losses("one")) == 4
+
+
+class _OddWidth(_NoBlocks):
+    def __init__(self, cfg, rngs):
+        self.blocks = jm.stack_layers(cfg.n_layers, lambda r: _NoBlocks(cfg, r), rngs)
+        self.extra = nnx.Param(jax.numpy.zeros((7,)), logical_axes=("embed",))
+
+
+def test_a_width_the_mesh_does_not_divide_is_named_at_plan_time():
+    jm.register_model("odd_width", _OddWidth, replace=True)
+    cfg = load_config(CONFIG, [*TINY, "model.name=odd_width", "mesh.data=1", "mesh.fsdp=2"], num_devices=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"parameter extra has 7 entries along dimension 0 \(logical axis 'embed'\)"
+        r", which fsdp=2 = 2 does not divide",
+    ):
+        build_plan(cfg, build_mesh(cfg, jax.devices()[:2]))

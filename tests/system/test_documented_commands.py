@@ -354,6 +354,10 @@ def _check_config(parsed: _Parsed, devices: int | None):
         config, overrides = made.config, [*made.overrides, *overrides]
     path = os.path.join(ROOT, config)
     assert os.path.isfile(path), f"config {config} does not exist"
+    for spec in getattr(ns, "imports", None) or []:  # jaxpar-train --import: e.g. a model family for model.name
+        from jaxpar.cli.train import import_module_or_file
+
+        import_module_or_file(os.path.join(ROOT, spec) if spec.endswith(".py") else spec)
     return load_config(path, overrides, validate=devices is not None, num_devices=devices)
 
 

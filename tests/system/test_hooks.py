@@ -170,3 +170,30 @@ def test_entries_that_are_not_hooks_are_refused_before_any_work(tmp_path, entry,
     with pytest.raises(error, match=match):
         train(_cfg(run_dir, "train.steps=1"), hooks=[MetricsHook(1), entry])
     assert not run_dir.exists()
+
+
+def test_a_stop_asked_by_a_hook_after_the_checkpoint_hook_still_saves_the_step(tmp_path):
+    """StopAt comes after the default CheckpointHook in the list, so that hook had passed step 1 when the stop
+    came; its on_stop saves the step anyway (the run resumes there)."""
+    cfg = _cfg(tmp_path, "train.steps=4", "train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=2")
+    result = train(cfg, hooks=[*default_hooks(cfg), StopAt(1)])
+    assert int(result.state["step"]) == 1 and _checkpoints(tmp_path) == [1]
+    resumed = train(_cfg(tmp_path, "train.steps=2", "train.log_every=1", "train.eval_every=0"))
+    assert resumed.start_step == 1 and sorted(resumed.losses) == [2]
+
+
+class ReturnsMetrics(Hook):
+    def on_step(self, run, step, state, metrics):
+        return metrics
+
+
+def test_a_hook_returning_no_state_is_named(tmp_path):
+    cfg = _cfg(tmp_path, "train.steps=2", "train.eval_every=0")
+    with pytest.raises(TypeError, match=r"ReturnsMetrics.on_step returned dict; return None, or a train state"):
+        train(cfg, hooks=[*default_hooks(cfg), ReturnsMetrics()])
+
+
+def test_a_single_hook_instead_of_a_list_is_refused(tmp_path):
+    with pytest.raises(TypeError, match=r"hooks must be a list of Hook instances.*got MetricsHook"):
+        train(_cfg(tmp_path / "never", "train.steps=1"), hooks=MetricsHook(1))
+    assert not (tmp_path / "never").exists()

@@ -119,8 +119,11 @@ def test_continue_with_another_optimizer(saved_run):
     loss_sum, tokens = jaxpar.make_eval_step(plan)(restored.params, batch)
     state, metrics = jaxpar.make_train_step(plan)(state, batch)
     assert_scalar_close(metrics["loss"], float(loss_sum) / float(tokens), FP32_RTOL, "first Lion step's loss")
-    with pytest.raises(ValueError, match="params do not fit model 'llama'"):
+    with pytest.raises(ValueError, match=r"params do not fit model 'llama': blocks/attn/wk is missing"):
         jaxpar.init_state(plan, params={"embed": restored.params["embed"]})
+    as_int = jax.tree.map(lambda x: np.asarray(x).astype(np.int32), restored.params)
+    with pytest.raises(ValueError, match=r"blocks/attn/wk is int32 \(2, 128, 2, 32\), the model's is floating-point"):
+        jaxpar.init_state(plan, params=as_int)
 
 
 def test_restore_errors_name_the_problem(saved_run, tmp_path):
@@ -131,5 +134,27 @@ def test_restore_errors_name_the_problem(saved_run, tmp_path):
         jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1], step=7)
     with pytest.raises(jaxpar.ConfigError, match="mesh"):
         jaxpar.restore(run_dir, devices=jax.devices()[:1])  # the saved mesh needs 8 devices
-    with pytest.raises(CheckpointMismatchError):
+    with pytest.raises(
+        jaxpar.ConfigError,
+        match=r"does not fit \(.*opt_state.*\); a run trained with an optimizer of "
+        r"its own restores with optimizer= that optimizer",
+    ) as e:
         jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1], optimizer=optax.lion(1e-4))
+    assert isinstance(e.value.__cause__, CheckpointMismatchError)
+    with pytest.raises(jaxpar.ConfigError, match=r"cannot change the model .*model.d_model: 128 -> 64"):
+        jaxpar.restore(run_dir, [*ONE_DEVICE, "model.d_model=64"], devices=jax.devices()[:1])
+
+
+def test_jaxpar_train_import_flag_errors_and_builtin_names_are_taken_in_a_fresh_process(tmp_path):
+    """A missing --import file is named with exit status 2; a script cannot replace the built-in llama by
+    registering first (the built-ins register before any name is taken)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxpar.cli.train", "configs/tiny.yaml", "--import", "no_such_model.py"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2 and "--import no_such_model.py: FileNotFoundError: no such file" in out.stderr
+    code = "import jaxpar; jaxpar.register_model('llama', lambda cfg, rngs: None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 1 and "model 'llama' is already registered" in out.stderr

@@ -9,7 +9,7 @@ The loop (`jaxpar.training.loop.train`) runs, for hooks h1..hn in list order:
         h.on_step(run, step, state, metrics) for each hook with h.due(run, step)
             a returned state replaces the run's state; if its step differs from `step` (a rollback), the
             remaining hooks of this step are skipped and the loop continues from that step
-        stop after this step if a hook called run.stop()
+        if a hook called run.stop(): h.on_stop(run, step, state, metrics) for each hook, then stop
     every context the hooks entered on run.stack is closed (last entered, first closed), also on an error
     h.on_end(run, result) for each hook   (not after an error)
 """
@@ -212,6 +212,11 @@ class Hook:
         step's metrics as device arrays (`run.host_metrics` fetches them, waiting for the step). Return a state
         to replace the run's; one at another step (a restored checkpoint) rolls the loop back to that step."""
         return None
+
+    def on_stop(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        """Called for every hook (due or not) after the hooks of step `step` when one of them called
+        `run.stop()`: the run ends after this step. `CheckpointHook` saves here if it has not yet, so a stop
+        never loses the step, whichever hook asked for it."""
 
     def on_end(self, run: RunContext, result: TrainResult) -> None:
         """Called after the loop, once every context on `run.stack` is closed; may fill in `result`. Not called

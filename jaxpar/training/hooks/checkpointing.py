@@ -14,10 +14,25 @@ class CheckpointHook(Hook):
     diverging state. Each save is a progress mark for the hang watchdog (`run.beat`).
     """
 
+    def on_start(self, run: RunContext) -> None:
+        self._saved = None  # the step this hook last saved (or decided not to)
+
+    def on_stop(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        """A stop requested by a hook after this one in the list still saves the step."""
+        if self._saved != step:
+            self._save(run, step, state, metrics)
+
     def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
         ckpt = run.checkpointer
         if ckpt is None or not (ckpt.should_save(step) or step == run.cfg.train.steps or run.stop_requested):
             return
+        self._save(run, step, state, metrics)
+
+    def _save(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        if run.checkpointer is None:
+            return
+        ckpt = run.checkpointer
+        self._saved = step
         if int(metrics.get("bad_steps_in_a_row", 0)):
             run.log(f"step {step}: no checkpoint saved, its update was skipped for non-finite gradients")
         else:
