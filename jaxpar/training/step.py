@@ -37,8 +37,8 @@ from jaxpar.batch import BATCH_KEYS
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
-from jaxpar.config.validate import sequence_parallel
-from jaxpar.mesh import DATA_PARALLEL_AXES
+from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
+from jaxpar.mesh import DATA_PARALLEL_AXES, MESH_AXES
 from jaxpar.model import ModelDef, init_params, logical_axes, model_def
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.gather import module_gatherer
@@ -142,6 +142,20 @@ def build_plan(
       ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
         holds no or several schedule states; an optimizer state with nested `skip_nonfinite` wrappers.
     """
+    if set(mesh.axis_names) != set(MESH_AXES):
+        raise ConfigError(
+            f"the mesh's axes are {mesh.axis_names}; build it with jaxpar.build_mesh(cfg), which names {MESH_AXES}"
+        )
+    given = ", ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES)
+    fix = "build it with jaxpar.build_mesh(cfg, devices)"
+    try:
+        wanted = resolve_mesh_shape(cfg, mesh.size)
+    except ConfigError as e:
+        raise ConfigError(f"the mesh ({given}) is not the config's: {e}; {fix}") from e
+    if any(wanted[a] != mesh.shape[a] for a in MESH_AXES):
+        raise ConfigError(
+            f"the mesh ({given}) is not the config's ({', '.join(f'mesh.{a}={wanted[a]}' for a in MESH_AXES)}); {fix}"
+        )
     logical = logical_axes(cfg.model)
     zero = cfg.optimizer.zero_stage
     specs = {kind: param_specs(logical, kind, zero) for kind in ("params", "grads", "opt_state")}

@@ -158,3 +158,17 @@ def test_jaxpar_train_import_flag_errors_and_builtin_names_are_taken_in_a_fresh_
     code = "import jaxpar; jaxpar.register_model('llama', lambda cfg, rngs: None)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 1 and "model 'llama' is already registered" in out.stderr
+
+
+def test_a_mesh_other_than_the_configs_is_refused():
+    cfg = jaxpar.load_config(CONFIG, num_devices=8)  # data=2 x fsdp=2 x tensor=2
+    one = jaxpar.build_mesh(jaxpar.load_config(CONFIG, ONE_DEVICE, num_devices=1), jax.devices()[:1])
+    with pytest.raises(
+        jaxpar.ConfigError, match=r"the mesh \(data=1, .*\) is not the config's: mesh.fsdp=-1 cannot fill 1 devices"
+    ):
+        jaxpar.build_plan(cfg, one)
+    data8 = jaxpar.build_mesh(jaxpar.load_config(CONFIG, ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]))
+    with pytest.raises(
+        jaxpar.ConfigError, match=r"is not the config's \(mesh.data=2, mesh.pipeline=1, mesh.fsdp=2, mesh.tensor=2"
+    ):
+        jaxpar.build_plan(cfg, data8)
