@@ -72,7 +72,9 @@ def _memory_bytes(compiled) -> dict[str, int | None]:
 
 def check_run_dir(run_dir: str) -> None:
     """Checks that `train.run_dir` is, or can be created as, a directory this process can write in, and leaves
-    the file system as it found it (directories it creates to check are removed again).
+    the file system as it found it (directories it creates to check are removed again) in a single-process
+    run. With several processes they are kept: the processes check at the same time, and one removing a
+    directory another is probing would fail that one's check.
 
     Raises:
       ConfigError: naming the path in the way (a file where a directory must be) or the OS error, and the fix.
@@ -96,7 +98,7 @@ def check_run_dir(run_dir: str) -> None:
             f"train.run_dir={run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); {fix}"
         ) from e
     finally:
-        for created in missing:  # innermost first; another process may have put something there meanwhile
+        for created in missing if jax.process_count() == 1 else ():  # innermost first
             try:
                 os.rmdir(created)
             except OSError:

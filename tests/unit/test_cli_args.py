@@ -77,6 +77,18 @@ def test_run_dir_check_leaves_no_directories_behind(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
 
 
+def test_run_dir_check_keeps_created_directories_with_several_processes(tmp_path, monkeypatch):
+    """Processes check at the same time: one removing a directory another is probing would fail that one (the
+    race a 2-process run of experiments/own_model.py hit), so with several processes nothing is removed."""
+    import jax
+
+    from jaxpar.training.loop import check_run_dir
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    check_run_dir(str(tmp_path / "new" / "run"))
+    assert (tmp_path / "new" / "run").is_dir() and list((tmp_path / "new" / "run").iterdir()) == []
+
+
 def test_launch_without_double_dash_hints_at_it(capsys):
     from jaxpar.cli import launch
 
