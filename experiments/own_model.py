@@ -23,10 +23,8 @@ import os
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before jax is imported: 8 simulated CPU devices
 
 import argparse
-import glob
 import shutil
 import sys
-import sysconfig
 
 import grain
 import jax
@@ -36,8 +34,9 @@ from jax.experimental import multihost_utils
 
 import jaxpar
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt2.py beside this file, however it is loaded
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gpt2.py, own_data.py beside this file
 import gpt2  # noqa: E402, F401  (registers model.name=gpt2)
+from own_data import stdlib_windows  # noqa: E402  (the standard library's text in windows of byte tokens)
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 SETTINGS = [
@@ -80,19 +79,6 @@ def label_smoothed_cross_entropy(logits_BTV: jax.Array, batch: dict) -> jax.Arra
     target = jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     per_token = -(1.0 - SMOOTHING) * target - SMOOTHING * jnp.mean(logp, axis=-1)
     return jnp.sum(per_token * batch["loss_mask"])
-
-
-def stdlib_windows(seq_len: int, max_bytes: int = 2_000_000) -> np.ndarray:
-    """[N, seq_len + 1] byte tokens (the byte tokenizer's ids): the standard library's .py files in windows."""
-    text = bytearray()
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py"))):
-        with open(path, "rb") as f:
-            text += f.read()
-        if len(text) >= max_bytes:
-            break
-    tokens = np.frombuffer(bytes(text[:max_bytes]), np.uint8).astype(np.int32)
-    n = len(tokens) // (seq_len + 1)
-    return tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
 
 
 def batches(windows: np.ndarray, global_batch: int, seed: int = 0):

@@ -94,6 +94,17 @@ def named(mesh: Mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def dim_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one PartitionSpec entry splits a dimension over: None -> (), "fsdp" -> ("fsdp",), a tuple as
+    is."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def spec_axes(spec: P) -> set[str]:
+    """Every mesh axis a PartitionSpec splits over."""
+    return {a for entry in spec for a in dim_axes(entry)}
+
+
 def gathered_axes(spec: P) -> list[tuple[int, tuple[str, ...]]]:
     """For a parameter's spec: (dimension, mesh axes) pairs that are all-gathered before use.
 
@@ -101,9 +112,8 @@ def gathered_axes(spec: P) -> list[tuple[int, tuple[str, ...]]]:
     computations, not split storage).
     """
     out = []
-    for dim, axes in enumerate(spec):
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        storage = tuple(a for a in axes if a in STORAGE_AXES)
+    for dim, entry in enumerate(spec):
+        storage = tuple(a for a in dim_axes(entry) if a in STORAGE_AXES)
         if storage:
             out.append((dim, storage))
     return out

@@ -11,13 +11,14 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from optax import tree_utils as otu
 
 from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS as FAST_COMPILE
 from jaxpar.batch import BATCH_KEYS
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.training.optimizer import weight_decay_mask
-from jaxpar.training.step import StepPlan, build_plan
+from jaxpar.training.step import StepPlan, build_plan, make_grad_fn, make_train_step
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Compile time (not the model) dominates these tests, so the model is as small as the checks allow:
@@ -76,6 +77,35 @@ def compile_fast(jitted, *args):
     """Ahead-of-time compiles `jitted` (a `jax.jit` object) for `args` with `FAST_COMPILE`. The compiled
     executable keeps the jit's shardings and donation."""
     return jitted.lower(*args).compile(compiler_options=FAST_COMPILE)
+
+
+def one_adam_step(plan: StepPlan, state: dict, batch: dict) -> dict:
+    """Gradients of `make_grad_fn`, then one train step of `plan` (an Adam-family optimizer), both compiled with
+    `FAST_COMPILE`; `state` is consumed.
+
+    Returns host copies: "grads", "grad_loss", "grad_tokens" (make_grad_fn's outputs), "params0" (before the
+    step), "metrics", "params", "mu", "nu" (after it); and on the devices "grads_shardings" (a tree of each
+    gradient's sharding) and "new_state".
+    """
+    grad_fn = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], batch)
+    step = compile_fast(make_train_step(plan), state, batch)
+    grads, loss, n_tokens = grad_fn(state["params"], batch)
+    out = {
+        "grads": to_host(grads),
+        "grad_loss": float(loss),
+        "grad_tokens": float(n_tokens),
+        "grads_shardings": jax.tree.map(lambda g: g.sharding, grads),
+        "params0": to_host(state["params"]),
+    }
+    new, metrics = step(state, batch)
+    out.update(
+        metrics=to_host(metrics),
+        params=to_host(new["params"]),
+        new_state=new,
+        mu=to_host(otu.tree_get(new["opt_state"], "mu")),
+        nu=to_host(otu.tree_get(new["opt_state"], "nu")),
+    )
+    return out
 
 
 @contextlib.contextmanager

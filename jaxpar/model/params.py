@@ -26,6 +26,20 @@ class ModelDef:
     graphdef: nnx.GraphDef
     abstract_state: nnx.State
 
+    def logical_axes(self) -> dict:
+        """Nested dict mirroring the parameters whose leaves are tuples of logical axis names, one per dimension.
+
+        Parameters of the stacked `blocks` get a leading `layers` axis.
+        """
+
+        def names(path, var):
+            axes = tuple(var.get_metadata()["logical_axes"])
+            return (LAYERS_AXIS,) + axes if path[0].key == STACK_ATTRIBUTE else axes
+
+        state = nnx.state(nnx.merge(self.graphdef, self.abstract_state), nnx.Param)
+        tagged = jax.tree_util.tree_map_with_path(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return nnx.to_pure_dict(tagged) if isinstance(tagged, nnx.State) else tagged
+
     def bind(self, params: dict) -> LanguageModel:
         """Returns the model module holding `params` (a nested dict shaped like `init_params`' output)."""
         state = jax.tree.map(lambda v: v, self.abstract_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -62,16 +76,6 @@ def init_params(cfg: ModelConfig, seed: int) -> dict:
 
 
 def logical_axes(cfg: ModelConfig) -> dict:
-    """Nested dict mirroring the parameters whose leaves are tuples of logical axis names, one per dimension.
-
-    Parameters of the stacked `blocks` get a leading `layers` axis.
-    """
-    mdef = model_def(cfg)
-
-    def names(path, var):
-        axes = tuple(var.get_metadata()["logical_axes"])
-        return (LAYERS_AXIS,) + axes if path[0].key == STACK_ATTRIBUTE else axes
-
-    state = nnx.state(nnx.merge(mdef.graphdef, mdef.abstract_state), nnx.Param)
-    tagged = jax.tree_util.tree_map_with_path(names, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    return nnx.to_pure_dict(tagged) if isinstance(tagged, nnx.State) else tagged
+    """Nested dict mirroring the parameters whose leaves are tuples of logical axis names, one per dimension
+    (`ModelDef.logical_axes` of `model_def(cfg)`)."""
+    return model_def(cfg).logical_axes()

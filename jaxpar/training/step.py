@@ -39,12 +39,21 @@ from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
 from jaxpar.mesh import DATA_PARALLEL_AXES, MESH_AXES
-from jaxpar.model import ModelDef, init_params, logical_axes, model_def
+from jaxpar.model import ModelDef, init_params, model_def
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
 from jaxpar.parallel.tensor import TensorParallel
-from jaxpar.sharding import activation_spec, gathered_axes, named, opt_state_specs, param_specs, partitioned_over_data
+from jaxpar.sharding import (
+    activation_spec,
+    dim_axes,
+    gathered_axes,
+    named,
+    opt_state_specs,
+    param_specs,
+    partitioned_over_data,
+    spec_axes,
+)
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
 from jaxpar.training.optimizer import (
     applied_learning_rate,
@@ -156,7 +165,8 @@ def build_plan(
         raise ConfigError(
             f"the mesh ({given}) is not the config's ({', '.join(f'mesh.{a}={wanted[a]}' for a in MESH_AXES)}); {fix}"
         )
-    logical = logical_axes(cfg.model)
+    mdef = model_def(cfg.model)
+    logical = mdef.logical_axes()
     zero = cfg.optimizer.zero_stage
     specs = {kind: param_specs(logical, kind, zero) for kind in ("params", "grads", "opt_state")}
     if optimizer is None:
@@ -202,7 +212,7 @@ def build_plan(
     return StepPlan(
         cfg=cfg,
         mesh=mesh,
-        mdef=model_def(cfg.model),
+        mdef=mdef,
         logical=logical,
         tx=tx,
         schedule=schedule,
@@ -223,15 +233,15 @@ def _check_divisible(abstract_params: dict, logical: dict, specs: dict, mesh_sha
     Raises:
       ConfigError: naming the parameter, its logical axis, the size and the mesh axes, and the fix.
     """
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
     for kind in ("params", "opt_state"):  # opt_state: the widest split (over data too from ZeRO-1)
-        flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
         for (path, leaf), spec, names in zip(
             flat,
             jax.tree.leaves(specs[kind], is_leaf=lambda x: isinstance(x, P)),
             jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
         ):
-            for dim, (size, axes) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim)):
-                axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            for dim, (size, entry) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim)):
+                axes = dim_axes(entry)
                 split = math.prod(mesh_shape[a] for a in axes)
                 if split > 1 and size % split:
                     where = "/".join(str(getattr(k, "key", k)) for k in path)
@@ -357,15 +367,10 @@ def _reduce_replicated(plan: StepPlan, grads: dict) -> dict:
 
     def reduce(g, spec):
         # psum over the axes this parameter is replicated on: sum the ranks' partial gradients.
-        missing = tuple(a for a in axes if a not in _spec_axes(spec))
+        missing = tuple(a for a in axes if a not in spec_axes(spec))
         return jax.lax.psum(g, missing) if missing else g
 
     return jax.tree.map(reduce, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
-
-
-def _spec_axes(spec: P) -> set[str]:
-    """The mesh axes a PartitionSpec splits over."""
-    return {a for dim in spec for a in ((dim,) if isinstance(dim, str) else tuple(dim or ()))}
 
 
 def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:

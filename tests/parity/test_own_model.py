@@ -35,9 +35,9 @@ from step_helpers import (
     assert_adam_step_close,
     assert_scalar_close,
     assert_tree_close,
-    compile_fast,
     device_batch,
     host_batch,
+    one_adam_step,
     shard_shape,
     spec_axes,
     to_host,
@@ -46,7 +46,7 @@ from step_helpers import (
 import jaxpar.model as jm
 from jaxpar.config import ConfigError, load_config
 from jaxpar.mesh import build_mesh
-from jaxpar.training.step import build_plan, init_state, make_grad_fn, make_train_step
+from jaxpar.training.step import build_plan, init_state
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -122,34 +122,13 @@ def _plan(overrides, n: int):
     return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]))
 
 
-def _one_step(plan, state, batch) -> dict:
-    """Gradients (make_grad_fn), then one train step; host copies. `state` is consumed."""
-    grad_fn = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], batch)
-    step = compile_fast(make_train_step(plan), state, batch)
-    grads, loss, n_tokens = grad_fn(state["params"], batch)
-    out = {
-        "grads": to_host(grads),
-        "grad_loss": float(loss),
-        "grad_tokens": float(n_tokens),
-        "params0": to_host(state["params"]),
-    }
-    new, metrics = step(state, batch)
-    out.update(
-        metrics=to_host(metrics),
-        params=to_host(new["params"]),
-        mu=to_host(otu.tree_get(new["opt_state"], "mu")),
-        nu=to_host(otu.tree_get(new["opt_state"], "nu")),
-    )
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
     plan = _plan([], 1)
     state = init_state(plan, SEED)
     host_state = to_host(state)
     batch = device_batch(plan, host_batch(VALID, T, SEED))
-    return dict(_one_step(plan, state, batch), host_state=host_state, plan=plan)
+    return dict(one_adam_step(plan, state, batch), host_state=host_state, plan=plan)
 
 
 def test_gpt2_is_its_own_family(reference):
@@ -193,7 +172,7 @@ def test_gpt2_step_equals_one_device(name, reference):
     state = jax.device_put(reference["host_state"], plan.state_shardings)  # identical init on every layout
     batch = device_batch(plan, host_batch(VALID, T, SEED))
     _assert_layout(name, plan, state, batch)
-    out = _one_step(plan, state, batch)
+    out = one_adam_step(plan, state, batch)
     m, ref_m = out["metrics"], reference["metrics"]
     assert m["tokens"] == ref_m["tokens"] == out["grad_tokens"] == sum(VALID)
     assert_scalar_close(m["loss"], ref_m["loss"], RTOL, "loss")

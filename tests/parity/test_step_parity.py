@@ -25,16 +25,16 @@ from step_helpers import (
     assert_adam_step_close,
     assert_scalar_close,
     assert_tree_close,
-    compile_fast,
     device_batch,
     host_batch,
     make_plan,
+    one_adam_step,
     shard_shape,
     spec_axes,
     to_host,
 )
 
-from jaxpar.training.step import init_state, make_grad_fn, make_train_step
+from jaxpar.training.step import init_state
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -66,30 +66,6 @@ def _w_up(tree):
     return tree["blocks"]["mlp"]["w_up"]  # [L, D, F]: sharded along D (embed)
 
 
-def _one_step(plan, state, batch) -> dict:
-    """Gradients (make_grad_fn) then one train step; returns host copies. `state` is consumed."""
-    grad_fn = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], batch)
-    step = compile_fast(make_train_step(plan), state, batch)
-    grads, loss, n_tokens = grad_fn(state["params"], batch)
-    out = {
-        "grads": to_host(grads),
-        "grad_loss": float(loss),
-        "grad_tokens": float(n_tokens),
-        "grads_sharding": _w_up(grads).sharding,
-        "params0": to_host(state["params"]),
-    }
-    new, metrics = step(state, batch)
-    out.update(
-        metrics=to_host(metrics),
-        params=to_host(new["params"]),
-        new_state=new,
-        mu=to_host(otu.tree_get(new["opt_state"], "mu")),
-        nu=to_host(otu.tree_get(new["opt_state"], "nu")),
-    )
-
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Single-device results and initial state per clipping setting, computed once each."""
@@ -101,7 +77,7 @@ def reference():
             state = init_state(plan, SEED)
             host_state = to_host(state)
             batch = device_batch(plan, host_batch(VALID, T, SEED))
-            cache[clipped] = dict(_one_step(plan, state, batch), host_state=host_state)
+            cache[clipped] = dict(one_adam_step(plan, state, batch), host_state=host_state)
         return cache[clipped]
 
     return get
@@ -149,11 +125,11 @@ def test_one_step_equals_single_device(mesh_name, zero, reference):
     if zero in (1, 2) and data > 1:
         assert shard_shape(mu) != shard_shape(w)  # optimizer state split further than parameters
 
-    out = _one_step(plan, state, batch)
+    out = one_adam_step(plan, state, batch)
     grads_over = fsdp * (data if zero >= 2 else 1)
     if data > 1:
-        assert ("data" in spec_axes(out["grads_sharding"])) == (zero >= 2)
-    assert tuple(out["grads_sharding"].shard_shape(w.shape)) == (L, D // grads_over, F)
+        assert ("data" in spec_axes(_w_up(out["grads_shardings"]))) == (zero >= 2)
+    assert tuple(_w_up(out["grads_shardings"]).shard_shape(w.shape)) == (L, D // grads_over, F)
     # No sharding drift across the step (the jit cache key includes input shardings).
     new = out["new_state"]
     assert _w_up(new["params"]).sharding == w.sharding
