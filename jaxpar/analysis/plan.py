@@ -32,14 +32,16 @@ Microbatches in flight: one without a pipeline (gradient accumulation runs them 
 a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers; GPipe keeps every tick's (m + p - 1) layers and
 stage input (`jaxpar.analysis.pipeline_report`).
 
-Attention scores (`attention_bytes`): `jax.nn.dot_product_attention` without a fused kernel (its XLA
-implementation) computes the logits [b, H/t, s, s] in fp32, the softmax in fp32 and casts the probabilities to
-Bc, so the score tensors are written to memory. At the peak of one layer's backward XLA's GPU buffer
+Attention scores (`attention_working_bytes`), on XLA's attention path (`model.attention` xla, or auto on cpu:
+`jaxpar.config.attention`): `jax.nn.dot_product_attention`'s XLA implementation computes the logits
+[b, H/t, s, s] in fp32, the softmax in fp32 and casts the probabilities to Bc, so the score tensors are written
+to memory. At the peak of one layer's backward XLA's GPU buffer
 assignment holds the fp32 logits and their fp32 gradient and the probabilities and their gradient in Bc:
 (2*4 + 2*Bc) bytes per score element (12 with bf16; read from the buffer assignment's peak breakdown of the
 step compiled for H100 by jax 0.10.2, the same for every remat policy; remat none also keeps each layer's fp32
-probabilities, above). A fused (flash) kernel keeps scores on chip; the compiled check reports whether the
-program materialises them.
+probabilities, above). cuDNN's fused (flash) kernel (`auto` on gpu) keeps scores on chip: no score bytes; remat
+none keeps its fp32 softmax statistics (logsumexp) 4*b*(H/t)*s per layer instead of the probabilities. The
+compiled check reports whether the program materialises scores.
 
 Temporaries (`temp_bytes`): the activations, the working set of one layer's backward (its attention scores
 above and, when weights are gathered (fsdp or ZeRO-3), its gradients at full size in the reduce dtype before
@@ -68,6 +70,7 @@ from jaxpar.analysis.memory import formula_expression, state_bytes_formula
 from jaxpar.analysis.plan_comm import by_axis, collective_terms
 from jaxpar.analysis.plan_dims import Dims, dims, local_size, param_leaves, rank_params
 from jaxpar.analysis.units import GB
+from jaxpar.config.attention import resolve_attention
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
@@ -104,7 +107,16 @@ SCORE_SAVED_BYTES = 4
 SCORE_WORKING_FP32_BYTES = 2 * 4
 
 
-def _layer_bytes(cfg: Config, d: Dims) -> dict[str, int]:
+def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
+    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn.
+
+    Raises:
+      ValueError: cudnn on a platform or with a dtype or head width it does not take."""
+    dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
+    return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
+
+
+def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
     """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
     mdl, t, bc = cfg.model, d.shape["tensor"], d.compute_bytes
     b, s = d.b, d.s
@@ -116,7 +128,10 @@ def _layer_bytes(cfg: Config, d: Dims) -> dict[str, int]:
         out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t) * bc
     if mdl.remat == "none":
         out["attention context"] = b * s * h_t * k * bc
-        out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
+        if attention_implementation(cfg, platform) == "cudnn":
+            out["fp32 softmax statistics"] = 4 * b * h_t * s
+        else:
+            out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
         if d.sp:
             out["gathered block inputs"] = 2 * b * s * dm * bc
     return out
@@ -125,9 +140,20 @@ def _layer_bytes(cfg: Config, d: Dims) -> dict[str, int]:
 def attention_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     """Bytes of attention scores that one layer's backward holds at its peak on XLA's attention path: (2*4 +
     2*Bc) bytes per score element (`score_elements`; module docstring, measured from XLA's GPU buffer
-    assignment). Per device."""
+    assignment); 0 with cuDNN's fused kernel (scores stay on chip). Per device."""
     d = dims(cfg, platform)
+    if attention_implementation(cfg, platform) == "cudnn":
+        return 0
     return (SCORE_WORKING_FP32_BYTES + 2 * d.compute_bytes) * score_elements(cfg, d)
+
+
+def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
+    """Bytes the head's backward adds at its peak: the fp32 gradient of the logits, 4*b*s*(V/t) (the softmax
+    cross-entropy differentiates in fp32; read from XLA's GPU buffer assignment of the step compiled for H100 by
+    jax 0.10.2, where it sits beside the bf16 logits that `activation_bytes` counts). Per device; with a pipeline
+    only the last stage has it, and the planner counts the largest stage."""
+    d = dims(cfg, platform)
+    return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape["tensor"])
 
 
 def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -145,7 +171,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     d = dims(cfg, platform)
     mdl, p, t = cfg.model, d.shape["pipeline"], d.shape["tensor"]
     bc = d.compute_bytes
-    per_layer = sum(_layer_bytes(cfg, d).values())
+    per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
     outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
     if p == 1:
@@ -168,7 +194,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         ref = sbh * (34 + ratio) / t
     else:
         ref = sbh * (10 + 24 / t + ratio / t)
-    terms = " + ".join(_layer_bytes(cfg, d))
+    terms = " + ".join(_layer_bytes(cfg, d, platform))
     return {
         "per_layer": per_layer,
         "layers": layers,
@@ -186,7 +212,8 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
 def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     """Estimate of the step's temporary bytes per device (XLA's `temp_size_in_bytes`), module docstring:
     {"activations" (`activation_bytes`), "attention_working" (`attention_working_bytes`: one layer's backward
-    on XLA's attention path), "layer_grads" (with fsdp/ZeRO-3 sharding, one layer's gradients at full size in
+    on XLA's attention path), "head_working" (`head_working_bytes`: the head's backward; the total counts the
+    larger of the two working sets), "layer_grads" (with fsdp/ZeRO-3 sharding, one layer's gradients at full size in
     the reduce dtype before their reduce-scatter), "grad_accumulators" (fp32, one per local parameter shard as
     stored over fsdp and, under ZeRO-3, data; 0 with a single microbatch), "grad_outputs" (the step's gradients in the
     parameter dtype,
@@ -209,12 +236,15 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     out = {
         "activations": activation_bytes(cfg, platform)["total"],
         "attention_working": attention_working_bytes(cfg, platform),
+        "head_working": head_working_bytes(cfg, platform),
         "layer_grads": layer_grads,
         "grad_accumulators": accum,
         "grad_outputs": int(state_bytes(cfg)["grads"]),
         "gathered_weights": gathered,
     }
-    out["total"] = sum(out.values())
+    # One layer's backward and the head's backward do not overlap: the larger working set counts.
+    working = max(out["attention_working"], out["head_working"])
+    out["total"] = sum(v for k, v in out.items() if k not in ("attention_working", "head_working")) + working
     return out
 
 

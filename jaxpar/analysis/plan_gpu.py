@@ -122,9 +122,16 @@ def gpu_config(cfg: Config, devices: int) -> Config:
     return resolve_config(cfg, devices)
 
 
+def _batch_dims(dot_operands: str) -> int:
+    found = re.search(r"lhs_batch_dims=\{([\d,]*)\}", dot_operands)
+    return len([d for d in found.group(1).split(",") if d]) if found else 0
+
+
 def attention_scores(hlo_text: str, seq_len: int) -> dict:
     """The attention score tensors the program materialises: arrays of rank >= 3 ending in [.., seq_len, seq_len]
-    that are results of batched matmuls (`dot` with batch dimensions; QK^T and, in the backward, dO V^T) or of
+    that are results of batched matmuls over batch and heads (`dot` with at least two batch dimensions; QK^T
+    and, in the backward, dO V^T: a projection's weight gradient [K, D, T] has one, and ends in [T, T] when D =
+    T) or of
     instructions whose op_name is one of jax's XLA-attention einsums (with grouped key/value heads the logits
     come out of a fusion, not a bare dot). XLA's attention path writes them to memory; a fused attention kernel
     (cuDNN) keeps them on chip, so none appear. Shapes alone would not do: with seq_len == d_model (Llama 7B at
@@ -137,7 +144,7 @@ def attention_scores(hlo_text: str, seq_len: int) -> dict:
     from jaxpar.analysis.hlo import Array
 
     shapes, largest = set(), 0
-    found = [(dtype, dims) for dtype, dims, rest in _DOT.findall(hlo_text) if "lhs_batch_dims" in rest]
+    found = [(dtype, dims) for dtype, dims, rest in _DOT.findall(hlo_text) if _batch_dims(rest) >= 2]
     found += _ATTENTION_OP.findall(hlo_text)
     for dtype, dims in found:
         shape = tuple(int(x) for x in dims.split(","))

@@ -85,8 +85,10 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
     t = mem["temp_estimate"]
     lines += [
         (
-            f"  temp estimate = activations + one layer's attention scores {t['attention_working']:,} (XLA's "
-            f"attention path) + one layer's full-size gradients {t['layer_grads']:,} + fp32 gradient accumulators "
+            f"  temp estimate = activations + the larger of one layer's attention scores "
+            f"{t['attention_working']:,} (XLA's attention path; 0 with cuDNN's fused kernel) and the head's fp32 "
+            f"logits gradient {t['head_working']:,} + one layer's full-size gradients {t['layer_grads']:,} + fp32 "
+            f"gradient accumulators "
             f"{t['grad_accumulators']:,} + gradient outputs {t['grad_outputs']:,} + gathered weights "
             f"{t['gathered_weights']:,} (jaxpar.analysis.plan.temp_bytes)"
         ),

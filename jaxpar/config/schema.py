@@ -34,6 +34,12 @@ class ModelConfig:
         ops and the fsdp weight all-gathers), `dots` (save only matmul outputs without batch dimensions:
         attention scores are recomputed too), `names` (save only the named attention context and MLP hidden
         activations) or `full` (save only the block input, recompute the block).
+      attention: the attention implementation (`jaxpar.config.attention`): `auto` (cuDNN's fused flash kernel on
+        an NVIDIA GPU when the compute dtype is 16-bit and the head width allows, XLA otherwise), `xla` (writes the
+        [b, H, T, T] scores to memory), or `cudnn` (NVIDIA GPUs, bfloat16/float16 only).
+      max_segments: the most packed documents (runs of equal segment ids) one sequence may hold on the cuDNN
+        path, whose packed layout has a fixed number of segment slots per row; a row with more gets a NaN
+        output (and a skipped step). Unused by xla and by batches without segment ids.
     """
 
     name: str = "llama"
@@ -49,6 +55,8 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     remat: str = "none"
+    attention: str = "auto"
+    max_segments: int = 64
 
     @property
     def kv_heads(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES
@@ -151,6 +152,8 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
     _choice("model.remat", m.remat, ("none", "dots", "names", "full"))
+    _choice("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    _positive("model.max_segments", m.max_segments)
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     if m.head_dim is None and m.d_model % m.n_heads:

@@ -3,11 +3,13 @@ layer stack, the tensor-parallel building blocks, and the parameter dicts the tr
 
 Writing a model (`experiments/gpt2.py` is a complete one): `LanguageModel` (`jaxpar.model.interface`) says what it
 must provide; `stack_layers` / `scan_layers` (`jaxpar.model.stack`) stack and run its layers; `Embed`, `LMHead`,
-`RMSNorm` (`jaxpar.model.layers`), `column_parallel`, `row_parallel` and the `TensorParallel` context
+`RMSNorm` (`jaxpar.model.layers`), `dot_product_attention` (`jaxpar.model.attention`: XLA or cuDNN, within
+packed documents), `column_parallel`, `row_parallel` and the `TensorParallel` context
 (`jaxpar.parallel.tensor`) make it tensor-parallel; `register_model` gives it the name `model.name` selects.
 """
 
 from jaxpar.config.schema import ModelConfig
+from jaxpar.model.attention import dot_product_attention
 from jaxpar.model.interface import LanguageModel
 from jaxpar.model.layers import Embed, LMHead, RMSNorm
 from jaxpar.model.params import ModelDef, build_model, init_params, logical_axes, model_def
@@ -30,6 +32,7 @@ __all__ = [
     "TensorParallel",
     "build_model",
     "column_parallel",
+    "dot_product_attention",
     "init_params",
     "logical_axes",
     "model_def",

@@ -17,7 +17,10 @@ A model is any Flax NNX module with
   computes the logits and the loss), each taking the `gather` hook (all-gathers fsdp-sharded weights: apply it to
   every submodule right before use) and the `TensorParallel` context `tp`:
     embed_tokens(tokens [B, T] int32, dtype, gather, tp) -> activations [B, T or T/t, D] in `dtype`
-    run_blocks(x [B, T or T/t, D], gather, tp) -> [B, T or T/t, D] (this module's layers: a stage's share)
+    run_blocks(x [B, T or T/t, D], gather, tp[, segment_ids]) -> [B, T or T/t, D] (this module's layers: a
+      stage's share). A batch of packed documents carries `segment_ids` int32 [B, T] (whole sequence, also under
+      sequence parallelism); the step passes them as the fourth argument, and only then, so a model without
+      document masking need not take it. `jaxpar.model.attention.dot_product_attention` honours them.
     logits(x [B, T or T/t, D], gather, tp) -> [B, T, V/t]
   and `__call__(tokens, dtype, gather, tp)` = logits(run_blocks(embed_tokens(...))).
 
@@ -51,7 +54,9 @@ class LanguageModel(Protocol):
 
     def embed_tokens(self, tokens_BT: jax.Array, dtype: jnp.dtype, gather: Gather, tp: TensorParallel) -> jax.Array: ...
 
-    def run_blocks(self, x_BTD: jax.Array, gather: Gather, tp: TensorParallel) -> jax.Array: ...
+    def run_blocks(
+        self, x_BTD: jax.Array, gather: Gather, tp: TensorParallel, segment_ids_BT: jax.Array | None = None
+    ) -> jax.Array: ...
 
     def logits(self, x_BTD: jax.Array, gather: Gather, tp: TensorParallel) -> jax.Array: ...
 

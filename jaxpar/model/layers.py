@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.config.attention import resolve_attention
+from jaxpar.model.attention import dot_product_attention
 from jaxpar.model.stack import ATTENTION_CONTEXT, MLP_HIDDEN
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
 
@@ -53,20 +55,41 @@ def rotary(x_BTHK: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array
 
 
 class Attention(nnx.Module):
-    """Causal multi-head attention with optional grouped-query attention (G key/value heads, G divides H)."""
+    """Causal multi-head attention with optional grouped-query attention (G key/value heads, G divides H), within
+    packed documents when given segment ids.
+
+    `implementation` is `model.attention` (`jaxpar.config.attention`): `xla`, `cudnn`, or `auto` (resolved when
+    called, on jax's default backend; `jaxpar.training.step.build_plan` resolves it for the mesh's devices
+    before the model is built). `max_segments` bounds the documents per row on the cuDNN path
+    (`jaxpar.model.attention`).
+    """
 
     def __init__(
-        self, d: int, n_heads: int, n_kv_heads: int, head_dim: int, rope_theta: float, std: float, rngs: nnx.Rngs
+        self,
+        d: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope_theta: float,
+        std: float,
+        rngs: nnx.Rngs,
+        implementation: str = "auto",
+        max_segments: int = 64,
     ):
         self.wq = nnx.Param(_normal(rngs, (d, n_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wk = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wv = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wo = nnx.Param(_normal(rngs, (n_heads, head_dim, d), std), logical_axes=("heads", "kv", "embed"))
         self.rope_theta = rope_theta
+        self.implementation = implementation
+        self.max_segments = max_segments
 
-    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
+    def __call__(
+        self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
+    ) -> jax.Array:
         """x: [B, T/t or T, D] -> [B, T/t or T, D]. Q, K, V are column-parallel (H/t and G/t local heads), the
-        output projection row-parallel."""
+        output projection row-parallel. segment_ids_BT: int32 [B, T] document ids of the whole sequence (also
+        under sequence parallelism: attention runs on the gathered sequence), or None."""
         dt = x_BTD.dtype
         x_BTD = tp.enter(x_BTD)
         positions_T = jnp.arange(x_BTD.shape[1])
@@ -75,7 +98,12 @@ class Attention(nnx.Module):
         v = jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt))
         q = rotary(q, positions_T, self.rope_theta)
         k = rotary(k, positions_T, self.rope_theta)
-        out_BTHK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        implementation = self.implementation
+        if implementation == "auto":
+            implementation = resolve_attention("auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1])
+        out_BTHK = dot_product_attention(
+            q, k, v, implementation=implementation, segment_ids_BT=segment_ids_BT, max_segments=self.max_segments
+        )
         b, t, h, kw = out_BTHK.shape
         wo_FD = self.wo[...].reshape(h * kw, -1)
         context_BTF = checkpoint_name(out_BTHK.reshape(b, t, h * kw), ATTENTION_CONTEXT)

@@ -25,13 +25,23 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(
-            cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.rope_theta, cfg.init_std, rngs
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.kv_heads,
+            cfg.head_width,
+            cfg.rope_theta,
+            cfg.init_std,
+            rngs,
+            implementation=cfg.attention,
+            max_segments=cfg.max_segments,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
 
-    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp)
+    def __call__(
+        self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
+    ) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp, segment_ids_BT)
         return x_BTD + self.mlp(self.mlp_norm(x_BTD), tp)
 
 
@@ -39,7 +49,7 @@ class Llama(nnx.Module):
     """Token ids [B, T] int32 -> logits [B, T, V] in the compute dtype.
 
     Reads every `ModelConfig` field: vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff,
-    rope_theta, norm_eps, tie_embeddings, init_std, remat.
+    rope_theta, norm_eps, tie_embeddings, init_std, remat, attention, max_segments.
 
     Attributes:
       embed: `Embed` table [V, D].
@@ -66,10 +76,15 @@ class Llama(nnx.Module):
         return gather(self.embed)(tokens_BT, dtype, tp)
 
     def run_blocks(
-        self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL
+        self,
+        x_BTD: jax.Array,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
     ) -> jax.Array:
-        """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]."""
-        return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp)
+        """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]; with segment ids
+        (int32 [B, T]) attention stays within each packed document."""
+        return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT)
 
     def logits(
         self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL
@@ -86,6 +101,7 @@ class Llama(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         gather: Gather = no_gather,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
     ) -> jax.Array:
         x_BTD = self.embed_tokens(tokens_BT, dtype, gather, tp)
-        return self.logits(self.run_blocks(x_BTD, gather, tp), gather, tp)
+        return self.logits(self.run_blocks(x_BTD, gather, tp, segment_ids_BT), gather, tp)

@@ -90,8 +90,10 @@ def scan_layers(
     remat: str,
     gather: Gather = no_gather,
     tp: TensorParallel = NO_TENSOR_PARALLEL,
+    segment_ids_BT: jax.Array | None = None,
 ) -> jax.Array:
-    """Runs a stack made by `stack_layers` over activations [B, T, D]: x = layer(x, tp) for each layer in order.
+    """Runs a stack made by `stack_layers` over activations [B, T, D]: x = layer(x, tp) for each layer in order,
+    or x = layer(x, tp, segment_ids_BT) when packed-document segment ids (int32 [B, T]) are given.
 
     Each layer is gathered (`gather`) inside the scan body and checkpointed with `REMAT_POLICIES[remat]`.
 
@@ -100,9 +102,11 @@ def scan_layers(
     """
     graphdef, stacked = nnx.split(layers)
 
+    extra = () if segment_ids_BT is None else (segment_ids_BT,)
+
     def body(x, layer_state):
         layer = gather(nnx.merge(graphdef, layer_state))
-        return layer(x, tp), None
+        return layer(x, tp, *extra), None
 
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
     x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)

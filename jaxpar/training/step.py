@@ -34,9 +34,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.batch import BATCH_KEYS
+from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.precision import resolve_compute_dtype
-from jaxpar.config.schema import Config
+from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
 from jaxpar.mesh import DATA_PARALLEL_AXES, MESH_AXES
 from jaxpar.model import ModelDef, init_params, model_def
@@ -165,7 +166,7 @@ def build_plan(
         raise ConfigError(
             f"the mesh ({given}) is not the config's ({', '.join(f'mesh.{a}={wanted[a]}' for a in MESH_AXES)}); {fix}"
         )
-    mdef = model_def(cfg.model)
+    mdef = model_def(_resolved_model(cfg, mesh))
     logical = mdef.logical_axes()
     zero = cfg.optimizer.zero_stage
     specs = {kind: param_specs(logical, kind, zero) for kind in ("params", "grads", "opt_state")}
@@ -224,6 +225,23 @@ def build_plan(
         batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")),
         loss_fn=loss_fn,
     )
+
+
+def _resolved_model(cfg: Config, mesh: Mesh) -> ModelConfig:
+    """`cfg.model` with `model.attention` resolved for the mesh's devices (`auto` -> cudnn on NVIDIA GPUs, xla
+    elsewhere; `jaxpar.config.attention`), so the model never asks the default backend: a step compiled ahead of
+    time for GPUs on a CPU host (`jaxpar.analysis.plan_gpu`) gets the GPU's kernel.
+
+    Raises:
+      ConfigError: `model.attention=cudnn` on devices or with a dtype or head width cuDNN does not take.
+    """
+    platform = mesh.devices.flat[0].platform
+    dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
+    try:
+        attention = resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return dataclasses.replace(cfg.model, attention=attention)
 
 
 def _check_divisible(abstract_params: dict, logical: dict, specs: dict, mesh_shape: dict[str, int]) -> None:
@@ -329,12 +347,22 @@ def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
     tp = plan.tensor_parallel
 
     def loss_sum(params: dict, mb: dict) -> jax.Array:
-        logits = plan.mdef.bind(params)(mb["inputs"], plan.compute_dtype, gather, tp)
+        model = plan.mdef.bind(params)
+        h = run_blocks(model, model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp), mb, gather, tp)
+        logits = model.logits(h, gather, tp)
         if not train:
             return summed_loss(cross_entropy, logits, mb, tp)
         return summed_loss(plan.loss_fn, logits, mb, tp)
 
     return loss_sum
+
+
+def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel) -> jax.Array:
+    """`model.run_blocks` on activations [b, T', D], with the microbatch's packed-document `segment_ids` (int32
+    [b, T]) when it has them (a model that takes none is never passed any)."""
+    if "segment_ids" in mb:
+        return model.run_blocks(x_BTD, gather, tp, mb["segment_ids"])
+    return model.run_blocks(x_BTD, gather, tp)
 
 
 def _reduce_replicated(plan: StepPlan, grads: dict) -> dict:
@@ -407,7 +435,7 @@ def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.A
         model = plan.mdef.bind(prm)
         h = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
         h = jnp.where(is_first, h, x_in)
-        h = model.run_blocks(h, gather, tp)
+        h = run_blocks(model, h, mb, gather, tp)
         loss = summed_loss(plan.loss_fn, model.logits(h, gather, tp), mb, tp)
         return h, jnp.where(is_last, loss, 0.0)
 

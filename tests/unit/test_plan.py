@@ -123,7 +123,10 @@ def test_state_bytes_by_hand():
 def test_activation_formula_by_hand():
     # remat=full, no pipeline: each layer keeps its block input b*s*D; outside, the embedding output b*s*D and
     # the logits b*s*V in the compute dtype. data=8: b = 8 / 8 = 1 row.
-    cfg = _cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=full", "precision.compute_dtype=bfloat16"])
+    xla = ["model.attention=xla"]
+    cfg = _cfg(
+        ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=full", "precision.compute_dtype=bfloat16", *xla]
+    )
     b, s, d, v, layers, heads = 1, 8, 64, 264, 2, 4
     act = activation_bytes(cfg)
     assert act["per_layer"] == b * s * d * 2
@@ -133,15 +136,26 @@ def test_activation_formula_by_hand():
     # their gradient, 2*4 + 2*2 bytes per score element [b, H, s, s]; no fused kernel keeps them on chip.
     assert attention_working_bytes(cfg) == 12 * b * heads * s * s
     assert temp_bytes(cfg)["attention_working"] == 12 * b * heads * s * s
-    none = activation_bytes(
-        _cfg(["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=none", "precision.compute_dtype=bfloat16"])
-    )
+    none_overrides = [
+        "mesh.data=8",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "model.remat=none",
+        "precision.compute_dtype=bfloat16",
+    ]
+    none = activation_bytes(_cfg([*none_overrides, *xla]))
     assert none["korthikanti"] == layers * s * b * d * (34 + 5 * 4 * s / d)
     # remat none keeps, per layer, q, k, v (4 heads of 16, 2 key/value heads), two projection outputs, gate and
     # up (d_ff 128), the attention context, and the fp32 probabilities.
     kv, f = 2, 128
     matmuls = b * s * ((heads + 2 * kv) * 16 + 2 * d + 2 * f) * 2
     assert none["per_layer"] == b * s * d * 2 + matmuls + b * s * heads * 16 * 2 + 4 * b * heads * s * s
+    # cuDNN's fused kernel (model.attention auto on a GPU, bf16, head width 16): no scores in memory; remat none
+    # keeps its fp32 softmax statistics [b, H, s] instead of the probabilities.
+    fused = _cfg(none_overrides)
+    assert attention_working_bytes(fused) == 0
+    assert activation_bytes(fused)["per_layer"] == b * s * d * 2 + matmuls + b * s * heads * 16 * 2 + 4 * b * heads * s
+    assert attention_working_bytes(fused, "cpu") == 12 * b * heads * s * s  # auto is xla on cpu
     # 1F1B keeps a ring of 2p - 1 stage inputs [b, s, D] whatever m; compute_dtype auto is bf16 on a GPU target
     # and fp32 on CPU.
     pipe = _cfg(
@@ -176,7 +190,12 @@ def test_seed_exercise_numbers():
     assert acts["korthikanti_full"] == 2 * s * h * layers
     # 16P/9 = 23.1 GB leaves 0.9 GB: model state + activations (remat full, ~2 GB) first fit at N = 10.
     assert 1.5 * GB < acts["jaxpar_activations"] < 2.5 * GB
-    assert acts["attention_working_at_smallest"] == 12 * a * s * s  # fp32 logits + grad, bf16 probs + grad
+    # model.attention auto is cuDNN's fused kernel on a GPU: no scores in memory. XLA's path would hold fp32
+    # logits + grad and bf16 probabilities + grad of one layer.
+    assert acts["attention_working_at_smallest"] == 0
+    xla = exercise_activations(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla")), ex)
+    assert xla["attention_working_at_smallest"] == 12 * a * s * s
+    assert xla["fit_temp"] > acts["fit_temp"]
     assert acts["fit_state_acts"] == 10
     assert acts["fit_temp"] > acts["fit_state_acts"]
     assert acts["fit_temp_shardable"] >= acts["fit_temp"] and 5120 % acts["fit_temp_shardable"] == 0

@@ -1,0 +1,62 @@
+"""Attention implementations (`model.attention`), and what `auto` means on each platform. No jax: the planner and
+the commands that must not start jax resolve a config for a machine they are not running on.
+
+  xla    `jax.nn.dot_product_attention`'s XLA path: it writes the scores [b, H, T, T] to memory (fp32 logits and
+         their softmax), so attention memory grows with T^2. Runs everywhere, in any dtype.
+  cudnn  NVIDIA's fused flash-attention kernel through cuDNN (Dao 2023, "FlashAttention-2"): scores stay on chip,
+         the backward recomputes them from the output and the softmax statistics (logsumexp, [b, H, T] fp32), so
+         attention memory grows with T. NVIDIA GPUs only, bfloat16 (or float16) only, head width a multiple of
+         8 up to 128 (256 on Hopper). With packed documents (segment ids) it uses cuDNN's packed layout, which
+         needs a Hopper GPU (compute capability 9.0) or newer.
+  auto   cudnn on an NVIDIA GPU when the compute dtype and head width allow it, xla otherwise (and on CPU).
+"""
+
+from __future__ import annotations
+
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn")  # model.attention
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper and newer; 128 is what every cuDNN flash-attention GPU takes
+
+
+def cudnn_unsupported(compute_dtype: str, head_dim: int) -> str | None:
+    """Why cuDNN's fused attention cannot run this shape (a sentence naming the fix), or None when it can.
+
+    Args:
+      compute_dtype: the resolved compute dtype name (`jaxpar.config.precision.resolve_compute_dtype`).
+      head_dim: the per-head width K.
+    """
+    if compute_dtype not in CUDNN_DTYPES:
+        return (
+            f"cuDNN attention computes in bfloat16 or float16, not {compute_dtype}; set "
+            f"precision.compute_dtype=bfloat16 or model.attention=xla"
+        )
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return (
+            f"cuDNN attention takes head widths that are multiples of 8 up to {CUDNN_MAX_HEAD_DIM}, not "
+            f"{head_dim}; change model.head_dim or set model.attention=xla"
+        )
+    return None
+
+
+def resolve_attention(attention: str, platform: str, compute_dtype: str, head_dim: int) -> str:
+    """The implementation `model.attention` means on `platform` (`gpu`, `tpu`, `cpu`, as `jax.default_backend()`
+    names them): `xla` or `cudnn`. `auto` is cudnn on gpu when `cudnn_unsupported` finds nothing, else xla.
+
+    Raises:
+      ValueError: `attention` is not one of `ATTENTION_IMPLEMENTATIONS`; `cudnn` on a platform other than gpu, or
+        with a dtype or head width cuDNN does not take (the message names the fix).
+    """
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"model.attention={attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    unsupported = cudnn_unsupported(compute_dtype, head_dim)
+    if attention == "auto":
+        return "cudnn" if platform == "gpu" and unsupported is None else "xla"
+    if attention == "cudnn":
+        if platform != "gpu":
+            raise ValueError(
+                f"model.attention=cudnn runs on NVIDIA GPUs only, and this step runs on {platform}; set "
+                f"model.attention=auto (cudnn on a GPU, xla elsewhere) or xla"
+            )
+        if unsupported:
+            raise ValueError(unsupported)
+    return attention

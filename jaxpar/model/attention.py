@@ -1,0 +1,107 @@
+"""Causal self-attention over (optionally packed) sequences, by the implementation `model.attention` resolves to
+(`jaxpar.config.attention`): XLA's, or cuDNN's fused flash-attention kernel.
+
+Shape letters: B batch, T sequence, H query heads, G key/value heads (G divides H: grouped-query attention), K
+head width, M the most segments one sequence may hold (`model.max_segments`).
+
+Packed documents: `segment_ids` int32 [B, T] numbers the documents of each row; a token attends to the earlier
+tokens of its own document only (causal and same segment id). A document is a run of equal ids: ids need not
+be increasing, but one id must not appear in two runs of a row (the cuDNN path takes each run as a document; the
+XLA path would join them). Without segment ids the whole row is one document.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
+
+
+def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
+    """bool [B, 1, T, T]: query t may see key s when both carry the same segment id (causality is applied by
+    the attention call)."""
+    return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
+
+
+def packed_segments(segment_ids_BT: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """cuDNN's packed layout of `segment_ids_BT`: each run of equal ids is one segment.
+
+    Returns:
+      offsets int32 [B, M + 1]: the first position of each segment, -1 after the last one;
+      lengths int32 [B, M]: each segment's length, -1 after the last one;
+      overflow bool [B]: the row holds more than M segments (its later segments are not in the layout).
+    """
+    b, t = segment_ids_BT.shape
+    starts_BT = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    n_B = jnp.sum(starts_BT, axis=1)
+
+    def row(starts_T):
+        first = jnp.nonzero(starts_T, size=max_segments, fill_value=t)[0].astype(jnp.int32)
+        ends = jnp.concatenate([first[1:], jnp.full((1,), t, jnp.int32)])
+        present = first < t
+        lengths = jnp.where(present, ends - first, -1)
+        offsets = jnp.concatenate([jnp.where(present, first, -1), jnp.full((1,), -1, jnp.int32)])
+        return offsets, lengths
+
+    offsets, lengths = jax.vmap(row)(starts_BT)
+    return offsets, lengths, n_B > max_segments
+
+
+def _cudnn_packed(q, k, v, segment_ids_BT: jax.Array, max_segments: int) -> jax.Array:
+    # The packed (ragged) layout is reached through cuDNN's own jax entry point: jax.nn.dot_product_attention
+    # passes per-row lengths only (padding, one segment per row).
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+    offsets, lengths, overflow_B = packed_segments(segment_ids_BT, max_segments)
+    out = cudnn_attention(
+        q,
+        k,
+        v,
+        q_seqlen=lengths,
+        kv_seqlen=lengths,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=1.0 / float(np.sqrt(q.shape[-1])),
+        mask_type=MaskType.PADDING_CAUSAL,
+        qkv_layout="BTNH",
+    )
+    # A row with more than M segments would lose its last ones without a trace: make it NaN instead, which the
+    # step's non-finite check reports (raise model.max_segments).
+    return jnp.where(overflow_B[:, None, None, None], jnp.nan, out).astype(q.dtype)
+
+
+def dot_product_attention(
+    q_BTHK: jax.Array,
+    k_BTGK: jax.Array,
+    v_BTGK: jax.Array,
+    *,
+    implementation: str,
+    segment_ids_BT: jax.Array | None = None,
+    max_segments: int = 64,
+) -> jax.Array:
+    """Causal attention softmax(q k^T / sqrt(K)) v, within segments when `segment_ids_BT` is given.
+
+    Args:
+      q_BTHK: queries [B, T, H, K]; k_BTGK, v_BTGK: keys and values [B, T, G, K], the same dtype.
+      implementation: `xla` or `cudnn` (already resolved: `jaxpar.config.attention.resolve_attention`).
+      segment_ids_BT: int32 [B, T] document ids (module docstring), or None (one document per row).
+      max_segments: M, the segments per row cuDNN's packed layout holds (unused by xla). A row with more gets a
+        NaN output.
+
+    Returns:
+      [B, T, H, K] in q's dtype.
+
+    Raises:
+      ValueError: an unknown implementation (`auto` must be resolved first).
+    """
+    if implementation not in ATTENTION_IMPLEMENTATIONS or implementation == "auto":
+        raise ValueError(f"attention implementation {implementation!r}: resolve model.attention to xla or cudnn")
+    if implementation == "xla":
+        mask = None if segment_ids_BT is None else segment_mask(segment_ids_BT)
+        return jax.nn.dot_product_attention(q_BTHK, k_BTGK, v_BTGK, mask=mask, is_causal=True, implementation="xla")
+    if segment_ids_BT is None:
+        return jax.nn.dot_product_attention(q_BTHK, k_BTGK, v_BTGK, is_causal=True, implementation="cudnn")
+    return _cudnn_packed(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, max_segments)

@@ -1,0 +1,115 @@
+"""Attention implementations (jaxpar.config.attention, jaxpar.model.attention): which one `model.attention` picks on
+each platform, the XLA path's document masking against a per-document reference, cuDNN's packed layout built from
+segment ids, and the model and step passing segment ids through. The cuDNN kernel itself runs on NVIDIA GPUs only:
+its compiled form is checked by tests/system/test_plan_gpu.py, its numbers by experiments/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpar.config import ConfigError, load_config
+from jaxpar.config.attention import resolve_attention
+from jaxpar.mesh import build_mesh
+from jaxpar.model import build_model, dot_product_attention
+from jaxpar.model.attention import packed_segments
+from jaxpar.training.step import build_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
+
+
+def _qkv(b=2, t=24, h=4, g=2, k=8, seed=0):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (
+        jax.random.normal(kq, (b, t, h, k), jnp.float32),
+        jax.random.normal(kk, (b, t, g, k), jnp.float32),
+        jax.random.normal(kv, (b, t, g, k), jnp.float32),
+    )
+
+
+def _runs(row: np.ndarray) -> list[tuple[int, int]]:
+    starts = [0] + [i for i in range(1, len(row)) if row[i] != row[i - 1]] + [len(row)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+# Documents of 5, 7, 1 and 11 tokens; a single document; ids that repeat across rows and are not increasing.
+SEGMENTS = np.array([[3] * 5 + [1] * 7 + [9] + [4] * 11, [2] * 24], np.int32)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_xla_attention_with_segment_ids_equals_each_document_alone(heads):
+    """Each document's output equals causal attention over that document alone. fp32; the masked keys add
+    exactly 0 (exp(-inf)), so the only difference is the summation order over more terms: 1e-6 absolute on
+    outputs of order 1 (measured ~1e-7)."""
+    h, g = heads
+    q, k, v = _qkv(h=h, g=g)
+    seg = jnp.asarray(SEGMENTS)
+    out = dot_product_attention(q, k, v, implementation="xla", segment_ids_BT=seg)
+    ref = np.zeros(out.shape, np.float32)
+    for b in range(SEGMENTS.shape[0]):
+        for start, end in _runs(SEGMENTS[b]):
+            sl = slice(start, end)
+            ref[b, sl] = dot_product_attention(
+                q[b : b + 1, sl], k[b : b + 1, sl], v[b : b + 1, sl], implementation="xla"
+            )[0]
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-6, rtol=0)
+    # The mask matters: without segment ids the later documents see the earlier ones.
+    unmasked = dot_product_attention(q, k, v, implementation="xla")
+    assert float(jnp.max(jnp.abs(unmasked[0, 5:] - out[0, 5:]))) > 1e-2
+    np.testing.assert_array_equal(np.asarray(unmasked[1]), np.asarray(out[1]))  # one document: the same program
+
+
+def test_packed_layout_lists_each_run_of_equal_ids():
+    offsets, lengths, overflow = packed_segments(jnp.asarray(SEGMENTS), 6)
+    np.testing.assert_array_equal(np.asarray(offsets), [[0, 5, 12, 13, -1, -1, -1], [0, -1, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(np.asarray(lengths), [[5, 7, 1, 11, -1, -1], [24, -1, -1, -1, -1, -1]])
+    np.testing.assert_array_equal(np.asarray(overflow), [False, False])
+    _, _, overflow = packed_segments(jnp.asarray(SEGMENTS), 3)  # 4 documents in row 0 do not fit 3 slots
+    np.testing.assert_array_equal(np.asarray(overflow), [True, False])
+
+
+def test_auto_is_cudnn_on_a_gpu_with_16_bit_compute_and_xla_otherwise():
+    assert resolve_attention("auto", "gpu", "bfloat16", 128) == "cudnn"
+    assert resolve_attention("auto", "gpu", "float32", 128) == "xla"  # cuDNN's kernel is 16-bit only
+    assert resolve_attention("auto", "gpu", "bfloat16", 12) == "xla"  # head width not a multiple of 8
+    assert resolve_attention("auto", "cpu", "bfloat16", 128) == "xla"
+    assert resolve_attention("auto", "tpu", "bfloat16", 128) == "xla"
+    assert resolve_attention("xla", "gpu", "bfloat16", 128) == "xla"
+    assert resolve_attention("cudnn", "gpu", "bfloat16", 64) == "cudnn"
+    with pytest.raises(ValueError, match="NVIDIA GPUs only.*model.attention=auto"):
+        resolve_attention("cudnn", "cpu", "bfloat16", 64)
+    with pytest.raises(ValueError, match="bfloat16 or float16, not float32.*compute_dtype=bfloat16"):
+        resolve_attention("cudnn", "gpu", "float32", 64)
+    with pytest.raises(ValueError, match="multiples of 8 up to 128, not 160"):
+        resolve_attention("cudnn", "gpu", "bfloat16", 160)
+
+
+def test_cudnn_on_cpu_devices_is_refused_before_any_device_work(devices8):
+    cfg = load_config(TINY_YAML, ["model.attention=cudnn", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    with pytest.raises(ConfigError, match="model.attention=cudnn runs on NVIDIA GPUs only, and this step runs on cpu"):
+        build_plan(cfg, build_mesh(cfg, devices8))
+    with pytest.raises(ConfigError, match="model.attention='flash' is not one of auto, xla, cudnn"):
+        load_config(TINY_YAML, ["model.attention=flash"])
+    with pytest.raises(ConfigError, match="model.max_segments"):
+        load_config(TINY_YAML, ["model.max_segments=0"])
+
+
+def test_the_model_masks_attention_across_documents():
+    """Through the whole Llama (embedding, scanned blocks with remat, head): one segment id everywhere is the
+    unmasked model bit for bit; two documents change the second one's logits and leave the first one's (causal:
+    the first document never sees the second) equal."""
+    cfg = load_config(TINY_YAML, ["model.remat=dots"]).model
+    model = build_model(cfg, 0)
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
+    plain = model(tokens)
+    one = model(tokens, segment_ids_BT=jnp.zeros((2, 32), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(one))
+    two = model(tokens, segment_ids_BT=jnp.asarray([[0] * 12 + [1] * 20] * 2, jnp.int32))
+    np.testing.assert_allclose(np.asarray(two[:, :12]), np.asarray(plain[:, :12]), atol=1e-6, rtol=0)
+    assert float(jnp.max(jnp.abs(two[:, 12:] - plain[:, 12:]))) > 1e-3
