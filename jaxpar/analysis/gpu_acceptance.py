@@ -290,6 +290,7 @@ def _section(report: dict, name: str, fn):
     t0 = time.perf_counter()
     try:
         report[name] = fn()
+        _LOGGER.info("%s done in %.1f s: %.600s", name, time.perf_counter() - t0, report[name])
     except Exception as e:  # the report must say what failed and still give the other parts
         _LOGGER.exception("%s failed", name)
         report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
