@@ -3,7 +3,9 @@
     {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}
 
 G global batch size (sequences over all devices), T sequence length. `targets` are the next tokens of `inputs`;
-`loss_mask` is 1 where a target is scored and 0 for padding (`jaxpar.data.pack`). Each array is sharded by rows
+`loss_mask` is 1 where a target is scored and 0 for padding (`jaxpar.data.pack`). A batch of packed documents
+may also carry "segment_ids": int32 [G, T], numbering the documents of each row; the train step then keeps
+attention within each document (`jaxpar.model.attention`). Each array is sharded by rows
 over the data-parallel axes (`jaxpar.training.step.StepPlan.batch_sharding`).
 """
 

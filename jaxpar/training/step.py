@@ -461,7 +461,9 @@ def make_grad_fn(plan: StepPlan) -> Callable:
 
     Args (of the returned function):
       params: parameter tree sharded as `plan.specs["params"]`.
-      batch: {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} sharded as `plan.batch_sharding`.
+      batch: {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} and optionally "segment_ids": int32
+        [G, T] (packed documents: attention stays within each, `jaxpar.model.attention`), sharded as
+        `plan.batch_sharding`.
 
     Returns:
       grads of the global token-mean loss, sharded as `plan.specs["grads"]`, in the parameter dtype;
@@ -500,11 +502,11 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         loss = jax.lax.psum(loss, loss_axes)
         return grads, loss, n_tokens
 
-    batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
     return jax.shard_map(
         body,
         mesh=plan.mesh,
-        in_specs=(plan.specs["params"], batch_spec),
+        # one spec for every batch array: the three of `jaxpar.batch` and an optional "segment_ids"
+        in_specs=(plan.specs["params"], plan.batch_sharding.spec),
         out_specs=(plan.specs["grads"], P(), P()),
         check_vma=False,
     )
@@ -553,11 +555,10 @@ def make_train_step(plan: StepPlan) -> Callable:
             metrics["skipped_steps"] = skip.total_notfinite
         return new, metrics
 
-    batch_shardings = {k: plan.batch_sharding for k in BATCH_KEYS}
     replicated = NamedSharding(plan.mesh, P())
     return jax.jit(
         train_step,
-        in_shardings=(plan.state_shardings, batch_shardings),
+        in_shardings=(plan.state_shardings, plan.batch_sharding),  # every batch array, segment_ids included
         out_shardings=(plan.state_shardings, replicated),
         donate_argnums=0,
         keep_unused=True,
