@@ -202,7 +202,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "outside": outside,
         "total": layers + stash + outside,
         "in_flight": in_flight,
-        "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (scores in fp32) x "
+        "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (fp32 where named) x "
         f"L/p={d.layers_per_stage} x {formula_flight}; + embedding output and logits (b={d.b}, "
         f"s={d.s}, s'={d.s_act})",
         "korthikanti": ref * d.layers_per_stage * in_flight,

@@ -77,7 +77,7 @@ def test_target_plans_for_gpu_on_the_clusters_devices(capsys):
     assert plan_cli.main([*TINY, "--target", "h100:2x8"]) == 0
     text = capsys.readouterr().out
     assert "planned for platform gpu" in text
-    assert "target h100:2x8: 16 x NVIDIA H100 80GB HBM3, 80 GB each; planned peak 6.204 MB" in text
+    assert "target h100:2x8: 16 x NVIDIA H100 80GB HBM3, 80 GB each; planned peak 4.513 MB" in text
 
 
 def test_mesh_that_does_not_fill_the_cluster_is_a_config_error(capsys):
