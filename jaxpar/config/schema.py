@@ -94,10 +94,16 @@ class PipelineConfig:
         al. 2021) or `gpipe` (all forwards, then all backwards; Huang et al. 2019).
       microbatches: M, microbatches each device's batch (per accumulation step) is split into for the pipeline.
         With mesh.pipeline == 1 they simply add to gradient accumulation.
+      recompute: 1F1B only: `true` keeps each in-flight microbatch's stage input and rebuilds the stage forward
+        before its backward (one more forward: 4/3 of the blocks' FLOPs); `false` keeps the forward's residuals
+        instead (no FLOPs repeated; hfu == mfu with model.remat=none). Either stash is a ring of 2p - 1
+        microbatches per stage, flat in M: stage inputs, or the residuals `model.remat` keeps for the stage's
+        layers (`jaxpar.parallel.pipeline`). Default false: MEASURED_DEFAULT_REASON
     """
 
     schedule: str = "1f1b"
     microbatches: int = 1
+    recompute: bool = False
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from jaxpar.config.schema import Config
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
 from jaxpar.mesh import DATA_PARALLEL_AXES, MESH_AXES
 from jaxpar.model import ModelDef, init_params, model_def
+from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
@@ -392,9 +393,10 @@ def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
     return jax.tree.map(scatter, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
 
 
-def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
-    """Gradients and scaled loss of one accumulation step's local batch through the configured pipeline
-    schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches."""
+def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.StageParts:
+    """The pipeline stage's parts (`jaxpar.parallel.pipeline.StageParts`) for the plan's model: embedding, this
+    stage's blocks, and head + summed `loss_fn` (inside the shard_map; `params` are this device's local
+    parameters, split by the parts into the layer stack and the edge parameters outside it)."""
     gather = module_gatherer(
         plan.mesh_shape,
         partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
@@ -402,30 +404,55 @@ def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.A
         plan.reduce_dtype,
     )
     tp = plan.tensor_parallel
+    layers, edge = split_stack(params)
 
-    def stage(prm, x_in, mb, is_first, is_last):
-        model = plan.mdef.bind(prm)
-        h = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
-        h = jnp.where(is_first, h, x_in)
-        h = model.run_blocks(h, gather, tp)
-        loss = summed_loss(plan.loss_fn, model.logits(h, gather, tp), mb, tp)
-        return h, jnp.where(is_last, loss, 0.0)
+    def bind(edge_params: dict, layer_params: dict):
+        return plan.mdef.bind({**edge_params, STACK_ATTRIBUTE: layer_params})
 
-    m = plan.cfg.pipeline.microbatches
+    def blocks(layer_params, x, mb):
+        extra = {"segment_ids": mb["segment_ids"]} if "segment_ids" in mb else {}
+        return bind(edge, layer_params).run_blocks(x, gather, tp, **extra)
+
+    return pipeline_lib.StageParts(
+        embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
+        blocks=blocks,
+        head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
+    )
+
+
+def split_stack(params: dict) -> tuple[dict, dict]:
+    """(the layer stack `params["blocks"]`, every other top-level entry: the edge parameters)."""
+    return params[STACK_ATTRIBUTE], {k: v for k, v in params.items() if k != STACK_ATTRIBUTE}
+
+
+def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[int, ...]]:
+    """(microbatches, each leaf [m, b, ...], and the activation shape [b, T', D] passed between stages)."""
+    tp = plan.tensor_parallel
     mbs = _split_microbatches(batch, m)
     b, seq = mbs["inputs"].shape[1:]
-    act_shape = (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
+    return mbs, (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
+
+
+def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
+    """Gradients and scaled loss of one accumulation step's local batch through the configured pipeline
+    schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches."""
+    m = plan.cfg.pipeline.microbatches
+    mbs, act_shape = _pipeline_shapes(plan, batch, m)
     schedule = pipeline_lib.one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
-    return schedule(
-        stage,
-        params,
+    layers, edge = split_stack(params)
+    (g_layers, g_edge), loss = schedule(
+        _stage_parts(plan, params, plan.loss_fn),
+        layers,
+        edge,
         mbs,
         p=plan.mesh_shape["pipeline"],
         m=m,
         act_shape=act_shape,
         act_dtype=plan.compute_dtype,
         loss_scale=loss_scale,
+        recompute=plan.cfg.pipeline.recompute,
     )
+    return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss
 
 
 def make_grad_fn(plan: StepPlan) -> Callable:
