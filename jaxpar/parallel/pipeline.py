@@ -335,23 +335,27 @@ def forward_loss(
     s = jax.lax.axis_index(AXIS)
     is_first, is_last = s == 0, s == p - 1
 
-    def tick(carry, k):
+    def tick(carry, k, head: bool):
         recv, loss_acc = carry
-        i = k - s
-        valid = (i >= 0) & (i < m)
-        mb = _microbatch(mbs, i, m)
+        mb = _microbatch(mbs, k - s, m)
         x = jax.lax.cond(is_first, lambda: parts.embed(edge, mb).astype(act_dtype), lambda: recv)
         h = parts.blocks(layers, x, mb)
-        loss = jax.lax.cond(
-            is_last & valid,
-            lambda: parts.head(edge, h, mb).astype(jnp.float32) * loss_scale,
-            lambda: jnp.zeros((), jnp.float32),
-        )
-        return (_shift(h, p, forward=True), loss_acc + loss), None
+        if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
+            loss = jax.lax.cond(
+                is_last,
+                lambda: parts.head(edge, h, mb).astype(jnp.float32) * loss_scale,
+                lambda: jnp.zeros((), jnp.float32),
+            )
+            loss_acc = loss_acc + loss
+        return (_shift(h, p, forward=True), loss_acc), None
 
-    init = (jnp.zeros(act_shape, act_dtype), jnp.zeros((), jnp.float32))
-    (_, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
-    return loss
+    carry = (jnp.zeros(act_shape, act_dtype), jnp.zeros((), jnp.float32))
+    # Two static loops: ticks before the last stage's first microbatch (no head anywhere), then the m ticks
+    # in which the last stage runs the head.
+    for start, stop, head in ((0, p - 1, False), (p - 1, m + p - 1, True)):
+        if stop > start:
+            carry, _ = jax.lax.scan(lambda c, k, hd=head: tick(c, k, hd), carry, jnp.arange(start, stop))
+    return carry[1]
 
 
 def gpipe(
