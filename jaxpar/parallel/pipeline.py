@@ -335,26 +335,42 @@ def forward_loss(
     s = jax.lax.axis_index(AXIS)
     is_first, is_last = s == 0, s == p - 1
 
-    def tick(carry, k, head: bool):
+    def tick(carry, k, head: bool, layers):
         recv, loss_acc = carry
-        mb = _microbatch(mbs, k - s, m)
-        x = jax.lax.cond(is_first, lambda: parts.embed(edge, mb).astype(act_dtype), lambda: recv)
-        h = parts.blocks(layers, x, mb)
+        # The edge parts' collectives (inside their conds) in tick order (`_after`, also under autodiff): this
+        # tick's embedding after the previous tick's permute, its head after its blocks, the permute after the
+        # head. The edge parameters carry the dependency too (one add over them per tick), so that no part of
+        # a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather of the table) is
+        # loop-invariant and hoisted out of the tick order. (A predicate made to depend on the activations
+        # would do it for free, but then no HLO reader can tell which stage takes which branch.)
+        mb = _after(_microbatch(mbs, k - s, m), recv)
+        edge_e = _after(edge, recv)
+        x = jax.lax.cond(is_first, lambda: parts.embed(edge_e, mb).astype(act_dtype), lambda: recv)
+        # Warm-up ticks (p - 1, few enough that XLA may unroll them) also order the blocks' weight-only work
+        # after the embedding: autodiff splits it out of the layer scan, and the weight gathers over fsdp in it
+        # would otherwise be free to start before or after the embedding's cond. (In the head ticks' loop
+        # that work is loop-invariant and XLA hoists it out, once per step.)
+        h = parts.blocks(layers if head else _after(layers, x), x, mb)
         if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
+            edge_h = _after(edge, h)
             loss = jax.lax.cond(
                 is_last,
-                lambda: parts.head(edge, h, mb).astype(jnp.float32) * loss_scale,
+                lambda: parts.head(edge_h, h, mb).astype(jnp.float32) * loss_scale,
                 lambda: jnp.zeros((), jnp.float32),
             )
             loss_acc = loss_acc + loss
+            h = _after(h, loss)
         return (_shift(h, p, forward=True), loss_acc), None
 
     carry = (jnp.zeros(act_shape, act_dtype), jnp.zeros((), jnp.float32))
     # Two static loops: ticks before the last stage's first microbatch (no head anywhere), then the m ticks
     # in which the last stage runs the head.
-    for start, stop, head in ((0, p - 1, False), (p - 1, m + p - 1, True)):
-        if stop > start:
-            carry, _ = jax.lax.scan(lambda c, k, hd=head: tick(c, k, hd), carry, jnp.arange(start, stop))
+    if p > 1:
+        carry, _ = jax.lax.scan(lambda c, k: tick(c, k, False, layers), carry, jnp.arange(0, p - 1))
+    # The head ticks' weight-only work (the fsdp gathers of the stage's layers), which XLA hoists out of their
+    # loop, after the warm-up ticks, whose embedding cond it would otherwise not depend on.
+    head_layers = _after(layers, carry[0]) if p > 1 else layers
+    carry, _ = jax.lax.scan(lambda c, k: tick(c, k, True, head_layers), carry, jnp.arange(p - 1, m + p - 1))
     return carry[1]
 
 
