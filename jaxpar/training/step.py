@@ -566,25 +566,44 @@ def make_train_step(plan: StepPlan) -> Callable:
 def make_eval_step(plan: StepPlan) -> Callable:
     """Returns jitted `eval_step(params, batch) -> (loss_sum, n_tokens)`: summed token loss (fp32 nats) and
     valid-token count of a global batch, for a token-mean over several batches. Always the cross-entropy,
-    whatever the plan's training loss (`jaxpar.training.loss`)."""
+    whatever the plan's training loss (`jaxpar.training.loss`).
+
+    With `mesh.pipeline > 1` the forward runs through the pipeline stages (`jaxpar.parallel.pipeline.
+    forward_loss`: each device keeps its own stage's layers), with each device's rows split into
+    gcd(rows, pipeline.microbatches) microbatches."""
     loss_sum = _loss_body(plan, train=False)
+    stages = plan.mesh_shape["pipeline"]
+
+    def pipelined_loss_sum(params, batch):
+        rows = batch["inputs"].shape[0]
+        m = math.gcd(rows, plan.cfg.pipeline.microbatches)
+        mbs, act_shape = _pipeline_shapes(plan, batch, m)
+        layers, edge = split_stack(params)
+        return pipeline_lib.forward_loss(
+            _stage_parts(plan, params, cross_entropy),
+            layers,
+            edge,
+            mbs,
+            p=stages,
+            m=m,
+            act_shape=act_shape,
+            act_dtype=plan.compute_dtype,
+        )
 
     def body(params, batch):
-        # psum over the batch-splitting axes: each device saw only its own rows.
-        total = jax.lax.psum(loss_sum(params, batch), DATA_PARALLEL_AXES)
+        # psum over the batch-splitting axes: each device saw only its own rows (and over pipeline: only the
+        # last stage computed a loss).
+        if stages > 1:
+            total = jax.lax.psum(pipelined_loss_sum(params, batch), DATA_PARALLEL_AXES + (pipeline_lib.AXIS,))
+        else:
+            total = jax.lax.psum(loss_sum(params, batch), DATA_PARALLEL_AXES)
         count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
         return total, count
 
-    # The forward here runs the whole layer stack on every device, so the blocks split into pipeline stages
-    # enter whole: the shard_map boundary all-gathers them over `pipeline` (one stage's layers alone are not
-    # the model).
-    whole_stack = jax.tree.map(
-        lambda spec: P(*(None if dim == pipeline_lib.AXIS else dim for dim in spec)),
-        plan.specs["params"],
-        is_leaf=lambda x: isinstance(x, P),
-    )
     batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(whole_stack, batch_spec), out_specs=(P(), P()), check_vma=False)
+    fn = jax.shard_map(
+        body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec), out_specs=(P(), P()), check_vma=False
+    )
     return jax.jit(fn)
 
 

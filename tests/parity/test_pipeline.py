@@ -17,7 +17,8 @@ three rows fully masked, so at M = 8 with one replica a whole microbatch is mask
   at 1e-5. The 1F1B case runs the step 10 times: before the tick's collectives were ordered by data
   dependencies (`jaxpar.parallel.pipeline._after`), XLA:CPU deadlocked on this mesh in most runs.
 * pipeline=2, M=4 inside train.grad_accum_steps=2 against the unsplit single-device batch.
-* The eval step under pipeline=2 x data=2 x fsdp=2 equals the single-device eval.
+* The eval step under pipeline=2 x data=2 x fsdp=2 and pipeline=2 x fsdp=2 x tensor=2 runs through the pipeline
+  stages (a forward-only loop, `jaxpar.parallel.pipeline.forward_loss`) and equals the single-device eval.
 * pipeline=1 with pipeline.microbatches=4 is plain gradient accumulation and equals the reference.
 * A pipelined run (`jaxpar.training.loop.train`) resumed from its step-2 checkpoint reproduces steps 3 and 4
   bitwise.
@@ -243,8 +244,16 @@ def test_grads_pipeline_data_fsdp_zero2_and_eval(reference, recompute):
     assert tuple(_w_up(grads).sharding.shard_shape(w.shape)) == (L // 2, D // 4, F)  # ZeRO-2: over data too
     _assert_grads_match(reference, grads, loss, n_tokens)
 
-    # Evaluation runs the whole layer stack, not one stage's layers.
-    total, count = make_eval_step(plan)(params, batch)
+    _assert_pipelined_eval(plan, params, batch, reference)
+
+
+def _assert_pipelined_eval(plan, params, batch, reference) -> None:
+    """Evaluation runs through the pipeline stages (activations permuted between stages, each device holding
+    its own stage's layers; before, every stage's layers were gathered onto every device) and equals the
+    single-device evaluation."""
+    compiled = make_eval_step(plan).lower(params, batch).compile()
+    assert "collective-permute" in compiled.as_text()
+    total, count = compiled(params, batch)
     assert float(count) == reference["eval"][1]
     assert_scalar_close(total, reference["eval"][0], RTOL, "eval loss sum")
 
@@ -268,6 +277,7 @@ def test_grads_pipeline_fsdp_tensor_sequence_parallel(reference):
     _, D, F = w.shape
     assert shard_shape(w) == (L // 2, D // 2, F // 2)
     _assert_grads_match(reference, grads, loss, n_tokens)
+    _assert_pipelined_eval(plan, params, batch, reference)
 
 
 _CHILD = r"""
