@@ -17,7 +17,8 @@ convolution raises). Each computation is multiplied by the trip counts of the wh
 branch the device takes: its selector is evaluated for each partition id from the integer scalar
 computation that produces it (`partition-id`, constants, converts, comparisons, integer arithmetic, bit
 operations, select, fusions of those, and values carried unchanged through while loops or passed into
-called computations); a selector computed otherwise raises ValueError.
+called computations); a selector computed otherwise (from data, e.g. the optimizer's skip of a non-finite
+update) is accepted when every branch costs the same, and raises ValueError when not.
 """
 
 from __future__ import annotations
@@ -173,15 +174,7 @@ class _Module:
                 body = re.search(r"body=%?([\w.\-]+)", i.attrs).group(1)
                 total += trips * self.total(body, (*frames, _Frame(comp, i)), pid)
             elif i.opcode == "conditional":
-                branches = [n for role, n in called_computations(i.attrs) if role == "branch"]
-                selector = self.value(comp, i.operands[0], frames, pid)
-                if not branches:  # the true_computation / false_computation form, a pred selector
-                    t = re.search(r"true_computation=%?([\w.\-]+)", i.attrs).group(1)
-                    f = re.search(r"false_computation=%?([\w.\-]+)", i.attrs).group(1)
-                    branches, taken = [t, f], 0 if selector else 1
-                else:  # an index selector; out of range runs the last branch (HLO semantics)
-                    taken = int(selector) if 0 <= int(selector) < len(branches) else len(branches) - 1
-                total += self.total(branches[taken], (*frames, _Frame(comp, i, taken)), pid)
+                total += self._conditional_cost(comp, i, frames, pid)
             else:
                 for role, called in called_computations(i.attrs):
                     if role in ("calls", "to_apply") and called in self.comps:
@@ -189,6 +182,26 @@ class _Module:
         if static:
             self._static[comp] = total
         return total
+
+    def _conditional_cost(self, comp: str, i: _Instr, frames: tuple[_Frame, ...], pid: int) -> float:
+        branches = [n for role, n in called_computations(i.attrs) if role == "branch"]
+        pred = not branches
+        if pred:  # the true_computation / false_computation form: branch 0 runs on true
+            branches = [re.search(rf"{k}_computation=%?([\w.\-]+)", i.attrs).group(1) for k in ("true", "false")]
+        try:
+            selector = self.value(comp, i.operands[0], frames, pid)
+        except ValueError:
+            # A data-dependent selector (e.g. the optimizer's skip of a non-finite update): fine if every branch
+            # costs the same.
+            costs = {self.total(b, (*frames, _Frame(comp, i, k)), pid) for k, b in enumerate(branches)}
+            if len(costs) == 1:
+                return costs.pop()
+            raise
+        if pred:
+            taken = 0 if selector else 1
+        else:  # an index selector; out of range runs the last branch (HLO semantics)
+            taken = int(selector) if 0 <= int(selector) < len(branches) else len(branches) - 1
+        return self.total(branches[taken], (*frames, _Frame(comp, i, taken)), pid)
 
     def _has_conditional(self, comp: str) -> bool:
         """Whether `comp` or anything it calls holds a conditional (then its FLOPs depend on the partition)."""
