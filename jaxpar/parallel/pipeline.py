@@ -60,11 +60,15 @@ class StageParts:
       embed: (edge, mb) -> activations [b, T', D] in the activation dtype; run on the first stage only.
       blocks: (layers, x [b, T', D], mb) -> [b, T', D]; run on every stage.
       head: (edge, h [b, T', D], mb) -> the microbatch's summed loss, fp32 scalar; run on the last stage only.
+      edge_gathered: whether embed or head gather edge parameters with collectives that depend on the weights
+        alone (fsdp all-gathers); `forward_loss` then keeps those in tick order at the cost of one add over the
+        edge parameters per tick.
     """
 
     embed: Callable
     blocks: Callable
     head: Callable
+    edge_gathered: bool = True
 
 
 def _microbatch(mbs: dict, i: jax.Array, m: int) -> dict:
@@ -339,12 +343,12 @@ def forward_loss(
         recv, loss_acc = carry
         # The edge parts' collectives (inside their conds) in tick order (`_after`, also under autodiff): this
         # tick's embedding after the previous tick's permute, its head after its blocks, the permute after the
-        # head. The edge parameters carry the dependency too (one add over them per tick), so that no part of
-        # a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather of the table) is
-        # loop-invariant and hoisted out of the tick order. (A predicate made to depend on the activations
+        # head. With `parts.edge_gathered` the edge parameters carry the dependency too (one add over them per
+        # tick), so that no part of a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather
+        # of the table) is loop-invariant and hoisted out of the tick order. (A predicate made to depend on the activations
         # would do it for free, but then no HLO reader can tell which stage takes which branch.)
         mb = _after(_microbatch(mbs, k - s, m), recv)
-        edge_e = _after(edge, recv)
+        edge_e = _after(edge, recv) if parts.edge_gathered else edge
         x = jax.lax.cond(is_first, lambda: parts.embed(edge_e, mb).astype(act_dtype), lambda: recv)
         # Warm-up ticks (p - 1, few enough that XLA may unroll them) also order the blocks' weight-only work
         # after the embedding: autodiff splits it out of the layer scan, and the weight gathers over fsdp in it
@@ -352,7 +356,7 @@ def forward_loss(
         # that work is loop-invariant and XLA hoists it out, once per step.)
         h = parts.blocks(layers if head else _after(layers, x), x, mb)
         if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
-            edge_h = _after(edge, h)
+            edge_h = _after(edge, h) if parts.edge_gathered else edge
             loss = jax.lax.cond(
                 is_last,
                 lambda: parts.head(edge_h, h, mb).astype(jnp.float32) * loss_scale,

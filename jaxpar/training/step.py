@@ -54,6 +54,7 @@ from jaxpar.sharding import (
     param_specs,
     partitioned_over_data,
     spec_axes,
+    storage_axes,
 )
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
 from jaxpar.training.optimizer import (
@@ -413,10 +414,12 @@ def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.
         extra = {"segment_ids": mb["segment_ids"]} if "segment_ids" in mb else {}
         return bind(edge, layer_params).run_blocks(x, gather, tp, **extra)
 
+    storage = storage_axes("params", plan.cfg.optimizer.zero_stage)
     return pipeline_lib.StageParts(
         embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
         blocks=blocks,
         head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
+        edge_gathered=any(plan.mesh_shape[a] > 1 for a in storage),
     )
 
 
