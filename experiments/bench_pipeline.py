@@ -15,14 +15,17 @@ four train steps run on the same p simulated CPU devices, interleaved and timed 
 `jaxpar.analysis.pipeline_report.ideal_time_ratio`. "FLOPs/dp" is the matmul FLOPs per device (mean over the
 devices) of the compiled step over the baseline's, counted with loop trip counts and each device's own branch of
 the stage conds (`jaxpar.analysis.hlo_flops`), next to the tick ratio (m + p - 1)/m; "1-dp/FLOPs" and "1-dp/t"
-are the measured bubbles, next to the formula (p - 1)/(m + p - 1). The issue's shape (32,000-token vocabulary):
+are the measured bubbles, next to the formula (p - 1)/(m + p - 1). Row formulas live in
+`jaxpar.analysis.pipeline_report`; the model (`PIPELINE_MODEL`) and mesh overrides in
+`jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows; the
+fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a few percent of an optimised build, step
+times about 2x for every contender alike) in `jaxpar.analysis.compile_options`.
 
-    python experiments/bench_pipeline.py --stages 2 --microbatches 8 --steps 3 model.vocab_size=32000 \
-        model.d_model=256 model.d_ff=768 data.seq_len=128 Row formulas live in `jaxpar.analysis.pipeline_report`; the model
-(`PIPELINE_MODEL`) and mesh overrides in `jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses
-for its 1F1B / GPipe memory rows; the fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a
-few percent of an optimised build, step times about 2x for every contender alike) in
-`jaxpar.analysis.compile_options`.
+A model with a 32,000-token vocabulary (d_model 256, 4 layers, 8 microbatches of 2 x 128 tokens on 2 devices),
+where the head outweighs the layers:
+
+    python experiments/bench_pipeline.py --stages 2 --microbatches 8 --steps 3 model.vocab_size=32000
+        model.d_model=256 model.d_ff=768 data.seq_len=128
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ from jaxpar.batch import BATCH_KEYS, random_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.training.step import build_plan, init_state, make_train_step
-
 
 SCHEDULES = ("1f1b", "1f1b-rc", "gpipe")  # 1f1b-rc: pipeline.recompute=true
 

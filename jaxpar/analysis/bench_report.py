@@ -39,8 +39,8 @@ from jaxpar.analysis.bench import (
 from jaxpar.analysis.bench_baselines import reference_step
 from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo import collectives_by_axis
-from jaxpar.analysis.memory import memory_table
 from jaxpar.analysis.hlo_flops import dot_flops_per_device
+from jaxpar.analysis.memory import memory_table
 from jaxpar.analysis.pipeline_report import bubble_fraction, stage_inputs_in_flight
 from jaxpar.analysis.plan_comm import collective_terms
 from jaxpar.batch import abstract_batch, random_batch

@@ -153,9 +153,7 @@ class _Residuals:
         self._consts = [c for c, u in zip(closed.consts, used[:n_consts]) if u]
         self._used_weights = used[n_consts : n_consts + n_weights]
         self.stash_avals = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype)
-            for a, w in zip(closed.out_avals, self.from_weights)
-            if not w
+            jax.ShapeDtypeStruct(a.shape, a.dtype) for a, w in zip(closed.out_avals, self.from_weights) if not w
         ]
 
     @staticmethod
@@ -345,8 +343,8 @@ def forward_loss(
         # tick's embedding after the previous tick's permute, its head after its blocks, the permute after the
         # head. With `parts.edge_gathered` the edge parameters carry the dependency too (one add over them per
         # tick), so that no part of a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather
-        # of the table) is loop-invariant and hoisted out of the tick order. (A predicate made to depend on the activations
-        # would do it for free, but then no HLO reader can tell which stage takes which branch.)
+        # of the table) is loop-invariant and hoisted out of the tick order. (A predicate made to depend on the
+        # activations would do it for free, but then no HLO reader can tell which stage takes which branch.)
         mb = _after(_microbatch(mbs, k - s, m), recv)
         edge_e = _after(edge, recv) if parts.edge_gathered else edge
         x = jax.lax.cond(is_first, lambda: parts.embed(edge_e, mb).astype(act_dtype), lambda: recv)
