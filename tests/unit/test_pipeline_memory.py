@@ -137,3 +137,40 @@ def test_temp_at_fixed_global_batch(temp):
     # The gap widens with M: GPipe keeps the whole batch, 1F1B only 2p - 1 ever smaller microbatches.
     for one in ("1f1b", "1f1b-recompute"):
         assert temp["G", "gpipe", last] / temp["G", one, last] > temp["G", "gpipe", first] / temp["G", one, first]
+
+
+@pytest.mark.timeout(300)
+def test_residual_stash_bound(temp):
+    """The stated stash bound of 1F1B without recompute: (2p - 1) x the residual bytes of one stage-microbatch
+    (`jaxpar.parallel.pipeline.residual_bytes`) in place of (2p - 1) stage inputs [b, T, D]: the temporaries of
+    the two modes differ by that, within 10% (XLA's buffer reuse and the tick's working set)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.parallel import pipeline
+    from jaxpar.training import step
+
+    plan = make_plan(
+        [*FP32, f"model.n_layers={L}", f"data.seq_len={T}", "mesh.data=1", "mesh.fsdp=1", f"mesh.pipeline={P_STAGES}"],
+        jax.devices()[:P_STAGES],
+    )
+    d = plan.cfg.model.d_model
+    got = {}
+
+    def body(params):
+        mb = {
+            "inputs": jax.numpy.zeros((B, T), "int32"),
+            "targets": jax.numpy.zeros((B, T), "int32"),
+            "loss_mask": jax.numpy.zeros((B, T)),
+        }
+        layers, _ = step.split_stack(params)
+        parts = step._stage_parts(plan, params, plan.loss_fn)
+        got["bytes"] = pipeline.residual_bytes(parts, layers, jax.numpy.zeros((B, T, d)), mb)
+        return jax.numpy.zeros(())
+
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"],), out_specs=P(), check_vma=False)
+    jax.eval_shape(fn, abstract_state(plan)["params"])
+    stage_input = B * T * d * 4
+    assert got["bytes"] > stage_input
+    expected = (2 * P_STAGES - 1) * (got["bytes"] - stage_input)
+    measured = temp["b", "1f1b", MICROBATCHES[0]] - temp["b", "1f1b-recompute", MICROBATCHES[0]]
+    assert measured == pytest.approx(expected, rel=0.1), (measured, expected, got["bytes"])
