@@ -260,7 +260,12 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
         "layout": cfg.precision.layout,
         "zero_stage": d.zero,
         "remat": cfg.model.remat,
-        "pipeline": {"schedule": cfg.pipeline.schedule, "microbatches": d.m, "stages": d.shape["pipeline"]},
+        "pipeline": {
+            "schedule": cfg.pipeline.schedule,
+            "microbatches": d.m,
+            "stages": d.shape["pipeline"],
+            "recompute": cfg.pipeline.recompute,
+        },
         "sequence_parallel": d.sp,
         "batch": {
             "global_batch_size": cfg.train.global_batch_size,
