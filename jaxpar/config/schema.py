@@ -102,7 +102,7 @@ class PipelineConfig:
         m = 8, d_model 256, 4 layers, vocabulary 32,000, 16 x 128 tokens, experiments/bench_pipeline.py): matmul
         FLOPs per device 1.037x data parallelism's without recompute against 1.147x with (the tick ratio is
         1.125), step time 1.17-1.19x against 1.16-1.23x over two runs (a draw on CPU, where memory traffic
-        weighs as much as FLOPs; a compute-bound accelerator pays the FLOPs), temp memory 212 MB against 207 MB
+        weighs as much as FLOPs; a compute-bound accelerator pays the FLOPs), temp memory 217 MB against 212 MB
         per device (the logits dominate); with a small head (d_model 64, p = 4) the residual ring doubles the
         temporaries (2.3 MB against 1.1 MB). Set true when the 2p - 1 microbatches' residuals do not fit.
     """
