@@ -1,20 +1,31 @@
-"""Pipeline schedules (1F1B, GPipe) against data parallelism on the same devices: compiled temp memory,
-activations in flight, clock ticks, bubble, and step time.
+"""Pipeline schedules (1F1B keeping residuals, 1F1B recomputing the stage forward, GPipe) against data
+parallelism on the same devices: compiled temp memory, activations in flight, clock ticks, bubble, matmul FLOPs
+and step time.
 
     python experiments/bench_pipeline.py [--config configs/tiny.yaml] [--stages 2 4] [--microbatches 4 8 16 32]
         [--steps 5] [--rounds 3] [--micro-rows 2] [--optimized] [key=value ...]
 
 For each p (stages) and m (microbatches) the microbatch size is fixed (global batch = m * micro_rows), and
-three train steps run on the same p simulated CPU devices, interleaved and timed in one run:
-  * 1F1B and GPipe on mesh pipeline=p (data=fsdp=tensor=1), pipeline.microbatches=m;
+four train steps run on the same p simulated CPU devices, interleaved and timed in one run:
+  * 1F1B (pipeline.recompute=false, "1f1b"; true, "1f1b-rc") and GPipe on mesh pipeline=p
+    (data=fsdp=tensor=1), pipeline.microbatches=m;
   * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
 "meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
-`jaxpar.analysis.pipeline_report.ideal_time_ratio`. Row formulas live in `jaxpar.analysis.pipeline_report`; the model
-(`PIPELINE_MODEL`) and mesh overrides in `jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses
-for its 1F1B / GPipe memory rows; the fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a
-few percent of an optimised build, step times about 2x for every contender alike) in
-`jaxpar.analysis.compile_options`.
+`jaxpar.analysis.pipeline_report.ideal_time_ratio`. "FLOPs/dp" is the matmul FLOPs per device (mean over the
+devices) of the compiled step over the baseline's, counted with loop trip counts and each device's own branch of
+the stage conds (`jaxpar.analysis.hlo_flops`), next to the tick ratio (m + p - 1)/m; "1-dp/FLOPs" and "1-dp/t"
+are the measured bubbles, next to the formula (p - 1)/(m + p - 1). Row formulas live in
+`jaxpar.analysis.pipeline_report`; the model (`PIPELINE_MODEL`) and mesh overrides in
+`jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows; the
+fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a few percent of an optimised build, step
+times about 2x for every contender alike) in `jaxpar.analysis.compile_options`.
+
+A model with a 32,000-token vocabulary (d_model 256, 4 layers, 8 microbatches of 2 x 128 tokens on 2 devices),
+where the head outweighs the layers:
+
+    python experiments/bench_pipeline.py --stages 2 --microbatches 8 --steps 3 model.vocab_size=32000
+        model.d_model=256 model.d_ff=768 data.seq_len=128
 """
 
 from __future__ import annotations
@@ -32,11 +43,14 @@ import jax.numpy as jnp
 from jaxpar.analysis.bench import interleaved_step_times, median_seconds
 from jaxpar.analysis.bench_report import PIPELINE_MODEL, pipeline_overrides
 from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
+from jaxpar.analysis.hlo_flops import dot_flops_per_device
 from jaxpar.analysis.pipeline_report import format_table, report_row
 from jaxpar.batch import BATCH_KEYS, random_batch
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.training.step import build_plan, init_state, make_train_step
+
+SCHEDULES = ("1f1b", "1f1b-rc", "gpipe")  # 1f1b-rc: pipeline.recompute=true
 
 
 class Contender:
@@ -56,6 +70,7 @@ class Contender:
         self.step = make_train_step(self.plan).lower(self.state, self.batch).compile(compiler_options=compiler_options)
         self.compile_s = time.perf_counter() - t0
         self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)
+        self.flops = sum(dot_flops_per_device(self.step.as_text())) / len(devices)  # mean per device
 
     def __call__(self):
         self.state, metrics = self.step(self.state, self.batch)
@@ -82,27 +97,40 @@ def main() -> None:
         for m in args.microbatches:
 
             def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
-                overrides = pipeline_overrides(p, pipelined, sched, m, rows)
+                recompute = [f"pipeline.recompute={str(sched == '1f1b-rc').lower()}"]
+                overrides = pipeline_overrides(p, pipelined, sched.removesuffix("-rc"), m, rows) + recompute
                 return load_config(args.config, PIPELINE_MODEL + args.overrides + overrides, num_devices=p)
 
             cfg = load(False)
             batch = random_batch(m * rows, cfg.data.seq_len, cfg.model.vocab_size, devices[0], cfg.train.seed)
             contenders = {"dp": Contender(cfg, devices, batch, options, states)}
-            for sched in ("1f1b", "gpipe"):
+            for sched in SCHEDULES:
                 contenders[sched] = Contender(load(True, sched), devices, batch, options, states)
             losses = {name: float(c()) for name, c in contenders.items()}  # first step: same loss expected
             times = interleaved_step_times(contenders, args.steps, args.rounds)
             med = {name: median_seconds(t) for name, t in times.items()}
             plan = contenders["1f1b"].plan
-            for sched in ("1f1b", "gpipe"):
+            for sched in SCHEDULES:
                 row = report_row(
-                    sched, p, m, rows, cfg.data.seq_len, cfg.model.d_model, jnp.dtype(plan.compute_dtype).itemsize
+                    sched.removesuffix("-rc"),
+                    p,
+                    m,
+                    rows,
+                    cfg.data.seq_len,
+                    cfg.model.d_model,
+                    jnp.dtype(plan.compute_dtype).itemsize,
+                    recompute=sched == "1f1b-rc",
                 )
-                row.update(temp_bytes=contenders[sched].temp_bytes, time_ratio=med[sched] / med["dp"])
+                row.update(
+                    temp_bytes=contenders[sched].temp_bytes,
+                    time_ratio=med[sched] / med["dp"],
+                    flops_ratio=contenders[sched].flops / contenders["dp"].flops,
+                )
                 all_rows.append(row)
             print(
-                f"p={p} m={m}: median step ms dp {med['dp'] * 1e3:.2f}, 1f1b {med['1f1b'] * 1e3:.2f}, "
-                f"gpipe {med['gpipe'] * 1e3:.2f}; dp temp {contenders['dp'].temp_bytes / 1024:.1f} KiB; "
+                f"p={p} m={m}: median step ms "
+                + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in med.items())
+                + f"; dp temp {contenders['dp'].temp_bytes / 1024:.1f} KiB; "
                 f"compile s "
                 + " ".join(f"{n} {c.compile_s:.1f}" for n, c in contenders.items())
                 + "; first-step loss "
@@ -119,9 +147,10 @@ def main() -> None:
         f"total {time.perf_counter() - t_start:.0f} s"
     )
     print(
-        "temp: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: stage "
-        "inputs kept for the backward on stage 0 (live at once / buffers reserved); ticks (half): clock ticks "
-        "run (of which forward-only or backward-only)"
+        "temp: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: "
+        "microbatches whose stage inputs (1f1b-rc) or residuals (1f1b, gpipe) are kept for the backward on stage "
+        "0 (live at once / buffers reserved), live KiB counting stage inputs only; ticks (half): clock ticks run "
+        "(of which forward-only or backward-only); FLOPs/dp: matmul FLOPs per device over data parallelism's"
     )
     print(format_table(all_rows))
 

@@ -80,10 +80,18 @@ def hardware_flops_per_token(
 ) -> float:
     """FLOPs per token the hardware executes, for HFU (never MFU): model FLOPs plus the forward FLOPs the remat
     policy recomputes (`recompute_flops_per_token` for the built-in llama family), plus one more forward (a third
-    of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule rebuilds each stage's forward from its
-    stashed input before the backward; see `jaxpar.parallel.pipeline`)."""
+    of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule with `pipeline.recompute: true` rebuilds
+    each stage's forward from its stashed input before the backward; see `jaxpar.parallel.pipeline` and
+    `stage_recompute`). With remat none and no stage recompute the result is the model FLOPs: HFU == MFU."""
     extra = model_flops_per_token / 3 if stage_recompute else 0.0
     return model_flops_per_token + extra + recomputed_flops_per_token
+
+
+def stage_recompute(cfg) -> bool:
+    """Whether the step rebuilds each pipeline stage's forward before its backward: 1F1B on more than one stage
+    with `pipeline.recompute: true` (GPipe and 1F1B without recompute keep the forward's residuals). `cfg`: a
+    `jaxpar.config.schema.Config`."""
+    return cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute
 
 
 def param_count(params) -> int:

@@ -1,7 +1,7 @@
 """The measurements behind experiments/benchmarks.py, each reduced to rows of one ratio table.
 
 Every row is a dict {"group", "case", "metric", "measured", "reference", "ratio" (measured / reference),
-"unit" ("s", "FLOPs", "bytes"), "target"}: measured against an analytic formula or against a baseline, both
+"unit" ("s", "FLOPs", "bytes", "fraction"), "target"}: measured against an analytic formula or against a baseline, both
 taken in the same run.
 
   overhead     jaxpar's train step / a hand-written NNX + optax step on one device (`jaxpar.analysis.bench_baselines`):
@@ -13,7 +13,10 @@ taken in the same run.
                (`jaxpar.analysis.plan_comm`), with sequence parallelism off and on.
   pipeline     compiled temp bytes of the 1F1B step over the GPipe step on p devices; the target column gives
                the formula's ratio of stage inputs live on the worst stage (`jaxpar.analysis.pipeline_report`), which
-               the temp bytes approach as activations dominate (GPipe also keeps per-tick layer residuals).
+               the temp bytes approach as activations dominate (GPipe also keeps per-tick layer residuals);
+               and per schedule (1F1B keeping residuals, 1F1B recomputing, GPipe) against data parallelism on
+               the same p = 2 devices: matmul FLOPs per device over the tick ratio (m + p - 1)/m, step time,
+               and the bubbles 1 - 1/ratio over (p - 1)/(m + p - 1) (`pipeline_schedule_rows`).
 
 Memory, tensor and pipeline rows compile ahead of time on abstract states and never run a step.
 """
@@ -36,8 +39,9 @@ from jaxpar.analysis.bench import (
 from jaxpar.analysis.bench_baselines import reference_step
 from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo import collectives_by_axis
+from jaxpar.analysis.hlo_flops import dot_flops_per_device
 from jaxpar.analysis.memory import memory_table
-from jaxpar.analysis.pipeline_report import stage_inputs_in_flight
+from jaxpar.analysis.pipeline_report import bubble_fraction, stage_inputs_in_flight
 from jaxpar.analysis.plan_comm import collective_terms
 from jaxpar.batch import abstract_batch, random_batch
 from jaxpar.config import Config, load_config, resolve_config
@@ -336,6 +340,68 @@ def pipeline_memory_rows(
     return out
 
 
+# Schedules compared with data parallelism: (row label, pipeline.schedule, pipeline.recompute).
+PIPELINE_SCHEDULES = (("1F1B", "1f1b", False), ("1F1B recompute", "1f1b", True), ("GPipe", "gpipe", False))
+
+
+def pipeline_schedule_rows(
+    config: str,
+    overrides: Sequence[str],
+    p: int,
+    m: int,
+    steps: int,
+    rounds: int,
+    micro_rows: int = 2,
+    compiler_options: dict | None = None,
+) -> list[dict]:
+    """Each schedule of PIPELINE_SCHEDULES on mesh pipeline=p against data parallelism on mesh data=p, same
+    devices and global batch m * micro_rows, PIPELINE_MODEL + `overrides`: matmul FLOPs per device (mean over
+    the devices, `jaxpar.analysis.hlo_flops`) over data parallelism's, with the tick ratio (m + p - 1)/m as
+    reference (target <= 1.03 x it, except with recompute: the stage forward twice, about 4/3 of the blocks);
+    median step time over data parallelism's (steps interleaved in one run); and the measured bubbles
+    1 - 1/ratio of both next to (p - 1)/(m + p - 1) (`jaxpar.analysis.pipeline_report.bubble_fraction`)."""
+    devices = jax.devices()[:p]
+    runs, flops = {}, {}
+    for name, sched, recompute in (("data parallel", "1f1b", False), *PIPELINE_SCHEDULES):
+        pipelined = name != "data parallel"
+        cfg = load_config(
+            config,
+            [
+                *PIPELINE_MODEL,
+                *overrides,
+                *pipeline_overrides(p, pipelined, sched, m, micro_rows),
+                f"pipeline.recompute={str(recompute).lower()}",
+            ],
+            num_devices=p,
+        )
+        plan = build_plan(cfg, build_mesh(cfg, devices))
+        batch = random_batch(m * micro_rows, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding)
+        state = init_state(plan, cfg.train.seed)
+        step = make_train_step(plan).lower(state, batch).compile(compiler_options)
+        flops[name] = sum(dot_flops_per_device(step.as_text())) / p
+        box = {"state": state}
+
+        def run(step=step, batch=batch, box=box):
+            box["state"], metrics = step(box["state"], batch)
+            return metrics["loss"]
+
+        runs[name] = run
+    times = {name: median_seconds(t) for name, t in interleaved_step_times(runs, steps, rounds).items()}
+    ticks, bubble = (m + p - 1) / m, bubble_fraction(p, m)
+    case = f"p={p} m={m} b={micro_rows}"
+    out = []
+    for name, _, recompute in PIPELINE_SCHEDULES:
+        f_ratio, t_ratio = flops[name] / flops["data parallel"], times[name] / times["data parallel"]
+        bound = "~4/3 of the blocks' share" if recompute else "<= 1.03"
+        out += [
+            row("pipeline", case, f"{name} FLOPs/dp over (m+p-1)/m", f_ratio, ticks, "FLOPs", bound),
+            row("pipeline", case, f"{name} step time/dp", times[name], times["data parallel"], "s", "-"),
+            row("pipeline", case, f"{name} bubble 1-dp/FLOPs over formula", 1 - 1 / f_ratio, bubble, "fraction", "-"),
+            row("pipeline", case, f"{name} bubble 1-dp/time over formula", 1 - 1 / t_ratio, bubble, "fraction", "-"),
+        ]
+    return out
+
+
 # --- the whole report --------------------------------------------------------------------------------------
 
 # Quick mode's model: every measurement compiles in seconds on 2 CPU cores (d_model 64 divides every sharding).
@@ -396,6 +462,8 @@ def run_report(
     rows += pipeline_memory_rows(
         config, list(overrides), stages, (4,) if quick else (4, 8, 16), compiler_options=options
     )
+    if stages:
+        rows += pipeline_schedule_rows(config, list(overrides), 2, 4 if quick else 8, steps, rounds, 2, options)
     log(
         f"pipeline done ({time.perf_counter() - start:.0f} s)"
         if stages
@@ -412,6 +480,8 @@ def _value(x: float, unit: str) -> str:
         return f"{x * 1e3:.2f} ms"
     if unit == "FLOPs":
         return f"{x:.4g}"
+    if unit == "fraction":
+        return f"{x:.3f}"
     return f"{x:,.0f}"
 
 

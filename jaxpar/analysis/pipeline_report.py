@@ -70,29 +70,35 @@ def activation_bytes(b: int, seq: int, d_model: int, dtype_bytes: int) -> int:
     return b * seq * d_model * dtype_bytes
 
 
-def ideal_time_ratio(schedule: str, p: int, m: int) -> float:
+def ideal_time_ratio(schedule: str, p: int, m: int, recompute: bool = False) -> float:
     """Compute-bound step time of the lockstep loop over a data-parallel step on the same p devices with the
     same global batch (m * b rows), counting a backward as 2 forwards and ignoring communication and the
-    embedding/head work every stage repeats.
+    embedding and head (which the first and last stage alone run, each once per microbatch).
 
     Unit: one stage forward on b rows; data parallel does 3m units per device.
-      1F1B: warm-up p - 1 ticks x 1 (F), steady m x 4 (F + recomputed F + B), cool-down p - 1 x 3 -> 4(m + p - 1);
-        ratio 4(m + p - 1) / 3m (the 4/3 is the stage forward recomputed from its stashed input).
-      GPipe: (m + p - 1) x 3 (masked ticks still compute) -> ratio (m + p - 1) / m = 1 / (1 - bubble).
+      1F1B, `recompute` (pipeline.recompute=true): warm-up p - 1 ticks x 1 (F), steady m x 4 (F + recomputed
+        F + B), cool-down p - 1 x 3 -> 4(m + p - 1); ratio 4(m + p - 1) / 3m (the 4/3 is the stage forward
+        recomputed from its stashed input).
+      1F1B keeping residuals, and GPipe: (m + p - 1) x 3 (masked ticks still compute) -> ratio (m + p - 1) / m
+        = 1 / (1 - bubble).
     """
     _check(schedule, p, m)
-    units = 4 * (m + p - 1) if schedule == "1f1b" else 3 * (m + p - 1)
+    units = 4 * (m + p - 1) if (schedule == "1f1b" and recompute) else 3 * (m + p - 1)
     return units / (3 * m)
 
 
-def report_row(schedule: str, p: int, m: int, b: int, seq: int, d_model: int, dtype_bytes: int) -> dict:
+def report_row(
+    schedule: str, p: int, m: int, b: int, seq: int, d_model: int, dtype_bytes: int, recompute: bool = False
+) -> dict:
     """The formula columns of one benchmark row (schedule, p, m, ticks, stage inputs in flight and their
-    bytes, bubble, ideal time ratio); the benchmark adds measured temp bytes and step-time ratios."""
+    bytes, bubble, ideal time ratio, the tick ratio (m + p - 1)/m that bounds the FLOPs ratio); the benchmark
+    adds measured temp bytes, FLOPs and step-time ratios. `recompute`: 1F1B with pipeline.recompute=true (the
+    schedule column then reads "1f1b-rc")."""
     ticks = tick_counts(schedule, p, m)
     flight = stage_inputs_in_flight(schedule, p, m)
     one = activation_bytes(b, seq, d_model, dtype_bytes)
     return {
-        "schedule": schedule,
+        "schedule": schedule + ("-rc" if recompute and schedule == "1f1b" else ""),
         "p": p,
         "m": m,
         **ticks,
@@ -100,7 +106,8 @@ def report_row(schedule: str, p: int, m: int, b: int, seq: int, d_model: int, dt
         "in_flight_alloc": flight["allocated"],
         "in_flight_bytes": flight["live"] * one,
         "bubble": bubble_fraction(p, m),
-        "ideal_ratio": ideal_time_ratio(schedule, p, m),
+        "ideal_ratio": ideal_time_ratio(schedule, p, m, recompute),
+        "tick_ratio": (m + p - 1) / m,
     }
 
 
@@ -114,15 +121,24 @@ COLUMNS = (
     ("ticks", "ticks (half)", "{}"),
     ("full_equivalent", "full-tick eq", "{}"),
     ("bubble", "bubble", "{:.3f}"),
+    ("bubble_flops", "1-dp/FLOPs", "{:.3f}"),
+    ("bubble_time", "1-dp/t", "{:.3f}"),
+    ("tick_ratio", "(m+p-1)/m", "{:.3f}"),
+    ("flops_ratio", "FLOPs/dp", "{:.3f}"),
     ("ideal_ratio", "ideal t/dp", "{:.2f}"),
     ("time_ratio", "meas t/dp", "{:.2f}"),
 )
 
 
 def format_table(rows: list[dict]) -> str:
-    """Fixed-width text table of `report_row` dicts, with "temp_bytes" and "time_ratio" added (bytes as KiB)."""
+    """Fixed-width text table of `report_row` dicts, with "temp_bytes", "flops_ratio" and "time_ratio" added
+    (bytes as KiB); the measured bubbles are 1 - 1/flops_ratio and 1 - 1/time_ratio (the share of the pipelined
+    step's work, or time, that data parallelism does not need)."""
 
     def cell(row, key, fmt):
+        if key in ("bubble_flops", "bubble_time"):
+            ratio = row.get("flops_ratio" if key == "bubble_flops" else "time_ratio")
+            return "-" if ratio is None else fmt.format(1 - 1 / ratio)
         if key == "in_flight":
             return f"{row['in_flight']}/{row['in_flight_alloc']}"
         if key == "ticks":

@@ -28,9 +28,10 @@ its checkpoint policies keep, in the compute dtype (Bc bytes), per layer and mic
                    bytes (+ with sequence parallelism the 2 gathered block inputs 2*b*s*D)
 plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) (XLA's GPU buffer assignment
 keeps them in Bc through the layers' backward; the cross-entropy's fp32 copies live only before it).
-Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the other); 1F1B holds
-a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers; GPipe keeps every tick's (m + p - 1) layers and
-stage input (`jaxpar.analysis.pipeline_report`).
+Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the other); 1F1B with
+`pipeline.recompute: true` holds a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers, without it a
+ring of 2p - 1 microbatches' layers (what the remat policy keeps, the block inputs included); GPipe keeps every
+tick's (m + p - 1) layers and stage input (`jaxpar.analysis.pipeline_report`).
 
 Attention scores (`attention_working_bytes`), on XLA's attention path (`model.attention` xla, or auto on cpu:
 `jaxpar.config.attention`): `jax.nn.dot_product_attention`'s XLA implementation computes the logits
@@ -176,9 +177,12 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
     if p == 1:
         in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
-    elif cfg.pipeline.schedule == "1f1b":
+    elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute:
         in_flight, stash = 1, (2 * p - 1) * stage_input
-        formula_flight = f"1F1B: 1 microbatch's layers + a ring of 2p-1={2 * p - 1} stage inputs"
+        formula_flight = f"1F1B recomputing: 1 microbatch's layers + a ring of 2p-1={2 * p - 1} stage inputs"
+    elif cfg.pipeline.schedule == "1f1b":
+        in_flight, stash = 2 * p - 1, 0
+        formula_flight = f"1F1B keeping residuals: a ring of 2p-1={2 * p - 1} microbatches' layers"
     else:
         in_flight, stash = d.m + p - 1, (d.m + p - 1) * stage_input
         outside *= in_flight
@@ -286,7 +290,12 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
         "layout": cfg.precision.layout,
         "zero_stage": d.zero,
         "remat": cfg.model.remat,
-        "pipeline": {"schedule": cfg.pipeline.schedule, "microbatches": d.m, "stages": d.shape["pipeline"]},
+        "pipeline": {
+            "schedule": cfg.pipeline.schedule,
+            "microbatches": d.m,
+            "stages": d.shape["pipeline"],
+            "recompute": cfg.pipeline.recompute,
+        },
         "sequence_parallel": d.sp,
         "batch": {
             "global_batch_size": cfg.train.global_batch_size,

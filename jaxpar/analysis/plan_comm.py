@@ -18,11 +18,14 @@ Storage axes: fsdp, and data under ZeRO-3 (Rajbhandari et al. 2019, section 5.3;
   Each layer's weights are all-gathered (Bc) in every forward pass and again in every backward pass (jaxpar
   re-gathers instead of keeping them); each layer's gradient is reduce-scattered (Br) in every backward pass.
   Passes per step: A*m forward and A*m backward without a pipeline. 1F1B: A*(m+p-1) forward ticks and
-  A*(m+p-1) backward ticks that first recompute the stage forward: 3 gathers per layer and tick (with m = 1 the
-  one steady tick is unrolled and its unread forward dropped: one fewer). GPipe: the forward gathers are
-  loop-invariant and XLA hoists them out of the tick loop (once per accumulation step), the backward
-  re-gathers in each of the A*(m+p-1) ticks. The embedding, final norm and head are gathered once per step
-  (loop-invariant, hoisted) and reduce-scattered per backward pass. With one layer per stage the layer loop
+  A*(m+p-1) backward ticks: 2 gathers per layer and tick (the backward regathers the weights its residuals
+  need), 3 with pipeline.recompute (the rebuilt forward gathers too). GPipe: the head ticks' forward gathers are
+  loop-invariant and XLA hoists them out of the tick loop (once per accumulation step), the p - 1 warm-up ticks
+  gather their own, the backward re-gathers in each of the A*(m+p-1) ticks. Without a pipeline the embedding,
+  final norm and head are gathered once per step (loop-invariant, hoisted) and reduce-scattered per backward
+  pass; in a pipeline they sit in conds on the stage index (`jaxpar.parallel.pipeline`), counted for the stage
+  that runs them: the embedding's gathered and reduce-scattered in each of the A*(m+p-1) forward and backward
+  ticks, the head's in the A*m ticks that run it. With one layer per stage and no pipeline the layer loop
   disappears and the block gathers become loop-invariant too: once per step.
 data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the fsdp-sharded gradients,
   P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*Bp: the partitioner
@@ -36,9 +39,9 @@ tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per la
   all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
   reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy but
   `none` saves no tensor-collective output, so the backward re-runs the attention exit (SP: and both enters).
-  1F1B forward ticks run no head (the loss is unread there); a pipeline with m = 1 embeds the same microbatch
-  every tick, which XLA computes once per accumulation step. With SP the norm-scale gradients (replicated over
-  tensor, each rank saw s/t of the sequence) are all-reduced once per step.
+  In a pipeline the embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once
+  per microbatch; a 1F1B recompute re-runs the layers' forward collectives. With SP the norm-scale gradients
+  (replicated over tensor, each rank saw s/t of the sequence) are all-reduced once per step.
 pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage activation b*s'*D*Bc per tick
   and direction, m+p-1 each; 1F1B loses an unread shift when its one-tick loop is unrolled (the forward one
   if m = 1, the backward one if p = 2). The embedding, final-norm and head gradients, which one stage used, are
@@ -88,22 +91,56 @@ def _term(out: list, shape: dict, name: str, axes, kind: str, count: int, size: 
 
 
 def _passes(cfg: Config, d) -> dict[str, int]:
-    """Forward passes (with and without the head), backward passes and stage-weight gathers per layer and step."""
+    """Passes per step: forward and backward passes of the stage's blocks ("fwd", "bwd"; a 1F1B recompute is a
+    forward pass too), of the embedding ("embed_fwd", "embed_bwd") and of the head and loss ("head_fwd",
+    "head_bwd"); the stage-weight gathers per layer ("gathers"); and per step the gathers and gradient
+    reduce-scatters of the embedding's and of the head's (final norm, output projection) weights
+    ("embed_gathers", "head_gathers", "embed_scatters", "head_scatters")."""
     p, a, m, per_stage = d.shape["pipeline"], d.accum, d.m, d.layers_per_stage
     ticks = m + p - 1
     if p == 1:
-        out = {"fwd": a * m, "fwd_no_head": 0, "bwd": a * m, "gathers": 2 * a * m}
-    elif cfg.pipeline.schedule == "1f1b":
-        # With m = 1 the one steady tick is unrolled and its forward, read by nobody, is dropped.
-        dead = a if m == 1 else 0
-        out = {"fwd": a * ticks, "fwd_no_head": a * ticks - dead, "bwd": a * ticks, "gathers": 3 * a * ticks - dead}
+        n = a * m
+        out = {"fwd": n, "bwd": n, "embed_fwd": n, "embed_bwd": n, "head_fwd": n, "head_bwd": n, "gathers": 2 * n}
+        # Loop-invariant, hoisted out of the accumulation loop: once per step; gradients once per backward.
+        out.update(embed_gathers=1, head_gathers=1, embed_scatters=n, head_scatters=n)
     else:
-        out = {"fwd": a * ticks, "fwd_no_head": 0, "bwd": a * ticks, "gathers": a * (1 + ticks)}
-    if per_stage == 1:
+        # The first stage embeds in every forward tick and back-propagates into the table in every backward
+        # tick, the last runs head and loss in the m ticks that hold a microbatch (in conds on the stage index:
+        # a count is what the stage that runs them does). Their fsdp gathers sit inside the conds, once per
+        # run.
+        recompute = cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute
+        out = {
+            "fwd": a * ticks * (2 if recompute else 1),
+            "bwd": a * ticks,
+            "embed_fwd": a * ticks,
+            "embed_bwd": a * ticks,
+            "head_fwd": a * m,
+            "head_bwd": a * m,
+            "embed_gathers": a * ticks,
+            "head_gathers": a * m,
+            "embed_scatters": a * ticks,
+            "head_scatters": a * m,
+        }
+        if cfg.pipeline.schedule == "1f1b":
+            # Forward, backward, and with recompute the rebuilt forward (without, the backward regathers the
+            # weights its residuals need instead of stashing them).
+            out["gathers"] = (3 if recompute else 2) * a * ticks
+        else:
+            # The head ticks' forward gathers are hoisted out of their loop; the p - 1 warm-up ticks gather
+            # their own; the backward regathers in each tick.
+            out["gathers"] = a * (1 + (p - 1) + ticks)
+    if per_stage == 1 and p == 1:
         out["gathers"] = 1
-    # The embedding of a pipeline with m = 1 sees the same microbatch every tick: computed once per step.
-    out["embed_fwd"] = a if (p > 1 and m == 1) else out["fwd"] + out["fwd_no_head"]
     return out
+
+
+def _edge_leaves(cfg: Config, part: str) -> list:
+    """The parameters outside the layer stack that the embedding (`part` "embed") or the head ("head") uses."""
+    outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
+    if part == "embed":
+        return [x for x in outside if x.path.startswith("embed/")]
+    head = [x for x in outside if not x.path.startswith("embed/")]
+    return head + ([x for x in outside if x.path.startswith("embed/")] if cfg.model.tie_embeddings else [])
 
 
 def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
@@ -111,8 +148,7 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     axes = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
     w_layer = sum(local_size(x, shape) for x in leaves if x.in_blocks) // d.layers_per_stage
-    w_out = sum(local_size(x, shape) for x in leaves if not x.in_blocks)
-    n_block, n_out = sum(x.in_blocks for x in leaves), sum(not x.in_blocks for x in leaves)
+    n_block = sum(x.in_blocks for x in leaves)
     layers = d.layers_per_stage
     bc, br = d.wire(d.compute_bytes), d.wire(d.reduce_bytes)
     _term(
@@ -124,7 +160,20 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
         passes["gathers"] * layers * n_block,
         passes["gathers"] * layers * w_layer * bc,
     )
-    _term(out, shape, "embedding/norm/head weights", axes, "all-gather", n_out, w_out * bc)
+    gathers = [(x, passes[f"{part}_gathers"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
+    scatters = [(x, passes[f"{part}_scatters"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
+    if shape["pipeline"] == 1:  # one program part: each weight gathered once, whoever uses it
+        gathers = [(x, 1) for x in {x.path: x for x, _ in gathers}.values()]
+        scatters = [(x, passes["bwd"]) for x in {x.path: x for x, _ in scatters}.values()]
+    _term(
+        out,
+        shape,
+        "embedding/norm/head weights",
+        axes,
+        "all-gather",
+        sum(n for _, n in gathers),
+        sum(n * local_size(x, shape) for x, n in gathers) * bc,
+    )
     _term(
         out,
         shape,
@@ -140,8 +189,8 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
         "embedding/norm/head gradients",
         axes,
         "reduce-scatter",
-        passes["bwd"] * n_out,
-        passes["bwd"] * w_out * br,
+        sum(n for _, n in scatters),
+        sum(n * local_size(x, shape) for x, n in scatters) * br,
     )
 
 
@@ -169,13 +218,14 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     # Every policy but `none` keeps no tensor-collective output, so the backward re-runs the attention exit
     # and (with SP) both enters of each layer; `none` saves them (`jaxpar.model.stack`).
     full = cfg.model.remat != "none"
-    fwd, fwd_nh, bwd, embed = passes["fwd"], passes["fwd_no_head"], passes["bwd"], passes["embed_fwd"]
+    fwd, bwd = passes["fwd"], passes["bwd"]
+    head_fwd, head_bwd, embed_fwd, embed_bwd = (passes[k] for k in ("head_fwd", "head_bwd", "embed_fwd", "embed_bwd"))
     tensor = ("tensor",)
     # Exits: the embedding's and 2 per layer in the forward; enters: 2 per layer and the head's.
-    exits = embed + (fwd + fwd_nh) * 2 * layers
-    enter_grads = bwd * (2 * layers + 1 + (layers if full else 0))
+    exits = embed_fwd + fwd * 2 * layers
+    enter_grads = bwd * (2 * layers + (layers if full else 0)) + head_bwd
     if d.sp:
-        ag = fwd * (2 * layers + 1) + fwd_nh * 2 * layers + bwd * (2 * layers + 1 + (2 * layers if full else 0))
+        ag = fwd * 2 * layers + head_fwd + bwd * (2 * layers + (2 * layers if full else 0)) + embed_bwd
         _term(
             out,
             shape,
@@ -188,7 +238,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         _term(out, shape, "activations (sequence parallel)", tensor, "all-gather", ag, ag * x)
     else:
         _term(out, shape, "activations", tensor, "all-reduce", exits + enter_grads, (exits + enter_grads) * x)
-    _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * fwd, 3 * fwd * ce)
+    _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * head_fwd, 3 * head_fwd * ce)
     if d.sp:
         storage = storage_axes("params", d.zero)
         # Parameters replicated over tensor receive partial gradients under sequence parallelism: the norm

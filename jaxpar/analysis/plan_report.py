@@ -40,6 +40,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"  batch {b['global_batch_size']} x {b['seq_len']} = {b['tokens_per_step']:,} tokens/step; "
             f"{b['rows_per_microbatch']} rows per microbatch per device; accumulation {b['grad_accum_steps']}; "
             f"pipeline {pipe['schedule']} p={pipe['stages']} m={pipe['microbatches']}"
+            + (" recompute" if pipe["recompute"] and pipe["schedule"] == "1f1b" and pipe["stages"] > 1 else "")
         ),
         (
             f"  parameters {p['params']['total']:,} (non-embedding {p['params']['non_embedding']:,}); "

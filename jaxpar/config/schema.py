@@ -102,10 +102,22 @@ class PipelineConfig:
         al. 2021) or `gpipe` (all forwards, then all backwards; Huang et al. 2019).
       microbatches: M, microbatches each device's batch (per accumulation step) is split into for the pipeline.
         With mesh.pipeline == 1 they simply add to gradient accumulation.
+      recompute: 1F1B only: `true` keeps each in-flight microbatch's stage input and rebuilds the stage forward
+        before its backward (one more forward: 4/3 of the blocks' FLOPs); `false` keeps the forward's residuals
+        instead (no FLOPs repeated; hfu == mfu with model.remat=none). Either stash is a ring of 2p - 1
+        microbatches per stage, flat in M: stage inputs, or the residuals `model.remat` keeps for the stage's
+        layers (`jaxpar.parallel.pipeline`). Default false, by measurement (2 simulated CPU devices, p = 2,
+        m = 8, d_model 256, 4 layers, vocabulary 32,000, 16 x 128 tokens, experiments/bench_pipeline.py): matmul
+        FLOPs per device 1.037x data parallelism's without recompute against 1.147x with (the tick ratio is
+        1.125), step time 1.17-1.19x against 1.16-1.23x over two runs (a draw on CPU, where memory traffic
+        weighs as much as FLOPs; a compute-bound accelerator pays the FLOPs), temp memory 217 MB against 212 MB
+        per device (the logits dominate); with a small head (d_model 64, p = 4) the residual ring doubles the
+        temporaries (2.3 MB against 1.1 MB). Set true when the 2p - 1 microbatches' residuals do not fit.
     """
 
     schedule: str = "1f1b"
     microbatches: int = 1
+    recompute: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,31 +4,71 @@ Shape letters: p stages, m microbatches, b microbatch rows, T' activation sequen
 sequence parallelism), D model width.
 
 Every stage runs the same program in lockstep clock ticks; `ppermute` moves activations to the next stage and
-gradients to the previous one. A stage function `stage(params, x_in, mb, is_first, is_last) -> (h, loss)`
-embeds the microbatch on the first stage (ignoring `x_in`), runs this stage's layers, and on the last stage
-computes the summed loss (0 elsewhere).
+gradients to the previous one. A stage is split into three parts (`StageParts`): the embedding, run only by the
+first stage, the stage's blocks, run by every stage, and the head and loss, run only by the last stage. "Only"
+means only: the edge parts sit in `jax.lax.cond` branches on the stage index (`jax.lax.axis_index("pipeline")`),
+so the other stages skip them rather than computing and discarding them. A branch may hold collectives over
+`tensor`, `fsdp` and `data` (every member of such a group is the same stage and takes the same branch), never
+over `pipeline`.
 
 1F1B (PipeDream-Flush; Narayanan et al. 2021, arXiv 2104.04473, section 2.2) in lockstep: at tick k, stage s
-runs the forward of microbatch k - s and the backward of microbatch k - (2p - 2 - s); the last stage starts
-each backward in the tick of its forward. Three static loops -- warm-up (forward only, p - 1 ticks), steady
-(forward and backward, m ticks), cool-down (backward only, p - 1 ticks) -- give m + 2p - 2 ticks, of which
-the warm-up and cool-down ticks do half the work: (m + p - 1) ticks' worth of forward+backward, the 1F1B
-bubble (p - 1)/(m + p - 1). The backward recomputes the stage forward from its stashed input (`jax.vjp`),
-about 4/3 of the model FLOPs; a stage input waits 2p - 2 - 2s ticks for its backward, so the stash is a ring of
-2p - 1 slots indexed by microbatch mod 2p - 1, whatever m. Weight gradients are running sums.
+runs the forward of microbatch k - s and the backward of microbatch k - (2p - 2 - s); the last stage runs each
+backward in the tick of its forward, seeded by the head's gradient taken right there (`jax.value_and_grad` of
+head and loss with respect to the edge parameters and the stage output). Three static loops -- warm-up (forward
+only, p - 1 ticks), steady (forward and backward, m ticks), cool-down (backward only, p - 1 ticks) -- give
+m + 2p - 2 ticks, of which the warm-up and cool-down ticks do half the work: (m + p - 1) ticks' worth of
+forward + backward of the blocks, the 1F1B bubble (p - 1)/(m + p - 1), and m heads (steady ticks only). Weight
+gradients are running sums.
 
-GPipe (Huang et al. 2019): the forward of all microbatches over m + p - 1 ticks, then the backward by
-automatic differentiation of that loop, which keeps every microbatch's stage input: memory grows with m.
+What the backward of a microbatch needs from its forward, `recompute`:
+  * True: its stage input [b, T', D], from which the backward rebuilds the blocks' forward (`jax.vjp`): one
+    more forward, 4/3 of the blocks' FLOPs. Stash bytes per stage = (2p - 1) x b x T' x D x activation bytes.
+  * False: the blocks' residuals from the forward tick (the leaves of the pytree `jax.vjp` returns, minus the
+    stage's own weights, which stay put), unflattened with the static tree structure in the backward tick: no
+    FLOPs repeated. Stash bytes per stage = (2p - 1) x the residual bytes of one stage-microbatch (what
+    `model.remat` keeps for L/p layers of b rows, plus the stage input; with weights gathered over fsdp the
+    gathered layer weights are residuals too). `residual_bytes` gives the figure.
+A stage input waits 2p - 2 - 2s ticks for its backward, so both stashes are rings of 2p - 1 slots indexed by
+microbatch mod 2p - 1, whatever m: memory per stage is flat in m.
+
+GPipe (Huang et al. 2019): the forward of all microbatches over m + p - 1 ticks (`forward_loss`), then the
+backward by automatic differentiation of that loop, which keeps every microbatch's residuals: memory grows
+with m. `forward_loss` alone is the pipelined evaluation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax._src import core as _core
+from jax._src.interpreters import partial_eval as _pe
 
 AXIS = "pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageParts:
+    """The three parts of a pipeline stage.
+
+    `edge` is the parameters outside the layer stack (embedding, final norm, head), the same tree on every
+    stage; `layers` this stage's share of the stacked layers; `mb` one microbatch (a dict of [b, ...] arrays).
+
+    Attributes:
+      embed: (edge, mb) -> activations [b, T', D] in the activation dtype; run on the first stage only.
+      blocks: (layers, x [b, T', D], mb) -> [b, T', D]; run on every stage.
+      head: (edge, h [b, T', D], mb) -> the microbatch's summed loss, fp32 scalar; run on the last stage only.
+      edge_gathered: whether embed or head gather edge parameters with collectives that depend on the weights
+        alone (fsdp all-gathers); `forward_loss` then keeps those in tick order at the cost of one add over the
+        edge parameters per tick.
+    """
+
+    embed: Callable
+    blocks: Callable
+    head: Callable
+    edge_gathered: bool = True
 
 
 def _microbatch(mbs: dict, i: jax.Array, m: int) -> dict:
@@ -72,9 +112,95 @@ def ticks_1f1b(p: int, m: int) -> int:
     return m + 2 * p - 2
 
 
+def _add32(acc, g):
+    return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
+
+
+class _Residuals:
+    """What the backward of the blocks needs from their forward (`jax.vjp`'s returned pytree), split by where it
+    comes from, for `one_f_one_b(recompute=False)`.
+
+    The pytree's leaves are the stage's weights themselves (primal inputs, found by identity), static Python
+    leaves, and arrays. An array computed from the weights alone (e.g. one layer's slice of the stacked
+    weights, which the layer scan stores per layer, or a weight gathered over fsdp) is the same for every
+    microbatch: it is rebuilt from the weights in the backward tick, not stashed (stashing it would keep 2p - 1
+    copies of the stage's weights). Every other array depends on the microbatch and is stashed. Which is which
+    comes from one trace of the forward at construction (`jax.make_jaxpr`, then dead-code elimination per
+    output: an output whose dependencies include no stage input or microbatch array is weight-only); the tree
+    structure is static, the same for every trace of the same function at the same shapes (`stash` checks).
+
+    Uses jax-internal `jax._src.interpreters.partial_eval.dce_jaxpr` and `jax._src.core.eval_jaxpr` (jax 0.10).
+    """
+
+    def __init__(self, parts: StageParts, layers, x, mb):
+        box = {}
+
+        def arrays(lay, xx, mbb):
+            _, vjp_fn = jax.vjp(lambda w, y: parts.blocks(w, y, mbb), lay, xx)
+            box["treedef"], box["kinds"] = jax.tree.structure(vjp_fn), self._kinds(vjp_fn, lay)
+            return [leaf for leaf, kind in zip(jax.tree.leaves(vjp_fn), box["kinds"]) if kind[0] == "array"]
+
+        closed = jax.make_jaxpr(arrays)(layers, x, mb)
+        self.treedef, self.kinds = box["treedef"], box["kinds"]
+        n_consts, n_weights = len(closed.consts), len(jax.tree.leaves(layers))
+        jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)  # consts first, then weights, x, mb
+        n_out = len(jaxpr.outvars)
+        varying = slice(n_consts + n_weights, None)
+        self.from_weights = [
+            not any(_pe.dce_jaxpr(jaxpr, [k == i for k in range(n_out)])[1][varying]) for i in range(n_out)
+        ]
+        self._weights_jaxpr, used = _pe.dce_jaxpr(jaxpr, self.from_weights)
+        self._consts = [c for c, u in zip(closed.consts, used[:n_consts]) if u]
+        self._used_weights = used[n_consts : n_consts + n_weights]
+        self.stash_avals = [
+            jax.ShapeDtypeStruct(a.shape, a.dtype) for a, w in zip(closed.out_avals, self.from_weights) if not w
+        ]
+
+    @staticmethod
+    def _kinds(vjp_fn, layers) -> tuple:
+        weights = {id(w): n for n, w in enumerate(jax.tree.leaves(layers))}
+        return tuple(
+            ("weight", weights[id(leaf)])
+            if id(leaf) in weights
+            else ("array",)
+            if isinstance(leaf, jax.Array)
+            else ("static", leaf)
+            for leaf in jax.tree.leaves(vjp_fn)
+        )
+
+    def stash(self, vjp_fn, layers) -> list[jax.Array]:
+        """The microbatch-dependent arrays of `vjp_fn` (a trace of the same function at the same shapes)."""
+        kinds = self._kinds(vjp_fn, layers)
+        # (The tree structures hold each trace's own jaxpr, so they never compare equal: compare the leaves.)
+        if [k[0] for k in kinds] != [k[0] for k in self.kinds]:
+            raise AssertionError("the blocks' residuals differ between two traces of the same stage function")
+        arrays = [leaf for leaf, kind in zip(jax.tree.leaves(vjp_fn), kinds) if kind[0] == "array"]
+        return [a for a, w in zip(arrays, self.from_weights) if not w]
+
+    def rebuild(self, stashed: list[jax.Array], layers, after):
+        """The vjp function from the stashed arrays and the weights; the weight-only arrays are recomputed from
+        `layers` made to depend on `after` (so their collectives, e.g. fsdp gathers, start after it)."""
+        weights = jax.tree.leaves(layers)
+        used = _after([w for w, u in zip(weights, self._used_weights) if u], after)
+        from_weights = iter(_core.eval_jaxpr(self._weights_jaxpr, (), *self._consts, *used))
+        stashed = iter(stashed)
+        arrays = [next(from_weights) if w else next(stashed) for w in self.from_weights]
+        arrays = iter(arrays)
+        leaves = [weights[k[1]] if k[0] == "weight" else next(arrays) if k[0] == "array" else k[1] for k in self.kinds]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def residual_bytes(parts: StageParts, layers, x, mb) -> int:
+    """Bytes of the blocks' residuals of one stage-microbatch that `one_f_one_b(recompute=False)` stashes (the
+    weight-only ones excluded, `_Residuals`); (2p - 1) times this is the stash. Call inside the shard_map
+    (abstract values are enough: it traces, no device work)."""
+    return int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in _Residuals(parts, layers, x, mb).stash_avals))
+
+
 def one_f_one_b(
-    stage: Callable,
-    params: dict,
+    parts: StageParts,
+    layers: dict,
+    edge: dict,
     mbs: dict,
     *,
     p: int,
@@ -82,73 +208,178 @@ def one_f_one_b(
     act_shape: tuple[int, ...],
     act_dtype,
     loss_scale: jax.Array,
-) -> tuple[dict, jax.Array]:
-    """Runs the 1F1B schedule; returns (fp32 gradient sums of `params`, this stage's summed scaled loss).
+    recompute: bool,
+) -> tuple[tuple[dict, dict], jax.Array]:
+    """Runs the 1F1B schedule; returns ((fp32 gradient sums of `layers`, of `edge`), this stage's summed scaled
+    loss, fp32 scalar: 0 except on the last stage).
 
     Args:
-      stage: the stage function (module docstring).
-      params: this stage's local parameters (all of them; the stage function picks what it uses).
+      parts: the stage's parts (`StageParts`).
+      layers: this stage's local layer parameters; edge: the local parameters outside the layer stack.
       mbs: microbatches, each leaf [m, b, ...].
       p, m: stages and microbatches.
       act_shape, act_dtype: shape [b, T', D] and dtype of the activations passed between stages.
       loss_scale: multiplies each microbatch's loss (1 / global token count), fp32 scalar.
+      recompute: rebuild each stage forward in the backward from the stashed input (True) or keep its
+        residuals (False); module docstring.
     """
     s = jax.lax.axis_index(AXIS)
     is_first, is_last = s == 0, s == p - 1
     depth = 2 * p - 1
     zeros_act = jnp.zeros(act_shape, act_dtype)
+    if recompute:
+        template, stash_shapes = None, [jax.ShapeDtypeStruct(act_shape, act_dtype)]
+    else:
+        template = _Residuals(parts, layers, zeros_act, _microbatch(mbs, jnp.int32(0), m))
+        stash_shapes = template.stash_avals
+
+    def stage_input(x_in, mb):
+        return jax.lax.cond(is_first, lambda: parts.embed(edge, mb).astype(act_dtype), lambda: x_in)
+
+    def head_grad(h, mb, scale, g_edge):
+        # Last stage: the head's loss and its gradient with respect to the edge parameters and h.
+        def run():
+            loss, (d_edge, d_h) = jax.value_and_grad(
+                lambda e, y: parts.head(e, y, mb).astype(jnp.float32) * scale, argnums=(0, 1)
+            )(edge, h)
+            return loss, d_h.astype(act_dtype), _add32(g_edge, d_edge)
+
+        return jax.lax.cond(is_last, run, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge))
+
+    def embed_grad(d_x, mb, g_edge):
+        # First stage: the embedding's gradient from the blocks' input gradient.
+        def run():
+            _, vjp_fn = jax.vjp(lambda e: parts.embed(e, mb).astype(act_dtype), edge)
+            return _add32(g_edge, vjp_fn(d_x)[0])
+
+        return jax.lax.cond(is_first, run, lambda: g_edge)
 
     def tick(carry, k, do_forward: bool, do_backward: bool):
-        recv_f, recv_b, stash, g_acc, loss_acc = carry
+        recv_f, recv_b, stash, g_layers, g_edge, loss_acc = carry
         send_f = send_b = zeros_act
         if do_forward:
             i = k - s
-            valid = (i >= 0) & (i < m)
-            h, _ = stage(params, recv_f, _microbatch(mbs, i, m), is_first, is_last)
+            mb = _microbatch(mbs, i, m)
+            x = stage_input(recv_f, mb)
+            if recompute:
+                h, keep = parts.blocks(layers, x, mb), [x]
+            else:
+                h, vjp_fn = jax.vjp(lambda w, y: parts.blocks(w, y, mb), layers, x)
+                keep = template.stash(vjp_fn, layers)
+            # Microbatch i's slot holds nothing live (the live ones, i - 2p + 2 + 2s .. i - 1, differ mod 2p - 1),
+            # so the write needs no validity mask, also for i outside 0 .. m - 1.
             slot = jnp.mod(i, depth)
-            kept = jax.lax.dynamic_index_in_dim(stash, slot, keepdims=False)
-            stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(valid, recv_f, kept), slot, 0)
+            stash = [jax.lax.dynamic_update_index_in_dim(r, v, slot, 0) for r, v in zip(stash, keep)]
             send_f = h
         if do_backward:
             j = k - (2 * p - 2 - s)
             valid = (j >= 0) & (j < m)
-            x_in = jax.lax.dynamic_index_in_dim(stash, jnp.mod(j, depth), keepdims=False)
-            mb = _microbatch(mbs, j, m)
-            if do_forward:  # the backward's collectives start after the forward's have finished
-                x_in, mb = _after((x_in, mb), send_f)
-            (_, loss), vjp = jax.vjp(lambda prm, x: stage(prm, x, mb, is_first, is_last), params, x_in)
-            d_h = jnp.where(valid & ~is_last, recv_b, jnp.zeros_like(recv_b))
-            d_loss = jnp.where(valid, loss_scale, 0.0).astype(loss.dtype)
-            d_params, d_x = vjp((d_h, d_loss))
-            g_acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), g_acc, d_params)
-            loss_acc = loss_acc + jnp.where(valid, loss * loss_scale, 0.0)
+            mb_b = _microbatch(mbs, j, m)
+            d_h = recv_b
+            if do_forward:
+                # The last stage's microbatch j is this tick's i (always valid in the steady ticks): its head
+                # seeds the backward. d_h then depends on the forward on every stage, so the backward's
+                # collectives start after the forward's.
+                loss, d_head, g_edge = head_grad(h, mb, jnp.where(valid, loss_scale, 0.0), g_edge)
+                loss_acc = loss_acc + loss
+                d_h = jnp.where(is_last, d_head, recv_b)
+            d_h = jnp.where(valid, d_h, jnp.zeros_like(d_h))
+            kept = [jax.lax.dynamic_index_in_dim(r, jnp.mod(j, depth), keepdims=False) for r in stash]
+            if recompute:
+                x_b, mb_b = _after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
+                _, vjp_fn = jax.vjp(lambda w, y: parts.blocks(w, y, mb_b), layers, x_b)
+            else:
+                vjp_fn = template.rebuild(kept, layers, d_h)
+            d_layers, d_x = vjp_fn(d_h)
+            g_layers = _add32(g_layers, d_layers)
+            g_edge = embed_grad(d_x, _after(mb_b, d_x), g_edge)
             send_b = d_x
         if do_forward and do_backward:  # the permutes after the backward, one after the other
-            send_f = _after(send_f, (send_b, d_params))
+            send_f = _after(send_f, (send_b, d_layers, g_edge))
         recv_f = _shift(send_f, p, forward=True) if do_forward else recv_f
         if do_forward and do_backward:
             send_b = _after(send_b, recv_f)
         recv_b = _shift(send_b, p, forward=False) if do_backward else recv_b
-        return (recv_f, recv_b, stash, g_acc, loss_acc), None
+        return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc), None
 
+    zeros32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
     carry = (
         zeros_act,
         zeros_act,
-        jnp.zeros((depth, *act_shape), act_dtype),
-        jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params),
+        [jnp.zeros((depth, *r.shape), r.dtype) for r in stash_shapes],
+        zeros32(layers),
+        zeros32(edge),
         jnp.zeros((), jnp.float32),
     )
     phases = ((0, p - 1, True, False), (p - 1, m + p - 1, True, True), (m + p - 1, m + 2 * p - 2, False, True))
     for start, stop, fwd, bwd in phases:
         if stop > start:
             carry, _ = jax.lax.scan(lambda c, k, f=fwd, b=bwd: tick(c, k, f, b), carry, jnp.arange(start, stop))
-    _, _, _, grads, loss = carry
-    return grads, loss
+    _, _, _, g_layers, g_edge, loss = carry
+    return (g_layers, g_edge), loss
+
+
+def forward_loss(
+    parts: StageParts,
+    layers: dict,
+    edge: dict,
+    mbs: dict,
+    *,
+    p: int,
+    m: int,
+    act_shape: tuple[int, ...],
+    act_dtype,
+    loss_scale: jax.Array | float = 1.0,
+) -> jax.Array:
+    """The forward of all m microbatches through the pipeline in m + p - 1 ticks: this stage's summed loss
+    times `loss_scale` (fp32 scalar; 0 except on the last stage). GPipe's forward, and the pipelined
+    evaluation. Same arguments as `one_f_one_b`."""
+    s = jax.lax.axis_index(AXIS)
+    is_first, is_last = s == 0, s == p - 1
+
+    def tick(carry, k, head: bool, layers):
+        recv, loss_acc = carry
+        # The edge parts' collectives (inside their conds) in tick order (`_after`, also under autodiff): this
+        # tick's embedding after the previous tick's permute, its head after its blocks, the permute after the
+        # head. With `parts.edge_gathered` the edge parameters carry the dependency too (one add over them per
+        # tick), so that no part of a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather
+        # of the table) is loop-invariant and hoisted out of the tick order. (A predicate made to depend on the
+        # activations would do it for free, but then no HLO reader can tell which stage takes which branch.)
+        mb = _after(_microbatch(mbs, k - s, m), recv)
+        edge_e = _after(edge, recv) if parts.edge_gathered else edge
+        x = jax.lax.cond(is_first, lambda: parts.embed(edge_e, mb).astype(act_dtype), lambda: recv)
+        # Warm-up ticks (p - 1, few enough that XLA may unroll them) also order the blocks' weight-only work
+        # after the embedding: autodiff splits it out of the layer scan, and the weight gathers over fsdp in it
+        # would otherwise be free to start before or after the embedding's cond. (In the head ticks' loop
+        # that work is loop-invariant and XLA hoists it out, once per step.)
+        h = parts.blocks(layers if head else _after(layers, x), x, mb)
+        if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
+            edge_h = _after(edge, h) if parts.edge_gathered else edge
+            loss = jax.lax.cond(
+                is_last,
+                lambda: parts.head(edge_h, h, mb).astype(jnp.float32) * loss_scale,
+                lambda: jnp.zeros((), jnp.float32),
+            )
+            loss_acc = loss_acc + loss
+            h = _after(h, loss)
+        return (_shift(h, p, forward=True), loss_acc), None
+
+    carry = (jnp.zeros(act_shape, act_dtype), jnp.zeros((), jnp.float32))
+    # Two static loops: ticks before the last stage's first microbatch (no head anywhere), then the m ticks
+    # in which the last stage runs the head.
+    if p > 1:
+        carry, _ = jax.lax.scan(lambda c, k: tick(c, k, False, layers), carry, jnp.arange(0, p - 1))
+    # The head ticks' weight-only work (the fsdp gathers of the stage's layers), which XLA hoists out of their
+    # loop, after the warm-up ticks, whose embedding cond it would otherwise not depend on.
+    head_layers = _after(layers, carry[0]) if p > 1 else layers
+    carry, _ = jax.lax.scan(lambda c, k: tick(c, k, True, head_layers), carry, jnp.arange(p - 1, m + p - 1))
+    return carry[1]
 
 
 def gpipe(
-    stage: Callable,
-    params: dict,
+    parts: StageParts,
+    layers: dict,
+    edge: dict,
     mbs: dict,
     *,
     p: int,
@@ -156,25 +387,16 @@ def gpipe(
     act_shape: tuple[int, ...],
     act_dtype,
     loss_scale: jax.Array,
-) -> tuple[dict, jax.Array]:
-    """Runs GPipe: forward of all m microbatches in m + p - 1 ticks, backward by autodiff of that loop.
-
-    Same arguments and results as `one_f_one_b`.
-    """
-    s = jax.lax.axis_index(AXIS)
-    is_first, is_last = s == 0, s == p - 1
-
-    def forward(prm):
-        def tick(carry, k):
-            recv, loss_acc = carry
-            i = k - s
-            valid = (i >= 0) & (i < m)
-            h, loss = stage(prm, recv, _microbatch(mbs, i, m), is_first, is_last)
-            return (_shift(h, p, forward=True), loss_acc + jnp.where(valid, loss * loss_scale, 0.0)), None
-
-        init = (jnp.zeros(act_shape, act_dtype), jnp.zeros((), jnp.float32))
-        (_, loss), _ = jax.lax.scan(tick, init, jnp.arange(m + p - 1))
-        return loss
-
-    loss, grads = jax.value_and_grad(forward)(params)
+    recompute: bool = False,
+) -> tuple[tuple[dict, dict], jax.Array]:
+    """Runs GPipe: forward of all m microbatches in m + p - 1 ticks (`forward_loss`), backward by autodiff of
+    that loop. Same arguments and results as `one_f_one_b`; `recompute` is not read (autodiff keeps every
+    tick's residuals)."""
+    del recompute
+    loss, grads = jax.value_and_grad(
+        lambda lay, e: forward_loss(
+            parts, lay, e, mbs, p=p, m=m, act_shape=act_shape, act_dtype=act_dtype, loss_scale=loss_scale
+        ),
+        argnums=(0, 1),
+    )(layers, edge)
     return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss

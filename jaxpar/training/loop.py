@@ -273,7 +273,7 @@ def _model_flops(cfg: Config, state: dict) -> tuple[float, float, float | None]:
         else flops_lib.hardware_flops_per_token(
             flops_per_token,
             recompute(cfg.model, cfg.data.seq_len),
-            stage_recompute=cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b",
+            stage_recompute=flops_lib.stage_recompute(cfg),
         )
     )
     peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops_per_device)

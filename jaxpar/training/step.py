@@ -41,6 +41,7 @@ from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
 from jaxpar.mesh import DATA_PARALLEL_AXES, MESH_AXES
 from jaxpar.model import ModelDef, init_params, model_def
+from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
@@ -54,6 +55,7 @@ from jaxpar.sharding import (
     param_specs,
     partitioned_over_data,
     spec_axes,
+    storage_axes,
 )
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
 from jaxpar.training.optimizer import (
@@ -420,9 +422,10 @@ def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
     return jax.tree.map(scatter, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
 
 
-def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
-    """Gradients and scaled loss of one accumulation step's local batch through the configured pipeline
-    schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches."""
+def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.StageParts:
+    """The pipeline stage's parts (`jaxpar.parallel.pipeline.StageParts`) for the plan's model: embedding, this
+    stage's blocks, and head + summed `loss_fn` (inside the shard_map; `params` are this device's local
+    parameters, split by the parts into the layer stack and the edge parameters outside it)."""
     gather = module_gatherer(
         plan.mesh_shape,
         partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
@@ -430,30 +433,56 @@ def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.A
         plan.reduce_dtype,
     )
     tp = plan.tensor_parallel
+    layers, edge = split_stack(params)
 
-    def stage(prm, x_in, mb, is_first, is_last):
-        model = plan.mdef.bind(prm)
-        h = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
-        h = jnp.where(is_first, h, x_in)
-        h = run_blocks(model, h, mb, gather, tp)
-        loss = summed_loss(plan.loss_fn, model.logits(h, gather, tp), mb, tp)
-        return h, jnp.where(is_last, loss, 0.0)
+    def bind(edge_params: dict, layer_params: dict):
+        return plan.mdef.bind({**edge_params, STACK_ATTRIBUTE: layer_params})
 
-    m = plan.cfg.pipeline.microbatches
+    def blocks(layer_params, x, mb):
+        return run_blocks(bind(edge, layer_params), x, mb, gather, tp)
+
+    storage = storage_axes("params", plan.cfg.optimizer.zero_stage)
+    return pipeline_lib.StageParts(
+        embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
+        blocks=blocks,
+        head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
+        edge_gathered=any(plan.mesh_shape[a] > 1 for a in storage),
+    )
+
+
+def split_stack(params: dict) -> tuple[dict, dict]:
+    """(the layer stack `params["blocks"]`, every other top-level entry: the edge parameters)."""
+    return params[STACK_ATTRIBUTE], {k: v for k, v in params.items() if k != STACK_ATTRIBUTE}
+
+
+def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[int, ...]]:
+    """(microbatches, each leaf [m, b, ...], and the activation shape [b, T', D] passed between stages)."""
+    tp = plan.tensor_parallel
     mbs = _split_microbatches(batch, m)
     b, seq = mbs["inputs"].shape[1:]
-    act_shape = (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
+    return mbs, (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
+
+
+def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
+    """Gradients and scaled loss of one accumulation step's local batch through the configured pipeline
+    schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches."""
+    m = plan.cfg.pipeline.microbatches
+    mbs, act_shape = _pipeline_shapes(plan, batch, m)
     schedule = pipeline_lib.one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
-    return schedule(
-        stage,
-        params,
+    layers, edge = split_stack(params)
+    (g_layers, g_edge), loss = schedule(
+        _stage_parts(plan, params, plan.loss_fn),
+        layers,
+        edge,
         mbs,
         p=plan.mesh_shape["pipeline"],
         m=m,
         act_shape=act_shape,
         act_dtype=plan.compute_dtype,
         loss_scale=loss_scale,
+        recompute=plan.cfg.pipeline.recompute,
     )
+    return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss
 
 
 def make_grad_fn(plan: StepPlan) -> Callable:
@@ -568,25 +597,44 @@ def make_train_step(plan: StepPlan) -> Callable:
 def make_eval_step(plan: StepPlan) -> Callable:
     """Returns jitted `eval_step(params, batch) -> (loss_sum, n_tokens)`: summed token loss (fp32 nats) and
     valid-token count of a global batch, for a token-mean over several batches. Always the cross-entropy,
-    whatever the plan's training loss (`jaxpar.training.loss`)."""
+    whatever the plan's training loss (`jaxpar.training.loss`).
+
+    With `mesh.pipeline > 1` the forward runs through the pipeline stages (`jaxpar.parallel.pipeline.
+    forward_loss`: each device keeps its own stage's layers), with each device's rows split into
+    gcd(rows, pipeline.microbatches) microbatches."""
     loss_sum = _loss_body(plan, train=False)
+    stages = plan.mesh_shape["pipeline"]
+
+    def pipelined_loss_sum(params, batch):
+        rows = batch["inputs"].shape[0]
+        m = math.gcd(rows, plan.cfg.pipeline.microbatches)
+        mbs, act_shape = _pipeline_shapes(plan, batch, m)
+        layers, edge = split_stack(params)
+        return pipeline_lib.forward_loss(
+            _stage_parts(plan, params, cross_entropy),
+            layers,
+            edge,
+            mbs,
+            p=stages,
+            m=m,
+            act_shape=act_shape,
+            act_dtype=plan.compute_dtype,
+        )
 
     def body(params, batch):
-        # psum over the batch-splitting axes: each device saw only its own rows.
-        total = jax.lax.psum(loss_sum(params, batch), DATA_PARALLEL_AXES)
+        # psum over the batch-splitting axes: each device saw only its own rows (and over pipeline: only the
+        # last stage computed a loss).
+        if stages > 1:
+            total = jax.lax.psum(pipelined_loss_sum(params, batch), DATA_PARALLEL_AXES + (pipeline_lib.AXIS,))
+        else:
+            total = jax.lax.psum(loss_sum(params, batch), DATA_PARALLEL_AXES)
         count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
         return total, count
 
-    # The forward here runs the whole layer stack on every device, so the blocks split into pipeline stages
-    # enter whole: the shard_map boundary all-gathers them over `pipeline` (one stage's layers alone are not
-    # the model).
-    whole_stack = jax.tree.map(
-        lambda spec: P(*(None if dim == pipeline_lib.AXIS else dim for dim in spec)),
-        plan.specs["params"],
-        is_leaf=lambda x: isinstance(x, P),
-    )
     batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
-    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(whole_stack, batch_spec), out_specs=(P(), P()), check_vma=False)
+    fn = jax.shard_map(
+        body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec), out_specs=(P(), P()), check_vma=False
+    )
     return jax.jit(fn)
 
 

@@ -17,7 +17,8 @@ three rows fully masked, so at M = 8 with one replica a whole microbatch is mask
   at 1e-5. The 1F1B case runs the step 10 times: before the tick's collectives were ordered by data
   dependencies (`jaxpar.parallel.pipeline._after`), XLA:CPU deadlocked on this mesh in most runs.
 * pipeline=2, M=4 inside train.grad_accum_steps=2 against the unsplit single-device batch.
-* The eval step under pipeline=2 x data=2 x fsdp=2 equals the single-device eval.
+* The eval step under pipeline=2 x data=2 x fsdp=2 and pipeline=2 x fsdp=2 x tensor=2 runs through the pipeline
+  stages (a forward-only loop, `jaxpar.parallel.pipeline.forward_loss`) and equals the single-device eval.
 * pipeline=1 with pipeline.microbatches=4 is plain gradient accumulation and equals the reference.
 * A pipelined run (`jaxpar.training.loop.train`) resumed from its step-2 checkpoint reproduces steps 3 and 4
   bitwise.
@@ -77,6 +78,8 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # step_
 # (stages, microbatches, schedule): every M at p=4; both schedules at both p; M < p three times; M > 2p - 1
 # (the 1F1B stash ring wraps) at both p. Compile time limits the grid; p=2 with M=2 (GPipe), M=3 (1F1B) and
 # M=4 (both) runs in the composed-mesh and accumulation tests below.
+# 1F1B runs with its default pipeline.recompute=false (residuals kept); RECOMPUTE_GRID has the same 1F1B
+# points with recompute=true (stage forward rebuilt from the stashed input), two of them in the default suite.
 GRID = [
     (2, 1, "gpipe"),
     (2, 8, "1f1b"),
@@ -85,6 +88,11 @@ GRID = [
     (4, 3, "1f1b"),
     (4, 4, "gpipe"),
     (4, 8, "1f1b"),
+]
+RECOMPUTE_GRID = [
+    pytest.param(p, m, marks=() if (p, m) in ((2, 8), (4, 3)) else pytest.mark.slow, id=f"p{p}_m{m}")
+    for p, m, schedule in GRID
+    if schedule == "1f1b"
 ]
 REPLICATED_OVER_PIPELINE = (("embed", "table"), ("final_norm", "scale"), ("lm_head", "kernel"))
 
@@ -172,13 +180,24 @@ def _assert_grads_match(ref: dict, grads, loss, n_tokens) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("p,m,schedule", GRID, ids=[f"p{p}_m{m}_{s}" for p, m, s in GRID])
 def test_one_step_equals_single_device(p, m, schedule, reference):
+    _one_step_equals_single_device(reference, p, m, schedule)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("p,m", RECOMPUTE_GRID)
+def test_one_step_equals_single_device_1f1b_recompute(p, m, reference):
+    _one_step_equals_single_device(reference, p, m, "1f1b", "pipeline.recompute=true")
+
+
+def _one_step_equals_single_device(reference, p: int, m: int, schedule: str, *extra: str) -> None:
     _need(p)
     ref = reference
     plan = make_plan(
-        _overrides(f"mesh.pipeline={p}", f"pipeline.microbatches={m}", f"pipeline.schedule={schedule}"),
+        _overrides(f"mesh.pipeline={p}", f"pipeline.microbatches={m}", f"pipeline.schedule={schedule}", *extra),
         jax.devices()[:p],
     )
     assert plan.cfg.pipeline.schedule == schedule and plan.cfg.pipeline.microbatches == m
+    assert plan.cfg.pipeline.recompute == ("pipeline.recompute=true" in extra)
     state = jax.device_put(ref["host_state"], plan.state_shardings)
     batch = device_batch(plan, host_batch(VALID, T, SEED))
     _assert_pipelined(plan, state["params"], p)
@@ -201,8 +220,10 @@ def test_one_step_equals_single_device(p, m, schedule, reference):
 
 
 @pytest.mark.timeout(180)
-def test_grads_pipeline_data_fsdp_zero2_and_eval(reference):
-    """pipeline=2 x data=2 x fsdp=2 (ZeRO-2: gradients reduce-scattered over data), 1F1B, M=3."""
+@pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_grads_pipeline_data_fsdp_zero2_and_eval(reference, recompute):
+    """pipeline=2 x data=2 x fsdp=2 (ZeRO-2: gradients reduce-scattered over data), 1F1B, M=3; with the
+    residuals kept (fsdp-gathered weights rebuilt in the backward) and with the stage forward recomputed."""
     _need(8)
     plan, params, batch, grads, loss, n_tokens = _pipelined_grads(
         reference,
@@ -212,6 +233,7 @@ def test_grads_pipeline_data_fsdp_zero2_and_eval(reference):
         "optimizer.zero_stage=2",
         "pipeline.microbatches=3",
         "pipeline.schedule=1f1b",
+        f"pipeline.recompute={str(recompute).lower()}",
         devices=jax.devices()[:8],
     )
     _assert_pipelined(plan, params, 2)
@@ -222,8 +244,16 @@ def test_grads_pipeline_data_fsdp_zero2_and_eval(reference):
     assert tuple(_w_up(grads).sharding.shard_shape(w.shape)) == (L // 2, D // 4, F)  # ZeRO-2: over data too
     _assert_grads_match(reference, grads, loss, n_tokens)
 
-    # Evaluation runs the whole layer stack, not one stage's layers.
-    total, count = make_eval_step(plan)(params, batch)
+    _assert_pipelined_eval(plan, params, batch, reference)
+
+
+def _assert_pipelined_eval(plan, params, batch, reference) -> None:
+    """Evaluation runs through the pipeline stages (activations permuted between stages, each device holding
+    its own stage's layers; before, every stage's layers were gathered onto every device) and equals the
+    single-device evaluation."""
+    compiled = make_eval_step(plan).lower(params, batch).compile()
+    assert "collective-permute" in compiled.as_text()
+    total, count = compiled(params, batch)
     assert float(count) == reference["eval"][1]
     assert_scalar_close(total, reference["eval"][0], RTOL, "eval loss sum")
 
@@ -247,6 +277,7 @@ def test_grads_pipeline_fsdp_tensor_sequence_parallel(reference):
     _, D, F = w.shape
     assert shard_shape(w) == (L // 2, D // 2, F // 2)
     _assert_grads_match(reference, grads, loss, n_tokens)
+    _assert_pipelined_eval(plan, params, batch, reference)
 
 
 _CHILD = r"""
@@ -274,7 +305,9 @@ pickle.dump(out, open(sys.argv[3], "wb"))
 MESH_16 = ("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=2")
 
 
-def _grads_on_16_devices(reference: dict, tmp_path, schedule: str, runs: int, xla_flags: str = "") -> dict:
+def _grads_on_16_devices(
+    reference: dict, tmp_path, schedule: str, runs: int, xla_flags: str = "", recompute: bool = False
+) -> dict:
     """Runs `make_grad_fn` `runs` times on pipeline=2 x data=2 x fsdp=2 x tensor=2 (16 simulated devices) in a
     subprocess, since the device count is fixed when jax starts: the reference parameters go in, the gradients
     and the parameter layout come back. Asserts the layout."""
@@ -282,7 +315,9 @@ def _grads_on_16_devices(reference: dict, tmp_path, schedule: str, runs: int, xl
     with open(inputs, "wb") as f:
         pickle.dump(
             {
-                "overrides": _overrides(*MESH_16, f"pipeline.schedule={schedule}"),
+                "overrides": _overrides(
+                    *MESH_16, f"pipeline.schedule={schedule}", f"pipeline.recompute={str(recompute).lower()}"
+                ),
                 "runs": runs,
                 "params": reference["host_state"]["params"],
                 "valid": VALID,
@@ -332,8 +367,11 @@ def test_grads_16_devices_pipeline_data_fsdp_tensor(reference, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_grads_16_devices_1f1b_no_deadlock(reference, tmp_path):
-    """As above with 1F1B, run 10 times; the collective timeout is cut to 5 s so a deadlock fails fast.
+@pytest.mark.parametrize("recompute", [False, True])
+def test_grads_16_devices_1f1b_no_deadlock(reference, tmp_path, recompute):
+    """As above with 1F1B (residuals kept, and stage forward recomputed), run 10 times; the collective timeout
+    is cut to 5 s so a deadlock fails fast. The embedding and head run in `lax.cond` branches on the stage
+    index, with their tensor and fsdp collectives inside.
 
     Without the data dependencies that order a tick's collectives (forward, backward, then one permute after
     the other), 14 devices waited in the pipeline collective-permute and 2 in an fsdp/tensor all-gather in
@@ -345,6 +383,7 @@ def test_grads_16_devices_1f1b_no_deadlock(reference, tmp_path):
         tmp_path,
         "1f1b",
         runs=10,
+        recompute=recompute,
         xla_flags="--xla_cpu_collective_call_warn_stuck_timeout_seconds=2 "
         "--xla_cpu_collective_call_terminate_timeout_seconds=5",
     )

@@ -105,3 +105,25 @@ def test_mfu_arithmetic():
     # 1e4 tok/s * 6e10 FLOP/tok = 6e14 FLOP/s over 2 devices of 1e15 -> 0.3
     assert flops.mfu(1e4, 6e10, 2, 1e15) == pytest.approx(0.3)
     assert flops.mfu(1e4, 6e10, 2, None) is None
+
+
+@pytest.mark.parametrize(
+    "overrides,recomputes",
+    [
+        (["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.recompute=false"], False),
+        (["mesh.pipeline=2", "pipeline.schedule=1f1b", "pipeline.recompute=true"], True),
+        (["mesh.pipeline=2", "pipeline.schedule=gpipe", "pipeline.recompute=true"], False),
+        (["mesh.pipeline=1", "pipeline.schedule=1f1b", "pipeline.recompute=true"], False),
+    ],
+)
+def test_hfu_equals_mfu_without_remat_and_stage_recompute(overrides, recomputes):
+    """The 1F1B stage recompute counts in hardware FLOPs only when pipeline.recompute is on: with remat none and
+    residuals kept, hardware FLOPs are the model FLOPs (hfu == mfu)."""
+    mesh = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1"]
+    cfg = load_config("configs/tiny.yaml", [*mesh, "model.remat=none", *overrides], validate=False)
+    assert flops.stage_recompute(cfg) is recomputes
+    model = flops.flops_per_token(1000, cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len)
+    recomputed = flops.recompute_flops_per_token(cfg.model, cfg.data.seq_len)
+    assert recomputed == 0.0
+    hardware = flops.hardware_flops_per_token(model, recomputed, stage_recompute=flops.stage_recompute(cfg))
+    assert hardware == (model * 4 / 3 if recomputes else model)

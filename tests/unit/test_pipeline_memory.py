@@ -46,10 +46,12 @@ L = 4
 B = 2  # rows per microbatch in the fixed-microbatch regime
 MICROBATCHES = (4, 8, 16, 32)
 G_FIXED = B * MICROBATCHES[-1]  # the fixed global batch: 64
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "1f1b-recompute", "gpipe")  # 1f1b: pipeline.recompute=false (the default)
 
 
 def _temp_bytes(schedule: str, m: int, g: int) -> int:
+    recompute = schedule == "1f1b-recompute"
+    schedule = schedule.removesuffix("-recompute")
     plan = make_plan(
         [
             *FP32,
@@ -60,6 +62,7 @@ def _temp_bytes(schedule: str, m: int, g: int) -> int:
             f"mesh.pipeline={P_STAGES}",
             f"pipeline.microbatches={m}",
             f"pipeline.schedule={schedule}",
+            f"pipeline.recompute={str(recompute).lower()}",
             f"train.global_batch_size={g}",
         ],
         jax.devices()[:P_STAGES],
@@ -89,9 +92,18 @@ def temp() -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_1f1b_temp_is_flat_in_microbatches_at_fixed_microbatch_size(temp):
-    values = [temp["b", "1f1b", m] for m in MICROBATCHES]
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-recompute"])
+def test_1f1b_temp_is_flat_in_microbatches_at_fixed_microbatch_size(temp, schedule):
+    values = [temp["b", schedule, m] for m in MICROBATCHES]
     assert max(values) <= 1.05 * min(values), values
+
+
+@pytest.mark.timeout(300)
+def test_1f1b_residual_stash_costs_what_it_keeps(temp):
+    """Keeping residuals costs more memory than recomputing (2p - 1 microbatches' residuals instead of
+    2p - 1 stage inputs) but stays below GPipe's, which keeps m + p - 1 ticks' residuals."""
+    for m in MICROBATCHES:
+        assert temp["b", "1f1b-recompute", m] < temp["b", "1f1b", m] < temp["b", "gpipe", m], m
 
 
 @pytest.mark.timeout(300)
@@ -105,17 +117,60 @@ def test_gpipe_temp_grows_linearly_in_microbatches_at_fixed_microbatch_size(temp
     ]
     assert max(slopes) <= 1.05 * min(slopes), slopes
     for m in MICROBATCHES:
-        assert temp["b", "gpipe", m] > temp["b", "1f1b", m]
+        assert temp["b", "gpipe", m] > temp["b", "1f1b-recompute", m]
 
 
 @pytest.mark.timeout(300)
 def test_temp_at_fixed_global_batch(temp):
     first, last = MICROBATCHES[0], MICROBATCHES[-1]
     # 1F1B: every buffer is proportional to the microbatch size G / M, which shrinks.
-    assert temp["G", "1f1b", last] <= temp["G", "1f1b", first]
-    # GPipe: (M + p - 1) / M batches' residuals, shrinking towards one batch's; far above 1F1B throughout.
+    for one in ("1f1b", "1f1b-recompute"):
+        assert temp["G", one, last] <= temp["G", one, first]
+    # GPipe: (M + p - 1) / M batches' residuals, shrinking towards one batch's; far above 1F1B with recompute
+    # throughout. 1F1B keeping residuals holds 2p - 1 microbatches' residuals: at M = 4 = p as many
+    # microbatches as GPipe's M + p - 1 ticks (about its memory), at M = 32 far fewer.
     assert temp["G", "gpipe", last] <= temp["G", "gpipe", first]
     for m in (first, last):
-        assert temp["G", "gpipe", m] > 2 * temp["G", "1f1b", m]
+        assert temp["G", "gpipe", m] > 2 * temp["G", "1f1b-recompute", m]
+    assert temp["G", "1f1b", first] < 1.1 * temp["G", "gpipe", first]
+    assert temp["G", "gpipe", last] > 2 * temp["G", "1f1b", last]
     # The gap widens with M: GPipe keeps the whole batch, 1F1B only 2p - 1 ever smaller microbatches.
-    assert temp["G", "gpipe", last] / temp["G", "1f1b", last] > temp["G", "gpipe", first] / temp["G", "1f1b", first]
+    for one in ("1f1b", "1f1b-recompute"):
+        assert temp["G", "gpipe", last] / temp["G", one, last] > temp["G", "gpipe", first] / temp["G", one, first]
+
+
+@pytest.mark.timeout(300)
+def test_residual_stash_bound(temp):
+    """The stated stash bound of 1F1B without recompute: (2p - 1) x the residual bytes of one stage-microbatch
+    (`jaxpar.parallel.pipeline.residual_bytes`) in place of (2p - 1) stage inputs [b, T, D]: the temporaries of
+    the two modes differ by that, within 10% (XLA's buffer reuse and the tick's working set)."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.parallel import pipeline
+    from jaxpar.training import step
+
+    plan = make_plan(
+        [*FP32, f"model.n_layers={L}", f"data.seq_len={T}", "mesh.data=1", "mesh.fsdp=1", f"mesh.pipeline={P_STAGES}"],
+        jax.devices()[:P_STAGES],
+    )
+    d = plan.cfg.model.d_model
+    got = {}
+
+    def body(params):
+        mb = {
+            "inputs": jax.numpy.zeros((B, T), "int32"),
+            "targets": jax.numpy.zeros((B, T), "int32"),
+            "loss_mask": jax.numpy.zeros((B, T)),
+        }
+        layers, _ = step.split_stack(params)
+        parts = step._stage_parts(plan, params, plan.loss_fn)
+        got["bytes"] = pipeline.residual_bytes(parts, layers, jax.numpy.zeros((B, T, d)), mb)
+        return jax.numpy.zeros(())
+
+    fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"],), out_specs=P(), check_vma=False)
+    jax.eval_shape(fn, abstract_state(plan)["params"])
+    stage_input = B * T * d * 4
+    assert got["bytes"] > stage_input
+    expected = (2 * P_STAGES - 1) * (got["bytes"] - stage_input)
+    measured = temp["b", "1f1b", MICROBATCHES[0]] - temp["b", "1f1b-recompute", MICROBATCHES[0]]
+    assert measured == pytest.approx(expected, rel=0.1), (measured, expected, got["bytes"])

@@ -60,8 +60,11 @@ def test_activation_bytes():
 def test_ideal_time_ratio():
     assert ideal_time_ratio("gpipe", 1, 8) == pytest.approx(1.0)
     assert ideal_time_ratio("gpipe", 4, 8) == pytest.approx(1 / (1 - bubble_fraction(4, 8)))
-    assert ideal_time_ratio("1f1b", 1, 8) == pytest.approx(4 / 3)  # the recompute of the stage forward
-    assert ideal_time_ratio("1f1b", 2, 4) == pytest.approx(4 * 5 / 12)
+    # pipeline.recompute=true: the stage forward runs twice.
+    assert ideal_time_ratio("1f1b", 1, 8, recompute=True) == pytest.approx(4 / 3)
+    assert ideal_time_ratio("1f1b", 2, 4, recompute=True) == pytest.approx(4 * 5 / 12)
+    # Residuals kept (the default): the tick ratio, as GPipe.
+    assert ideal_time_ratio("1f1b", 2, 4) == pytest.approx(5 / 4) == ideal_time_ratio("gpipe", 2, 4)
 
 
 @pytest.mark.parametrize(
@@ -75,8 +78,11 @@ def test_bad_arguments_raise(call):
 
 def test_format_table_shows_measured_columns_and_dashes():
     row = report_row("1f1b", 2, 4, 2, 32, 64, 4)
-    text = format_table([dict(row, temp_bytes=2048, time_ratio=1.5), row])
+    text = format_table([dict(row, temp_bytes=2048, time_ratio=1.5, flops_ratio=1.25), row])
     lines = text.splitlines()
     assert len(lines) == 3 and "bubble" in lines[0]
     assert "2.0" in lines[1] and "1.50" in lines[1] and "3/3" in lines[1] and "6 (2)" in lines[1]
+    # Measured bubbles: 1 - 1/1.25 from FLOPs, 1 - 1/1.5 from time; the tick ratio (m + p - 1)/m = 5/4.
+    assert "0.200" in lines[1] and "0.333" in lines[1] and "1.250" in lines[1]
+    assert report_row("1f1b", 2, 4, 2, 32, 64, 4, recompute=True)["schedule"] == "1f1b-rc"
     assert "-" in lines[2].split()

@@ -156,20 +156,15 @@ def test_activation_formula_by_hand():
     assert attention_working_bytes(fused) == 0
     assert activation_bytes(fused)["per_layer"] == b * s * d * 2 + matmuls + b * s * heads * 16 * 2 + 4 * b * heads * s
     assert attention_working_bytes(fused, "cpu") == 12 * b * heads * s * s  # auto is xla on cpu
-    # 1F1B keeps a ring of 2p - 1 stage inputs [b, s, D] whatever m; compute_dtype auto is bf16 on a GPU target
-    # and fp32 on CPU.
-    pipe = _cfg(
-        [
-            "mesh.data=4",
-            "mesh.fsdp=1",
-            "mesh.tensor=1",
-            "mesh.pipeline=2",
-            "model.remat=full",
-            "pipeline.microbatches=2",
-        ]
-    )
+    # 1F1B with recompute keeps a ring of 2p - 1 stage inputs [b, s, D] whatever m; compute_dtype auto is bf16 on
+    # a GPU target and fp32 on CPU. Without recompute it keeps 2p - 1 microbatches' layers instead.
+    mesh = ["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=2", "model.remat=full"]
+    pipe = _cfg([*mesh, "pipeline.microbatches=2", "pipeline.recompute=true"])
     assert activation_bytes(pipe, "gpu")["stage_inputs"] == 3 * (8 // 4 // 2) * s * d * 2
     assert activation_bytes(pipe, "cpu")["stage_inputs"] == 3 * (8 // 4 // 2) * s * d * 4
+    kept = activation_bytes(_cfg([*mesh, "pipeline.microbatches=2"]), "gpu")
+    assert kept["stage_inputs"] == 0 and kept["in_flight"] == 3
+    assert kept["layers"] == 3 * activation_bytes(pipe, "gpu")["layers"]  # 2p - 1 microbatches instead of 1
 
 
 def test_seed_exercise_numbers():
