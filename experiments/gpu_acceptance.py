@@ -31,8 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
     from jaxpar.analysis import gpu_acceptance
     from jaxpar.log import configure_logging
+
+    if not args.cpu_smoke and jax.default_backend() != "gpu":
+        print(
+            f"gpu_acceptance: jax sees no GPU (backend {jax.default_backend()}): this run is for one NVIDIA GPU "
+            f'(pip install -e ".[cuda12]" on a machine with its driver); --cpu-smoke runs the same code on tiny '
+            f"shapes here",
+            file=sys.stderr,
+        )
+        return 2
 
     configure_logging(logging.INFO)
     settings = (gpu_acceptance.smoke_settings if args.cpu_smoke else gpu_acceptance.gpu_settings)(args.config)

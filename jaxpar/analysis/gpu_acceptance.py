@@ -159,7 +159,7 @@ def attention_parity(shape: tuple[int, int, int, int, int], implementations: tup
     out = {}
     for name, segment_ids in (("no_segments", None), ("segments", seg)):
 
-        def run(impl, dtype, segment_ids=segment_ids):
+        def run(q, kk, v, cot, segment_ids, impl, dtype):
             def f(q, kk, v):
                 return dot_product_attention(q, kk, v, implementation=impl, segment_ids_BT=segment_ids)
 
@@ -167,10 +167,12 @@ def attention_parity(shape: tuple[int, int, int, int, int], implementations: tup
             o, vjp = jax.vjp(f, *args)
             return (o, *vjp(cot.astype(dtype)))
 
-        ref = jax.jit(lambda: run("xla", jnp.float32))()
+        # the inputs are arguments, not constants the compiler would fold
+        run = jax.jit(run, static_argnames=("impl", "dtype"))
+        ref = run(q, kk, v, cot, segment_ids, impl="xla", dtype=jnp.float32)
         row = {}
         for impl in implementations:
-            got = jax.jit(lambda impl=impl: run(impl, jnp.bfloat16))()
+            got = run(q, kk, v, cot, segment_ids, impl=impl, dtype=jnp.bfloat16)
             row[impl] = {
                 part: float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
                 for part, x, r in zip(("out", "dq", "dk", "dv"), got, ref)

@@ -72,6 +72,7 @@ from jaxpar.analysis.plan_comm import by_axis, collective_terms
 from jaxpar.analysis.plan_dims import Dims, dims, local_size, param_leaves, rank_params
 from jaxpar.analysis.units import GB
 from jaxpar.config.attention import resolve_attention
+from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
@@ -112,9 +113,12 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
     """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn.
 
     Raises:
-      ValueError: cudnn on a platform or with a dtype or head width it does not take."""
+      ConfigError: cudnn on a platform or with a dtype or head width it does not take."""
     dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
-    return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
+    try:
+        return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
@@ -290,6 +294,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
         "layout": cfg.precision.layout,
         "zero_stage": d.zero,
         "remat": cfg.model.remat,
+        "attention": attention_implementation(cfg, platform),
         "pipeline": {
             "schedule": cfg.pipeline.schedule,
             "microbatches": d.m,

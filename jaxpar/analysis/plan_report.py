@@ -32,7 +32,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
         f"jaxpar plan{': ' + title if title else ''}",
         (
             f"  mesh {mesh} ({p['devices']} devices); compute {p['compute_dtype']}, "
-            f"layout {p['layout']}, ZeRO-{p['zero_stage']}, remat {p['remat']}, "
+            f"layout {p['layout']}, ZeRO-{p['zero_stage']}, remat {p['remat']}, attention {p['attention']}, "
             f"sequence parallel {'on' if p['sequence_parallel'] else 'off'}"
         ),
         f"  planned for platform {p['platform']}: {p['collective_dtypes']}",
@@ -86,8 +86,9 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
     t = mem["temp_estimate"]
     lines += [
         (
-            f"  temp estimate = activations + the larger of one layer's attention scores "
-            f"{t['attention_working']:,} (XLA's attention path; 0 with cuDNN's fused kernel) and the head's fp32 "
+            f"  temp estimate = activations + the larger of one layer's attention scores in memory "
+            f"{t['attention_working']:,} (attention {p['attention']}: XLA's path writes them, cuDNN's fused kernel "
+            f"does not) and the head's fp32 "
             f"logits gradient {t['head_working']:,} + one layer's full-size gradients {t['layer_grads']:,} + fp32 "
             f"gradient accumulators "
             f"{t['grad_accumulators']:,} + gradient outputs {t['grad_outputs']:,} + gathered weights "

@@ -237,12 +237,19 @@ def main(argv: list[str] | None = None) -> int:
         load_config,
         resolve_config,
     )
+    from jaxpar.config.attention import resolve_attention
+    from jaxpar.config.precision import resolve_compute_dtype
 
+    compiles_here = (args.compile or args.measure_steps > 0) and not args.real_devices and clu is None
     try:
         cfg = load_config(args.config, args.overrides, validate=False)
         n = _devices(args, cfg, clu)
         cfg = resolve_config(cfg, n)
-    except ConfigError as e:
+        # model.attention for the machine planned for (a GPU cluster, or this CPU when compiling here)
+        where = "gpu" if clu is not None else "cpu" if compiles_here else args.platform
+        dtype = resolve_compute_dtype(cfg.precision.compute_dtype, where)
+        resolve_attention(cfg.model.attention, where, dtype, cfg.model.head_width)
+    except (ConfigError, ValueError) as e:
         return _fail(f"config error: {e}")
     if clu is not None:
         return _gpu_target(args, cfg, clu)

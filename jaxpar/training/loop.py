@@ -314,7 +314,8 @@ def _start_run(
     _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
     _log(
         f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
-        f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}"
+        f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}, attention "
+        f"{plan.mdef.cfg.attention} (model.attention {cfg.model.attention})"
     )
     if optimizer is not None:
         skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None

@@ -113,3 +113,21 @@ def test_the_model_masks_attention_across_documents():
     two = model(tokens, segment_ids_BT=jnp.asarray([[0] * 12 + [1] * 20] * 2, jnp.int32))
     np.testing.assert_allclose(np.asarray(two[:, :12]), np.asarray(plain[:, :12]), atol=1e-6, rtol=0)
     assert float(jnp.max(jnp.abs(two[:, 12:] - plain[:, 12:]))) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["--platform", "cpu", "model.attention=cudnn"], "runs on NVIDIA GPUs only, and this step runs on cpu"),
+        (["precision.compute_dtype=float32", "model.attention=cudnn"], "bfloat16 or float16, not float32"),
+        (["model.attention=cudnn", "model.head_dim=512"], "multiples of 8 up to 128, not 512"),
+    ],
+)
+def test_jaxpar_plan_refuses_cudnn_where_it_cannot_run(overrides, message, capsys):
+    from jaxpar.cli import plan as plan_cli
+
+    assert plan_cli.main([TINY_YAML, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and message in err and "Traceback" not in err
+    assert plan_cli.main([TINY_YAML, "--json"]) == 0
+    assert '"attention": "cudnn"' in capsys.readouterr().out  # auto on the default platform, gpu
