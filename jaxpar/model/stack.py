@@ -46,8 +46,9 @@ _save_tensor_collectives = _policies.save_only_these_names(TENSOR_COLLECTIVE)
 # tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python experiments/bench_tensor_bytes.py --target h100:1x8` prints
 # the table): XLA's temporary bytes per device, before -> with the saved outputs, without / with sequence
 # parallelism (the compiler-chosen program in brackets):
-#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  the same residuals as before (XLA's own remat
-#                                                          pass, active above H100 memory, lands lower)
+#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  the same activations; the old policy function also
+#                                                          kept each layer's weights as scan residuals (0.27 GB
+#                                                          of llama_125m's peak, tensor=1: configs/gpu_check.json)
 #   dots   12.28 -> 12.27 GB / 11.53 -> 12.72 GB  (12.03)  SP: + the 2 gathered block inputs per layer
 #   names   9.86 -> 10.94 GB /  9.10 -> 11.51 GB  (9.64)   + the attention exit per layer; SP: + 2 gathered inputs
 #   full    8.52 ->  9.59 GB /  7.76 -> 10.17 GB  (8.36)   as names
