@@ -54,6 +54,9 @@ def recompute_flops_per_token(model, seq_len: int) -> float:
             input) and the gate/up projections (SwiGLU's backward needs them) are recomputed;
       full  2D(HK + 2GK) + 4sHK + 2HKD + 4DF: the block forward except the down projection, whose output only
             feeds the residual sum that no backward needs.
+    With tensor parallelism (mesh.tensor > 1) every policy keeps the output of the attention's exit collective
+    (`jaxpar.model.stack`), so names and full do not recompute the out projection either: this count, which does
+    not know the tensor size, is then 2HKD per layer high for those two.
     Checked against XLA's cost analysis of the compiled gradient in tests/unit/test_flops.py.
 
     Args:

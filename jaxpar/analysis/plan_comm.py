@@ -37,11 +37,11 @@ tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per la
   forward pass: the embedding exit and 2 exits per layer (all-reduce of x; with sequence parallelism
   reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
   all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
-  reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy but
-  `none` saves no tensor-collective output, so the backward re-runs the attention exit (SP: and both enters).
-  In a pipeline the embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once
-  per microbatch; a 1F1B recompute re-runs the layers' forward collectives. With SP the norm-scale gradients
-  (replicated over tensor, each rank saw s/t of the sequence) are all-reduced once per step.
+  reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy saves
+  the tensor collectives' outputs (`jaxpar.model.stack`), so no backward re-runs one. In a pipeline the
+  embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once per microbatch; a 1F1B
+  recompute re-runs the layers' forward collectives. With SP the norm-scale gradients (replicated over tensor,
+  each rank saw s/t of the sequence) are all-reduced once per step.
 pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage activation b*s'*D*Bc per tick
   and direction, m+p-1 each; 1F1B loses an unread shift when its one-tick loop is unrolled (the forward one
   if m = 1, the backward one if p = 2). The embedding, final-norm and head gradients, which one stage used, are
@@ -215,17 +215,15 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         return
     x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
     ce = d.b * d.s * 4
-    # Every policy but `none` keeps no tensor-collective output, so the backward re-runs the attention exit
-    # and (with SP) both enters of each layer; `none` saves them (`jaxpar.model.stack`).
-    full = cfg.model.remat != "none"
+    # Every remat policy saves the tensor collectives' outputs (`jaxpar.model.stack`): no backward re-runs one.
     fwd, bwd = passes["fwd"], passes["bwd"]
     head_fwd, head_bwd, embed_fwd, embed_bwd = (passes[k] for k in ("head_fwd", "head_bwd", "embed_fwd", "embed_bwd"))
     tensor = ("tensor",)
     # Exits: the embedding's and 2 per layer in the forward; enters: 2 per layer and the head's.
     exits = embed_fwd + fwd * 2 * layers
-    enter_grads = bwd * (2 * layers + (layers if full else 0)) + head_bwd
+    enter_grads = bwd * 2 * layers + head_bwd
     if d.sp:
-        ag = fwd * 2 * layers + head_fwd + bwd * (2 * layers + (2 * layers if full else 0)) + embed_bwd
+        ag = fwd * 2 * layers + head_fwd + bwd * 2 * layers + embed_bwd
         _term(
             out,
             shape,

@@ -18,8 +18,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from jaxpar.config.mesh_axes import STORAGE_AXES
-from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_COLLECTIVE, TensorParallel
 
 Gather = Callable[[nnx.Module], nnx.Module]
 # Checkpoint names of the activations the `names` remat policy keeps: the inputs of the row-parallel projections
@@ -33,37 +32,42 @@ def no_gather(module: nnx.Module) -> nnx.Module:
     return module
 
 
-def _is_weight_gather(params: dict) -> bool:
-    """Whether a custom-VJP call is `jaxpar.parallel.gather.gather_weight`: its body all-gathers over fsdp/data."""
-    for eqn in params["call_jaxpr"].jaxpr.eqns if "call_jaxpr" in params else ():
-        if eqn.primitive.name == "all_gather":
-            axes = eqn.params["axis_name"]
-            if set((axes,) if isinstance(axes, str) else axes) & set(STORAGE_AXES):
-                return True
-    return False
+_policies = jax.checkpoint_policies
+# Saves the outputs of the tensor-parallel collectives (`jaxpar.parallel.tensor.TENSOR_COLLECTIVE`: every block's
+# exit all-reduce or reduce-scatter and, with sequence parallelism, its enter all-gathers), so the backward never
+# re-runs a tensor collective to rebuild the forward. Every policy below includes it: the compiler-chosen
+# partitioning of the same model saves the reduced matmul output itself, and without this the explicit step would
+# move more bytes over `tensor` than the compiler's (with remat dots, 1.24x on the llama_1b shape; with sequence
+# parallelism the backward also re-gathered both block inputs). The all-gathered weights of FSDP / ZeRO-3
+# (`jaxpar.parallel.gather`) carry no such name: they are re-gathered in the backward instead of being kept.
+_save_tensor_collectives = _policies.save_only_these_names(TENSOR_COLLECTIVE)
 
-
-def _save_dots_and_tensor_collectives(prim, *avals, **params) -> bool:
-    """Saves matmul outputs and the outputs of the tensor-parallel collectives (custom VJPs over `tensor`), so the
-    backward recomputes neither a matmul nor a tensor collective; never saves an all-gathered weight."""
-    if prim.name == "custom_vjp_call":
-        return not _is_weight_gather(params)
-    return jax.checkpoint_policies.dots_saveable(prim, *avals, **params)
-
-
+# What saving them costs, measured on 8 H100s compiled without a GPU (configs/llama_1b.yaml shape, data=2 x
+# tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python experiments/bench_tensor_bytes.py --target h100:1x8` prints
+# the table): XLA's temporary bytes per device, before -> with the saved outputs, without / with sequence
+# parallelism (the compiler-chosen program in brackets):
+#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  the same activations; the old policy function also
+#                                                          kept each layer's weights as scan residuals (0.27 GB
+#                                                          of llama_125m's peak, tensor=1: configs/gpu_check.json)
+#   dots   12.28 -> 12.27 GB / 11.53 -> 12.72 GB  (12.03)  SP: + the 2 gathered block inputs per layer
+#   names   9.86 -> 10.94 GB /  9.10 -> 11.51 GB  (9.64)   + the attention exit per layer; SP: + 2 gathered inputs
+#   full    8.52 ->  9.59 GB /  7.76 -> 10.17 GB  (8.36)   as names
+# and the bytes over `tensor` per step drop to those of `none` (6.64 GB) for every policy, where they were 8.25 GB
+# (dots, names, full) and with sequence parallelism 9.06 GB; the compiler-chosen program moves 6.64 GB with none
+# and dots, 8.25 GB with names and full (it re-runs the attention all-reduce in the backward).
 REMAT_POLICIES = {
     # Every matmul output and tensor-collective output is saved, so neither is recomputed; elementwise ops
-    # (norms, rotary, gates) are recomputed, and so are the all-gathered weights: they are re-gathered in the
-    # backward instead of being kept, which is what FSDP / ZeRO-3 do. (A "save everything except the gathered
-    # weights" policy keeps them anyway: a cast or reshape of a gathered weight is saveable.)
-    "none": _save_dots_and_tensor_collectives,
-    # Recompute the whole block in the backward from its input.
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # Save matmul outputs without batch dimensions, recompute the rest.
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # Save only the named activations (ATTENTION_CONTEXT and MLP_HIDDEN, the inputs of the row-parallel
-    # projections): the backward recomputes the rest of the block but not the attention itself.
-    "names": jax.checkpoint_policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN),
+    # (norms, rotary, gates) are recomputed, and so are the all-gathered weights. (A "save everything except the
+    # gathered weights" policy keeps them anyway: a cast or reshape of a gathered weight is saveable.)
+    "none": _policies.save_from_both_policies(_policies.dots_saveable, _save_tensor_collectives),
+    # Recompute the whole block in the backward from its input, except the tensor collectives' outputs.
+    "full": _save_tensor_collectives,
+    # Save matmul outputs without batch dimensions and the tensor collectives' outputs, recompute the rest.
+    "dots": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable, _save_tensor_collectives),
+    # Save only the named activations: ATTENTION_CONTEXT and MLP_HIDDEN (the inputs of the row-parallel
+    # projections) and the tensor collectives' outputs; the backward recomputes the rest of the block but not the
+    # attention itself.
+    "names": _policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN, TENSOR_COLLECTIVE),
 }
 
 

@@ -47,3 +47,34 @@ def test_remat_policies_same_gradients_less_memory():
         assert_tree_close(grads[policy], grads["none"], rtol=FP32_RTOL)  # recomputed: same sums, other fusion
     # The policies really differ: recomputing the whole block keeps less than saving every matmul output.
     assert temp["full"] < temp["none"], temp
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sp", [False, True])
+def test_remat_policies_same_gradients_under_tensor_parallelism(sp):
+    """Every policy keeps the tensor collectives' outputs (`jaxpar.model.stack`): what the backward reads from
+    them instead of re-running the collectives gives the gradients of `none`, with and without sequence
+    parallelism, on data=2 x tensor=4."""
+    batch = host_batch([8, 5, 8, 2], 8, seed=1)
+    grads = {}
+    for policy in POLICIES:
+        plan = make_plan(
+            [
+                *FP32,
+                "mesh.data=2",
+                "mesh.fsdp=1",
+                "mesh.tensor=4",
+                "model.n_kv_heads=4",
+                "train.global_batch_size=4",
+                f"tensor.sequence_parallel={str(sp).lower()}",
+                f"model.remat={policy}",
+            ],
+            jax.devices()[:8],
+        )
+        with quick_compile():
+            state = init_state(plan, 0)
+        b = device_batch(plan, batch)
+        compiled = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], b)
+        grads[policy] = to_host(compiled(state["params"], b))
+    for policy in POLICIES[1:]:
+        assert_tree_close(grads[policy], grads["none"], rtol=FP32_RTOL)
