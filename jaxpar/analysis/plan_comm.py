@@ -35,7 +35,8 @@ tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per la
   reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
   all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
   reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy saves
-  the tensor collectives' outputs (`jaxpar.model.stack`), so no backward re-runs one.
+  the exits' outputs and none and dots the SP enters' too (`jaxpar.model.stack`): only names and full with SP
+  re-run collectives in the backward, the 2 enters (all-gathers) per layer.
   1F1B forward ticks run no head (the loss is unread there); a pipeline with m = 1 embeds the same microbatch
   every tick, which XLA computes once per accumulation step. With SP the norm-scale gradients (replicated over
   tensor, each rank saw s/t of the sequence) are all-reduced once per step.
@@ -166,14 +167,16 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         return
     x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
     ce = d.b * d.s * 4
-    # Every remat policy saves the tensor collectives' outputs (`jaxpar.model.stack`): no backward re-runs one.
+    # Every remat policy saves the exits' outputs, none and dots the SP enters' too (`jaxpar.model.stack`): names
+    # and full with SP re-gather both block inputs of each layer in the backward.
+    regather = cfg.model.remat in ("names", "full")
     fwd, fwd_nh, bwd, embed = passes["fwd"], passes["fwd_no_head"], passes["bwd"], passes["embed_fwd"]
     tensor = ("tensor",)
     # Exits: the embedding's and 2 per layer in the forward; enters: 2 per layer and the head's.
     exits = embed + (fwd + fwd_nh) * 2 * layers
     enter_grads = bwd * (2 * layers + 1)
     if d.sp:
-        ag = fwd * (2 * layers + 1) + fwd_nh * 2 * layers + bwd * (2 * layers + 1)
+        ag = fwd * (2 * layers + 1) + fwd_nh * 2 * layers + bwd * (2 * layers + 1 + (2 * layers if regather else 0))
         _term(
             out,
             shape,
