@@ -25,9 +25,9 @@ its checkpoint policies keep, in the compute dtype (Bc bytes), per layer and mic
     names          + attention context b*s*(H/t)*K + MLP hidden b*s*F/t
     dots           + q, k, v b*s*(H+2G)/t*K + 2 projection outputs 2*b*s*D + gate, up 2*b*s*F/t
     none           dots + attention context b*s*(H/t)*K + the fp32 attention probabilities 4*b*(H/t)*s*s bytes
-    with t > 1     every policy also keeps the tensor collectives' outputs (`jaxpar.model.stack`): the
-                   attention exit b*s'*D (full and names; dots and none count it as the attention projection's
-                   output) and, with sequence parallelism, the 2 gathered block inputs 2*b*s*D
+    with t > 1     the tensor collectives' outputs (`jaxpar.model.stack`): full and names keep the attention
+                   exit b*s'*D (dots and none count it as the attention projection's output); with sequence
+                   parallelism none and dots keep the 2 gathered block inputs 2*b*s*D
 plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) (XLA's GPU buffer assignment
 keeps them in Bc through the layers' backward; the cross-entropy's fp32 copies live only before it).
 Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the other); 1F1B with
@@ -139,10 +139,10 @@ def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
             out["fp32 softmax statistics"] = 4 * b * h_t * s
         else:
             out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
-    # Every policy keeps the tensor collectives' outputs (`jaxpar.model.stack`).
+    # The tensor collectives' outputs the policies keep (`jaxpar.model.stack`).
     if t > 1 and mdl.remat in ("full", "names"):
         out["attention exit"] = b * d.s_act * dm * bc
-    if d.sp:
+    if d.sp and mdl.remat in ("none", "dots"):
         out["gathered block inputs"] = 2 * b * s * dm * bc
     return out
 

@@ -38,10 +38,11 @@ tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per la
   reduce-scatters, plus 2 all-gathers per layer at the enters and 1 at the head) and the cross-entropy's 3
   all-reduces of b*s*4 bytes; backward pass: 2 enter transposes per layer and the head's (all-reduce; SP:
   reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy saves
-  the tensor collectives' outputs (`jaxpar.model.stack`), so no backward re-runs one. In a pipeline the
-  embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once per microbatch; a 1F1B
-  recompute re-runs the layers' forward collectives. With SP the norm-scale gradients (replicated over tensor,
-  each rank saw s/t of the sequence) are all-reduced once per step.
+  the exits' outputs and none and dots the SP enters' too (`jaxpar.model.stack`): only names and full with SP
+  re-run collectives in the backward, the 2 enters (all-gathers) per layer.
+  In a pipeline the embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once per
+  microbatch; a 1F1B recompute re-runs the layers' forward collectives. With SP the norm-scale gradients
+  (replicated over tensor, each rank saw s/t of the sequence) are all-reduced once per step.
 pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage activation b*s'*D*Bc per tick
   and direction, m+p-1 each; 1F1B loses an unread shift when its one-tick loop is unrolled (the forward one
   if m = 1, the backward one if p = 2). The embedding, final-norm and head gradients, which one stage used, are
@@ -215,7 +216,9 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         return
     x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
     ce = d.b * d.s * 4
-    # Every remat policy saves the tensor collectives' outputs (`jaxpar.model.stack`): no backward re-runs one.
+    # Every remat policy saves the exits' outputs, none and dots the SP enters' too (`jaxpar.model.stack`): names
+    # and full with SP re-gather both block inputs of each layer in the backward.
+    regather = cfg.model.remat in ("names", "full")
     fwd, bwd = passes["fwd"], passes["bwd"]
     head_fwd, head_bwd, embed_fwd, embed_bwd = (passes[k] for k in ("head_fwd", "head_bwd", "embed_fwd", "embed_bwd"))
     tensor = ("tensor",)
@@ -223,7 +226,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     exits = embed_fwd + fwd * 2 * layers
     enter_grads = bwd * 2 * layers + head_bwd
     if d.sp:
-        ag = fwd * 2 * layers + head_fwd + bwd * 2 * layers + embed_bwd
+        ag = fwd * 2 * layers + head_fwd + bwd * (2 * layers + (2 * layers if regather else 0)) + embed_bwd
         _term(
             out,
             shape,

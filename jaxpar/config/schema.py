@@ -34,8 +34,8 @@ class ModelConfig:
         ops and the fsdp weight all-gathers), `dots` (save only matmul outputs without batch dimensions:
         attention scores are recomputed too), `names` (save only the named attention context and MLP hidden
         activations) or `full` (save only the block input, recompute the block). With tensor parallelism every
-        policy also saves the outputs of the tensor collectives, so no backward re-runs one
-        (`jaxpar.model.stack`).
+        policy also saves the block exits' reduced outputs, and none and dots the sequence-parallel all-gathered
+        inputs (`jaxpar.model.stack`).
       attention: the attention implementation (`jaxpar.config.attention`): `auto` (cuDNN's fused flash kernel on
         an NVIDIA GPU when the compute dtype is 16-bit and the head width allows, XLA otherwise), `xla` (writes the
         [b, H, T, T] scores to memory), or `cudnn` (NVIDIA GPUs, bfloat16/float16 only).

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_COLLECTIVE, TensorParallel
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_GATHERED, TENSOR_REDUCED, TensorParallel
 
 Gather = Callable[[nnx.Module], nnx.Module]
 # Checkpoint names of the activations the `names` remat policy keeps: the inputs of the row-parallel projections
@@ -33,41 +33,45 @@ def no_gather(module: nnx.Module) -> nnx.Module:
 
 
 _policies = jax.checkpoint_policies
-# Saves the outputs of the tensor-parallel collectives (`jaxpar.parallel.tensor.TENSOR_COLLECTIVE`: every block's
-# exit all-reduce or reduce-scatter and, with sequence parallelism, its enter all-gathers), so the backward never
-# re-runs a tensor collective to rebuild the forward. Every policy below includes it: the compiler-chosen
-# partitioning of the same model saves the reduced matmul output itself, and without this the explicit step would
-# move more bytes over `tensor` than the compiler's (with remat dots, 1.24x on the llama_1b shape; with sequence
-# parallelism the backward also re-gathered both block inputs). The all-gathered weights of FSDP / ZeRO-3
-# (`jaxpar.parallel.gather`) carry no such name: they are re-gathered in the backward instead of being kept.
-_save_tensor_collectives = _policies.save_only_these_names(TENSOR_COLLECTIVE)
+# The outputs of the tensor-parallel collectives (`jaxpar.parallel.tensor`): TENSOR_REDUCED, each block exit's
+# all-reduce or reduce-scatter, and TENSOR_GATHERED, each sequence-parallel enter's all-gather. A policy that does
+# not save them makes the backward re-run those collectives to rebuild the forward, which the compiler-chosen
+# partitioning of the same model (`jaxpar.analysis.bench_baselines.compiler_chosen_step`) does not do for the
+# matmul outputs it keeps: with remat dots and no saved outputs the explicit step moved 1.24x its bytes over
+# `tensor` (1.36x with sequence parallelism) on the llama_1b shape. So:
+#   * none and dots save both: the backward re-runs no tensor collective (the compiler-chosen program with these
+#     policies re-runs none either).
+#   * names and full save TENSOR_REDUCED only (b*s'*D per layer, s' = s/t with sequence parallelism): the
+#     backward re-runs no exit, but with sequence parallelism it re-gathers both block inputs, as Megatron does
+#     (Korthikanti et al. 2022, section 4.2.2), instead of keeping 2*b*s*D per layer (t block inputs). The
+#     compiler-chosen program with these policies re-runs the attention's all-reduce, which moves the same ring
+#     bytes as the two all-gathers: without sequence parallelism the explicit step moves less, with it the same.
+# The all-gathered weights of FSDP / ZeRO-3 (`jaxpar.parallel.gather`) carry no name: they are re-gathered in the
+# backward instead of being kept.
+_save_tensor_collectives = _policies.save_only_these_names(TENSOR_REDUCED, TENSOR_GATHERED)
 
 # What saving them costs, measured on 8 H100s compiled without a GPU (configs/llama_1b.yaml shape, data=2 x
 # tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python experiments/bench_tensor_bytes.py --target h100:1x8` prints
 # the table): XLA's temporary bytes per device, before -> with the saved outputs, without / with sequence
-# parallelism (the compiler-chosen program in brackets):
-#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  the same activations; the old policy function also
-#                                                          kept each layer's weights as scan residuals (0.27 GB
-#                                                          of llama_125m's peak, tensor=1: configs/gpu_check.json)
-#   dots   12.28 -> 12.27 GB / 11.53 -> 12.72 GB  (12.03)  SP: + the 2 gathered block inputs per layer
-#   names   9.86 -> 10.94 GB /  9.10 -> 11.51 GB  (9.64)   + the attention exit per layer; SP: + 2 gathered inputs
-#   full    8.52 ->  9.59 GB /  7.76 -> 10.17 GB  (8.36)   as names
-# and the bytes over `tensor` per step drop to those of `none` (6.64 GB) for every policy, where they were 8.25 GB
-# (dots, names, full) and with sequence parallelism 9.06 GB; the compiler-chosen program moves 6.64 GB with none
-# and dots, 8.25 GB with names and full (it re-runs the attention all-reduce in the backward).
+# parallelism (the compiler-chosen program in brackets), and the ring bytes over `tensor` per step:
+#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  6.64 GB as before (the old policy function also kept
+#                                                          each layer's weights as scan residuals)
+#   dots   12.28 -> 12.27 GB / 11.53 -> 12.72 GB  (12.03)  8.25 / 9.06 -> 6.64 GB (compiler 6.64)
+#   names   9.86 -> 10.94 GB /  9.10 -> 9.37 GB   (9.64)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)
+#   full    8.52 ->  9.59 GB /  7.76 -> 8.02 GB   (8.36)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)
 REMAT_POLICIES = {
     # Every matmul output and tensor-collective output is saved, so neither is recomputed; elementwise ops
     # (norms, rotary, gates) are recomputed, and so are the all-gathered weights. (A "save everything except the
     # gathered weights" policy keeps them anyway: a cast or reshape of a gathered weight is saveable.)
     "none": _policies.save_from_both_policies(_policies.dots_saveable, _save_tensor_collectives),
-    # Recompute the whole block in the backward from its input, except the tensor collectives' outputs.
-    "full": _save_tensor_collectives,
+    # Recompute the whole block in the backward from its input, except the exits' reduced outputs.
+    "full": _policies.save_only_these_names(TENSOR_REDUCED),
     # Save matmul outputs without batch dimensions and the tensor collectives' outputs, recompute the rest.
     "dots": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable, _save_tensor_collectives),
     # Save only the named activations: ATTENTION_CONTEXT and MLP_HIDDEN (the inputs of the row-parallel
-    # projections) and the tensor collectives' outputs; the backward recomputes the rest of the block but not the
+    # projections) and the exits' reduced outputs; the backward recomputes the rest of the block but not the
     # attention itself.
-    "names": _policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN, TENSOR_COLLECTIVE),
+    "names": _policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN, TENSOR_REDUCED),
 }
 
 

@@ -32,11 +32,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 AXIS = "tensor"
 SEQ_DIM = 1  # activations are [B, T, ...]
-# Checkpoint name of the outputs of the collectives that move activations: every `exit` (all-reduce or
-# reduce-scatter) and, with sequence parallelism, every `enter` (all-gather). Every remat policy of
-# `jaxpar.model.stack` saves them, so the backward never re-runs a tensor collective to rebuild its forward.
-# (Without sequence parallelism `enter` is the identity in the forward: nothing to save.)
-TENSOR_COLLECTIVE = "tensor_collective"
+# Checkpoint names of the outputs of the collectives that move activations, for the remat policies of
+# `jaxpar.model.stack`: TENSOR_REDUCED on every `exit` (all-reduce, or reduce-scatter with sequence parallelism;
+# [B, T/t or T, D]) and TENSOR_GATHERED on every sequence-parallel `enter` (all-gather; [B, T, D], t times a
+# block input). Without sequence parallelism `enter` is the identity in the forward: nothing to name.
+TENSOR_REDUCED = "tensor_reduced"
+TENSOR_GATHERED = "tensor_gathered"
 
 
 @jax.custom_vjp
@@ -147,20 +148,20 @@ class TensorParallel:
 
     def enter(self, x_BTD: jax.Array) -> jax.Array:
         """Input of a column-parallel op: [B, T/t or T, D] -> [B, T, D] replicated over `tensor` (with sequence
-        parallelism the all-gathered output carries the checkpoint name `TENSOR_COLLECTIVE`)."""
+        parallelism the all-gathered output carries the checkpoint name `TENSOR_GATHERED`)."""
         if not self.active:
             return x_BTD
         if self.sequence_parallel:
-            return checkpoint_name(_gather_sequence(x_BTD), TENSOR_COLLECTIVE)
+            return checkpoint_name(_gather_sequence(x_BTD), TENSOR_GATHERED)
         return _copy_to_tensor(x_BTD)
 
     def exit(self, y_BTD: jax.Array) -> jax.Array:
         """Output of a row-parallel op (a partial sum on each rank) -> the block output [B, T/t or T, D], named
-        `TENSOR_COLLECTIVE` for the remat policies."""
+        `TENSOR_REDUCED` for the remat policies."""
         if not self.active:
             return y_BTD
         y_BTD = _scatter_sequence(y_BTD) if self.sequence_parallel else _reduce_from_tensor(y_BTD)
-        return checkpoint_name(y_BTD, TENSOR_COLLECTIVE)
+        return checkpoint_name(y_BTD, TENSOR_REDUCED)
 
     def sequence_start(self, seq_local: int) -> jax.Array | int:
         """First position of this rank's slice of the sequence: with sequence parallelism activations between

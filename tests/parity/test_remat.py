@@ -52,9 +52,9 @@ def test_remat_policies_same_gradients_less_memory():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sp", [False, True])
 def test_remat_policies_same_gradients_under_tensor_parallelism(sp):
-    """Every policy keeps the tensor collectives' outputs (`jaxpar.model.stack`): what the backward reads from
-    them instead of re-running the collectives gives the gradients of `none`, with and without sequence
-    parallelism, on data=2 x tensor=4."""
+    """The policies keep tensor collectives' outputs (`jaxpar.model.stack`): what the backward reads from them
+    instead of re-running the collectives gives the gradients of `none`, with and without sequence parallelism,
+    on data=2 x tensor=4."""
     batch = host_batch([8, 5, 8, 2], 8, seed=1)
     grads = {}
     for policy in POLICIES:

@@ -1,6 +1,6 @@
 """Explicit tensor parallelism never moves more activation bytes than the compiler-chosen partitioning of the same
 model (`jaxpar.analysis.tensor_bytes`; the remat policies of `jaxpar.model.stack` save the tensor collectives'
-outputs), while the gradients are still reduced in fp32.
+outputs they need for that), while the gradients are still reduced in fp32.
 
 On 8 simulated CPU devices (tiny shape, data=2 x tensor=4) in the default suite for remat dots, all four policies
 in the slow one; compiled for 8 H100s without a GPU (configs/llama_1b.yaml shape, as issue 13 measured it) where
@@ -52,19 +52,27 @@ def _check(row: dict) -> None:
 
 def _check_cpu(remat: str, sp: bool) -> None:
     """On XLA:CPU the compiler-chosen program is weaker than on GPU (it all-reduces the q, k and v input
-    gradients apart), so beyond `_check` the explicit step must move exactly what it moves without
-    recomputation: its backward re-runs no tensor collective whatever the policy."""
+    gradients apart), so beyond `_check` the explicit step must move exactly what the policies promise
+    (`jaxpar.model.stack`): what it moves without recomputation, except that names and full under sequence
+    parallelism re-gather the 2 block inputs of each layer in the backward."""
     row, none = _cpu_row(remat, sp), _cpu_row("none", sp)
     _check(row)
     table = format_table([none, row])
-    assert row["explicit"].activation_bytes == none["explicit"].activation_bytes, table
-    assert row["explicit"].activation_by_kind == none["explicit"].activation_by_kind, table
+    got, want = row["explicit"].activation_by_kind, none["explicit"].activation_by_kind
+    if sp and remat in ("names", "full"):
+        layers = 4  # configs/tiny.yaml
+        assert {k: v for k, v in got.items() if k != "all-gather"} == {
+            k: v for k, v in want.items() if k != "all-gather"
+        }, table
+        assert got["all-gather"]["count"] == want["all-gather"]["count"] + 2 * layers, table
+    else:
+        assert got == want, table
 
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_remat_dots_moves_no_more_than_the_compiler_on_cpu(devices8, sp):
     """The case issue 13 measured (1.24x without, 1.36x with sequence parallelism on the GPU target, before the
-    policies saved the collectives' outputs): the backward no longer re-runs the attention exit or the enters."""
+    policy saved the collectives' outputs): the backward no longer re-runs the attention exit or the enters."""
     _check_cpu("dots", sp)
 
 
