@@ -1,7 +1,7 @@
 """Activation-collective bytes per step of jaxpar's explicit tensor parallelism against the compiler-chosen
 partitioning of the same model, for each mesh layout and remat policy (`jaxpar.analysis.tensor_bytes`).
 
-    python experiments/bench_tensor_bytes.py [--target KIND:NODESxGPUS] [--remat POLICY ...] [CONFIG] [key=value ...]
+    python experiments/bench_tensor_bytes.py [--target CLUSTER] [--remat POLICY ...] [CONFIG] [key=value ...]
 
 Without `--target` both programs compile for 8 simulated CPU devices (CONFIG defaults to configs/tiny.yaml with 4
 key/value heads); with `--target h100:1x8` they compile for that GPU cluster without a GPU (the gpu-compile extra,
