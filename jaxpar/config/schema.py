@@ -115,11 +115,19 @@ class PipelineConfig:
         weighs as much as FLOPs; a compute-bound accelerator pays the FLOPs), temp memory 217 MB against 212 MB
         per device (the logits dominate); with a small head (d_model 64, p = 4) the residual ring doubles the
         temporaries (2.3 MB against 1.1 MB). Set true when the 2p - 1 microbatches' residuals do not fit.
+      virtual_stages: v, model chunks per device for interleaved 1F1B (Narayanan et al. 2021, section 2.2.2):
+        the layers split into p*v chunks, chunk c on device c mod p, so each device holds v non-adjacent chunks.
+        The bubble shrinks from (p - 1)/(M + p - 1) to (p - 1)/(v*M + p - 1); the price is v times the
+        activation permutes and a stash of 2pv - 1 chunk-microbatches (about 2p stages' worth, against
+        2p - 1), plus one permute of the stage's layers into chunk order and of their gradients back per step
+        (`jaxpar.parallel.schedule`, `jaxpar.parallel.pipeline`). Needs schedule 1f1b, mesh.pipeline > 1,
+        model.n_layers divisible by mesh.pipeline * v and M divisible by mesh.pipeline. 1 = plain 1F1B.
     """
 
     schedule: str = "1f1b"
     microbatches: int = 1
     recompute: bool = False
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)

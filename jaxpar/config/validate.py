@@ -253,6 +253,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             f"model.n_layers={m.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
             f"equal depth); change model.n_layers or mesh.pipeline"
         )
+    _virtual_stages(cfg, stages)
 
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
     # data too for the ZeRO stages that partition something (jaxpar.sharding).
@@ -290,3 +291,35 @@ def resolve_config(cfg: Config, num_devices: int) -> Config:
         model=dataclasses.replace(m, n_kv_heads=m.kv_heads, head_dim=m.head_width),
         tensor=dataclasses.replace(cfg.tensor, sequence_parallel=sequence_parallel(cfg, shape["tensor"])),
     )
+
+
+def _virtual_stages(cfg: Config, stages: int) -> None:
+    """pipeline.virtual_stages: interleaved 1F1B's constraints (`jaxpar.parallel.schedule`)."""
+    v, pipe = cfg.pipeline.virtual_stages, cfg.pipeline
+    _positive("pipeline.virtual_stages", v)
+    if v == 1:
+        return
+    if stages == 1:
+        raise ConfigError(
+            f"pipeline.virtual_stages={v} needs a pipeline (mesh.pipeline > 1); set mesh.pipeline or "
+            f"pipeline.virtual_stages=1"
+        )
+    if pipe.schedule != "1f1b":
+        raise ConfigError(
+            f"pipeline.virtual_stages={v} interleaves the 1f1b schedule, not {pipe.schedule}; set "
+            f"pipeline.schedule=1f1b or pipeline.virtual_stages=1"
+        )
+    chunks = stages * v
+    if cfg.model.n_layers % chunks:
+        raise ConfigError(
+            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline * pipeline.virtual_stages = "
+            f"{stages} * {v} = {chunks} (model chunks of equal depth); change model.n_layers, mesh.pipeline or "
+            f"pipeline.virtual_stages"
+        )
+    if pipe.microbatches % stages:
+        m = pipe.microbatches
+        raise ConfigError(
+            f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={stages} with "
+            f"pipeline.virtual_stages={v} (interleaved 1F1B runs microbatches in groups of one per stage); use "
+            f"{max(stages, m - m % stages)} or {m - m % stages + stages}"
+        )

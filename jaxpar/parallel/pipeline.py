@@ -46,6 +46,8 @@ import jax.numpy as jnp
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
 
+from jaxpar.parallel import schedule
+
 AXIS = "pipeline"
 
 
@@ -75,14 +77,16 @@ def _microbatch(mbs: dict, i: jax.Array, m: int) -> dict:
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(i, 0, m - 1), keepdims=False), mbs)
 
 
-def _shift(x: jax.Array, p: int, forward: bool) -> jax.Array:
-    # ppermute over pipeline: activations to stage s+1 (forward) or gradients to stage s-1 (backward); the
-    # stage with no sender receives zeros.
-    pairs = [(i, i + 1) for i in range(p - 1)] if forward else [(i + 1, i) for i in range(p - 1)]
+def _shift(x: jax.Array, p: int, forward: bool, ring: bool = False) -> jax.Array:
+    # ppermute over pipeline: activations to stage s+1 (forward) or gradients to stage s-1 (backward); without
+    # `ring` the stage with no sender receives zeros, with it the last stage sends to the first (forward; the
+    # first to the last backward): interleaved 1F1B's chunk (p-1) + jp feeds chunk (j+1)p on device 0.
+    n = p if ring else p - 1
+    pairs = [(i, (i + 1) % p) for i in range(n)] if forward else [((i + 1) % p, i) for i in range(n)]
     return jax.lax.ppermute(x, AXIS, pairs)
 
 
-def _after(tree, deps):
+def ordered_after(tree, deps):
     """`tree` unchanged in value, but computed from `deps` too: whatever uses the result starts after every
     array in `deps` is ready.
 
@@ -181,7 +185,7 @@ class _Residuals:
         """The vjp function from the stashed arrays and the weights; the weight-only arrays are recomputed from
         `layers` made to depend on `after` (so their collectives, e.g. fsdp gathers, start after it)."""
         weights = jax.tree.leaves(layers)
-        used = _after([w for w, u in zip(weights, self._used_weights) if u], after)
+        used = ordered_after([w for w, u in zip(weights, self._used_weights) if u], after)
         from_weights = iter(_core.eval_jaxpr(self._weights_jaxpr, (), *self._consts, *used))
         stashed = iter(stashed)
         arrays = [next(from_weights) if w else next(stashed) for w in self.from_weights]
@@ -209,97 +213,133 @@ def one_f_one_b(
     act_dtype,
     loss_scale: jax.Array,
     recompute: bool,
+    virtual_stages: int = 1,
 ) -> tuple[tuple[dict, dict], jax.Array]:
-    """Runs the 1F1B schedule; returns ((fp32 gradient sums of `layers`, of `edge`), this stage's summed scaled
-    loss, fp32 scalar: 0 except on the last stage).
+    """Runs the 1F1B schedule, interleaved over `virtual_stages` model chunks per device when that is > 1;
+    returns ((fp32 gradient sums of `layers`, of `edge`), this stage's summed scaled loss, fp32 scalar: 0 except
+    on the last stage).
 
     Args:
       parts: the stage's parts (`StageParts`).
-      layers: this stage's local layer parameters; edge: the local parameters outside the layer stack.
+      layers: this device's local layer parameters, each leaf [L/p, ...]. With v = `virtual_stages` > 1 in chunk
+        order (`to_chunk_order`): rows j*L/(pv) .. (j+1)*L/(pv) - 1 are model chunk j*p + s. The gradients come
+        back in the same order.
+      edge: the local parameters outside the layer stack.
       mbs: microbatches, each leaf [m, b, ...].
-      p, m: stages and microbatches.
+      p, m: stages and microbatches (with v > 1, m a multiple of p: `jaxpar.parallel.schedule.check`).
       act_shape, act_dtype: shape [b, T', D] and dtype of the activations passed between stages.
       loss_scale: multiplies each microbatch's loss (1 / global token count), fp32 scalar.
-      recompute: rebuild each stage forward in the backward from the stashed input (True) or keep its
+      recompute: rebuild each chunk forward in the backward from the stashed input (True) or keep its
         residuals (False); module docstring.
+      virtual_stages: v, model chunks per device (interleaved 1F1B; `jaxpar.parallel.schedule` has the ticks).
+
+    Raises:
+      ValueError: from `jaxpar.parallel.schedule.check` (m not a multiple of p with v > 1).
     """
+    v = virtual_stages
+    schedule.check(p, v, m)
     s = jax.lax.axis_index(AXIS)
     is_first, is_last = s == 0, s == p - 1
-    depth = 2 * p - 1
+    depth = schedule.stash_slots(p, v)
     zeros_act = jnp.zeros(act_shape, act_dtype)
+    chunks = layers if v == 1 else jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
+
+    def chunk(j):
+        # The layers of virtual stage j (all of the stage's layers when v = 1: no slicing at all).
+        if v == 1:
+            return layers
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), chunks)
+
     if recompute:
         template, stash_shapes = None, [jax.ShapeDtypeStruct(act_shape, act_dtype)]
     else:
-        template = _Residuals(parts, layers, zeros_act, _microbatch(mbs, jnp.int32(0), m))
+        template = _Residuals(parts, chunk(jnp.int32(0)), zeros_act, _microbatch(mbs, jnp.int32(0), m))
         stash_shapes = template.stash_avals
 
-    def stage_input(x_in, mb):
-        return jax.lax.cond(is_first, lambda: parts.embed(edge, mb).astype(act_dtype), lambda: x_in)
+    def stage_input(x_in, mb, first):
+        return jax.lax.cond(first, lambda: parts.embed(edge, mb).astype(act_dtype), lambda: x_in)
 
-    def head_grad(h, mb, scale, g_edge):
-        # Last stage: the head's loss and its gradient with respect to the edge parameters and h.
+    def head_grad(h, mb, scale, g_edge, last):
+        # Last chunk: the head's loss and its gradient with respect to the edge parameters and h.
         def run():
             loss, (d_edge, d_h) = jax.value_and_grad(
                 lambda e, y: parts.head(e, y, mb).astype(jnp.float32) * scale, argnums=(0, 1)
             )(edge, h)
             return loss, d_h.astype(act_dtype), _add32(g_edge, d_edge)
 
-        return jax.lax.cond(is_last, run, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge))
+        return jax.lax.cond(last, run, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge))
 
-    def embed_grad(d_x, mb, g_edge):
-        # First stage: the embedding's gradient from the blocks' input gradient.
+    def embed_grad(d_x, mb, g_edge, first):
+        # First chunk: the embedding's gradient from the blocks' input gradient.
         def run():
             _, vjp_fn = jax.vjp(lambda e: parts.embed(e, mb).astype(act_dtype), edge)
             return _add32(g_edge, vjp_fn(d_x)[0])
 
-        return jax.lax.cond(is_first, run, lambda: g_edge)
+        return jax.lax.cond(first, run, lambda: g_edge)
+
+    def add_chunk(g_layers, d_layers, j):
+        if v == 1:
+            return _add32(g_layers, d_layers)
+
+        def one(acc, d):
+            return jax.lax.dynamic_update_index_in_dim(acc, acc[j] + d.astype(jnp.float32), j, 0)
+
+        return jax.tree.map(one, g_layers, d_layers)
 
     def tick(carry, k, do_forward: bool, do_backward: bool):
         recv_f, recv_b, stash, g_layers, g_edge, loss_acc = carry
         send_f = send_b = zeros_act
         if do_forward:
-            i = k - s
+            i, j_f, _ = schedule.forward_at(k, s, p, v, m)
             mb = _microbatch(mbs, i, m)
-            x = stage_input(recv_f, mb)
+            # The embedding runs for model chunk 0 only, the head for the last chunk only (chunk j*p + s).
+            first_f = is_first if v == 1 else is_first & (j_f == 0)
+            last_f = is_last if v == 1 else is_last & (j_f == v - 1)
+            x = stage_input(recv_f, mb, first_f)
+            w = chunk(j_f)
             if recompute:
-                h, keep = parts.blocks(layers, x, mb), [x]
+                h, keep = parts.blocks(w, x, mb), [x]
             else:
-                h, vjp_fn = jax.vjp(lambda w, y: parts.blocks(w, y, mb), layers, x)
-                keep = template.stash(vjp_fn, layers)
-            # Microbatch i's slot holds nothing live (the live ones, i - 2p + 2 + 2s .. i - 1, differ mod 2p - 1),
-            # so the write needs no validity mask, also for i outside 0 .. m - 1.
-            slot = jnp.mod(i, depth)
-            stash = [jax.lax.dynamic_update_index_in_dim(r, v, slot, 0) for r, v in zip(stash, keep)]
+                h, vjp_fn = jax.vjp(lambda w_, y: parts.blocks(w_, y, mb), w, x)
+                keep = template.stash(vjp_fn, w)
+            # Slots by forward tick: the live ones are the 2pv - 2 ticks before this one (a chunk input waits at
+            # most 2pv - 2 ticks), so this tick's slot holds nothing live and the write needs no validity mask,
+            # also for a microbatch outside 0 .. m - 1.
+            slot = jnp.mod(k, depth)
+            stash = [jax.lax.dynamic_update_index_in_dim(r, x_, slot, 0) for r, x_ in zip(stash, keep)]
             send_f = h
         if do_backward:
-            j = k - (2 * p - 2 - s)
-            valid = (j >= 0) & (j < m)
-            mb_b = _microbatch(mbs, j, m)
+            i_b, j_b, valid = schedule.backward_at(k, s, p, v, m)
+            mb_b = _microbatch(mbs, i_b, m)
             d_h = recv_b
             if do_forward:
-                # The last stage's microbatch j is this tick's i (always valid in the steady ticks): its head
+                # The last chunk's backward is this tick's forward (always valid in the steady ticks): its head
                 # seeds the backward. d_h then depends on the forward on every stage, so the backward's
                 # collectives start after the forward's.
-                loss, d_head, g_edge = head_grad(h, mb, jnp.where(valid, loss_scale, 0.0), g_edge)
+                loss, d_head, g_edge = head_grad(h, mb, jnp.where(valid, loss_scale, 0.0), g_edge, last_f)
                 loss_acc = loss_acc + loss
-                d_h = jnp.where(is_last, d_head, recv_b)
+                d_h = jnp.where(last_f, d_head, recv_b)
             d_h = jnp.where(valid, d_h, jnp.zeros_like(d_h))
-            kept = [jax.lax.dynamic_index_in_dim(r, jnp.mod(j, depth), keepdims=False) for r in stash]
+            # The forward of chunk c = j_b*p + s of this microbatch ran 2(pv - 1 - c) ticks ago.
+            slot_b = jnp.mod(k - 2 * (p * v - 1 - (j_b * p + s)), depth)
+            kept = [jax.lax.dynamic_index_in_dim(r, slot_b, keepdims=False) for r in stash]
+            w_b = chunk(j_b)
             if recompute:
-                x_b, mb_b = _after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
-                _, vjp_fn = jax.vjp(lambda w, y: parts.blocks(w, y, mb_b), layers, x_b)
+                x_b, mb_b = ordered_after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
+                _, vjp_fn = jax.vjp(lambda w_, y: parts.blocks(w_, y, mb_b), w_b, x_b)
             else:
-                vjp_fn = template.rebuild(kept, layers, d_h)
+                vjp_fn = template.rebuild(kept, w_b, d_h)
             d_layers, d_x = vjp_fn(d_h)
-            g_layers = _add32(g_layers, d_layers)
-            g_edge = embed_grad(d_x, _after(mb_b, d_x), g_edge)
+            g_layers = add_chunk(g_layers, d_layers, j_b)
+            first_b = is_first if v == 1 else is_first & (j_b == 0)
+            g_edge = embed_grad(d_x, ordered_after(mb_b, d_x), g_edge, first_b)
             send_b = d_x
         if do_forward and do_backward:  # the permutes after the backward, one after the other
-            send_f = _after(send_f, (send_b, d_layers, g_edge))
-        recv_f = _shift(send_f, p, forward=True) if do_forward else recv_f
+            send_f = ordered_after(send_f, (send_b, d_layers, g_edge))
+        recv_f = _shift(send_f, p, forward=True, ring=v > 1) if do_forward else recv_f
         if do_forward and do_backward:
-            send_b = _after(send_b, recv_f)
-        recv_b = _shift(send_b, p, forward=False) if do_backward else recv_b
+            send_b = ordered_after(send_b, recv_f)
+        recv_b = _shift(send_b, p, forward=False, ring=v > 1) if do_backward else recv_b
         return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc), None
 
     zeros32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
@@ -307,16 +347,70 @@ def one_f_one_b(
         zeros_act,
         zeros_act,
         [jnp.zeros((depth, *r.shape), r.dtype) for r in stash_shapes],
-        zeros32(layers),
+        zeros32(chunks),
         zeros32(edge),
         jnp.zeros((), jnp.float32),
     )
-    phases = ((0, p - 1, True, False), (p - 1, m + p - 1, True, True), (m + p - 1, m + 2 * p - 2, False, True))
+    # Three static loops: forward only (warm-up), forward and backward, backward only (cool-down).
+    warm, last_forward = schedule.warmup_ticks(p, v), schedule.forward_tick(m - 1, p * v - 1, p, v)
+    phases = (
+        (0, warm, True, False),
+        (warm, last_forward + 1, True, True),
+        (last_forward + 1, schedule.ticks(p, v, m), False, True),
+    )
     for start, stop, fwd, bwd in phases:
         if stop > start:
             carry, _ = jax.lax.scan(lambda c, k, f=fwd, b=bwd: tick(c, k, f, b), carry, jnp.arange(start, stop))
     _, _, _, g_layers, g_edge, loss = carry
+    if v > 1:
+        g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layers)
     return (g_layers, g_edge), loss
+
+
+def _chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+    """{(b, j): [(source device, destination device)]}: model chunk c (c = 0 .. pv - 1, L/(pv) layers each) sits
+    on device c // v at local position b = c mod v in model order, and goes to device c mod p, slot j = c // p, in
+    chunk order. For a fixed (b, j) the sources differ and so do the destinations: one `ppermute` each."""
+    routes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for c in range(p * v):
+        routes.setdefault((c % v, c // p), []).append((c // v, c % p))
+    return routes
+
+
+def to_chunk_order(layers, p: int, v: int):
+    """This device's layer stack in model order (leaves [L/p, ...]: layers s*L/p .. (s+1)*L/p - 1) -> in chunk
+    order (model chunks s, p + s, .., (v-1)p + s of L/(pv) layers each), as `one_f_one_b` with v virtual stages
+    takes it; identity for v = 1. Inside the shard_map.
+
+    Cost: every layer leaf crosses the pipeline axis once, as v^2 `ppermute`s of one chunk each (a chunk that
+    stays on its device is a permute to itself), run one after the other (`ordered_after`: a fixed collective order).
+    Storing the parameters in model order keeps checkpoints independent of v and p; this is the price.
+    """
+    return _route(layers, p, v, inverse=False)
+
+
+def from_chunk_order(grads, p: int, v: int):
+    """The inverse of `to_chunk_order` (for the gradients)."""
+    return _route(grads, p, v, inverse=True)
+
+
+def _route(tree, p: int, v: int, inverse: bool):
+    if v == 1:
+        return tree
+    routes = _chunk_routes(p, v)
+    leaves, treedef = jax.tree.flatten(tree)
+    out, prev = [], []
+    for a in leaves:
+        parts = a.reshape(v, a.shape[0] // v, *a.shape[1:])
+        result: list = [None] * v
+        for (b, j), pairs in sorted(routes.items()):
+            src, dst = (j, b) if inverse else (b, j)
+            piece = ordered_after(parts[src], prev) if prev else parts[src]
+            moved = jax.lax.ppermute(piece, AXIS, [(d, s) for s, d in pairs] if inverse else pairs)
+            prev = [moved]
+            result[dst] = moved if result[dst] is None else result[dst] + moved
+        out.append(jnp.concatenate(result, axis=0))
+    return jax.tree.unflatten(treedef, out)
 
 
 def forward_loss(
@@ -339,29 +433,29 @@ def forward_loss(
 
     def tick(carry, k, head: bool, layers):
         recv, loss_acc = carry
-        # The edge parts' collectives (inside their conds) in tick order (`_after`, also under autodiff): this
+        # The edge parts' collectives (inside their conds) in tick order (`ordered_after`, also under autodiff): this
         # tick's embedding after the previous tick's permute, its head after its blocks, the permute after the
         # head. With `parts.edge_gathered` the edge parameters carry the dependency too (one add over them per
         # tick), so that no part of a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather
         # of the table) is loop-invariant and hoisted out of the tick order. (A predicate made to depend on the
         # activations would do it for free, but then no HLO reader can tell which stage takes which branch.)
-        mb = _after(_microbatch(mbs, k - s, m), recv)
-        edge_e = _after(edge, recv) if parts.edge_gathered else edge
+        mb = ordered_after(_microbatch(mbs, k - s, m), recv)
+        edge_e = ordered_after(edge, recv) if parts.edge_gathered else edge
         x = jax.lax.cond(is_first, lambda: parts.embed(edge_e, mb).astype(act_dtype), lambda: recv)
         # Warm-up ticks (p - 1, few enough that XLA may unroll them) also order the blocks' weight-only work
         # after the embedding: autodiff splits it out of the layer scan, and the weight gathers over fsdp in it
         # would otherwise be free to start before or after the embedding's cond. (In the head ticks' loop
         # that work is loop-invariant and XLA hoists it out, once per step.)
-        h = parts.blocks(layers if head else _after(layers, x), x, mb)
+        h = parts.blocks(layers if head else ordered_after(layers, x), x, mb)
         if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
-            edge_h = _after(edge, h) if parts.edge_gathered else edge
+            edge_h = ordered_after(edge, h) if parts.edge_gathered else edge
             loss = jax.lax.cond(
                 is_last,
                 lambda: parts.head(edge_h, h, mb).astype(jnp.float32) * loss_scale,
                 lambda: jnp.zeros((), jnp.float32),
             )
             loss_acc = loss_acc + loss
-            h = _after(h, loss)
+            h = ordered_after(h, loss)
         return (_shift(h, p, forward=True), loss_acc), None
 
     carry = (jnp.zeros(act_shape, act_dtype), jnp.zeros((), jnp.float32))
@@ -371,7 +465,7 @@ def forward_loss(
         carry, _ = jax.lax.scan(lambda c, k: tick(c, k, False, layers), carry, jnp.arange(0, p - 1))
     # The head ticks' weight-only work (the fsdp gathers of the stage's layers), which XLA hoists out of their
     # loop, after the warm-up ticks, whose embedding cond it would otherwise not depend on.
-    head_layers = _after(layers, carry[0]) if p > 1 else layers
+    head_layers = ordered_after(layers, carry[0]) if p > 1 else layers
     carry, _ = jax.lax.scan(lambda c, k: tick(c, k, True, head_layers), carry, jnp.arange(p - 1, m + p - 1))
     return carry[1]
 

@@ -481,6 +481,7 @@ def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.A
         act_dtype=plan.compute_dtype,
         loss_scale=loss_scale,
         recompute=plan.cfg.pipeline.recompute,
+        virtual_stages=plan.cfg.pipeline.virtual_stages,
     )
     return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss
 
@@ -506,15 +507,22 @@ def make_grad_fn(plan: StepPlan) -> Callable:
     accum = plan.cfg.train.grad_accum_steps * (pipe_mb if stages == 1 else 1)
     loss_axes = DATA_PARALLEL_AXES + ((pipeline_lib.AXIS,) if stages > 1 else ())
 
+    virtual = plan.cfg.pipeline.virtual_stages if stages > 1 else 1
+
     def body(params, batch):
         # psum over the batch-splitting axes: the global count of valid tokens normalises every microbatch.
         n_tokens = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
         denom = jnp.maximum(n_tokens, 1.0)
+        # Interleaved 1F1B takes the stage's layers in chunk order, once per step (parameters stay in model
+        # order: checkpoints do not depend on the schedule); the gradients go back after the accumulation loop.
+        staged = params
+        if virtual > 1:
+            staged = {**params, STACK_ATTRIBUTE: pipeline_lib.to_chunk_order(params[STACK_ATTRIBUTE], stages, virtual)}
 
         def micro(carry, mb):
             g_acc, l_acc = carry
             if stages > 1:
-                g, loss = _pipeline_grads(plan, params, mb, 1.0 / denom)
+                g, loss = _pipeline_grads(plan, staged, mb, 1.0 / denom)
             else:
                 loss, g = jax.value_and_grad(lambda p: loss_sum(p, mb) / denom)(params)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
@@ -523,6 +531,11 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), _split_microbatches(batch, accum))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
+        if virtual > 1:
+            layers, edge = split_stack(grads)
+            layers = pipeline_lib.from_chunk_order(layers, stages, virtual)
+            # the edge gradients' reductions after the permutes (one collective order on every device)
+            grads = {**pipeline_lib.ordered_after(edge, layers), STACK_ATTRIBUTE: layers}
         grads = _reduce_replicated(plan, grads)
         grads = _reduce_over_data(plan, grads)
         grads = jax.tree.map(lambda g: g.astype(plan.param_dtype), grads)

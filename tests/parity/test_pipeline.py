@@ -15,7 +15,7 @@ three rows fully masked, so at M = 8 with one replica a whole microbatch is mask
   tensor=2 with sequence parallelism, and on 16 simulated devices (a subprocess, since the device count is
   fixed at jax import) pipeline=2 x data=2 x fsdp=2 x tensor=2 with GPipe and with 1F1B; gradients and loss
   at 1e-5. The 1F1B case runs the step 10 times: before the tick's collectives were ordered by data
-  dependencies (`jaxpar.parallel.pipeline._after`), XLA:CPU deadlocked on this mesh in most runs.
+  dependencies (`jaxpar.parallel.pipeline.ordered_after`), XLA:CPU deadlocked on this mesh in most runs.
 * pipeline=2, M=4 inside train.grad_accum_steps=2 against the unsplit single-device batch.
 * The eval step under pipeline=2 x data=2 x fsdp=2 and pipeline=2 x fsdp=2 x tensor=2 runs through the pipeline
   stages (a forward-only loop, `jaxpar.parallel.pipeline.forward_loss`) and equals the single-device eval.

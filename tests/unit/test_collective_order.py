@@ -7,7 +7,7 @@ compiled program, so it runs on 8 devices in seconds:
 
 * the pipelined step (1F1B at p = 2 and p = 4, GPipe, 1F1B with tensor parallelism) and a data x fsdp x tensor
   step with accumulation compile to programs with no such pair;
-* with the data dependencies that order a 1F1B tick removed (`pipeline._after` made the identity), the same
+* with the data dependencies that order a 1F1B tick removed (`pipeline.ordered_after` made the identity), the same
   check finds the pairs: the forward's loop followed by the backward's collectives and the permutes.
 """
 
@@ -63,11 +63,11 @@ def test_every_device_issues_collectives_in_one_order(name):
 
 @pytest.mark.parametrize("name", ["1f1b_p2_fsdp2_tensor2_sp", "gpipe_p2_data2_fsdp2"])
 def test_without_the_tick_dependencies_pipelines_are_unordered(monkeypatch, name):
-    """The check can fail: without `jaxpar.parallel.pipeline._after`, 1F1B with tensor parallelism leaves a
+    """The check can fail: without `jaxpar.parallel.pipeline.ordered_after`, 1F1B with tensor parallelism leaves a
     tensor all-reduce free against a loop of collectives, and GPipe its edge conds, layer-gather loops and
     permutes. (1F1B without tensor parallelism is ordered by its data flow alone: since the last stage's head
     seeds the backward in the tick of its forward, every stage's backward reads the forward's output.)"""
-    monkeypatch.setattr(pipeline, "_after", lambda tree, deps: tree)
+    monkeypatch.setattr(pipeline, "ordered_after", lambda tree, deps: tree)
     pairs = unordered_collectives(_compiled_grad_fn_hlo(LAYOUTS[name]))
     later = {opcode for _, _, _, opcode in pairs}
     assert later & {"all-reduce", "collective-permute", "while", "conditional"}, pairs
