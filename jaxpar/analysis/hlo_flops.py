@@ -69,8 +69,9 @@ class _Frame:
 
 
 class _Module:
-    def __init__(self, text: str, cost):
+    def __init__(self, text: str, cost, skip_conditionals: bool = False):
         self.cost = cost  # (module, computation, instruction) -> cost of one execution of the instruction
+        self.skip_conditionals = skip_conditionals
         self.comps, self.entry, self.num_partitions = parse_module(text)
         self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.comps.items()}
         self._static: dict[str, float] = {}  # cost of computations without conditionals
@@ -174,7 +175,7 @@ class _Module:
                 body = re.search(r"body=%?([\w.\-]+)", i.attrs).group(1)
                 total += trips * self.total(body, (*frames, _Frame(comp, i)), pid)
             elif i.opcode == "conditional":
-                total += self._conditional_cost(comp, i, frames, pid)
+                total += 0.0 if self.skip_conditionals else self._conditional_cost(comp, i, frames, pid)
             else:
                 for role, called in called_computations(i.attrs):
                     if role in ("calls", "to_apply") and called in self.comps:
@@ -260,22 +261,24 @@ def _cast(v, type_str: str):
     return v
 
 
-def dot_flops_per_device(hlo_text: str) -> list[float]:
+def dot_flops_per_device(hlo_text: str, skip_conditionals: bool = False) -> list[float]:
     """Matmul FLOPs of one run of the program on each partition (index = partition id, i.e. position in
-    `mesh.devices.flat`); module docstring.
+    `mesh.devices.flat`); module docstring. With `skip_conditionals` the branches of every conditional count
+    nothing: the FLOPs every tick runs whatever its branch (e.g. interleaved 1F1B's blocks, whose embedding and
+    head conds select on the tick as well as the stage, a selector this module cannot evaluate).
 
     Raises:
       ValueError: a while loop without a readable trip count, a conditional selector this module cannot
         evaluate, or a convolution.
     """
-    return per_device_cost(hlo_text, _dot_flops)
+    return per_device_cost(hlo_text, _dot_flops, skip_conditionals)
 
 
-def per_device_cost(hlo_text: str, cost) -> list[float]:
+def per_device_cost(hlo_text: str, cost, skip_conditionals: bool = False) -> list[float]:
     """Sum of `cost(module, computation, instruction)` over the instructions each partition executes in one
     run, each times its executions (loop trip counts; only the branch of a conditional the partition takes).
     `dot_flops_per_device` is this with the matmul FLOPs; a test can count e.g. gathers of a given shape.
 
     Raises: as `dot_flops_per_device`."""
-    module = _Module(hlo_text, cost)
+    module = _Module(hlo_text, cost, skip_conditionals)
     return [module.total(module.entry, (), pid) for pid in range(module.num_partitions)]

@@ -31,6 +31,15 @@ What the backward of a microbatch needs from its forward, `recompute`:
 A stage input waits 2p - 2 - 2s ticks for its backward, so both stashes are rings of 2p - 1 slots indexed by
 microbatch mod 2p - 1, whatever m: memory per stage is flat in m.
 
+Interleaved 1F1B (`virtual_stages` = v > 1; Narayanan et al. 2021, section 2.2.2): the layers split into pv
+chunks, chunk c on device c mod p, so a microbatch passes every device v times, one chunk per tick, and the
+permutes become rings (device p - 1's chunk feeds device 0's next one). `jaxpar.parallel.schedule` gives the
+ticks (m*v + v*p + p - 2, of which v*p - 1 warm-up and v*p - 1 cool-down), which chunk of which microbatch a
+device runs in each, and the bubble (p - 1)/(v*m + p - 1); the embedding and head conds select on the chunk as
+well as the stage. The stash is a ring of 2pv - 1 slots indexed by forward tick. The parameters stay in model
+order (a device holds L/p consecutive layers, as at v = 1); `to_chunk_order` permutes them into chunk order
+once per step and `from_chunk_order` the gradients back.
+
 GPipe (Huang et al. 2019): the forward of all microbatches over m + p - 1 ticks (`forward_loss`), then the
 backward by automatic differentiation of that loop, which keeps every microbatch's residuals: memory grows
 with m. `forward_loss` alone is the pipelined evaluation.
@@ -297,6 +306,10 @@ def one_f_one_b(
             last_f = is_last if v == 1 else is_last & (j_f == v - 1)
             x = stage_input(recv_f, mb, first_f)
             w = chunk(j_f)
+            if v > 1 and parts.edge_gathered:
+                # A chunk of one layer runs outside any layer loop, so its weights' fsdp gathers would not depend
+                # on the embedding's cond (and its gathers) before them: order them after it.
+                w = ordered_after(w, x)
             if recompute:
                 h, keep = parts.blocks(w, x, mb), [x]
             else:
@@ -324,6 +337,8 @@ def one_f_one_b(
             slot_b = jnp.mod(k - 2 * (p * v - 1 - (j_b * p + s)), depth)
             kept = [jax.lax.dynamic_index_in_dim(r, slot_b, keepdims=False) for r in stash]
             w_b = chunk(j_b)
+            if v > 1 and parts.edge_gathered:
+                w_b = ordered_after(w_b, d_h)  # as in the forward: the backward's regathers after the head's cond
             if recompute:
                 x_b, mb_b = ordered_after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
                 _, vjp_fn = jax.vjp(lambda w_, y: parts.blocks(w_, y, mb_b), w_b, x_b)
@@ -482,11 +497,18 @@ def gpipe(
     act_dtype,
     loss_scale: jax.Array,
     recompute: bool = False,
+    virtual_stages: int = 1,
 ) -> tuple[tuple[dict, dict], jax.Array]:
     """Runs GPipe: forward of all m microbatches in m + p - 1 ticks (`forward_loss`), backward by autodiff of
     that loop. Same arguments and results as `one_f_one_b`; `recompute` is not read (autodiff keeps every
-    tick's residuals)."""
+    tick's residuals).
+
+    Raises:
+      ValueError: `virtual_stages` > 1 (interleaving is a 1F1B schedule here; the config refuses it first).
+    """
     del recompute
+    if virtual_stages != 1:
+        raise ValueError(f"GPipe runs one stage per device, not virtual_stages={virtual_stages}")
     loss, grads = jax.value_and_grad(
         lambda lay, e: forward_loss(
             parts, lay, e, mbs, p=p, m=m, act_shape=act_shape, act_dtype=act_dtype, loss_scale=loss_scale

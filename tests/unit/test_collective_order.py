@@ -5,7 +5,10 @@ does not depend on lets devices issue them in different orders; with blocking in
 deadlocked the 1F1B step on 16 simulated devices (tests/parity/test_pipeline.py runs that mesh). The check reads the
 compiled program, so it runs on 8 devices in seconds:
 
-* the pipelined step (1F1B at p = 2 and p = 4, GPipe, 1F1B with tensor parallelism) and a data x fsdp x tensor
+* the pipelined step (1F1B at p = 2 and p = 4, GPipe, 1F1B with tensor parallelism, interleaved 1F1B with its
+  permutes into and out of chunk order; with one layer per chunk, whose weights' fsdp gathers sit outside any
+  layer loop, this check found 9 gathers unordered against the embedding's cond until the chunk's weights were
+  ordered after the stage input) and a data x fsdp x tensor
   step with accumulation compile to programs with no such pair;
 * with the data dependencies that order a 1F1B tick removed (`pipeline.ordered_after` made the identity), the same
   check finds the pairs: the forward's loop followed by the backward's collectives and the permutes.
@@ -24,6 +27,28 @@ LAYOUTS = {
     "1f1b_p2_data2_fsdp2": ("mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2"),
     "1f1b_p4_fsdp2": ("mesh.pipeline=4", "mesh.fsdp=2", "pipeline.microbatches=4"),
     "1f1b_p2_fsdp2_tensor2_sp": ("mesh.pipeline=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.microbatches=2"),
+    "1f1b_v2_p2_data2_fsdp2_tensor2_sp": (
+        "mesh.pipeline=2",
+        "mesh.data=2",
+        "mesh.tensor=2",
+        "pipeline.microbatches=2",
+        "pipeline.virtual_stages=2",
+    ),
+    "1f1b_v2_p4_fsdp2": (
+        "mesh.pipeline=4",
+        "mesh.fsdp=2",
+        "pipeline.microbatches=4",
+        "pipeline.virtual_stages=2",
+        "model.n_layers=8",
+    ),
+    "1f1b_v2_p4_fsdp2_recompute": (
+        "mesh.pipeline=4",
+        "mesh.fsdp=2",
+        "pipeline.microbatches=4",
+        "pipeline.virtual_stages=2",
+        "model.n_layers=8",
+        "pipeline.recompute=true",
+    ),
     "gpipe_p2_data2_fsdp2": (
         "mesh.pipeline=2",
         "mesh.data=2",

@@ -23,6 +23,7 @@ from step_helpers import FP32, compile_fast, make_plan
 
 from jaxpar.analysis.hlo_flops import dot_flops_per_device, per_device_cost
 from jaxpar.batch import abstract_batch
+from jaxpar.parallel import schedule
 from jaxpar.training.step import abstract_state, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
@@ -30,12 +31,12 @@ pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 L, D, T, V, B, M = 4, 64, 32, 2048, 2, 8
 
 
-def _hlo(p: int, *overrides: str, pipelined: bool = True) -> str:
+def _hlo(p: int, *overrides: str, pipelined: bool = True, layers: int = L) -> str:
     mesh = [f"mesh.pipeline={p}", "mesh.data=1"] if pipelined else ["mesh.pipeline=1", f"mesh.data={p}"]
     plan = make_plan(
         [
             *FP32,
-            f"model.n_layers={L}",
+            f"model.n_layers={layers}",
             f"model.vocab_size={V}",
             f"data.seq_len={T}",
             "mesh.fsdp=1",
@@ -101,3 +102,24 @@ def test_flops_ratio_to_data_parallel_within_the_tick_ratio(ratios, case):
 def test_recomputing_the_stage_forward_costs_a_third_of_the_blocks_more(ratios):
     assert ratios["1f1b-recompute"] > 1.03 * TICKS, ratios
     assert ratios["1f1b-recompute"] > ratios["1f1b"] == pytest.approx(ratios["gpipe"], rel=1e-9), ratios
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p,v,layers", [(2, 1, 4), (2, 2, 4), (4, 2, 8)])
+def test_measured_bubble_is_the_interleaved_formula(p, v, layers):
+    """Interleaved 1F1B (pipeline.virtual_stages=v): the blocks' matmul FLOPs a device executes per step, read
+    from the compiled program with loop trip counts, over the useful ones (data parallelism's on the same
+    devices and global batch, less its heads, 6 b T D V per microbatch row block) give the bubble
+    1 - useful/executed = (p - 1)/(v m + p - 1) (Narayanan et al. 2021, section 2.2.2; `jaxpar.parallel.
+    schedule`). The embedding and head conds select on the tick as well as the stage (which chunk runs), so
+    they are left out of the count (`skip_conditionals`); at v = 1 the bubble is plain 1F1B's (p - 1)/(m + p - 1),
+    so the check can tell the schedules apart."""
+    _need(p)
+    dp = np.mean(dot_flops_per_device(_hlo(p, pipelined=False, layers=layers)))
+    useful = dp - 6 * (B * M // p) * T * D * V  # data parallelism's heads: G/p rows per device
+    pipelined = _hlo(p, f"pipeline.virtual_stages={v}", layers=layers)
+    executed = np.mean(dot_flops_per_device(pipelined, skip_conditionals=True))
+    measured = 1 - useful / executed
+    assert measured == pytest.approx(schedule.bubble_fraction(p, v, M), rel=1e-9), (measured, executed, useful)
+    if v > 1:
+        assert measured < schedule.bubble_fraction(p, 1, M) / 1.5
