@@ -95,3 +95,16 @@ def stash_slots(p: int, v: int) -> int:
 def bubble_fraction(p: int, v: int, m: int) -> float:
     """(p - 1) / (v*m + p - 1): the idle share of each device's time (Narayanan et al. 2021, section 2.2.2)."""
     return (p - 1) / (v * m + p - 1)
+
+
+def describe(schedule_name: str, p: int, v: int, m: int, recompute: bool) -> str:
+    """One line for logs: the schedule, stages, virtual stages, microbatches, what the stash keeps, the bubble.
+    GPipe's bubble is the same (p - 1)/(m + p - 1) (Huang et al. 2019, section 2.3)."""
+    if schedule_name == "gpipe":
+        return f"GPipe, {p} stages, {m} microbatches, bubble {bubble_fraction(p, 1, m):.3f}"
+    kind = "1F1B" if v == 1 else f"interleaved 1F1B, {v} virtual stages per device"
+    keeps = "stage inputs (forward recomputed)" if recompute else "residuals"
+    return (
+        f"{kind}, {p} stages, {m} microbatches, a ring of {stash_slots(p, v)} {keeps}, "
+        f"bubble (p-1)/(vm+p-1) = {bubble_fraction(p, v, m):.3f}"
+    )

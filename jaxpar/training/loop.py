@@ -39,6 +39,7 @@ from jaxpar.distributed import describe_process
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import MetricsWriter, default_trackers
 from jaxpar.model import model_family
+from jaxpar.parallel import schedule as schedule_lib
 from jaxpar.training.faults import FaultInjector
 from jaxpar.training.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
 from jaxpar.training.hooks.base import log as _log
@@ -317,6 +318,14 @@ def _start_run(
         f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}, attention "
         f"{plan.mdef.cfg.attention} (model.attention {cfg.model.attention})"
     )
+    if cfg.mesh.pipeline > 1:
+        pipe = cfg.pipeline
+        _log(
+            "pipeline: "
+            + schedule_lib.describe(
+                pipe.schedule, cfg.mesh.pipeline, pipe.virtual_stages, pipe.microbatches, pipe.recompute
+            )
+        )
     if optimizer is not None:
         skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None
         _log(

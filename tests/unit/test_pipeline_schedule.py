@@ -73,3 +73,11 @@ def test_m_not_a_multiple_of_p_is_refused_with_interleaving():
     schedule.check(4, 1, 6)
     with pytest.raises(ValueError, match="microbatches=6 is not a multiple of it; use 4 or 8"):
         schedule.check(4, 2, 6)
+
+
+def test_describe_states_the_schedule_and_its_bubble():
+    line = schedule.describe("1f1b", 4, 2, 8, recompute=False)
+    assert "interleaved 1F1B, 2 virtual stages" in line and "ring of 15 residuals" in line
+    assert f"{3 / 19:.3f}" in line
+    assert schedule.describe("1f1b", 4, 1, 8, recompute=True).startswith("1F1B, 4 stages, 8 microbatches, a ring of 7")
+    assert f"{3 / 11:.3f}" in schedule.describe("gpipe", 4, 1, 8, recompute=False)
