@@ -16,7 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 BATCH_KEYS = ("inputs", "targets", "loss_mask")
-BATCH_DTYPES = {"inputs": np.dtype(np.int32), "targets": np.dtype(np.int32), "loss_mask": np.dtype(np.float32)}
+SEGMENT_IDS = "segment_ids"  # the optional key of packed documents
+BATCH_DTYPES = {
+    "inputs": np.dtype(np.int32),
+    "targets": np.dtype(np.int32),
+    "loss_mask": np.dtype(np.float32),
+    SEGMENT_IDS: np.dtype(np.int32),
+}
 
 
 def random_batch(

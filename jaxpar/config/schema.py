@@ -189,6 +189,9 @@ class DataConfig:
       validation_fraction: share of files (of tokens for `tokens`) held out for validation.
       max_bytes: stop reading text after this many bytes (0: no limit); keeps CPU runs quick.
       seed: shuffle seed.
+      document_masking: packed text documents stay apart: attention never crosses a document boundary, rotary
+        positions restart at each document, and a document's first token is not predicted from the previous
+        document (`jaxpar.data.pack`). A flat `tokens` file has no document index and is packed without it.
     """
 
     source: str = "stdlib"
@@ -199,6 +202,7 @@ class DataConfig:
     validation_fraction: float = 0.05
     max_bytes: int = 0
     seed: int = 0
+    document_masking: bool = True
 
 
 @dataclass(frozen=True)

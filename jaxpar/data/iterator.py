@@ -8,7 +8,9 @@ hand-written class all fit.
 Batches: {"inputs": int [R, T], "targets": int [R, T], "loss_mask": float [R, T]} with R = `local_rows` rows,
 this process's share of the global batch of G sequences (G / number of processes when the batch is split evenly
 over the processes' devices, as jaxpar's mesh does); T the sequence length. Token ids are cast to int32 and the
-mask to float32; `loss_mask` 0 excludes a position from the loss. `IteratorLoader` assembles the global [G, T]
+mask to float32; `loss_mask` 0 excludes a position from the loss. A batch may also carry "segment_ids" (int
+[R, T], packed documents numbered within each row: attention and rotary positions then stay within each
+document, `jaxpar.data.pack`). `IteratorLoader` assembles the global [G, T]
 arrays with `jax.make_array_from_process_local_data`, exactly as the built-in `DataLoader` does.
 
 State in a checkpoint: each process's iterator state, gathered to every process (`multihost_utils`), so process
@@ -25,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS
+from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.loader import _process_rows
 
 
@@ -78,7 +80,7 @@ class IteratorLoader:
             raise ValueError(f"a data iterator must yield dicts with keys {list(BATCH_KEYS)}, got {got}")
         out = {}
         want = (self.local_rows, self.seq_len)
-        for key in BATCH_KEYS:
+        for key in BATCH_KEYS + ((SEGMENT_IDS,) if SEGMENT_IDS in batch else ()):
             value = np.asarray(batch[key])
             if value.shape != want:
                 raise ValueError(

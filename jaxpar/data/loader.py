@@ -25,12 +25,17 @@ import grain
 import jax
 import numpy as np
 
-from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS
+from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
 from jaxpar.data.stats import unigram_entropy
-from jaxpar.data.tokenizer import PAD_ID
+from jaxpar.data.tokenizer import BOS_ID, PAD_ID
+
+
+def _keys(packed: dict[str, np.ndarray]) -> tuple[str, ...]:
+    """The batch keys a loader serves: `BATCH_KEYS`, and "segment_ids" when the packing made them."""
+    return BATCH_KEYS + ((SEGMENT_IDS,) if SEGMENT_IDS in packed else ())
 
 
 def _packed_shape(packed: dict[str, np.ndarray]) -> tuple[int, int]:
@@ -42,14 +47,15 @@ def _packed_shape(packed: dict[str, np.ndarray]) -> tuple[int, int]:
     missing = [k for k in BATCH_KEYS if k not in packed]
     if missing:
         raise ValueError(f"packed data lacks {missing}; build it with jaxpar.data.pack")
-    shapes = {packed[k].shape for k in BATCH_KEYS}
+    shapes = {packed[k].shape for k in _keys(packed)}
     if len(shapes) != 1 or len(next(iter(shapes))) != 2:
         raise ValueError(f"packed arrays must share one [N, T] shape, got {sorted(shapes)}")
     return next(iter(shapes))
 
 
 class DataLoader:
-    """Serves global batches {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}.
+    """Serves global batches {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}, with
+    "segment_ids": int32 [G, T] when `packed` has them (document masking, `jaxpar.data.pack`).
 
     Args:
       packed: output of `jaxpar.data.pack`, N sequences of T tokens.
@@ -81,7 +87,7 @@ class DataLoader:
                 f"train.global_batch_size={global_batch_size}; lower train.global_batch_size or data.seq_len, "
                 f"or add data (data.max_bytes, data.validation_fraction)"
             )
-        self._packed = {k: packed[k] for k in BATCH_KEYS}
+        self._packed = {k: packed[k] for k in _keys(packed)}
         self._sharding = sharding
         self._global_shape = (global_batch_size, self.seq_len)
         self._local_rows = _process_rows(sharding, self._global_shape)
@@ -130,7 +136,8 @@ class DataLoader:
 
 class EvalLoader:
     """One pass over a validation split: global batches {"inputs", "targets": int32 [G, T], "loss_mask":
-    float32 [G, T]} in file order, each sequence exactly once, never repeated.
+    float32 [G, T]} (and "segment_ids" when `packed` has them; 0 on padding rows) in file order, each sequence
+    exactly once, never repeated.
 
     Batch b holds, in row r, sequence b*G + r while that is below `num_scored`, else a padding row (inputs
     and targets `PAD_ID`, loss_mask 0), so a token-mean over all batches is the mean over exactly the scored
@@ -167,7 +174,7 @@ class EvalLoader:
         self.global_batch_size = g
         self.num_scored = self.num_sequences if max_batches == 0 else min(max_batches * g, self.num_sequences)
         self.num_batches = -(-self.num_scored // g)
-        self._packed = {k: packed[k][: self.num_scored] for k in BATCH_KEYS}
+        self._packed = {k: packed[k][: self.num_scored] for k in _keys(packed)}
         self._sharding = sharding
         self._global_shape = (g, self.seq_len)
         self._local_rows = _process_rows(sharding, self._global_shape)
@@ -188,9 +195,10 @@ class EvalLoader:
             ids = b * self.global_batch_size + self._local_rows
             real = ids < self.num_scored
             local = {
-                k: np.full((rows, self.seq_len), 0 if k == "loss_mask" else PAD_ID, BATCH_DTYPES[k]) for k in BATCH_KEYS
+                k: np.full((rows, self.seq_len), 0 if k in ("loss_mask", SEGMENT_IDS) else PAD_ID, BATCH_DTYPES[k])
+                for k in self._packed
             }
-            for k in BATCH_KEYS:
+            for k in self._packed:
                 local[k][real] = self._packed[k][ids[real]]
             yield {
                 k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)
@@ -249,7 +257,10 @@ def build_loaders(
                 f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
                 f"{multiple}), or check data.path and data.token_dtype"
             )
-    train, val = pack(train_tokens, data_cfg.seq_len), pack(val_tokens, data_cfg.seq_len)
+    # Text sources open every document with BOS (`jaxpar.data.sources`); a flat token file has no document index.
+    bos_id = BOS_ID if data_cfg.document_masking and data_cfg.source != "tokens" else None
+    train = pack(train_tokens, data_cfg.seq_len, bos_id=bos_id)
+    val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
     scored = val_loader.scored()

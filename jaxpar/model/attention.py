@@ -25,6 +25,16 @@ def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
     return segment_ids_BT[:, None, :, None] == segment_ids_BT[:, None, None, :]
 
 
+def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
+    """int32 [B, T]: each token's position within its run of equal segment ids (0 at each document's first
+    token), the rotary positions of packed documents, so a document sees the positions it would alone."""
+    b, t = segment_ids_BT.shape
+    index_T = jnp.arange(t, dtype=jnp.int32)
+    starts_BT = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
+    run_start_BT = jax.lax.cummax(jnp.where(starts_BT, index_T[None, :], 0), axis=1)
+    return index_T[None, :] - run_start_BT
+
+
 def packed_segments(segment_ids_BT: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """cuDNN's packed layout of `segment_ids_BT`: each run of equal ids is one segment.
 

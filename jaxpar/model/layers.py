@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config.attention import resolve_attention
-from jaxpar.model.attention import dot_product_attention
+from jaxpar.model.attention import dot_product_attention, segment_positions
 from jaxpar.model.stack import ATTENTION_CONTEXT, MLP_HIDDEN
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
 
@@ -43,12 +43,15 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x_BTHK: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (RoFormer, Su et al. 2021, eq. 34), rotating the two halves of K."""
+def rotary(x_BTHK: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (RoFormer, Su et al. 2021, eq. 34), rotating the two halves of K.
+
+    positions: int [T] (every row alike) or [B, T] (per row, e.g. restarting at each packed document)."""
     half = x_BTHK.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_TK = positions_T.astype(jnp.float32)[:, None] * freq[None, :]
-    sin, cos = jnp.sin(angle_TK)[None, :, None, :], jnp.cos(angle_TK)[None, :, None, :]
+    positions_BT = positions if positions.ndim == 2 else positions[None, :]
+    angle_BTK = positions_BT.astype(jnp.float32)[..., None] * freq
+    sin, cos = jnp.sin(angle_BTK)[:, :, None, :], jnp.cos(angle_BTK)[:, :, None, :]
     x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTHK.dtype)
@@ -89,15 +92,20 @@ class Attention(nnx.Module):
     ) -> jax.Array:
         """x: [B, T/t or T, D] -> [B, T/t or T, D]. Q, K, V are column-parallel (H/t and G/t local heads), the
         output projection row-parallel. segment_ids_BT: int32 [B, T] document ids of the whole sequence (also
-        under sequence parallelism: attention runs on the gathered sequence), or None."""
+        under sequence parallelism: attention runs on the gathered sequence), or None. With them attention stays
+        within each document and the rotary positions restart at each document's first token
+        (`jaxpar.model.attention.segment_positions`)."""
         dt = x_BTD.dtype
         x_BTD = tp.enter(x_BTD)
-        positions_T = jnp.arange(x_BTD.shape[1])
+        if segment_ids_BT is None:
+            positions = jnp.arange(x_BTD.shape[1])
+        else:
+            positions = segment_positions(segment_ids_BT)
         q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt))
-        q = rotary(q, positions_T, self.rope_theta)
-        k = rotary(k, positions_T, self.rope_theta)
+        q = rotary(q, positions, self.rope_theta)
+        k = rotary(k, positions, self.rope_theta)
         implementation = self.implementation
         if implementation == "auto":
             implementation = resolve_attention("auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1])

@@ -33,7 +33,6 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.batch import BATCH_KEYS
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.precision import resolve_compute_dtype
@@ -644,9 +643,13 @@ def make_eval_step(plan: StepPlan) -> Callable:
         count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
         return total, count
 
-    batch_spec = {k: plan.batch_sharding.spec for k in BATCH_KEYS}
+    # one spec for every batch array: the three of `jaxpar.batch` and an optional "segment_ids"
     fn = jax.shard_map(
-        body, mesh=plan.mesh, in_specs=(plan.specs["params"], batch_spec), out_specs=(P(), P()), check_vma=False
+        body,
+        mesh=plan.mesh,
+        in_specs=(plan.specs["params"], plan.batch_sharding.spec),
+        out_specs=(P(), P()),
+        check_vma=False,
     )
     return jax.jit(fn)
 

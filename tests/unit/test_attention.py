@@ -131,3 +131,10 @@ def test_jaxpar_plan_refuses_cudnn_where_it_cannot_run(overrides, message, capsy
     assert "config error" in err and message in err and "Traceback" not in err
     assert plan_cli.main([TINY_YAML, "--json"]) == 0
     assert '"attention": "cudnn"' in capsys.readouterr().out  # auto on the default platform, gpu
+
+
+def test_segment_positions_restart_at_each_document():
+    from jaxpar.model.attention import segment_positions
+
+    seg = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    np.testing.assert_array_equal(segment_positions(seg), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
