@@ -46,12 +46,14 @@ def fingerprint(cfg: Config) -> str:
     """sha256 (hex) of what decides the compiled step: the model, mesh, tensor, pipeline, precision and optimizer
     sections and the batch shape (data.seq_len, train.global_batch_size, train.grad_accum_steps) of a resolved
     config. A record whose fingerprint differs from the config's was checked on other settings.
-    `pipeline.recompute` counts only with mesh.pipeline > 1 (it decides nothing else; records made before the
-    key existed keep their fingerprints)."""
+    `pipeline.recompute` counts only with mesh.pipeline > 1 (it decides nothing else), `pipeline.virtual_stages`
+    only when it is not 1 (plain 1F1B); records made before either key existed keep their fingerprints."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
     if cfg.mesh.pipeline == 1:
         keep["pipeline"] = {k: v for k, v in keep["pipeline"].items() if k != "recompute"}
+    if cfg.pipeline.virtual_stages == 1:
+        keep["pipeline"] = {k: v for k, v in keep["pipeline"].items() if k != "virtual_stages"}
     keep["batch"] = {
         "seq_len": cfg.data.seq_len,
         "global_batch_size": cfg.train.global_batch_size,

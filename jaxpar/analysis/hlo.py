@@ -352,16 +352,25 @@ def axis_groups(mesh: Mesh, axes: tuple[str, ...]) -> frozenset[frozenset[int]]:
     return frozenset(frozenset(int(i) for i in row) for row in ids.transpose(keep).reshape(-1, per_group))
 
 
-def classify_groups(groups, mesh: Mesh) -> tuple[str, ...] | None:
+def classify_groups(groups, mesh: Mesh, kind: str = "") -> tuple[str, ...] | None:
     """The mesh axes (in mesh order, size-1 axes left out) whose groups equal `groups`; () for groups of one
-    device (a no-op collective); None when no set of axes induces them."""
+    device (a no-op collective); None when no set of axes induces them.
+
+    A collective-permute (`kind`) need not pair every device of a group: its groups are the connected components
+    of its source-target pairs (`parse_replica_groups`), and it runs over the fewest axes whose groups each
+    contain one of its components of two or more devices (e.g. interleaved 1F1B's moves of single model chunks
+    between two stages, `jaxpar.parallel.pipeline.to_chunk_order`: over `pipeline`)."""
     wanted = frozenset(frozenset(g) for g in groups)
     if all(len(g) == 1 for g in wanted):
         return ()
     live = [a for a in mesh.axis_names if mesh.shape[a] > 1]
+    moving = [g for g in wanted if len(g) > 1]
     for r in range(1, len(live) + 1):
         for axes in itertools.combinations(live, r):
-            if axis_groups(mesh, axes) == wanted:
+            have = axis_groups(mesh, axes)
+            if have == wanted:
+                return axes
+            if kind == "collective-permute" and all(any(g <= h for h in have) for g in moving):
                 return axes
     return None
 
@@ -385,7 +394,7 @@ def collectives_by_axis(
         if computations is not None and c.computation not in computations:
             continue
         times = c.times_per_step if per_step else 1
-        entry = out.setdefault((classify_groups(c.groups, mesh), c.kind), {"count": 0, "bytes": 0.0})
+        entry = out.setdefault((classify_groups(c.groups, mesh, c.kind), c.kind), {"count": 0, "bytes": 0.0})
         entry["count"] += times
         entry["bytes"] += times * c.bytes_per_device
     return out

@@ -13,6 +13,8 @@ All functions are pure integer/float arithmetic (no jax), so they are cheap to t
 
 from __future__ import annotations
 
+from jaxpar.parallel import schedule as _schedule
+
 SCHEDULES = ("1f1b", "gpipe")
 
 
@@ -23,11 +25,14 @@ def _check(schedule: str, p: int, m: int) -> None:
         raise ValueError(f"need p >= 1 and m >= 1, got p={p} m={m}")
 
 
-def bubble_fraction(p: int, m: int) -> float:
-    """Idle fraction of a step, (p - 1)/(m + p - 1), for GPipe and 1F1B alike (GPipe section 2.3;
-    arXiv 2104.04473 section 2.2). Raises ValueError for p or m < 1."""
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step, (p - 1)/(v*m + p - 1): for v = 1, (p - 1)/(m + p - 1), GPipe and 1F1B alike (GPipe
+    section 2.3; arXiv 2104.04473 section 2.2); v > 1 virtual stages per device, interleaved 1F1B (section 2.2.2).
+    The formula is `jaxpar.parallel.schedule.bubble_fraction`'s. Raises ValueError for p or m < 1, or, with v > 1,
+    for v < 1 or m not a multiple of p (`jaxpar.parallel.schedule.check`)."""
     _check("1f1b", p, m)
-    return (p - 1) / (m + p - 1)
+    _schedule.check(p, v, m)
+    return _schedule.bubble_fraction(p, v, m)
 
 
 def tick_counts(schedule: str, p: int, m: int) -> dict[str, int]:

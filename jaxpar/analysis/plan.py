@@ -33,7 +33,11 @@ keeps them in Bc through the layers' backward; the cross-entropy's fp32 copies l
 Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the other); 1F1B with
 `pipeline.recompute: true` holds a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers, without it a
 ring of 2p - 1 microbatches' layers (what the remat policy keeps, the block inputs included); GPipe keeps every
-tick's (m + p - 1) layers and stage input (`jaxpar.analysis.pipeline_report`).
+tick's (m + p - 1) layers and stage input (`jaxpar.analysis.pipeline_report`). Interleaved 1F1B
+(`pipeline.virtual_stages` v > 1; Narayanan et al. 2021, arXiv 2104.04473, section 2.2.2; the ring from
+`jaxpar.parallel.schedule`) holds a ring of 2pv - 1 chunk-microbatches of L/(pv) layers each, (2pv - 1)/v stages'
+worth (about 2p, against 2p - 1), or with recompute a ring of 2pv - 1 chunk inputs b*s'*D (each the size of a
+stage input) and one chunk's L/(pv) layers.
 
 Attention scores (`attention_working_bytes`), on XLA's attention path (`model.attention` xla, or auto on cpu:
 `jaxpar.config.attention`): `jax.nn.dot_product_attention`'s XLA implementation computes the logits
@@ -49,8 +53,10 @@ compiled check reports whether the program materialises scores.
 Temporaries (`temp_bytes`): the activations, the working set of one layer's backward (its attention scores
 above and, when weights are gathered (fsdp or ZeRO-3), its gradients at full size in the reduce dtype before
 their reduce-scatter, (layer parameters / t) * Br), the gathered weights in use, fp32 gradient accumulators and
-the gradient outputs. Checked against XLA's GPU compiler for every shipped config on its cluster
-(`jaxpar.analysis.plan_gpu`).
+the gradient outputs; with interleaved 1F1B also the step's chunk-order copy of the stage's layer parameters (the
+local shard in the parameter dtype) and of their gradients (in Br), which `jaxpar.training.step.make_grad_fn`
+makes once per step (`jaxpar.parallel.pipeline.to_chunk_order`, `from_chunk_order`). Checked against XLA's GPU
+compiler for every shipped config on its cluster (`jaxpar.analysis.plan_gpu`).
 
 Platform (`jaxpar.config.precision.PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`,
 default gpu) is the machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu,
@@ -78,6 +84,7 @@ from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
+from jaxpar.parallel import schedule
 from jaxpar.sharding import storage_axes
 
 # How each platform's compiler leaves the partitioned program's collectives (module docstring).
@@ -175,28 +182,46 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     Returns:
       {"per_layer" (bytes per layer per microbatch), "layers" (all layers and microbatches in flight),
        "stage_inputs" (pipeline stash), "outside" (embedding output, logits), "total", "in_flight" (microbatches
-       whose layers are held), "formula" (text), "korthikanti" (the paper's 16-bit count for the same layers and
-       microbatches: 34 + 5as/h, or 2sbh with remat full; with tensor parallelism the Table 2 variant)}.
+       whose layers are held, in stages' worth of layers: (2pv - 1)/v, or 1/v with recompute, under interleaved
+       1F1B), "layers_held" (layer-microbatches held: L/p x in_flight), "formula" (text), "korthikanti" (the
+       paper's 16-bit count for the same layers and microbatches: 34 + 5as/h, or 2sbh with remat full; with
+       tensor parallelism the Table 2 variant)}.
     """
     d = dims(cfg, platform)
-    mdl, p, t = cfg.model, d.shape["pipeline"], d.shape["tensor"]
+    mdl, p, t, v = cfg.model, d.shape["pipeline"], d.shape["tensor"], d.virtual
     bc = d.compute_bytes
     per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
     outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
+    slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
+    depth = f"L/p={d.layers_per_stage}" if v == 1 else f"L/(pv)={d.layers_per_chunk}"
     if p == 1:
         in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
-    elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute:
+    elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute and v == 1:
         in_flight, stash = 1, (2 * p - 1) * stage_input
         formula_flight = f"1F1B recomputing: 1 microbatch's layers + a ring of 2p-1={2 * p - 1} stage inputs"
-    elif cfg.pipeline.schedule == "1f1b":
+    elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute:
+        in_flight, stash = 1 / v, slots * stage_input
+        formula_flight = (
+            f"interleaved 1F1B (v={v}) recomputing: 1 chunk's layers + a ring of 2pv-1={slots} chunk inputs of "
+            f"stage-input size b*s'*D"
+        )
+    elif cfg.pipeline.schedule == "1f1b" and v == 1:
         in_flight, stash = 2 * p - 1, 0
         formula_flight = f"1F1B keeping residuals: a ring of 2p-1={2 * p - 1} microbatches' layers"
+    elif cfg.pipeline.schedule == "1f1b":
+        in_flight, stash = slots / v, 0
+        formula_flight = (
+            f"interleaved 1F1B (v={v}) keeping residuals: a ring of 2pv-1={slots} chunk-microbatches' layers, "
+            f"(2pv-1)/v={slots / v:g} stages' worth"
+        )
     else:
         in_flight, stash = d.m + p - 1, (d.m + p - 1) * stage_input
         outside *= in_flight
         formula_flight = f"GPipe: every tick's layers and stage input, m+p-1={d.m + p - 1}"
-    layers = per_layer * d.layers_per_stage * in_flight
+    # Layer-microbatches held: L/p per microbatch in flight, or L/(pv) per chunk-microbatch (an integer).
+    held = d.layers_per_stage * in_flight if v == 1 else d.layers_per_chunk * (1 if cfg.pipeline.recompute else slots)
+    layers = per_layer * held
     # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
     sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
     if mdl.remat == "full":
@@ -215,10 +240,11 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "outside": outside,
         "total": layers + stash + outside,
         "in_flight": in_flight,
+        "layers_held": held,
         "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (fp32 where named) x "
-        f"L/p={d.layers_per_stage} x {formula_flight}; + embedding output and logits (b={d.b}, "
+        f"{depth} x {formula_flight}; + embedding output and logits (b={d.b}, "
         f"s={d.s}, s'={d.s_act})",
-        "korthikanti": ref * d.layers_per_stage * in_flight,
+        "korthikanti": ref * held,
     }
 
 
@@ -231,7 +257,11 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     stored over fsdp and, under ZeRO-3, data; 0 with a single microbatch), "grad_outputs" (the step's gradients in the
     parameter dtype,
     `state_bytes` grads), "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the peak: one
-    layer's and the largest of embedding and head, all-gathered, in the compute dtype), "total"}.
+    layer's and the largest of embedding and head, all-gathered, in the compute dtype), "chunk_order" (interleaved
+    1F1B, v > 1: the step's chunk-order copy of the stage's layer parameters, the local shard as stored over fsdp
+    and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
+    `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
+    v = 1), "total"}.
 
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
     XLA's by `jaxpar.analysis.plan_compile` (CPU) and `jaxpar.analysis.plan_gpu` (the GPU compiler), not a bound."""
@@ -246,6 +276,10 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         w_layer = sum(local_size(x, d.shape) for x in leaves if x.in_blocks) // d.layers_per_stage
         gathered = (w_out + w_layer) * d.compute_bytes
         layer_grads = w_layer * d.reduce_bytes
+    chunk_order = 0
+    if d.virtual > 1:
+        stage_layers = sum(local_size(x, d.shape, storage) for x in leaves if x.in_blocks)
+        chunk_order = stage_layers * (d.param_bytes + d.reduce_bytes)
     out = {
         "activations": activation_bytes(cfg, platform)["total"],
         "attention_working": attention_working_bytes(cfg, platform),
@@ -254,6 +288,7 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "grad_accumulators": accum,
         "grad_outputs": int(state_bytes(cfg)["grads"]),
         "gathered_weights": gathered,
+        "chunk_order": chunk_order,
     }
     # One layer's backward and the head's backward do not overlap: the larger working set counts.
     working = max(out["attention_working"], out["head_working"])
@@ -270,13 +305,17 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
 
     Returns:
       {"devices", "mesh", "platform", "collective_dtypes" (how the platform's compiler leaves the collectives,
-       `COLLECTIVE_DTYPES`), "compute_dtype", "layout", "zero_stage", "batch", "params",
+       `COLLECTIVE_DTYPES`), "compute_dtype", "layout", "zero_stage", "batch", "params", "pipeline" {"schedule",
+       "microbatches", "stages", "recompute", "virtual_stages" (v; 1 without a pipeline), "bubble" ((p - 1)/(v*m +
+       p - 1), `jaxpar.parallel.schedule.bubble_fraction`; 0 without a pipeline)},
        "memory": {params, grads, opt_state, model_state, activations, total (model state + activations),
        peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
        expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
        "activations" (see `activation_bytes`),
        "collectives" (list of `jaxpar.analysis.plan_comm.collective_terms` rows), "by_axis" {(axes, kind) label:
-       bytes}}.
+       bytes}, "by_axis_hlo" (the same as a static reading of the compiled HLO counts them: equal to "by_axis"
+       except under interleaved 1F1B, where it counts the embedding's and head's conds in every tick that
+       evaluates them, `collective_terms(..., branches="evaluated")`)}.
 
     Raises:
       ValueError: platform not one of `jaxpar.config.precision.PLATFORMS`; the config is not resolved.
@@ -288,6 +327,9 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     total_params = sum(leaf.size for leaf in leaves)
     embedding = sum(leaf.size for leaf in leaves if leaf.path.startswith(("embed/", "lm_head/")))
     terms = collective_terms(cfg, platform)
+    # What a static reading of the compiled HLO counts (jaxpar.analysis.plan_comm.collective_terms, branches):
+    # under interleaved 1F1B the edge conds' collectives in every tick that evaluates them.
+    static = collective_terms(cfg, platform, "evaluated") if d.virtual > 1 else terms
     model_state = state["total"]
     temp = temp_bytes(cfg, platform)
     return {
@@ -305,6 +347,9 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "microbatches": d.m,
             "stages": d.shape["pipeline"],
             "recompute": cfg.pipeline.recompute,
+            "virtual_stages": d.virtual,
+            # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule)
+            "bubble": schedule.bubble_fraction(d.shape["pipeline"], d.virtual, d.m),
         },
         "sequence_parallel": d.sp,
         "batch": {
@@ -331,6 +376,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
         "activations": act,
         "collectives": [dataclasses.asdict(term) | {"bytes": term.bytes} for term in terms],
         "by_axis": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(terms).items()},
+        "by_axis_hlo": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(static).items()},
     }
 
 

@@ -27,6 +27,13 @@ Storage axes: fsdp, and data under ZeRO-3 (Rajbhandari et al. 2019, section 5.3;
   that runs them: the embedding's gathered and reduce-scattered in each of the A*(m+p-1) forward and backward
   ticks, the head's in the A*m ticks that run it. With one layer per stage and no pipeline the layer loop
   disappears and the block gathers become loop-invariant too: once per step.
+  Interleaved 1F1B (`pipeline.virtual_stages` v > 1; tick arithmetic from `jaxpar.parallel.schedule`): the block
+  passes run in chunk ticks, A*(m*v+p-1) forward (v*p - 1 warm-up, then steady) and as many backward, each of
+  L/(pv) layers, with the same 2 (3 with recompute) gathers per layer and tick; with recompute and one layer
+  per chunk the chunk's layer loop is gone and XLA merges the rebuilt forward's gathers with the backward's (2).
+  The first stage embeds in the A*(m+p-1) forward ticks of its chunk 0 and the last runs the head in A*m; the
+  conds around them are evaluated in every forward (steady) tick, which is what a static reading of the HLO
+  counts (`collective_terms(..., branches="evaluated")`, the plan's `by_axis_hlo`).
 data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the fsdp-sharded gradients,
   P/F*Br, per step; ZeRO-1/2 add the compiler's all-gather of the updated parameters, P/F*Bp: the partitioner
   casts the data-sharded fp32 optimizer target (for the 16p layout the fp32 master) to the parameter dtype on
@@ -41,12 +48,19 @@ tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per la
   the exits' outputs and none and dots the SP enters' too (`jaxpar.model.stack`): only names and full with SP
   re-run collectives in the backward, the 2 enters (all-gathers) per layer.
   In a pipeline the embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once per
-  microbatch; a 1F1B recompute re-runs the layers' forward collectives. With SP the norm-scale gradients
+  microbatch; a 1F1B recompute re-runs the layers' forward collectives (interleaved with one layer per chunk,
+  XLA drops the rebuilt forward's last exit, whose output nobody reads, and under remat full with SP merges its
+  first enter with the backward's regather: one each fewer per backward tick). With SP the norm-scale gradients
   (replicated over tensor, each rank saw s/t of the sequence) are all-reduced once per step.
 pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage activation b*s'*D*Bc per tick
   and direction, m+p-1 each; 1F1B loses an unread shift when its one-tick loop is unrolled (the forward one
-  if m = 1, the backward one if p = 2). The embedding, final-norm and head gradients, which one stage used, are
-  all-reduced over pipeline once per step (the final norm over pipeline x tensor with SP).
+  if m = 1, the backward one if p = 2). Interleaved 1F1B: a ring permute (all p devices send) per chunk tick and
+  direction, m*v+p-1 each (no loop is one tick long); and per step the permutes of the stage's layers into chunk
+  order (parameter dtype) and of their gradients back (Br), one ppermute per layer leaf and chunk route that
+  moves a chunk between devices (`jaxpar.parallel.pipeline.to_chunk_order`: v^2 routes or fewer, those whose
+  chunks all stay home move nothing), each one chunk of the local leaf, L/(pv) layers. The embedding,
+  final-norm and head gradients, which one stage used, are all-reduced over pipeline once per step (the final
+  norm over pipeline x tensor with SP).
 Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums), a few bytes.
 """
 
@@ -59,6 +73,8 @@ from jaxpar.analysis.comm import ring_bytes
 from jaxpar.analysis.plan_dims import dims, local_size, param_leaves
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
+from jaxpar.parallel import schedule
+from jaxpar.parallel.pipeline import _chunk_routes  # the routes the step permutes its layers by
 from jaxpar.sharding import storage_axes
 
 
@@ -91,14 +107,37 @@ def _term(out: list, shape: dict, name: str, axes, kind: str, count: int, size: 
         out.append(CollectiveTerm(name, live, kind, int(count), float(size), math.prod(shape[a] for a in live)))
 
 
-def _passes(cfg: Config, d) -> dict[str, int]:
+BRANCHES = ("taken", "evaluated")
+
+
+def _edge_ticks(p: int, v: int, m: int, branches: str) -> tuple[int, int]:
+    """(embedding ticks, head ticks) of one 1F1B loop. "taken": the ticks in which the first stage runs the
+    embedding (m + p - 1: its chunk 0's forward ticks, microbatches past m included) and the last stage the
+    head (m: its last chunk's, steady ticks only). "evaluated": the ticks that evaluate their `lax.cond`, every
+    forward tick (m*v + p - 1) and every steady tick (m*v + p - v*p); a static reading of the HLO counts a
+    branch's collectives that often, since the predicate is known only at run time. Equal for v = 1 (the
+    predicate is the stage index alone)."""
+    if branches not in BRANCHES:
+        raise ValueError(f"branches must be one of {BRANCHES}, got {branches!r}")
+    if branches == "taken":
+        return m + p - 1, m
+    warm = schedule.warmup_ticks(p, v)
+    steady = schedule.forward_tick(m - 1, p * v - 1, p, v) + 1 - warm
+    return schedule.ticks(p, v, m) - warm, steady
+
+
+def _passes(cfg: Config, d, branches: str = "taken") -> dict[str, int]:
     """Passes per step: forward and backward passes of the stage's blocks ("fwd", "bwd"; a 1F1B recompute is a
-    forward pass too), of the embedding ("embed_fwd", "embed_bwd") and of the head and loss ("head_fwd",
-    "head_bwd"); the stage-weight gathers per layer ("gathers"); and per step the gathers and gradient
-    reduce-scatters of the embedding's and of the head's (final norm, output projection) weights
-    ("embed_gathers", "head_gathers", "embed_scatters", "head_scatters")."""
-    p, a, m, per_stage = d.shape["pipeline"], d.accum, d.m, d.layers_per_stage
-    ticks = m + p - 1
+    forward pass too; with interleaved 1F1B chunk passes), each of "layers" layers (L/p, or L/(pv) with v > 1),
+    of the embedding ("embed_fwd", "embed_bwd") and of the head and loss ("head_fwd", "head_bwd"); the
+    stage-weight gathers per layer ("gathers"); and per step the gathers and gradient reduce-scatters of the
+    embedding's and of the head's (final norm, output projection) weights ("embed_gathers", "head_gathers",
+    "embed_scatters", "head_scatters"). `branches`: the edge conds' runs as the stages take them ("taken") or as
+    a static HLO reading counts them ("evaluated", `_edge_ticks`)."""
+    p, a, m, per_stage, v = d.shape["pipeline"], d.accum, d.m, d.layers_per_stage, d.virtual
+    # Forward (and as many backward) ticks of one pipeline loop: m*v + p - 1 (jaxpar.parallel.schedule: v*p - 1
+    # forward-only warm-up ticks, then the steady ones), m + p - 1 for v = 1 (GPipe's too).
+    ticks = schedule.ticks(p, v, m) - schedule.warmup_ticks(p, v)
     if p == 1:
         n = a * m
         out = {"fwd": n, "bwd": n, "embed_fwd": n, "embed_bwd": n, "head_fwd": n, "head_bwd": n, "gathers": 2 * n}
@@ -110,28 +149,37 @@ def _passes(cfg: Config, d) -> dict[str, int]:
         # a count is what the stage that runs them does). Their fsdp gathers sit inside the conds, once per
         # run.
         recompute = cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute
+        embed, head = _edge_ticks(p, v, m, branches)
         out = {
             "fwd": a * ticks * (2 if recompute else 1),
             "bwd": a * ticks,
-            "embed_fwd": a * ticks,
-            "embed_bwd": a * ticks,
-            "head_fwd": a * m,
-            "head_bwd": a * m,
-            "embed_gathers": a * ticks,
-            "head_gathers": a * m,
-            "embed_scatters": a * ticks,
-            "head_scatters": a * m,
+            "embed_fwd": a * embed,
+            "embed_bwd": a * embed,
+            "head_fwd": a * head,
+            "head_bwd": a * head,
+            "embed_gathers": a * embed,
+            "head_gathers": a * head,
+            "embed_scatters": a * embed,
+            "head_scatters": a * head,
         }
         if cfg.pipeline.schedule == "1f1b":
             # Forward, backward, and with recompute the rebuilt forward (without, the backward regathers the
-            # weights its residuals need instead of stashing them).
-            out["gathers"] = (3 if recompute else 2) * a * ticks
+            # weights its residuals need instead of stashing them). Interleaved with one layer per chunk, the
+            # chunk's layer loop is gone, and the rebuilt forward's gathers (of the same chunk as the
+            # backward's, in the same tick) are common subexpressions of the backward's: XLA merges them.
+            merged = recompute and v > 1 and d.layers_per_chunk == 1
+            out["gathers"] = (3 if recompute and not merged else 2) * a * ticks
+            # The same lost loop lets XLA drop the rebuilt forward's last tensor exit (its output, the chunk's,
+            # is never read: dead code) and, under remat full with sequence parallelism, merge its first enter
+            # (the all-gather of the chunk input) with the backward's regather: one each per backward tick.
+            out["rebuilt_merged"] = a * ticks if merged else 0
         else:
             # The head ticks' forward gathers are hoisted out of their loop; the p - 1 warm-up ticks gather
             # their own; the backward regathers in each tick.
             out["gathers"] = a * (1 + (p - 1) + ticks)
     if per_stage == 1 and p == 1:
         out["gathers"] = 1
+    out["layers"] = d.layers_per_chunk
     return out
 
 
@@ -150,7 +198,7 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     leaves = param_leaves(cfg.model)
     w_layer = sum(local_size(x, shape) for x in leaves if x.in_blocks) // d.layers_per_stage
     n_block = sum(x.in_blocks for x in leaves)
-    layers = d.layers_per_stage
+    layers = passes["layers"]
     bc, br = d.wire(d.compute_bytes), d.wire(d.reduce_bytes)
     _term(
         out,
@@ -211,7 +259,7 @@ def _data_terms(cfg: Config, d, out: list) -> None:
 
 
 def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
-    shape, layers = d.shape, d.layers_per_stage
+    shape, layers = d.shape, passes["layers"]
     if shape["tensor"] == 1:
         return
     x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
@@ -223,10 +271,12 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     head_fwd, head_bwd, embed_fwd, embed_bwd = (passes[k] for k in ("head_fwd", "head_bwd", "embed_fwd", "embed_bwd"))
     tensor = ("tensor",)
     # Exits: the embedding's and 2 per layer in the forward; enters: 2 per layer and the head's.
-    exits = embed_fwd + fwd * 2 * layers
+    merged = passes.get("rebuilt_merged", 0)
+    exits = embed_fwd + fwd * 2 * layers - merged
     enter_grads = bwd * 2 * layers + head_bwd
     if d.sp:
         ag = fwd * 2 * layers + head_fwd + bwd * (2 * layers + (2 * layers if regather else 0)) + embed_bwd
+        ag -= merged if cfg.model.remat == "full" else 0
         _term(
             out,
             shape,
@@ -253,21 +303,44 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     shape, p = d.shape, d.shape["pipeline"]
     if p == 1:
         return
-    ticks = d.m + p - 1
-    shifts = 2 * ticks
-    if cfg.pipeline.schedule == "1f1b":
-        shifts -= (1 if d.m == 1 else 0) + (1 if p == 2 else 0)
+    if d.virtual == 1:
+        shifts = 2 * (d.m + p - 1)
+        if cfg.pipeline.schedule == "1f1b":
+            shifts -= (1 if d.m == 1 else 0) + (1 if p == 2 else 0)
+    else:  # every forward and every backward chunk tick (no loop of them is one tick long, so none is unrolled)
+        shifts = 2 * (schedule.ticks(p, d.virtual, d.m) - schedule.warmup_ticks(p, d.virtual))
     act = d.b * d.s_act * cfg.model.d_model * d.wire(d.compute_bytes)
     _term(
         out,
         shape,
-        "stage activations and their gradients",
+        "stage activations and their gradients" + (" (ring)" if d.virtual > 1 else ""),
         ("pipeline",),
         "collective-permute",
         d.accum * shifts,
         d.accum * shifts * act,
     )
     storage = storage_axes("params", d.zero)
+    if d.virtual > 1:
+        # The step's permutes of the stage's layers into chunk order and of their gradients back
+        # (`jaxpar.parallel.pipeline.to_chunk_order`): per layer leaf one ppermute per route, each one chunk of the
+        # local shard. A route whose chunks all stay on their device moves nothing (a group of one in the HLO,
+        # which XLA leaves as a copy or drops); the others count in full, S = the chunk, for each op.
+        moving = sum(any(src != dst for src, dst in pairs) for pairs in _chunk_routes(p, d.virtual).values())
+        blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
+        chunk = sum(local_size(x, shape, storage) for x in blocks) // d.virtual
+        for what, width in (
+            ("layer parameters into chunk order", d.param_bytes),
+            ("layer gradients back", d.reduce_bytes),
+        ):
+            _term(
+                out,
+                shape,
+                what,
+                ("pipeline",),
+                "collective-permute",
+                moving * len(blocks),
+                moving * chunk * d.wire(width),
+            )
     outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
     norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
     rest = [x for x in outside if x not in norms]
@@ -292,13 +365,15 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     )
 
 
-def collective_terms(cfg: Config, platform: str = "gpu") -> list[CollectiveTerm]:
+def collective_terms(cfg: Config, platform: str = "gpu", branches: str = "taken") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
     docstring). `platform` (`jaxpar.config.precision.PLATFORMS`) resolves `precision.compute_dtype: auto`
     (float32 on cpu, else bfloat16) and sets the collectives' width (`jaxpar.analysis.plan_dims.collective_bytes`).
-    Raises ValueError for an unknown platform or an unresolved config."""
+    `branches`: "taken" (the plan: what the stages run) or "evaluated" (interleaved 1F1B's edge conds counted in
+    every tick that evaluates them, as a static reading of the compiled HLO does; the same for v = 1).
+    Raises ValueError for an unknown platform or `branches`, or an unresolved config."""
     d = dims(cfg, platform)
-    passes = _passes(cfg, d)
+    passes = _passes(cfg, d, branches)
     out: list[CollectiveTerm] = []
     _storage_terms(cfg, d, passes, out)
     _data_terms(cfg, d, out)

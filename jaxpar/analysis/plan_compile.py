@@ -127,7 +127,7 @@ def hlo_collectives(hlo_text: str, mesh) -> dict:
     by_axis: dict = {}
     scalars = {"count": 0, "bytes": 0.0, "kinds": set(), "axes": set()}
     for c in parse_collectives(hlo_text):
-        axes = classify_groups(c.groups, mesh)
+        axes = classify_groups(c.groups, mesh, c.kind)
         if axes == ():
             continue  # a group of one device moves nothing
         if all(len(a.shape) == 0 for a in c.operands + c.results):
@@ -146,22 +146,26 @@ def hlo_collectives(hlo_text: str, mesh) -> dict:
 def compare_collectives(hlo: dict, analytic: dict) -> list[dict]:
     """Rows of `hlo_collectives(...)["by_axis"]` beside the plan's (`jaxpar.analysis.plan.plan`) over the union of both
     keys: {"key" ("axes kind"), "compiled_bytes", "compiled_count" (in the HLO), "planned_bytes",
-    "planned_count", "ratio" (HLO / planned; None where nothing is planned)}."""
+    "planned_count", "planned_hlo_bytes" (the plan counted as the HLO reading counts, the plan's "by_axis_hlo":
+    the same as "planned_bytes" except under interleaved 1F1B, whose edge conds the reading counts in every tick
+    that evaluates them), "ratio" (HLO / planned_hlo_bytes, like with like; None where nothing is planned)}."""
     planned_counts: dict = {}
     for row in analytic["collectives"]:
         key = f"{','.join(row['axes'])} {row['kind']}"
         planned_counts[key] = planned_counts.get(key, 0) + row["count"]
+    as_read = analytic.get("by_axis_hlo", analytic["by_axis"])
     rows = []
-    for key in sorted(set(hlo) | set(analytic["by_axis"])):
+    for key in sorted(set(hlo) | set(analytic["by_axis"]) | set(as_read)):
         got = hlo.get(key, {"count": 0, "bytes": 0.0})
-        want = analytic["by_axis"].get(key, 0.0)
+        want = as_read.get(key, 0.0)
         rows.append(
             {
                 "key": key,
                 "compiled_bytes": got["bytes"],
                 "compiled_count": got["count"],
-                "planned_bytes": want,
+                "planned_bytes": analytic["by_axis"].get(key, 0.0),
                 "planned_count": planned_counts.get(key, 0),
+                "planned_hlo_bytes": want,
                 "ratio": got["bytes"] / want if want else None,
             }
         )

@@ -92,6 +92,12 @@ class Dims:
     reduce_bytes: int  # Br: bytes of precision.reduce_dtype (gradient reductions)
     param_bytes: int  # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
     platform: str
+    virtual: int = 1  # v: model chunks per device (interleaved 1F1B, pipeline.virtual_stages); 1 without
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """L/(pv): the layers of one model chunk, what one 1F1B tick runs forward or backward (L/p when v = 1)."""
+        return self.layers_per_stage // self.virtual
 
     def wire(self, dtype_bytes: int) -> int:
         """Bytes per element a collective of that dtype moves on this platform (`collective_bytes`)."""
@@ -127,6 +133,7 @@ def dims(cfg: Config, platform: str) -> Dims:
         reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
         param_bytes=2 if cfg.precision.layout == "16p" else 4,
         platform=platform,
+        virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule == "1f1b" else 1,
     )
 
 

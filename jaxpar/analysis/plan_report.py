@@ -23,6 +23,15 @@ def _n(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+def _pipeline_shape(pipe: dict) -> str:
+    """Virtual stages and bubble of a pipelined plan ("" without a pipeline)."""
+    if pipe["stages"] == 1:
+        return ""
+    v = pipe.get("virtual_stages", 1)
+    shape = f" virtual stages v={v} (interleaved)" if v > 1 else ""
+    return f"{shape}, bubble (p-1)/(v*m+p-1) = {pipe['bubble']:.3f}" if "bubble" in pipe else shape
+
+
 def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = None, title: str = "") -> str:
     """Plain-text report: setup, memory per device (planned, and compiled where given) and collectives per step
     by mesh axis and kind (planned, compiled, ratio), then the analytic terms and formula sources."""
@@ -41,6 +50,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"{b['rows_per_microbatch']} rows per microbatch per device; accumulation {b['grad_accum_steps']}; "
             f"pipeline {pipe['schedule']} p={pipe['stages']} m={pipe['microbatches']}"
             + (" recompute" if pipe["recompute"] and pipe["schedule"] == "1f1b" and pipe["stages"] > 1 else "")
+            + _pipeline_shape(pipe)
         ),
         (
             f"  parameters {p['params']['total']:,} (non-embedding {p['params']['non_embedding']:,}); "
@@ -92,7 +102,14 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"logits gradient {t['head_working']:,} + one layer's full-size gradients {t['layer_grads']:,} + fp32 "
             f"gradient accumulators "
             f"{t['grad_accumulators']:,} + gradient outputs {t['grad_outputs']:,} + gathered weights "
-            f"{t['gathered_weights']:,} (jaxpar.analysis.plan.temp_bytes)"
+            f"{t['gathered_weights']:,}"
+            + (
+                f" + chunk-order copies of the stage's layers and their gradients {t['chunk_order']:,} "
+                f"(interleaved 1F1B)"
+                if t.get("chunk_order")
+                else ""
+            )
+            + " (jaxpar.analysis.plan.temp_bytes)"
         ),
         f"  activations: {mem['activation_formula']}",
         (
@@ -143,6 +160,7 @@ def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
     if not rows:
         lines.append("  (none: one device, or every axis of size 1)")
     if compiled:
+        lines += _hlo_reading_note(compiled["collectives"])
         s = compiled["scalars"]
         lines.append(
             f"  + scalar all-reduces (loss, token count, grad-norm/finite partial sums), not planned: "
@@ -157,6 +175,18 @@ def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
             f"S={c['size_bytes']:,.0f} B, n={c['group_size']}"
         )
     return lines
+
+
+def _hlo_reading_note(rows: list[dict]) -> list[str]:
+    """Where the plan and the HLO reading count differently (interleaved 1F1B's edge conds), how much and why."""
+    extra = sum(r.get("planned_hlo_bytes", r["planned_bytes"]) - r["planned_bytes"] for r in rows)
+    if not extra:
+        return []
+    return [
+        f"  (interleaved 1F1B: the HLO is read statically, so the embedding's and head's collectives count in every "
+        f"tick that evaluates their cond, m*v+p-1 and m*v+p-v*p, where the first and last stage run them in m+p-1 "
+        f"and m; the ratio compares with the plan counted that way, {_n(extra)} B above the planned bytes)"
+    ]
 
 
 def _partitioned_lines(part: dict | None, pipeline: bool) -> list[str]:
@@ -178,6 +208,7 @@ def _partitioned_lines(part: dict | None, pipeline: bool) -> list[str]:
             f"  {axes:<17}{kind:<20}{_n(r['planned_bytes']):>16}{r['planned_count']:>7}"
             f"{_n(r['compiled_bytes']):>17}{r['compiled_count']:>7}{_ratio(r['ratio']):>9}"
         )
+    lines += _hlo_reading_note(part["collectives"])
     if pipeline:
         lines.append(
             "  (pipeline: the partitioned program still holds loop-invariant weight gathers and unread "

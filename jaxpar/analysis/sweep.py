@@ -317,11 +317,13 @@ def points(sweep: Sweep) -> list[dict]:
 
 
 def _planned_summary(analytic: dict, target: dict) -> dict:
-    """Memory and communication of `analytic` (the plan the point is checked and budgeted with) and the
-    communication of `target` (the plan for the sweep's platform; the same plan when not compiling)."""
+    """Memory and communication of `analytic` (the plan the point is checked and budgeted with), the
+    communication of `target` (the plan for the sweep's platform; the same plan when not compiling) and the
+    pipeline bubble, (p - 1)/(v*m + p - 1) (0 without a pipeline; `jaxpar.parallel.schedule.bubble_fraction`)."""
     mem = analytic["memory"]
     return {
         "platform": analytic["platform"],
+        "bubble": analytic["pipeline"]["bubble"],
         "model_state": mem["model_state"],
         "activations": mem["activations"],
         "total": mem["total"],
@@ -334,7 +336,8 @@ def _planned_summary(analytic: dict, target: dict) -> dict:
 
 
 def _ratio(rows: list[dict]) -> tuple[float, float | None]:
-    planned = sum(r["planned_bytes"] for r in rows)
+    # like with like: the plan as the HLO reading counts it (`jaxpar.analysis.plan_compile.compare_collectives`)
+    planned = sum(r.get("planned_hlo_bytes", r["planned_bytes"]) for r in rows)
     got = sum(r["compiled_bytes"] for r in rows)
     return got, got / planned if planned else None
 

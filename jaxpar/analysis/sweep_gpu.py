@@ -133,7 +133,7 @@ def gpu_summary(gpu: dict) -> dict:
     mem, planned = gpu["memory"], gpu["planned"]
     rows = planned["collectives"]
     got = sum(r["compiled_bytes"] for r in rows)
-    want = sum(r["planned_bytes"] for r in rows)
+    want = sum(r.get("planned_hlo_bytes", r["planned_bytes"]) for r in rows)  # like with like (compare_collectives)
     scores = gpu["attention_scores"]
     keys = ("key", "planned_bytes", "compiled_bytes", "ratio", "planned_count", "compiled_count")
     return {

@@ -86,9 +86,11 @@ def _columns(header: dict) -> list[tuple[str, str, Callable[[dict], str]]]:
     def gpu(r):
         return r.get("gpu_compiled") or {}
 
+    bubble = ("bubble", "---:", lambda r: _f(planned(r).get("bubble"), "{:.3f}"))
     if header.get("target"):
         memory = header["target"]["memory_bytes"]
         return [
+            bubble,
             ("planned peak", "---:", lambda r: human_bytes(planned(r).get("peak_estimate"))),
             ("GPU peak", "---:", lambda r: human_bytes(gpu(r).get("peak_bytes"))),
             ("GPU / planned peak", "---:", lambda r: _f(gpu(r).get("peak_ratio"), "{:.3f}")),
@@ -106,6 +108,7 @@ def _columns(header: dict) -> list[tuple[str, str, Callable[[dict], str]]]:
         return _f(None if step is None else step * 1e3, "{:.1f}")
 
     return [
+        bubble,
         ("planned peak", "---:", lambda r: human_bytes(planned(r).get("peak_estimate"))),
         ("compiled peak", "---:", lambda r: human_bytes(comp(r).get("peak_bytes"))),
         ("state ratio", "---:", lambda r: _f(comp(r).get("state_ratio"), "{:.4f}")),
@@ -124,7 +127,8 @@ def _explanation(header: dict) -> str:
         return (
             f"Compiled for **{t['cluster']}** ({t['devices']} x {t['device_kind']}, "
             f"{human_bytes(t['memory_bytes'])} each) by XLA's GPU compiler on this machine, without GPUs "
-            f"(`jaxpar.analysis.plan_gpu`; no autotuning): "
+            f"(`jaxpar.analysis.plan_gpu`; no autotuning): bubble: the pipeline's planned idle share, "
+            f"(p - 1)/(v*m + p - 1); "
             f"the GPU peak, temp, fits, attention and GPU HLO columns are the GPU compiler's, per device; a "
             f"point is ranked by the GPU peak for the memory objective and marked over budget when that peak "
             f"exceeds the budget or does not fit one GPU. Planned: the plan for platform gpu "
@@ -134,6 +138,8 @@ def _explanation(header: dict) -> str:
             f"program's / the plan's."
         )
     return (
+        "Bubble: the pipeline's idle share of each device's step, (p - 1)/(v*m + p - 1) with v virtual stages "
+        "(`pipeline.virtual_stages`; 0 without a pipeline), planned. "
         "Bytes per device. Peak: XLA's arguments + outputs - aliased + temp when compiled, else the plan's "
         "estimate. State ratio: compiled / planned params + optimizer state. Comm: bytes sent per device per "
         "step (ring formulas) planned for the sweep's platform; comm ratio: the compiled executable's / the "

@@ -225,6 +225,54 @@ def test_analytic_sweep_writes_outputs_and_resumes(tmp_path):
     assert json.loads((out / "results.json").read_text()) == saved
 
 
+def test_sweep_of_virtual_stages_and_recompute(tmp_path):
+    """pipeline.virtual_stages and pipeline.recompute in `vary:` on p = 2 (4 layers, m = 4), planned only. The
+    trade shows: interleaving (v = 2) shrinks the bubble from (p - 1)/(m + p - 1) = 1/5 to (p - 1)/(v*m + p - 1)
+    = 1/9, and costs memory (the chunk-order copies of the stage's layers and gradients, a longer ring) and
+    permutes; recompute saves memory at either v. v = 3 needs the 4 layers in p*v = 6 chunks: invalid, with the
+    config's error, and the sweep goes on."""
+    small = [o for o in SMALL if not o.startswith(("model.n_layers=", "train.global_batch_size="))]
+    small += ["model.n_layers=4", "train.global_batch_size=16", "pipeline.microbatches=4"]
+    path = _write(
+        tmp_path,
+        f"base: {{tiny}}\noverrides: {json.dumps(small)}\nmeshes: [{{data: 4, pipeline: 2}}]\n"
+        "vary: {pipeline.virtual_stages: [1, 2, 3], pipeline.recompute: [true, false]}\n"
+        "objective: memory\ncompile: false\n",
+    )
+    out = tmp_path / "out"
+    records = run_sweep(load_sweep(path), str(out), log=lambda _: None)
+    by = {(r["overrides"][4], r["overrides"][5]): r for r in records}
+    v1, v2, v3 = "pipeline.virtual_stages=1", "pipeline.virtual_stages=2", "pipeline.virtual_stages=3"
+    rc, keep = "pipeline.recompute=true", "pipeline.recompute=false"
+    for key in ((v3, rc), (v3, keep)):
+        assert by[key]["status"] == "invalid" and by[key]["planned"] is None
+        assert "must be divisible by mesh.pipeline * pipeline.virtual_stages = 2 * 3 = 6" in by[key]["error"]
+    peak = {k: r["planned"]["peak_estimate"] for k, r in by.items() if r["status"] == "ok"}
+    assert len(peak) == 4
+    assert peak[(v1, rc)] < peak[(v1, keep)] and peak[(v2, rc)] < peak[(v2, keep)]  # recompute saves memory
+    assert peak[(v1, keep)] < peak[(v2, rc)]  # interleaving costs more than recompute saves here
+    comm = {k: r["planned"]["target_comm_bytes"] for k, r in by.items() if r["status"] == "ok"}
+    assert comm[(v2, rc)] == comm[(v2, keep)] > comm[(v1, keep)] == comm[(v1, rc)]  # the chunk permutes
+    for (v, _), r in by.items():
+        if r["status"] == "ok":
+            assert r["planned"]["bubble"] == pytest.approx(1 / 5 if v == v1 else 1 / 9)
+
+    md = (out / "results.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| rank |"))
+    cells = [c.strip() for c in head.strip("|").split("|")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| ")]
+    rows = [row for row in rows if row[0].isdigit()]  # ranked points, best first
+    assert [row[0] for row in rows] == ["1", "2", "3", "4"]
+    ranked = [(row[cells.index("varied")], row[cells.index("bubble")]) for row in rows]
+    assert ranked == [
+        (f"{v1} {rc}", "0.200"),
+        (f"{v1} {keep}", "0.200"),
+        (f"{v2} {rc}", "0.111"),
+        (f"{v2} {keep}", "0.111"),
+    ]
+    assert md.count("| invalid |") == 2 and "pipeline.virtual_stages = 2 * 3 = 6" in md
+
+
 def _fake_runner(calls: list, fail_on: set[int] = frozenset(), interrupt_on: int | None = None):
     """Stands in for the `jaxpar-plan --compile --json` subprocess: returns a minimal compiled result."""
     compiled = {

@@ -116,6 +116,21 @@ def test_partition_ids_are_mesh_positions():
     assert classify_groups(found["all-gather"].groups, mesh) == ("b",)
 
 
+def test_a_permute_between_some_stages_runs_over_their_axis():
+    """A collective-permute's groups are the components of its pairs; one that moves data between two of four
+    pipeline stages (interleaved 1F1B's chunk-order permutes, chunk 0 staying on device 0) runs over
+    `pipeline`, though no axis induces its components as an all-reduce's groups."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "pipeline"))
+    groups = parse_replica_groups("source_target_pairs={{0,0},{1,2},{4,4},{5,6}}", 8)
+    assert sorted(groups) == [(0,), (1, 2), (4,), (5, 6)]
+    assert classify_groups(groups, mesh, "collective-permute") == ("pipeline",)
+    assert classify_groups(groups, mesh) is None
+    across = parse_replica_groups("source_target_pairs={{1,5},{5,1}}", 8)
+    assert classify_groups(across, mesh, "collective-permute") == ("data",)
+    to_itself = parse_replica_groups("source_target_pairs={{0,0},{5,5}}", 8)
+    assert classify_groups(to_itself, mesh, "collective-permute") == ()
+
+
 def test_cpu_backend_widens_bf16_collectives(tmp_path):
     """Which collectives XLA:CPU rewrites, seen in HLO: one bf16 all-reduce, reduce-scatter, all-gather and
     collective-permute each stay bf16 in the partitioned program (after the SPMD partitioner, before any backend

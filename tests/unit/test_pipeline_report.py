@@ -11,12 +11,22 @@ from jaxpar.analysis.pipeline_report import (
     stage_inputs_in_flight,
     tick_counts,
 )
+from jaxpar.parallel import schedule
 from jaxpar.parallel.pipeline import ticks_1f1b
 
 
 @pytest.mark.parametrize("p,m,expected", [(1, 8, 0.0), (2, 4, 1 / 5), (4, 4, 3 / 7), (4, 32, 3 / 35), (8, 1, 7 / 8)])
 def test_bubble_fraction(p, m, expected):
     assert bubble_fraction(p, m) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("p,m,v,expected", [(2, 4, 2, 1 / 9), (4, 8, 2, 3 / 19), (4, 4, 4, 3 / 19), (2, 2, 3, 1 / 7)])
+def test_interleaved_bubble_fraction(p, m, v, expected):
+    """(p - 1)/(v*m + p - 1) (arXiv 2104.04473 section 2.2.2), the schedule's own formula; with v > 1, m must be
+    a multiple of p (the schedule runs microbatches in groups of p)."""
+    assert bubble_fraction(p, m, v) == pytest.approx(expected) == schedule.bubble_fraction(p, v, m)
+    with pytest.raises(ValueError, match="multiple of"):
+        bubble_fraction(p, p + 1, v)
 
 
 @pytest.mark.parametrize("p", [1, 2, 4, 8])
