@@ -341,7 +341,13 @@ def pipeline_memory_rows(
 
 
 # Schedules compared with data parallelism: (row label, pipeline.schedule, pipeline.recompute).
-PIPELINE_SCHEDULES = (("1F1B", "1f1b", False), ("1F1B recompute", "1f1b", True), ("GPipe", "gpipe", False))
+# (name, pipeline.schedule, pipeline.recompute, pipeline.virtual_stages)
+PIPELINE_SCHEDULES = (
+    ("1F1B", "1f1b", False, 1),
+    ("1F1B recompute", "1f1b", True, 1),
+    ("interleaved 1F1B v=2", "1f1b", False, 2),
+    ("GPipe", "gpipe", False, 1),
+)
 
 
 def pipeline_schedule_rows(
@@ -356,13 +362,16 @@ def pipeline_schedule_rows(
 ) -> list[dict]:
     """Each schedule of PIPELINE_SCHEDULES on mesh pipeline=p against data parallelism on mesh data=p, same
     devices and global batch m * micro_rows, PIPELINE_MODEL + `overrides`: matmul FLOPs per device (mean over
-    the devices, `jaxpar.analysis.hlo_flops`) over data parallelism's, with the tick ratio (m + p - 1)/m as
+    the devices, `jaxpar.analysis.hlo_flops`) over data parallelism's, with the tick ratio (v m + p - 1)/(v m) as
     reference (target <= 1.03 x it, except with recompute: the stage forward twice, about 4/3 of the blocks);
     median step time over data parallelism's (steps interleaved in one run); and the measured bubbles
-    1 - 1/ratio of both next to (p - 1)/(m + p - 1) (`jaxpar.analysis.pipeline_report.bubble_fraction`)."""
+    1 - 1/ratio of both next to (p - 1)/(v m + p - 1) (`jaxpar.analysis.pipeline_report.bubble_fraction`; v = 1
+    except for interleaved 1F1B). Interleaved 1F1B's embedding and head conds select on the tick as well as the
+    stage, which the FLOPs reader cannot evaluate: its blocks' FLOPs are read with the conds left out and its
+    heads' added from the formula, 6 b T D V per microbatch on the last stage (b = micro_rows)."""
     devices = jax.devices()[:p]
     runs, flops = {}, {}
-    for name, sched, recompute in (("data parallel", "1f1b", False), *PIPELINE_SCHEDULES):
+    for name, sched, recompute, v in (("data parallel", "1f1b", False, 1), *PIPELINE_SCHEDULES):
         pipelined = name != "data parallel"
         cfg = load_config(
             config,
@@ -371,6 +380,7 @@ def pipeline_schedule_rows(
                 *overrides,
                 *pipeline_overrides(p, pipelined, sched, m, micro_rows),
                 f"pipeline.recompute={str(recompute).lower()}",
+                f"pipeline.virtual_stages={v}",
             ],
             num_devices=p,
         )
@@ -378,7 +388,11 @@ def pipeline_schedule_rows(
         batch = random_batch(m * micro_rows, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding)
         state = init_state(plan, cfg.train.seed)
         step = make_train_step(plan).lower(state, batch).compile(compiler_options)
-        flops[name] = sum(dot_flops_per_device(step.as_text())) / p
+        if v == 1:
+            flops[name] = sum(dot_flops_per_device(step.as_text())) / p
+        else:
+            head = 6 * micro_rows * cfg.data.seq_len * cfg.model.d_model * cfg.model.vocab_size
+            flops[name] = (sum(dot_flops_per_device(step.as_text(), skip_conditionals=True)) + m * head) / p
         box = {"state": state}
 
         def run(step=step, batch=batch, box=box):
@@ -387,14 +401,15 @@ def pipeline_schedule_rows(
 
         runs[name] = run
     times = {name: median_seconds(t) for name, t in interleaved_step_times(runs, steps, rounds).items()}
-    ticks, bubble = (m + p - 1) / m, bubble_fraction(p, m)
     case = f"p={p} m={m} b={micro_rows}"
     out = []
-    for name, _, recompute in PIPELINE_SCHEDULES:
+    for name, _, recompute, v in PIPELINE_SCHEDULES:
+        ticks, bubble = (v * m + p - 1) / (v * m), bubble_fraction(p, m, v)
         f_ratio, t_ratio = flops[name] / flops["data parallel"], times[name] / times["data parallel"]
         bound = "~4/3 of the blocks' share" if recompute else "<= 1.03"
+        tick_name = "(m+p-1)/m" if v == 1 else "(vm+p-1)/(vm)"
         out += [
-            row("pipeline", case, f"{name} FLOPs/dp over (m+p-1)/m", f_ratio, ticks, "FLOPs", bound),
+            row("pipeline", case, f"{name} FLOPs/dp over {tick_name}", f_ratio, ticks, "FLOPs", bound),
             row("pipeline", case, f"{name} step time/dp", times[name], times["data parallel"], "s", "-"),
             row("pipeline", case, f"{name} bubble 1-dp/FLOPs over formula", 1 - 1 / f_ratio, bubble, "fraction", "-"),
             row("pipeline", case, f"{name} bubble 1-dp/time over formula", 1 - 1 / t_ratio, bubble, "fraction", "-"),

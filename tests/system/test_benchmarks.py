@@ -93,13 +93,15 @@ def test_quick_mode_prints_every_ratio(tmp_path):
     for r in totals.values():
         assert 1.0 <= r["ratio"] <= 1.02, r
     pipeline = {r["metric"]: r for r in groups["pipeline"]}
+    ticks = {"1F1B": "(m+p-1)/m", "1F1B recompute": "(m+p-1)/m", "GPipe": "(m+p-1)/m"}
+    ticks["interleaved 1F1B v=2"] = "(vm+p-1)/(vm)"
     assert sorted(pipeline) == sorted(
         ["temp bytes 1F1B/GPipe"]
         + [
             f"{name} {metric}"
-            for name in ("1F1B", "1F1B recompute", "GPipe")
+            for name, tick in ticks.items()
             for metric in (
-                "FLOPs/dp over (m+p-1)/m",
+                f"FLOPs/dp over {tick}",
                 "step time/dp",
                 "bubble 1-dp/FLOPs over formula",
                 "bubble 1-dp/time over formula",
@@ -107,7 +109,9 @@ def test_quick_mode_prints_every_ratio(tmp_path):
         ]
     )
     # Matmul FLOPs are deterministic: within 3% of the tick ratio without recompute, a third of the blocks more
-    # with it.
-    for name in ("1F1B", "GPipe"):
-        assert pipeline[f"{name} FLOPs/dp over (m+p-1)/m"]["ratio"] <= 1.03, pipeline
+    # with it; interleaving's bubble is below plain 1F1B's.
+    for name in ("1F1B", "GPipe", "interleaved 1F1B v=2"):
+        assert pipeline[f"{name} FLOPs/dp over {ticks[name]}"]["ratio"] <= 1.03, pipeline
     assert pipeline["1F1B recompute FLOPs/dp over (m+p-1)/m"]["ratio"] > 1.03, pipeline
+    bubble = "bubble 1-dp/FLOPs over formula"
+    assert pipeline[f"interleaved 1F1B v=2 {bubble}"]["measured"] < pipeline[f"1F1B {bubble}"]["measured"], pipeline
