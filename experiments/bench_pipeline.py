@@ -7,15 +7,17 @@ and step time.
 
 For each p (stages) and m (microbatches) the microbatch size is fixed (global batch = m * micro_rows), and
 four train steps run on the same p simulated CPU devices, interleaved and timed in one run:
-  * 1F1B (pipeline.recompute=false, "1f1b"; true, "1f1b-rc") and GPipe on mesh pipeline=p
+  * 1F1B (pipeline.recompute=false, "1f1b"; true, "1f1b-rc"), interleaved 1F1B (pipeline.virtual_stages=2,
+    "1f1b-v2"; skipped where the layers or m do not divide) and GPipe on mesh pipeline=p
     (data=fsdp=tensor=1), pipeline.microbatches=m;
   * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
 "meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
 `jaxpar.analysis.pipeline_report.ideal_time_ratio`. "FLOPs/dp" is the matmul FLOPs per device (mean over the
 devices) of the compiled step over the baseline's, counted with loop trip counts and each device's own branch of
-the stage conds (`jaxpar.analysis.hlo_flops`), next to the tick ratio (m + p - 1)/m; "1-dp/FLOPs" and "1-dp/t"
-are the measured bubbles, next to the formula (p - 1)/(m + p - 1). Row formulas live in
+the stage conds (`jaxpar.analysis.hlo_flops`; for 1f1b-v2 the blocks' FLOPs plus the heads' formula, since its
+conds select on the tick too), next to the tick ratio (vm + p - 1)/(vm); "1-dp/FLOPs" and "1-dp/t" are the
+measured bubbles, next to the formula (p - 1)/(vm + p - 1). Row formulas live in
 `jaxpar.analysis.pipeline_report`; the model (`PIPELINE_MODEL`) and mesh overrides in
 `jaxpar.analysis.bench_report`, which experiments/benchmarks.py also uses for its 1F1B / GPipe memory rows; the
 fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a few percent of an optimised build, step
@@ -46,11 +48,11 @@ from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo_flops import dot_flops_per_device
 from jaxpar.analysis.pipeline_report import format_table, report_row
 from jaxpar.batch import BATCH_KEYS, random_batch
-from jaxpar.config import load_config
+from jaxpar.config import ConfigError, load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.training.step import build_plan, init_state, make_train_step
 
-SCHEDULES = ("1f1b", "1f1b-rc", "gpipe")  # 1f1b-rc: pipeline.recompute=true
+SCHEDULES = ("1f1b", "1f1b-rc", "1f1b-v2", "gpipe")  # -rc: pipeline.recompute=true; -v2: pipeline.virtual_stages=2
 
 
 class Contender:
@@ -59,7 +61,7 @@ class Contender:
     `states` caches one initial state per state sharding, so each mesh's init compiles once; every contender
     runs on its own copy."""
 
-    def __init__(self, cfg, devices, batch: dict, compiler_options: dict, states: dict):
+    def __init__(self, cfg, devices, batch: dict, compiler_options: dict, states: dict, rows: int = 0):
         self.plan = build_plan(cfg, build_mesh(cfg, devices))
         self.batch = {k: jax.device_put(batch[k], self.plan.batch_sharding) for k in BATCH_KEYS}
         key = (len(devices), cfg.mesh.pipeline)
@@ -70,7 +72,15 @@ class Contender:
         self.step = make_train_step(self.plan).lower(self.state, self.batch).compile(compiler_options=compiler_options)
         self.compile_s = time.perf_counter() - t0
         self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)
-        self.flops = sum(dot_flops_per_device(self.step.as_text())) / len(devices)  # mean per device
+        if cfg.pipeline.virtual_stages == 1:
+            self.flops = sum(dot_flops_per_device(self.step.as_text())) / len(devices)  # mean per device
+        else:
+            # The edge conds select on the tick too, which the FLOPs reader cannot evaluate: the blocks' FLOPs
+            # without the conds, plus the m heads' 6 b T D V each (jaxpar.analysis.bench_report does the same).
+            mdl, m = cfg.model, cfg.pipeline.microbatches
+            heads = m * 6 * rows * cfg.data.seq_len * mdl.d_model * mdl.vocab_size
+            blocks = sum(dot_flops_per_device(self.step.as_text(), skip_conditionals=True))
+            self.flops = (blocks + heads) / len(devices)
 
     def __call__(self):
         self.state, metrics = self.step(self.state, self.batch)
@@ -97,22 +107,31 @@ def main() -> None:
         for m in args.microbatches:
 
             def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
-                recompute = [f"pipeline.recompute={str(sched == '1f1b-rc').lower()}"]
-                overrides = pipeline_overrides(p, pipelined, sched.removesuffix("-rc"), m, rows) + recompute
+                flags = [
+                    f"pipeline.recompute={str(sched == '1f1b-rc').lower()}",
+                    f"pipeline.virtual_stages={2 if sched == '1f1b-v2' else 1}",
+                ]
+                base = sched.split("-")[0]
+                overrides = pipeline_overrides(p, pipelined, base, m, rows) + flags
                 return load_config(args.config, PIPELINE_MODEL + args.overrides + overrides, num_devices=p)
 
             cfg = load(False)
             batch = random_batch(m * rows, cfg.data.seq_len, cfg.model.vocab_size, devices[0], cfg.train.seed)
             contenders = {"dp": Contender(cfg, devices, batch, options, states)}
             for sched in SCHEDULES:
-                contenders[sched] = Contender(load(True, sched), devices, batch, options, states)
+                try:
+                    sched_cfg = load(True, sched)
+                except ConfigError as e:  # interleaving needs n_layers % 2p == 0 and m % p == 0
+                    print(f"p={p} m={m}: {sched} skipped: {e}", flush=True)
+                    continue
+                contenders[sched] = Contender(sched_cfg, devices, batch, options, states, rows)
             losses = {name: float(c()) for name, c in contenders.items()}  # first step: same loss expected
             times = interleaved_step_times(contenders, args.steps, args.rounds)
             med = {name: median_seconds(t) for name, t in times.items()}
             plan = contenders["1f1b"].plan
-            for sched in SCHEDULES:
+            for sched in (s for s in SCHEDULES if s in contenders):
                 row = report_row(
-                    sched.removesuffix("-rc"),
+                    sched.split("-")[0],
                     p,
                     m,
                     rows,
@@ -120,6 +139,7 @@ def main() -> None:
                     cfg.model.d_model,
                     jnp.dtype(plan.compute_dtype).itemsize,
                     recompute=sched == "1f1b-rc",
+                    v=2 if sched == "1f1b-v2" else 1,
                 )
                 row.update(
                     temp_bytes=contenders[sched].temp_bytes,

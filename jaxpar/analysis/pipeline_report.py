@@ -35,36 +35,51 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return _schedule.bubble_fraction(p, v, m)
 
 
-def tick_counts(schedule: str, p: int, m: int) -> dict[str, int]:
+def tick_counts(schedule: str, p: int, m: int, v: int = 1) -> dict[str, float]:
     """Clock ticks of one step of the lockstep loop.
 
     Returns {"ticks": ticks run, "half_ticks": ticks doing only a forward or only a backward,
-    "full_equivalent": ticks' worth of forward + backward, "formula": m + p - 1}.
+    "full_equivalent": stage-ticks' worth of forward + backward, "formula": m + (p - 1)/v}.
       1F1B: m + 2p - 2 ticks; the p - 1 warm-up (forward only) and p - 1 cool-down (backward only) ticks are
         half ticks, so the step is worth m + p - 1 full ticks.
+      Interleaved 1F1B (v > 1, `jaxpar.parallel.schedule`): m*v + v*p + p - 2 chunk ticks, v*p - 1 forward-only
+        and v*p - 1 backward-only; a chunk tick is 1/v of a stage tick, so the step is worth m + (p - 1)/v.
       GPipe: m + p - 1 forward ticks, then m + p - 1 backward ticks (autodiff of the forward loop); counted as
         2(m + p - 1) half ticks = m + p - 1 full ticks.
-    Raises ValueError for an unknown schedule or p, m < 1.
+    Raises ValueError for an unknown schedule, p, m < 1, or v > 1 with GPipe or with m not a multiple of p.
     """
     _check(schedule, p, m)
+    if v > 1:
+        if schedule != "1f1b":
+            raise ValueError(f"virtual stages interleave 1F1B, not {schedule}")
+        _schedule.check(p, v, m)
+        formula = m + (p - 1) / v
+        half = 2 * _schedule.warmup_ticks(p, v)
+        return {"ticks": _schedule.ticks(p, v, m), "half_ticks": half, "full_equivalent": formula, "formula": formula}
     formula = m + p - 1
     if schedule == "1f1b":
         return {"ticks": m + 2 * p - 2, "half_ticks": 2 * (p - 1), "full_equivalent": formula, "formula": formula}
     return {"ticks": 2 * formula, "half_ticks": 2 * formula, "full_equivalent": formula, "formula": formula}
 
 
-def stage_inputs_in_flight(schedule: str, p: int, m: int) -> dict[str, int]:
+def stage_inputs_in_flight(schedule: str, p: int, m: int, v: int = 1) -> dict[str, int]:
     """Microbatch stage inputs ([b, T', D] each) kept for the backward, on the worst stage (stage 0).
 
     Returns {"allocated": buffers the program reserves, "live": most that hold a needed input at once}.
       1F1B: a ring of 2p - 1 slots whatever m; stage s keeps each input 2p - 2 - 2s ticks, so stage 0 has up
         to min(m, 2p - 1) live (stage s: min(m, 2p - 1 - 2s)). Separate per-stage programs need only p
         (arXiv 2104.04473); the lockstep loop pays 2p - 1 for having every stage run the same tick.
+      Interleaved 1F1B (v > 1): a ring of 2pv - 1 chunk inputs (each the size of a stage input); device 0 keeps
+        chunk j*p's input 2(pv - 1 - j*p) ticks, starting one forward per tick, so up to min(m*v, 2pv - 1) live.
       GPipe: autodiff of the forward scan saves every tick's stage input (m + p - 1 buffers, m of them real
         microbatches) plus each tick's layer residuals, which this count leaves out.
-    Raises ValueError for an unknown schedule or p, m < 1.
+    Raises ValueError for an unknown schedule or p, m < 1, or as `tick_counts` for v > 1.
     """
     _check(schedule, p, m)
+    if v > 1:
+        tick_counts(schedule, p, m, v)  # the checks
+        slots = _schedule.stash_slots(p, v)
+        return {"allocated": slots, "live": min(m * v, slots)}
     if schedule == "1f1b":
         return {"allocated": 2 * p - 1, "live": min(m, 2 * p - 1)}
     return {"allocated": m + p - 1, "live": m}
@@ -75,7 +90,7 @@ def activation_bytes(b: int, seq: int, d_model: int, dtype_bytes: int) -> int:
     return b * seq * d_model * dtype_bytes
 
 
-def ideal_time_ratio(schedule: str, p: int, m: int, recompute: bool = False) -> float:
+def ideal_time_ratio(schedule: str, p: int, m: int, recompute: bool = False, v: int = 1) -> float:
     """Compute-bound step time of the lockstep loop over a data-parallel step on the same p devices with the
     same global batch (m * b rows), counting a backward as 2 forwards and ignoring communication and the
     embedding and head (which the first and last stage alone run, each once per microbatch).
@@ -86,33 +101,44 @@ def ideal_time_ratio(schedule: str, p: int, m: int, recompute: bool = False) -> 
         recomputed from its stashed input).
       1F1B keeping residuals, and GPipe: (m + p - 1) x 3 (masked ticks still compute) -> ratio (m + p - 1) / m
         = 1 / (1 - bubble).
+      Interleaved 1F1B (v > 1): the same in chunk ticks, a chunk being 1/v of a stage: (v m + p - 1)/(v m), times
+        4/3 with recompute.
     """
-    _check(schedule, p, m)
-    units = 4 * (m + p - 1) if (schedule == "1f1b" and recompute) else 3 * (m + p - 1)
+    full = tick_counts(schedule, p, m, v)["full_equivalent"]
+    units = 4 * full if (schedule == "1f1b" and recompute) else 3 * full
     return units / (3 * m)
 
 
 def report_row(
-    schedule: str, p: int, m: int, b: int, seq: int, d_model: int, dtype_bytes: int, recompute: bool = False
+    schedule: str,
+    p: int,
+    m: int,
+    b: int,
+    seq: int,
+    d_model: int,
+    dtype_bytes: int,
+    recompute: bool = False,
+    v: int = 1,
 ) -> dict:
     """The formula columns of one benchmark row (schedule, p, m, ticks, stage inputs in flight and their
-    bytes, bubble, ideal time ratio, the tick ratio (m + p - 1)/m that bounds the FLOPs ratio); the benchmark
-    adds measured temp bytes, FLOPs and step-time ratios. `recompute`: 1F1B with pipeline.recompute=true (the
-    schedule column then reads "1f1b-rc")."""
-    ticks = tick_counts(schedule, p, m)
-    flight = stage_inputs_in_flight(schedule, p, m)
+    bytes, bubble, ideal time ratio, the tick ratio (v m + p - 1)/(v m) that bounds the FLOPs ratio); the
+    benchmark adds measured temp bytes, FLOPs and step-time ratios. `recompute`: 1F1B with
+    pipeline.recompute=true (the schedule column then reads "1f1b-rc"); `v`: virtual stages ("1f1b-v2")."""
+    ticks = tick_counts(schedule, p, m, v)
+    flight = stage_inputs_in_flight(schedule, p, m, v)
     one = activation_bytes(b, seq, d_model, dtype_bytes)
+    name = schedule + (f"-v{v}" if v > 1 else "") + ("-rc" if recompute and schedule == "1f1b" else "")
     return {
-        "schedule": schedule + ("-rc" if recompute and schedule == "1f1b" else ""),
+        "schedule": name,
         "p": p,
         "m": m,
         **ticks,
         "in_flight": flight["live"],
         "in_flight_alloc": flight["allocated"],
         "in_flight_bytes": flight["live"] * one,
-        "bubble": bubble_fraction(p, m),
-        "ideal_ratio": ideal_time_ratio(schedule, p, m, recompute),
-        "tick_ratio": (m + p - 1) / m,
+        "bubble": bubble_fraction(p, m, v),
+        "ideal_ratio": ideal_time_ratio(schedule, p, m, recompute, v),
+        "tick_ratio": (v * m + p - 1) / (v * m),
     }
 
 
@@ -124,11 +150,11 @@ COLUMNS = (
     ("in_flight", "live/alloc inputs", "{}"),
     ("in_flight_bytes", "live KiB", "{:.1f}"),
     ("ticks", "ticks (half)", "{}"),
-    ("full_equivalent", "full-tick eq", "{}"),
+    ("full_equivalent", "full-tick eq", "{:g}"),
     ("bubble", "bubble", "{:.3f}"),
     ("bubble_flops", "1-dp/FLOPs", "{:.3f}"),
     ("bubble_time", "1-dp/t", "{:.3f}"),
-    ("tick_ratio", "(m+p-1)/m", "{:.3f}"),
+    ("tick_ratio", "(vm+p-1)/vm", "{:.3f}"),
     ("flops_ratio", "FLOPs/dp", "{:.3f}"),
     ("ideal_ratio", "ideal t/dp", "{:.2f}"),
     ("time_ratio", "meas t/dp", "{:.2f}"),
