@@ -20,7 +20,13 @@ part in every kind of parallelism through jaxpar's building blocks:
 * pipeline: the blocks are stacked (`stack_layers`) and scanned (`scan_layers`); the three parts
   `embed_tokens`, `run_blocks`, `logits` are what the stages run.
 
-Reads from `ModelConfig`: vocab_size, d_model, n_layers, n_heads, head_dim, d_ff, norm_eps, init_std, remat.
+Packed documents (`data.document_masking`): `run_blocks` takes the batch's segment ids, so attention never crosses
+a document boundary (`jaxpar.model.dot_product_attention`, on the `model.attention` implementation); the learned
+positions are added by `embed_tokens`, which sees no segment ids, so they run across the row (a document after
+the first starts at a later position than it would alone).
+
+Reads from `ModelConfig`: vocab_size, d_model, n_layers, n_heads, head_dim, d_ff, norm_eps, init_std, remat,
+attention, max_segments.
 Refuses n_kv_heads other than n_heads (no grouped-query attention) and untied embeddings (GPT-2 ties them);
 ignores rope_theta. Sequences may be at most `MAX_POSITIONS` tokens (the position table's rows).
 """
@@ -41,6 +47,7 @@ from jaxpar.model import (
     ModelConfig,
     TensorParallel,
     column_parallel,
+    dot_product_attention,
     no_gather,
     register_model,
     row_parallel,
@@ -75,9 +82,12 @@ class CausalSelfAttention(nnx.Module):
     """Multi-head causal attention with biased projections. Q, K, V column-parallel (H/t local heads), the
     output row-parallel. x: [B, T or T/t, D] -> same."""
 
-    def __init__(self, d: int, heads: int, head_dim: int, std: float, n_layers: int, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        d, heads, head_dim, std, n_layers = cfg.d_model, cfg.n_heads, cfg.head_width, cfg.init_std, cfg.n_layers
         # Heads side by side on one axis of width H * K, split over `tensor` by whole heads (H % t == 0).
         self.head_dim = head_dim
+        # model.attention, resolved to xla or cudnn before the model is built; M documents per row for cuDNN.
+        self.implementation, self.max_segments = cfg.attention, cfg.max_segments
         for name in ("q", "k", "v"):
             setattr(
                 self, f"w{name}", nnx.Param(_normal(rngs, (d, heads * head_dim), std), logical_axes=("embed", "heads"))
@@ -89,14 +99,16 @@ class CausalSelfAttention(nnx.Module):
         )
         self.bo = nnx.Param(jnp.zeros((d,), jnp.float32), logical_axes=("embed",))
 
-    def __call__(self, x_BTD: jax.Array, tp: TensorParallel) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel, segment_ids_BT: jax.Array | None = None) -> jax.Array:
         x_BTD = tp.enter(x_BTD)  # column-parallel input: one all-gather (or identity) for all three projections
         b, t, _ = x_BTD.shape
         q, k, v = (
             column_parallel(x_BTD, w[...], bias[...], NO_TENSOR_PARALLEL).reshape(b, t, -1, self.head_dim)
             for w, bias in ((self.wq, self.bq), (self.wk, self.bk), (self.wv, self.bv))
         )
-        out_BTHK = jax.nn.dot_product_attention(q, k, v, is_causal=True)  # H/t local heads
+        out_BTHK = dot_product_attention(  # H/t local heads, within documents when segment ids are given
+            q, k, v, implementation=self.implementation, segment_ids_BT=segment_ids_BT, max_segments=self.max_segments
+        )
         context_BTF = checkpoint_name(out_BTHK.reshape(b, t, -1), ATTENTION_CONTEXT)
         return row_parallel(context_BTF, self.wo[...], self.bo[...], tp)
 
@@ -120,12 +132,12 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.ln_1 = LayerNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.n_heads, cfg.head_width, cfg.init_std, cfg.n_layers, rngs)
+        self.attn = CausalSelfAttention(cfg, rngs)
         self.ln_2 = LayerNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers, rngs)
 
-    def __call__(self, x_BTD: jax.Array, tp: TensorParallel) -> jax.Array:
-        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD), tp)
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD), tp, segment_ids_BT)
         return x_BTD + self.mlp(self.ln_2(x_BTD), tp)
 
 
@@ -184,10 +196,15 @@ class GPT2(nnx.Module):
         return x_BTD + positions_TD.astype(dtype)[None]
 
     def run_blocks(
-        self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL
+        self,
+        x_BTD: jax.Array,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
     ) -> jax.Array:
-        """The stacked blocks this module holds (a pipeline stage's share) over [B, T or T/t, D]."""
-        return scan_layers(self.blocks, x_BTD, self.remat, gather, tp)
+        """The stacked blocks this module holds (a pipeline stage's share) over [B, T or T/t, D]; packed documents'
+        segment ids int32 [B, T] keep attention within each document."""
+        return scan_layers(self.blocks, x_BTD, self.remat, gather, tp, segment_ids_BT)
 
     def logits(
         self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL

@@ -33,6 +33,12 @@ from jaxpar.data.stats import unigram_entropy
 from jaxpar.data.tokenizer import BOS_ID, PAD_ID
 
 
+def serves_segment_ids(data_cfg: DataConfig) -> bool:
+    """Whether the config's corpus is packed with segment ids: `data.document_masking` on a text source (each
+    document opens with BOS, `jaxpar.data.sources`); a flat `tokens` file has no document index."""
+    return data_cfg.document_masking and data_cfg.source != "tokens"
+
+
 def _keys(packed: dict[str, np.ndarray]) -> tuple[str, ...]:
     """The batch keys a loader serves: `BATCH_KEYS`, and "segment_ids" when the packing made them."""
     return BATCH_KEYS + ((SEGMENT_IDS,) if SEGMENT_IDS in packed else ())
@@ -257,8 +263,7 @@ def build_loaders(
                 f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
                 f"{multiple}), or check data.path and data.token_dtype"
             )
-    # Text sources open every document with BOS (`jaxpar.data.sources`); a flat token file has no document index.
-    bos_id = BOS_ID if data_cfg.document_masking and data_cfg.source != "tokens" else None
+    bos_id = BOS_ID if serves_segment_ids(data_cfg) else None
     train = pack(train_tokens, data_cfg.seq_len, bos_id=bos_id)
     val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")

@@ -31,6 +31,7 @@ gives this rank's first position).
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol, runtime_checkable
 
 import jax
@@ -65,6 +66,16 @@ class LanguageModel(Protocol):
 
 def _path(path) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def takes_segment_ids(model: nnx.Module) -> bool:
+    """Whether `model.run_blocks` takes packed-document segment ids: a fourth positional parameter, or *args."""
+    try:
+        params = list(inspect.signature(model.run_blocks).parameters.values())
+    except (TypeError, ValueError):  # a callable without a signature: trust it
+        return True
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 def check_model(model: nnx.Module, name: str, n_layers: int) -> None:

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.interface import LAYERS_AXIS, STACK_ATTRIBUTE, LanguageModel, check_model
+from jaxpar.model.interface import LAYERS_AXIS, STACK_ATTRIBUTE, LanguageModel, check_model, takes_segment_ids
 from jaxpar.model.registry import model_family
 
 
@@ -25,6 +25,7 @@ class ModelDef:
     cfg: ModelConfig
     graphdef: nnx.GraphDef
     abstract_state: nnx.State
+    takes_segment_ids: bool = True  # run_blocks takes packed-document segment ids (jaxpar.model.interface)
 
     def logical_axes(self) -> dict:
         """Nested dict mirroring the parameters whose leaves are tuples of logical axis names, one per dimension.
@@ -63,7 +64,7 @@ def model_def(cfg: ModelConfig) -> ModelDef:
     abstract = nnx.eval_shape(lambda: build_model(cfg, 0))
     check_model(abstract, cfg.name, cfg.n_layers)
     graphdef, state = nnx.split(abstract)
-    return ModelDef(cfg, graphdef, state)
+    return ModelDef(cfg, graphdef, state, takes_segment_ids(abstract))
 
 
 def init_params(cfg: ModelConfig, seed: int) -> dict:

@@ -35,6 +35,7 @@ from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.config.resume import check_resume_config, keep_previous_config
 from jaxpar.data import IteratorLoader, build_loaders
+from jaxpar.data.loader import serves_segment_ids
 from jaxpar.distributed import describe_process
 from jaxpar.mesh import build_mesh, describe
 from jaxpar.metrics import MetricsWriter, default_trackers
@@ -190,8 +191,20 @@ def _resolved(cfg: Config) -> Config:
 
 def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
     """(train loader, validation loader, their counts): the config's corpus, or the caller's `data` iterator
-    for training."""
+    for training.
+
+    Raises:
+      ConfigError: the corpus is packed with segment ids (`data.document_masking`) but the model's `run_blocks`
+        takes none, so its attention would cross documents.
+    """
     t = cfg.train
+    if serves_segment_ids(cfg.data) and not plan.mdef.takes_segment_ids:
+        raise ConfigError(
+            f"model.name={cfg.model.name!r} takes no segment ids (its run_blocks has no fourth parameter), but "
+            f"data.document_masking=true packs documents that attention must not cross; set "
+            f"data.document_masking=false, or give run_blocks a segment_ids_BT parameter and pass it to "
+            f"jaxpar.model.attention.dot_product_attention"
+        )
     train_loader, val_loader, info = build_loaders(
         cfg.data,
         t.global_batch_size,

@@ -40,7 +40,7 @@ from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
 from jaxpar.mesh import DATA_PARALLEL_AXES, MESH_AXES
 from jaxpar.model import ModelDef, init_params, model_def
-from jaxpar.model.interface import STACK_ATTRIBUTE
+from jaxpar.model.interface import STACK_ATTRIBUTE, takes_segment_ids
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
@@ -360,8 +360,18 @@ def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
 
 def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel) -> jax.Array:
     """`model.run_blocks` on activations [b, T', D], with the microbatch's packed-document `segment_ids` (int32
-    [b, T]) when it has them (a model that takes none is never passed any)."""
+    [b, T]) when it has them (a model that takes none is never passed any).
+
+    Raises:
+      ValueError: the microbatch has segment ids and the model's run_blocks takes none.
+    """
     if "segment_ids" in mb:
+        if not takes_segment_ids(model):
+            raise ValueError(
+                f"the batches carry segment_ids (packed documents) but {type(model).__name__}.run_blocks takes "
+                f"none: give it a fourth parameter segment_ids_BT (jaxpar.model.interface), or yield batches "
+                f"without segment_ids"
+            )
         return model.run_blocks(x_BTD, gather, tp, mb["segment_ids"])
     return model.run_blocks(x_BTD, gather, tp)
 

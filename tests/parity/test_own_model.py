@@ -43,10 +43,12 @@ from step_helpers import (
     to_host,
 )
 
+import jaxpar
 import jaxpar.model as jm
 from jaxpar.config import ConfigError, load_config
+from jaxpar.data.packing import pack
 from jaxpar.mesh import build_mesh
-from jaxpar.training.step import build_plan, init_state
+from jaxpar.training.step import build_plan, init_state, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -355,3 +357,67 @@ def test_a_width_the_mesh_does_not_divide_is_named_at_plan_time():
         r", which fsdp=2 = 2 does not divide",
     ):
         build_plan(cfg, build_mesh(cfg, jax.devices()[:2]))
+
+
+# --- packed documents (data.document_masking) ------------------------------------------------------------------
+
+
+def _packed_grads(batch: dict, overrides, devices, params_host=None):
+    plan = _plan([*overrides, f"data.seq_len={T}"], devices)
+    if params_host is None:
+        params_host = to_host(init_state(plan, SEED)["params"])
+    params = jax.device_put(params_host, plan.state_shardings["params"])
+    on_mesh = {k: jax.device_put(v, plan.batch_sharding) for k, v in batch.items()}
+    grads, loss, _ = jax.jit(make_grad_fn(plan))(params, on_mesh)
+    return plan, params_host, to_host(grads), float(loss)
+
+
+def test_gpt2_keeps_attention_within_packed_documents_on_tensor_sequence_parallel():
+    """GPT-2's run_blocks takes the segment ids: the packed batch's loss and gradients on data x tensor (sequence
+    parallel) equal one device's at RTOL, and differ from attention across the documents by far more."""
+    if jax.device_count() < 8:
+        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    rng = np.random.default_rng(SEED)
+    tokens = rng.integers(0, VOCAB, G * T + 1).astype(np.int32)
+    tokens[::5] = 1  # a document opens every 5 tokens (id 1 as BOS): several per row of T = 8
+    batch = pack(tokens, T, bos_id=1)
+    assert batch["segment_ids"].max() >= 2
+    _, params, grads, loss = _packed_grads(batch, [], 1)
+    sp = ["mesh.data=4", "mesh.tensor=2", "tensor.sequence_parallel=true"]
+    plan, _, sp_grads, sp_loss = _packed_grads(batch, sp, 8, params)
+    assert plan.tensor_parallel.sequence_parallel and plan.mesh.shape["tensor"] == 2
+    assert_scalar_close(sp_loss, loss, RTOL, "loss")
+    bk = lambda g: {k: v for k, v in g.items() if k != "blocks"} | {"blocks": _drop_bk(g)["blocks"]}  # noqa: E731
+    assert_tree_close(bk(sp_grads), bk(grads), RTOL)
+    crossing = {k: v for k, v in batch.items() if k != "segment_ids"}
+    _, _, crossing_grads, _ = _packed_grads(crossing, [], 1, params)
+    w, w_crossing = grads["blocks"]["attn"]["wq"], crossing_grads["blocks"]["attn"]["wq"]
+    assert np.linalg.norm(w_crossing - w) > 100 * RTOL * np.linalg.norm(w), "the check could not fail"
+
+
+class _NoSegmentIds(gpt2.GPT2):
+    """GPT-2 whose run_blocks takes no segment ids (three parameters)."""
+
+    def run_blocks(self, x_BTD, gather=jm.no_gather, tp=jm.NO_TENSOR_PARALLEL):
+        return super().run_blocks(x_BTD, gather, tp)
+
+
+def test_a_model_without_segment_ids_on_packed_documents_is_refused_before_device_work(tmp_path):
+    jm.register_model("gpt2_no_segment_ids", _NoSegmentIds, replace=True)
+    run_dir = tmp_path / "run"
+    args = [
+        *TINY,
+        *GPT2[1:],
+        "model.name=gpt2_no_segment_ids",
+        "mesh.data=-1",
+        "mesh.fsdp=1",
+        f"train.run_dir={run_dir}",
+    ]
+    cfg = load_config(CONFIG, args, num_devices=jax.device_count())
+    assert cfg.data.document_masking
+    with pytest.raises(ConfigError, match=r"takes no segment ids .* set data.document_masking=false, or give"):
+        jaxpar.train(cfg)
+    assert not (run_dir / "checkpoints").exists()
+    quick = ["train.steps=1", "train.eval_batches=1", "train.sample_tokens=0", "train.progress_bar=false"]
+    plain = load_config(CONFIG, [*args, *quick, "data.document_masking=false"], num_devices=jax.device_count())
+    assert list(jaxpar.train(plain).losses) == [1]  # without segment ids the same model trains
