@@ -1,25 +1,40 @@
 """Data pipeline: byte tokenizer, corpus sources, packing, a Grain-ordered sharded loader, a one-pass
-validation loader, and a loader over a script's own iterator."""
+validation loader, a loader over a script's own iterator, and offline tokenization into memory-mapped token
+shards (`jaxpar.data.tokenize_corpus`, `jaxpar.data.shards`, `jaxpar.data.text_tokenizer`).
 
-from jaxpar.data.iterator import IteratorLoader
-from jaxpar.data.loader import DataLoader, EvalLoader, build_loaders
-from jaxpar.data.packing import pack
-from jaxpar.data.sources import load_tokens, split_documents
-from jaxpar.data.stats import unigram_entropy
-from jaxpar.data.tokenizer import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID, ByteTokenizer
+Imports are lazy: `import jaxpar.data` (or one of its jax-free modules, such as the tokenizers and the shard
+format, which `jaxpar-data` and its worker processes load) does not import jax.
+"""
 
-__all__ = [
-    "BOS_ID",
-    "BYTE_VOCAB",
-    "ByteTokenizer",
-    "DataLoader",
-    "EOS_ID",
-    "EvalLoader",
-    "IteratorLoader",
-    "PAD_ID",
-    "build_loaders",
-    "load_tokens",
-    "pack",
-    "split_documents",
-    "unigram_entropy",
-]
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "BOS_ID": "jaxpar.data.tokenizer",
+    "BYTE_VOCAB": "jaxpar.data.tokenizer",
+    "ByteTokenizer": "jaxpar.data.tokenizer",
+    "DataLoader": "jaxpar.data.loader",
+    "EOS_ID": "jaxpar.data.tokenizer",
+    "EvalLoader": "jaxpar.data.loader",
+    "IteratorLoader": "jaxpar.data.iterator",
+    "PAD_ID": "jaxpar.data.tokenizer",
+    "build_loaders": "jaxpar.data.loader",
+    "load_tokens": "jaxpar.data.sources",
+    "pack": "jaxpar.data.packing",
+    "split_documents": "jaxpar.data.sources",
+    "unigram_entropy": "jaxpar.data.stats",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'jaxpar.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
