@@ -150,10 +150,17 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 8 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 23):
+            h.update(block)
+    return h.hexdigest()
+
+
 def shard_files_ok(directory: str, shard: dict) -> bool:
     """Whether both files of a manifest shard entry exist with their recorded SHA-256."""
-    from jaxpar.data.text_tokenizer import file_sha256
-
     for kind in ("tokens", "offsets"):
         name, digest = shard[f"{kind}_file"], shard[f"{kind}_sha256"]
         path = os.path.join(directory, name)
@@ -246,12 +253,6 @@ class ShardSet:
         offsets = self.offsets(shard)
         d = index - int(self._first_doc[shard])
         return self.tokens(shard)[int(offsets[d]) : int(offsets[d + 1])]
-
-    def tokenizer(self):
-        """The tokenizer the set was made with (`jaxpar.data.text_tokenizer.tokenizer_from_manifest`)."""
-        from jaxpar.data.text_tokenizer import tokenizer_from_manifest
-
-        return tokenizer_from_manifest(self.directory, self.manifest)
 
     def verify(self) -> None:
         """Checks every shard file against the SHA-256 in the manifest (reads every byte).

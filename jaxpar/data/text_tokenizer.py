@@ -16,16 +16,16 @@ records, and `tokenizer_from_manifest` rebuilds the same tokenizer from a shard 
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import os
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from jaxpar.data import tokenizer_backends
 from jaxpar.data.errors import DataError
+from jaxpar.data.shards import file_sha256, read_manifest
+from jaxpar.data.tokenizer_spec import KINDS, TokenizerSpec
 
-KINDS = ("byte", "hf", "tiktoken", "sentencepiece")
 _SUFFIX_KIND = {".json": "hf", ".tiktoken": "tiktoken", ".model": "sentencepiece"}
 
 
@@ -49,33 +49,6 @@ class TextTokenizer(Protocol):
     def decode(self, ids) -> str:
         """Text of a 1-D sequence of ids, special tokens skipped."""
         ...
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenizerSpec:
-    """Which tokenizer to build.
-
-    Attributes:
-      kind: one of `KINDS`.
-      path: the tokenizer file (None for byte); for hf a `tokenizer.json` (a directory given is resolved to the
-        `tokenizer.json` in it).
-      pattern: tiktoken only, the name of the known encoding whose split pattern the ranks were made with
-        (`jaxpar.data.tokenizer_backends.TIKTOKEN_PATTERNS`); None to take it from a ranks file that is a known
-        encoding's own.
-      bos_token, eos_token: hf and sentencepiece only, the token strings to use as BOS / EOS instead of the ones
-        the tokenizer names.
-      fixed_ids: True when rebuilding from a manifest: `bos_id` and `eos_id` (None: none) are used as recorded.
-      bos_id, eos_id: the recorded ids (with `fixed_ids`).
-    """
-
-    kind: str
-    path: str | None = None
-    pattern: str | None = None
-    bos_token: str | None = None
-    eos_token: str | None = None
-    fixed_ids: bool = False
-    bos_id: int | None = None
-    eos_id: int | None = None
 
 
 def parse_tokenizer_spec(
@@ -131,15 +104,6 @@ def parse_tokenizer_spec(
     return TokenizerSpec(kind, path, pattern, bos_token, eos_token)
 
 
-def file_sha256(path: str) -> str:
-    """Hex SHA-256 of a file's bytes, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 23):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
     """Builds the tokenizer a spec names, from local files only.
 
@@ -151,8 +115,6 @@ def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
         from jaxpar.data.tokenizer import ByteTokenizer
 
         return ByteTokenizer()
-    from jaxpar.data import tokenizer_backends
-
     build = {
         "hf": tokenizer_backends.HFTokenizer,
         "tiktoken": tokenizer_backends.TiktokenTokenizer,
@@ -186,8 +148,6 @@ def tokenizer_from_manifest(directory: str, manifest: dict | None = None) -> Tex
         recorded one (the file was changed after tokenizing).
     """
     if manifest is None:
-        from jaxpar.data.shards import read_manifest
-
         manifest = read_manifest(directory)
     info = manifest.get("tokenizer")
     if not isinstance(info, dict) or info.get("kind") not in KINDS:

@@ -29,13 +29,9 @@ import numpy as np
 
 from jaxpar.data import corpus_files, shards
 from jaxpar.data.errors import DataError
-from jaxpar.data.text_tokenizer import (
-    TokenizerSpec,
-    file_sha256,
-    load_tokenizer,
-    parse_tokenizer_spec,
-    tokenizer_identity,
-)
+from jaxpar.data.shards import file_sha256
+from jaxpar.data.text_tokenizer import load_tokenizer, parse_tokenizer_spec, tokenizer_identity
+from jaxpar.data.tokenizer_spec import TokenizerSpec
 
 _log = logging.getLogger("jaxpar.data")
 CHUNK_DOCUMENTS = 256  # a chunk handed to a worker: at most this many documents ...

@@ -14,7 +14,8 @@ import os
 import numpy as np
 
 from jaxpar.data.errors import DataError
-from jaxpar.data.text_tokenizer import TokenizerSpec, file_sha256
+from jaxpar.data.shards import file_sha256
+from jaxpar.data.tokenizer_spec import TokenizerSpec
 
 # Split patterns of tiktoken's published encodings, with the SHA-256 of each encoding's published ranks file and
 # its special tokens, as tiktoken_ext/openai_public.py (tiktoken 0.14) states them. A ranks file whose SHA-256 is

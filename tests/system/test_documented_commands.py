@@ -88,6 +88,7 @@ NOT_RUN = {
     "tensorboard --logdir runs/tiny": "TensorBoard is a viewer, not a jaxpar dependency; the event files it reads "
     "are tested in tests/unit/test_metrics.py",
     "jaxpar-checkpoints RUN_DIR": SYNOPSIS,
+    "jaxpar-data tokenize INPUT ... --tokenizer TOKENIZER --out DIR": SYNOPSIS,
     "jaxpar-sweep SWEEP.yaml": SYNOPSIS,
     "python experiments/train.py CONFIG [--cpu-devices N] [key=value ...]": SYNOPSIS,
     "jaxpar-checkpoints PATH [--step N] [--json]": SYNOPSIS,

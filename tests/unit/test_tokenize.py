@@ -148,7 +148,7 @@ def test_shards_hold_the_direct_encoding(env, kind, tmp_path):
             digest = hashlib.sha256(open(s.directory + "/" + entry[f"{key}_file"], "rb").read()).hexdigest()
             assert digest == entry[f"{key}_sha256"]
     s.verify()
-    rebuilt = s.tokenizer()  # from the set's own copy of the tokenizer file
+    rebuilt = tokenizer_from_manifest(s.directory, s.manifest)  # from the set's own copy of the tokenizer file
     assert [rebuilt.decode(s.document(k)) for k in range(len(docs))] == docs
     assert (rebuilt.bos_id, rebuilt.eos_id, rebuilt.vocab_size) == (tok.bos_id, tok.eos_id, tok.vocab_size)
 
