@@ -1,0 +1,96 @@
+"""`model.init_from`: a fresh run's parameters from a Hugging Face Llama directory or a jaxpar checkpoint.
+
+`check_init_from` runs before any device work (reads config.json and safetensors headers, or a checkpoint's saved
+config) and names every model key that differs; `load_init_params` reads the parameters on the host (float32
+numpy, or a checkpoint restored on one CPU device), which `jaxpar.training.step.init_state(plan, params=...)`
+then places on the run's mesh with a fresh optimizer state at step 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxpar.config import ConfigError, load_config
+from jaxpar.config.schema import ModelConfig
+from jaxpar.model.hf_llama import HFConfigError, check_hf_llama, is_hf_directory, load_hf_llama
+from jaxpar.model.hf_llama.config import model_differences
+
+_ONE_DEVICE = ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1", "pipeline.virtual_stages=1")
+
+
+def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
+    """(the model config saved with the checkpoint at `path`, its root, its step), reading metadata only."""
+    from jaxpar.checkpoint import Checkpointer, resolve_checkpoint_path
+    from jaxpar.checkpoint_info import read_json_item
+
+    root, step = resolve_checkpoint_path(path)
+    reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    try:
+        steps = reader.all_steps()
+    finally:
+        reader.close()
+    step = step if step is not None else (steps[-1] if steps else None)
+    if step is None or step not in steps:
+        raise FileNotFoundError(f"no complete checkpoint in {root}")
+    saved = read_json_item(os.path.join(root, str(step)), "config")
+    if saved is None:
+        raise FileNotFoundError(f"checkpoint step {step} in {root} holds no config")
+    return load_config(saved, validate=False).model, root, step
+
+
+def check_init_from(model: ModelConfig) -> None:
+    """Checks `model.init_from` (if set) fits `model`, before any device work.
+
+    Raises:
+      ConfigError: the path is neither a Hugging Face directory (config.json) nor a jaxpar checkpoint, cannot be
+        read, or its model differs from `model` (every differing key, with the value to set).
+    """
+    path = model.init_from
+    if not path:
+        return
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"model.init_from={path!r} is not a directory; give a Hugging Face Llama directory (config.json + "
+            f"*.safetensors) or a jaxpar run or checkpoint directory"
+        )
+    if is_hf_directory(path):
+        try:
+            check_hf_llama(path, model)
+        except HFConfigError as e:
+            raise ConfigError(f"model.init_from: {e}") from e
+        return
+    try:
+        saved, root, step = _saved_model(path)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"model.init_from={path!r} holds neither config.json (a Hugging Face directory) nor a complete jaxpar "
+            f"checkpoint ({e})"
+        ) from e
+    differences = model_differences(model, saved)
+    if saved.name != model.name:
+        differences.insert(0, f"model.name: config {model.name!r}, checkpoint {saved.name!r}")
+    if differences:
+        raise ConfigError(
+            f"model.init_from: the checkpoint {root} (step {step}) holds another model: "
+            + "; ".join(d.replace("Hugging Face directory", "checkpoint") for d in differences)
+            + "; set those model.* keys to the checkpoint's values"
+        )
+
+
+def load_init_params(model: ModelConfig) -> dict:
+    """The parameters `model.init_from` names, on the host: a Hugging Face directory's as float32 numpy, or a
+    jaxpar checkpoint's float32 parameters (its master copy under precision.layout=16p), restored on one CPU
+    device with the run's own optimizer (AdamW; a run of an optimizer of its own cannot be read here).
+
+    Raises:
+      ConfigError: as `check_init_from`, or the checkpoint does not restore.
+    """
+    check_init_from(model)
+    if is_hf_directory(model.init_from):
+        return load_hf_llama(model.init_from, model).params
+    import jax
+
+    from jaxpar.restore_run import restore
+
+    restored = restore(model.init_from, _ONE_DEVICE, devices=jax.local_devices(backend="cpu")[:1])
+    return jax.device_get(restored.params)

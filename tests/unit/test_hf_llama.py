@@ -1,0 +1,193 @@
+"""Hugging Face Llama weights in and out (`jaxpar.model.hf_llama`).
+
+The fixtures under tests/fixtures/ (hf_llama_untied: float32, untied head, 4/2 heads, llama3 rope scaling, one
+file; hf_llama_tied_bf16: bfloat16, tied embeddings, 4/1 heads, rope_theta 500000, three shards with an index)
+were written by transformers 5.24.0 (torch 2.13.0+cpu; versions.json beside each) with
+tests/fixtures/make_hf_llama_fixture.py, together with LlamaForCausalLM's float32 CPU logits on tokens.npy.
+That script's --check-export loads a directory jaxpar exported with transformers; here the exported tensors
+are compared with the fixture's, name for name and bit for bit.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from jaxpar.config.schema import ModelConfig
+from jaxpar.model.hf_llama import (
+    HFConfigError,
+    check_hf_llama,
+    load_hf_llama,
+    model_config_from_hf,
+    save_hf_llama,
+)
+from jaxpar.model.hf_llama.weights import weight_files
+from jaxpar.model.params import init_params, model_def
+from jaxpar.model.rope import rope_inverse_frequencies
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
+UNTIED, TIED = os.path.join(FIXTURES, "hf_llama_untied"), os.path.join(FIXTURES, "hf_llama_tied_bf16")
+
+
+def hf_tensors_of(hf_dir: str) -> dict[str, np.ndarray]:
+    out = {}
+    for name, path in weight_files(hf_dir).items():
+        with safe_open(path, "numpy") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def assert_same_tensors(a_dir: str, b_dir: str) -> None:
+    """Same names, dtypes, shapes and bytes."""
+    a, b = hf_tensors_of(a_dir), hf_tensors_of(b_dir)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), name
+        assert a[name].tobytes() == b[name].tobytes(), name
+
+
+def jaxpar_logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
+    model = model_def(dataclasses.replace(cfg, attention="xla")).bind(jax.tree.map(jnp.asarray, params))
+    return np.asarray(model(jnp.asarray(tokens), jnp.float32))
+
+
+@pytest.mark.parametrize("fixture", [UNTIED, TIED], ids=os.path.basename)
+def test_logits_equal_transformers(fixture):
+    """The imported model's float32 logits equal LlamaForCausalLM's (transformers 5.24.0) within 1e-4."""
+    assert json.load(open(os.path.join(fixture, "versions.json")))["transformers"] == "5.24.0"
+    hf = load_hf_llama(fixture)
+    got = jaxpar_logits(hf.cfg, hf.params, np.load(os.path.join(fixture, "tokens.npy")))
+    want = np.load(os.path.join(fixture, "logits.npy"))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    assert np.abs(want).max() > 3  # logits of some size: a near-zero model would pass anything
+
+
+def test_imported_configs():
+    untied, tied = load_hf_llama(UNTIED), load_hf_llama(TIED)
+    assert (untied.dtype, tied.dtype) == ("float32", "bfloat16")
+    assert (untied.cfg.n_heads, untied.cfg.kv_heads, tied.cfg.kv_heads, untied.cfg.head_width) == (4, 2, 1, 8)
+    assert (untied.cfg.tie_embeddings, tied.cfg.tie_embeddings) == (False, True)
+    assert "lm_head" in untied.params and "lm_head" not in tied.params
+    assert (untied.cfg.rope_scaling, untied.cfg.rope_scaling_factor, untied.cfg.rope_original_max_position) == (
+        "llama3",
+        8.0,
+        64,
+    )
+    assert (tied.cfg.rope_scaling, tied.cfg.rope_theta, tied.cfg.norm_eps) == ("none", 500000.0, 1e-6)
+    assert untied.params["blocks"]["attn"]["wq"].shape == (2, 32, 4, 8)  # [L, D, H, K]
+    assert untied.params["blocks"]["attn"]["wo"].shape == (2, 4, 8, 32)  # [L, H, K, D]
+
+
+def test_llama3_scaling_is_what_matches():
+    """Without the llama3 scaling the logits differ from transformers' (so the test above checks the scaling)."""
+    hf = load_hf_llama(UNTIED)
+    plain = dataclasses.replace(hf.cfg, rope_scaling="none")
+    got = jaxpar_logits(plain, hf.params, np.load(os.path.join(UNTIED, "tokens.npy")))
+    assert np.abs(got - np.load(os.path.join(UNTIED, "logits.npy"))).max() > 1e-2
+
+
+def test_llama3_inverse_frequencies_by_hand():
+    """head_dim 8, theta 10000: wavelengths 2*pi*[1, 10, 100, 1000]; original 64 positions, factors 1 and 4:
+    the first (< 16) kept, the second (16..64) interpolated, the last two (> 64) divided by 8."""
+    inv = rope_inverse_frequencies(8, 10000.0, "llama3", 8.0, 1.0, 4.0, 64)
+    base = 10000.0 ** (-np.arange(0, 8, 2) / 8)
+    smooth = (64 / (2 * np.pi / base[1]) - 1) / 3
+    want = [base[0], (1 - smooth) * base[1] / 8 + smooth * base[1], base[2] / 8, base[3] / 8]
+    np.testing.assert_allclose(inv, want, rtol=1e-6)
+    np.testing.assert_allclose(rope_inverse_frequencies(8, 10000.0, "linear", 4.0), base / 4, rtol=1e-6)
+    with pytest.raises(ValueError, match="unknown rotary scaling 'yarn'"):
+        rope_inverse_frequencies(8, 10000.0, "yarn")
+
+
+@pytest.mark.parametrize(
+    "fixture, dtype, shard", [(UNTIED, "float32", 5 * 2**30), (TIED, "bfloat16", 20_000)], ids=["fp32", "bf16"]
+)
+def test_round_trip_is_bit_identical(fixture, dtype, shard, tmp_path):
+    """HF -> jaxpar -> HF gives the fixture's tensors bit for bit (sharded with an index for bf16), and a config
+    that reads back as the same model."""
+    hf = load_hf_llama(fixture)
+    out = str(tmp_path / "out")
+    files = save_hf_llama(hf.params, hf.cfg, out, dtype=dtype, base_config=hf.hf_config, max_shard_bytes=shard)
+    assert ("model.safetensors.index.json" in files) == (fixture == TIED)
+    assert_same_tensors(out, fixture)
+    back = json.load(open(os.path.join(out, "config.json")))
+    assert model_config_from_hf(back) == model_config_from_hf(hf.hf_config)
+    assert back["torch_dtype"] == dtype and back["bos_token_id"] == hf.hf_config["bos_token_id"]
+    with pytest.raises(HFConfigError, match="already holds"):
+        save_hf_llama(hf.params, hf.cfg, out)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jaxpar_params_round_trip(tied, dtype, tmp_path):
+    """jaxpar -> HF -> jaxpar returns the parameters rounded to `dtype` exactly, and HF -> jaxpar -> HF again
+    the same bytes; grouped-query heads, sharded files."""
+    cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, tie_embeddings=tied)
+    params = jax.tree.map(np.asarray, init_params(cfg, 3))
+    save_hf_llama(params, cfg, str(tmp_path / "a"), dtype=dtype, max_shard_bytes=8_000)
+    assert os.path.isfile(tmp_path / "a" / "model.safetensors.index.json")
+    back = load_hf_llama(str(tmp_path / "a"))
+    assert back.cfg == dataclasses.replace(cfg, head_dim=8) and back.dtype == dtype
+    rounded = jax.tree.map(lambda x: np.asarray(jnp.asarray(x).astype(dtype).astype(jnp.float32)), params)
+    jax.tree.map(np.testing.assert_array_equal, back.params, rounded)
+    save_hf_llama(back.params, back.cfg, str(tmp_path / "b"), dtype=dtype, max_shard_bytes=8_000)
+    assert_same_tensors(str(tmp_path / "a"), str(tmp_path / "b"))
+
+
+def _edited_copy(tmp_path, edit) -> str:
+    out = str(tmp_path / "edited")
+    shutil.copytree(UNTIED, out)
+    path = os.path.join(out, "config.json")
+    cfg = json.load(open(path))
+    edit(cfg)
+    json.dump(cfg, open(path, "w"))
+    return out
+
+
+def test_transformers_4_config_layout_reads_alike(tmp_path):
+    def to_v4(cfg):
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in rope.items()}
+
+    assert check_hf_llama(_edited_copy(tmp_path, to_v4)) == load_hf_llama(UNTIED).cfg
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c["rope_parameters"].update(rope_type="yarn"), "rope scaling type 'yarn' is not supported"),
+        (lambda c: c.update(model_type="mistral"), "model_type='mistral' is not supported"),
+        (lambda c: c.update(attention_bias=True), "attention_bias=True is not supported"),
+        (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        (lambda c: c.pop("hidden_size"), "config.json lacks 'hidden_size'"),
+        (lambda c: c.update(intermediate_size=65), r"mlp.gate_proj.weight has shape \(64, 32\), config.json implies"),
+        (lambda c: c.update(num_hidden_layers=3), r"missing: \['model.layers.2.input_layernorm.weight'"),
+        (lambda c: c.update(num_hidden_layers=1), r"unexpected: \['model.layers.1.input_layernorm.weight'"),
+    ],
+    ids=["rope_type", "model_type", "bias", "activation", "missing_key", "shape", "missing", "unexpected"],
+)
+def test_unsupported_or_inconsistent_directories_are_refused(tmp_path, edit, message):
+    with pytest.raises(HFConfigError, match=message):
+        load_hf_llama(_edited_copy(tmp_path, edit))
+
+
+def test_missing_files_and_differing_model_are_named(tmp_path):
+    with pytest.raises(HFConfigError, match="has no config.json"):
+        load_hf_llama(str(tmp_path))
+    os.makedirs(tmp_path / "x")
+    shutil.copy(os.path.join(UNTIED, "config.json"), tmp_path / "x")
+    with pytest.raises(HFConfigError, match="holds neither model.safetensors nor model.safetensors.index.json"):
+        load_hf_llama(str(tmp_path / "x"))
+    want = dataclasses.replace(load_hf_llama(UNTIED).cfg, d_model=64, rope_theta=500000.0)
+    with pytest.raises(
+        HFConfigError, match=r"model.d_model: config 64, Hugging Face directory 32; model.rope_theta: config 500000"
+    ):
+        check_hf_llama(UNTIED, want)
