@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors import safe_open
+from hf_helpers import TIED, UNTIED, assert_same_tensors
 
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama import (
@@ -27,29 +27,8 @@ from jaxpar.model.hf_llama import (
     model_config_from_hf,
     save_hf_llama,
 )
-from jaxpar.model.hf_llama.weights import weight_files
 from jaxpar.model.params import init_params, model_def
 from jaxpar.model.rope import rope_inverse_frequencies
-
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
-UNTIED, TIED = os.path.join(FIXTURES, "hf_llama_untied"), os.path.join(FIXTURES, "hf_llama_tied_bf16")
-
-
-def hf_tensors_of(hf_dir: str) -> dict[str, np.ndarray]:
-    out = {}
-    for name, path in weight_files(hf_dir).items():
-        with safe_open(path, "numpy") as f:
-            out[name] = f.get_tensor(name)
-    return out
-
-
-def assert_same_tensors(a_dir: str, b_dir: str) -> None:
-    """Same names, dtypes, shapes and bytes."""
-    a, b = hf_tensors_of(a_dir), hf_tensors_of(b_dir)
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), name
-        assert a[name].tobytes() == b[name].tobytes(), name
 
 
 def jaxpar_logits(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
