@@ -12,8 +12,8 @@ Examples:
   jaxpar-checkpoints runs/tiny
   jaxpar-checkpoints runs/tiny/checkpoints --json        # the latest complete step; --step N for another
 
-  jaxpar-checkpoints import-hf path/to/Llama-3.2-1B --out runs/llama32 train.steps=100   # step-0 checkpoint
-  jaxpar-checkpoints export-hf runs/llama32 --out out/llama32_hf --dtype bfloat16       # transformers loads it
+  jaxpar-checkpoints import-hf tests/fixtures/hf_llama_untied --out runs/hf_import      # step-0 checkpoint
+  jaxpar-checkpoints export-hf runs/tiny_hf --out runs/tiny_hf_export --dtype bfloat16   # transformers loads it
 
 import-hf writes RUN_DIR/checkpoints/0 (the weights as float32 parameters and a fresh AdamW state, restorable
 onto any mesh and ZeRO stage), RUN_DIR/config.yaml (config.json's model, the defaults and the overrides given)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_helpers import TIED, UNTIED, assert_same_tensors
+from hf_helpers import FIXTURES, TIED, UNTIED, assert_same_tensors
 
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama import (
@@ -170,3 +170,56 @@ def test_missing_files_and_differing_model_are_named(tmp_path):
         HFConfigError, match=r"model.d_model: config 64, Hugging Face directory 32; model.rope_theta: config 500000"
     ):
         check_hf_llama(UNTIED, want)
+
+
+# config.json of meta-llama/Llama-3.2-1B and meta-llama/Meta-Llama-3-8B as published (keys jaxpar reads)
+LLAMA3_2_1B = {
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "vocab_size": 128256,
+}
+LLAMA3_8B = {
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 128256,
+}
+
+
+@pytest.mark.parametrize("name, published", [("llama3_2_1b", LLAMA3_2_1B), ("llama3_8b", LLAMA3_8B)])
+def test_llama3_configs_are_the_published_models(name, published):
+    """configs/llama3_*.yaml hold exactly the model of the published config.json (what model.init_from checks)."""
+    from jaxpar.config import load_config
+    from jaxpar.model.hf_llama.config import model_differences
+
+    root = os.path.dirname(os.path.dirname(FIXTURES))
+    cfg = load_config(os.path.join(root, "configs", f"{name}.yaml"), num_devices=8)
+    assert model_differences(cfg.model, model_config_from_hf(published)) == []
+    assert cfg.data.token_dtype == "uint32"
