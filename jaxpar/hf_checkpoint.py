@@ -106,30 +106,20 @@ def export_hf(
 ) -> list[str]:
     """Writes the parameters of a jaxpar `llama` checkpoint (a run dir, its checkpoints/ dir or a step dir) as a
     Hugging Face Llama directory (`jaxpar.model.hf_llama.save_hf_llama`): the float32 parameters (the master copy
-    under precision.layout=16p) cast to `dtype`. Restores the whole train state on one host device (16 bytes per
-    parameter with AdamW); a run trained with an optimizer of its own does not restore here. Returns the files
-    written.
+    under precision.layout=16p) cast to `dtype`. Reads only the parameters, on the host CPU
+    (`jaxpar.checkpoint_params.restore_params`: any optimizer, 4 bytes per parameter). Returns the files written.
 
     Raises:
-      FileNotFoundError: no complete checkpoint at `path`.
-      ConfigError: the saved config does not restore on one device; HFConfigError: not the llama family, an
-        unknown dtype, or `out_dir` already holds model files.
+      FileNotFoundError: no complete checkpoint at `path`. HFConfigError: not the llama family, an unknown
+        dtype, parameters that do not fit the saved config, or `out_dir` already holds model files.
     """
-    import jax
+    from jaxpar.checkpoint_params import restore_params
 
-    from jaxpar.restore_run import restore
-
-    if os.path.isdir(out_dir) and any(os.path.exists(os.path.join(out_dir, n)) for n in ("config.json",)):
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
         raise HFConfigError(f"{out_dir} already holds config.json; export into a new or empty directory")
-    restored = restore(path, _ONE_DEVICE, devices=jax.local_devices(backend="cpu")[:1], step=step)
-    params = jax.device_get(restored.params)
+    params, cfg, chosen = restore_params(path, step)
     files = save_hf_llama(
-        params,
-        restored.cfg.model,
-        out_dir,
-        dtype=dtype,
-        base_config=_hf_config_beside(path),
-        max_shard_bytes=max_shard_bytes,
+        params, cfg.model, out_dir, dtype=dtype, base_config=_hf_config_beside(path), max_shard_bytes=max_shard_bytes
     )
-    _LOGGER.info("exported step %d of %s to %s (%s)", restored.step, path, out_dir, dtype)
+    _LOGGER.info("exported step %d of %s to %s (%s)", chosen, path, out_dir, dtype)
     return files

@@ -2,7 +2,7 @@
 
 `check_init_from` runs before any device work (reads config.json and safetensors headers, or a checkpoint's saved
 config) and names every model key that differs; `load_init_params` reads the parameters on the host (float32
-numpy, or a checkpoint restored on one CPU device), which `jaxpar.training.step.init_state(plan, params=...)`
+numpy, or a checkpoint's parameters alone), which `jaxpar.training.step.init_state(plan, params=...)`
 then places on the run's mesh with a fresh optimizer state at step 0.
 """
 
@@ -14,8 +14,6 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama import HFConfigError, check_hf_llama, is_hf_directory, load_hf_llama
 from jaxpar.model.hf_llama.config import model_differences
-
-_ONE_DEVICE = ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1", "pipeline.virtual_stages=1")
 
 
 def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
@@ -78,19 +76,16 @@ def check_init_from(model: ModelConfig) -> None:
 
 
 def load_init_params(model: ModelConfig) -> dict:
-    """The parameters `model.init_from` names, on the host: a Hugging Face directory's as float32 numpy, or a
-    jaxpar checkpoint's float32 parameters (its master copy under precision.layout=16p), restored on one CPU
-    device with the run's own optimizer (AdamW; a run of an optimizer of its own cannot be read here).
+    """The parameters `model.init_from` names, on the host as float32 numpy: a Hugging Face directory's, or a
+    jaxpar checkpoint's (its master copy under precision.layout=16p; only the parameters are read, whatever
+    optimizer the run had: `jaxpar.checkpoint_params.restore_params`).
 
     Raises:
-      ConfigError: as `check_init_from`, or the checkpoint does not restore.
+      ConfigError: as `check_init_from`.
     """
     check_init_from(model)
     if is_hf_directory(model.init_from):
         return load_hf_llama(model.init_from, model).params
-    import jax
+    from jaxpar.checkpoint_params import restore_params
 
-    from jaxpar.restore_run import restore
-
-    restored = restore(model.init_from, _ONE_DEVICE, devices=jax.local_devices(backend="cpu")[:1])
-    return jax.device_get(restored.params)
+    return restore_params(model.init_from)[0]

@@ -16,9 +16,11 @@ from hf_helpers import TIED, UNTIED, assert_same_tensors
 from step_helpers import to_host
 
 import jaxpar
+from jaxpar.checkpoint_params import restore_params
 from jaxpar.cli.checkpoints import main as checkpoints_main
 from jaxpar.config import ConfigError, load_config
 from jaxpar.model.hf_llama import load_hf_llama
+from jaxpar.training.init_from import check_init_from, load_init_params
 from jaxpar.training.loop import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,6 +77,22 @@ def test_import_restore_on_any_mesh_and_export(fixture, tmp_path, capsys):
     assert_same_tensors(out, fixture)
     assert checkpoints_main(args) == 2  # the directory now holds a model
     assert "already holds config.json" in capsys.readouterr().err
+
+
+def test_parameters_alone_of_a_checkpoint(tmp_path):
+    """model.init_from and export-hf read a checkpoint's parameters alone: the float32 master copy of a 16p run
+    (whose working parameters are bf16), the imported weights exactly; a jaxpar checkpoint of another model is
+    refused naming the keys."""
+    run_dir = str(tmp_path / "run")
+    assert checkpoints_main(["import-hf", UNTIED, "--out", run_dir, "precision.layout=16p"]) == 0
+    params, cfg, step = restore_params(run_dir)
+    assert step == 0 and cfg.precision.layout == "16p"
+    hf = load_hf_llama(UNTIED)
+    jax.tree.map(np.testing.assert_array_equal, params, hf.params)
+    model = dataclasses.replace(hf.cfg, init_from=run_dir)
+    jax.tree.map(np.testing.assert_array_equal, load_init_params(model), hf.params)
+    with pytest.raises(ConfigError, match=r"holds another model: model.d_model: config 64, checkpoint 32"):
+        check_init_from(dataclasses.replace(model, d_model=64))
 
 
 def test_import_refusals(tmp_path, capsys):
