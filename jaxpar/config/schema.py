@@ -49,10 +49,11 @@ class ModelConfig:
       max_segments: the most packed documents (runs of equal segment ids) one sequence may hold on the cuDNN
         path, whose packed layout has a fixed number of segment slots per row; a row with more gets a NaN
         output (and a skipped step). Unused by xla and by batches without segment ids.
-      init_from: a local Hugging Face Llama directory (config.json + safetensors, `jaxpar.model.hf_llama`) whose
-        weights a fresh run starts from (parameters only; a fresh optimizer at step 0); its shapes must equal
-        this config's, checked before any device work. "" (default): random initialisation from train.seed. A
-        run that has its own checkpoints resumes from them instead.
+      init_from: a local Hugging Face Llama directory (config.json + safetensors, `jaxpar.model.hf_llama`) or a
+        jaxpar run / checkpoint directory whose parameters a fresh run starts from (parameters only: a fresh
+        optimizer at step 0; `jaxpar.training.init_from`). Its model (shapes, rope, norm epsilon, tying) must
+        equal this config's, checked before any device work. "" (default): random initialisation from
+        train.seed. A run that has its own checkpoints resumes from them instead.
     """
 
     name: str = "llama"

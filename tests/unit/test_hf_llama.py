@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_helpers import FIXTURES, TIED, UNTIED, assert_same_tensors
+from hf_helpers import FIXTURES, TIED, UNTIED, assert_same_tensors, hf_tensors_of
 
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama import (
@@ -223,3 +223,18 @@ def test_llama3_configs_are_the_published_models(name, published):
     cfg = load_config(os.path.join(root, "configs", f"{name}.yaml"), num_devices=8)
     assert model_differences(cfg.model, model_config_from_hf(published)) == []
     assert cfg.data.token_dtype == "uint32"
+
+
+def test_rotary_buffers_and_a_stored_tied_head_are_skipped(tmp_path):
+    """Old exports hold rotary_emb.inv_freq buffers, and some tied ones store lm_head.weight too: both are read
+    past (the tied model uses its embedding)."""
+    from safetensors.numpy import save_file
+
+    for fixture, extra in ((UNTIED, "model.layers.1.self_attn.rotary_emb.inv_freq"), (TIED, "lm_head.weight")):
+        out = tmp_path / os.path.basename(fixture)
+        os.makedirs(out)
+        shutil.copy(os.path.join(fixture, "config.json"), out)
+        tensors = hf_tensors_of(fixture)
+        tensors[extra] = tensors["model.embed_tokens.weight"] if extra == "lm_head.weight" else np.ones(4, np.float32)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        jax.tree.map(np.testing.assert_array_equal, load_hf_llama(str(out)).params, load_hf_llama(fixture).params)

@@ -41,7 +41,7 @@ _LOGGER = logging.getLogger("jaxpar.model.hf_llama")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")  # buffers some old exports hold
+_IGNORED = re.compile(r"(model\.layers\.\d+\.self_attn\.|model\.)rotary_emb\.inv_freq")  # old exports' buffers
 
 # per-layer HF suffix -> (jaxpar path under blocks, HF [out, in] -> jaxpar reshaping kind)
 _LAYER = {
