@@ -238,3 +238,15 @@ def test_rotary_buffers_and_a_stored_tied_head_are_skipped(tmp_path):
         tensors[extra] = tensors["model.embed_tokens.weight"] if extra == "lm_head.weight" else np.ones(4, np.float32)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         jax.tree.map(np.testing.assert_array_equal, load_hf_llama(str(out)).params, load_hf_llama(fixture).params)
+
+
+@pytest.mark.parametrize("name, total", [("llama3_2_1b", 1_235_814_400), ("llama3_8b", 8_030_261_248)])
+def test_jaxpar_plan_takes_the_llama3_configs(name, total):
+    """The planner (what jaxpar-plan prints) counts the published models' parameters: Llama 3.2 1B 1.24B (tied),
+    Llama 3 8B 8.03B."""
+    from jaxpar.analysis.plan import plan
+    from jaxpar.config import load_config, resolve_config
+
+    root = os.path.dirname(os.path.dirname(FIXTURES))
+    p = plan(resolve_config(load_config(os.path.join(root, "configs", f"{name}.yaml"), num_devices=8), 8))
+    assert p["params"]["total"] == total
