@@ -36,6 +36,20 @@ def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
     return load_config(saved, validate=False).model, root, step
 
 
+def resumes(run_dir: str) -> bool:
+    """True if `run_dir` holds a complete checkpoint of its own (the run resumes from it; init_from is unused)."""
+    from jaxpar.checkpoint import RUN_CHECKPOINT_DIR, Checkpointer
+
+    directory = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return False
+    reader = Checkpointer(directory, every_steps=1, keep=1, async_save=False, read_only=True)
+    try:
+        return reader.latest_step() is not None
+    finally:
+        reader.close()
+
+
 def check_init_from(model: ModelConfig) -> None:
     """Checks `model.init_from` (if set) fits `model`, before any device work.
 

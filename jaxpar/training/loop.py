@@ -44,7 +44,7 @@ from jaxpar.parallel import schedule as schedule_lib
 from jaxpar.training.faults import FaultInjector
 from jaxpar.training.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
 from jaxpar.training.hooks.base import log as _log
-from jaxpar.training.init_from import check_init_from, load_init_params
+from jaxpar.training.init_from import check_init_from, load_init_params, resumes
 from jaxpar.training.loss import LossFn
 from jaxpar.training.optimizer import nonfinite_state
 from jaxpar.training.step import (
@@ -328,7 +328,8 @@ def _start_run(
             f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
             f"decays; lower optimizer.warmup_steps to reach the peak"
         )
-    check_init_from(cfg.model)  # reads only config files and headers: a misfit fails before any device work
+    if cfg.model.init_from and not resumes(t.run_dir):  # reads only config files and headers: before device work
+        check_init_from(cfg.model)
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
     _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once

@@ -121,7 +121,7 @@ SMALL = [
 def test_init_from_starts_training_from_the_weights(tmp_path):
     """Slow (about 20 s on 2 CPU cores: compiling a train and an eval step on 8 devices). configs/tiny_hf.yaml
     (data=2 x fsdp=2 x tensor=2) starts from the fixture; the saved step-1 parameters are the imported ones
-    exactly (an optimizer whose updates are zero)."""
+    exactly (an optimizer whose updates are zero); resuming ignores model.init_from."""
     cfg = load_config(
         os.path.join(ROOT, "configs", "tiny_hf.yaml"),
         [*SMALL, f"train.run_dir={tmp_path / 'run'}", f"model.init_from={UNTIED}"],
@@ -133,6 +133,12 @@ def test_init_from_starts_training_from_the_weights(tmp_path):
     )
     assert restored.step == 1
     jax.tree.map(np.testing.assert_array_equal, to_host(restored.params), load_hf_llama(UNTIED).params)
+    # Resuming reads the run's own checkpoint: model.init_from is no longer read (here: a directory that is gone).
+    again = load_config(
+        os.path.join(ROOT, "configs", "tiny_hf.yaml"),
+        [*SMALL, f"train.run_dir={tmp_path / 'run'}", f"model.init_from={tmp_path / 'gone'}", "train.steps=2"],
+    )
+    assert train(again, optimizer=optax.set_to_zero()).start_step == 1
 
 
 def test_init_from_that_does_not_fit_is_refused_before_device_work(tmp_path):
