@@ -1,4 +1,6 @@
 """`jaxpar-checkpoints PATH [--step N] [--json]`: list a checkpoint's steps, saved config, mesh and arrays.
+`jaxpar-checkpoints import-hf HF_DIR --out RUN_DIR [KEY=VALUE ...]` and
+`jaxpar-checkpoints export-hf PATH --out HF_DIR [--dtype D] [--step N]`: Hugging Face Llama weights in and out.
 
 PATH is a run directory (holding `checkpoints/`), its `checkpoints/` directory, or one step directory. Prints the
 complete steps, any incomplete step directories (never restored), and for the chosen step (default: the
@@ -10,7 +12,16 @@ Examples:
   jaxpar-checkpoints runs/tiny
   jaxpar-checkpoints runs/tiny/checkpoints --json        # the latest complete step; --step N for another
 
-Exit status: 0, or 2 for a missing path, no complete checkpoint, or a step that is not complete.
+  jaxpar-checkpoints import-hf tests/fixtures/hf_llama_untied --out runs/hf_import      # step-0 checkpoint
+  jaxpar-checkpoints export-hf runs/tiny_hf --out runs/tiny_hf_export --dtype bfloat16   # transformers loads it
+
+import-hf writes RUN_DIR/checkpoints/0 (the weights as float32 parameters and a fresh AdamW state, restorable
+onto any mesh and ZeRO stage), RUN_DIR/config.yaml (config.json's model, the defaults and the overrides given)
+and RUN_DIR/hf_config.json; export-hf writes config.json and safetensors (`jaxpar.hf_checkpoint`). Both run on
+the host CPU.
+
+Exit status: 0, or 2 for a missing path, no complete checkpoint, a step that is not complete, or (import-hf,
+export-hf) a directory or config that cannot be converted (the message says why).
 """
 
 from __future__ import annotations
@@ -31,7 +42,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _parse_hf_args(command: str, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog=f"jaxpar-checkpoints {command}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    if command == "import-hf":
+        p.add_argument("hf_dir", help="a Hugging Face Llama directory: config.json + *.safetensors")
+        p.add_argument("--out", required=True, help="the new run directory")
+        p.add_argument("overrides", nargs="*", help="dotted config overrides for RUN_DIR/config.yaml")
+    else:
+        p.add_argument("path", help="run dir, its checkpoints/ dir, or a step dir")
+        p.add_argument("--out", required=True, help="the Hugging Face directory to write")
+        p.add_argument(
+            "--dtype",
+            default="float32",
+            choices=("float32", "bfloat16", "float16"),
+            help="dtype of the safetensors (default float32: the parameters exactly)",
+        )
+        p.add_argument("--step", type=int, default=None, help="step to export (default: latest complete)")
+        p.add_argument("--max-shard-bytes", type=int, default=5 * 2**30, help="split files above this size")
+    return p.parse_intermixed_args(argv)
+
+
+def _hf_main(command: str, argv: list[str]) -> int:
+    args = _parse_hf_args(command, argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a conversion on the host: never claim an accelerator
+    from jaxpar.config import ConfigError
+    from jaxpar.hf_checkpoint import export_hf, import_hf
+    from jaxpar.model.hf_llama import HFConfigError
+
+    try:
+        if command == "import-hf":
+            info = import_hf(args.hf_dir, args.out, args.overrides)
+            print(
+                f"imported {args.hf_dir} ({info['parameters']:,} parameters, {info['dtype']}) as step 0 of "
+                f"{args.out}; train it with: jaxpar-train {os.path.join(args.out, 'config.yaml')}"
+            )
+        else:
+            files = export_hf(
+                args.path, args.out, dtype=args.dtype, step=args.step, max_shard_bytes=args.max_shard_bytes
+            )
+            print(f"exported {args.path} to {args.out}: {', '.join(files)}")
+    except (OSError, HFConfigError, ConfigError) as e:
+        print(f"jaxpar-checkpoints {command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("import-hf", "export-hf"):
+        return _hf_main(argv[0], argv[1:])
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # metadata only: never claim an accelerator
     from jaxpar.checkpoint_info import (  # imports jax (via orbax)

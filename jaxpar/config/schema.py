@@ -27,6 +27,13 @@ class ModelConfig:
       head_dim: per-head width K; null means d_model // n_heads.
       d_ff: SwiGLU hidden width F.
       rope_theta: rotary embedding base (RoFormer, Su et al. 2021).
+      rope_scaling: rotary frequency scaling for a longer context (`jaxpar.model.rope`): `none`, `linear`
+        (every frequency / rope_scaling_factor) or `llama3` (Llama 3.1+: long wavelengths / factor, short ones
+        kept, those between interpolated; Hugging Face's `rope_type: llama3`).
+      rope_scaling_factor: the scaling's factor (Llama 3.2 1B: 32; Llama 3.1 8B: 8).
+      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position: llama3 scaling only: wavelengths
+        above rope_original_max_position / rope_low_freq_factor are scaled, those below
+        rope_original_max_position / rope_high_freq_factor kept (Llama 3.x: 1, 4, 8192).
       norm_eps: RMSNorm epsilon.
       tie_embeddings: share the embedding table with the output projection.
       init_std: standard deviation of the normal initialiser for weight matrices.
@@ -42,6 +49,11 @@ class ModelConfig:
       max_segments: the most packed documents (runs of equal segment ids) one sequence may hold on the cuDNN
         path, whose packed layout has a fixed number of segment slots per row; a row with more gets a NaN
         output (and a skipped step). Unused by xla and by batches without segment ids.
+      init_from: a local Hugging Face Llama directory (config.json + safetensors, `jaxpar.model.hf_llama`) or a
+        jaxpar run / checkpoint directory whose parameters a fresh run starts from (parameters only: a fresh
+        optimizer at step 0; `jaxpar.training.init_from`). Its model (shapes, rope, norm epsilon, tying) must
+        equal this config's, checked before any device work. "" (default): random initialisation from
+        train.seed. A run that has its own checkpoints resumes from them instead.
     """
 
     name: str = "llama"
@@ -53,12 +65,18 @@ class ModelConfig:
     head_dim: int | None = None
     d_ff: int = 384
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
     remat: str = "none"
     attention: str = "auto"
     max_segments: int = 64
+    init_from: str = ""
 
     @property
     def kv_heads(self) -> int:
@@ -67,6 +85,26 @@ class ModelConfig:
     @property
     def head_width(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    def rope_inverse_frequencies(self) -> tuple[float, ...] | None:
+        """The rotary inverse frequencies [head_width / 2] of `rope_scaling` (`jaxpar.model.rope`), or None for
+        `none` (the plain theta ** (-2i / K), computed in the model)."""
+        if self.rope_scaling == "none":
+            return None
+        from jaxpar.model.rope import rope_inverse_frequencies  # numpy only
+
+        return tuple(
+            float(f)
+            for f in rope_inverse_frequencies(
+                self.head_width,
+                self.rope_theta,
+                self.rope_scaling,
+                self.rope_scaling_factor,
+                self.rope_low_freq_factor,
+                self.rope_high_freq_factor,
+                self.rope_original_max_position,
+            )
+        )
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,17 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
         _positive(f"model.{key}", getattr(m, key))
     _positive("model.rope_theta", m.rope_theta)
+    _choice("model.rope_scaling", m.rope_scaling, ("none", "linear", "llama3"))
+    if m.rope_scaling != "none":
+        _positive("model.rope_scaling_factor", m.rope_scaling_factor)
+    if m.rope_scaling == "llama3":
+        _positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
+        _positive("model.rope_original_max_position", m.rope_original_max_position)
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise ConfigError(
+                f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed model.rope_low_freq_factor="
+                f"{m.rope_low_freq_factor} for llama3 rotary scaling (Llama 3.x: 4 and 1)"
+            )
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
     _choice("model.remat", m.remat, ("none", "dots", "names", "full"))

@@ -43,12 +43,21 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x_BTHK: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary position embedding (RoFormer, Su et al. 2021, eq. 34), rotating the two halves of K.
+def rotary(
+    x_BTHK: jax.Array, positions: jax.Array, theta: float, inv_freq: tuple[float, ...] | None = None
+) -> jax.Array:
+    """Rotary position embedding (RoFormer, Su et al. 2021, eq. 34), rotating the two halves of K: element i
+    pairs with element i + K/2 (Hugging Face's `rotate_half` convention, so Hugging Face Llama weights load
+    without permuting q/k rows).
 
-    positions: int [T] (every row alike) or [B, T] (per row, e.g. restarting at each packed document)."""
+    positions: int [T] (every row alike) or [B, T] (per row, e.g. restarting at each packed document).
+    inv_freq: K/2 inverse frequencies (`jaxpar.model.rope.rope_inverse_frequencies`, e.g. with Llama 3's scaling);
+    None: theta ** (-2i / K)."""
     half = x_BTHK.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if inv_freq is None:
+        freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    else:
+        freq = jnp.asarray(inv_freq, jnp.float32)
     positions_BT = positions if positions.ndim == 2 else positions[None, :]
     angle_BTK = positions_BT.astype(jnp.float32)[..., None] * freq
     sin, cos = jnp.sin(angle_BTK)[:, :, None, :], jnp.cos(angle_BTK)[:, :, None, :]
@@ -78,12 +87,14 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         implementation: str = "auto",
         max_segments: int = 64,
+        rope_inv_freq: tuple[float, ...] | None = None,
     ):
         self.wq = nnx.Param(_normal(rngs, (d, n_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wk = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wv = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wo = nnx.Param(_normal(rngs, (n_heads, head_dim, d), std), logical_axes=("heads", "kv", "embed"))
         self.rope_theta = rope_theta
+        self.rope_inv_freq = rope_inv_freq  # None: plain theta ** (-2i / K)
         self.implementation = implementation
         self.max_segments = max_segments
 
@@ -104,8 +115,8 @@ class Attention(nnx.Module):
         q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt))
-        q = rotary(q, positions, self.rope_theta)
-        k = rotary(k, positions, self.rope_theta)
+        q = rotary(q, positions, self.rope_theta, self.rope_inv_freq)
+        k = rotary(k, positions, self.rope_theta, self.rope_inv_freq)
         implementation = self.implementation
         if implementation == "auto":
             implementation = resolve_attention("auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1])

@@ -34,6 +34,7 @@ class Block(nnx.Module):
             rngs,
             implementation=cfg.attention,
             max_segments=cfg.max_segments,
+            rope_inv_freq=cfg.rope_inverse_frequencies(),
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
@@ -49,7 +50,8 @@ class Llama(nnx.Module):
     """Token ids [B, T] int32 -> logits [B, T, V] in the compute dtype.
 
     Reads every `ModelConfig` field: vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff,
-    rope_theta, norm_eps, tie_embeddings, init_std, remat, attention, max_segments.
+    rope_theta, rope_scaling (and its factors), norm_eps, tie_embeddings, init_std, remat, attention, max_segments
+    (init_from is read by the training loop, not the model).
 
     Attributes:
       embed: `Embed` table [V, D].

@@ -44,6 +44,7 @@ from jaxpar.parallel import schedule as schedule_lib
 from jaxpar.training.faults import FaultInjector
 from jaxpar.training.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
 from jaxpar.training.hooks.base import log as _log
+from jaxpar.training.init_from import check_init_from, load_init_params, resumes
 from jaxpar.training.loss import LossFn
 from jaxpar.training.optimizer import nonfinite_state
 from jaxpar.training.step import (
@@ -231,8 +232,9 @@ def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
 
 
 def _initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_loader):
-    """The state to start from (the latest checkpoint's, with the data position set on `train_loader`, or a
-    fresh one), after writing RUN_DIR/config.yaml (keeping a resumed run's previous one if settings changed).
+    """The state to start from (the latest checkpoint's, with the data position set on `train_loader`, else
+    `checkpoint.restore_from`'s, else fresh: parameters from `model.init_from` or initialised from the seed),
+    after writing RUN_DIR/config.yaml (keeping a resumed run's previous one if settings changed).
 
     Raises:
       ConfigError: other data settings than the checkpoint's, a checkpoint that does not fit, or a run already
@@ -242,7 +244,10 @@ def _initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train
     resuming = ckpt is not None and ckpt.latest_step() is not None
     changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write
     state, data_state = _restore(cfg, plan, ckpt)
-    if state is None:
+    if state is None and cfg.model.init_from:
+        state = init_state(plan, params=load_init_params(cfg.model))  # parameters only: fresh optimizer, step 0
+        _log(f"parameters from model.init_from={cfg.model.init_from} (a fresh optimizer state at step 0)")
+    elif state is None:
         state = init_state(plan, t.seed)
     else:
         try:
@@ -323,6 +328,8 @@ def _start_run(
             f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
             f"decays; lower optimizer.warmup_steps to reach the peak"
         )
+    if cfg.model.init_from and not resumes(t.run_dir):  # reads only config files and headers: before device work
+        check_init_from(cfg.model)
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
     _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once

@@ -92,6 +92,8 @@ NOT_RUN = {
     "jaxpar-sweep SWEEP.yaml": SYNOPSIS,
     "python experiments/train.py CONFIG [--cpu-devices N] [key=value ...]": SYNOPSIS,
     "jaxpar-checkpoints PATH [--step N] [--json]": SYNOPSIS,
+    "jaxpar-checkpoints import-hf HF_DIR --out RUN_DIR [KEY=VALUE ...]": SYNOPSIS,
+    "jaxpar-checkpoints export-hf PATH --out HF_DIR [--dtype D] [--step N]": SYNOPSIS,
     "jaxpar-launch -n K [--devices-per-process D] -- COMMAND ...": SYNOPSIS,
     "jaxpar-plan CONFIG [section.key=value ...]": SYNOPSIS,
     "jaxpar-plan CONFIG --compile --target KIND:NODESxGPUS": SYNOPSIS,

@@ -1,0 +1,132 @@
+"""Hugging Face Llama-family weights in and out of jaxpar's built-in `llama` model.
+
+    hf = load_hf_llama("path/to/Llama-3.2-1B")               # ModelConfig + float32 numpy params
+    state = init_state(plan, params=hf.params)               # on any mesh (jaxpar.training.step.init_state)
+    save_hf_llama(params, cfg, "out/hf", dtype="bfloat16")   # transformers' LlamaForCausalLM loads it
+
+A directory is `config.json` plus `model.safetensors` or shards named by `model.safetensors.index.json`
+(Llama 2 and 3.x, grouped-query attention, rope_theta, llama3 / linear rope scaling, tied or untied embeddings,
+rms_norm_eps). Name and layout map, and the rotary convention: `jaxpar.model.hf_llama.weights`; config keys:
+`jaxpar.model.hf_llama.config`. Everything here is numpy on the host: no device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from jaxpar.config.schema import ModelConfig
+from jaxpar.model.hf_llama.config import (
+    CONFIG_FILE,
+    HFConfigError,
+    hf_config_from_model,
+    model_config_from_hf,
+    model_differences,
+    read_hf_config,
+)
+from jaxpar.model.hf_llama.weights import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    check_hf_tensors,
+    hf_tensors,
+    read_hf_params,
+    write_hf_tensors,
+)
+
+__all__ = [
+    "HFConfigError",
+    "HFLlama",
+    "check_hf_llama",
+    "hf_config_from_model",
+    "hf_tensors",
+    "is_hf_directory",
+    "load_hf_llama",
+    "model_config_from_hf",
+    "save_hf_llama",
+]
+
+
+@dataclasses.dataclass
+class HFLlama:
+    """An imported Hugging Face Llama.
+
+    Attributes:
+      cfg: the jaxpar ModelConfig (`model_config_from_hf`).
+      params: jaxpar's nested parameter dict of float32 numpy arrays.
+      dtype: the dtype the weights were stored in ("float32", "bfloat16", "float16").
+      hf_config: the directory's config.json as read.
+    """
+
+    cfg: ModelConfig
+    params: dict
+    dtype: str
+    hf_config: dict
+
+
+def is_hf_directory(path: str) -> bool:
+    """True if `path` is a directory holding config.json (a Hugging Face model directory, not a jaxpar run)."""
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def check_hf_llama(hf_dir: str, want: ModelConfig | None = None) -> ModelConfig:
+    """Reads config.json and the safetensors headers only (no weights) and returns the directory's ModelConfig
+    (`want`'s other fields kept). With `want`, its shape, rope and norm fields must equal the directory's.
+
+    Raises:
+      HFConfigError: an unreadable or unsupported directory, tensors that do not fit config.json, or (with `want`)
+        every `model.*` key on which `want` differs, with the value to set.
+    """
+    cfg = model_config_from_hf(read_hf_config(hf_dir), want)
+    if want is not None:
+        differences = model_differences(want, cfg)
+        if differences:
+            raise HFConfigError(
+                f"the config's model does not match the Hugging Face directory {hf_dir}: "
+                + "; ".join(differences)
+                + "; set those model.* keys to the directory's values (jaxpar-checkpoints import-hf writes a "
+                "config that has them)"
+            )
+    check_hf_tensors(hf_dir, cfg)
+    return cfg
+
+
+def load_hf_llama(hf_dir: str, base: ModelConfig | None = None) -> HFLlama:
+    """Imports `hf_dir` (config.json + safetensors) as jaxpar's `llama`: ModelConfig (`base`'s non-shape fields
+    kept) and float32 numpy parameters.
+
+    Raises:
+      HFConfigError: as `check_hf_llama`.
+    """
+    hf_config = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf_config, base)
+    params, dtype = read_hf_params(hf_dir, cfg)
+    return HFLlama(cfg=cfg, params=params, dtype=dtype, hf_config=hf_config)
+
+
+def save_hf_llama(
+    params: dict,
+    cfg: ModelConfig,
+    out_dir: str,
+    *,
+    dtype: str = "float32",
+    base_config: dict | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> list[str]:
+    """Writes a jaxpar `llama` parameter dict (numpy or jax arrays) as a Hugging Face Llama directory:
+    config.json (`hf_config_from_model`; `base_config` supplies the keys jaxpar does not own, e.g. token ids)
+    and safetensors of `dtype` (sharded with an index above `max_shard_bytes` per file). Returns the file names.
+
+    Raises:
+      HFConfigError: `out_dir` already holds model files, an unknown dtype, or parameters shaped unlike `cfg`.
+    """
+    existing = [n for n in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE) if os.path.exists(os.path.join(out_dir, n))]
+    if existing:
+        raise HFConfigError(f"{out_dir} already holds {existing}; export into a new or empty directory")
+    tensors = hf_tensors(params, cfg, dtype)
+    hf = hf_config_from_model(cfg, dtype, base_config)
+    files = write_hf_tensors(tensors, out_dir, max_shard_bytes)
+    with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return [CONFIG_FILE, *files]

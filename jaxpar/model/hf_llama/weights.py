@@ -1,0 +1,257 @@
+"""Hugging Face Llama safetensors <-> jaxpar `llama` parameter dicts (numpy, host memory).
+
+Name and layout map (L layers stacked on jaxpar's leading axis; HF `nn.Linear` weights are [out, in], jaxpar's
+kernels [in, out]; D width, H/G query/key-value heads, K head width, F MLP width, V vocabulary):
+
+    model.embed_tokens.weight              [V, D]       embed/table              [V, D]
+    model.layers.i.input_layernorm.weight  [D]          blocks/attn_norm/scale   [L, D]
+    model.layers.i.self_attn.q_proj.weight [H*K, D]     blocks/attn/wq           [L, D, H, K]
+    model.layers.i.self_attn.k_proj.weight [G*K, D]     blocks/attn/wk           [L, D, G, K]
+    model.layers.i.self_attn.v_proj.weight [G*K, D]     blocks/attn/wv           [L, D, G, K]
+    model.layers.i.self_attn.o_proj.weight [D, H*K]     blocks/attn/wo           [L, H, K, D]
+    model.layers.i.post_attention_layernorm.weight      blocks/mlp_norm/scale    [L, D]
+    model.layers.i.mlp.gate_proj.weight    [F, D]       blocks/mlp/w_gate        [L, D, F]
+    model.layers.i.mlp.up_proj.weight      [F, D]       blocks/mlp/w_up          [L, D, F]
+    model.layers.i.mlp.down_proj.weight    [D, F]       blocks/mlp/w_down        [L, F, D]
+    model.norm.weight                      [D]          final_norm/scale         [D]
+    lm_head.weight                         [V, D]       lm_head/kernel           [D, V]   (absent when tied)
+
+Rotary convention: transformers' Llama rotates halves (`rotate_half`: element i pairs with i + K/2), and so does
+`jaxpar.model.layers.rotary`, so q/k rows load unpermuted (transformers' convert_llama_weights_to_hf.py already
+permuted Meta's interleaved-pair weights into this layout).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxpar.config.schema import ModelConfig
+from jaxpar.model.hf_llama.config import HFConfigError
+
+_LOGGER = logging.getLogger("jaxpar.model.hf_llama")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+_IGNORED = re.compile(r"(model\.layers\.\d+\.self_attn\.|model\.)rotary_emb\.inv_freq")  # old exports' buffers
+
+# per-layer HF suffix -> (jaxpar path under blocks, HF [out, in] -> jaxpar reshaping kind)
+_LAYER = {
+    "input_layernorm.weight": (("attn_norm", "scale"), "vector"),
+    "self_attn.q_proj.weight": (("attn", "wq"), "in_heads"),
+    "self_attn.k_proj.weight": (("attn", "wk"), "in_heads"),
+    "self_attn.v_proj.weight": (("attn", "wv"), "in_heads"),
+    "self_attn.o_proj.weight": (("attn", "wo"), "heads_out"),
+    "post_attention_layernorm.weight": (("mlp_norm", "scale"), "vector"),
+    "mlp.gate_proj.weight": (("mlp", "w_gate"), "linear"),
+    "mlp.up_proj.weight": (("mlp", "w_up"), "linear"),
+    "mlp.down_proj.weight": (("mlp", "w_down"), "linear"),
+}
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a Hugging Face Llama of `cfg` holds -> its shape, in transformers' module order."""
+    d, h, g, k, f, v = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.d_ff, cfg.vocab_size
+    per_layer = {
+        "input_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (h * k, d),
+        "self_attn.k_proj.weight": (g * k, d),
+        "self_attn.v_proj.weight": (g * k, d),
+        "self_attn.o_proj.weight": (d, h * k),
+        "post_attention_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (f, d),
+        "mlp.up_proj.weight": (f, d),
+        "mlp.down_proj.weight": (d, f),
+    }
+    out = {"model.embed_tokens.weight": (v, d)}
+    for i in range(cfg.n_layers):
+        out.update({f"model.layers.{i}.{s}": shape for s, shape in per_layer.items()})
+    out["model.norm.weight"] = (d,)
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (v, d)
+    return out
+
+
+def weight_files(hf_dir: str) -> dict[str, str]:
+    """Tensor name -> safetensors file path: from model.safetensors.index.json when present, else from
+    model.safetensors (reading only its header).
+
+    Raises:
+      HFConfigError: neither file exists, or the index names a missing file.
+    """
+    index = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        missing = sorted({n for n in weight_map.values() if not os.path.isfile(os.path.join(hf_dir, n))})
+        if missing:
+            raise HFConfigError(f"{index} names files that are missing: {missing}")
+        return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+    single = os.path.join(hf_dir, SINGLE_FILE)
+    if not os.path.isfile(single):
+        raise HFConfigError(
+            f"{hf_dir!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}; jaxpar reads safetensors weights only "
+            f"(convert .bin / .pth files with transformers' save_pretrained(safe_serialization=True))"
+        )
+    with safe_open(single, "numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+def check_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, str]:
+    """Checks the directory's tensor names, shapes and dtypes against `cfg` reading only safetensors headers;
+    returns weight_files(hf_dir).
+
+    Raises:
+      HFConfigError: a missing or unexpected tensor, a shape that differs from `cfg`'s, or a non-float dtype.
+    """
+    files = weight_files(hf_dir)
+    want = hf_tensor_shapes(cfg)
+    names = {n for n in files if not _IGNORED.fullmatch(n)}
+    if cfg.tie_embeddings:
+        names.discard("lm_head.weight")  # some tied exports also store the shared matrix; the embedding wins
+    missing, extra = sorted(want.keys() - names), sorted(names - want.keys())
+    if missing or extra:
+        raise HFConfigError(
+            f"{hf_dir}: tensors do not match a Llama of config.json"
+            + (f"; missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "")
+            + (f"; unexpected: {extra[:5]}{' ...' if len(extra) > 5 else ''}" if extra else "")
+        )
+    by_file: dict[str, list[str]] = {}
+    for name in want:
+        by_file.setdefault(files[name], []).append(name)
+    for path, file_names in by_file.items():
+        with safe_open(path, "numpy") as f:
+            for name in file_names:
+                view = f.get_slice(name)
+                shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                if shape != want[name]:
+                    raise HFConfigError(f"{path}: {name} has shape {shape}, config.json implies {want[name]}")
+                if dtype not in ("F32", "BF16", "F16"):
+                    raise HFConfigError(f"{path}: {name} is {dtype}; jaxpar imports F32, BF16 and F16 weights")
+    return files
+
+
+def _to_jaxpar(w: np.ndarray, kind: str, cfg: ModelConfig) -> np.ndarray:
+    d, k = cfg.d_model, cfg.head_width
+    if kind == "vector":
+        return w
+    if kind == "linear":
+        return w.T
+    if kind == "in_heads":  # [heads*K, D] -> [D, heads, K]
+        return w.T.reshape(d, -1, k)
+    return w.T.reshape(-1, k, d)  # heads_out: [D, H*K] -> [H, K, D]
+
+
+def _to_hf(w: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "vector":
+        return w
+    if kind == "linear":
+        return w.T
+    if kind == "in_heads":  # [D, heads, K] -> [heads*K, D]
+        return w.reshape(w.shape[0], -1).T
+    return w.reshape(-1, w.shape[-1]).T  # heads_out: [H, K, D] -> [D, H*K]
+
+
+def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
+    """Reads the weights of `hf_dir` into a jaxpar `llama` parameter dict of float32 numpy arrays (the nested
+    dict `jaxpar.model.init_params` returns), upcasting bf16/fp16 exactly. Returns (params, the stored dtype name:
+    "float32", "bfloat16" or "float16"; the most common one if they are mixed).
+
+    Raises:
+      HFConfigError: as `check_hf_tensors`.
+    """
+    files = check_hf_tensors(hf_dir, cfg)
+    want = hf_tensor_shapes(cfg)
+    by_file: dict[str, list[str]] = {}
+    for name in want:
+        by_file.setdefault(files[name], []).append(name)
+    tensors, dtypes = {}, {}
+    for path, names in by_file.items():
+        with safe_open(path, "numpy") as f:
+            for name in names:
+                w = f.get_tensor(name)
+                dtypes[w.dtype.name] = dtypes.get(w.dtype.name, 0) + 1
+                tensors[name] = w.astype(np.float32)
+    n = cfg.n_layers
+    blocks: dict = {}
+    for suffix, ((module, leaf), kind) in _LAYER.items():
+        stacked = np.stack([_to_jaxpar(tensors.pop(f"model.layers.{i}.{suffix}"), kind, cfg) for i in range(n)])
+        blocks.setdefault(module, {})[leaf] = stacked
+    params = {
+        "embed": {"table": tensors.pop("model.embed_tokens.weight")},
+        "blocks": blocks,
+        "final_norm": {"scale": tensors.pop("model.norm.weight")},
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": tensors.pop("lm_head.weight").T}
+    stored = max(dtypes, key=dtypes.get)
+    _LOGGER.info("read %d tensors (%s) from %s", len(want), ", ".join(sorted(dtypes)), hf_dir)
+    return params, stored
+
+
+def hf_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
+    """The Hugging Face tensors (name -> contiguous numpy array of `dtype`, transformers' module order) of a
+    jaxpar `llama` parameter dict (numpy or jax arrays, any float dtype).
+
+    Raises:
+      HFConfigError: an unknown `dtype`, or a parameter shaped unlike `cfg`.
+    """
+    if dtype not in DTYPES:
+        raise HFConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    np_dtype = DTYPES[dtype]
+
+    def cast(w) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(w, dtype=np.float32).astype(np_dtype))
+
+    out = {"model.embed_tokens.weight": cast(params["embed"]["table"])}
+    layer_arrays = {
+        suffix: np.asarray(params["blocks"][module][leaf]) for suffix, ((module, leaf), _) in _LAYER.items()
+    }
+    for i in range(cfg.n_layers):
+        for suffix, (_, kind) in _LAYER.items():
+            out[f"model.layers.{i}.{suffix}"] = cast(_to_hf(layer_arrays[suffix][i], kind))
+    out["model.norm.weight"] = cast(params["final_norm"]["scale"])
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = cast(np.asarray(params["lm_head"]["kernel"]).T)
+    want = hf_tensor_shapes(cfg)
+    for name, w in out.items():
+        if w.shape != want[name]:
+            raise HFConfigError(f"parameter for {name} has shape {w.shape}, a Llama of this config needs {want[name]}")
+    return out
+
+
+def write_hf_tensors(tensors: dict[str, np.ndarray], out_dir: str, max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Writes `tensors` as model.safetensors, or, above `max_shard_bytes` per file, as
+    model-0000i-of-0000n.safetensors shards (filled in order) with model.safetensors.index.json, as transformers'
+    save_pretrained does (metadata {"format": "pt"}). Returns the file names written.
+    """
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, w in tensors.items():
+        if shards[-1] and size + w.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = w
+        size += w.nbytes
+    os.makedirs(out_dir, exist_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+        f.write("\n")
+    return [*names, INDEX_FILE]

@@ -1,0 +1,105 @@
+"""`model.init_from`: a fresh run's parameters from a Hugging Face Llama directory or a jaxpar checkpoint.
+
+`check_init_from` runs before any device work (reads config.json and safetensors headers, or a checkpoint's saved
+config) and names every model key that differs; `load_init_params` reads the parameters on the host (float32
+numpy, or a checkpoint's parameters alone), which `jaxpar.training.step.init_state(plan, params=...)`
+then places on the run's mesh with a fresh optimizer state at step 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxpar.config import ConfigError, load_config
+from jaxpar.config.schema import ModelConfig
+from jaxpar.model.hf_llama import HFConfigError, check_hf_llama, is_hf_directory, load_hf_llama
+from jaxpar.model.hf_llama.config import model_differences
+
+
+def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
+    """(the model config saved with the checkpoint at `path`, its root, its step), reading metadata only."""
+    from jaxpar.checkpoint import Checkpointer, resolve_checkpoint_path
+    from jaxpar.checkpoint_info import read_json_item
+
+    root, step = resolve_checkpoint_path(path)
+    reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    try:
+        steps = reader.all_steps()
+    finally:
+        reader.close()
+    step = step if step is not None else (steps[-1] if steps else None)
+    if step is None or step not in steps:
+        raise FileNotFoundError(f"no complete checkpoint in {root}")
+    saved = read_json_item(os.path.join(root, str(step)), "config")
+    if saved is None:
+        raise FileNotFoundError(f"checkpoint step {step} in {root} holds no config")
+    return load_config(saved, validate=False).model, root, step
+
+
+def resumes(run_dir: str) -> bool:
+    """True if `run_dir` holds a complete checkpoint of its own (the run resumes from it; init_from is unused)."""
+    from jaxpar.checkpoint import RUN_CHECKPOINT_DIR, Checkpointer
+
+    directory = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return False
+    reader = Checkpointer(directory, every_steps=1, keep=1, async_save=False, read_only=True)
+    try:
+        return reader.latest_step() is not None
+    finally:
+        reader.close()
+
+
+def check_init_from(model: ModelConfig) -> None:
+    """Checks `model.init_from` (if set) fits `model`, before any device work.
+
+    Raises:
+      ConfigError: the path is neither a Hugging Face directory (config.json) nor a jaxpar checkpoint, cannot be
+        read, or its model differs from `model` (every differing key, with the value to set).
+    """
+    path = model.init_from
+    if not path:
+        return
+    if not os.path.isdir(path):
+        raise ConfigError(
+            f"model.init_from={path!r} is not a directory; give a Hugging Face Llama directory (config.json + "
+            f"*.safetensors) or a jaxpar run or checkpoint directory"
+        )
+    if is_hf_directory(path):
+        try:
+            check_hf_llama(path, model)
+        except HFConfigError as e:
+            raise ConfigError(f"model.init_from: {e}") from e
+        return
+    try:
+        saved, root, step = _saved_model(path)
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"model.init_from={path!r} holds neither config.json (a Hugging Face directory) nor a complete jaxpar "
+            f"checkpoint ({e})"
+        ) from e
+    differences = model_differences(model, saved)
+    if saved.name != model.name:
+        differences.insert(0, f"model.name: config {model.name!r}, checkpoint {saved.name!r}")
+    if differences:
+        raise ConfigError(
+            f"model.init_from: the checkpoint {root} (step {step}) holds another model: "
+            + "; ".join(d.replace("Hugging Face directory", "checkpoint") for d in differences)
+            + "; set those model.* keys to the checkpoint's values"
+        )
+
+
+def load_init_params(model: ModelConfig) -> dict:
+    """The parameters `model.init_from` names, on the host as float32 numpy: a Hugging Face directory's, or a
+    jaxpar checkpoint's (its master copy under precision.layout=16p; only the parameters are read, whatever
+    optimizer the run had: `jaxpar.checkpoint_params.restore_params`).
+
+    Raises:
+      ConfigError: as `check_init_from`.
+    """
+    check_init_from(model)
+    if is_hf_directory(model.init_from):
+        return load_hf_llama(model.init_from, model).params
+    from jaxpar.checkpoint_params import restore_params
+
+    return restore_params(model.init_from)[0]

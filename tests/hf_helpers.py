@@ -1,0 +1,30 @@
+"""Shared by the Hugging Face weight tests: the fixture directories and a tensor-for-tensor comparison."""
+
+import os
+
+import numpy as np
+from safetensors import safe_open
+
+from jaxpar.model.hf_llama.weights import weight_files
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+UNTIED = os.path.join(FIXTURES, "hf_llama_untied")  # float32, untied, 4/2 heads, llama3 rope scaling, one file
+TIED = os.path.join(FIXTURES, "hf_llama_tied_bf16")  # bfloat16, tied, 4/1 heads, three shards with an index
+
+
+def hf_tensors_of(hf_dir: str) -> dict[str, np.ndarray]:
+    """Every tensor of a Hugging Face directory, as stored."""
+    out = {}
+    for name, path in weight_files(hf_dir).items():
+        with safe_open(path, "numpy") as f:
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def assert_same_tensors(a_dir: str, b_dir: str) -> None:
+    """Same tensor names, dtypes, shapes and bytes."""
+    a, b = hf_tensors_of(a_dir), hf_tensors_of(b_dir)
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert (a[name].dtype, a[name].shape) == (b[name].dtype, b[name].shape), name
+        assert a[name].tobytes() == b[name].tobytes(), name
