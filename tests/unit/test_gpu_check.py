@@ -80,6 +80,15 @@ def test_fingerprint_follows_what_the_step_compiles():
     )
     other = load_config(os.path.join(CONFIGS, "llama_7b.yaml"), ["train.grad_accum_steps=2"], num_devices=64)
     assert gpu_check.fingerprint(base) == gpu_check.fingerprint(same) != gpu_check.fingerprint(other)
+    # the weights' origin and the parameters of a rope scaling that is off decide nothing; a scaling that is on does
+    idle = ["model.init_from=tests/fixtures/hf_llama_untied", "model.rope_scaling_factor=8"]
+    assert gpu_check.fingerprint(load_config(os.path.join(CONFIGS, "llama_7b.yaml"), idle, num_devices=64)) == (
+        gpu_check.fingerprint(base)
+    )
+    scaled = ["model.rope_scaling=llama3", "model.rope_scaling_factor=8"]
+    assert gpu_check.fingerprint(load_config(os.path.join(CONFIGS, "llama_7b.yaml"), scaled, num_devices=64)) != (
+        gpu_check.fingerprint(base)
+    )
 
 
 def test_readme_table_is_the_records_with_the_current_plan():
