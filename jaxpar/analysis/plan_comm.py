@@ -74,7 +74,7 @@ from jaxpar.analysis.plan_dims import dims, local_size, param_leaves
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
 from jaxpar.parallel import schedule
-from jaxpar.parallel.pipeline import _chunk_routes  # the routes the step permutes its layers by
+from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
 from jaxpar.sharding import storage_axes
 
 
@@ -325,7 +325,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         # (`jaxpar.parallel.pipeline.to_chunk_order`): per layer leaf one ppermute per route, each one chunk of the
         # local shard. A route whose chunks all stay on their device moves nothing (a group of one in the HLO,
         # which XLA leaves as a copy or drops); the others count in full, S = the chunk, for each op.
-        moving = sum(any(src != dst for src, dst in pairs) for pairs in _chunk_routes(p, d.virtual).values())
+        moving = sum(any(src != dst for src, dst in pairs) for pairs in chunk_routes(p, d.virtual).values())
         blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
         chunk = sum(local_size(x, shape, storage) for x in blocks) // d.virtual
         for what, width in (

@@ -382,7 +382,7 @@ def one_f_one_b(
     return (g_layers, g_edge), loss
 
 
-def _chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+def chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """{(b, j): [(source device, destination device)]}: model chunk c (c = 0 .. pv - 1, L/(pv) layers each) sits
     on device c // v at local position b = c mod v in model order, and goes to device c mod p, slot j = c // p, in
     chunk order. For a fixed (b, j) the sources differ and so do the destinations: one `ppermute` each."""
@@ -412,7 +412,7 @@ def from_chunk_order(grads, p: int, v: int):
 def _route(tree, p: int, v: int, inverse: bool):
     if v == 1:
         return tree
-    routes = _chunk_routes(p, v)
+    routes = chunk_routes(p, v)
     leaves, treedef = jax.tree.flatten(tree)
     out, prev = [], []
     for a in leaves:
