@@ -182,7 +182,7 @@ class DataConfig:
     Attributes:
       source: `stdlib` (the running interpreter's standard-library .py files), `text` (a directory or glob of
         text files), `jsonl` (JSON lines with a text field), `tokens` (flat binary file of token ids) or `shards`
-        (a token shard set made by `jaxpar-data tokenize`, memory-mapped and packed lazily: `jaxpar.data.stream`).
+        (a token shard set made by `jaxpar-data tokenize`, read and packed lazily, row by row: `jaxpar.data.stream`).
       path: directory, glob or file for `text`, `jsonl`, `tokens`; the shard set directory for `shards`; ignored
         for `stdlib`.
       validation_path: `shards` only: a second shard set to validate on (same tokenizer); empty holds out the

@@ -80,10 +80,6 @@ class RowSource(Protocol):
         """Rows `ids` (int [R], each in [0, N)): {key: [R, T] of the key's `BATCH_DTYPES` dtype}."""
         ...
 
-    def release(self) -> None:
-        """Called after each batch: may drop what the reads cached (e.g. mapped pages)."""
-        ...
-
 
 class PackedRows:
     """Packed arrays held in RAM (`jaxpar.data.pack`'s output) as a `RowSource`.
@@ -100,9 +96,6 @@ class PackedRows:
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         return {k: v[ids] for k, v in self.packed.items()}
-
-    def release(self) -> None:
-        pass
 
 
 def _as_rows(data) -> RowSource:
@@ -173,7 +166,6 @@ class DataLoader:
             epoch, offset = epoch + 1, 0
         start = epoch * n + offset
         local = self._rows.rows(self.sample_ids(start, self._local_rows))
-        self._rows.release()
         self._next_sample = start + g
         return {
             k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape) for k, v in local.items()
@@ -250,7 +242,6 @@ class EvalLoader:
             total, counts = 0, np.zeros(0, np.int64)
             for lo in range(0, self.num_scored, self.STATS_ROWS):
                 part = self._rows.rows(np.arange(lo, min(lo + self.STATS_ROWS, self.num_scored)))
-                self._rows.release()
                 valid = part["targets"][part["loss_mask"] != 0]
                 total += int(valid.size)
                 c = np.bincount(valid, minlength=counts.size) if valid.size else np.zeros(counts.size, np.int64)
@@ -267,7 +258,6 @@ class EvalLoader:
         """The scored sequences as host arrays {"inputs", "targets", "loss_mask"}: [num_scored, T] each (read
         whole: for a large streamed split use `target_stats`)."""
         out = self._rows.rows(np.arange(self.num_scored))
-        self._rows.release()
         return out
 
     def batches(self) -> Iterator[dict[str, jax.Array]]:
@@ -285,7 +275,6 @@ class EvalLoader:
             }
             if real.any():
                 part = self._rows.rows(ids[real])
-                self._rows.release()
                 for k in self._rows.keys:
                     local[k][real] = part[k]
             yield {

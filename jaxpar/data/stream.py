@@ -16,18 +16,19 @@ whole documents that make up `data.validation_fraction` of its tokens (at least 
 the rest; `data.validation_path` set trains on all of `data.path` and validates on that second shard set (same
 tokenizer, checked).
 
-Memory: the shard files are memory-mapped (`mmap`, read-only); a row read touches the pages of its T + 1 tokens
-and the few pages of the offsets a binary search visits. `release()` (called by the loaders after each batch)
-drops those pages from the process's mappings (`madvise(MADV_DONTNEED)`; the kernel's page cache keeps them), so
-the resident memory of a long run stays at about one batch's pages instead of growing with what it has read. In
-RAM: per shard the first document index and first token position (two int64 per shard) and at most
-`MAX_OPEN_SHARDS` open mappings.
+Memory: a row is read with positioned reads (`os.pread`) of its T + 1 tokens and of the offsets of the documents
+they lie in, copied into the row's arrays; nothing else of the shards enters the process. The files are not read
+through a memory map: every page a mapped read touches stays in the process's resident set, and the kernel maps a
+whole read-around window on each fault (measured on Linux 6.18 with read_ahead_kb = 8192: 32 random rows of 4 KB
+from a 20 MB shard mapped 16 MB), so the resident memory of a mapped reader grows with the corpus and with what it
+has read. The kernel's page cache still caches the files for all processes. In RAM, besides the rows: per shard its
+first document and first token (two int64), and per open shard (at most `MAX_OPEN_SHARDS`, two file descriptors
+each) every `INDEX_STRIDE`-th document offset (8 bytes per 1,024 documents).
 """
 
 from __future__ import annotations
 
 import collections
-import mmap
 import os
 
 import numpy as np
@@ -38,104 +39,140 @@ from jaxpar.data.errors import DataError
 from jaxpar.data.shards import ShardSet
 from jaxpar.data.tokenizer import PAD_ID
 
-MAX_OPEN_SHARDS = 64  # mappings kept open at once (each holds a file descriptor); others are reopened on demand
+MAX_OPEN_SHARDS = 64  # shards kept open at once (two file descriptors each); others are reopened on demand
+INDEX_STRIDE = 1024  # every INDEX_STRIDE-th document offset of an open shard is kept in RAM
 
 
-class _Mapped:
-    """A `.npy` file mapped read-only: `array` views the mapping without reading it; `release()` drops the pages
-    this process touched from its resident memory."""
+def _npy_data(path: str, dtype: np.dtype, size: int) -> tuple[int, int]:
+    """(open read-only file descriptor, byte offset of the data) of a 1-D `.npy` file of `size` `dtype` values.
 
-    def __init__(self, path: str, dtype: np.dtype, size: int):
-        try:
-            with open(path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-                if version not in read_header:
-                    raise ValueError(f".npy version {version} is not 1.0 or 2.0")
-                shape, fortran, file_dtype = read_header[version](f)
-                start = f.tell()
-                if file_dtype != dtype or shape != (size,) or fortran:
-                    raise DataError(
-                        f"{path} holds {file_dtype.name} {shape}, the manifest says {np.dtype(dtype).name} ({size},): "
-                        f"re-tokenize"
-                    )
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-        except (OSError, ValueError) as e:
-            raise DataError(f"{path} cannot be read ({e}); the shard set is damaged: re-tokenize") from None
-        self.array = (
-            np.frombuffer(self._mmap, dtype, count=size, offset=start) if size else np.empty(0, dtype)
-        )  # read-only view
-        self.touched = False
+    Raises:
+      DataError: the file cannot be read, or holds another dtype or shape than the manifest says.
+    """
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+            if version not in read_header:
+                raise ValueError(f".npy version {version} is not 1.0 or 2.0")
+            shape, fortran, file_dtype = read_header[version](f)
+            start = f.tell()
+        if file_dtype != dtype or shape != (size,) or fortran:
+            raise DataError(
+                f"{path} holds {file_dtype.name} {shape}, the manifest says {np.dtype(dtype).name} ({size},): "
+                f"re-tokenize"
+            )
+        if os.path.getsize(path) < start + size * np.dtype(dtype).itemsize:
+            raise ValueError("the file is shorter than its header says")
+        return os.open(path, os.O_RDONLY), start
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} cannot be read ({e}); the shard set is damaged: re-tokenize") from None
 
-    def release(self) -> None:
-        if self.touched and self._mmap is not None:
-            self._mmap.madvise(mmap.MADV_DONTNEED)
-        self.touched = False
+
+class _Shard:
+    """One open shard: positioned reads (`os.pread`) of its tokens and document offsets, and every
+    `INDEX_STRIDE`-th offset in RAM to find a position's document with one small read."""
+
+    def __init__(self, directory: str, entry: dict, token_dtype: np.dtype):
+        self.num_tokens, self.num_documents = int(entry["tokens"]), int(entry["documents"])
+        self.token_dtype = token_dtype
+        self._tok_fd, self._tok_start = _npy_data(
+            os.path.join(directory, entry["tokens_file"]), token_dtype, self.num_tokens
+        )
+        self._off_fd, self._off_start = _npy_data(
+            os.path.join(directory, entry["offsets_file"]), np.dtype(np.int64), self.num_documents + 1
+        )
+        self.index = np.concatenate(
+            [self.offsets(d, d + 1) for d in range(0, self.num_documents + 1, INDEX_STRIDE)]
+        )  # int64 [ceil((documents + 1) / INDEX_STRIDE)]: offsets of documents 0, INDEX_STRIDE, ...
+
+    @staticmethod
+    def _pread(fd: int, dtype: np.dtype, start_byte: int, count: int) -> np.ndarray:
+        n = count * dtype.itemsize
+        data = os.pread(fd, n, start_byte)
+        if len(data) != n:
+            raise DataError("a shard file is shorter than its manifest says; the shard set is damaged: re-tokenize")
+        return np.frombuffer(data, dtype)
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Token ids at shard positions [start, stop): `token_dtype` [stop - start] (read-only)."""
+        return self._pread(
+            self._tok_fd, self.token_dtype, self._tok_start + start * self.token_dtype.itemsize, stop - start
+        )
+
+    def offsets(self, start: int, stop: int) -> np.ndarray:
+        """Offsets of documents [start, stop) (0 <= start <= stop <= documents + 1): int64 [stop - start]."""
+        return self._pread(self._off_fd, np.dtype(np.int64), self._off_start + 8 * start, stop - start)
+
+    def document_at(self, position: int) -> int:
+        """The shard's document (0-based) holding shard position `position` (0 <= position < tokens)."""
+        block = int(np.searchsorted(self.index, position, side="right")) - 1
+        lo = block * INDEX_STRIDE
+        part = self.offsets(lo, min(lo + INDEX_STRIDE + 1, self.num_documents + 1))
+        return lo + int(np.searchsorted(part, position, side="right")) - 1
+
+    def close(self) -> None:
+        os.close(self._tok_fd)
+        os.close(self._off_fd)
 
 
 class _Shards:
-    """Memory-mapped token and offsets arrays of a `ShardSet`, at most `MAX_OPEN_SHARDS` shards open at once."""
+    """The shards of a `ShardSet`, opened on demand, at most `MAX_OPEN_SHARDS` at once."""
 
     def __init__(self, shard_set: ShardSet):
         self.set = shard_set
         entries = shard_set.manifest["shards"]
         self.first_doc = np.cumsum([0] + [int(s["documents"]) for s in entries]).astype(np.int64)  # [S + 1]
         self.first_token = np.cumsum([0] + [int(s["tokens"]) for s in entries]).astype(np.int64)  # [S + 1]
-        self._open: collections.OrderedDict[int, tuple[_Mapped, _Mapped]] = collections.OrderedDict()
+        self._open: collections.OrderedDict[int, _Shard] = collections.OrderedDict()
 
-    def shard(self, s: int) -> tuple[_Mapped, _Mapped]:
-        """(tokens, offsets) of shard `s`, both marked touched."""
+    def shard(self, s: int) -> _Shard:
         if s in self._open:
             self._open.move_to_end(s)
         else:
-            entry = self.set.manifest["shards"][s]
-            d = self.set.directory
-            self._open[s] = (
-                _Mapped(os.path.join(d, entry["tokens_file"]), self.set.token_dtype, int(entry["tokens"])),
-                _Mapped(os.path.join(d, entry["offsets_file"]), np.dtype(np.int64), int(entry["documents"]) + 1),
-            )
+            self._open[s] = _Shard(self.set.directory, self.set.manifest["shards"][s], self.set.token_dtype)
             while len(self._open) > MAX_OPEN_SHARDS:
-                self._open.popitem(last=False)  # unmapped once the last view of it is gone
-        pair = self._open[s]
-        pair[0].touched = pair[1].touched = True
-        return pair
+                self._open.popitem(last=False)[1].close()
+        return self._open[s]
+
+    def __del__(self):
+        for shard in getattr(self, "_open", {}).values():
+            shard.close()
 
     def token_position(self, doc: int) -> int:
         """Global position of the first token of global document `doc` (0 <= doc <= D; D gives the total)."""
         if doc >= int(self.first_doc[-1]):
             return int(self.first_token[-1])
         s = int(np.searchsorted(self.first_doc, doc, side="right")) - 1
-        return int(self.first_token[s]) + int(self.shard(s)[1].array[doc - int(self.first_doc[s])])
+        d = doc - int(self.first_doc[s])
+        return int(self.first_token[s]) + int(self.shard(s).offsets(d, d + 1)[0])
 
     def document_at(self, position: int) -> int:
         """Global index of the document holding the token at global `position` (0 <= position < total)."""
         s = int(np.searchsorted(self.first_token, position, side="right")) - 1
-        offsets = self.shard(s)[1].array
-        return int(self.first_doc[s]) + int(np.searchsorted(offsets, position - int(self.first_token[s]), "right")) - 1
+        return int(self.first_doc[s]) + self.shard(s).document_at(position - int(self.first_token[s]))
 
     def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens at global positions [start, stop) (int32 [stop - start]) and the global index of each one's
-        document (int64 [stop - start])."""
+        document (int64 [stop - start]). Reads those tokens and the offsets of the documents they lie in."""
         tokens, docs = [], []
         s = int(np.searchsorted(self.first_token, start, side="right")) - 1
         while start < stop:
             shard_start, shard_stop = int(self.first_token[s]), int(self.first_token[s + 1])
             end = min(stop, shard_stop)
             if end > start:
-                tok, off = self.shard(s)
-                local = np.arange(start - shard_start, end - shard_start)
-                tokens.append(np.asarray(tok.array[local[0] : local[-1] + 1], dtype=np.int32))
-                docs.append(int(self.first_doc[s]) + np.searchsorted(off.array, local, side="right") - 1)
+                shard = self.shard(s)
+                a, b = start - shard_start, end - shard_start
+                tokens.append(shard.tokens(a, b).astype(np.int32))
+                d0, d1 = shard.document_at(a), shard.document_at(b - 1)
+                offsets = shard.offsets(d0, d1 + 1)  # starts of the documents the tokens lie in
+                local = np.searchsorted(offsets, np.arange(a, b), side="right") - 1
+                docs.append(int(self.first_doc[s]) + d0 + local)
                 start = end
             s += 1
         if not tokens:
             return np.empty(0, np.int32), np.empty(0, np.int64)
         return np.concatenate(tokens), np.concatenate(docs)
-
-    def release(self) -> None:
-        for tok, off in self._open.values():
-            tok.release()
-            off.release()
 
 
 class ShardRows:
@@ -193,10 +230,6 @@ class ShardRows:
             segments = (doc[:, :-1] - doc[:, :1] + 1).astype(np.int32)
             out[SEGMENT_IDS] = np.where(real[:, :-1] > 0, segments, 0).astype(np.int32)
         return {k: np.ascontiguousarray(v) for k, v in out.items()}
-
-    def release(self) -> None:
-        """Drops the pages the reads touched from this process's resident memory (module docstring)."""
-        self._shards.release()
 
 
 def _open_set(path: str, key: str) -> ShardSet:

@@ -76,7 +76,6 @@ def test_streamed_rows_equal_packing_in_ram(sets, kind, masking):
         for k in want:
             np.testing.assert_array_equal(got[k], want[k][order], err_msg=k)
             assert got[k].dtype == want[k].dtype
-        rows.release()
     if masking:  # the documents really are kept apart: some row holds two, and a boundary target is masked
         seg = train.rows(np.arange(train.num_sequences))["segment_ids"]
         assert seg.max() >= 2
@@ -175,18 +174,8 @@ def test_unfinished_or_missing_set_is_refused(sets, tmp_path):
         shard_splits(DataConfig(source="shards", path=str(broken)))
 
 
-def test_release_keeps_rows_readable(sets):
-    """After `release` drops the mapped pages, reads fault them in again from the files: same rows."""
-    train, _, _ = shard_splits(DataConfig(source="shards", path=sets["byte"], seq_len=T))
-    ids = np.arange(0, train.num_sequences, 7)
-    first = train.rows(ids)
-    train.release()
-    again = train.rows(ids)
-    for k in first:
-        np.testing.assert_array_equal(first[k], again[k])
-
-
-def test_few_open_mappings(sets, monkeypatch):
+def test_few_open_shards(sets, monkeypatch):
+    """With one shard open at a time (each read closes the previous shard), the rows are the same."""
     monkeypatch.setattr(stream_lib, "MAX_OPEN_SHARDS", 1)
     cfg = DataConfig(source="shards", path=sets["byte"], seq_len=T, document_masking=True)
     train, _, shard_set = shard_splits(cfg)
@@ -195,6 +184,16 @@ def test_few_open_mappings(sets, monkeypatch):
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
     assert len(train._shards._open) == 1
+
+
+def test_an_index_stride_of_one_block_or_many_finds_the_same_documents(sets, monkeypatch):
+    cfg = DataConfig(source="shards", path=sets["hf"], seq_len=T)
+    want = shard_splits(cfg)[0].rows(np.arange(40))
+    for stride in (1, 3):
+        monkeypatch.setattr(stream_lib, "INDEX_STRIDE", stride)
+        got = shard_splits(cfg)[0].rows(np.arange(40))
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k])
 
 
 def test_config_validation_of_the_source():
