@@ -3,12 +3,13 @@
     python experiments/bench_data_rss.py [--sizes 10000000 1000000000] [--batches 200] [--dir /tmp]
 
 For each size it writes a synthetic shard set into a temporary directory (uint16 ids below 32,000, documents of
-100 to 4,000 tokens, shards of at most 100M tokens, manifest and checksums as `jaxpar-data tokenize` writes them;
-1B tokens = 2 GB, written in chunks with numpy), then starts a fresh Python process that builds the training and
-validation loaders (`jaxpar.data.build_loaders`, one CPU device, G = --global-batch rows of T = --seq-len tokens,
-document masking on), reads --batches training batches and one evaluation pass, and reports its peak resident
-set size (VmHWM of /proc/self/status, which counts the mapped shard pages the process touched). The sets are
-deleted afterwards. Printed: one line per run and the ratio peak(largest) / peak(smallest), goal <= 1.1.
+100 to 4,000 tokens, shards of at most 100M tokens, a manifest and checksums as the `jaxpar-data` tokenize command
+writes them; 1B tokens = 2 GB, written in chunks with numpy), then starts a fresh Python process that builds the
+training and validation loaders (`jaxpar.data.build_loaders`, one CPU device, G = --global-batch rows of
+T = --seq-len tokens, document masking on), reads --batches training batches and one evaluation pass, and reports
+its peak resident set size (VmHWM of /proc/self/status: everything the process holds, file pages it maps
+included). The sets are deleted afterwards. Printed: one line per run and the ratio peak(largest) /
+peak(smallest), goal <= 1.1.
 
 Rows: "streamed" (`data.source: shards`, as training reads it), and for the smallest size only "in RAM" (the same
 tokens as a flat `data.source: tokens` file, read and packed whole, as the text sources are), for comparison.
