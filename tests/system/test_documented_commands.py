@@ -103,6 +103,7 @@ NOT_RUN = {
     "jaxpar-plan CONFIG --compile --target KIND:NODESxGPUS": SYNOPSIS,
     "jaxpar-train CONFIG [section.key=value ...]": SYNOPSIS,
     "jaxpar-train --import FILE.py": SYNOPSIS,
+    "jaxpar-data tokenize INPUT ... --tokenizer TOKENIZER --out DIR": SYNOPSIS,
     ".venv/bin/python tools/check_gpu_configs.py": "needs the gpu-compile extra (about 2.7 GB, not in CI) and rewrites "
     "configs/gpu_check.json; tests/unit/test_gpu_check.py checks that record "
     "against the configs, planner and README, and where the extra is "
