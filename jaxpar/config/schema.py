@@ -263,7 +263,9 @@ class TrainConfig:
         The last global batch is padded with masked rows; metrics report the tokens covered (`val_tokens`).
       peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
       progress_bar: show a tqdm progress bar.
-      sample_tokens: tokens to generate from the trained model at the end (0: none).
+      sample_tokens: tokens to generate from the trained model at the end (0: none), decoded with the data's
+        tokenizer; skipped, saying why, without one (a `tokens` file) or above `jaxpar.generate.MAX_SAMPLE_PARAMS`
+        parameters (they are gathered onto every host).
       max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient.
       divergence_rollbacks: how many times a run that hits `max_bad_steps` restores its last good checkpoint
         and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0: stop at once.
