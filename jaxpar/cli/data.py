@@ -15,7 +15,7 @@ the finished shards; run again when finished, it does nothing; pointed at a dire
 tokenizer, input or options, it refuses. The result does not depend on --workers.
 
 Examples:
-  jaxpar-data tokenize 'jaxpar/**/*.py' --tokenizer byte --out runs/data/jaxpar_src
+  jaxpar-data tokenize 'jaxpar/**/*.py' 'tools/*.py' --tokenizer byte --out runs/data/jaxpar_src
 
 Exit status: 0; 2 for bad input (the message names the problem and the fix); 130 when interrupted.
 """

@@ -219,12 +219,17 @@ class DataConfig:
 
     Attributes:
       source: `stdlib` (the running interpreter's standard-library .py files), `text` (a directory or glob of
-        text files), `jsonl` (JSON lines with a text field) or `tokens` (flat binary file of token ids).
-      path: directory, glob or file for `text`, `jsonl`, `tokens`; ignored for `stdlib`.
+        text files), `jsonl` (JSON lines with a text field), `tokens` (flat binary file of token ids) or `shards`
+        (a token shard set made by `jaxpar-data tokenize`, read and packed lazily, row by row: `jaxpar.data.stream`).
+      path: directory, glob or file for `text`, `jsonl`, `tokens`; the shard set directory for `shards`; ignored
+        for `stdlib`.
+      validation_path: `shards` only: a second shard set to validate on (same tokenizer); empty holds out the
+        last whole documents of `path` that make up `validation_fraction` of its tokens.
       text_field: JSONL key holding the text.
       token_dtype: `uint16` or `uint32` for `tokens`.
       seq_len: tokens per packed training sequence T.
-      validation_fraction: share of files (of tokens for `tokens`) held out for validation.
+      validation_fraction: share of files (of tokens for `tokens`; of tokens, in whole documents at the end of the
+        set, for `shards`) held out for validation.
       max_bytes: stop reading text after this many bytes (0: no limit); keeps CPU runs quick.
       seed: shuffle seed.
       document_masking: packed text documents stay apart: attention never crosses a document boundary, rotary
@@ -234,6 +239,7 @@ class DataConfig:
 
     source: str = "stdlib"
     path: str = ""
+    validation_path: str = ""
     text_field: str = "text"
     token_dtype: str = "uint16"
     seq_len: int = 128
@@ -295,7 +301,9 @@ class TrainConfig:
         The last global batch is padded with masked rows; metrics report the tokens covered (`val_tokens`).
       peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
       progress_bar: show a tqdm progress bar.
-      sample_tokens: tokens to generate from the trained model at the end (0: none).
+      sample_tokens: tokens to generate from the trained model at the end (0: none), decoded with the data's
+        tokenizer; skipped, saying why, without one (a `tokens` file) or above `jaxpar.generate.MAX_SAMPLE_PARAMS`
+        parameters (they are gathered onto every host).
       max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient.
       divergence_rollbacks: how many times a run that hits `max_bad_steps` restores its last good checkpoint
         and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0: stop at once.

@@ -173,7 +173,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         )
     if m.head_width % 2:
         raise ConfigError(f"head width {m.head_width} must be even for rotary embeddings; set model.head_dim")
-    if d.source != "tokens" and m.vocab_size < BYTE_VOCAB:
+    if d.source not in ("tokens", "shards") and m.vocab_size < BYTE_VOCAB:
         raise ConfigError(
             f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
             f"set model.vocab_size >= {BYTE_VOCAB}"
@@ -197,10 +197,20 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{key}={value} must lie in [0, 1)")
 
-    _choice("data.source", d.source, ("stdlib", "text", "jsonl", "tokens"))
+    _choice("data.source", d.source, ("stdlib", "text", "jsonl", "tokens", "shards"))
     _choice("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
     if d.source != "stdlib" and not d.path:
-        raise ConfigError(f"data.path is required for data.source={d.source}; give a directory, glob or file")
+        what = (
+            "the shard set directory (jaxpar-data tokenize --out DIR)"
+            if d.source == "shards"
+            else "a directory, glob or file"
+        )
+        raise ConfigError(f"data.path is required for data.source={d.source}; give {what}")
+    if d.validation_path and d.source != "shards":
+        raise ConfigError(
+            f"data.validation_path applies to data.source=shards, not {d.source}; drop it (data.validation_fraction "
+            f"sets the held-out share)"
+        )
     _positive("data.seq_len", d.seq_len)
     _positive("data.max_bytes", d.max_bytes, allow_zero=True)
     if not 0.0 < d.validation_fraction < 1.0:

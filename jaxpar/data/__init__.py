@@ -1,6 +1,7 @@
 """Data pipeline: byte tokenizer, corpus sources, packing, a Grain-ordered sharded loader, a one-pass
-validation loader, a loader over a script's own iterator, and offline tokenization into memory-mapped token
-shards (`jaxpar.data.tokenize_corpus`, `jaxpar.data.shards`, `jaxpar.data.text_tokenizer`).
+validation loader, a loader over a script's own iterator, offline tokenization into token shards
+(`jaxpar.data.tokenize_corpus`, `jaxpar.data.shards`, `jaxpar.data.text_tokenizer`), and a shard set's rows
+packed lazily for the loaders (`jaxpar.data.stream`, `data.source: shards`).
 
 Imports are lazy: `import jaxpar.data` (or one of its jax-free modules, such as the tokenizers and the shard
 format, which `jaxpar-data` and its worker processes load) does not import jax.
@@ -19,9 +20,12 @@ _PUBLIC = {
     "EvalLoader": "jaxpar.data.loader",
     "IteratorLoader": "jaxpar.data.iterator",
     "PAD_ID": "jaxpar.data.tokenizer",
+    "PackedRows": "jaxpar.data.loader",
+    "ShardRows": "jaxpar.data.stream",
     "build_loaders": "jaxpar.data.loader",
     "load_tokens": "jaxpar.data.sources",
     "pack": "jaxpar.data.packing",
+    "shard_splits": "jaxpar.data.stream",
     "split_documents": "jaxpar.data.sources",
     "unigram_entropy": "jaxpar.data.stats",
 }

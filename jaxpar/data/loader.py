@@ -13,13 +13,16 @@ every sequence exactly once, the last global batch filled with padding rows of l
 row holds which sequence, or padding, depends on the row's global index alone, so every process agrees.
 
 Each process gathers only the rows its addressable devices hold and assembles the global array with
-`jax.make_array_from_process_local_data`. Every process reads and packs the whole corpus (cheap at this
-library's scale).
+`jax.make_array_from_process_local_data`. Rows come from a row source: packed arrays in RAM (`PackedRows`, the
+`stdlib`, `text`, `jsonl` and `tokens` sources, which every process reads and packs whole), or a token shard set
+packed lazily row by row (`jaxpar.data.stream.ShardRows`, `data.source: shards`), from which a process reads only
+the rows of its own batch slice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import grain
 import jax
@@ -29,13 +32,14 @@ from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
-from jaxpar.data.stats import unigram_entropy
+from jaxpar.data.stats import unigram_entropy_of_counts
 from jaxpar.data.tokenizer import BOS_ID, PAD_ID
 
 
 def serves_segment_ids(data_cfg: DataConfig) -> bool:
     """Whether the config's corpus is packed with segment ids: `data.document_masking` on a text source (each
-    document opens with BOS, `jaxpar.data.sources`); a flat `tokens` file has no document index."""
+    document opens with BOS, `jaxpar.data.sources`) or a shard set (its document index, `jaxpar.data.stream`); a
+    flat `tokens` file has no document index."""
     return data_cfg.document_masking and data_cfg.source != "tokens"
 
 
@@ -59,12 +63,53 @@ def _packed_shape(packed: dict[str, np.ndarray]) -> tuple[int, int]:
     return next(iter(shapes))
 
 
+class RowSource(Protocol):
+    """Packed sequences a loader serves row by row.
+
+    Attributes:
+      num_sequences: N rows. seq_len: T. keys: the batch keys `rows` gives ("inputs", "targets", "loss_mask",
+        and "segment_ids" with document masking). pad_id: the id of padded positions.
+    """
+
+    num_sequences: int
+    seq_len: int
+    keys: tuple[str, ...]
+    pad_id: int
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows `ids` (int [R], each in [0, N)): {key: [R, T] of the key's `BATCH_DTYPES` dtype}."""
+        ...
+
+
+class PackedRows:
+    """Packed arrays held in RAM (`jaxpar.data.pack`'s output) as a `RowSource`.
+
+    Raises:
+      ValueError: `packed` lacks a key or its arrays disagree in shape.
+    """
+
+    def __init__(self, packed: dict[str, np.ndarray], pad_id: int = PAD_ID):
+        self.num_sequences, self.seq_len = _packed_shape(packed)
+        self.keys = _keys(packed)
+        self.pad_id = pad_id
+        self.packed = {k: packed[k] for k in self.keys}
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v[ids] for k, v in self.packed.items()}
+
+
+def _as_rows(data) -> RowSource:
+    """A `RowSource` from packed arrays (a dict) or a row source given as is."""
+    return PackedRows(data) if isinstance(data, dict) else data
+
+
 class DataLoader:
     """Serves global batches {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}, with
-    "segment_ids": int32 [G, T] when `packed` has them (document masking, `jaxpar.data.pack`).
+    "segment_ids": int32 [G, T] when the rows have them (document masking, `jaxpar.data.pack`).
 
     Args:
-      packed: output of `jaxpar.data.pack`, N sequences of T tokens.
+      packed: output of `jaxpar.data.pack` (N sequences of T tokens), or a `RowSource` of N rows (e.g. a shard
+        set's `jaxpar.data.stream.ShardRows`), from which only this process's rows are read.
       global_batch_size: G, sequences per batch over all processes.
       sharding: NamedSharding of each [G, T] batch array, typically P(("data", "fsdp"), None).
       seed: shuffle seed (taken modulo 2**32).
@@ -78,14 +123,15 @@ class DataLoader:
 
     def __init__(
         self,
-        packed: dict[str, np.ndarray],
+        packed: dict[str, np.ndarray] | RowSource,
         global_batch_size: int,
         sharding: jax.sharding.NamedSharding,
         seed: int,
         shuffle: bool = True,
         split: str = "train",
     ):
-        self.num_sequences, self.seq_len = _packed_shape(packed)
+        self._rows = _as_rows(packed)
+        self.num_sequences, self.seq_len = self._rows.num_sequences, self._rows.seq_len
         self.global_batch_size = global_batch_size
         if self.num_sequences < global_batch_size:
             raise ConfigError(
@@ -93,7 +139,6 @@ class DataLoader:
                 f"train.global_batch_size={global_batch_size}; lower train.global_batch_size or data.seq_len, "
                 f"or add data (data.max_bytes, data.validation_fraction)"
             )
-        self._packed = {k: packed[k] for k in _keys(packed)}
         self._sharding = sharding
         self._global_shape = (global_batch_size, self.seq_len)
         self._local_rows = _process_rows(sharding, self._global_shape)
@@ -108,20 +153,22 @@ class DataLoader:
         """floor(N / G): full batches per pass over the data."""
         return self.num_sequences // self.global_batch_size
 
+    def sample_ids(self, start: int, rows: np.ndarray) -> np.ndarray:
+        """The sequence ids at stream positions `start + rows` of the shuffled, repeated order: int64 [len(rows)]."""
+        return np.fromiter((self._order[start + r] for r in rows), dtype=np.int64, count=len(rows))
+
     def next_batch(self) -> dict[str, jax.Array]:
-        """Returns the next global batch, each array of shape [G, T] placed with `sharding`."""
+        """Returns the next global batch, each array of shape [G, T] placed with `sharding`. Reads only the rows
+        this process's devices hold."""
         n, g = self.num_sequences, self.global_batch_size
         epoch, offset = divmod(self._next_sample, n)
         if offset + g > n:  # the batch would cross into the next epoch: skip the remainder
             epoch, offset = epoch + 1, 0
         start = epoch * n + offset
-        ids = np.fromiter(
-            (self._order[start + r] for r in self._local_rows), dtype=np.int64, count=len(self._local_rows)
-        )
+        local = self._rows.rows(self.sample_ids(start, self._local_rows))
         self._next_sample = start + g
         return {
-            k: jax.make_array_from_process_local_data(self._sharding, v[ids], self._global_shape)
-            for k, v in self._packed.items()
+            k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape) for k, v in local.items()
         }
 
     def get_state(self) -> dict:
@@ -142,15 +189,15 @@ class DataLoader:
 
 class EvalLoader:
     """One pass over a validation split: global batches {"inputs", "targets": int32 [G, T], "loss_mask":
-    float32 [G, T]} (and "segment_ids" when `packed` has them; 0 on padding rows) in file order, each sequence
+    float32 [G, T]} (and "segment_ids" when the rows have them; 0 on padding rows) in file order, each sequence
     exactly once, never repeated.
 
     Batch b holds, in row r, sequence b*G + r while that is below `num_scored`, else a padding row (inputs
-    and targets `PAD_ID`, loss_mask 0), so a token-mean over all batches is the mean over exactly the scored
-    sequences' valid tokens. The rows depend only on the global row index: every process pads the same rows.
+    and targets the source's pad id, loss_mask 0), so a token-mean over all batches is the mean over exactly the
+    scored sequences' valid tokens. The rows depend only on the global row index: every process pads the same rows.
 
     Args:
-      packed: output of `jaxpar.data.pack`, N >= 1 sequences of T tokens.
+      packed: output of `jaxpar.data.pack`, N >= 1 sequences of T tokens, or a `RowSource` of N rows.
       global_batch_size: G, rows per batch over all processes.
       sharding: NamedSharding of each [G, T] batch array, as for `DataLoader`.
       max_batches: 0 scores the whole split (ceil(N / G) batches, the last padded); B > 0 scores its first
@@ -161,14 +208,17 @@ class EvalLoader:
       ValueError: `packed` lacks a key or its arrays disagree in shape.
     """
 
+    STATS_ROWS = 256  # rows read at once by `target_stats`
+
     def __init__(
         self,
-        packed: dict[str, np.ndarray],
+        packed: dict[str, np.ndarray] | RowSource,
         global_batch_size: int,
         sharding: jax.sharding.NamedSharding,
         max_batches: int = 0,
     ):
-        self.num_sequences, self.seq_len = _packed_shape(packed)
+        self._rows = _as_rows(packed)
+        self.num_sequences, self.seq_len = self._rows.num_sequences, self._rows.seq_len
         if self.num_sequences == 0:
             raise ConfigError(
                 "the validation split holds no sequence (fewer than 2 tokens); raise "
@@ -180,32 +230,53 @@ class EvalLoader:
         self.global_batch_size = g
         self.num_scored = self.num_sequences if max_batches == 0 else min(max_batches * g, self.num_sequences)
         self.num_batches = -(-self.num_scored // g)
-        self._packed = {k: packed[k][: self.num_scored] for k in _keys(packed)}
         self._sharding = sharding
         self._global_shape = (g, self.seq_len)
         self._local_rows = _process_rows(sharding, self._global_shape)
+        self._stats = None
+
+    def target_stats(self) -> tuple[int, np.ndarray]:
+        """(valid target tokens, count of each target id: int64 [largest id + 1]) over the scored sequences, read
+        `STATS_ROWS` rows at a time (memory independent of the split's size). Computed once."""
+        if self._stats is None:
+            total, counts = 0, np.zeros(0, np.int64)
+            for lo in range(0, self.num_scored, self.STATS_ROWS):
+                part = self._rows.rows(np.arange(lo, min(lo + self.STATS_ROWS, self.num_scored)))
+                valid = part["targets"][part["loss_mask"] != 0]
+                total += int(valid.size)
+                c = np.bincount(valid, minlength=counts.size) if valid.size else np.zeros(counts.size, np.int64)
+                counts = np.pad(counts, (0, c.size - counts.size)) + c
+            self._stats = (total, counts)
+        return self._stats
 
     @property
     def num_tokens(self) -> int:
         """Valid (loss_mask = 1) target tokens of the scored sequences: what one pass's token-mean covers."""
-        return int(self._packed["loss_mask"].sum())
+        return self.target_stats()[0]
 
     def scored(self) -> dict[str, np.ndarray]:
-        """The scored sequences as host arrays {"inputs", "targets", "loss_mask"}: [num_scored, T] each."""
-        return dict(self._packed)
+        """The scored sequences as host arrays {"inputs", "targets", "loss_mask"}: [num_scored, T] each (read
+        whole: for a large streamed split use `target_stats`)."""
+        out = self._rows.rows(np.arange(self.num_scored))
+        return out
 
     def batches(self) -> Iterator[dict[str, jax.Array]]:
-        """Yields the `num_batches` global batches of one pass, each array [G, T] placed with `sharding`."""
+        """Yields the `num_batches` global batches of one pass, each array [G, T] placed with `sharding`. Reads
+        only the rows this process's devices hold."""
         rows = len(self._local_rows)
         for b in range(self.num_batches):
             ids = b * self.global_batch_size + self._local_rows
             real = ids < self.num_scored
             local = {
-                k: np.full((rows, self.seq_len), 0 if k in ("loss_mask", SEGMENT_IDS) else PAD_ID, BATCH_DTYPES[k])
-                for k in self._packed
+                k: np.full(
+                    (rows, self.seq_len), 0 if k in ("loss_mask", SEGMENT_IDS) else self._rows.pad_id, BATCH_DTYPES[k]
+                )
+                for k in self._rows.keys
             }
-            for k in self._packed:
-                local[k][real] = self._packed[k][ids[real]]
+            if real.any():
+                part = self._rows.rows(ids[real])
+                for k in self._rows.keys:
+                    local[k][real] = part[k]
             yield {
                 k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)
                 for k, v in local.items()
@@ -237,7 +308,8 @@ def build_loaders(
     eval_batches: int = 0,
     vocab_multiple: int = 1,
 ) -> tuple[DataLoader, EvalLoader, dict]:
-    """Reads, splits and packs the corpus; returns (train_loader, val_loader, info).
+    """Reads, splits and packs the corpus (or, for `data.source: shards`, opens the shard set to be read lazily,
+    `jaxpar.data.stream`); returns (train_loader, val_loader, info).
 
     `vocab_multiple` (mesh.tensor) is what model.vocab_size must be a multiple of; the fix an out-of-vocabulary
     token error suggests is the smallest size that holds every id and is such a multiple.
@@ -245,38 +317,50 @@ def build_loaders(
     The train loader shuffles with `data.seed`; the validation loader is an `EvalLoader` over the first
     `eval_batches` global batches' worth of validation sequences in file order (0: all of them).
     info: {"train_tokens", "val_tokens" (stream lengths), "train_sequences", "val_sequences" (packed),
-    "val_scored_sequences", "val_scored_tokens" (what each evaluation covers), "seq_len"} (ints) and
-    "val_unigram_entropy" (nats/token over the scored target tokens, see `jaxpar.data.unigram_entropy`).
+    "val_scored_sequences", "val_scored_tokens" (what each evaluation covers), "seq_len"} (ints),
+    "val_unigram_entropy" (nats/token over the scored target tokens, see `jaxpar.data.unigram_entropy`), and for
+    shards "shard_set" (the training set's directory).
 
     Raises:
-      ConfigError: from `load_tokens`, a train split with fewer than `global_batch_size` sequences, an empty
-        validation split, or a token id >= `vocab_size` (when given).
+      ConfigError: from `load_tokens` or `jaxpar.data.stream.shard_splits`, a train split with fewer than
+        `global_batch_size` sequences, an empty validation split, or a token id >= `vocab_size` (when given; for
+        shards, a tokenizer with more ids than `vocab_size`).
     """
-    train_tokens, val_tokens = load_tokens(data_cfg)
-    if vocab_size is not None:
-        largest = int(max(train_tokens.max(), val_tokens.max()))
-        if largest >= vocab_size:
-            need = -(-(largest + 1) // vocab_multiple) * vocab_multiple
-            multiple = f", a multiple of mesh.tensor={vocab_multiple}" if vocab_multiple > 1 else ""
-            raise ConfigError(
-                f"data.source={data_cfg.source} holds token id {largest}, but model.vocab_size={vocab_size} "
-                f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
-                f"{multiple}), or check data.path and data.token_dtype"
-            )
-    bos_id = BOS_ID if serves_segment_ids(data_cfg) else None
-    train = pack(train_tokens, data_cfg.seq_len, bos_id=bos_id)
-    val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
+    extra = {}
+    if data_cfg.source == "shards":
+        from jaxpar.data.stream import shard_splits
+
+        train, val, shard_set = shard_splits(data_cfg, vocab_size, vocab_multiple)
+        train_len, val_len = train.num_tokens, val.num_tokens
+        extra["shard_set"] = shard_set.directory
+    else:
+        train_tokens, val_tokens = load_tokens(data_cfg)
+        if vocab_size is not None:
+            largest = int(max(train_tokens.max(), val_tokens.max()))
+            if largest >= vocab_size:
+                need = -(-(largest + 1) // vocab_multiple) * vocab_multiple
+                multiple = f", a multiple of mesh.tensor={vocab_multiple}" if vocab_multiple > 1 else ""
+                raise ConfigError(
+                    f"data.source={data_cfg.source} holds token id {largest}, but model.vocab_size={vocab_size} "
+                    f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
+                    f"{multiple}), or check data.path and data.token_dtype"
+                )
+        bos_id = BOS_ID if serves_segment_ids(data_cfg) else None
+        train = pack(train_tokens, data_cfg.seq_len, bos_id=bos_id)
+        val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
+        train_len, val_len = len(train_tokens), len(val_tokens)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
-    scored = val_loader.scored()
+    scored_tokens, counts = val_loader.target_stats()
     info = {
-        "train_tokens": int(len(train_tokens)),
-        "val_tokens": int(len(val_tokens)),
+        "train_tokens": int(train_len),
+        "val_tokens": int(val_len),
         "train_sequences": train_loader.num_sequences,
         "val_sequences": val_loader.num_sequences,
         "val_scored_sequences": val_loader.num_scored,
-        "val_scored_tokens": val_loader.num_tokens,
+        "val_scored_tokens": scored_tokens,
         "seq_len": data_cfg.seq_len,
-        "val_unigram_entropy": unigram_entropy(scored["targets"], scored["loss_mask"]),
+        "val_unigram_entropy": unigram_entropy_of_counts(counts),
+        **extra,
     }
     return train_loader, val_loader, info

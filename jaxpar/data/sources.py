@@ -50,7 +50,10 @@ def load_tokens(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     elif cfg.source == "jsonl":
         docs = _jsonl_documents(*_match_files(cfg), cfg.text_field)
     else:
-        raise ConfigError(f"data.source={cfg.source!r} is not one of stdlib, text, jsonl, tokens")
+        raise ConfigError(
+            f"data.source={cfg.source!r} is not one of stdlib, text, jsonl, tokens (a shard set, data.source=shards, "
+            f"is read by jaxpar.data.stream)"
+        )
     docs = _cap_documents(docs, cfg.max_bytes)
     where = "the standard library" if cfg.source == "stdlib" else f"data.path={cfg.path!r}"
     if not docs:

@@ -28,5 +28,18 @@ def unigram_entropy(tokens: np.ndarray, mask: np.ndarray | None = None) -> float
     if tokens.size == 0:
         raise ValueError("unigram_entropy needs at least one counted token")
     _, counts = np.unique(tokens, return_counts=True)
+    return unigram_entropy_of_counts(counts)
+
+
+def unigram_entropy_of_counts(counts: np.ndarray) -> float:
+    """`unigram_entropy` from per-token counts (any integer array; zeros are ignored), in nats per token.
+
+    Raises:
+      ValueError: the counts sum to 0.
+    """
+    counts = np.asarray(counts).reshape(-1)
+    counts = counts[counts > 0]
+    if counts.sum() == 0:
+        raise ValueError("unigram_entropy needs at least one counted token")
     p = counts / counts.sum()
     return float(-(p * np.log(p)).sum())

@@ -115,3 +115,41 @@ def test_quick_mode_prints_every_ratio(tmp_path):
     assert pipeline["1F1B recompute FLOPs/dp over (m+p-1)/m"]["ratio"] > 1.03, pipeline
     bubble = "bubble 1-dp/FLOPs over formula"
     assert pipeline[f"interleaved 1F1B v=2 {bubble}"]["measured"] < pipeline[f"1F1B {bubble}"]["measured"], pipeline
+
+
+@pytest.mark.timeout(120)
+def test_data_rss_benchmark_prints_the_ratio(tmp_path):
+    """experiments/bench_data_rss.py on two tiny sets (three short subprocesses): a table and the RSS ratio."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    script = os.path.join(ROOT, "experiments", "bench_data_rss.py")
+    args = ["--sizes", "20000", "50000", "--batches", "3", "--global-batch", "4", "--seq-len", "64"]
+    proc = subprocess.run(
+        [sys.executable, script, *args, "--dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=110
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("streamed ") for line in lines) == 2 and any(line.startswith("in RAM") for line in lines)
+    ratio = float(lines[-1].split("= ")[1].split()[0])
+    assert 0.5 < ratio < 2.0 and lines[-1].endswith("(goal <= 1.1)")
+    assert os.listdir(tmp_path) == []  # the sets are deleted
+
+
+def test_synthetic_shard_set_is_a_valid_one(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_data_rss", os.path.join(ROOT, "experiments", "bench_data_rss.py")
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from jaxpar.data.shards import ShardSet
+
+    bench.SHARD_TOKENS = 30_000  # several shards
+    manifest = bench.write_shard_set(str(tmp_path / "set"), 100_000)
+    s = ShardSet(str(tmp_path / "set"))
+    s.verify()
+    assert s.num_tokens == 100_000 and s.num_shards == 4 and manifest["documents"] == s.num_documents
+    for d in (0, s.num_documents // 2, s.num_documents - 1):
+        doc = s.document(d)
+        assert doc[0] == 1 and doc[-1] == 2 and doc.size >= 2

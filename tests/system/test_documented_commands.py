@@ -46,7 +46,7 @@ directory first. Appended to the words of a part (later arguments win):
   python -m pytest: --collect-only -q -p no:cacheprovider (the suite cannot run itself inside itself;
     collecting imports every test module and applies -m).
   python experiments/X.py: REDUCED[X] (one timed step and round; the smallest point grid; the GPU acceptance run
-    in its CPU smoke mode).
+    in its CPU smoke mode; the data RSS benchmark on two tiny shard sets instead of 10M and 1B tokens).
 Parts whose programs parse to the same arguments after this (e.g. `benchmarks.py` and `benchmarks.py --quick`)
 run once.
 """
@@ -80,7 +80,14 @@ REDUCED = {
     "experiments/bench_tensor_collectives.py": ["--steps", "1", "--rounds", "1"],
     "experiments/benchmarks.py": ["--quick", "--steps", "1", "--rounds", "1"],
     "experiments/own_model.py": ["--steps", "2"],
-    "experiments/gpu_acceptance.py": ["--cpu-smoke"],  # the ~1B model on one GPU; the same code on tiny shapes
+    "experiments/gpu_acceptance.py": ["--cpu-smoke"],
+    "experiments/bench_data_rss.py": [
+        "--sizes",
+        "100000",
+        "200000",
+        "--batches",
+        "3",
+    ],  # not 2 GB of shards  # the ~1B model on one GPU; the same code on tiny shapes
 }
 FAST_SCRIPTS = {"tools/resolve_config.py"}
 SYNOPSIS = "a usage synopsis with placeholders; its flags are checked against the program's parser"

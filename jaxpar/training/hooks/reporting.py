@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 
 from jaxpar import flops as flops_lib
-from jaxpar.generate import sample_text
+from jaxpar.generate import MAX_SAMPLE_PARAMS, SamplingUnavailable, sample_text
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 
 
@@ -90,20 +90,44 @@ class ProgressBarHook(Hook):
 
 class SampleHook(Hook):
     """At the end of a run (not after a preemption), continues `prompt` by `num_tokens` sampled tokens
-    (`jaxpar.generate.sample_text`, temperature 0.8, top-k 40), logs the text and sets `result.sample`.
+    (`jaxpar.generate.sample_text`, temperature 0.8, top-k 40) decoded with the run's tokenizer, logs the text
+    and sets `result.sample`. When the run has no usable tokenizer (a flat `tokens` file, a shard set whose
+    tokenizer cannot be rebuilt) or more than `max_params` parameters (sampling gathers them onto every host), it
+    logs why and skips (`result.sample` stays "").
 
     Args:
       num_tokens: tokens to generate (`train.sample_tokens`). prompt: the text to continue.
       seed: the sampling seed (`train.seed`).
+      tokenizer: the `TextTokenizer` to use instead of the run's (`jaxpar.generate.run_tokenizer`).
+      max_params: the largest model sampled (`jaxpar.generate.MAX_SAMPLE_PARAMS`).
     """
 
-    def __init__(self, num_tokens: int, *, prompt: str = "def ", seed: int = 0):
+    def __init__(
+        self,
+        num_tokens: int,
+        *,
+        prompt: str = "def ",
+        seed: int = 0,
+        tokenizer=None,
+        max_params: int = MAX_SAMPLE_PARAMS,
+    ):
         self.num_tokens, self.prompt, self.seed = num_tokens, prompt, seed
+        self.tokenizer, self.max_params = tokenizer, max_params
 
     def on_end(self, run: RunContext, result: TrainResult) -> None:
         if result.preempted_at or self.num_tokens <= 0:
             return
-        result.sample = sample_text(
-            run.plan, result.state["params"], prompt=self.prompt, num_tokens=self.num_tokens, seed=self.seed
-        )
+        try:
+            result.sample = sample_text(
+                run.plan,
+                result.state["params"],
+                prompt=self.prompt,
+                num_tokens=self.num_tokens,
+                seed=self.seed,
+                tokenizer=self.tokenizer,
+                max_params=self.max_params,
+            )
+        except SamplingUnavailable as e:
+            run.log(f"sample: skipped ({e})")
+            return
         run.log("sample:\n" + result.sample)
