@@ -34,7 +34,7 @@ import os
 
 import numpy as np
 
-from jaxpar.batch import SEGMENT_IDS
+from jaxpar.batch import BATCH_KEYS, SEGMENT_IDS
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data.errors import DataError
 from jaxpar.data.shards import ShardSet
@@ -201,7 +201,7 @@ class ShardRows:
         self.num_sequences = -(-max(self.num_tokens - 1, 0) // seq_len)
         self.document_masking = document_masking
         self.pad_id = pad_id
-        self.keys = ("inputs", "targets", "loss_mask") + ((SEGMENT_IDS,) if document_masking else ())
+        self.keys = BATCH_KEYS + ((SEGMENT_IDS,) if document_masking else ())
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """Packed rows `ids` (int [R], each in [0, N)): {"inputs", "targets": int32 [R, T], "loss_mask": float32
