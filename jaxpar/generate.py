@@ -25,12 +25,18 @@ class SamplingUnavailable(ValueError):
 def run_tokenizer(data_cfg):
     """The tokenizer a run's data was made with, from its `DataConfig`: the built-in byte tokenizer for the
     `stdlib`, `text` and `jsonl` sources, and for `shards` the shard set's own copy of its tokenizer
-    (`jaxpar.data.text_tokenizer.tokenizer_from_manifest`).
+    (`jaxpar.data.text_tokenizer.tokenizer_from_manifest`); for a mixture (`data.sources`, whose sources share
+    one tokenizer) the first source's that records one.
 
     Raises:
       SamplingUnavailable: a `tokens` file (it records no tokenizer), or a shard set whose tokenizer cannot be
         rebuilt (naming why).
     """
+    if data_cfg.sources:
+        from jaxpar.config.data_sources import source_configs
+
+        resolved = [sd for _, _, sd in source_configs(data_cfg)]
+        data_cfg = next((sd for sd in resolved if sd.source != "tokens"), resolved[0])
     if data_cfg.source in ("stdlib", "text", "jsonl"):
         return ByteTokenizer()
     if data_cfg.source == "shards":

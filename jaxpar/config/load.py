@@ -180,13 +180,41 @@ def _build(cls: type, values: dict, prefix: str) -> Any:
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else name
         hint = hints[name]
+        entry = _entry_class(hint)
         if dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: must be a mapping of keys, got {value!r}")
             kwargs[name] = _build(hint, value, key)
+        elif entry is not None:
+            kwargs[name] = _build_entries(entry, value, key)
         else:
             kwargs[name] = decode_value(value, hint, key)
     return cls(**kwargs)
+
+
+def _entry_class(hint: Any) -> type | None:
+    """The dataclass of a `tuple[SomeConfig, ...]` field (a list of entries, e.g. `data.sources`), else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return args[0] if dataclasses.is_dataclass(args[0]) else None
+    return None
+
+
+def _build_entries(cls: type, value: Any, key: str) -> tuple:
+    """A tuple of `cls` from a YAML list of mappings (None or [] gives ()); entries are named `key[i]` in errors."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(
+            f"{key}: must be a list of mappings (YAML `- {{...}}` lines, or on the command line "
+            f"{key}='[{{...}}, {{...}}]'), got {value!r}"
+        )
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ConfigError(f"{key}[{i}]: must be a mapping of keys, got {item!r}")
+        out.append(_build(cls, item, f"{key}[{i}]"))
+    return tuple(out)
 
 
 def config_from_dict(values: dict) -> Config:

@@ -214,6 +214,28 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True)
+class DataSourceConfig:
+    """One weighted source of a data mixture (`data.sources`, `jaxpar.data.mixture`). A key left null takes the
+    value of the same key of the `data` section, so what all sources share is said once.
+
+    Attributes:
+      name: the source's name in metrics (`val_loss/<name>`) and logs: letters, digits, `_`, `-`, `.`; unique.
+      weight: its share of every global batch's rows, > 0; the weights are normalised to sum to 1.
+      source, path, validation_path, text_field, token_dtype, validation_fraction, max_bytes: as in `data`.
+    """
+
+    name: str = ""
+    weight: float = 1.0
+    source: str | None = None
+    path: str | None = None
+    validation_path: str | None = None
+    text_field: str | None = None
+    token_dtype: str | None = None
+    validation_fraction: float | None = None
+    max_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how they are packed.
 
@@ -235,6 +257,10 @@ class DataConfig:
       document_masking: packed text documents stay apart: attention never crosses a document boundary, rotary
         positions restart at each document, and a document's first token is not predicted from the previous
         document (`jaxpar.data.pack`). A flat `tokens` file has no document index and is packed without it.
+      sources: a mixture (`DataSourceConfig` entries, `jaxpar.data.mixture`): each global batch's rows are shared
+        out among the sources by weight, and each source's validation split is scored separately; empty (default)
+        trains on the single source above. With sources, seq_len, seed and document_masking apply to all, and
+        the other keys above are the defaults of the entries' null keys.
     """
 
     source: str = "stdlib"
@@ -247,6 +273,7 @@ class DataConfig:
     max_bytes: int = 0
     seed: int = 0
     document_masking: bool = True
+    sources: tuple[DataSourceConfig, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -368,4 +395,15 @@ class Config:
         return dataclasses.replace(self, **sections)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Nested plain dicts and lists (tuples of entries, such as `data.sources`, become lists), as YAML holds
+        them."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value):
+    """`value` with every tuple turned into a list, recursively (`yaml.safe_dump` refuses tuples)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -9,6 +9,7 @@ import dataclasses
 import os
 
 from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
+from jaxpar.config.data_sources import check_data
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES
@@ -197,24 +198,8 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{key}={value} must lie in [0, 1)")
 
-    _choice("data.source", d.source, ("stdlib", "text", "jsonl", "tokens", "shards"))
-    _choice("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
-    if d.source != "stdlib" and not d.path:
-        what = (
-            "the shard set directory (jaxpar-data tokenize --out DIR)"
-            if d.source == "shards"
-            else "a directory, glob or file"
-        )
-        raise ConfigError(f"data.path is required for data.source={d.source}; give {what}")
-    if d.validation_path and d.source != "shards":
-        raise ConfigError(
-            f"data.validation_path applies to data.source=shards, not {d.source}; drop it (data.validation_fraction "
-            f"sets the held-out share)"
-        )
+    check_data(d)
     _positive("data.seq_len", d.seq_len)
-    _positive("data.max_bytes", d.max_bytes, allow_zero=True)
-    if not 0.0 < d.validation_fraction < 1.0:
-        raise ConfigError(f"data.validation_fraction={d.validation_fraction} must lie strictly between 0 and 1")
 
     if c.restore_from and not os.path.isdir(c.restore_from):
         raise ConfigError(

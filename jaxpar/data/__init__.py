@@ -1,7 +1,8 @@
 """Data pipeline: byte tokenizer, corpus sources, packing, a Grain-ordered sharded loader, a one-pass
 validation loader, a loader over a script's own iterator, offline tokenization into token shards
 (`jaxpar.data.tokenize_corpus`, `jaxpar.data.shards`, `jaxpar.data.text_tokenizer`), and a shard set's rows
-packed lazily for the loaders (`jaxpar.data.stream`, `data.source: shards`).
+packed lazily for the loaders (`jaxpar.data.stream`, `data.source: shards`), and weighted mixtures of sources
+(`jaxpar.data.mixture`, `data.sources`).
 
 Imports are lazy: `import jaxpar.data` (or one of its jax-free modules, such as the tokenizers and the shard
 format, which `jaxpar-data` and its worker processes load) does not import jax.
@@ -19,6 +20,8 @@ _PUBLIC = {
     "EOS_ID": "jaxpar.data.tokenizer",
     "EvalLoader": "jaxpar.data.loader",
     "IteratorLoader": "jaxpar.data.iterator",
+    "MixtureEvalLoader": "jaxpar.data.mixture",
+    "MixtureLoader": "jaxpar.data.mixture",
     "PAD_ID": "jaxpar.data.tokenizer",
     "PackedRows": "jaxpar.data.loader",
     "ShardRows": "jaxpar.data.stream",

@@ -39,7 +39,12 @@ from jaxpar.data.tokenizer import BOS_ID, PAD_ID
 def serves_segment_ids(data_cfg: DataConfig) -> bool:
     """Whether the config's corpus is packed with segment ids: `data.document_masking` on a text source (each
     document opens with BOS, `jaxpar.data.sources`) or a shard set (its document index, `jaxpar.data.stream`); a
-    flat `tokens` file has no document index."""
+    flat `tokens` file has no document index. A mixture (`data.sources`) serves them when one of its sources does
+    (`jaxpar.config.data_sources.check_data` refuses a `tokens` source mixed with others under document masking)."""
+    if data_cfg.sources:
+        from jaxpar.config.data_sources import source_configs
+
+        return data_cfg.document_masking and any(sd.source != "tokens" for _, _, sd in source_configs(data_cfg))
     return data_cfg.document_masking and data_cfg.source != "tokens"
 
 
@@ -103,6 +108,33 @@ def _as_rows(data) -> RowSource:
     return PackedRows(data) if isinstance(data, dict) else data
 
 
+class SampleOrder:
+    """The sample stream of N sequences: their ids shuffled (or in order), repeated forever with a fresh shuffle
+    each epoch (Grain folds the epoch into the seed), as a Grain `MapDataset`; position p of the stream is read
+    without reading the positions before it.
+
+    Args:
+      num_sequences: N >= 1. seed: shuffle seed (taken modulo 2**32). shuffle: False keeps the order 0..N-1.
+    """
+
+    def __init__(self, num_sequences: int, seed: int, shuffle: bool = True):
+        order = grain.MapDataset.range(num_sequences)
+        if shuffle:
+            order = order.shuffle(seed=seed % 2**32)
+        self._order = order.repeat()
+
+    def ids(self, positions) -> np.ndarray:
+        """The sequence ids at stream positions `positions` (ints >= 0): int64 [len(positions)]."""
+        return np.fromiter((self._order[int(p)] for p in positions), dtype=np.int64, count=len(positions))
+
+
+def global_arrays(
+    sharding: jax.sharding.NamedSharding, local: dict[str, np.ndarray], global_shape: tuple[int, int]
+) -> dict[str, jax.Array]:
+    """This process's rows `local` ({key: [R, T]}, in `_process_rows` order) as global [G, T] arrays."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, global_shape) for k, v in local.items()}
+
+
 class DataLoader:
     """Serves global batches {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}, with
     "segment_ids": int32 [G, T] when the rows have them (document masking, `jaxpar.data.pack`).
@@ -142,10 +174,7 @@ class DataLoader:
         self._sharding = sharding
         self._global_shape = (global_batch_size, self.seq_len)
         self._local_rows = _process_rows(sharding, self._global_shape)
-        order = grain.MapDataset.range(self.num_sequences)
-        if shuffle:
-            order = order.shuffle(seed=seed % 2**32)
-        self._order = order.repeat()
+        self._order = SampleOrder(self.num_sequences, seed, shuffle)
         self._next_sample = 0
 
     @property
@@ -155,7 +184,7 @@ class DataLoader:
 
     def sample_ids(self, start: int, rows: np.ndarray) -> np.ndarray:
         """The sequence ids at stream positions `start + rows` of the shuffled, repeated order: int64 [len(rows)]."""
-        return np.fromiter((self._order[start + r] for r in rows), dtype=np.int64, count=len(rows))
+        return self._order.ids(start + np.asarray(rows, dtype=np.int64))
 
     def next_batch(self) -> dict[str, jax.Array]:
         """Returns the next global batch, each array of shape [G, T] placed with `sharding`. Reads only the rows
@@ -167,9 +196,7 @@ class DataLoader:
         start = epoch * n + offset
         local = self._rows.rows(self.sample_ids(start, self._local_rows))
         self._next_sample = start + g
-        return {
-            k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape) for k, v in local.items()
-        }
+        return global_arrays(self._sharding, local, self._global_shape)
 
     def get_state(self) -> dict:
         """Returns {"next_sample": int}, the next position in the shuffled, repeated sample stream (JSON-safe)."""
@@ -277,10 +304,7 @@ class EvalLoader:
                 part = self._rows.rows(ids[real])
                 for k in self._rows.keys:
                     local[k][real] = part[k]
-            yield {
-                k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape)
-                for k, v in local.items()
-            }
+            yield global_arrays(self._sharding, local, self._global_shape)
 
 
 def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> np.ndarray:
@@ -298,6 +322,43 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
             f"uneven batch-row blocks {blocks} for global shape {global_shape}; shard the batch dimension evenly"
         )
     return np.concatenate([np.arange(start, stop) for start, stop in blocks])
+
+
+def split_rows(
+    data_cfg: DataConfig, vocab_size: int | None = None, vocab_multiple: int = 1
+) -> tuple[RowSource | dict, RowSource | dict, int, int, dict]:
+    """(train rows, validation rows, train tokens, validation tokens, extra) of a single-source `DataConfig`: the
+    packed arrays of a text or tokens source, or a shard set's lazily packed `ShardRows`; extra holds the shard
+    set ("shard_set_obj") and its directory ("shard_set") for shards, else nothing.
+
+    Raises:
+      ConfigError: as `build_loaders`.
+    """
+    extra = {}
+    if data_cfg.source == "shards":
+        from jaxpar.data.stream import shard_splits
+
+        train, val, shard_set = shard_splits(data_cfg, vocab_size, vocab_multiple)
+        train_len, val_len = train.num_tokens, val.num_tokens
+        extra["shard_set"] = shard_set.directory
+        extra["shard_set_obj"] = shard_set
+    else:
+        train_tokens, val_tokens = load_tokens(data_cfg)
+        if vocab_size is not None:
+            largest = int(max(train_tokens.max(), val_tokens.max()))
+            if largest >= vocab_size:
+                need = -(-(largest + 1) // vocab_multiple) * vocab_multiple
+                multiple = f", a multiple of mesh.tensor={vocab_multiple}" if vocab_multiple > 1 else ""
+                raise ConfigError(
+                    f"data.source={data_cfg.source} holds token id {largest}, but model.vocab_size={vocab_size} "
+                    f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
+                    f"{multiple}), or check data.path and data.token_dtype"
+                )
+        bos_id = BOS_ID if serves_segment_ids(data_cfg) else None
+        train = pack(train_tokens, data_cfg.seq_len, bos_id=bos_id)
+        val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
+        train_len, val_len = len(train_tokens), len(val_tokens)
+    return train, val, train_len, val_len, extra
 
 
 def build_loaders(
@@ -326,29 +387,12 @@ def build_loaders(
         `global_batch_size` sequences, an empty validation split, or a token id >= `vocab_size` (when given; for
         shards, a tokenizer with more ids than `vocab_size`).
     """
-    extra = {}
-    if data_cfg.source == "shards":
-        from jaxpar.data.stream import shard_splits
+    if data_cfg.sources:
+        from jaxpar.data.mixture_loaders import build_mixture_loaders
 
-        train, val, shard_set = shard_splits(data_cfg, vocab_size, vocab_multiple)
-        train_len, val_len = train.num_tokens, val.num_tokens
-        extra["shard_set"] = shard_set.directory
-    else:
-        train_tokens, val_tokens = load_tokens(data_cfg)
-        if vocab_size is not None:
-            largest = int(max(train_tokens.max(), val_tokens.max()))
-            if largest >= vocab_size:
-                need = -(-(largest + 1) // vocab_multiple) * vocab_multiple
-                multiple = f", a multiple of mesh.tensor={vocab_multiple}" if vocab_multiple > 1 else ""
-                raise ConfigError(
-                    f"data.source={data_cfg.source} holds token id {largest}, but model.vocab_size={vocab_size} "
-                    f"allows ids below {vocab_size}; set model.vocab_size to at least {need} (ids up to {largest}"
-                    f"{multiple}), or check data.path and data.token_dtype"
-                )
-        bos_id = BOS_ID if serves_segment_ids(data_cfg) else None
-        train = pack(train_tokens, data_cfg.seq_len, bos_id=bos_id)
-        val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
-        train_len, val_len = len(train_tokens), len(val_tokens)
+        return build_mixture_loaders(data_cfg, global_batch_size, sharding, vocab_size, eval_batches, vocab_multiple)
+    train, val, train_len, val_len, extra = split_rows(data_cfg, vocab_size, vocab_multiple)
+    extra.pop("shard_set_obj", None)
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
     scored_tokens, counts = val_loader.target_stats()

@@ -224,10 +224,17 @@ def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
         f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
         f"{info['val_sequences']:,} validation sequences)"
     )
+    what = "mixture" if cfg.data.sources else cfg.data.source
     _log(
-        f"data: {cfg.data.source}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
+        f"data: {what}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
         f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens; each evaluation scores {val_cover}"
     )
+    for name, one in info.get("sources", {}).items():
+        _log(
+            f"data: source {name}: weight {one['weight']:.4f}, {one['train_tokens']:,} train tokens "
+            f"({one['train_sequences']:,} sequences), validation scores {one['val_scored_tokens']:,} tokens "
+            f"({one['val_scored_sequences']:,} of {one['val_sequences']:,} sequences), reported as val_loss/{name}"
+        )
     return train_loader, val_loader, info
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 from jaxpar.training.hooks.checkpointing import CheckpointHook
-from jaxpar.training.hooks.evaluation import EvalHook, evaluate
+from jaxpar.training.hooks.evaluation import EvalHook, evaluate, evaluate_sources
 from jaxpar.training.hooks.reporting import MetricsHook, ProgressBarHook, SampleHook
 from jaxpar.training.hooks.resilience import DivergenceHook, PreemptionHook, TrainingDiverged, WatchdogHook
 
@@ -30,6 +30,7 @@ __all__ = [
     "WatchdogHook",
     "default_hooks",
     "evaluate",
+    "evaluate_sources",
 ]
 
 

@@ -49,6 +49,7 @@ class TrainResult:
     sample: str
     preempted_at: int | None = None  # step saved and stopped at after a SIGTERM
     state: Any = dataclasses.field(repr=False, default=None)
+    val_losses: dict[str, float] = dataclasses.field(default_factory=dict)  # a mixture's val_loss per source
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,7 +77,9 @@ class RunContext:
       state: the current train state. host: this step's metrics as host floats once a hook fetched them with
         `host_metrics`, else None. losses: step -> training loss, for every step whose metrics were fetched.
       val_loss, val_tokens: this step's validation loss (nats/token) and the tokens it covers; None on steps
-        without an evaluation. initial_val_loss: the step-0 validation loss, None when resuming.
+        without an evaluation. val_losses: with a data mixture, {source name: its validation loss} of this
+        step's evaluation ({} otherwise, None on steps without one). initial_val_loss: the step-0 validation
+        loss, None when resuming.
       step_time_s, tokens_per_s: seconds per step and tokens per second since the previous fetch, without the
         time spent in `untimed()` blocks (evaluation). rollbacks: divergence rollbacks so far.
       stop_requested: a hook called `stop()`; preempted_at: the step a preemption stopped the run at.
@@ -103,6 +106,7 @@ class RunContext:
     losses: dict[int, float] = dataclasses.field(default_factory=dict)
     val_loss: float | None = None
     val_tokens: int | None = None
+    val_losses: dict[str, float] | None = None
     initial_val_loss: float | None = None
     step_time_s: float | None = None
     tokens_per_s: float | None = None
@@ -179,7 +183,7 @@ class RunContext:
 
     def begin_step(self) -> None:
         """Clears the per-step values (the loop calls it at the start of each step)."""
-        self.host = self.val_loss = self.val_tokens = None
+        self.host = self.val_loss = self.val_tokens = self.val_losses = None
 
 
 class Hook:

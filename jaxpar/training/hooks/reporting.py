@@ -17,6 +17,8 @@ class MetricsHook(Hook):
       step, loss, val_loss, val_tokens, learning_rate, grad_norm, skipped_steps, rollbacks, tokens_per_s,
       step_time_s, tokens, mfu, hfu, memory_peak_bytes, memory_step_bytes
 
+    and, for a data mixture (`data.sources`), `val_loss/<name>` for each source on the rows that evaluated.
+
     (README, "What the default run does", says what each means). Fetching the metrics waits for the step, so
     other steps run ahead of the host.
 
@@ -55,6 +57,7 @@ class MetricsHook(Hook):
                 "mfu": mfu,
                 "hfu": hfu,
                 **run.memory,
+                **{f"val_loss/{name}": value for name, value in (run.val_losses or {}).items()},
             },
         )
 
