@@ -282,6 +282,8 @@ def _initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
     if start:
         position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
+        if "taken" in data_state:  # a mixture (jaxpar.data.MixtureLoader)
+            position = f"batch {data_state.get('next_batch')}, rows per source {data_state['taken']}"
         _log(f"resumed at step {start} (data position {position})")
     return state
 
