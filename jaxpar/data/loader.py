@@ -324,24 +324,20 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
     return np.concatenate([np.arange(start, stop) for start, stop in blocks])
 
 
-def split_rows(
-    data_cfg: DataConfig, vocab_size: int | None = None, vocab_multiple: int = 1
-) -> tuple[RowSource | dict, RowSource | dict, int, int, dict]:
-    """(train rows, validation rows, train tokens, validation tokens, extra) of a single-source `DataConfig`: the
-    packed arrays of a text or tokens source, or a shard set's lazily packed `ShardRows`; extra holds the shard
-    set ("shard_set_obj") and its directory ("shard_set") for shards, else nothing.
+def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multiple: int = 1) -> tuple:
+    """(train rows, validation rows, train tokens, validation tokens, shard set) of a single-source `DataConfig`:
+    the packed arrays of a text or tokens source (shard set None), or a shard set's lazily packed `ShardRows` and
+    its `jaxpar.data.shards.ShardSet`.
 
     Raises:
       ConfigError: as `build_loaders`.
     """
-    extra = {}
+    shard_set = None
     if data_cfg.source == "shards":
         from jaxpar.data.stream import shard_splits
 
         train, val, shard_set = shard_splits(data_cfg, vocab_size, vocab_multiple)
         train_len, val_len = train.num_tokens, val.num_tokens
-        extra["shard_set"] = shard_set.directory
-        extra["shard_set_obj"] = shard_set
     else:
         train_tokens, val_tokens = load_tokens(data_cfg)
         if vocab_size is not None:
@@ -358,7 +354,7 @@ def split_rows(
         train = pack(train_tokens, data_cfg.seq_len, bos_id=bos_id)
         val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
         train_len, val_len = len(train_tokens), len(val_tokens)
-    return train, val, train_len, val_len, extra
+    return train, val, train_len, val_len, shard_set
 
 
 def build_loaders(
@@ -391,8 +387,8 @@ def build_loaders(
         from jaxpar.data.mixture_loaders import build_mixture_loaders
 
         return build_mixture_loaders(data_cfg, global_batch_size, sharding, vocab_size, eval_batches, vocab_multiple)
-    train, val, train_len, val_len, extra = split_rows(data_cfg, vocab_size, vocab_multiple)
-    extra.pop("shard_set_obj", None)
+    train, val, train_len, val_len, shard_set = split_rows(data_cfg, vocab_size, vocab_multiple)
+    extra = {} if shard_set is None else {"shard_set": shard_set.directory}
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
     scored_tokens, counts = val_loader.target_stats()

@@ -67,11 +67,10 @@ def build_mixture_loaders(
     for i, (name, weight, sd) in enumerate(source_configs(data_cfg)):
         where = f"data.sources[{i}] ({name})"
         try:
-            train_rows, val_rows, train_len, val_len, extra = split_rows(sd, vocab_size, vocab_multiple)
+            train_rows, val_rows, train_len, val_len, shard_set = split_rows(sd, vocab_size, vocab_multiple)
             val[name] = EvalLoader(val_rows, global_batch_size, sharding, max_batches=eval_batches)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
-        shard_set = extra.pop("shard_set_obj", None)
         identities.append((name, tokenizer_identity(sd.source, shard_set)))
         train[name], weights[name] = _as_rows(train_rows), weight
         scored, counts = val[name].target_stats()
@@ -84,7 +83,7 @@ def build_mixture_loaders(
             "val_scored_sequences": val[name].num_scored,
             "val_scored_tokens": scored,
             "val_unigram_entropy": unigram_entropy_of_counts(counts),
-            **extra,
+            **({} if shard_set is None else {"shard_set": shard_set.directory}),
         }
     _check_tokenizers(identities)
     train_loader = MixtureLoader(train, weights, global_batch_size, sharding, data_cfg.seed)

@@ -1,7 +1,7 @@
 """`data.sources` mixtures: the loader serves each source's rows in its planned share from its own Grain stream and
-resumes exactly from a JSON state, reads only the rows asked for; two shard sets build a mixture whose per-source
-validation equals each source evaluated alone; bad mixtures are refused with the fix. Shape letters: N sequences,
-T sequence length, G global batch size."""
+resumes exactly from a JSON state (each process reading only its rows: tests/system/test_mixture_processes.py);
+two shard sets build a mixture whose per-source validation equals each source evaluated alone; bad mixtures are
+refused with the fix. Shape letters: N sequences, T sequence length, G global batch size."""
 
 from __future__ import annotations
 
@@ -95,19 +95,6 @@ def test_resume_from_the_json_state_serves_the_same_batches(sharding):
     ):
         with pytest.raises(ValueError, match="data loader state"):
             make().set_state(bad)
-
-
-def test_a_process_reads_only_the_rows_it_holds(sharding, monkeypatch):
-    sources = {"a": _rows(0, 40), "b": _rows(100, 40)}
-    asked = []
-    for src in sources.values():
-        real = src.rows
-        monkeypatch.setattr(src, "rows", lambda ids, real=real: asked.append(len(ids)) or real(ids))
-    loader = MixtureLoader(sources, {"a": 1, "b": 1}, G, sharding, seed=0)
-    monkeypatch.setattr(loader, "_local_rows", np.arange(G // 2))  # as if this process held rows 0..G/2-1
-    with pytest.raises(ValueError):  # the sharding wants all G rows from this one process
-        loader.next_batch()
-    assert sum(asked) == G // 2 and len(asked) == 2
 
 
 def test_shard_mixture_validates_each_source_as_it_would_alone(sets, sharding):
