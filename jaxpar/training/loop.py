@@ -214,17 +214,17 @@ def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
         t.eval_batches,
         vocab_multiple=cfg.mesh.tensor,
     )
+    what = "a mixture of " + ", ".join(s.name for s in cfg.data.sources) if cfg.data.sources else cfg.data.source
     if data is not None:
         train_loader = IteratorLoader(data, t.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
         _log(
             f"data: training batches from the caller's {type(data).__name__} ({train_loader.local_rows} rows of "
-            f"{cfg.data.seq_len} tokens per process per step); validation from {cfg.data.source}"
+            f"{cfg.data.seq_len} tokens per process per step); validation from {what}"
         )
     val_cover = (
         f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
         f"{info['val_sequences']:,} validation sequences)"
     )
-    what = "mixture" if cfg.data.sources else cfg.data.source
     _log(
         f"data: {what}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
         f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens; each evaluation scores {val_cover}"
