@@ -366,7 +366,8 @@ def build_loaders(
     vocab_multiple: int = 1,
 ) -> tuple[DataLoader, EvalLoader, dict]:
     """Reads, splits and packs the corpus (or, for `data.source: shards`, opens the shard set to be read lazily,
-    `jaxpar.data.stream`); returns (train_loader, val_loader, info).
+    `jaxpar.data.stream`); returns (train_loader, val_loader, info). A mixture (`data.sources`) gives a
+    `jaxpar.data.MixtureLoader` and `MixtureEvalLoader` instead (`jaxpar.data.mixture_loaders`).
 
     `vocab_multiple` (mesh.tensor) is what model.vocab_size must be a multiple of; the fix an out-of-vocabulary
     token error suggests is the smallest size that holds every id and is such a multiple.
