@@ -20,6 +20,7 @@ from jaxpar.config.schema import DataConfig, DataSourceConfig
 from jaxpar.data import MixtureLoader, PackedRows, build_loaders
 from jaxpar.data.loader import SampleOrder
 from jaxpar.data.mixture import source_seed
+from jaxpar.data.shards import read_manifest
 from jaxpar.data.tokenize_corpus import TokenizeOptions, tokenize_corpus
 from jaxpar.training.hooks import evaluate, evaluate_sources
 
@@ -186,3 +187,24 @@ def test_bad_mixtures_are_refused(sources, more, match):
 def test_a_tokens_source_may_join_a_mixture_without_document_masking():
     cfg = _mixture("[{name: a, source: tokens, path: x.bin}, {name: b}]", "data.document_masking=false")
     assert [d.source for _, _, d in source_configs(cfg.data)] == ["tokens", "stdlib"]
+
+
+def test_resuming_with_other_sources_or_weights_is_refused(tmp_path):
+    from jaxpar.config import save_config
+    from jaxpar.config.resume import check_resume_config
+
+    cfg = _mixture("[{name: a, weight: 0.7}, {name: b, weight: 0.3}]", f"train.run_dir={tmp_path}")
+    save_config(cfg, str(tmp_path / "config.yaml"))
+    assert check_resume_config(str(tmp_path), cfg) == {}  # the saved mixture reads back equal
+    other = _mixture("[{name: a, weight: 0.6}, {name: b, weight: 0.4}]", f"train.run_dir={tmp_path}")
+    with pytest.raises(ConfigError, match="was trained on other data.*data.sources"):
+        check_resume_config(str(tmp_path), other)
+
+
+def test_the_sample_decodes_with_the_sources_tokenizer(sets):
+    from jaxpar.generate import run_tokenizer
+
+    entries = (DataSourceConfig(name="bpe", path=sets["bpe"]), DataSourceConfig(name="more", path=sets["bpe"]))
+    tok = run_tokenizer(DataConfig(source="shards", sources=entries))
+    assert tok.vocab_size == read_manifest(sets["bpe"])["tokenizer"]["vocab_size"] != 259
+    assert tok.decode(tok.encode("def f(x):")) == "def f(x):"
