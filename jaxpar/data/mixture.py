@@ -131,7 +131,7 @@ class MixtureLoader:
         ok = isinstance(state, dict) and isinstance(state.get("taken"), dict) and "next_batch" in state
         k = state.get("next_batch") if ok else None
         taken = state.get("taken") if ok else None
-        if not ok or isinstance(k, bool) or not isinstance(k, int) or k < 0 or list(taken) != self.names:
+        if not ok or isinstance(k, bool) or not isinstance(k, int) or k < 0 or set(taken) != set(self.names):
             raise ValueError(
                 f"data loader state must be {{'next_batch': int >= 0, 'taken': {{name: int}}}} for the sources "
                 f"{self.names}, got {state!r:.200}"

@@ -77,7 +77,7 @@ def test_rows_come_from_each_source_in_its_share_and_its_own_stream(sharding):
 
 def test_resume_from_the_json_state_serves_the_same_batches(sharding):
     def make():
-        return MixtureLoader({"a": _rows(0, 30), "b": _rows(500, 20)}, {"a": 2, "b": 1}, G, sharding, seed=0)
+        return MixtureLoader({"web": _rows(0, 30), "code": _rows(500, 20)}, {"web": 2, "code": 1}, G, sharding, seed=0)
 
     first = make()
     batches, states = [], []
@@ -85,14 +85,14 @@ def test_resume_from_the_json_state_serves_the_same_batches(sharding):
         batches.append(np.asarray(first.next_batch()["inputs"]))
         states.append(first.get_state())
     resumed = make()
-    resumed.set_state(json.loads(json.dumps(states[4])))
+    resumed.set_state(json.loads(json.dumps(states[4], sort_keys=True)))  # a store may reorder the names
     for want in batches[5:]:
         np.testing.assert_array_equal(np.asarray(resumed.next_batch()["inputs"]), want)
     assert resumed.get_state() == first.get_state()
     for bad in (
         {"next_sample": 8},
-        {"next_batch": 2, "taken": {"a": 16}},
-        {"next_batch": 2, "taken": {"a": 9, "b": 9}},
+        {"next_batch": 2, "taken": {"web": 16}},
+        {"next_batch": 2, "taken": {"web": 9, "code": 9}},
     ):
         with pytest.raises(ValueError, match="data loader state"):
             make().set_state(bad)
