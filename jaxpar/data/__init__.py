@@ -25,7 +25,7 @@ _PUBLIC = {
     "PAD_ID": "jaxpar.data.tokenizer",
     "PackedRows": "jaxpar.data.loader",
     "ShardRows": "jaxpar.data.stream",
-    "build_loaders": "jaxpar.data.loader",
+    "build_loaders": "jaxpar.data.build",
     "load_tokens": "jaxpar.data.sources",
     "pack": "jaxpar.data.packing",
     "shard_splits": "jaxpar.data.stream",

@@ -32,7 +32,6 @@ from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
-from jaxpar.data.stats import unigram_entropy_of_counts
 from jaxpar.data.tokenizer import BOS_ID, PAD_ID
 
 
@@ -355,53 +354,3 @@ def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multip
         val = pack(val_tokens, data_cfg.seq_len, bos_id=bos_id)
         train_len, val_len = len(train_tokens), len(val_tokens)
     return train, val, train_len, val_len, shard_set
-
-
-def build_loaders(
-    data_cfg: DataConfig,
-    global_batch_size: int,
-    sharding: jax.sharding.NamedSharding,
-    vocab_size: int | None = None,
-    eval_batches: int = 0,
-    vocab_multiple: int = 1,
-) -> tuple[DataLoader, EvalLoader, dict]:
-    """Reads, splits and packs the corpus (or, for `data.source: shards`, opens the shard set to be read lazily,
-    `jaxpar.data.stream`); returns (train_loader, val_loader, info). A mixture (`data.sources`) gives a
-    `jaxpar.data.MixtureLoader` and `MixtureEvalLoader` instead (`jaxpar.data.mixture_loaders`).
-
-    `vocab_multiple` (mesh.tensor) is what model.vocab_size must be a multiple of; the fix an out-of-vocabulary
-    token error suggests is the smallest size that holds every id and is such a multiple.
-
-    The train loader shuffles with `data.seed`; the validation loader is an `EvalLoader` over the first
-    `eval_batches` global batches' worth of validation sequences in file order (0: all of them).
-    info: {"train_tokens", "val_tokens" (stream lengths), "train_sequences", "val_sequences" (packed),
-    "val_scored_sequences", "val_scored_tokens" (what each evaluation covers), "seq_len"} (ints),
-    "val_unigram_entropy" (nats/token over the scored target tokens, see `jaxpar.data.unigram_entropy`), and for
-    shards "shard_set" (the training set's directory).
-
-    Raises:
-      ConfigError: from `load_tokens` or `jaxpar.data.stream.shard_splits`, a train split with fewer than
-        `global_batch_size` sequences, an empty validation split, or a token id >= `vocab_size` (when given; for
-        shards, a tokenizer with more ids than `vocab_size`).
-    """
-    if data_cfg.sources:
-        from jaxpar.data.mixture_loaders import build_mixture_loaders
-
-        return build_mixture_loaders(data_cfg, global_batch_size, sharding, vocab_size, eval_batches, vocab_multiple)
-    train, val, train_len, val_len, shard_set = split_rows(data_cfg, vocab_size, vocab_multiple)
-    extra = {} if shard_set is None else {"shard_set": shard_set.directory}
-    train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
-    val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
-    scored_tokens, counts = val_loader.target_stats()
-    info = {
-        "train_tokens": int(train_len),
-        "val_tokens": int(val_len),
-        "train_sequences": train_loader.num_sequences,
-        "val_sequences": val_loader.num_sequences,
-        "val_scored_sequences": val_loader.num_scored,
-        "val_scored_tokens": scored_tokens,
-        "seq_len": data_cfg.seq_len,
-        "val_unigram_entropy": unigram_entropy_of_counts(counts),
-        **extra,
-    }
-    return train_loader, val_loader, info
