@@ -134,6 +134,7 @@ class Boom(Hook):
             raise RuntimeError("boom")
 
 
+@pytest.mark.slow  # a training run plus a subprocess check (about 12 s on 2 cores)
 def test_a_hook_that_raises_leaves_nothing_open(tmp_path):
     sigterm = signal.getsignal(signal.SIGTERM)
     overrides = ["train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=1", "train.watchdog_s=600"]
@@ -172,6 +173,7 @@ def test_entries_that_are_not_hooks_are_refused_before_any_work(tmp_path, entry,
     assert not run_dir.exists()
 
 
+@pytest.mark.slow  # two training runs (about 15 s on 2 cores)
 def test_a_stop_asked_by_a_hook_after_the_checkpoint_hook_still_saves_the_step(tmp_path):
     """StopAt comes after the default CheckpointHook in the list, so that hook had passed step 1 when the stop
     came; its on_stop saves the step anyway (the run resumes there)."""

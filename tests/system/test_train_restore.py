@@ -32,6 +32,7 @@ def _cfg(run_dir, *overrides):
     return load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [*SMALL, f"train.run_dir={run_dir}", *overrides])
 
 
+@pytest.mark.slow  # a training run, then refusals that each build a plan (about 20 s on 2 cores)
 def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
     result = train(_cfg(tmp_path))
     assert result.start_step == 0 and sorted(result.losses) == [2]

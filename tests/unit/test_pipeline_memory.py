@@ -92,6 +92,7 @@ def temp() -> dict:
     return out
 
 
+@pytest.mark.slow  # compiles 8 pipelined steps (about 20 s on 2 cores)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["1f1b", "1f1b-recompute"])
 def test_1f1b_temp_is_flat_in_microbatches_at_fixed_microbatch_size(temp, schedule):
@@ -213,6 +214,7 @@ def interleaved_temp() -> dict:
     return out
 
 
+@pytest.mark.slow  # compiles 8 interleaved steps (about 12 s on 2 cores)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["1f1b", "1f1b-recompute"])
 def test_interleaved_temp_is_flat_in_microbatches(interleaved_temp, schedule):
