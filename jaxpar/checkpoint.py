@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import warnings
@@ -38,6 +39,17 @@ import jax
 import orbax.checkpoint as ocp
 
 _STATE, _DATA, _CONFIG = "state", "data", "config"
+# Orbax's notes on reading a checkpoint read-only, which say nothing wrong with it: the directory is read-only (we
+# asked for that), and a step has no _CHECKPOINT_METADATA file (our steps commit with commit_success.txt instead).
+_BENIGN_ORBAX_WARNINGS = ("Given directory is read only", "Metadata file does not exist")
+
+
+class _DropBenignOrbaxWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_BENIGN_ORBAX_WARNINGS)
+
+
+logging.getLogger("absl").addFilter(_DropBenignOrbaxWarnings())
 RUN_CHECKPOINT_DIR = "checkpoints"  # a run directory's checkpoint root: <run_dir>/checkpoints/<step>/
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # Orbax's default step directory name: no prefix, no padding
 _TMP_STEP = re.compile(r"(0|[1-9][0-9]*)\.orbax-checkpoint-tmp.*")  # a save interrupted or still in flight
@@ -179,8 +191,9 @@ class Checkpointer:
         self.every_steps = every_steps
         self._read_only = read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
-            save_interval_steps=every_steps,
+            # what Orbax sets for read_only itself (saying so at warning level when given anything else)
+            max_to_keep=None if read_only else keep,
+            save_interval_steps=0 if read_only else every_steps,
             enable_async_checkpointing=async_save,
             read_only=read_only,
             create=False,  # `save` creates the directory: a failed restore must not leave it behind

@@ -113,11 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2
     from jaxpar.analysis.memory import state_memory_report
+    from jaxpar.data.errors import DataError
 
     try:
         train(cfg, on_compiled=(state_memory_report,))
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:  # a shard set damaged after it was opened (the checks at start passed)
+        print(f"jaxpar-train: data error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"jaxpar-train: stopped: {e}", file=sys.stderr)

@@ -164,7 +164,14 @@ class _Shards:
             if end > start:
                 shard = self.shard(s)
                 a, b = start - shard_start, end - shard_start
-                tokens.append(shard.tokens(a, b).astype(np.int32))
+                ids = shard.tokens(a, b)
+                if ids.size and int(ids.max()) >= self.set.vocab_size:
+                    raise DataError(
+                        f"shard {s} of {self.set.directory} holds token id {int(ids.max())} at or above its "
+                        f"tokenizer's {self.set.vocab_size} ids: the shard set is damaged (check it with "
+                        f"jaxpar.data.shards.ShardSet(DIR).verify()); re-tokenize it"
+                    )
+                tokens.append(ids.astype(np.int32))
                 d0, d1 = shard.document_at(a), shard.document_at(b - 1)
                 offsets = shard.offsets(d0, d1 + 1)  # starts of the documents the tokens lie in
                 local = np.searchsorted(offsets, np.arange(a, b), side="right") - 1
@@ -237,7 +244,8 @@ def _open_set(path: str, key: str) -> ShardSet:
     """The shard set at `path` (`key` names the config key in errors).
 
     Raises:
-      ConfigError: not a shard set, or an unfinished one.
+      ConfigError: not a shard set, an unfinished one, or one whose shard files are missing or shorter than the
+        manifest says (a cheap check of headers and sizes; `ShardSet.verify` compares every byte's checksum).
     """
     directory = os.path.expanduser(path)
     if not os.path.isdir(directory):
@@ -246,9 +254,17 @@ def _open_set(path: str, key: str) -> ShardSet:
             f"`jaxpar-data tokenize INPUT --tokenizer TOKENIZER --out DIR` (then {key}=DIR)"
         )
     try:
-        return ShardSet(directory)
+        shard_set = ShardSet(directory)
+        for entry in shard_set.manifest["shards"]:  # every file there, of the size its header and manifest say
+            for name, dtype, size in (
+                (entry["tokens_file"], shard_set.token_dtype, int(entry["tokens"])),
+                (entry["offsets_file"], np.dtype(np.int64), int(entry["documents"]) + 1),
+            ):
+                fd, _ = _npy_data(os.path.join(directory, name), dtype, size)
+                os.close(fd)
     except DataError as e:
         raise ConfigError(f"{key}={path!r}: {e}") from None
+    return shard_set
 
 
 def pad_id_for(shard_set: ShardSet) -> int:

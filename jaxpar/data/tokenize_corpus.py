@@ -383,7 +383,10 @@ def tokenize_corpus(opts: TokenizeOptions) -> TokenizeResult:
     if os.path.isdir(out):
         _check_not_foreign(out)
     t0 = time.perf_counter()
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"--out {opts.out} cannot be created ({e.strerror}); give a directory you can write") from None
     with shards.exclusive(out):
         complete, entries = _prepare_output(out, identity)
         kept = len(entries)
@@ -399,7 +402,15 @@ def tokenize_corpus(opts: TokenizeOptions) -> TokenizeResult:
             _log.info("%s: %d finished shards verified; continuing after them", out, kept)
         written = _run(out, corpus, identity, entries, config, workers, opts)
     seconds = time.perf_counter() - t0
-    return TokenizeResult(_manifest(identity, True, entries), seconds, *written, kept)
+    manifest = _manifest(identity, True, entries)
+    if manifest["invalid_utf8_documents"]:
+        _log.warning(
+            "%d of %d documents were not valid UTF-8 (each bad byte sequence became U+FFFD): binary files among "
+            "the inputs? manifest.json counts them per shard",
+            manifest["invalid_utf8_documents"],
+            manifest["documents"],
+        )
+    return TokenizeResult(manifest, seconds, *written, kept)
 
 
 def _run(

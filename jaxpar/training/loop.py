@@ -285,6 +285,11 @@ def _initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train
         if "taken" in data_state:  # a mixture (jaxpar.data.MixtureLoader)
             position = f"batch {data_state.get('next_batch')}, rows per source {data_state['taken']}"
         _log(f"resumed at step {start} (data position {position})")
+        if start == t.steps:
+            _log(
+                f"the run in train.run_dir={run_dir!r} has reached train.steps={t.steps}: nothing to train (it is "
+                f"evaluated); raise train.steps to train on, or give another train.run_dir for a new run"
+            )
     return state
 
 

@@ -7,6 +7,7 @@ device work. Fixtures: tests/fixtures/hf_llama_* (transformers 5.24.0; see tests
 
 import dataclasses
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -101,6 +102,12 @@ def test_import_refusals(tmp_path, capsys):
     assert checkpoints_main(["import-hf", UNTIED, "--out", str(tmp_path / "r"), "model.d_model=64"]) == 2
     assert "overrides change model.['d_model']" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "r")
+    truncated = tmp_path / "truncated"  # a download cut short
+    shutil.copytree(UNTIED, truncated)
+    os.truncate(truncated / "model.safetensors", 5000)
+    assert checkpoints_main(["import-hf", str(truncated), "--out", str(tmp_path / "t")]) == 2
+    assert "model.safetensors is not a readable safetensors file" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "t")
 
 
 SMALL = [

@@ -3,6 +3,7 @@ none, or resuming with other data settings, fails with a ConfigError before any 
 config.yaml as it was and creates nothing that was not there; the saved config is fully resolved; a resume with
 other settings keeps the previous config.yaml as config.step<N>.yaml."""
 
+import logging
 import os
 
 import pytest
@@ -33,7 +34,7 @@ def _cfg(run_dir, *overrides):
 
 
 @pytest.mark.slow  # a training run, then refusals that each build a plan (about 20 s on 2 cores)
-def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
+def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path, caplog):
     result = train(_cfg(tmp_path))
     assert result.start_step == 0 and sorted(result.losses) == [2]
     saved = (tmp_path / "config.yaml").read_text()
@@ -58,17 +59,19 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path):
 
     # The run's own checkpoints win over checkpoint.restore_from (which only seeds a fresh run), so the same
     # command run again resumes instead of going back to the seed.
-    again = train(
-        _cfg(
-            tmp_path,
-            "mesh.data=1",
-            "mesh.tensor=1",
-            "optimizer.zero_stage=3",
-            "train.steps=3",
-            f"checkpoint.restore_from={tmp_path / 'checkpoints' / '2'}",
+    with caplog.at_level(logging.INFO, logger="jaxpar"):
+        again = train(
+            _cfg(
+                tmp_path,
+                "mesh.data=1",
+                "mesh.tensor=1",
+                "optimizer.zero_stage=3",
+                "train.steps=3",
+                f"checkpoint.restore_from={tmp_path / 'checkpoints' / '2'}",
+            )
         )
-    )
     assert again.start_step == 3 and again.losses == {}
+    assert "has reached train.steps=3: nothing to train" in caplog.text
     saved = (tmp_path / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"already at step 3, past train.steps=2; raise train.steps"):
         train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=2"))

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,10 @@ def test_round_trip_is_bit_identical(fixture, dtype, shard, tmp_path):
     files = save_hf_llama(hf.params, hf.cfg, out, dtype=dtype, base_config=hf.hf_config, max_shard_bytes=shard)
     assert ("model.safetensors.index.json" in files) == (fixture == TIED)
     assert_same_tensors(out, fixture)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {f: stat.S_IMODE(os.stat(os.path.join(out, f)).st_mode) for f in os.listdir(out)}
+    assert set(modes.values()) == {0o666 & ~umask}, modes  # readable as any new file is, not safetensors' 0600
     back = json.load(open(os.path.join(out, "config.json")))
     assert model_config_from_hf(back) == model_config_from_hf(hf.hf_config)
     assert back["torch_dtype"] == dtype and back["bos_token_id"] == hf.hf_config["bos_token_id"]

@@ -174,6 +174,31 @@ def test_unfinished_or_missing_set_is_refused(sets, tmp_path):
         shard_splits(DataConfig(source="shards", path=str(broken)))
 
 
+def test_a_damaged_set_is_refused_before_training_and_bad_ids_when_read(sets, tmp_path):
+    """A missing or truncated shard file is named when the set is opened (headers and sizes, no checksums); ids at
+    or above the tokenizer's vocabulary, which a checksum-free open cannot see, are refused when a row reads them."""
+    import shutil
+
+    cfg = lambda d: DataConfig(source="shards", path=str(d), seq_len=T)  # noqa: E731
+    missing, short, bad_ids = (tmp_path / n for n in ("missing", "short", "bad_ids"))
+    for d in (missing, short, bad_ids):
+        shutil.copytree(sets["byte"], d)
+    last = read_manifest(str(missing))["shards"][-1]
+    os.remove(missing / last["tokens_file"])
+    with pytest.raises(ConfigError, match=r"shard-\d+\.tokens\.npy cannot be read .*re-tokenize"):
+        shard_splits(cfg(missing))
+    os.truncate(short / last["offsets_file"], os.path.getsize(short / last["offsets_file"]) - 8)
+    with pytest.raises(ConfigError, match="shorter than its header says"):
+        shard_splits(cfg(short))
+    first = read_manifest(str(bad_ids))["shards"][0]
+    tokens = np.load(bad_ids / first["tokens_file"])
+    tokens[1::2] = 0xFFFF
+    np.save(bad_ids / first["tokens_file"], tokens)
+    train, _, _ = shard_splits(cfg(bad_ids))  # the files are whole
+    with pytest.raises(stream_lib.DataError, match="token id 65535 at or above its tokenizer's 259 ids"):
+        train.rows(np.array([0]))
+
+
 def test_few_open_shards(sets, monkeypatch):
     """With one shard open at a time (each read closes the previous shard), the rows are the same."""
     monkeypatch.setattr(stream_lib, "MAX_OPEN_SHARDS", 1)

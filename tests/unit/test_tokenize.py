@@ -179,12 +179,14 @@ def test_jsonl_and_parquet_give_the_text_files_shards(env, tmp_path):
     assert digests[0] == digests[1] == digests[2]
 
 
-def test_invalid_utf8_is_replaced_and_counted(env, tmp_path):
+def test_invalid_utf8_is_replaced_and_counted(env, tmp_path, caplog):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "a.txt").write_bytes(b"ok \xff\xfe bytes")
     (tmp_path / "in" / "b.txt").write_bytes(b"fine")
-    m = _tokenize(env, tmp_path / "out", [str(tmp_path / "in")]).manifest
+    with caplog.at_level("WARNING", logger="jaxpar.data"):
+        m = _tokenize(env, tmp_path / "out", [str(tmp_path / "in")]).manifest
     assert m["invalid_utf8_documents"] == 1 and m["documents"] == 2
+    assert "1 of 2 documents were not valid UTF-8" in caplog.text
     assert ShardSet(str(tmp_path / "out")).document(0)[1:-1].tolist() == list("ok \ufffd\ufffd bytes".encode())
 
 
@@ -333,6 +335,8 @@ def test_output_directory_that_is_not_a_shard_set_is_refused(env, tmp_path):
     with pytest.raises(DataError, match="not a jaxpar token shard set .*notes.txt"):
         _tokenize(env, tmp_path / "out")
     assert os.listdir(tmp_path / "out") == ["notes.txt"]  # nothing added
+    with pytest.raises(DataError, match=r"--out .*notes.txt/sub cannot be created \(Not a directory\)"):
+        _tokenize(env, tmp_path / "out" / "notes.txt" / "sub")
 
 
 def test_a_changed_tokenizer_copy_is_refused(env, tmp_path):

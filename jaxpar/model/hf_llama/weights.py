@@ -30,7 +30,7 @@ import re
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from jaxpar.config.schema import ModelConfig
@@ -55,6 +55,29 @@ _LAYER = {
     "mlp.up_proj.weight": (("mlp", "w_up"), "linear"),
     "mlp.down_proj.weight": (("mlp", "w_down"), "linear"),
 }
+
+
+def _save(tensors: dict[str, np.ndarray], path: str) -> None:
+    """Writes a safetensors file with the mode of any new file (0666 less the umask: safetensors makes it 0600,
+    which other users of a shared cluster could not read)."""
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def _open(path: str):
+    """`safe_open(path)` for numpy arrays.
+
+    Raises:
+      HFConfigError: the file is not a whole safetensors file (truncated, damaged, or another format).
+    """
+    try:
+        return safe_open(path, "numpy")
+    except (SafetensorError, OSError) as e:
+        raise HFConfigError(
+            f"{path} is not a readable safetensors file ({e}): it is damaged or incomplete; copy or download it again"
+        ) from None
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -101,7 +124,7 @@ def weight_files(hf_dir: str) -> dict[str, str]:
             f"{hf_dir!r} holds neither {SINGLE_FILE} nor {INDEX_FILE}; jaxpar reads safetensors weights only "
             f"(convert .bin / .pth files with transformers' save_pretrained(safe_serialization=True))"
         )
-    with safe_open(single, "numpy") as f:
+    with _open(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -128,7 +151,7 @@ def check_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, str]:
     for name in want:
         by_file.setdefault(files[name], []).append(name)
     for path, file_names in by_file.items():
-        with safe_open(path, "numpy") as f:
+        with _open(path) as f:
             for name in file_names:
                 view = f.get_slice(name)
                 shape, dtype = tuple(view.get_shape()), view.get_dtype()
@@ -175,7 +198,7 @@ def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
         by_file.setdefault(files[name], []).append(name)
     tensors, dtypes = {}, {}
     for path, names in by_file.items():
-        with safe_open(path, "numpy") as f:
+        with _open(path) as f:
             for name in names:
                 w = f.get_tensor(name)
                 dtypes[w.dtype.name] = dtypes.get(w.dtype.name, 0) + 1
@@ -243,12 +266,12 @@ def write_hf_tensors(tensors: dict[str, np.ndarray], out_dir: str, max_shard_byt
         size += w.nbytes
     os.makedirs(out_dir, exist_ok=True)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, SINGLE_FILE), metadata={"format": "pt"})
+        _save(shards[0], os.path.join(out_dir, SINGLE_FILE))
         return [SINGLE_FILE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(names, shards):
-        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+        _save(shard, os.path.join(out_dir, file))
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}
     with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
