@@ -28,6 +28,8 @@ from jaxpar.config.schema import MoEConfig
 # The per-microbatch sums the step accumulates (all fp32): "aux" and "z" are token-weighted (divided by the
 # global token count like the loss), "load" [U, E] and "dropped" are raw assignment counts.
 MEAN_KEYS = ("aux", "z")
+# The metrics `moe_metrics` returns (the train step's, the metrics rows').
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max_mean")
 
 
 def moe_sums(stats: dict, mask_BT: jax.Array) -> dict:

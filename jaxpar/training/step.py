@@ -58,7 +58,7 @@ from jaxpar.sharding import (
     storage_axes,
 )
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
-from jaxpar.training.moe_loss import moe_loss_terms, moe_metrics, moe_sums, zero_sums
+from jaxpar.training.moe_loss import MEAN_KEYS, moe_loss_terms, moe_metrics, moe_sums, zero_sums
 from jaxpar.training.optimizer import (
     applied_learning_rate,
     build_optimizer,
@@ -588,7 +588,7 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         loss = jax.lax.psum(loss, loss_axes)
         # MoE sums: each device summed its own rows (tensor ranks alike: counted once, like the loss); the
         # token-weighted ones are normalised like the loss.
-        sums = {k: jax.lax.psum(v / denom if k in ("aux", "z") else v, DATA_PARALLEL_AXES) for k, v in sums.items()}
+        sums = {k: jax.lax.psum(v / denom if k in MEAN_KEYS else v, DATA_PARALLEL_AXES) for k, v in sums.items()}
         return grads, loss, n_tokens, sums
 
     return jax.shard_map(
