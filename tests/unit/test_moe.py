@@ -49,7 +49,9 @@ def test_dropless_equals_each_token_through_its_experts():
     _, idx, _, _ = route(x, router, K)
     got = np.asarray(dropless_experts(x, idx, *weights, NO_TENSOR_PARALLEL))
     xs, ids = np.asarray(x, np.float64), np.asarray(idx)
-    want = np.stack([[[_expert(xs[b, t], ids[b, t, j], weights) for j in range(K)] for t in range(T)] for b in range(B)])
+    want = np.stack(
+        [[[_expert(xs[b, t], ids[b, t, j], weights) for j in range(K)] for t in range(T)] for b in range(B)]
+    )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -222,3 +224,11 @@ def test_sequence_parallel_defaults_off_with_moe():
     assert cfg.mesh.tensor == 2 and cfg.tensor.sequence_parallel is None
     assert not sequence_parallel(cfg, 2)
     assert sequence_parallel(load_config(TINY, num_devices=8), 2)
+
+
+def test_hugging_face_export_refuses_moe():
+    from jaxpar.model.hf_llama.config import HFConfigError, hf_config_from_model
+
+    cfg = load_config(TINY_MOE, num_devices=8).model
+    with pytest.raises(HFConfigError, match="does not export"):
+        hf_config_from_model(cfg, "float32")
