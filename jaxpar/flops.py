@@ -2,6 +2,13 @@
 
 Symbols: N non-embedding parameters, L layers, h model width (d_model), s sequence length.
 Source: PaLM (Chowdhery et al. 2022), appendix B; Kaplan et al. 2020, section 2.1.
+
+Mixture of experts (`model.moe`): N counts the *active* parameters, those one token's forward uses: the
+routed experts' weights enter top_k / E times, while the router, the shared experts, attention and norms enter
+whole (`active_non_embedding_params`). That is the 6N rule over activated parameters that DeepSeek-V3's report
+(arXiv 2412.19437, section 4.2 and table 1: 37B activated of 671B) and Switch Transformer (Fedus et al. 2021,
+section 2: "FLOPs per token" of top-1 routing equal the dense model's) use: a token's matmuls touch only k experts.
+Capacity routing's padding slots and dropped tokens are not counted either way (model FLOPs, not hardware).
 """
 
 from __future__ import annotations
@@ -58,9 +65,11 @@ def recompute_flops_per_token(model, seq_len: int) -> float:
     (`jaxpar.model.stack`), so names and full do not recompute the out projection either: this count, which does
     not know the tensor size, is then 2HKD per layer high for those two.
     Checked against XLA's cost analysis of the compiled gradient in tests/unit/test_flops.py.
+    With `model.moe`, an MoE block's gate/up term is 4D(top_k + shared_experts)F_e (its active experts; F_e the
+    experts' width) and the router's 2DE is added for names and full.
 
     Args:
-      model: a `ModelConfig` (uses remat, n_layers, d_model, n_heads, kv_heads, head_width, d_ff).
+      model: a `ModelConfig` (uses remat, n_layers, d_model, n_heads, kv_heads, head_width, d_ff, moe).
     Raises:
       ValueError: an unknown remat policy.
     """
@@ -75,7 +84,14 @@ def recompute_flops_per_token(model, seq_len: int) -> float:
     }
     if model.remat not in per_layer:
         raise ValueError(f"unknown remat policy {model.remat!r}; expected one of {sorted(per_layer)}")
-    return float(model.n_layers * per_layer[model.remat])
+    total = model.n_layers * per_layer[model.remat]
+    moe = getattr(model, "moe", None)
+    if moe is not None and moe.enabled and model.remat in ("names", "full"):
+        f_e = moe.d_expert or f
+        total += model.stack_depth * (
+            4 * d * (moe.top_k + moe.shared_experts) * f_e + 2 * d * moe.num_experts - gate_up
+        )
+    return float(total)
 
 
 def hardware_flops_per_token(
@@ -111,6 +127,23 @@ def count_non_embedding_params(params: dict, embedding_keys: tuple[str, ...] = (
     if not hasattr(params, "items"):
         raise TypeError(f"params must be a nested dict, got {type(params).__name__}")
     return sum(param_count(v) for k, v in params.items() if k not in embedding_keys)
+
+
+def inactive_expert_params(model) -> int:
+    """Routed-expert parameters one token does not use, for the built-in llama's `model.moe`: per MoE block
+    (E - top_k) experts of 3 * D * F_e weights (SwiGLU gate, up, down; F_e = moe.d_expert or d_ff). 0 for a
+    dense model. `model`: a `ModelConfig`."""
+    moe = getattr(model, "moe", None)
+    if moe is None or not moe.enabled:
+        return 0
+    f_e = moe.d_expert or model.d_ff
+    return model.stack_depth * (moe.num_experts - moe.top_k) * 3 * model.d_model * f_e
+
+
+def active_non_embedding_params(params: dict, model) -> int:
+    """The N of `flops_per_token` for `model` (a `ModelConfig`): `count_non_embedding_params(params)` less the
+    experts a token does not use (`inactive_expert_params`); equal to it for a dense model."""
+    return count_non_embedding_params(params) - inactive_expert_params(model)
 
 
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:

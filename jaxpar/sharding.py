@@ -31,6 +31,9 @@ PARAM_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "kv": (),
+    # Mixture-of-experts weights stacked over experts (jaxpar.model.moe): not sharded yet; expert parallelism
+    # will map it to a mesh axis.
+    "experts": (),
 }
 
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {

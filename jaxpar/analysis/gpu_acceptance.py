@@ -194,7 +194,10 @@ def planned_peak(cfg: Config, platform: str) -> int:
 
 def _flops(cfg: Config, params) -> tuple[float, float]:
     model = flops_lib.flops_per_token(
-        flops_lib.count_non_embedding_params(params), cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len
+        flops_lib.active_non_embedding_params(params, cfg.model),
+        cfg.model.n_layers,
+        cfg.model.d_model,
+        cfg.data.seq_len,
     )
     recompute = model_family(cfg.model.name).recompute_flops_per_token
     hardware = flops_lib.hardware_flops_per_token(model, recompute(cfg.model, cfg.data.seq_len))

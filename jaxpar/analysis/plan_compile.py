@@ -301,7 +301,12 @@ def measure_steps(
     tokens_per_s = g * t / seconds
     device = plan.mesh.devices.flat[0]
     peak = flops.peak_flops(device.device_kind, peak_flops_override or cfg.train.peak_flops_per_device)
-    per_token = flops.flops_per_token(analytic["params"]["non_embedding"], cfg.model.n_layers, cfg.model.d_model, t)
+    per_token = flops.flops_per_token(
+        analytic["params"]["non_embedding"] - flops.inactive_expert_params(cfg.model),
+        cfg.model.n_layers,
+        cfg.model.d_model,
+        t,
+    )
     stats = device.memory_stats() or {}
     return {
         "steps": steps,

@@ -96,13 +96,14 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Splits `section.key=value` into (["section", "key"], value parsed as a YAML scalar)."""
+    """Splits `section.key=value` (or `section.subsection.key=value`, e.g. model.moe.num_experts=8) into (the
+    dotted parts, value parsed as a YAML scalar)."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value, e.g. mesh.fsdp=4")
     key, value = text.split("=", 1)
     parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key {key!r} must be section.key, e.g. train.steps=50")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ConfigError(f"override key {key!r} must be section.key or section.subsection.key, e.g. train.steps=50")
     try:
         parsed = strict_safe_load(value) if value.strip() else ""
     except DuplicateKeyError as e:
@@ -120,8 +121,8 @@ def check_unique_overrides(overrides: Sequence[str]) -> None:
     """
     seen: dict[str, str] = {}
     for text in overrides:
-        (section, key), _ = parse_override(text)
-        dotted = f"{section}.{key}"
+        parts, _ = parse_override(text)
+        dotted = ".".join(parts)
         if dotted in seen:
             raise ConfigError(f"override {dotted} is given twice ({seen[dotted]!r} and {text!r}); keep one of them")
         seen[dotted] = text
@@ -243,11 +244,13 @@ def load_config(
     else:
         values = _read_yaml(path) if path else {}
     for text in overrides:
-        (section, key), value = parse_override(text)
-        sec = values.setdefault(section, {})
-        if not isinstance(sec, dict):
-            raise ConfigError(f"{section}: must be a mapping of keys")
-        sec[key] = value
+        parts, value = parse_override(text)
+        sec = values
+        for depth, name in enumerate(parts[:-1]):
+            sec = sec.setdefault(name, {})
+            if not isinstance(sec, dict):
+                raise ConfigError(f"{'.'.join(parts[: depth + 1])}: must be a mapping of keys")
+        sec[parts[-1]] = value
     cfg = config_from_dict(values)
     if validate:
         from jaxpar.config.validate import validate_config

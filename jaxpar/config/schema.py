@@ -12,6 +12,47 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts MLPs in the built-in `llama` decoder (`jaxpar.model.moe`). Off by default
+    (`num_experts: 0`): the model is dense and computes exactly as without this section.
+
+    Attributes:
+      num_experts: routed experts E per MoE block; 0 = dense model (no MoE), else at least 2.
+      top_k: experts each token is sent to (1 <= top_k <= num_experts). Gates are the router's softmax
+        probabilities of the chosen experts, renormalised to sum to 1 when top_k > 1 (Mixtral, DeepSeek-V3);
+        with top_k = 1 the raw probability (Switch Transformer), so the router learns from the main loss.
+      d_expert: hidden width of each expert's SwiGLU; 0 means model.d_ff.
+      shared_experts: experts every token passes through besides the routed ones (DeepSeekMoE, Dai et al. 2024):
+        one SwiGLU of width shared_experts * d_expert added to the routed output. 0 = none.
+      every: every `every`-th block is MoE, the others dense: the layer stack's unit is a group of `every`
+        blocks whose last one is MoE (1 = every block MoE). Must divide model.n_layers.
+      routing: `dropless` (every assignment computed: tokens sorted by expert and a grouped matmul,
+        `jax.lax.ragged_dot`) or `capacity` (each expert takes at most C = ceil(capacity_factor * T * top_k / E)
+        assignments per sequence, GShard-style; the rest are dropped: their routed output is zero, the residual
+        carries them).
+      capacity_factor: the C above (capacity routing only), > 0.
+      aux_loss_weight: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), summed
+        over MoE blocks. Switch uses 1e-2.
+      z_loss_weight: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), summed over MoE blocks.
+        ST-MoE uses 1e-3.
+    """
+
+    num_experts: int = 0
+    top_k: int = 2
+    d_expert: int = 0
+    shared_experts: int = 0
+    every: int = 1
+    routing: str = "dropless"
+    capacity_factor: float = 1.25
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer: which model family, and its shape. A family reads the fields it needs (the
     built-in `llama` reads them all; see the family's docstring).
@@ -54,6 +95,7 @@ class ModelConfig:
         optimizer at step 0; `jaxpar.training.init_from`). Its model (shapes, rope, norm epsilon, tying) must
         equal this config's, checked before any device work. "" (default): random initialisation from
         train.seed. A run that has its own checkpoints resumes from them instead.
+      moe: mixture-of-experts blocks (`MoEConfig`); off by default.
     """
 
     name: str = "llama"
@@ -77,6 +119,12 @@ class ModelConfig:
     attention: str = "auto"
     max_segments: int = 64
     init_from: str = ""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def stack_depth(self) -> int:
+        """Units of the stacked `blocks`: n_layers, or n_layers / moe.every with `moe` (groups of blocks)."""
+        return self.n_layers // self.moe.every if self.moe.enabled else self.n_layers
 
     @property
     def kv_heads(self) -> int:

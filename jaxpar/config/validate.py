@@ -12,6 +12,7 @@ from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
 from jaxpar.config.data_sources import check_data
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.moe import check_moe
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES
 from jaxpar.config.schema import Config
 
@@ -40,9 +41,10 @@ def _cpu_hint(num_devices: int) -> str:
 
 
 def sequence_parallel(cfg: Config, tensor_size: int) -> bool:
-    """`tensor.sequence_parallel`, with null meaning: on whenever the tensor axis is larger than 1."""
+    """`tensor.sequence_parallel`, with null meaning: on whenever the tensor axis is larger than 1, except with
+    `model.moe` (which does not run with sequence parallelism yet: `jaxpar.config.moe`)."""
     if cfg.tensor.sequence_parallel is None:
-        return tensor_size > 1
+        return tensor_size > 1 and not cfg.model.moe.enabled
     return cfg.tensor.sequence_parallel and tensor_size > 1
 
 
@@ -260,6 +262,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             f"equal depth); change model.n_layers or mesh.pipeline"
         )
     _virtual_stages(cfg, stages)
+    check_moe(cfg, shape, sequence_parallel(cfg, tp))
 
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
     # data too for the ZeRO stages that partition something (jaxpar.sharding).

@@ -6,7 +6,7 @@ V vocabulary (V/t: this tensor rank's shard), L layers, t tensor-parallel size.
 A model is any Flax NNX module with
 
 * parameters only: every variable is an `nnx.Param` carrying `logical_axes`, one name per dimension from the
-  keys of `jaxpar.sharding.PARAM_RULES` (embed, vocab, heads, kv, mlp) or None (a dimension never sharded, e.g.
+  keys of `jaxpar.sharding.PARAM_RULES` (embed, vocab, heads, kv, mlp, experts) or None (a dimension never sharded, e.g.
   a position table's rows). `embed` is the dimension fsdp and ZeRO shard; vocab, heads and mlp are split over
   `tensor`, so the model's code must work on those shards (build it from `jaxpar.model.layers` and
   `jaxpar.parallel.tensor`'s column/row-parallel ops, which read their widths from the weights they hold);

@@ -15,14 +15,18 @@ from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
+from jaxpar.model.moe import MoE
 from jaxpar.model.stack import Gather, no_gather, scan_layers, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
 
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D]."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D].
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    With `moe` the MLP is a mixture of experts (`jaxpar.model.moe.MoE`) and the block returns (x, router
+    statistics)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(
             cfg.d_model,
@@ -37,13 +41,38 @@ class Block(nnx.Module):
             rope_inv_freq=cfg.rope_inverse_frequencies(),
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
+        if moe:
+            self.mlp = MoE(cfg.d_model, cfg.moe.d_expert or cfg.d_ff, cfg.moe, cfg.init_std, rngs)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)
+        self.moe = moe
 
     def __call__(
         self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
-    ) -> jax.Array:
+    ) -> jax.Array | tuple[jax.Array, dict]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp, segment_ids_BT)
+        if self.moe:
+            y_BTD, stats = self.mlp(self.mlp_norm(x_BTD), tp)
+            return x_BTD + y_BTD, stats
         return x_BTD + self.mlp(self.mlp_norm(x_BTD), tp)
+
+
+class MoEGroup(nnx.Module):
+    """The stack's unit with `model.moe` on: `model.moe.every` blocks, dense ones (`dense_0`, ...) then one MoE
+    block (`moe`); returns (x [B, T, D], the MoE block's router statistics)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.n_dense = cfg.moe.every - 1
+        for i in range(self.n_dense):
+            setattr(self, f"dense_{i}", Block(cfg, rngs))
+        self.moe = Block(cfg, rngs, moe=True)
+
+    def __call__(
+        self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
+        for i in range(self.n_dense):
+            x_BTD = getattr(self, f"dense_{i}")(x_BTD, tp, segment_ids_BT)
+        return self.moe(x_BTD, tp, segment_ids_BT)
 
 
 class Llama(nnx.Module):
@@ -55,7 +84,8 @@ class Llama(nnx.Module):
 
     Attributes:
       embed: `Embed` table [V, D].
-      blocks: L stacked `Block`s (leading `layers` dimension on every parameter).
+      blocks: L stacked `Block`s (leading `layers` dimension on every parameter); with `model.moe`,
+        L / moe.every stacked `MoEGroup`s.
       final_norm: `RMSNorm` [D].
       lm_head: `LMHead` [D, V], or None with tied embeddings.
     """
@@ -63,7 +93,11 @@ class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
-        self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs), rngs)
+        if cfg.moe.enabled:
+            units = cfg.n_layers // cfg.moe.every
+            self.blocks = stack_layers(units, lambda layer_rngs: MoEGroup(cfg, layer_rngs), rngs)
+        else:
+            self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs), rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.d_model, cfg.vocab_size, cfg.init_std, rngs)
 
@@ -86,7 +120,20 @@ class Llama(nnx.Module):
     ) -> jax.Array:
         """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]; with segment ids
         (int32 [B, T]) attention stays within each packed document."""
-        return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT)
+        return self.run_blocks_with_stats(x_BTD, gather, tp, segment_ids_BT)[0]
+
+    def run_blocks_with_stats(
+        self,
+        x_BTD: jax.Array,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict | None]:
+        """`run_blocks`, and with `model.moe` the router statistics of every MoE block stacked on a leading
+        dimension of size n_layers / moe.every (`jaxpar.model.moe`), else None."""
+        if not self.cfg.moe.enabled:
+            return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT), None
+        return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT, with_aux=True)
 
     def logits(
         self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL

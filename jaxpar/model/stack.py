@@ -99,11 +99,14 @@ def scan_layers(
     gather: Gather = no_gather,
     tp: TensorParallel = NO_TENSOR_PARALLEL,
     segment_ids_BT: jax.Array | None = None,
-) -> jax.Array:
+    with_aux: bool = False,
+) -> jax.Array | tuple[jax.Array, dict]:
     """Runs a stack made by `stack_layers` over activations [B, T, D]: x = layer(x, tp) for each layer in order,
     or x = layer(x, tp, segment_ids_BT) when packed-document segment ids (int32 [B, T]) are given.
 
     Each layer is gathered (`gather`) inside the scan body and checkpointed with `REMAT_POLICIES[remat]`.
+    With `with_aux` each layer returns (x, aux), a pytree of arrays (e.g. a mixture-of-experts block's router
+    statistics, `jaxpar.model.moe`), and the result is (x, aux stacked on a leading dimension of size L).
 
     Raises:
       KeyError: `remat` is not one of `REMAT_POLICIES`.
@@ -114,8 +117,9 @@ def scan_layers(
 
     def body(x, layer_state):
         layer = gather(nnx.merge(graphdef, layer_state))
-        return layer(x, tp, *extra), None
+        out = layer(x, tp, *extra)
+        return out if with_aux else (out, None)
 
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x_BTD, _ = jax.lax.scan(body, x_BTD, stacked)
-    return x_BTD
+    x_BTD, aux = jax.lax.scan(body, x_BTD, stacked)
+    return (x_BTD, aux) if with_aux else x_BTD

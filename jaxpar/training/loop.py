@@ -297,7 +297,10 @@ def _model_flops(cfg: Config, state: dict) -> tuple[float, float, float | None]:
     """(model FLOPs per token, hardware FLOPs per token, peak FLOP/s per device or None), logged."""
     n_params = flops_lib.param_count(state["params"])
     flops_per_token = flops_lib.flops_per_token(
-        flops_lib.count_non_embedding_params(state["params"]), cfg.model.n_layers, cfg.model.d_model, cfg.data.seq_len
+        flops_lib.active_non_embedding_params(state["params"], cfg.model),
+        cfg.model.n_layers,
+        cfg.model.d_model,
+        cfg.data.seq_len,
     )
     recompute = model_family(cfg.model.name).recompute_flops_per_token
     hardware_flops = (

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.moe import check_moe
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
@@ -57,6 +58,7 @@ from jaxpar.sharding import (
     storage_axes,
 )
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
+from jaxpar.training.moe_loss import MEAN_KEYS, moe_loss_terms, moe_metrics, moe_sums, zero_sums
 from jaxpar.training.optimizer import (
     applied_learning_rate,
     build_optimizer,
@@ -167,6 +169,7 @@ def build_plan(
         raise ConfigError(
             f"the mesh ({given}) is not the config's ({', '.join(f'mesh.{a}={wanted[a]}' for a in MESH_AXES)}); {fix}"
         )
+    check_moe(cfg, wanted, sequence_parallel(cfg, wanted["tensor"]))
     mdef = model_def(_resolved_model(cfg, mesh))
     logical = mdef.logical_axes()
     zero = cfg.optimizer.zero_stage
@@ -337,7 +340,10 @@ def _split_microbatches(batch: dict, n: int) -> dict:
 
 def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
     """`loss_sum(params, mb)`: one microbatch's summed loss on this device's rows (inside the shard_map): the
-    plan's training loss, or with `train=False` the cross-entropy that evaluation reports."""
+    plan's training loss, or with `train=False` the cross-entropy that evaluation reports.
+
+    With `train` it returns (summed loss, MoE sums): with `model.moe` the loss adds the weighted auxiliary losses
+    and the sums are `jaxpar.training.moe_loss.moe_sums`; without, {}."""
     gather = module_gatherer(
         plan.mesh_shape,
         partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
@@ -346,21 +352,31 @@ def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
     )
 
     tp = plan.tensor_parallel
+    moe = plan.cfg.model.moe
 
-    def loss_sum(params: dict, mb: dict) -> jax.Array:
+    def loss_sum(params: dict, mb: dict):
         model = plan.mdef.bind(params)
-        h = run_blocks(model, model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp), mb, gather, tp)
+        x = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
+        if train and moe.enabled:
+            h, stats = run_blocks(model, x, mb, gather, tp, with_stats=True)
+        else:
+            h, stats = run_blocks(model, x, mb, gather, tp), None
         logits = model.logits(h, gather, tp)
         if not train:
             return summed_loss(cross_entropy, logits, mb, tp)
-        return summed_loss(plan.loss_fn, logits, mb, tp)
+        loss = summed_loss(plan.loss_fn, logits, mb, tp)
+        if stats is None:
+            return loss, {}
+        sums = moe_sums(stats, mb["loss_mask"])
+        return loss + moe_loss_terms(sums, moe), sums
 
     return loss_sum
 
 
-def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel) -> jax.Array:
+def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel, with_stats: bool = False):
     """`model.run_blocks` on activations [b, T', D], with the microbatch's packed-document `segment_ids` (int32
-    [b, T]) when it has them (a model that takes none is never passed any).
+    [b, T]) when it has them (a model that takes none is never passed any). With `with_stats` (the built-in
+    llama with `model.moe`): `model.run_blocks_with_stats`, returning (activations, router statistics).
 
     Raises:
       ValueError: the microbatch has segment ids and the model's run_blocks takes none.
@@ -372,7 +388,11 @@ def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel) ->
                 f"none: give it a fourth parameter segment_ids_BT (jaxpar.model.interface), or yield batches "
                 f"without segment_ids"
             )
+        if with_stats:
+            return model.run_blocks_with_stats(x_BTD, gather, tp, mb["segment_ids"])
         return model.run_blocks(x_BTD, gather, tp, mb["segment_ids"])
+    if with_stats:
+        return model.run_blocks_with_stats(x_BTD, gather, tp)
     return model.run_blocks(x_BTD, gather, tp)
 
 
@@ -510,7 +530,15 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         (so: the mean), fp32;
       n_tokens: global count of valid tokens (sum of loss_mask), fp32.
     """
+    grad_fn = _grad_fn_with_moe(plan)
+    return lambda params, batch: grad_fn(params, batch)[:3]
+
+
+def _grad_fn_with_moe(plan: StepPlan) -> Callable:
+    """`make_grad_fn`'s function with a fourth output: the global MoE sums (`jaxpar.training.moe_loss`; "aux"
+    and "z" divided by the global token count), or {} without `model.moe`."""
     loss_sum = _loss_body(plan)
+    moe = plan.cfg.model.moe
     stages, pipe_mb = plan.mesh_shape["pipeline"], plan.cfg.pipeline.microbatches
     # Without a pipeline its microbatches are just more gradient accumulation.
     accum = plan.cfg.train.grad_accum_steps * (pipe_mb if stages == 1 else 1)
@@ -528,17 +556,24 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         if virtual > 1:
             staged = {**params, STACK_ATTRIBUTE: pipeline_lib.to_chunk_order(params[STACK_ATTRIBUTE], stages, virtual)}
 
+        def scaled(p, mb):
+            loss, sums = loss_sum(p, mb)
+            return loss / denom, sums
+
         def micro(carry, mb):
-            g_acc, l_acc = carry
-            if stages > 1:
-                g, loss = _pipeline_grads(plan, staged, mb, 1.0 / denom)
+            g_acc, l_acc, s_acc = carry
+            if stages > 1:  # (MoE is refused with a pipeline: jaxpar.config.moe)
+                (g, loss), sums = _pipeline_grads(plan, staged, mb, 1.0 / denom), {}
             else:
-                loss, g = jax.value_and_grad(lambda p: loss_sum(p, mb) / denom)(params)
+                (loss, sums), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
-            return (g_acc, l_acc + loss), None
+            s_acc = jax.tree.map(lambda a, b: a + b, s_acc, sums)
+            return (g_acc, l_acc + loss, s_acc), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grads, loss), _ = jax.lax.scan(micro, (zeros, jnp.zeros((), jnp.float32)), _split_microbatches(batch, accum))
+        sums0 = zero_sums(plan.cfg.model.stack_depth, moe.num_experts) if moe.enabled else {}
+        carry0 = (zeros, jnp.zeros((), jnp.float32), sums0)
+        (grads, loss, sums), _ = jax.lax.scan(micro, carry0, _split_microbatches(batch, accum))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
         if virtual > 1:
             layers, edge = split_stack(grads)
@@ -551,14 +586,17 @@ def make_grad_fn(plan: StepPlan) -> Callable:
         # psum over the batch-splitting axes (each device summed only its own rows) and over pipeline (only
         # the last stage computed a loss).
         loss = jax.lax.psum(loss, loss_axes)
-        return grads, loss, n_tokens
+        # MoE sums: each device summed its own rows (tensor ranks alike: counted once, like the loss); the
+        # token-weighted ones are normalised like the loss.
+        sums = {k: jax.lax.psum(v / denom if k in MEAN_KEYS else v, DATA_PARALLEL_AXES) for k, v in sums.items()}
+        return grads, loss, n_tokens, sums
 
     return jax.shard_map(
         body,
         mesh=plan.mesh,
         # one spec for every batch array: the three of `jaxpar.batch` and an optional "segment_ids"
         in_specs=(plan.specs["params"], plan.batch_sharding.spec),
-        out_specs=(plan.specs["grads"], P(), P()),
+        out_specs=(plan.specs["grads"], P(), P(), P()),
         check_vma=False,
     )
 
@@ -572,15 +610,17 @@ def make_train_step(plan: StepPlan) -> Callable:
               "tokens": valid tokens in the batch} (fp32 scalars),
              "bad_steps_in_a_row" and "skipped_steps" (int32): updates skipped for non-finite gradients,
              consecutive up to this step and in total.
+    With `model.moe` the loss adds the weighted auxiliary losses, and the metrics add moe_aux_loss,
+    moe_z_loss, moe_dropped_fraction and moe_load_max_mean (`jaxpar.training.moe_loss.moe_metrics`).
     "learning_rate" is left out when `plan.schedule` is None (a caller's optimizer without a `learning_rate`
     given to `build_plan`); "bad_steps_in_a_row" and "skipped_steps" are left out when the optimizer state holds
     no `jaxpar.training.optimizer.skip_nonfinite` wrapper (such an optimizer applies every update, finite or not).
     The default optimizer reports all of them.
     """
-    grad_fn = make_grad_fn(plan)
+    grad_fn = _grad_fn_with_moe(plan)
 
     def train_step(state, batch):
-        grads, loss, n_tokens = grad_fn(state["params"], batch)
+        grads, loss, n_tokens, sums = grad_fn(state["params"], batch)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grad_norm = optax.tree.norm(grads32)
         target = state["master"] if plan.has_master else state["params"]
@@ -601,6 +641,8 @@ def make_train_step(plan: StepPlan) -> Callable:
             rate = jnp.float32(plan.schedule)
             metrics["learning_rate"] = rate if skip is None else jnp.where(skip.last_finite, rate, 0.0)
         metrics["tokens"] = n_tokens
+        if sums:
+            metrics.update(moe_metrics(sums))
         if skip is not None:
             metrics["bad_steps_in_a_row"] = skip.notfinite_count
             metrics["skipped_steps"] = skip.total_notfinite

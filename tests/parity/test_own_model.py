@@ -223,7 +223,7 @@ class _Unnamed(_NoBlocks):
 class _UnknownAxis(_NoBlocks):
     def __init__(self, cfg, rngs):
         self.blocks = jm.stack_layers(cfg.n_layers, lambda r: _NoBlocks(cfg, r), rngs)
-        self.w = nnx.Param(jax.numpy.zeros((4, cfg.d_model)), logical_axes=("experts", "embed"))
+        self.w = nnx.Param(jax.numpy.zeros((4, cfg.d_model)), logical_axes=("channels", "embed"))
 
 
 class _WithRngState(_NoBlocks):
@@ -242,7 +242,7 @@ class _Flat(_NoBlocks):
     [
         (_NoBlocks, TypeError, "has no `blocks` module"),
         (_Unnamed, TypeError, r"parameter blocks/bias of shape \(64,\) per layer needs logical_axes"),
-        (_UnknownAxis, ValueError, r"logical axes \('experts', 'embed'\); names must be None or one of"),
+        (_UnknownAxis, ValueError, r"logical axes \('channels', 'embed'\); names must be None or one of"),
         (_WithRngState, TypeError, r"dropout_rngs.*nnx.Param only"),
         (_Flat, ValueError, "no leading layers dimension of model.n_layers=2"),
     ],

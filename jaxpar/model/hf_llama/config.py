@@ -143,10 +143,15 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None)
     every key jaxpar does not own; the shape, rope and dtype keys are always jaxpar's.
 
     Raises:
-      HFConfigError: `cfg.name` is not `llama`.
+      HFConfigError: `cfg.name` is not `llama`, or `cfg.moe` is on (a Hugging Face Llama has no experts).
     """
     if cfg.name != "llama":
         raise HFConfigError(f"model.name={cfg.name!r}: only the built-in llama family exports to Hugging Face Llama")
+    if cfg.moe.enabled:
+        raise HFConfigError(
+            f"model.moe.num_experts={cfg.moe.num_experts}: a mixture-of-experts model does not export to Hugging "
+            f"Face Llama (which is dense); export a run without model.moe"
+        )
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "torch_dtype", "dtype")}
     rope_scaling = None
     if cfg.rope_scaling == "linear":

@@ -8,6 +8,7 @@ import jax
 from jaxpar import flops as flops_lib
 from jaxpar.generate import MAX_SAMPLE_PARAMS, SamplingUnavailable, sample_text
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
+from jaxpar.training.moe_loss import MOE_METRICS
 
 
 class MetricsHook(Hook):
@@ -17,10 +18,10 @@ class MetricsHook(Hook):
       step, loss, val_loss, val_tokens, learning_rate, grad_norm, skipped_steps, rollbacks, tokens_per_s,
       step_time_s, tokens, mfu, hfu, memory_peak_bytes, memory_step_bytes
 
-    and, for a data mixture (`data.sources`), `val_loss/<name>` for each source on the rows that evaluated.
-
-    (README, "What the default run does", says what each means). Fetching the metrics waits for the step, so
-    other steps run ahead of the host.
+    and, for a data mixture (`data.sources`), `val_loss/<name>` for each source on the rows that evaluated; with
+    `model.moe` also moe_aux_loss, moe_z_loss, moe_dropped_fraction, moe_load_max_mean
+    (`jaxpar.training.moe_loss.moe_metrics`). (README, "What the default run does", says what each means).
+    Fetching the metrics waits for the step, so other steps run ahead of the host.
 
     Args:
       every: steps between rows (`train.log_every`).
@@ -58,6 +59,7 @@ class MetricsHook(Hook):
                 "hfu": hfu,
                 **run.memory,
                 **{f"val_loss/{name}": value for name, value in (run.val_losses or {}).items()},
+                **{k: m[k] for k in MOE_METRICS if k in m},
             },
         )
 

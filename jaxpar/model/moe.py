@@ -1,0 +1,163 @@
+"""Mixture-of-experts MLP: a softmax router in fp32, top-k experts per token, optional shared experts.
+
+Shape letters: B batch, T sequence, D model width, E experts, K top_k, F expert hidden width, A assignments
+(token, choice) pairs, C capacity per expert and sequence.
+
+Every expert is a SwiGLU MLP (Shazeer 2020); the E experts' weights are stacked on a leading dimension with the
+logical axis `experts` (`jaxpar.sharding.PARAM_RULES`: not sharded in this increment; expert parallelism will
+split it over a mesh axis). Routing (Shazeer et al. 2017; Switch Transformer, Fedus et al. 2021; GShard, Lepikhin
+et al. 2020): router logits x @ W_r in fp32, probabilities p = softmax, the top_k experts of each token; the
+token's output is sum_j gate_j * expert_{e_j}(x) with gate_j = p_{e_j}, renormalised over the top_k when
+top_k > 1 (Mixtral, DeepSeek-V3), raw when top_k == 1 (Switch).
+
+Two ways to run the experts, same parameters:
+  * dropless: all T*K assignments of the batch are sorted by expert and run as grouped matmuls
+    (`jax.lax.ragged_dot`, one group per expert): nothing is dropped (MegaBlocks, Gale et al. 2022).
+  * capacity: each expert takes at most C = ceil(capacity_factor * T * K / E) assignments per sequence, in
+    priority order "every token's first choice, in sequence order, then every second choice, ..." (GShard);
+    the rest are dropped (routed output zero; the residual path carries the token). Fixed shapes [B, E, C, D].
+The capacity group is one sequence, so which tokens drop depends only on that sequence: the same on any mesh
+layout (rows are never split over data or fsdp, and the router sees the whole sequence under tensor
+parallelism).
+
+Tensor parallelism (`jaxpar.parallel.tensor`): the router runs on the block input before `tp.enter`, identically
+on every tensor rank (its weights replicated over `tensor`); each expert's hidden width F is split over `tensor`
+(gate/up column-parallel, down row-parallel); `tp.exit` reduces each assignment's partial output before the gates
+combine them, so router and gate gradients are whole on every rank, like any parameter used outside the
+column/row pair. Sequence parallelism is refused for now (`jaxpar.config.moe`).
+
+Per block, `MoE.__call__` returns statistics for the losses and metrics (`jaxpar.training.moe_loss`):
+  aux_B   fp32 [B]: each sequence's load-balancing loss E * sum_i f_i * P_i (Switch eq. 4), f_i the fraction of
+          the sequence's T*K assignments routed to expert i (no gradient), P_i the mean router probability of
+          expert i over its T tokens; 1.0 when perfectly balanced.
+  z_BT    fp32 [B, T]: each token's router z-loss (log sum_i exp(logit_i))^2 (ST-MoE, Zoph et al. 2022, eq. 5).
+  load_E  fp32 [E]: assignments routed to each expert (before dropping).
+  dropped fp32 []: assignments dropped for capacity (0 when dropless).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.config.schema import MoEConfig
+from jaxpar.model.layers import SwiGLU, _normal
+from jaxpar.model.stack import MLP_HIDDEN
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
+
+EXPERTS_AXIS = "experts"  # the logical name of the experts' leading dimension
+
+
+def capacity(seq_len: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Assignments one expert takes per sequence under capacity routing: ceil(capacity_factor * T * K / E)."""
+    return max(1, math.ceil(capacity_factor * seq_len * top_k / num_experts))
+
+
+def route(x_BTD: jax.Array, router_DE: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
+    """The router in fp32: (gates fp32 [B, T, K], expert ids int32 [B, T, K], probabilities fp32 [B, T, E],
+    stats {"aux_B", "z_BT", "load_E"} as in the module docstring)."""
+    logits = x_BTD.astype(jnp.float32) @ router_DE.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, idx = jax.lax.top_k(probs, top_k)
+    gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True) if top_k > 1 else top_p
+    e = router_DE.shape[-1]
+    t = x_BTD.shape[1]
+    counts_BE = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(1, 2))
+    f_BE = jax.lax.stop_gradient(counts_BE / (t * top_k))
+    aux_B = e * jnp.sum(f_BE * jnp.mean(probs, axis=1), axis=-1)
+    z_BT = jnp.square(jax.nn.logsumexp(logits, axis=-1))
+    stats = {"aux_B": aux_B, "z_BT": z_BT, "load_E": jnp.sum(counts_BE, axis=0)}
+    return gates, idx.astype(jnp.int32), probs, stats
+
+
+def _swiglu_hidden(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
+    return checkpoint_name(jax.nn.silu(h_gate) * h_up, MLP_HIDDEN)
+
+
+def dropless_experts(
+    x_BTD: jax.Array, idx_BTK: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, tp: TensorParallel
+) -> jax.Array:
+    """Every assignment through its expert with grouped matmuls: [B, T, D] -> each assignment's output
+    [B, T, K, D] (reduced over `tensor`). Weights: gate/up [E, D, F(/t)], down [E, F(/t), D]."""
+    b, t, d = x_BTD.shape
+    k, e, dt = idx_BTK.shape[-1], w_gate.shape[0], x_BTD.dtype
+    expert_A = idx_BTK.reshape(-1)  # assignment a = token * K + choice
+    order = jnp.argsort(expert_A, stable=True)  # assignments grouped by expert, in token order within each
+    xs_AD = x_BTD.reshape(b * t, d)[order // k]
+    sizes = jnp.bincount(expert_A, length=e).astype(jnp.int32)
+    h_gate = jax.lax.ragged_dot(xs_AD, w_gate.astype(dt), sizes)
+    h_up = jax.lax.ragged_dot(xs_AD, w_up.astype(dt), sizes)
+    out_AD = tp.exit(jax.lax.ragged_dot(_swiglu_hidden(h_gate, h_up), w_down.astype(dt), sizes))
+    return out_AD[jnp.argsort(order)].reshape(b, t, k, d)
+
+
+def capacity_experts(
+    x_BTD: jax.Array,
+    idx_BTK: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    tp: TensorParallel,
+    capacity_factor: float,
+) -> tuple[jax.Array, jax.Array]:
+    """Capacity routing (module docstring): (each assignment's output [B, T, K, D], zero where dropped, reduced
+    over `tensor`; kept mask bool [B, T, K])."""
+    b, t, d = x_BTD.shape
+    k, e, dt = idx_BTK.shape[-1], w_gate.shape[0], x_BTD.dtype
+    c = capacity(t, k, e, capacity_factor)
+    idx_BA = jnp.swapaxes(idx_BTK, 1, 2).reshape(b, k * t)  # a = choice * T + position: choice-major priority
+    onehot = jax.nn.one_hot(idx_BA, e, dtype=jnp.int32)
+    pos_BA = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # place in its expert's queue
+    keep_BA = pos_BA < c
+    slot_BA = jnp.where(keep_BA, pos_BA, c)  # c is out of range: dropped by the scatter
+    rows = jnp.arange(b)[:, None]
+    x_BAD = jnp.tile(x_BTD, (1, k, 1))
+    buf = jnp.zeros((b, e, c, d), dt).at[rows, idx_BA, slot_BA].add(x_BAD, mode="drop")
+    h_gate = jnp.einsum("becd,edf->becf", buf, w_gate.astype(dt))
+    h_up = jnp.einsum("becd,edf->becf", buf, w_up.astype(dt))
+    out = tp.exit(jnp.einsum("becf,efd->becd", _swiglu_hidden(h_gate, h_up), w_down.astype(dt)))
+    y_BAD = out[rows, idx_BA, jnp.minimum(slot_BA, c - 1)] * keep_BA[..., None].astype(dt)
+    y_BTKD = jnp.swapaxes(y_BAD.reshape(b, k, t, d), 1, 2)
+    return y_BTKD, jnp.swapaxes(keep_BA.reshape(b, k, t), 1, 2)
+
+
+class MoE(nnx.Module):
+    """Routed SwiGLU experts plus optional shared experts: [B, T, D] -> ([B, T, D], stats) (module docstring).
+
+    Attributes:
+      router: [D, E] (logical axes embed, experts), applied in fp32.
+      w_gate, w_up: [E, D, F] (experts, embed, mlp); w_down: [E, F, D] (experts, mlp, embed).
+      shared: a `SwiGLU` of width shared_experts * F, or None.
+    """
+
+    def __init__(self, d: int, f: int, moe: MoEConfig, std: float, rngs: nnx.Rngs):
+        e = moe.num_experts
+        self.router = nnx.Param(_normal(rngs, (d, e), std), logical_axes=("embed", EXPERTS_AXIS))
+        self.w_gate = nnx.Param(_normal(rngs, (e, d, f), std), logical_axes=(EXPERTS_AXIS, "embed", "mlp"))
+        self.w_up = nnx.Param(_normal(rngs, (e, d, f), std), logical_axes=(EXPERTS_AXIS, "embed", "mlp"))
+        self.w_down = nnx.Param(_normal(rngs, (e, f, d), std), logical_axes=(EXPERTS_AXIS, "mlp", "embed"))
+        self.shared = SwiGLU(d, moe.shared_experts * f, std, rngs) if moe.shared_experts else None
+        self.top_k = moe.top_k
+        self.routing = moe.routing
+        self.capacity_factor = moe.capacity_factor
+
+    def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> tuple[jax.Array, dict]:
+        """x: [B, T, D] (whole sequence: sequence parallelism is refused) -> ([B, T, D], stats)."""
+        dt = x_BTD.dtype
+        gates, idx, _, stats = route(x_BTD, self.router[...], self.top_k)
+        x_in = tp.enter(x_BTD)
+        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        if self.routing == "capacity":
+            y_BTKD, keep = capacity_experts(x_in, idx, *weights, tp, self.capacity_factor)
+            stats["dropped"] = jnp.sum(~keep).astype(jnp.float32)
+        else:
+            y_BTKD = dropless_experts(x_in, idx, *weights, tp)
+            stats["dropped"] = jnp.zeros((), jnp.float32)
+        y_BTD = jnp.einsum("btk,btkd->btd", gates.astype(dt), y_BTKD)
+        if self.shared is not None:
+            y_BTD = y_BTD + self.shared(x_BTD, tp)
+        return y_BTD, stats

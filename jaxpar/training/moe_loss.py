@@ -1,0 +1,78 @@
+"""The mixture-of-experts auxiliary losses and metrics of the train step, from the router statistics of
+`jaxpar.model.moe` (stacked over the U MoE blocks by `Llama.run_blocks_with_stats`).
+
+How the auxiliary losses are normalised so that every layout computes the single-device value: the step sums
+each microbatch's loss over its rows and divides by the global count of valid tokens (`jaxpar.training.loss`).
+The load-balancing loss is defined per sequence (f_i and P_i over the sequence's own tokens: the capacity group
+too), and each sequence enters with the weight of its valid tokens, sum_t loss_mask. So
+
+    moe_aux_loss = sum over sequences of (valid tokens * aux) / (valid tokens of the global batch)
+
+is additive over rows: any split of the rows over data, fsdp and microbatches sums to the same numerator, and
+the denominator is the step's. Tensor ranks all see every token of their rows and compute it identically (it is
+counted once, like the loss). The router z-loss is per token, weighted by loss_mask like the cross-entropy.
+Both are summed over the U MoE blocks in the training loss:
+
+    loss = cross-entropy + aux_loss_weight * sum_u aux_u + z_loss_weight * sum_u z_u,
+
+and reported as their means over the U blocks (`moe_metrics`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.config.schema import MoEConfig
+
+# The per-microbatch sums the step accumulates (all fp32): "aux" and "z" are token-weighted (divided by the
+# global token count like the loss), "load" [U, E] and "dropped" are raw assignment counts.
+MEAN_KEYS = ("aux", "z")
+# The metrics `moe_metrics` returns (the train step's, the metrics rows').
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max_mean")
+
+
+def moe_sums(stats: dict, mask_BT: jax.Array) -> dict:
+    """One microbatch's sums from the stacked router statistics (leading U) and its loss_mask [b, T].
+
+    Returns {"aux": sum_u sum_rows valid_r * aux_{u,r}, "z": sum_u sum_tokens mask * z, "load": [U, E]
+    assignments per expert, "dropped": assignments dropped for capacity}, fp32.
+    """
+    mask = mask_BT.astype(jnp.float32)
+    return {
+        "aux": jnp.sum(stats["aux_B"] * jnp.sum(mask, axis=-1)),
+        "z": jnp.sum(stats["z_BT"] * mask),
+        "load": stats["load_E"],
+        "dropped": jnp.sum(stats["dropped"]),
+    }
+
+
+def moe_loss_terms(sums: dict, moe: MoEConfig) -> jax.Array:
+    """The weighted auxiliary terms added to the microbatch's summed loss: aux_loss_weight * aux +
+    z_loss_weight * z (fp32 scalar)."""
+    return moe.aux_loss_weight * sums["aux"] + moe.z_loss_weight * sums["z"]
+
+
+def zero_sums(n_units: int, num_experts: int) -> dict:
+    """The accumulator of `moe_sums` before the first microbatch."""
+    zero = jnp.zeros((), jnp.float32)
+    return {"aux": zero, "z": zero, "load": jnp.zeros((n_units, num_experts), jnp.float32), "dropped": zero}
+
+
+def moe_metrics(sums: dict) -> dict:
+    """Metrics from the step's global sums ("aux" and "z" already divided by the global token count):
+
+    moe_aux_loss: load-balancing loss, mean over MoE blocks (1.0 = balanced, E = every token on one expert);
+    moe_z_loss: router z-loss, mean over MoE blocks;
+    moe_dropped_fraction: dropped / all (token, expert) assignments of the step, over all MoE blocks;
+    moe_load_max_mean: tokens of the busiest expert / mean tokens per expert, mean over MoE blocks (1.0 =
+      balanced).
+    """
+    load = sums["load"]
+    units = load.shape[0]
+    return {
+        "moe_aux_loss": sums["aux"] / units,
+        "moe_z_loss": sums["z"] / units,
+        "moe_dropped_fraction": sums["dropped"] / jnp.maximum(jnp.sum(load), 1.0),
+        "moe_load_max_mean": jnp.mean(jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)),
+    }
