@@ -85,6 +85,8 @@ def test_fingerprint_follows_what_the_step_compiles():
     assert gpu_check.fingerprint(load_config(os.path.join(CONFIGS, "llama_7b.yaml"), idle, num_devices=64)) == (
         gpu_check.fingerprint(base)
     )
+    no_experts = load_config(os.path.join(CONFIGS, "llama_7b.yaml"), ["model.moe.top_k=1"], num_devices=64)
+    assert gpu_check.fingerprint(no_experts) == gpu_check.fingerprint(base)  # model.moe is off: decides nothing
     scaled = ["model.rope_scaling=llama3", "model.rope_scaling_factor=8"]
     assert gpu_check.fingerprint(load_config(os.path.join(CONFIGS, "llama_7b.yaml"), scaled, num_devices=64)) != (
         gpu_check.fingerprint(base)
