@@ -54,6 +54,7 @@ def _cfg(run_dir, steps: int):
     )
 
 
+@pytest.mark.slow  # three training runs (about 20 s on 2 cores)
 def test_own_iterator_trains_and_resumes_exactly(tmp_path):
     whole = train(_cfg(tmp_path / "whole", 4), data=_iterator())
     first = train(_cfg(tmp_path / "split", 2), data=_iterator())

@@ -70,6 +70,7 @@ def _losses(run_dir):
     return out
 
 
+@pytest.mark.slow  # two 40-step runs of the default config in subprocesses, one killed (about 35 s on 2 cores)
 @pytest.mark.timeout(400)
 def test_default_config_runs_and_resume_after_kill_reproduces_losses(tmp_path):
     steps = 40
