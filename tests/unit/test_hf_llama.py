@@ -106,6 +106,8 @@ def test_round_trip_is_bit_identical(fixture, dtype, shard, tmp_path):
     assert back["torch_dtype"] == dtype and back["bos_token_id"] == hf.hf_config["bos_token_id"]
     with pytest.raises(HFConfigError, match="already holds"):
         save_hf_llama(hf.params, hf.cfg, out)
+    with pytest.raises(HFConfigError, match="is a file; export into a new or empty directory"):
+        save_hf_llama(hf.params, hf.cfg, os.path.join(out, "config.json"))
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
