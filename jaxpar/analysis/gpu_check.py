@@ -55,9 +55,9 @@ def fingerprint(cfg: Config) -> str:
     sections and the batch shape (data.seq_len, train.global_batch_size, train.grad_accum_steps) of a resolved
     config. A record whose fingerprint differs from the config's was checked on other settings.
     `pipeline.recompute` counts only with mesh.pipeline > 1 (it decides nothing else), `pipeline.virtual_stages`
-    only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`, `model.moe` only with experts, and
-    `model.init_from` (where the weights come from) never; records made before those keys existed keep their
-    fingerprints."""
+    only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`,
+    `model.moe` only with experts, and `model.init_from` (where the weights come from) never; records made before
+    those keys existed keep their fingerprints."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
     rope_scaling = ("rope_scaling", *ROPE_SCALING_PARAMETERS) if cfg.model.rope_scaling == "none" else ()

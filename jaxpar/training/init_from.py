@@ -103,3 +103,45 @@ def load_init_params(model: ModelConfig) -> dict:
     from jaxpar.checkpoint_params import restore_params
 
     return restore_params(model.init_from)[0]
+
+
+def check_init_from_tokenizer(cfg) -> None:
+    """A Hugging Face `model.init_from` directory that holds a `tokenizer.json` fixes the token ids its weights
+    mean: the run's data must be token shards made with that tokenizer (`jaxpar-data tokenize ... --tokenizer
+    DIR`), compared by the tokenizer file's SHA-256 recorded in each shard set's manifest. Reads only manifests;
+    before any device work. A directory without a tokenizer.json, or a jaxpar checkpoint, is not checked.
+
+    Args:
+      cfg: the run's `Config`.
+
+    Raises:
+      ConfigError: a data source that is not a shard set, or a shard set made with another tokenizer.
+    """
+    from jaxpar.config.data_sources import source_configs
+    from jaxpar.data.errors import DataError
+    from jaxpar.data.shards import file_sha256, read_manifest
+
+    directory = cfg.model.init_from
+    tokenizer_file = os.path.join(directory, "tokenizer.json")
+    if not (is_hf_directory(directory) and os.path.isfile(tokenizer_file)):
+        return
+    digest = file_sha256(tokenizer_file)
+    fix = f"tokenize the data with `jaxpar-data tokenize INPUT --tokenizer {directory} --out DIR` and train on it"
+    sources = [(n, d) for n, _, d in source_configs(cfg.data)] if cfg.data.sources else [("data", cfg.data)]
+    for name, data in sources:
+        where = "data" if name == "data" else f"data.sources ({name})"
+        if data.source != "shards":
+            raise ConfigError(
+                f"model.init_from={directory!r} holds the tokenizer its weights were trained with, but {where} is "
+                f"source={data.source!r} (jaxpar's byte tokens); {fix} (data.source=shards data.path=DIR)"
+            )
+        for path in filter(None, (data.path, data.validation_path)):
+            try:
+                recorded = read_manifest(os.path.expanduser(path))["tokenizer"].get("sha256")
+            except (DataError, OSError, KeyError):
+                continue  # the data checks name what is wrong with the set itself
+            if recorded != digest:
+                raise ConfigError(
+                    f"the shard set {path} was made with another tokenizer than model.init_from={directory!r}'s "
+                    f"tokenizer.json (SHA-256 {recorded} vs {digest}); {fix}"
+                )

@@ -44,7 +44,7 @@ from jaxpar.parallel import schedule as schedule_lib
 from jaxpar.training.faults import FaultInjector
 from jaxpar.training.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
 from jaxpar.training.hooks.base import log as _log
-from jaxpar.training.init_from import check_init_from, load_init_params, resumes
+from jaxpar.training.init_from import check_init_from, check_init_from_tokenizer, load_init_params, resumes
 from jaxpar.training.loss import LossFn
 from jaxpar.training.optimizer import nonfinite_state
 from jaxpar.training.step import (
@@ -347,6 +347,7 @@ def _start_run(
         )
     if cfg.model.init_from and not resumes(t.run_dir):  # reads only config files and headers: before device work
         check_init_from(cfg.model)
+        check_init_from_tokenizer(cfg)
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
     _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once

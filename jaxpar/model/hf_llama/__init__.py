@@ -118,7 +118,8 @@ def save_hf_llama(
     and safetensors of `dtype` (sharded with an index above `max_shard_bytes` per file). Returns the file names.
 
     Raises:
-      HFConfigError: `out_dir` is a file or already holds model files, an unknown dtype, or parameters shaped unlike `cfg`.
+      HFConfigError: `out_dir` is a file or already holds model files, an unknown dtype, or parameters shaped
+        unlike `cfg`.
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise HFConfigError(f"{out_dir} is a file; export into a new or empty directory")
