@@ -37,6 +37,9 @@ def write_npy(path, pieces, dtype):
     return real(path, pieces, dtype)
 
 shards.write_npy = write_npy
+# Ctrl-C raises KeyboardInterrupt, as in a terminal, even where this test runs as a background job (whose shell
+# hands it SIGINT ignored, which Python then keeps)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.exit(data.main(sys.argv[2:]))
 """
 
