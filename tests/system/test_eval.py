@@ -66,6 +66,7 @@ def _direct_token_mean(cfg, params, val_tokens: np.ndarray) -> tuple[float, int]
     return float((nll_NT * mask).sum() / mask.sum()), int(mask.sum())
 
 
+@pytest.mark.slow  # evaluates a whole validation split (about 10 s on 2 cores)
 def test_validation_scores_the_whole_split_once_and_says_how_many_tokens(tmp_path):
     path = tmp_path / "tokens.bin"
     val_tokens = _token_file(path)

@@ -28,6 +28,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow  # training runs until the skip limit stops them (about 10 s on 2 cores)
 def test_non_finite_gradients_are_skipped_then_stop_the_run(tmp_path):
     # Weights of size 1e30 overflow the forward: every gradient is NaN or inf from the first step.
     cfg = load_config(

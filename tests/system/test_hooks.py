@@ -189,6 +189,7 @@ class ReturnsMetrics(Hook):
         return metrics
 
 
+@pytest.mark.slow  # a training run with a checkpoint (about 10 s on 2 cores)
 def test_a_hook_returning_no_state_is_named(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=2", "train.eval_every=0")
     with pytest.raises(TypeError, match=r"ReturnsMetrics.on_step returned dict; return None, or a train state"):

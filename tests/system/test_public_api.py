@@ -55,6 +55,7 @@ def _readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow  # the README's script as a subprocess training run (about 25 s on 2 cores)
 def test_readme_script_runs_as_written(tmp_path):
     """The README's example, unchanged, in a directory holding the repository's configs/ and README.md."""
     for name in ("configs", "README.md"):

@@ -65,6 +65,7 @@ def test_own_iterator_trains_and_resumes_exactly(tmp_path):
     assert [rest.losses[s] for s in (3, 4)] == [whole.losses[s] for s in (3, 4)]
 
 
+@pytest.mark.slow  # a training run, then the refused resume (about 9 s on 2 cores)
 def test_checkpoint_of_the_built_in_loader_is_refused_by_an_iterator(tmp_path):
     train(_cfg(tmp_path, 2))
     with pytest.raises(

@@ -42,7 +42,12 @@ def _runs(row: np.ndarray) -> list[tuple[int, int]]:
 SEGMENTS = np.array([[3] * 5 + [1] * 7 + [9] + [4] * 11, [2] * 24], np.int32)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+# grouped-query in the default suite; multi-head and multi-query (the two ends of the same code) in the slow one
+@pytest.mark.parametrize(
+    "heads",
+    [pytest.param((4, 4), marks=pytest.mark.slow), (4, 2), pytest.param((4, 1), marks=pytest.mark.slow)],
+    ids=["mha", "gqa", "mqa"],
+)
 def test_xla_attention_with_segment_ids_equals_each_document_alone(heads):
     """Each document's output equals causal attention over that document alone. fp32; the masked keys add
     exactly 0 (exp(-inf)), so the only difference is the summation order over more terms: 1e-6 absolute on
