@@ -408,6 +408,7 @@ def test_bad_optimizer_arguments_are_refused_at_plan_time(kwargs, error, match):
         _plan([], 1, **kwargs)
 
 
+@pytest.mark.slow  # a training run (about 9 s on 2 cores)
 def test_train_loop_with_an_optimizer_without_skip_or_schedule(tmp_path):
     """`train(cfg, optimizer=...)`: the run finishes with null learning_rate and skipped_steps in metrics.jsonl;
     it resumes from its checkpoint with the same optimizer, and another optimizer is refused, naming arrays."""
@@ -450,6 +451,7 @@ def test_train_loop_with_an_optimizer_without_skip_or_schedule(tmp_path):
         train(cfg(4), optimizer=optax.lion(1e-3))
 
 
+@pytest.mark.slow  # the example script as a training run (about 6 s on 2 cores)
 def test_example_script_trains_with_its_own_loss_and_optimizer(capsys):
     """experiments/custom_loss_optimizer.py (z-loss and Lion with a schedule through `train`) for 4 steps: the
     metrics carry the schedule's rates, nothing is skipped, validation improves, Lion's momentum is split over

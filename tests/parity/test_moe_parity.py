@@ -97,10 +97,9 @@ def reference():
     return get
 
 
-# By default dropless on ZeRO-3 and both routings on the tensor layout; the other three under `-m slow` (suite
+# By default dropless on ZeRO-3 and on the tensor layout; the other four under `-m slow` (suite
 # time budget: each case compiles two steps).
 DEFAULT_CASES = {("data4_fsdp2_zero3", "dropless"), ("data2_fsdp2_tensor2_zero1", "dropless")}
-DEFAULT_CASES |= {("data2_fsdp2_tensor2_zero1", "capacity")}
 CASES = [
     pytest.param(
         layout, routing, id=f"{layout}-{routing}", marks=() if (layout, routing) in DEFAULT_CASES else pytest.mark.slow

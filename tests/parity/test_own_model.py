@@ -402,6 +402,7 @@ class _NoSegmentIds(gpt2.GPT2):
         return super().run_blocks(x_BTD, gather, tp)
 
 
+@pytest.mark.slow  # a training run after the refusal (about 6 s on 2 cores)
 def test_a_model_without_segment_ids_on_packed_documents_is_refused_before_device_work(tmp_path):
     jm.register_model("gpt2_no_segment_ids", _NoSegmentIds, replace=True)
     run_dir = tmp_path / "run"

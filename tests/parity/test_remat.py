@@ -19,6 +19,7 @@ from jaxpar.training.step import init_state, make_grad_fn
 POLICIES = ("none", "dots", "names", "full")
 
 
+@pytest.mark.slow  # compiles a step per remat policy (about 11 s on 2 cores)
 @pytest.mark.timeout(300)
 def test_remat_policies_same_gradients_less_memory():
     batch = host_batch([8, 5, 8, 2], 8, seed=0)

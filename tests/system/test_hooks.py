@@ -117,6 +117,7 @@ class StopAt(Hook):
             run.stop()
 
 
+@pytest.mark.slow  # a training run with checkpoints (about 8 s on 2 cores)
 def test_a_replaced_checkpoint_hook_decides_what_is_saved(tmp_path):
     # The default CheckpointHook would save steps 2 (checkpoint.every_steps) and 3 (where the run stops).
     cfg = _cfg(tmp_path, "train.steps=6", "train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=2")

@@ -105,6 +105,7 @@ def test_cudnn_on_cpu_devices_is_refused_before_any_device_work(devices8):
         load_config(TINY_YAML, ["model.max_segments=0"])
 
 
+@pytest.mark.slow  # compiles the whole model four times (about 5 s on 2 cores)
 def test_the_model_masks_attention_across_documents():
     """Through the whole Llama (embedding, scanned blocks with remat, head): one segment id everywhere is the
     unmasked model bit for bit; two documents change the second one's logits and leave the first one's (causal:

@@ -128,6 +128,7 @@ def test_memory_analysis_is_per_device():
     assert (measured["persistent"] - measured["scalars"]) * 8 == 3 * global_params
 
 
+@pytest.mark.slow  # compiles a step per ZeRO stage (about 5 s on 2 cores)
 def test_memory_table_format():
     plan, state, batch, measured = _measure(2, "fp32")
     rows = memory_table(plan, state, batch, measured=measured)

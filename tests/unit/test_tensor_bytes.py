@@ -69,8 +69,8 @@ def _check_cpu(remat: str, sp: bool) -> None:
         assert got == want, table
 
 
-# without sequence parallelism in the slow suite (two compiles of about 12 s each); with it in the default one
-@pytest.mark.parametrize("sp", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.slow  # two compiles of about 12 s each per case (CI's slow suite runs it)
+@pytest.mark.parametrize("sp", [False, True])
 def test_remat_dots_moves_no_more_than_the_compiler_on_cpu(devices8, sp):
     """The case issue 13 measured (1.24x without, 1.36x with sequence parallelism on the GPU target, before the
     policy saved the collectives' outputs): the backward no longer re-runs the attention exit or the enters."""
