@@ -19,7 +19,7 @@ import os
 import re
 
 from jaxpar.analysis.units import GB
-from jaxpar.config.schema import Config
+from jaxpar.config.schema import Config, ModelConfig
 
 CLUSTER_LINE = re.compile(r"^# cluster: (\S+)\s*$", re.MULTILINE)
 # The planner's per-device peak must be within this factor of the GPU compiler's for every shipped config.
@@ -42,11 +42,9 @@ def documented_cluster(path: str) -> str:
     return found[0]
 
 
-ROPE_SCALING_PARAMETERS = (
-    "rope_scaling_factor",
-    "rope_low_freq_factor",
-    "rope_high_freq_factor",
-    "rope_original_max_position",
+# model.rope_scaling and its parameters (every rope_* key but the base, rope_theta): the schema is their one list
+ROPE_SCALING_KEYS = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("rope_") and f.name != "rope_theta"
 )
 
 
@@ -60,7 +58,7 @@ def fingerprint(cfg: Config) -> str:
     those keys existed keep their fingerprints."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
-    rope_scaling = ("rope_scaling", *ROPE_SCALING_PARAMETERS) if cfg.model.rope_scaling == "none" else ()
+    rope_scaling = ROPE_SCALING_KEYS if cfg.model.rope_scaling == "none" else ()
     moe_off = ("moe",) if cfg.model.moe.num_experts == 0 else ()
     keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off)}
     if cfg.mesh.pipeline == 1:
