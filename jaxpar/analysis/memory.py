@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from jaxpar.analysis.plan_dims import rank_params
-from jaxpar.batch import BATCH_KEYS
 from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.training.step import StepPlan, make_grad_fn, make_train_step
@@ -124,7 +123,8 @@ def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batc
     Returns "persistent" (memory_analysis arguments minus the batch), "params" (shard bytes), "scalars",
     "opt_state" (persistent - params - scalars) and "temp"; see `measured_state_bytes`.
     """
-    batch_bytes = _shard_bytes({k: batch[k] for k in BATCH_KEYS}, {k: plan.batch_sharding for k in BATCH_KEYS})
+    # every array the step takes as its batch (with packed documents, their segment_ids too)
+    batch_bytes = _shard_bytes(dict(batch), {k: plan.batch_sharding for k in batch})
     analysis = _memory_analysis(compiled_step)
     persistent = analysis["argument_bytes"] - batch_bytes
     params = _shard_bytes(state["params"], plan.state_shardings["params"])

@@ -1,6 +1,7 @@
 """Model-state bytes per device: the ZeRO formula by hand, and the formula against XLA's compiled step."""
 
 import jax
+import numpy as np
 import pytest
 
 from jaxpar.analysis.compile_options import COMPILER_OPTIONS
@@ -139,3 +140,13 @@ def test_memory_table_format():
     text = format_memory_table(rows)
     assert text.splitlines()[0].startswith("ZeRO-2 fp32: 4P + 12P/N")
     assert len(text.splitlines()) == 2 + len(rows)
+
+
+def test_packed_documents_segment_ids_are_batch_not_optimizer_state():
+    """With document masking the step also takes segment_ids int32 [G, T]: they are batch, subtracted with it,
+    so opt_state measures the same as without them (it once grew by their bytes: 2,048 per device in tiny.yaml)."""
+    plan, state, batch, plain = _measure(1, "fp32")
+    packed = {**batch, "segment_ids": jax.device_put(np.ones(batch["inputs"].shape, np.int32), plan.batch_sharding)}
+    measured = measured_state_bytes(plan, state, packed, COMPILER_OPTIONS)
+    assert measured["opt_state"] == plain["opt_state"] and measured["params"] == plain["params"]
+    assert measured["persistent"] == plain["persistent"]
