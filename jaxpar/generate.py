@@ -102,7 +102,7 @@ def sample_text(
     if jax.process_count() > 1:  # shards live on other processes: all-gather them to every host
         params = multihost_utils.process_allgather(params, tiled=True)
     host = jax.tree.map(lambda x: np.asarray(x, np.float32), jax.device_get(params))
-    forward = jax.jit(lambda p, ids: plan.mdef.bind(p)(ids, plan.compute_dtype))
+    forward = jax.jit(lambda p, ids: plan.global_mdef.bind(p)(ids, plan.compute_dtype))
     key = jax.random.key(seed)
     for _ in range(num_tokens):
         context = ids[-window:]

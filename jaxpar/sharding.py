@@ -24,6 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config.mesh_axes import STORAGE_AXES
 
+EXPERTS_AXIS = "experts"  # the logical name of stacked experts' leading dimension (jaxpar.model.moe)
+
 PARAM_RULES: dict[str, tuple[str, ...]] = {
     "layers": ("pipeline",),
     "embed": ("fsdp",),
@@ -31,9 +33,9 @@ PARAM_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "mlp": ("tensor",),
     "kv": (),
-    # Mixture-of-experts weights stacked over experts (jaxpar.model.moe): not sharded yet; expert parallelism
-    # will map it to a mesh axis.
-    "experts": (),
+    # Mixture-of-experts weights stacked over experts (jaxpar.model.moe): split over the run's expert axes
+    # (`model.moe.expert_axes`, passed as `expert_axes` below), none by default.
+    EXPERTS_AXIS: (),
 }
 
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
@@ -67,23 +69,38 @@ def storage_axes(kind: str, zero_stage: int) -> tuple[str, ...]:
     return tuple(a for a in STORAGE_AXES if a == "fsdp" or partitioned_over_data(kind, zero_stage))
 
 
-def logical_to_spec(names: tuple[str, ...], rules: dict[str, tuple[str, ...]], over_data: bool) -> P:
+def logical_to_spec(
+    names: tuple[str, ...], rules: dict[str, tuple[str, ...]], over_data: bool, expert_axes: tuple[str, ...] = ()
+) -> P:
     """PartitionSpec for one array from its logical axis names and a rules table (`embed` also over `data`
-    when `over_data`)."""
+    when `over_data`).
+
+    Expert parallelism: an array with an `experts` dimension has it split over `expert_axes` (mesh axes among
+    data and fsdp, major to minor), and those axes leave its other dimensions: an expert's `embed` dimension is
+    split only over the storage axes that are not expert axes. Every device then holds whole experts, and the
+    expert split replaces the fsdp / ZeRO split on those axes (same bytes per device)."""
+    taken = set(expert_axes) if EXPERTS_AXIS in names else set()
     dims = []
     for name in names:
-        mesh_axes = () if name is None else rules[name]  # None: a dimension never sharded
-        if name == "embed" and over_data:
-            mesh_axes = mesh_axes + ("data",)
+        if name == EXPERTS_AXIS:
+            mesh_axes = tuple(expert_axes)
+        else:
+            mesh_axes = () if name is None else rules[name]  # None: a dimension never sharded
+            if name == "embed" and over_data:
+                mesh_axes = mesh_axes + ("data",)
+            mesh_axes = tuple(a for a in mesh_axes if a not in taken)
         dims.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return P(*dims)
 
 
-def param_specs(logical: dict, kind: str, zero_stage: int) -> dict:
-    """PartitionSpec per leaf of a logical-axes dict (see `jaxpar.model.logical_axes`) for a state kind."""
+def param_specs(logical: dict, kind: str, zero_stage: int, expert_axes: tuple[str, ...] = ()) -> dict:
+    """PartitionSpec per leaf of a logical-axes dict (see `jaxpar.model.logical_axes`) for a state kind; experts
+    split over `expert_axes` (`logical_to_spec`)."""
     over_data = partitioned_over_data(kind, zero_stage)
     return jax.tree.map(
-        lambda names: logical_to_spec(names, PARAM_RULES, over_data), logical, is_leaf=lambda x: isinstance(x, tuple)
+        lambda names: logical_to_spec(names, PARAM_RULES, over_data, expert_axes),
+        logical,
+        is_leaf=lambda x: isinstance(x, tuple),
     )
 
 
@@ -108,14 +125,17 @@ def spec_axes(spec: P) -> set[str]:
     return {a for entry in spec for a in dim_axes(entry)}
 
 
-def gathered_axes(spec: P) -> list[tuple[int, tuple[str, ...]]]:
+def gathered_axes(spec: P, names: tuple[str, ...] | None = None) -> list[tuple[int, tuple[str, ...]]]:
     """For a parameter's spec: (dimension, mesh axes) pairs that are all-gathered before use.
 
     Only `fsdp` and `data` shards are gathered; `tensor` and `pipeline` shards stay local (they are split
-    computations, not split storage).
+    computations, not split storage), and so does an `experts` dimension (pass the parameter's logical `names`):
+    under expert parallelism each device computes with its own experts.
     """
     out = []
     for dim, entry in enumerate(spec):
+        if names is not None and names[dim] == EXPERTS_AXIS:
+            continue
         storage = tuple(a for a in dim_axes(entry) if a in STORAGE_AXES)
         if storage:
             out.append((dim, storage))

@@ -79,7 +79,7 @@ def compiler_chosen_step(plan: StepPlan):
     """
 
     def loss_fn(params, batch):
-        logits = plan.mdef.bind(params)(batch["inputs"], plan.compute_dtype)
+        logits = plan.global_mdef.bind(params)(batch["inputs"], plan.compute_dtype)
         return NO_TENSOR_PARALLEL.cross_entropy_sum(logits, batch["targets"], batch["loss_mask"]) / jnp.maximum(
             jnp.sum(batch["loss_mask"]), 1.0
         )

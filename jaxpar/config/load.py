@@ -129,16 +129,25 @@ def check_unique_overrides(overrides: Sequence[str]) -> None:
 
 
 def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in the YAML file or the override") -> Any:
-    """`value` as read from YAML, checked against type `hint` (int, float, bool, str, or a Union/Optional of
-    them) for the dotted `key`: ints are accepted for floats, and so are numeric strings (YAML 1.1 reads 3e-4,
-    without a dot, as a string); a bool is never an int.
+    """`value` as read from YAML, checked against type `hint` (int, float, bool, str, a Union/Optional of
+    them, or a tuple of one of them from a YAML list) for the dotted `key`: ints are accepted for floats, and
+    so are numeric strings (YAML 1.1 reads 3e-4, without a dot, as a string); a bool is never an int.
 
     Raises:
       ConfigError: naming `key`, the expected type, the value and `fix`.
     """
     origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # a list of scalars, e.g. [data, fsdp]
+        if value is None:
+            return ()
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(
+                f"{key}: expected a list of {getattr(args[0], '__name__', args[0])}, got {value!r} "
+                f"({type(value).__name__}); write it as a YAML list, e.g. [a, b] (on the command line {key}=[a,b])"
+            )
+        return tuple(decode_value(v, args[0], f"{key}[{i}]", fix) for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
         for arg in args:

@@ -3,10 +3,42 @@ resolved mesh. Called by `jaxpar.config.validate.validate_config`."""
 
 from __future__ import annotations
 
+import math
+
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import Config
 
 ROUTINGS = ("dropless", "capacity")
+EXPERT_AXES = ("data", "fsdp")  # the mesh axes experts may be split over: those that split the batch
+
+
+def expert_parallel_size(expert_axes: tuple[str, ...], shape: dict[str, int]) -> int:
+    """ep: the product of the sizes of `model.moe.expert_axes` on the mesh `shape` (1 without expert parallelism)."""
+    return math.prod(shape[a] for a in expert_axes)
+
+
+def check_expert_axes(expert_axes: tuple[str, ...], num_experts: int, shape: dict[str, int]) -> None:
+    """`model.moe.expert_axes` names distinct axes among `EXPERT_AXES` whose sizes' product divides num_experts.
+
+    Raises:
+      ConfigError: naming the key and the fix.
+    """
+    for axis in expert_axes:
+        if axis not in EXPERT_AXES:
+            raise ConfigError(
+                f"model.moe.expert_axes names {axis!r}; experts are split over the axes that split the batch, "
+                f"{' and '.join(EXPERT_AXES)} (e.g. model.moe.expert_axes=[fsdp]); tensor splits each expert's "
+                f"hidden width and pipeline splits the layers"
+            )
+    if len(set(expert_axes)) != len(expert_axes):
+        raise ConfigError(f"model.moe.expert_axes={list(expert_axes)} names an axis twice; name each once")
+    ep = expert_parallel_size(expert_axes, shape)
+    if num_experts % ep:
+        sizes = " x ".join(f"mesh.{a}={shape[a]}" for a in expert_axes)
+        raise ConfigError(
+            f"model.moe.num_experts={num_experts} does not split over model.moe.expert_axes={list(expert_axes)} "
+            f"({sizes} = {ep} expert-parallel ranks); make the expert count a multiple of {ep} or change the axes"
+        )
 
 
 def check_moe(cfg: Config, shape: dict[str, int], sequence_parallel: bool) -> None:
@@ -55,11 +87,7 @@ def check_moe(cfg: Config, shape: dict[str, int], sequence_parallel: bool) -> No
             f"model.moe with mesh.pipeline={shape['pipeline']} is not supported yet (the pipeline stages do not "
             f"carry the MoE auxiliary losses); set mesh.pipeline=1 and use data, fsdp or tensor"
         )
-    if sequence_parallel:
-        raise ConfigError(
-            "model.moe with tensor.sequence_parallel=true is not supported yet (the router sees the block input "
-            "before the tensor all-gather); set tensor.sequence_parallel=false (its default with model.moe)"
-        )
+    check_expert_axes(moe.expert_axes, moe.num_experts, shape)
     d_expert = moe.d_expert or m.d_ff
     tp = shape["tensor"]
     if tp > 1 and d_expert % tp:

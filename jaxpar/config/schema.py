@@ -35,6 +35,12 @@ class MoEConfig:
         over MoE blocks. Switch uses 1e-2.
       z_loss_weight: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), summed over MoE blocks.
         ST-MoE uses 1e-3.
+      expert_axes: expert parallelism: the mesh axes, among `data` and `fsdp`, the experts are split over (YAML
+        list, e.g. [fsdp] or [data, fsdp]; () = every device holds every expert). Each device holds
+        num_experts / ep whole experts (ep = the product of the axes' sizes, which must divide num_experts) and
+        sends each assignment to its expert's device with an all-to-all (`jaxpar.model.moe`). The experts sit on
+        axes that already split the batch, as in DeepSpeed-MoE (Rajbhandari et al. 2022, section 4.1) and
+        DeepSeek-V3 (technical report, section 3.2): no fifth mesh axis, and dense layers keep their layout.
     """
 
     num_experts: int = 0
@@ -46,6 +52,7 @@ class MoEConfig:
     capacity_factor: float = 1.25
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    expert_axes: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:

@@ -41,10 +41,9 @@ def _cpu_hint(num_devices: int) -> str:
 
 
 def sequence_parallel(cfg: Config, tensor_size: int) -> bool:
-    """`tensor.sequence_parallel`, with null meaning: on whenever the tensor axis is larger than 1, except with
-    `model.moe` (which does not run with sequence parallelism yet: `jaxpar.config.moe`)."""
+    """`tensor.sequence_parallel`, with null meaning: on whenever the tensor axis is larger than 1."""
     if cfg.tensor.sequence_parallel is None:
-        return tensor_size > 1 and not cfg.model.moe.enabled
+        return tensor_size > 1
     return cfg.tensor.sequence_parallel and tensor_size > 1
 
 

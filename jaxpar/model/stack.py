@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
+from jaxpar.parallel.expert import EXPERT_COMBINED, EXPERT_DISPATCHED
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_GATHERED, TENSOR_REDUCED, TensorParallel
 
 Gather = Callable[[nnx.Module], nnx.Module]
@@ -48,7 +49,12 @@ _policies = jax.checkpoint_policies
 #     bytes as the two all-gathers: without sequence parallelism the explicit step moves less, with it the same.
 # The all-gathered weights of FSDP / ZeRO-3 (`jaxpar.parallel.gather`) carry no name: they are re-gathered in the
 # backward instead of being kept.
-_save_tensor_collectives = _policies.save_only_these_names(TENSOR_REDUCED, TENSOR_GATHERED)
+# The expert-parallel all-to-alls (`jaxpar.parallel.expert`) follow the same rule: none and dots save both their
+# outputs (the backward re-runs no all-to-all of the forward), names and full save EXPERT_COMBINED, the MoE
+# block's counterpart of an exit (the backward re-runs the dispatch once, as Megatron-Core's full recompute does).
+_save_tensor_collectives = _policies.save_only_these_names(
+    TENSOR_REDUCED, TENSOR_GATHERED, EXPERT_DISPATCHED, EXPERT_COMBINED
+)
 
 # What saving them costs, measured on 8 H100s compiled without a GPU (configs/llama_1b.yaml shape, data=2 x
 # tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python experiments/bench_tensor_bytes.py --target h100:1x8` prints
@@ -65,13 +71,13 @@ REMAT_POLICIES = {
     # gathered weights" policy keeps them anyway: a cast or reshape of a gathered weight is saveable.)
     "none": _policies.save_from_both_policies(_policies.dots_saveable, _save_tensor_collectives),
     # Recompute the whole block in the backward from its input, except the exits' reduced outputs.
-    "full": _policies.save_only_these_names(TENSOR_REDUCED),
+    "full": _policies.save_only_these_names(TENSOR_REDUCED, EXPERT_COMBINED),
     # Save matmul outputs without batch dimensions and the tensor collectives' outputs, recompute the rest.
     "dots": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable, _save_tensor_collectives),
     # Save only the named activations: ATTENTION_CONTEXT and MLP_HIDDEN (the inputs of the row-parallel
     # projections) and the exits' reduced outputs; the backward recomputes the rest of the block but not the
     # attention itself.
-    "names": _policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN, TENSOR_REDUCED),
+    "names": _policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN, TENSOR_REDUCED, EXPERT_COMBINED),
 }
 
 

@@ -65,7 +65,11 @@ def gather_weight(
 
 
 def module_gatherer(
-    mesh_shape: dict[str, int], params_zero3: bool, compute_dtype: jnp.dtype, reduce_dtype: jnp.dtype
+    mesh_shape: dict[str, int],
+    params_zero3: bool,
+    compute_dtype: jnp.dtype,
+    reduce_dtype: jnp.dtype,
+    expert_axes: tuple[str, ...] = (),
 ) -> Callable[[nnx.Module], nnx.Module]:
     """Returns `gather(module) -> module` whose parameters are all-gathered with `gather_weight`.
 
@@ -74,11 +78,15 @@ def module_gatherer(
       params_zero3: parameters are also sharded over `data` (ZeRO-3).
       compute_dtype: dtype of gathered weights.
       reduce_dtype: dtype of the gradient reduce-scatters.
+      expert_axes: the mesh axes experts are split over (`model.moe.expert_axes`): an expert weight's `experts`
+        dimension is never gathered, and its `embed` dimension only over the other storage axes
+        (`jaxpar.sharding.logical_to_spec`).
     """
 
     def gather_variable(var: nnx.Variable) -> nnx.Variable:
-        spec = logical_to_spec(tuple(var.get_metadata()["logical_axes"]), PARAM_RULES, params_zero3)
-        dims = [(d, _live(axes, mesh_shape)) for d, axes in gathered_axes(spec)]
+        names = tuple(var.get_metadata()["logical_axes"])
+        spec = logical_to_spec(names, PARAM_RULES, params_zero3, expert_axes)
+        dims = [(d, _live(axes, mesh_shape)) for d, axes in gathered_axes(spec, names)]
         dims = [(d, axes) for d, axes in dims if axes]
         return var.replace(gather_weight(var[...], dims, compute_dtype, reduce_dtype))
 

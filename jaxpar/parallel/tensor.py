@@ -130,6 +130,26 @@ def _gather_vocab_bwd(size, _, g):
 _gather_vocab.defvjp(_gather_vocab_fwd, _gather_vocab_bwd)
 
 
+@jax.custom_vjp
+def _gather_sequence_values(x):
+    # all-gather over tensor along T: every rank gets the whole sequence's per-token values.
+    return jax.lax.all_gather(x, AXIS, axis=SEQ_DIM, tiled=True)
+
+
+def _gather_values_fwd(x):
+    return _gather_sequence_values(x), None
+
+
+def _gather_values_bwd(_, g):
+    # Every rank computes the same loss term from the same gathered values: its own slice of the gradient is the
+    # gradient of its part (a reduce-scatter would count the term t times).
+    t_local = g.shape[SEQ_DIM] // jax.lax.axis_size(AXIS)
+    return (jax.lax.dynamic_slice_in_dim(g, jax.lax.axis_index(AXIS) * t_local, t_local, axis=SEQ_DIM),)
+
+
+_gather_sequence_values.defvjp(_gather_values_fwd, _gather_values_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
     """The tensor-parallel context handed to every layer.
@@ -169,6 +189,22 @@ class TensorParallel:
         all T). `seq_local` is the local length (T/t or T). Use it for position-dependent terms added outside
         the column-parallel ops, e.g. a learned position table."""
         return jax.lax.axis_index(AXIS) * seq_local if self.active and self.sequence_parallel else 0
+
+    def sequence_sum(self, x: jax.Array) -> jax.Array:
+        """With sequence parallelism: the sum over `tensor` of each rank's partial sum over its sequence slice
+        (all-reduce; backward identity: each rank's slice gets the gradient of the whole sum, which every rank
+        uses alike and the loss counts once). Else the identity (every rank already summed all T)."""
+        return _reduce_from_tensor(x) if self.active and self.sequence_parallel else x
+
+    def gather_sequence_values(self, x_BT: jax.Array) -> jax.Array:
+        """With sequence parallelism: per-token values [B, T/t, ...] of this rank's slice -> [B, T, ...] of the whole
+        sequence (all-gather over `tensor`), for a term every rank computes alike and the loss counts once: the
+        backward keeps this rank's slice of the gradient. Else the identity."""
+        if not (self.active and self.sequence_parallel):
+            return x_BT
+        if not jnp.issubdtype(x_BT.dtype, jnp.floating):  # ids: no gradient
+            return jax.lax.all_gather(x_BT, AXIS, axis=SEQ_DIM, tiled=True)
+        return _gather_sequence_values(x_BT)
 
     def vocab_start(self, vocab_local: int) -> jax.Array | int:
         """First vocabulary id held by this rank (its shard is [start, start + vocab_local))."""

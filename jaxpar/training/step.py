@@ -22,6 +22,7 @@ optax optimizer (`build_plan(..., optimizer=...)`) replaces the default AdamW.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,22 @@ class StepPlan:
         size = self.mesh_shape["tensor"]
         return TensorParallel(size=size, sequence_parallel=sequence_parallel(self.cfg, size))
 
+    @functools.cached_property
+    def global_mdef(self) -> ModelDef:
+        """The model for use on global arrays outside the step's shard_map (sampling, a compiler-partitioned
+        baseline): `mdef` without expert parallelism, whose all-to-alls need the shard_map's axes. Same
+        parameters."""
+        if not self.expert_axes:
+            return self.mdef
+        cfg = self.mdef.cfg
+        return model_def(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_axes=())))
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 the experts are split over (`model.moe.expert_axes` in mesh order; () without
+        expert parallelism)."""
+        return self.mdef.cfg.moe.expert_axes
+
     @property
     def has_master(self) -> bool:
         return self.cfg.precision.layout == "16p"
@@ -173,7 +190,8 @@ def build_plan(
     mdef = model_def(_resolved_model(cfg, mesh))
     logical = mdef.logical_axes()
     zero = cfg.optimizer.zero_stage
-    specs = {kind: param_specs(logical, kind, zero) for kind in ("params", "grads", "opt_state")}
+    experts = mdef.cfg.moe.expert_axes
+    specs = {kind: param_specs(logical, kind, zero, experts) for kind in ("params", "grads", "opt_state")}
     if optimizer is None:
         if learning_rate is not None:
             raise ValueError(
@@ -234,7 +252,8 @@ def build_plan(
 def _resolved_model(cfg: Config, mesh: Mesh) -> ModelConfig:
     """`cfg.model` with `model.attention` resolved for the mesh's devices (`auto` -> cudnn on NVIDIA GPUs, xla
     elsewhere; `jaxpar.config.attention`), so the model never asks the default backend: a step compiled ahead of
-    time for GPUs on a CPU host (`jaxpar.analysis.plan_gpu`) gets the GPU's kernel.
+    time for GPUs on a CPU host (`jaxpar.analysis.plan_gpu`) gets the GPU's kernel. `model.moe.expert_axes` keeps
+    the axes of size > 1, in mesh order (the order of the experts' shards and of the all-to-all's ranks).
 
     Raises:
       ConfigError: `model.attention=cudnn` on devices or with a dtype or head width cuDNN does not take.
@@ -245,7 +264,11 @@ def _resolved_model(cfg: Config, mesh: Mesh) -> ModelConfig:
         attention = resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    return dataclasses.replace(cfg.model, attention=attention)
+    moe = cfg.model.moe
+    experts = tuple(a for a in MESH_AXES if a in moe.expert_axes and mesh.shape[a] > 1)
+    return dataclasses.replace(
+        cfg.model, attention=attention, moe=dataclasses.replace(moe, expert_axes=experts if moe.enabled else ())
+    )
 
 
 def _check_divisible(abstract_params: dict, logical: dict, specs: dict, mesh_shape: dict[str, int]) -> None:
@@ -349,6 +372,7 @@ def _loss_body(plan: StepPlan, train: bool = True) -> Callable:
         partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
         plan.compute_dtype,
         plan.reduce_dtype,
+        plan.expert_axes,
     )
 
     tp = plan.tensor_parallel
@@ -410,6 +434,8 @@ def _reduce_replicated(plan: StepPlan, grads: dict) -> dict:
       only along its `embed` dimension. A parameter without one (e.g. a column-parallel bias, logical axes
       ("mlp",)) is replicated there, so it is summed here. (Over data at ZeRO-0/1 `_reduce_over_data`
       all-reduces every gradient.)
+    Experts split over an axis (`model.moe.expert_axes`) have it in their spec and are not summed over it: the
+    all-to-all's transpose already brought each expert the gradient of every token routed to it.
     """
     shape = plan.mesh_shape
     axes = []
@@ -437,18 +463,25 @@ def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
     zero = plan.cfg.optimizer.zero_stage
     if plan.mesh_shape["data"] == 1 or zero == 3:
         return grads
+    specs = jax.tree.leaves(plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
+    names = jax.tree.leaves(plan.logical, is_leaf=lambda x: isinstance(x, tuple))
+    leaves, treedef = jax.tree.flatten(grads)
     if zero in (0, 1):
-        # all-reduce over data: every replica keeps the whole (fsdp-sharded) gradient.
-        return jax.tree.map(lambda g: jax.lax.psum(g, "data"), grads)
+        # all-reduce over data: every replica keeps the whole (fsdp-sharded) gradient. Experts split over data
+        # (expert parallelism) are not replicas: the all-to-all's transpose brought them every token's part.
+        def all_reduce(g, spec):
+            return g if "data" in spec_axes(spec) else jax.lax.psum(g, "data")
+
+        return treedef.unflatten([all_reduce(g, s) for g, s in zip(leaves, specs, strict=True)])
 
     # ZeRO-2, reduce-scatter over data: each replica keeps 1/data of the gradient, along the dimension its
     # optimizer state is partitioned on. A parameter with no such dimension was all-reduced by
-    # `_reduce_replicated`.
-    def scatter(g, spec):
-        split = [d for d, a in gathered_axes(spec) if "data" in a]
+    # `_reduce_replicated` (or is an expert split over data: complete already).
+    def scatter(g, spec, logical):
+        split = [d for d, a in gathered_axes(spec, logical) if "data" in a]
         return jax.lax.psum_scatter(g, "data", scatter_dimension=split[0], tiled=True) if split else g
 
-    return jax.tree.map(scatter, grads, plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
+    return treedef.unflatten([scatter(g, s, n) for g, s, n in zip(leaves, specs, names, strict=True)])
 
 
 def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.StageParts:
@@ -460,6 +493,7 @@ def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.
         partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
         plan.compute_dtype,
         plan.reduce_dtype,
+        plan.expert_axes,
     )
     tp = plan.tensor_parallel
     layers, edge = split_stack(params)

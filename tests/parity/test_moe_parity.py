@@ -33,7 +33,7 @@ from step_helpers import (
 )
 
 from jaxpar.config.errors import ConfigError
-from jaxpar.training.step import init_state
+from jaxpar.training.step import init_state, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -52,16 +52,20 @@ MOE = (
     "model.moe.aux_loss_weight=0.1",
     "model.moe.z_loss_weight=0.01",
 )
-LAYOUTS = {  # (data, fsdp, tensor, zero_stage)
-    "data2_fsdp4_zero1": (2, 4, 1, 1),
-    "data4_fsdp2_zero3": (4, 2, 1, 3),
-    "data2_fsdp2_tensor2_zero1": (2, 2, 2, 1),
+LAYOUTS = {  # (data, fsdp, tensor, zero_stage, sequence_parallel)
+    "data2_fsdp4_zero1": (2, 4, 1, 1, False),
+    "data4_fsdp2_zero3": (4, 2, 1, 3, False),
+    "data2_fsdp2_tensor2_zero1": (2, 2, 2, 1, False),
+    "data2_fsdp2_tensor2_sp_zero1": (2, 2, 2, 1, True),
 }
 METRICS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max_mean")
 
 
-def _overrides(routing: str, data: int, fsdp: int, tensor: int, zero: int, accum: int, extra=()) -> list[str]:
+def _overrides(
+    routing: str, data: int, fsdp: int, tensor: int, zero: int, accum: int, extra=(), sp: bool = False
+) -> list[str]:
     return [
+        f"tensor.sequence_parallel={str(sp).lower()}",
         *FP32,
         *FIRST_STEP_AT_PEAK,
         *MOE,
@@ -99,7 +103,7 @@ def reference():
 
 # By default dropless on ZeRO-3 and on the tensor layout; the other four under `-m slow` (suite
 # time budget: each case compiles two steps).
-DEFAULT_CASES = {("data4_fsdp2_zero3", "dropless"), ("data2_fsdp2_tensor2_zero1", "dropless")}
+DEFAULT_CASES = {("data4_fsdp2_zero3", "dropless"), ("data2_fsdp2_tensor2_sp_zero1", "capacity")}
 CASES = [
     pytest.param(
         layout, routing, id=f"{layout}-{routing}", marks=() if (layout, routing) in DEFAULT_CASES else pytest.mark.slow
@@ -111,9 +115,9 @@ CASES = [
 
 @pytest.mark.parametrize("layout,routing", CASES)
 def test_one_step_equals_single_device(layout, routing, reference, devices8):
-    data, fsdp, tensor, zero = LAYOUTS[layout]
+    data, fsdp, tensor, zero, sp = LAYOUTS[layout]
     ref = reference(routing)
-    plan = make_plan(_overrides(routing, data, fsdp, tensor, zero, 2), devices8)
+    plan = make_plan(_overrides(routing, data, fsdp, tensor, zero, 2, sp=sp), devices8)
     state = jax.device_put(ref["host_state"], plan.state_shardings)
     batch = device_batch(plan, host_batch(VALID, T, SEED))
 
@@ -126,7 +130,7 @@ def test_one_step_equals_single_device(layout, routing, reference, devices8):
     assert shard_shape(w_up) == (U, E, D // params_over, F // tensor)
     assert shard_shape(router) == (U, D // params_over, E)
     assert shard_shape(batch["inputs"]) == (G // (data * fsdp), T)
-    assert not plan.tensor_parallel.sequence_parallel  # MoE resolves tensor.sequence_parallel=null to off
+    assert plan.tensor_parallel.sequence_parallel == sp  # the router scores each rank's slice of the sequence
 
     out = one_adam_step(plan, state, batch)
     m, ref_m = out["metrics"], ref["metrics"]
@@ -139,6 +143,62 @@ def test_one_step_equals_single_device(layout, routing, reference, devices8):
     else:
         assert ref_m["moe_dropped_fraction"] == 0
     assert np.abs(_experts(ref["grads"])["router"]).max() > 0
+    assert_tree_close(out["grads"], ref["grads"], RTOL)
+    assert_adam_step_close(out, ref, out["params0"], RTOL, **adam_step_args(plan, m))
+
+
+# Expert parallelism: (data, fsdp, tensor, zero_stage, expert_axes, experts E). E = 8 so that ep = 4 leaves two
+# experts per device (grouping by local expert is exercised) and ep = 2 four.
+EP_LAYOUTS = {  # (data, fsdp, tensor, zero_stage, expert_axes, E, sequence_parallel)
+    "ep4_fsdp_data2_zero1": (2, 4, 1, 1, ("fsdp",), 8, False),
+    "ep2_data_fsdp2_tensor2_sp_zero1": (2, 2, 2, 1, ("data",), 8, True),
+    "ep4_data_fsdp_tensor2_zero3": (2, 2, 2, 3, ("data", "fsdp"), 8, False),
+    "ep2_data_fsdp4_zero2": (2, 4, 1, 2, ("data",), 8, False),
+}
+DEFAULT_EP_CASES = {("ep4_fsdp_data2_zero1", "dropless"), ("ep2_data_fsdp2_tensor2_sp_zero1", "capacity")}
+EP_CASES = [
+    pytest.param(
+        layout,
+        routing,
+        id=f"{layout}-{routing}",
+        marks=() if (layout, routing) in DEFAULT_EP_CASES else pytest.mark.slow,
+    )
+    for layout in EP_LAYOUTS
+    for routing in ("dropless", "capacity")
+]
+
+
+@pytest.mark.parametrize("layout,routing", EP_CASES)
+def test_expert_parallel_step_equals_single_device(layout, routing, reference, devices8):
+    """Experts split over data and/or fsdp, assignments moved by all-to-all: the same step as one device."""
+    data, fsdp, tensor, zero, axes, e, sp = EP_LAYOUTS[layout]
+    experts = (f"model.moe.num_experts={e}",)
+    ref = reference(routing, experts)
+    extra = (*experts, f"model.moe.expert_axes=[{','.join(axes)}]")
+    plan = make_plan(_overrides(routing, data, fsdp, tensor, zero, 2, extra, sp), devices8)
+    state = jax.device_put(ref["host_state"], plan.state_shardings)
+    batch = device_batch(plan, host_batch(VALID, T, SEED))
+    assert plan.tensor_parallel.sequence_parallel == sp
+
+    # The layout differs: each device holds E / ep whole experts (their D no longer split over the expert
+    # axes), the router whole over experts; the all-to-alls are in the compiled step.
+    ep = (data if "data" in axes else 1) * (fsdp if "fsdp" in axes else 1)
+    assert plan.expert_axes == tuple(a for a in ("data", "fsdp") if a in axes)
+    w_up, router = _experts(state["params"])["w_up"], _experts(state["params"])["router"]
+    U, _, D, F = w_up.shape
+    d_split = (fsdp if "fsdp" not in axes else 1) * (data if zero == 3 and "data" not in axes else 1)
+    assert shard_shape(w_up) == (U, e // ep, D // d_split, F // tensor)
+    assert shard_shape(router)[-1] == e
+    hlo = jax.jit(make_grad_fn(plan)).lower(state["params"], batch).as_text()
+    assert "all_to_all" in hlo or "all-to-all" in hlo
+
+    out = one_adam_step(plan, state, batch)
+    m, ref_m = out["metrics"], ref["metrics"]
+    assert m["tokens"] == ref_m["tokens"] == sum(VALID)
+    for name in METRICS:
+        assert_scalar_close(m[name], ref_m[name], RTOL, name)
+    if routing == "capacity":
+        assert ref_m["moe_dropped_fraction"] > 0.2  # the batch overflows capacity: the same assignments drop
     assert_tree_close(out["grads"], ref["grads"], RTOL)
     assert_adam_step_close(out, ref, out["params0"], RTOL, **adam_step_args(plan, m))
 
@@ -169,7 +229,6 @@ def test_aux_losses_enter_the_loss_with_their_weights(reference):
     "extra,fix",
     [
         (("mesh.pipeline=2", "mesh.fsdp=1", "mesh.data=4"), "set mesh.pipeline=1"),
-        (("mesh.tensor=2", "tensor.sequence_parallel=true", "mesh.fsdp=2"), "set tensor.sequence_parallel=false"),
     ],
 )
 def test_unsupported_layouts_are_refused(extra, fix, devices8):

@@ -19,7 +19,6 @@ from jaxpar.config.validate import sequence_parallel
 from jaxpar.model import init_params
 from jaxpar.model.llama import Llama
 from jaxpar.model.moe import capacity, capacity_experts, dropless_experts, route
-from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL
 from jaxpar.training.moe_loss import moe_metrics
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir)
@@ -47,7 +46,7 @@ def test_dropless_equals_each_token_through_its_experts():
     """The sorted grouped matmul (jax.lax.ragged_dot) gives every (token, choice) its own expert's SwiGLU."""
     x, router, weights = _inputs()
     _, idx, _, _ = route(x, router, K)
-    got = np.asarray(dropless_experts(x, idx, *weights, NO_TENSOR_PARALLEL))
+    got = np.asarray(dropless_experts(x, idx, *weights))
     xs, ids = np.asarray(x, np.float64), np.asarray(idx)
     want = np.stack(
         [[[_expert(xs[b, t], ids[b, t, j], weights) for j in range(K)] for t in range(T)] for b in range(B)]
@@ -74,16 +73,16 @@ def test_capacity_drops_by_priority_and_per_sequence():
     assignments equal the dropless output and dropped ones are zero."""
     x, router, weights = _inputs(1)
     _, idx, _, _ = route(x, router, K)
-    y, keep = capacity_experts(x, idx, *weights, NO_TENSOR_PARALLEL, 0.5)
+    y, keep = capacity_experts(x, idx, *weights, 0.5)
     c = capacity(T, K, E, 0.5)
     assert c == 3
     keep = np.asarray(keep)
     np.testing.assert_array_equal(keep, _keep_reference(np.asarray(idx), c))
     assert 0 < (~keep).sum() < keep.size  # some, not all, dropped
     for rows in (slice(0, 1), slice(1, 3)):
-        _, keep_part = capacity_experts(x[rows], idx[rows], *weights, NO_TENSOR_PARALLEL, 0.5)
+        _, keep_part = capacity_experts(x[rows], idx[rows], *weights, 0.5)
         np.testing.assert_array_equal(np.asarray(keep_part), keep[rows])
-    full = np.asarray(dropless_experts(x, idx, *weights, NO_TENSOR_PARALLEL))
+    full = np.asarray(dropless_experts(x, idx, *weights))
     np.testing.assert_allclose(np.asarray(y)[keep], full[keep], rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(y)[~keep] == 0)
 
@@ -91,9 +90,9 @@ def test_capacity_drops_by_priority_and_per_sequence():
 def test_capacity_without_overflow_equals_dropless():
     x, router, weights = _inputs(2)
     _, idx, _, _ = route(x, router, K)
-    y, keep = capacity_experts(x, idx, *weights, NO_TENSOR_PARALLEL, float(E))  # C = T * K: nothing drops
+    y, keep = capacity_experts(x, idx, *weights, float(E))  # C = T * K: nothing drops
     assert np.asarray(keep).all()
-    want = dropless_experts(x, idx, *weights, NO_TENSOR_PARALLEL)
+    want = dropless_experts(x, idx, *weights)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
@@ -209,9 +208,12 @@ def test_capacity_forward_flops_match_xla_cost_analysis():
         (["model.moe.num_experts=4", "model.moe.capacity_factor=0"], "capacity_factor"),
         (["model.moe.num_experts=4", "model.moe.aux_loss_weight=-1"], "aux_loss_weight"),
         (["model.moe.num_experts=4", "mesh.pipeline=2", "mesh.tensor=1"], "mesh.pipeline=1"),
-        (["model.moe.num_experts=4", "tensor.sequence_parallel=true"], "sequence_parallel=false"),
         (["model.moe.num_experts=4", "model.moe.d_expert=3"], "divisible by mesh.tensor=2"),
         (["model.moe.num_experts=4", "model.moe.nonsense=3"], "unknown config key model.moe.nonsense"),
+        (["model.moe.num_experts=4", "model.moe.expert_axes=[tensor]"], "data and fsdp"),
+        (["model.moe.num_experts=4", "model.moe.expert_axes=[fsdp,fsdp]"], "names an axis twice"),
+        (["model.moe.num_experts=6", "model.moe.expert_axes=[data,fsdp]"], "multiple of 4"),
+        (["model.moe.num_experts=4", "model.moe.expert_axes=fsdp"], "YAML list"),
     ],
 )
 def test_config_refusals(overrides, match):
@@ -219,11 +221,10 @@ def test_config_refusals(overrides, match):
         load_config(TINY, overrides, num_devices=8)
 
 
-def test_sequence_parallel_defaults_off_with_moe():
+def test_sequence_parallel_defaults_on_with_moe_as_without():
     cfg = load_config(TINY_MOE, num_devices=8)
     assert cfg.mesh.tensor == 2 and cfg.tensor.sequence_parallel is None
-    assert not sequence_parallel(cfg, 2)
-    assert sequence_parallel(load_config(TINY, num_devices=8), 2)
+    assert sequence_parallel(cfg, 2) and sequence_parallel(load_config(TINY, num_devices=8), 2)
 
 
 def test_hugging_face_export_refuses_moe():

@@ -87,7 +87,7 @@ def test_sample_of_a_shard_set_run_decodes_with_its_tokenizer(tiny, bpe_set):
     cfg = plan.cfg
     shards_plan = types.SimpleNamespace(
         cfg=Config(model=cfg.model, data=DataConfig(source="shards", path=bpe_set, seq_len=cfg.data.seq_len)),
-        mdef=plan.mdef,
+        global_mdef=plan.global_mdef,
         compute_dtype=plan.compute_dtype,
     )
     text = sample_text(shards_plan, params, prompt="def ", num_tokens=5, seed=1)
