@@ -43,6 +43,14 @@ once per step and `from_chunk_order` the gradients back.
 GPipe (Huang et al. 2019): the forward of all microbatches over m + p - 1 ticks (`forward_loss`), then the
 backward by automatic differentiation of that loop, which keeps every microbatch's residuals: memory grows
 with m. `forward_loss` alone is the pipelined evaluation.
+
+Loss terms inside the stages (`StageParts.blocks_loss`; e.g. a mixture-of-experts block's auxiliary losses,
+`jaxpar.training.moe_loss`): the loss is then sum_i (head_i + sum_s aux_{s,i}) x loss_scale, aux_{s,i} the term
+of stage s's blocks on microbatch i. Each stage adds its own terms to its loss in the microbatch's forward tick,
+and its backward seeds the blocks' vjp with (d_h, loss_scale): d aux_{s,i} / d(stage weights) joins the weight
+gradient and d aux_{s,i} / d(stage input) the gradient sent to the previous stage, where it adds to the head's.
+Their non-differentiated statistics are summed per stage and chunk. Without it the schedules run exactly the
+blocks' forward and backward.
 """
 
 from __future__ import annotations
