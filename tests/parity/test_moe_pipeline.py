@@ -14,7 +14,8 @@ order (the reference's rows differ between units, so a unit mapped to the wrong 
 
 Cases: 1F1B with data=2 x fsdp=2 x pipeline=2 (ZeRO-1), dropless, in the default suite; under `-m slow`
 capacity routing on the same layout, GPipe on data=2 x pipeline=2 with ZeRO-3 over fsdp=2, 1F1B with the
-stage forward recomputed inside gradient accumulation (capacity routing, ZeRO-2, 2 x 2 microbatches), and
+stage forward recomputed inside gradient accumulation (capacity routing, ZeRO-2, 2 x 2 microbatches), 1F1B on
+fsdp=2 x tensor=2 x pipeline=2 (experts' hidden width over tensor), and
 interleaved 1F1B with virtual_stages=2 (U = 4).
 
 Each test asserts its layout really differs from the reference's: the MoE units' parameters are split over
@@ -98,6 +99,11 @@ CASES = {
             "train.grad_accum_steps=2",
         ),
     ),
+    "fsdp2_tensor2_pipeline2_1f1b": (
+        "dropless",
+        2,
+        ("mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.pipeline=2", "pipeline.microbatches=2"),
+    ),
     "data2_fsdp2_pipeline2_virtual2": (
         "dropless",
         1,
@@ -152,18 +158,18 @@ def test_one_step_equals_single_device(case, reference, devices8):
     routing, every, extra = CASES[case]
     ref = reference(routing, every)
     plan = make_plan(_overrides(routing, every, extra), devices8)
-    p, data, fsdp = (plan.mesh.shape[a] for a in ("pipeline", "data", "fsdp"))
+    p, data, fsdp, tensor = (plan.mesh.shape[a] for a in ("pipeline", "data", "fsdp", "tensor"))
     zero = plan.cfg.optimizer.zero_stage
     state = jax.device_put(ref["host_state"], plan.state_shardings)
     batch = device_batch(plan, host_batch(VALID, T, SEED))
 
     # The layout differs from the reference's: MoE units over pipeline (U / p per device, at least one), the
-    # experts' and router's D over fsdp (and data at ZeRO-3), rows over data x fsdp.
+    # experts' and router's D over fsdp (and data at ZeRO-3), their hidden width over tensor, rows over data x fsdp.
     w_up, router = _experts(state["params"])["w_up"], _experts(state["params"])["router"]
     U, e, D, F = w_up.shape
     assert (U, e) == (4 // every, E) and p == 2 and U // p >= 1
     params_over = fsdp * (data if zero == 3 else 1)
-    assert shard_shape(w_up) == (U // p, E, D // params_over, F)
+    assert shard_shape(w_up) == (U // p, E, D // params_over, F // tensor)
     assert shard_shape(router) == (U // p, D // params_over, E)
     assert shard_shape(batch["inputs"]) == (G // (data * fsdp), T)
 
