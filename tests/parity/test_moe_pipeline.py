@@ -18,13 +18,18 @@ stage forward recomputed inside gradient accumulation (capacity routing, ZeRO-2,
 fsdp=2 x tensor=2 x pipeline=2 (experts' hidden width over tensor), and
 interleaved 1F1B with virtual_stages=2 (U = 4).
 
+`test_chunk_rows_in_model_order` checks the placement of each stage's per-unit rows (chunk order -> model order)
+alone, for interleaved layouts too, in the default suite.
+
 Each test asserts its layout really differs from the reference's: the MoE units' parameters are split over
 `pipeline` along the stacked units dimension (a device holds U / p units) and the rows over data x fsdp.
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from step_helpers import (
     FIRST_STEP_AT_PEAK,
     FP32,
@@ -42,6 +47,7 @@ from step_helpers import (
 )
 
 from jaxpar.config.errors import ConfigError
+from jaxpar.parallel import pipeline
 from jaxpar.training.step import init_state, make_eval_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
@@ -237,3 +243,23 @@ def test_units_must_split_into_stages(every, extra, match, devices8):
     (model.n_layers=4 itself splits into the chunks)."""
     with pytest.raises(ConfigError, match=match):
         make_plan(_overrides("dropless", every, extra), devices8)
+
+
+@pytest.mark.parametrize("p,v", [(2, 1), (2, 2), (4, 3)])
+def test_chunk_rows_in_model_order(p, v):
+    """Per-unit rows a stage computed in chunk order (as `to_chunk_order` lays out its layers: model chunk
+    j*p + s in chunk j of stage s), placed by `chunk_rows_in_model_order` and summed over `pipeline`, are every
+    unit's rows in model order on every stage: what the step does with the expert loads [U, E]."""
+    n = 2  # units per chunk
+    units = p * v * n
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), (pipeline.AXIS,))
+    load = jnp.arange(units * 3, dtype=jnp.float32).reshape(units, 3)  # unit u's row: 3u, 3u + 1, 3u + 2
+
+    def body(x):
+        rows = pipeline.to_chunk_order(x, p, v).reshape(v, n, 3)  # this stage's units, chunk order
+        placed = pipeline.chunk_rows_in_model_order(rows, p)
+        return jax.lax.psum(placed, pipeline.AXIS)[None]
+
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(pipeline.AXIS), out_specs=P(pipeline.AXIS)))(load)
+    for s in range(p):
+        np.testing.assert_array_equal(np.asarray(out)[s], np.asarray(load))
