@@ -457,8 +457,9 @@ def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tr
     parameters, split by the parts into the layer stack and the edge parameters outside it).
 
     With `train` and `model.moe` the blocks also return the weighted auxiliary losses of the stage's MoE units
-    (`jaxpar.training.moe_loss.moe_loss_terms`) and their sums (`moe_sums`; "load" [U/p, E] for the stage's
-    units) as `blocks_loss` terms and stats; evaluation (`train=False`) reports the cross-entropy alone."""
+    (`jaxpar.training.moe_loss.moe_loss_terms`) and their sums (`moe_sums`; "load" [n, E] for the n units the
+    call runs: U/p, or U/(pv) per chunk with v virtual stages) as `blocks_loss` terms and stats; evaluation
+    (`train=False`) reports the cross-entropy alone."""
     gather = module_gatherer(
         plan.mesh_shape,
         partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
