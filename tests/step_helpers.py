@@ -18,7 +18,7 @@ from jaxpar.batch import BATCH_KEYS
 from jaxpar.config import load_config
 from jaxpar.mesh import build_mesh
 from jaxpar.training.optimizer import weight_decay_mask
-from jaxpar.training.step import StepPlan, build_plan, make_grad_fn, make_train_step
+from jaxpar.training.step import StepPlan, _grad_fn_with_moe, build_plan, make_grad_fn, make_train_step
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Compile time (not the model) dominates these tests, so the model is as small as the checks allow:
@@ -79,17 +79,19 @@ def compile_fast(jitted, *args):
     return jitted.lower(*args).compile(compiler_options=FAST_COMPILE)
 
 
-def one_adam_step(plan: StepPlan, state: dict, batch: dict) -> dict:
+def one_adam_step(plan: StepPlan, state: dict, batch: dict, moe_sums: bool = False) -> dict:
     """Gradients of `make_grad_fn`, then one train step of `plan` (an Adam-family optimizer), both compiled with
     `FAST_COMPILE`; `state` is consumed.
 
     Returns host copies: "grads", "grad_loss", "grad_tokens" (make_grad_fn's outputs), "params0" (before the
     step), "metrics", "params", "mu", "nu" (after it); and on the devices "grads_shardings" (a tree of each
-    gradient's sharding) and "new_state".
+    gradient's sharding) and "new_state". With `moe_sums` the gradients come from the function behind
+    `make_grad_fn` that also returns the step's MoE sums (`jaxpar.training.moe_loss`), kept as "moe_sums".
     """
-    grad_fn = compile_fast(jax.jit(make_grad_fn(plan)), state["params"], batch)
+    grad_fn = _grad_fn_with_moe(plan) if moe_sums else make_grad_fn(plan)
+    grad_fn = compile_fast(jax.jit(grad_fn), state["params"], batch)
     step = compile_fast(make_train_step(plan), state, batch)
-    grads, loss, n_tokens = grad_fn(state["params"], batch)
+    grads, loss, n_tokens, *sums = grad_fn(state["params"], batch)
     out = {
         "grads": to_host(grads),
         "grad_loss": float(loss),
@@ -97,6 +99,8 @@ def one_adam_step(plan: StepPlan, state: dict, batch: dict) -> dict:
         "grads_shardings": jax.tree.map(lambda g: g.sharding, grads),
         "params0": to_host(state["params"]),
     }
+    if moe_sums:
+        out["moe_sums"] = to_host(sums[0])
     new, metrics = step(state, batch)
     out.update(
         metrics=to_host(metrics),

@@ -41,18 +41,19 @@ def check_expert_axes(expert_axes: tuple[str, ...], num_experts: int, shape: dic
         )
 
 
-def check_moe(cfg: Config, shape: dict[str, int], sequence_parallel: bool) -> None:
-    """Ranges of the `model.moe` keys and the layouts MoE does not run on yet.
+def check_moe(cfg: Config, shape: dict[str, int]) -> None:
+    """Ranges of the `model.moe` keys and how they fit the mesh.
 
     Args:
       cfg: the config.
       shape: the resolved mesh shape {data, fsdp, tensor, pipeline}.
-      sequence_parallel: whether the run resolves `tensor.sequence_parallel` to on.
 
     Raises:
       ConfigError: a key out of range, `model.moe.every` not dividing `model.n_layers`, a model family other
-        than the built-in llama, or MoE with mesh.pipeline > 1 or with sequence parallelism (not supported yet;
-        the message names the fix).
+        than the built-in llama, MoE units (n_layers / every) that do not split evenly into the pipeline's
+        mesh.pipeline * pipeline.virtual_stages model chunks, or `model.moe.expert_axes` naming another axis than
+        data or fsdp, an axis twice, or axes whose sizes' product does not divide num_experts; the message names
+        the fix.
     """
     moe, m = cfg.model.moe, cfg.model
     if moe.num_experts == 0:
@@ -82,10 +83,14 @@ def check_moe(cfg: Config, shape: dict[str, int], sequence_parallel: bool) -> No
             f"model.moe is read by the built-in llama family only, not by model.name={m.name!r}; remove the "
             f"model.moe section or set model.name=llama"
         )
-    if shape["pipeline"] > 1:
+    stages, v = shape["pipeline"], cfg.pipeline.virtual_stages
+    units = m.n_layers // moe.every
+    if stages > 1 and units % (stages * v):
         raise ConfigError(
-            f"model.moe with mesh.pipeline={shape['pipeline']} is not supported yet (the pipeline stages do not "
-            f"carry the MoE auxiliary losses); set mesh.pipeline=1 and use data, fsdp or tensor"
+            f"model.n_layers / model.moe.every = {m.n_layers} / {moe.every} = {units} MoE units (the layer "
+            f"stack's depth: each unit is `every` blocks whose last one is MoE) must be divisible by mesh.pipeline "
+            f"* pipeline.virtual_stages = {stages} * {v} = {stages * v} (each stage holds whole units); change "
+            f"model.n_layers, model.moe.every, mesh.pipeline or pipeline.virtual_stages"
         )
     check_expert_axes(moe.expert_axes, moe.num_experts, shape)
     d_expert = moe.d_expert or m.d_ff

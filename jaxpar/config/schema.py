@@ -25,7 +25,8 @@ class MoEConfig:
       shared_experts: experts every token passes through besides the routed ones (DeepSeekMoE, Dai et al. 2024):
         one SwiGLU of width shared_experts * d_expert added to the routed output. 0 = none.
       every: every `every`-th block is MoE, the others dense: the layer stack's unit is a group of `every`
-        blocks whose last one is MoE (1 = every block MoE). Must divide model.n_layers.
+        blocks whose last one is MoE (1 = every block MoE). Must divide model.n_layers; with a pipeline the
+        units (n_layers / every) must also divide into mesh.pipeline * pipeline.virtual_stages model chunks.
       routing: `dropless` (every assignment computed: tokens sorted by expert and a grouped matmul,
         `jax.lax.ragged_dot`) or `capacity` (each expert takes at most C = ceil(capacity_factor * T * top_k / E)
         assignments per sequence, GShard-style; the rest are dropped: their routed output is zero, the residual

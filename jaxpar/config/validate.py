@@ -261,7 +261,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             f"equal depth); change model.n_layers or mesh.pipeline"
         )
     _virtual_stages(cfg, stages)
-    check_moe(cfg, shape, sequence_parallel(cfg, tp))
+    check_moe(cfg, shape)
 
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
     # data too for the ZeRO stages that partition something (jaxpar.sharding).

@@ -43,6 +43,14 @@ once per step and `from_chunk_order` the gradients back.
 GPipe (Huang et al. 2019): the forward of all microbatches over m + p - 1 ticks (`forward_loss`), then the
 backward by automatic differentiation of that loop, which keeps every microbatch's residuals: memory grows
 with m. `forward_loss` alone is the pipelined evaluation.
+
+Loss terms inside the stages (`StageParts.blocks_loss`; e.g. a mixture-of-experts block's auxiliary losses,
+`jaxpar.training.moe_loss`): the loss is then sum_i (head_i + sum_s aux_{s,i}) x loss_scale, aux_{s,i} the term
+of stage s's blocks on microbatch i. Each stage adds its own terms to its loss in the microbatch's forward tick,
+and its backward seeds the blocks' vjp with (d_h, loss_scale): d aux_{s,i} / d(stage weights) joins the weight
+gradient and d aux_{s,i} / d(stage input) the gradient sent to the previous stage, where it adds to the head's.
+Their non-differentiated statistics are summed per stage and chunk. Without it the schedules run exactly the
+blocks' forward and backward.
 """
 
 from __future__ import annotations
@@ -69,17 +77,83 @@ class StageParts:
 
     Attributes:
       embed: (edge, mb) -> activations [b, T', D] in the activation dtype; run on the first stage only.
-      blocks: (layers, x [b, T', D], mb) -> [b, T', D]; run on every stage.
+      blocks: (layers, x [b, T', D], mb) -> [b, T', D]; run on every stage. With `blocks_loss`:
+        (layers, x, mb) -> (h [b, T', D], loss, stats), see there.
       head: (edge, h [b, T', D], mb) -> the microbatch's summed loss, fp32 scalar; run on the last stage only.
       edge_gathered: whether embed or head gather edge parameters with collectives that depend on the weights
         alone (fsdp all-gathers); `forward_loss` then keeps those in tick order at the cost of one add over the
         edge parameters per tick.
+      blocks_loss: whether the blocks add their own terms to the loss (e.g. the mixture-of-experts auxiliary
+        losses, `jaxpar.training.moe_loss`). Then `blocks` also returns `loss`, an fp32 scalar summed over the
+        microbatch's rows like the head's loss: the schedules multiply it by `loss_scale`, add it to the
+        stage's loss and differentiate it through the stage's own layers and input (the backward's cotangent
+        is (d_h, loss_scale)); and `stats`, a pytree of fp32 arrays (not differentiated) that the schedules
+        sum over the stage's valid microbatches, one sum per model chunk (leaves [v, ...], chunk order as
+        the layers). False: the schedules run exactly the blocks' forward and backward, nothing more.
     """
 
     embed: Callable
     blocks: Callable
     head: Callable
     edge_gathered: bool = True
+    blocks_loss: bool = False
+
+
+def _run_blocks(parts: StageParts, w, x, mb):
+    """The blocks' forward: (h, loss or None, stats or {})."""
+    if parts.blocks_loss:
+        return parts.blocks(w, x, mb)
+    return parts.blocks(w, x, mb), None, {}
+
+
+def _blocks_vjp(parts: StageParts, w, x, mb):
+    """The blocks' forward and backward function: (h, loss or None, stats or {}, vjp_fn); vjp_fn takes
+    `_cotangent`'s output."""
+    if not parts.blocks_loss:
+        h, vjp_fn = jax.vjp(lambda w_, y: parts.blocks(w_, y, mb), w, x)
+        return h, None, {}, vjp_fn
+
+    def split(w_, y):
+        h, loss, stats = parts.blocks(w_, y, mb)
+        return (h, loss.astype(jnp.float32)), stats
+
+    (h, loss), vjp_fn, stats = jax.vjp(split, w, x, has_aux=True)
+    return h, loss, stats, vjp_fn
+
+
+def _cotangent(parts: StageParts, d_h: jax.Array, d_loss: jax.Array):
+    # The blocks' output cotangent: d_h, and with `blocks_loss` the loss's (its scale, 0 for a masked slot).
+    return (d_h, d_loss.astype(jnp.float32)) if parts.blocks_loss else d_h
+
+
+def _zero_stats(parts: StageParts, w, x, mb, v: int):
+    """Per-chunk accumulators of the blocks' stats: zeros, each leaf [v, ...] fp32 ({} without
+    `blocks_loss`). Traces the blocks abstractly (no device work)."""
+    if not parts.blocks_loss:
+        return {}
+    shapes = jax.eval_shape(lambda: parts.blocks(w, x, mb)[2])
+    return jax.tree.map(lambda a: jnp.zeros((v, *a.shape), jnp.float32), shapes)
+
+
+def _add_stats(acc, stats, j, valid):
+    # Microbatch stats into chunk j's row of the accumulators, zero for a masked (out-of-range) slot.
+    def one(a, x):
+        x = jnp.where(valid, x.astype(jnp.float32), 0.0)
+        return jax.lax.dynamic_update_index_in_dim(a, a[j] + x, j, 0)
+
+    return jax.tree.map(one, acc, stats)
+
+
+def chunk_rows_in_model_order(rows: jax.Array, p: int) -> jax.Array:
+    """Per-chunk rows of one stage, [v, n, ...] in chunk order (row j: model chunk j*p + s of stage s, e.g. one
+    row per layer of the chunk), placed at their model positions in a zero array [p*v*n, ...]: the sum over
+    `pipeline` (psum) of the stages' results is every layer's rows in model order. Inside the shard_map."""
+    s = jax.lax.axis_index(AXIS)
+    v, n = rows.shape[:2]
+    out = jnp.zeros((p * v * n, *rows.shape[2:]), rows.dtype)
+    for j in range(v):
+        out = jax.lax.dynamic_update_slice_in_dim(out, rows[j], (j * p + s) * n, axis=0)
+    return out
 
 
 def _microbatch(mbs: dict, i: jax.Array, m: int) -> dict:
@@ -149,7 +223,7 @@ class _Residuals:
         box = {}
 
         def arrays(lay, xx, mbb):
-            _, vjp_fn = jax.vjp(lambda w, y: parts.blocks(w, y, mbb), lay, xx)
+            vjp_fn = _blocks_vjp(parts, lay, xx, mbb)[3]
             box["treedef"], box["kinds"] = jax.tree.structure(vjp_fn), self._kinds(vjp_fn, lay)
             return [leaf for leaf, kind in zip(jax.tree.leaves(vjp_fn), box["kinds"]) if kind[0] == "array"]
 
@@ -223,10 +297,11 @@ def one_f_one_b(
     loss_scale: jax.Array,
     recompute: bool,
     virtual_stages: int = 1,
-) -> tuple[tuple[dict, dict], jax.Array]:
+) -> tuple[tuple[dict, dict], jax.Array, dict]:
     """Runs the 1F1B schedule, interleaved over `virtual_stages` model chunks per device when that is > 1;
-    returns ((fp32 gradient sums of `layers`, of `edge`), this stage's summed scaled loss, fp32 scalar: 0 except
-    on the last stage).
+    returns ((fp32 gradient sums of `layers`, of `edge`), this stage's summed scaled loss, fp32 scalar: the
+    head's on the last stage plus, with `parts.blocks_loss`, the stage's blocks' terms; the blocks' stats summed
+    over the microbatches, leaves [v, ...] in chunk order, {} without `parts.blocks_loss`).
 
     Args:
       parts: the stage's parts (`StageParts`).
@@ -259,10 +334,11 @@ def one_f_one_b(
             return layers
         return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), chunks)
 
+    mb0 = _microbatch(mbs, jnp.int32(0), m)
     if recompute:
         template, stash_shapes = None, [jax.ShapeDtypeStruct(act_shape, act_dtype)]
     else:
-        template = _Residuals(parts, chunk(jnp.int32(0)), zeros_act, _microbatch(mbs, jnp.int32(0), m))
+        template = _Residuals(parts, chunk(jnp.int32(0)), zeros_act, mb0)
         stash_shapes = template.stash_avals
 
     def stage_input(x_in, mb, first):
@@ -296,10 +372,10 @@ def one_f_one_b(
         return jax.tree.map(one, g_layers, d_layers)
 
     def tick(carry, k, do_forward: bool, do_backward: bool):
-        recv_f, recv_b, stash, g_layers, g_edge, loss_acc = carry
+        recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc = carry
         send_f = send_b = zeros_act
         if do_forward:
-            i, j_f, _ = schedule.forward_at(k, s, p, v, m)
+            i, j_f, valid_f = schedule.forward_at(k, s, p, v, m)
             mb = _microbatch(mbs, i, m)
             # The embedding runs for model chunk 0 only, the head for the last chunk only (chunk j*p + s).
             first_f = is_first if v == 1 else is_first & (j_f == 0)
@@ -311,10 +387,14 @@ def one_f_one_b(
                 # on the embedding's cond (and its gathers) before them: order them after it.
                 w = ordered_after(w, x)
             if recompute:
-                h, keep = parts.blocks(w, x, mb), [x]
+                h, b_loss, b_stats = _run_blocks(parts, w, x, mb)
+                keep = [x]
             else:
-                h, vjp_fn = jax.vjp(lambda w_, y: parts.blocks(w_, y, mb), w, x)
+                h, b_loss, b_stats, vjp_fn = _blocks_vjp(parts, w, x, mb)
                 keep = template.stash(vjp_fn, w)
+            if parts.blocks_loss:  # the blocks' own loss terms and stats, counted in their forward tick
+                loss_acc = loss_acc + jnp.where(valid_f, b_loss * loss_scale, 0.0)
+                stats_acc = _add_stats(stats_acc, b_stats, j_f, valid_f)
             # Slots by forward tick: the live ones are the 2pv - 2 ticks before this one (a chunk input waits at
             # most 2pv - 2 ticks), so this tick's slot holds nothing live and the write needs no validity mask,
             # also for a microbatch outside 0 .. m - 1.
@@ -341,10 +421,10 @@ def one_f_one_b(
                 w_b = ordered_after(w_b, d_h)  # as in the forward: the backward's regathers after the head's cond
             if recompute:
                 x_b, mb_b = ordered_after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
-                _, vjp_fn = jax.vjp(lambda w_, y: parts.blocks(w_, y, mb_b), w_b, x_b)
+                vjp_fn = _blocks_vjp(parts, w_b, x_b, mb_b)[3]
             else:
                 vjp_fn = template.rebuild(kept, w_b, d_h)
-            d_layers, d_x = vjp_fn(d_h)
+            d_layers, d_x = vjp_fn(_cotangent(parts, d_h, jnp.where(valid, loss_scale, 0.0)))
             g_layers = add_chunk(g_layers, d_layers, j_b)
             first_b = is_first if v == 1 else is_first & (j_b == 0)
             g_edge = embed_grad(d_x, ordered_after(mb_b, d_x), g_edge, first_b)
@@ -355,7 +435,7 @@ def one_f_one_b(
         if do_forward and do_backward:
             send_b = ordered_after(send_b, recv_f)
         recv_b = _shift(send_b, p, forward=False, ring=v > 1) if do_backward else recv_b
-        return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc), None
+        return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc), None
 
     zeros32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
     carry = (
@@ -365,6 +445,7 @@ def one_f_one_b(
         zeros32(chunks),
         zeros32(edge),
         jnp.zeros((), jnp.float32),
+        _zero_stats(parts, chunk(jnp.int32(0)), zeros_act, mb0, v),
     )
     # Three static loops: forward only (warm-up), forward and backward, backward only (cool-down).
     warm, last_forward = schedule.warmup_ticks(p, v), schedule.forward_tick(m - 1, p * v - 1, p, v)
@@ -376,10 +457,10 @@ def one_f_one_b(
     for start, stop, fwd, bwd in phases:
         if stop > start:
             carry, _ = jax.lax.scan(lambda c, k, f=fwd, b=bwd: tick(c, k, f, b), carry, jnp.arange(start, stop))
-    _, _, _, g_layers, g_edge, loss = carry
+    _, _, _, g_layers, g_edge, loss, stats = carry
     if v > 1:
         g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layers)
-    return (g_layers, g_edge), loss
+    return (g_layers, g_edge), loss, stats
 
 
 def chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -439,15 +520,16 @@ def forward_loss(
     act_shape: tuple[int, ...],
     act_dtype,
     loss_scale: jax.Array | float = 1.0,
-) -> jax.Array:
-    """The forward of all m microbatches through the pipeline in m + p - 1 ticks: this stage's summed loss
-    times `loss_scale` (fp32 scalar; 0 except on the last stage). GPipe's forward, and the pipelined
-    evaluation. Same arguments as `one_f_one_b`."""
+) -> tuple[jax.Array, dict]:
+    """The forward of all m microbatches through the pipeline in m + p - 1 ticks: (this stage's summed loss
+    times `loss_scale`, fp32 scalar: the head's on the last stage plus, with `parts.blocks_loss`, the stage's
+    blocks' terms; the blocks' stats summed over the microbatches, leaves [1, ...], {} without
+    `parts.blocks_loss`). GPipe's forward, and the pipelined evaluation. Same arguments as `one_f_one_b`."""
     s = jax.lax.axis_index(AXIS)
     is_first, is_last = s == 0, s == p - 1
 
     def tick(carry, k, head: bool, layers):
-        recv, loss_acc = carry
+        recv, loss_acc, stats_acc = carry
         # The edge parts' collectives (inside their conds) in tick order (`ordered_after`, also under autodiff): this
         # tick's embedding after the previous tick's permute, its head after its blocks, the permute after the
         # head. With `parts.edge_gathered` the edge parameters carry the dependency too (one add over them per
@@ -461,7 +543,11 @@ def forward_loss(
         # after the embedding: autodiff splits it out of the layer scan, and the weight gathers over fsdp in it
         # would otherwise be free to start before or after the embedding's cond. (In the head ticks' loop
         # that work is loop-invariant and XLA hoists it out, once per step.)
-        h = parts.blocks(layers if head else ordered_after(layers, x), x, mb)
+        h, b_loss, b_stats = _run_blocks(parts, layers if head else ordered_after(layers, x), x, mb)
+        if parts.blocks_loss:  # stage s runs microbatch k - s: valid for 0 <= k - s < m
+            valid = (k >= s) & (k - s < m)
+            loss_acc = loss_acc + jnp.where(valid, b_loss * loss_scale, 0.0)
+            stats_acc = _add_stats(stats_acc, b_stats, 0, valid)
         if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
             edge_h = ordered_after(edge, h) if parts.edge_gathered else edge
             loss = jax.lax.cond(
@@ -471,9 +557,11 @@ def forward_loss(
             )
             loss_acc = loss_acc + loss
             h = ordered_after(h, loss)
-        return (_shift(h, p, forward=True), loss_acc), None
+        return (_shift(h, p, forward=True), loss_acc, stats_acc), None
 
-    carry = (jnp.zeros(act_shape, act_dtype), jnp.zeros((), jnp.float32))
+    zeros_act = jnp.zeros(act_shape, act_dtype)
+    stats0 = _zero_stats(parts, layers, zeros_act, _microbatch(mbs, jnp.int32(0), m), 1)
+    carry = (zeros_act, jnp.zeros((), jnp.float32), stats0)
     # Two static loops: ticks before the last stage's first microbatch (no head anywhere), then the m ticks
     # in which the last stage runs the head.
     if p > 1:
@@ -482,7 +570,7 @@ def forward_loss(
     # loop, after the warm-up ticks, whose embedding cond it would otherwise not depend on.
     head_layers = ordered_after(layers, carry[0]) if p > 1 else layers
     carry, _ = jax.lax.scan(lambda c, k: tick(c, k, True, head_layers), carry, jnp.arange(p - 1, m + p - 1))
-    return carry[1]
+    return carry[1], carry[2]
 
 
 def gpipe(
@@ -498,7 +586,7 @@ def gpipe(
     loss_scale: jax.Array,
     recompute: bool = False,
     virtual_stages: int = 1,
-) -> tuple[tuple[dict, dict], jax.Array]:
+) -> tuple[tuple[dict, dict], jax.Array, dict]:
     """Runs GPipe: forward of all m microbatches in m + p - 1 ticks (`forward_loss`), backward by autodiff of
     that loop. Same arguments and results as `one_f_one_b`; `recompute` is not read (autodiff keeps every
     tick's residuals).
@@ -509,10 +597,11 @@ def gpipe(
     del recompute
     if virtual_stages != 1:
         raise ValueError(f"GPipe runs one stage per device, not virtual_stages={virtual_stages}")
-    loss, grads = jax.value_and_grad(
+    (loss, stats), grads = jax.value_and_grad(
         lambda lay, e: forward_loss(
             parts, lay, e, mbs, p=p, m=m, act_shape=act_shape, act_dtype=act_dtype, loss_scale=loss_scale
         ),
         argnums=(0, 1),
+        has_aux=True,
     )(layers, edge)
-    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss
+    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), loss, stats

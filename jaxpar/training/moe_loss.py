@@ -16,6 +16,13 @@ Both are summed over the U MoE blocks in the training loss:
     loss = cross-entropy + aux_loss_weight * sum_u aux_u + z_loss_weight * sum_u z_u,
 
 and reported as their means over the U blocks (`moe_metrics`).
+
+Inside pipeline stages (`jaxpar.parallel.pipeline`, `StageParts.blocks_loss`) each stage computes the sums of its
+own MoE units for each microbatch: the weighted terms enter the loss there, scaled by 1 / global tokens like the
+head's loss, so the backward of each stage carries their gradient through its own routers and into its input
+gradient. The scalar sums add over stages (psum over `pipeline`, as the loss); each stage fills its units' rows
+of "load" [U, E] in model order (with virtual stages, from its chunks: model chunk j*p + s in chunk j of stage s)
+and leaves the others zero, so the same psum gives the whole model's.
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def build_plan(
         raise ConfigError(
             f"the mesh ({given}) is not the config's ({', '.join(f'mesh.{a}={wanted[a]}' for a in MESH_AXES)}); {fix}"
         )
-    check_moe(cfg, wanted, sequence_parallel(cfg, wanted["tensor"]))
+    check_moe(cfg, wanted)
     mdef = model_def(_resolved_model(cfg, mesh))
     logical = mdef.logical_axes()
     zero = cfg.optimizer.zero_stage
@@ -484,10 +484,15 @@ def _reduce_over_data(plan: StepPlan, grads: dict) -> dict:
     return treedef.unflatten([scatter(g, s, n) for g, s, n in zip(leaves, specs, names, strict=True)])
 
 
-def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.StageParts:
+def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = True) -> pipeline_lib.StageParts:
     """The pipeline stage's parts (`jaxpar.parallel.pipeline.StageParts`) for the plan's model: embedding, this
     stage's blocks, and head + summed `loss_fn` (inside the shard_map; `params` are this device's local
-    parameters, split by the parts into the layer stack and the edge parameters outside it)."""
+    parameters, split by the parts into the layer stack and the edge parameters outside it).
+
+    With `train` and `model.moe` the blocks also return the weighted auxiliary losses of the stage's MoE units
+    (`jaxpar.training.moe_loss.moe_loss_terms`) and their sums (`moe_sums`; "load" [n, E] for the n units the
+    call runs: U/p, or U/(pv) per chunk with v virtual stages) as `blocks_loss` terms and stats; evaluation
+    (`train=False`) reports the cross-entropy alone."""
     gather = module_gatherer(
         plan.mesh_shape,
         partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
@@ -501,8 +506,15 @@ def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.
     def bind(edge_params: dict, layer_params: dict):
         return plan.mdef.bind({**edge_params, STACK_ATTRIBUTE: layer_params})
 
+    moe = plan.cfg.model.moe
+    with_moe = train and moe.enabled
+
     def blocks(layer_params, x, mb):
-        return run_blocks(bind(edge, layer_params), x, mb, gather, tp)
+        if not with_moe:
+            return run_blocks(bind(edge, layer_params), x, mb, gather, tp)
+        h, stats = run_blocks(bind(edge, layer_params), x, mb, gather, tp, with_stats=True)
+        sums = moe_sums(stats, mb["loss_mask"])
+        return h, moe_loss_terms(sums, moe), sums
 
     storage = storage_axes("params", plan.cfg.optimizer.zero_stage)
     return pipeline_lib.StageParts(
@@ -510,6 +522,7 @@ def _stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn) -> pipeline_lib.
         blocks=blocks,
         head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
         edge_gathered=any(plan.mesh_shape[a] > 1 for a in storage),
+        blocks_loss=with_moe,
     )
 
 
@@ -526,14 +539,18 @@ def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[i
     return mbs, (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
 
 
-def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array]:
-    """Gradients and scaled loss of one accumulation step's local batch through the configured pipeline
-    schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches."""
+def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array, dict]:
+    """Gradients, scaled loss and MoE sums of one accumulation step's local batch through the configured
+    pipeline schedule (`jaxpar.parallel.pipeline`), split into `pipeline.microbatches` microbatches.
+
+    The MoE sums ({} without `model.moe`) are this stage's: its units' "aux", "z" and "dropped", and "load"
+    [U, E] in model order with this stage's rows filled and zeros elsewhere, so their sum over `pipeline` is the
+    whole model's."""
     m = plan.cfg.pipeline.microbatches
     mbs, act_shape = _pipeline_shapes(plan, batch, m)
     schedule = pipeline_lib.one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
     layers, edge = split_stack(params)
-    (g_layers, g_edge), loss = schedule(
+    (g_layers, g_edge), loss, stats = schedule(
         _stage_parts(plan, params, plan.loss_fn),
         layers,
         edge,
@@ -546,7 +563,12 @@ def _pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.A
         recompute=plan.cfg.pipeline.recompute,
         virtual_stages=plan.cfg.pipeline.virtual_stages,
     )
-    return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss
+    # The stats are per model chunk (leaves [v, ...]): the scalar sums add up, the per-unit expert loads
+    # [v, U/(pv), E] go to their units' rows in model order.
+    sums = {k: jnp.sum(a, axis=0) for k, a in stats.items() if k != "load"}
+    if "load" in stats:
+        sums["load"] = pipeline_lib.chunk_rows_in_model_order(stats["load"], plan.mesh_shape["pipeline"])
+    return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss, sums
 
 
 def make_grad_fn(plan: StepPlan) -> Callable:
@@ -596,8 +618,8 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
 
         def micro(carry, mb):
             g_acc, l_acc, s_acc = carry
-            if stages > 1:  # (MoE is refused with a pipeline: jaxpar.config.moe)
-                (g, loss), sums = _pipeline_grads(plan, staged, mb, 1.0 / denom), {}
+            if stages > 1:
+                g, loss, sums = _pipeline_grads(plan, staged, mb, 1.0 / denom)
             else:
                 (loss, sums), g = jax.value_and_grad(scaled, has_aux=True)(params, mb)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
@@ -620,9 +642,10 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         # psum over the batch-splitting axes (each device summed only its own rows) and over pipeline (only
         # the last stage computed a loss).
         loss = jax.lax.psum(loss, loss_axes)
-        # MoE sums: each device summed its own rows (tensor ranks alike: counted once, like the loss); the
-        # token-weighted ones are normalised like the loss.
-        sums = {k: jax.lax.psum(v / denom if k in MEAN_KEYS else v, DATA_PARALLEL_AXES) for k, v in sums.items()}
+        # MoE sums: each device summed its own rows (tensor ranks alike: counted once, like the loss) and, with
+        # a pipeline, its own stage's MoE units (psum over pipeline, like the loss); the token-weighted ones are
+        # normalised like the loss.
+        sums = {k: jax.lax.psum(v / denom if k in MEAN_KEYS else v, loss_axes) for k, v in sums.items()}
         return grads, loss, n_tokens, sums
 
     return jax.shard_map(
@@ -708,8 +731,8 @@ def make_eval_step(plan: StepPlan) -> Callable:
         m = math.gcd(rows, plan.cfg.pipeline.microbatches)
         mbs, act_shape = _pipeline_shapes(plan, batch, m)
         layers, edge = split_stack(params)
-        return pipeline_lib.forward_loss(
-            _stage_parts(plan, params, cross_entropy),
+        loss, _ = pipeline_lib.forward_loss(
+            _stage_parts(plan, params, cross_entropy, train=False),
             layers,
             edge,
             mbs,
@@ -718,6 +741,7 @@ def make_eval_step(plan: StepPlan) -> Callable:
             act_shape=act_shape,
             act_dtype=plan.compute_dtype,
         )
+        return loss
 
     def body(params, batch):
         # psum over the batch-splitting axes: each device saw only its own rows (and over pipeline: only the

@@ -207,7 +207,10 @@ def test_capacity_forward_flops_match_xla_cost_analysis():
         (["model.moe.num_experts=4", "model.moe.routing=sorted"], "routing"),
         (["model.moe.num_experts=4", "model.moe.capacity_factor=0"], "capacity_factor"),
         (["model.moe.num_experts=4", "model.moe.aux_loss_weight=-1"], "aux_loss_weight"),
-        (["model.moe.num_experts=4", "mesh.pipeline=2", "mesh.tensor=1"], "mesh.pipeline=1"),
+        (
+            ["model.moe.num_experts=4", "model.moe.every=4", "mesh.pipeline=2", "mesh.tensor=1"],
+            r"4 / 4 = 1 MoE units .* must be divisible by mesh\.pipeline \* pipeline\.virtual_stages = 2 \* 1",
+        ),
         (["model.moe.num_experts=4", "model.moe.d_expert=3"], "divisible by mesh.tensor=2"),
         (["model.moe.num_experts=4", "model.moe.nonsense=3"], "unknown config key model.moe.nonsense"),
         (["model.moe.num_experts=4", "model.moe.expert_axes=[tensor]"], "data and fsdp"),
