@@ -129,9 +129,10 @@ def check_unique_overrides(overrides: Sequence[str]) -> None:
 
 
 def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in the YAML file or the override") -> Any:
-    """`value` as read from YAML, checked against type `hint` (int, float, bool, str, or a Union/Optional of
-    them) for the dotted `key`: ints are accepted for floats, and so are numeric strings (YAML 1.1 reads 3e-4,
-    without a dot, as a string); a bool is never an int.
+    """`value` as read from YAML, checked against type `hint` (int, float, bool, str, a Union/Optional of
+    them, or a tuple of one of them such as `tuple[str, ...]`, from a YAML list) for the dotted `key`: ints are
+    accepted for floats, and so are numeric strings (YAML 1.1 reads 3e-4, without a dot, as a string); a bool is
+    never an int.
 
     Raises:
       ConfigError: naming `key`, the expected type, the value and `fix`.
@@ -149,6 +150,13 @@ def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in t
             except ConfigError:
                 pass
         raise ConfigError(f"{key}: expected {hint}, got {value!r} ({type(value).__name__})")
+    if origin is tuple and typing.get_args(hint)[1:] == (Ellipsis,):  # tuple[str, ...]: a YAML list (None: ())
+        if value is None:
+            return ()
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list such as [a, b], got {value!r} ({type(value).__name__}); {fix}")
+        item = typing.get_args(hint)[0]
+        return tuple(decode_value(v, item, f"{key}[{i}]", fix) for i, v in enumerate(value))
     if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string

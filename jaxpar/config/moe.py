@@ -3,7 +3,10 @@ resolved mesh. Called by `jaxpar.config.validate.validate_config`."""
 
 from __future__ import annotations
 
+import math
+
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES
 from jaxpar.config.schema import Config
 
 ROUTINGS = ("dropless", "capacity")
@@ -18,7 +21,9 @@ def check_moe(cfg: Config, shape: dict[str, int], sequence_parallel: bool) -> No
       sequence_parallel: whether the run resolves `tensor.sequence_parallel` to on.
 
     Raises:
-      ConfigError: a key out of range, `model.moe.every` not dividing `model.n_layers`, a model family other
+      ConfigError: a key out of range, `model.moe.every` not dividing `model.n_layers`, `model.moe.expert_axes`
+        naming an axis other than data and fsdp or one twice, or an expert-parallel size ep (the product of those
+        axes' sizes) not dividing `model.moe.num_experts`, a model family other
         than the built-in llama, or MoE with mesh.pipeline > 1 or with sequence parallelism (not supported yet;
         the message names the fix).
     """
@@ -45,6 +50,22 @@ def check_moe(cfg: Config, shape: dict[str, int], sequence_parallel: bool) -> No
             raise ConfigError(f"model.moe.{key}={value} must be a finite number >= 0")
     if moe.capacity_factor == 0:
         raise ConfigError("model.moe.capacity_factor must be > 0 (1.25 is common)")
+    axes = moe.expert_axes
+    for axis in axes:
+        if axis not in DATA_PARALLEL_AXES:
+            raise ConfigError(
+                f"model.moe.expert_axes={list(axes)}: {axis!r} is not one of {', '.join(DATA_PARALLEL_AXES)} (the "
+                f"axes that split the batch); name those, e.g. [fsdp]"
+            )
+    if len(set(axes)) != len(axes):
+        raise ConfigError(f"model.moe.expert_axes={list(axes)} names an axis twice; name each once")
+    ep = math.prod(shape[a] for a in axes)
+    if moe.num_experts % ep:
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts} must be divisible by the expert-parallel size {ep} (the "
+            f"product of mesh.{' x mesh.'.join(axes)}, model.moe.expert_axes={list(axes)}); change the experts, "
+            f"the mesh or the expert axes"
+        )
     if m.name != "llama":
         raise ConfigError(
             f"model.moe is read by the built-in llama family only, not by model.name={m.name!r}; remove the "

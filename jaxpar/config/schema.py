@@ -35,6 +35,9 @@ class MoEConfig:
         over MoE blocks. Switch uses 1e-2.
       z_loss_weight: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), summed over MoE blocks.
         ST-MoE uses 1e-3.
+      expert_axes: mesh axes among `data` and `fsdp` that split the experts (expert parallelism; YAML list such
+        as [fsdp] or [data, fsdp]; () = none): each device holds E/ep whole experts, ep the product of their sizes,
+        which must divide num_experts; tokens reach their experts by all-to-all over these axes.
     """
 
     num_experts: int = 0
@@ -46,6 +49,7 @@ class MoEConfig:
     capacity_factor: float = 1.25
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    expert_axes: tuple[str, ...] = ()
 
     @property
     def enabled(self) -> bool:
