@@ -61,6 +61,18 @@ pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage 
   chunks all stay home move nothing), each one chunk of the local leaf, L/(pv) layers. The embedding,
   final-norm and head gradients, which one stage used, are all-reduced over pipeline once per step (the final
   norm over pipeline x tensor with SP).
+Expert parallelism (`model.moe.expert_axes`, ep = the product of their sizes; GShard, Lepikhin et al. 2020,
+  arXiv 2006.16668, sections 2.2 and 3.2: dispatch and combine as all-to-all over the expert-parallel devices;
+  DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv 2201.05596, section 5): every MoE block runs two all-to-alls
+  over the expert axes in its forward (dispatch, combine) and two in its backward (their transposes), and under
+  any remat policy but none the backward's recomputation repeats the forward's two. Per all-to-all each device
+  holds a buffer of S elements in the compute dtype and sends (ep-1)/ep of it (`jaxpar.analysis.comm`):
+  capacity routing S = E*C*b*D (C = ceil(capacity_factor*T*K/E) per sequence, `jaxpar.model.moe.capacity`;
+  s = T), dropless routing without a ragged all-to-all the padded S = ep*A*D with A = b*T*K local assignments
+  (the worst case, every assignment to one device). The routed experts' weights are not all-gathered and their
+  gradients not reduce-scattered over expert axes ("expert weights" terms over the storage axes that remain),
+  and their gradients are not reduced over data when data is an expert axis (the all-to-all's transpose
+  brings every token's contribution).
 Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums), a few bytes.
 """
 
@@ -73,6 +85,7 @@ from jaxpar.analysis.comm import ring_bytes
 from jaxpar.analysis.plan_dims import dims, local_size, param_leaves
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
+from jaxpar.model.moe import capacity
 from jaxpar.parallel import schedule
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
 from jaxpar.sharding import storage_axes
@@ -192,23 +205,37 @@ def _edge_leaves(cfg: Config, part: str) -> list:
     return head + ([x for x in outside if x.path.startswith("embed/")] if cfg.model.tie_embeddings else [])
 
 
+def gathered_leaf(leaf, shape: dict[str, int], storage: tuple[str, ...], expert_axes: tuple[str, ...]) -> bool:
+    """Whether a `storage` axis of size > 1 splits `leaf` (`jaxpar.analysis.plan_dims.Leaf`), so that it is
+    all-gathered before use: for a routed expert's weight only the storage axes that are not `expert_axes`."""
+    return math.prod(shape[a] for a in storage if not (leaf.expert and a in expert_axes)) > 1
+
+
 def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape = d.shape
     axes = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
-    w_layer = sum(local_size(x, shape) for x in leaves if x.in_blocks) // d.layers_per_stage
-    n_block = sum(x.in_blocks for x in leaves)
     layers = passes["layers"]
     bc, br = d.wire(d.compute_bytes), d.wire(d.reduce_bytes)
-    _term(
-        out,
-        shape,
-        "layer weights",
-        axes,
-        "all-gather",
-        passes["gathers"] * layers * n_block,
-        passes["gathers"] * layers * w_layer * bc,
-    )
+    # Expert parallelism: the routed experts' weights (E/ep each) are gathered over the storage axes that are not
+    # expert axes only; without expert axes they are layer weights like the others.
+    experts = [x for x in leaves if x.in_blocks and x.expert and d.expert_axes]
+    groups = [
+        ("layer", axes, [x for x in leaves if x.in_blocks and x not in experts]),
+        ("expert", tuple(a for a in axes if a not in d.expert_axes), experts),
+    ]
+    # per layer, gathered whole (the routed experts: E/ep of them)
+    sizes = [sum(local_size(x, shape, (), d.expert_axes) for x in g) // d.layers_per_stage for _, _, g in groups]
+    for (what, group_axes, group), w_layer in zip(groups, sizes):
+        _term(
+            out,
+            shape,
+            f"{what} weights",
+            group_axes,
+            "all-gather",
+            passes["gathers"] * layers * len(group),
+            passes["gathers"] * layers * w_layer * bc,
+        )
     gathers = [(x, passes[f"{part}_gathers"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
     scatters = [(x, passes[f"{part}_scatters"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
     if shape["pipeline"] == 1:  # one program part: each weight gathered once, whoever uses it
@@ -223,15 +250,16 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
         sum(n for _, n in gathers),
         sum(n * local_size(x, shape) for x, n in gathers) * bc,
     )
-    _term(
-        out,
-        shape,
-        "layer gradients",
-        axes,
-        "reduce-scatter",
-        passes["bwd"] * layers * n_block,
-        passes["bwd"] * layers * w_layer * br,
-    )
+    for (what, group_axes, group), w_layer in zip(groups, sizes):
+        _term(
+            out,
+            shape,
+            f"{what} gradients",
+            group_axes,
+            "reduce-scatter",
+            passes["bwd"] * layers * len(group),
+            passes["bwd"] * layers * w_layer * br,
+        )
     _term(
         out,
         shape,
@@ -246,8 +274,9 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
 def _data_terms(cfg: Config, d, out: list) -> None:
     if d.zero == 3:
         return
-    leaves = param_leaves(cfg.model)
-    grads = sum(local_size(x, d.shape, ("fsdp",)) for x in leaves)
+    # The routed experts' gradients need no reduction over data when data is an expert axis.
+    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and "data" in d.expert_axes)]
+    grads = sum(local_size(x, d.shape, ("fsdp",), d.expert_axes) for x in leaves)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
     _term(out, d.shape, "gradients", ("data",), kind, len(leaves), grads * d.wire(d.reduce_bytes))
     if d.zero in (1, 2):
@@ -327,7 +356,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         # which XLA leaves as a copy or drops); the others count in full, S = the chunk, for each op.
         moving = sum(any(src != dst for src, dst in pairs) for pairs in chunk_routes(p, d.virtual).values())
         blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
-        chunk = sum(local_size(x, shape, storage) for x in blocks) // d.virtual
+        chunk = sum(local_size(x, shape, storage, d.expert_axes) for x in blocks) // d.virtual
         for what, width in (
             ("layer parameters into chunk order", d.param_bytes),
             ("layer gradients back", d.reduce_bytes),
@@ -365,6 +394,34 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     )
 
 
+def all_to_all_elements(cfg: Config, d) -> int:
+    """S of one MoE all-to-all (dispatch or combine) on one device, in elements of the compute dtype (module
+    docstring; GShard section 3.2): capacity routing E*C*b*D, dropless ep*b*T*K*D (padded for the worst case).
+    0 without expert axes. `d`: `jaxpar.analysis.plan_dims.dims(cfg, platform)`."""
+    moe, dm = cfg.model.moe, cfg.model.d_model
+    if not d.expert_axes:
+        return 0
+    if moe.routing == "capacity":
+        return moe.num_experts * capacity(d.s, moe.top_k, moe.num_experts, moe.capacity_factor) * d.b * dm
+    return d.ep * d.b * d.s * moe.top_k * dm
+
+
+def all_to_all_count(cfg: Config, d, passes: dict) -> int:
+    """All-to-alls per step on one device (module docstring): per MoE block 2 in each forward pass (a 1F1B
+    recompute's included), 2 in each backward pass, and 2 more per backward pass under a remat policy other
+    than none (the recomputed forward); L/every MoE blocks of the L layers of a pass."""
+    per_pass = passes["layers"] // cfg.model.moe.every
+    rerun = passes["bwd"] if cfg.model.remat != "none" else 0
+    return 2 * per_pass * (passes["fwd"] + passes["bwd"] + rerun)
+
+
+def _expert_terms(cfg: Config, d, passes: dict, out: list) -> None:
+    size = all_to_all_elements(cfg, d)
+    count = all_to_all_count(cfg, d, passes) if size else 0
+    name = f"MoE dispatch/combine ({cfg.model.moe.routing})"
+    _term(out, d.shape, name, d.expert_axes, "all-to-all", count, count * size * d.wire(d.compute_bytes))
+
+
 def collective_terms(cfg: Config, platform: str = "gpu", branches: str = "taken") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
     docstring). `platform` (`jaxpar.config.precision.PLATFORMS`) resolves `precision.compute_dtype: auto`
@@ -379,6 +436,7 @@ def collective_terms(cfg: Config, platform: str = "gpu", branches: str = "taken"
     _data_terms(cfg, d, out)
     _tensor_terms(cfg, d, passes, out)
     _pipeline_terms(cfg, d, out)
+    _expert_terms(cfg, d, passes, out)
     return out
 
 
