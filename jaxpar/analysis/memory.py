@@ -102,7 +102,8 @@ def expert_state_bytes_formula(
     is). Equals `state_bytes_formula(dense_params + expert_params, ...)` without expert axes.
 
     Returns:
-      {"params", "grads", "opt_state", "total"}: bytes per device (float).
+      {"params", "grads", "opt_state", "total", "experts" (the experts' part of the total)}: bytes per device
+      (float).
 
     Raises:
       ValueError: as `state_bytes_formula`.
@@ -115,7 +116,7 @@ def expert_state_bytes_formula(
         1 if "data" in expert_axes else data,
         1 if "fsdp" in expert_axes else fsdp,
     )
-    return {k: dense[k] + expert[k] for k in (*STATE_KINDS, "total")}
+    return {**{k: dense[k] + expert[k] for k in (*STATE_KINDS, "total")}, "experts": expert["total"]}
 
 
 def formula_expression(layout: str, zero_stage: int, fsdp: int = 1) -> str:

@@ -98,7 +98,8 @@ COLLECTIVE_DTYPES = {
 def state_bytes(cfg: Config) -> dict:
     """Model-state bytes per device: {"params", "grads", "opt_state" (with the 16p fp32 master), "total",
     "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank, the experts' 1/ep under expert
-    parallelism), "n_expert_params" (P_e: the routed experts' part of it)}. With `model.moe.expert_axes` the
+    parallelism), "n_expert_params" (P_e: the routed experts' part of it), "experts" (the bytes of P_e's state,
+    part of "total")}. With `model.moe.expert_axes` the
     experts' part is divided by the storage axes that are not expert axes only
     (`jaxpar.analysis.memory.expert_state_bytes_formula`). Raises ValueError as
     `jaxpar.analysis.memory.state_bytes_formula`."""
@@ -107,8 +108,6 @@ def state_bytes(cfg: Config) -> dict:
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     out = expert_state_bytes_formula(dense, expert, layout, zero, cfg.mesh.data, cfg.mesh.fsdp, experts)
     expression = formula_expression(layout, zero, cfg.mesh.fsdp)
-    if experts:
-        expression += f"; experts' P_e split 1/ep, not over {', '.join(experts)}"
     return {**out, "expression": expression, "n_params": dense + expert, "n_expert_params": expert}
 
 
@@ -321,7 +320,8 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
        `COLLECTIVE_DTYPES`), "compute_dtype", "layout", "zero_stage", "batch", "params", "pipeline" {"schedule",
        "microbatches", "stages", "recompute", "virtual_stages" (v; 1 without a pipeline), "bubble" ((p - 1)/(v*m +
        p - 1), `jaxpar.parallel.schedule.bubble_fraction`; 0 without a pipeline)},
-       "memory": {params, grads, opt_state, model_state, activations, total (model state + activations),
+       "memory": {params, grads, opt_state, model_state, expert_state (the routed experts' part of
+       model_state), activations, total (model state + activations),
        peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
        expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
        "activations" (see `activation_bytes`), "experts" (None for a dense model; `_expert_summary`: the expert
@@ -379,6 +379,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "grads": state["grads"],
             "opt_state": state["opt_state"],
             "model_state": model_state,
+            "expert_state": state["experts"],
             "activations": act["total"],
             "total": model_state + act["total"],
             "expression": state["expression"],
