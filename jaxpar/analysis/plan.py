@@ -76,7 +76,7 @@ import dataclasses
 import math
 
 from jaxpar.analysis.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
-from jaxpar.analysis.plan_comm import by_axis, collective_terms, gathered_leaf
+from jaxpar.analysis.plan_comm import all_to_all_elements, by_axis, collective_terms, gathered_leaf
 from jaxpar.analysis.plan_dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
 from jaxpar.analysis.units import GB
 from jaxpar.config.attention import resolve_attention
@@ -267,7 +267,9 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     1F1B, v > 1: the step's chunk-order copy of the stage's layer parameters, the local shard as stored over fsdp
     and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
     `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
-    v = 1), "total"}.
+    v = 1), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
+    all-to-all, 2*S elements in the compute dtype, S = `jaxpar.analysis.plan_comm.all_to_all_elements`; a lower
+    bound of what an MoE block holds, 0 without expert axes), "total"}.
 
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
     XLA's by `jaxpar.analysis.plan_compile` (CPU) and `jaxpar.analysis.plan_gpu` (the GPU compiler), not a bound."""
@@ -301,6 +303,8 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "grad_outputs": int(state_bytes(cfg)["grads"]),
         "gathered_weights": gathered,
         "chunk_order": chunk_order,
+        # expert parallelism: one MoE all-to-all's send and receive buffers, S elements each in the compute dtype
+        "moe_dispatch": 2 * all_to_all_elements(cfg, d) * d.compute_bytes,
     }
     # One layer's backward and the head's backward do not overlap: the larger working set counts.
     working = max(out["attention_working"], out["head_working"])

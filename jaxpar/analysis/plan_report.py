@@ -128,6 +128,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
                 if t.get("chunk_order")
                 else ""
             )
+            + (f" + MoE all-to-all send and receive buffers {t['moe_dispatch']:,}" if t.get("moe_dispatch") else "")
             + " (jaxpar.analysis.plan.temp_bytes)"
         ),
         f"  activations: {mem['activation_formula']}",

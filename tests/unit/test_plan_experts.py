@@ -140,12 +140,14 @@ def test_all_to_all_bytes_by_hand(routing, remat):
     p = plan(cfg, "gpu")
     assert p["by_axis"]["fsdp all-to-all"] == term.bytes == p["experts"]["all_to_all_bytes"]
     assert ring_bytes("all-to-all", term.size_bytes, ep) == term.bytes
+    assert p["memory"]["temp_estimate"]["moe_dispatch"] == 2 * elements * 2  # send and receive buffers, bf16
 
 
 def test_no_all_to_all_without_expert_axes():
     cfg = _cfg({"data": 2, "fsdp": 4, "tensor": 1, "pipeline": 1}, 1, "[]")
     assert not [t for t in collective_terms(cfg, "gpu") if t.kind == "all-to-all"]
-    assert plan(cfg, "gpu")["experts"]["all_to_all_bytes"] == 0
+    p = plan(cfg, "gpu")
+    assert p["experts"]["all_to_all_bytes"] == 0 and p["memory"]["temp_estimate"]["moe_dispatch"] == 0
 
 
 def test_expert_weights_are_not_gathered_over_expert_axes():
