@@ -76,8 +76,9 @@ import dataclasses
 import math
 
 from jaxpar.analysis.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
-from jaxpar.analysis.plan_comm import all_to_all_elements, by_axis, collective_terms, gathered_leaf
+from jaxpar.analysis.plan_comm import by_axis, collective_terms, gathered_leaf
 from jaxpar.analysis.plan_dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
+from jaxpar.analysis.plan_experts import all_to_all_elements, expert_summary
 from jaxpar.analysis.units import GB
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
@@ -328,8 +329,8 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
        model_state), activations, total (model state + activations),
        peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
        expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
-       "activations" (see `activation_bytes`), "experts" (None for a dense model; `_expert_summary`: the expert
-       axes, ep and the all-to-all bytes per step),
+       "activations" (see `activation_bytes`), "experts" (None for a dense model;
+       `jaxpar.analysis.plan_experts.expert_summary`: the expert axes, ep and the all-to-all bytes per step),
        "collectives" (list of `jaxpar.analysis.plan_comm.collective_terms` rows), "by_axis" {(axes, kind) label:
        bytes}, "by_axis_hlo" (the same as a static reading of the compiled HLO counts them: equal to "by_axis"
        except under interleaved 1F1B, where it counts the embedding's and head's conds in every tick that
@@ -393,32 +394,10 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "peak_estimate": state["params"] + state["opt_state"] + temp["total"],
         },
         "activations": act,
-        "experts": _expert_summary(cfg, d, state, terms),
+        "experts": expert_summary(cfg, d, state, terms),
         "collectives": [dataclasses.asdict(term) | {"bytes": term.bytes} for term in terms],
         "by_axis": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(terms).items()},
         "by_axis_hlo": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(static).items()},
-    }
-
-
-def _expert_summary(cfg: Config, d: Dims, state: dict, terms: list) -> dict | None:
-    """The MoE part of a plan: None for a dense model, else {"num_experts" E, "top_k", "routing", "axes" (the
-    expert axes), "ep", "experts_per_device" (E/ep), "expert_params_per_rank" (P_e after the 1/ep split),
-    "all_to_all_bytes" (sent per device per step, `jaxpar.analysis.plan_comm.all_to_all_count` x
-    `all_to_all_elements`), "all_to_all_count"}."""
-    moe = cfg.model.moe
-    if not moe.enabled:
-        return None
-    a2a = [t for t in terms if t.kind == "all-to-all"]
-    return {
-        "num_experts": moe.num_experts,
-        "top_k": moe.top_k,
-        "routing": moe.routing,
-        "axes": list(d.expert_axes),
-        "ep": d.ep,
-        "experts_per_device": moe.num_experts // d.ep,
-        "expert_params_per_rank": state["n_expert_params"],
-        "all_to_all_bytes": sum(t.bytes for t in a2a),
-        "all_to_all_count": sum(t.count for t in a2a),
     }
 
 

@@ -61,18 +61,10 @@ pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage 
   chunks all stay home move nothing), each one chunk of the local leaf, L/(pv) layers. The embedding,
   final-norm and head gradients, which one stage used, are all-reduced over pipeline once per step (the final
   norm over pipeline x tensor with SP).
-Expert parallelism (`model.moe.expert_axes`, ep = the product of their sizes; GShard, Lepikhin et al. 2020,
-  arXiv 2006.16668, sections 2.2 and 3.2: dispatch and combine as all-to-all over the expert-parallel devices;
-  DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv 2201.05596, section 5): every MoE block runs two all-to-alls
-  over the expert axes in its forward (dispatch, combine) and two in its backward (their transposes), and under
-  any remat policy but none the backward's recomputation repeats the forward's two. Per all-to-all each device
-  holds a buffer of S elements in the compute dtype and sends (ep-1)/ep of it (`jaxpar.analysis.comm`):
-  capacity routing S = E*C*b*D (C = ceil(capacity_factor*T*K/E) per sequence, `jaxpar.model.moe.capacity`;
-  s = T), dropless routing without a ragged all-to-all the padded S = ep*A*D with A = b*T*K local assignments
-  (the worst case, every assignment to one device). The routed experts' weights are not all-gathered and their
-  gradients not reduce-scattered over expert axes ("expert weights" terms over the storage axes that remain),
-  and their gradients are not reduced over data when data is an expert axis (the all-to-all's transpose
-  brings every token's contribution).
+Expert parallelism (`model.moe.expert_axes`): the dispatch and combine all-to-alls of every MoE block
+  (`jaxpar.analysis.plan_experts`: count and size, formula and sources); the routed experts' weights are not
+  all-gathered and their gradients not reduce-scattered over expert axes ("expert weights" terms over the storage
+  axes that remain), and not reduced over data when data is an expert axis.
 Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums), a few bytes.
 """
 
@@ -83,9 +75,9 @@ import math
 
 from jaxpar.analysis.comm import ring_bytes
 from jaxpar.analysis.plan_dims import dims, local_size, param_leaves
+from jaxpar.analysis.plan_experts import all_to_all_count, all_to_all_elements
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
-from jaxpar.model.moe import capacity
 from jaxpar.parallel import schedule
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
 from jaxpar.sharding import storage_axes
@@ -392,27 +384,6 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         len(norms),
         sum(local_size(x, shape, storage) for x in norms) * br,
     )
-
-
-def all_to_all_elements(cfg: Config, d) -> int:
-    """S of one MoE all-to-all (dispatch or combine) on one device, in elements of the compute dtype (module
-    docstring; GShard section 3.2): capacity routing E*C*b*D, dropless ep*b*T*K*D (padded for the worst case).
-    0 without expert axes. `d`: `jaxpar.analysis.plan_dims.dims(cfg, platform)`."""
-    moe, dm = cfg.model.moe, cfg.model.d_model
-    if not d.expert_axes:
-        return 0
-    if moe.routing == "capacity":
-        return moe.num_experts * capacity(d.s, moe.top_k, moe.num_experts, moe.capacity_factor) * d.b * dm
-    return d.ep * d.b * d.s * moe.top_k * dm
-
-
-def all_to_all_count(cfg: Config, d, passes: dict) -> int:
-    """All-to-alls per step on one device (module docstring): per MoE block 2 in each forward pass (a 1F1B
-    recompute's included), 2 in each backward pass, and 2 more per backward pass under a remat policy other
-    than none (the recomputed forward); L/every MoE blocks of the L layers of a pass."""
-    per_pass = passes["layers"] // cfg.model.moe.every
-    rerun = passes["bwd"] if cfg.model.remat != "none" else 0
-    return 2 * per_pass * (passes["fwd"] + passes["bwd"] + rerun)
 
 
 def _expert_terms(cfg: Config, d, passes: dict, out: list) -> None:
