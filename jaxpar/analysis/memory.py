@@ -14,6 +14,11 @@ when the ZeRO stage partitions it over `data` (1: opt_state; 2: + grads; 3: + pa
 the ZeRO paper's Figure 1: 16p DDP 16P, ZeRO-1 4P + 12P/N, ZeRO-2 2P + 14P/N, ZeRO-3 16P/N; fp32 DDP 16P,
 ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N, ZeRO-3 16P/N.
 
+Expert parallelism (`model.moe.expert_axes`; `expert_state_bytes_formula`): the routed experts' weights, P_e per
+tensor/pipeline rank after their split over the ep expert-parallel devices (E/ep experts each), take the same
+bytes per parameter, divided by F only if fsdp is not an expert axis and by N (for the kinds the ZeRO stage
+partitions) only if data is not one: state of kind k is b_k * P / (F * N_k) + b_k * P_e / (F_e * N_e,k).
+
 Measurement (`measured_state_bytes`) comes from XLA's buffer assignment of the compiled programs
 (`Compiled.memory_analysis()`, which for an SPMD program reports the per-device module's buffers); nothing is
 executed. Two things are in those numbers that the formula does not count, and both are accounted for
@@ -34,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.analysis.plan_dims import rank_params
+from jaxpar.analysis.plan_dims import rank_params_split
 from jaxpar.compiled_memory import memory_analysis_bytes
 from jaxpar.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.training.step import StepPlan, make_grad_fn, make_train_step
@@ -80,6 +85,38 @@ def state_bytes_formula(n_params: int, layout: str, zero_stage: int, data: int, 
         out[kind] = BYTES_PER_PARAM[layout][kind] * n_params / divisor
     out["total"] = sum(out[k] for k in STATE_KINDS)
     return out
+
+
+def expert_state_bytes_formula(
+    dense_params: int,
+    expert_params: int,
+    layout: str,
+    zero_stage: int,
+    data: int,
+    fsdp: int,
+    expert_axes: tuple[str, ...] = (),
+) -> dict:
+    """Model-state bytes per device with expert parallelism (module docstring): `state_bytes_formula` of the
+    dense P (`dense_params`) plus that of the experts' P_e (`expert_params`, per rank after the 1/ep split)
+    with the storage axes that are not `expert_axes` (N_e = 1 when data is an expert axis, F_e = 1 when fsdp
+    is). Equals `state_bytes_formula(dense_params + expert_params, ...)` without expert axes.
+
+    Returns:
+      {"params", "grads", "opt_state", "total", "experts" (the experts' part of the total)}: bytes per device
+      (float).
+
+    Raises:
+      ValueError: as `state_bytes_formula`.
+    """
+    dense = state_bytes_formula(dense_params, layout, zero_stage, data, fsdp)
+    expert = state_bytes_formula(
+        expert_params,
+        layout,
+        zero_stage,
+        1 if "data" in expert_axes else data,
+        1 if "fsdp" in expert_axes else fsdp,
+    )
+    return {**{k: dense[k] + expert[k] for k in (*STATE_KINDS, "total")}, "experts": expert["total"]}
 
 
 def formula_expression(layout: str, zero_stage: int, fsdp: int = 1) -> str:
@@ -204,11 +241,15 @@ def memory_table(
     cfg = plan.cfg
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     shape = plan.mesh_shape
-    n_params = rank_params(cfg.model, shape)  # P per tensor/pipeline rank
-    formula = state_bytes_formula(n_params, layout, zero, shape["data"], shape["fsdp"])
+    experts = tuple(cfg.model.moe.expert_axes) if cfg.model.moe.enabled else ()
+    dense, expert = rank_params_split(cfg.model, shape, experts)  # P per tensor/pipeline rank, experts 1/ep
+    n_params = dense + expert
+    formula = expert_state_bytes_formula(dense, expert, layout, zero, shape["data"], shape["fsdp"], experts)
     if measured is None:
         measured = measured_state_bytes(plan, state, batch, compiler_options)
     expression = formula_expression(layout, zero, shape["fsdp"])
+    if experts:
+        expression += f" for the dense P={dense:,}, experts' P_e={expert:,} without the expert axes {experts}"
     rows = []
     for kind in (*STATE_KINDS, "total", "scalars", "temp"):
         f = formula.get(kind)

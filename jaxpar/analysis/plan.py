@@ -75,9 +75,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxpar.analysis.memory import formula_expression, state_bytes_formula
-from jaxpar.analysis.plan_comm import by_axis, collective_terms
-from jaxpar.analysis.plan_dims import Dims, dims, local_size, param_leaves, rank_params
+from jaxpar.analysis.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
+from jaxpar.analysis.plan_comm import by_axis, collective_terms, gathered_leaf
+from jaxpar.analysis.plan_dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
+from jaxpar.analysis.plan_experts import all_to_all_elements, expert_summary
 from jaxpar.analysis.units import GB
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
@@ -97,12 +98,18 @@ COLLECTIVE_DTYPES = {
 
 def state_bytes(cfg: Config) -> dict:
     """Model-state bytes per device: {"params", "grads", "opt_state" (with the 16p fp32 master), "total",
-    "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank)}. Raises ValueError as
+    "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank, the experts' 1/ep under expert
+    parallelism), "n_expert_params" (P_e: the routed experts' part of it), "experts" (the bytes of P_e's state,
+    part of "total")}. With `model.moe.expert_axes` the
+    experts' part is divided by the storage axes that are not expert axes only
+    (`jaxpar.analysis.memory.expert_state_bytes_formula`). Raises ValueError as
     `jaxpar.analysis.memory.state_bytes_formula`."""
-    n_params = rank_params(cfg.model, mesh_sizes(cfg.mesh))
+    experts = expert_axes(cfg)
+    dense, expert = rank_params_split(cfg.model, mesh_sizes(cfg.mesh), experts)
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
-    out = state_bytes_formula(n_params, layout, zero, cfg.mesh.data, cfg.mesh.fsdp)
-    return {**out, "expression": formula_expression(layout, zero, cfg.mesh.fsdp), "n_params": n_params}
+    out = expert_state_bytes_formula(dense, expert, layout, zero, cfg.mesh.data, cfg.mesh.fsdp, experts)
+    expression = formula_expression(layout, zero, cfg.mesh.fsdp)
+    return {**out, "expression": expression, "n_params": dense + expert, "n_expert_params": expert}
 
 
 def score_elements(cfg: Config, d: Dims) -> int:
@@ -261,7 +268,9 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     1F1B, v > 1: the step's chunk-order copy of the stage's layer parameters, the local shard as stored over fsdp
     and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
     `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
-    v = 1), "total"}.
+    v = 1), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
+    all-to-all, 2*S elements in the compute dtype, S = `jaxpar.analysis.plan_comm.all_to_all_elements`; a lower
+    bound of what an MoE block holds, 0 without expert axes), "total"}.
 
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
     XLA's by `jaxpar.analysis.plan_compile` (CPU) and `jaxpar.analysis.plan_gpu` (the GPU compiler), not a bound."""
@@ -269,16 +278,22 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     storage = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
     summed = d.accum * d.m > 1  # microbatches whose gradients add up (pipeline microbatches included)
-    accum = 4 * sum(local_size(x, d.shape, storage) for x in leaves) if summed else 0
+    ea = d.expert_axes
+    accum = 4 * sum(local_size(x, d.shape, storage, ea) for x in leaves) if summed else 0
     gathered = layer_grads = 0
     if math.prod(d.shape[a] for a in storage) > 1:
         w_out = max(local_size(x, d.shape) for x in leaves if not x.in_blocks)
-        w_layer = sum(local_size(x, d.shape) for x in leaves if x.in_blocks) // d.layers_per_stage
+        # a layer's weights gathered whole; the routed experts' E/ep of them only where a storage axis that is not
+        # an expert axis splits them (`jaxpar.analysis.plan_comm.gathered_leaf`)
+        w_layer = sum(
+            local_size(x, d.shape, (), ea) for x in leaves if x.in_blocks and gathered_leaf(x, d.shape, storage, ea)
+        )
+        w_layer //= d.layers_per_stage
         gathered = (w_out + w_layer) * d.compute_bytes
         layer_grads = w_layer * d.reduce_bytes
     chunk_order = 0
     if d.virtual > 1:
-        stage_layers = sum(local_size(x, d.shape, storage) for x in leaves if x.in_blocks)
+        stage_layers = sum(local_size(x, d.shape, storage, ea) for x in leaves if x.in_blocks)
         chunk_order = stage_layers * (d.param_bytes + d.reduce_bytes)
     out = {
         "activations": activation_bytes(cfg, platform)["total"],
@@ -289,6 +304,8 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "grad_outputs": int(state_bytes(cfg)["grads"]),
         "gathered_weights": gathered,
         "chunk_order": chunk_order,
+        # expert parallelism: one MoE all-to-all's send and receive buffers, S elements each in the compute dtype
+        "moe_dispatch": 2 * all_to_all_elements(cfg, d) * d.compute_bytes,
     }
     # One layer's backward and the head's backward do not overlap: the larger working set counts.
     working = max(out["attention_working"], out["head_working"])
@@ -308,10 +325,12 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
        `COLLECTIVE_DTYPES`), "compute_dtype", "layout", "zero_stage", "batch", "params", "pipeline" {"schedule",
        "microbatches", "stages", "recompute", "virtual_stages" (v; 1 without a pipeline), "bubble" ((p - 1)/(v*m +
        p - 1), `jaxpar.parallel.schedule.bubble_fraction`; 0 without a pipeline)},
-       "memory": {params, grads, opt_state, model_state, activations, total (model state + activations),
+       "memory": {params, grads, opt_state, model_state, expert_state (the routed experts' part of
+       model_state), activations, total (model state + activations),
        peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
        expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
-       "activations" (see `activation_bytes`),
+       "activations" (see `activation_bytes`), "experts" (None for a dense model;
+       `jaxpar.analysis.plan_experts.expert_summary`: the expert axes, ep and the all-to-all bytes per step),
        "collectives" (list of `jaxpar.analysis.plan_comm.collective_terms` rows), "by_axis" {(axes, kind) label:
        bytes}, "by_axis_hlo" (the same as a static reading of the compiled HLO counts them: equal to "by_axis"
        except under interleaved 1F1B, where it counts the embedding's and head's conds in every tick that
@@ -365,6 +384,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "grads": state["grads"],
             "opt_state": state["opt_state"],
             "model_state": model_state,
+            "expert_state": state["experts"],
             "activations": act["total"],
             "total": model_state + act["total"],
             "expression": state["expression"],
@@ -374,6 +394,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "peak_estimate": state["params"] + state["opt_state"] + temp["total"],
         },
         "activations": act,
+        "experts": expert_summary(cfg, d, state, terms),
         "collectives": [dataclasses.asdict(term) | {"bytes": term.bytes} for term in terms],
         "by_axis": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(terms).items()},
         "by_axis_hlo": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(static).items()},

@@ -61,6 +61,10 @@ pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage 
   chunks all stay home move nothing), each one chunk of the local leaf, L/(pv) layers. The embedding,
   final-norm and head gradients, which one stage used, are all-reduced over pipeline once per step (the final
   norm over pipeline x tensor with SP).
+Expert parallelism (`model.moe.expert_axes`): the dispatch and combine all-to-alls of every MoE block
+  (`jaxpar.analysis.plan_experts`: count and size, formula and sources); the routed experts' weights are not
+  all-gathered and their gradients not reduce-scattered over expert axes ("expert weights" terms over the storage
+  axes that remain), and not reduced over data when data is an expert axis.
 Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums), a few bytes.
 """
 
@@ -71,6 +75,7 @@ import math
 
 from jaxpar.analysis.comm import ring_bytes
 from jaxpar.analysis.plan_dims import dims, local_size, param_leaves
+from jaxpar.analysis.plan_experts import all_to_all_count, all_to_all_elements
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
 from jaxpar.parallel import schedule
@@ -192,23 +197,37 @@ def _edge_leaves(cfg: Config, part: str) -> list:
     return head + ([x for x in outside if x.path.startswith("embed/")] if cfg.model.tie_embeddings else [])
 
 
+def gathered_leaf(leaf, shape: dict[str, int], storage: tuple[str, ...], expert_axes: tuple[str, ...]) -> bool:
+    """Whether a `storage` axis of size > 1 splits `leaf` (`jaxpar.analysis.plan_dims.Leaf`), so that it is
+    all-gathered before use: for a routed expert's weight only the storage axes that are not `expert_axes`."""
+    return math.prod(shape[a] for a in storage if not (leaf.expert and a in expert_axes)) > 1
+
+
 def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape = d.shape
     axes = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
-    w_layer = sum(local_size(x, shape) for x in leaves if x.in_blocks) // d.layers_per_stage
-    n_block = sum(x.in_blocks for x in leaves)
     layers = passes["layers"]
     bc, br = d.wire(d.compute_bytes), d.wire(d.reduce_bytes)
-    _term(
-        out,
-        shape,
-        "layer weights",
-        axes,
-        "all-gather",
-        passes["gathers"] * layers * n_block,
-        passes["gathers"] * layers * w_layer * bc,
-    )
+    # Expert parallelism: the routed experts' weights (E/ep each) are gathered over the storage axes that are not
+    # expert axes only; without expert axes they are layer weights like the others.
+    experts = [x for x in leaves if x.in_blocks and x.expert and d.expert_axes]
+    groups = [
+        ("layer", axes, [x for x in leaves if x.in_blocks and x not in experts]),
+        ("expert", tuple(a for a in axes if a not in d.expert_axes), experts),
+    ]
+    # per layer, gathered whole (the routed experts: E/ep of them)
+    sizes = [sum(local_size(x, shape, (), d.expert_axes) for x in g) // d.layers_per_stage for _, _, g in groups]
+    for (what, group_axes, group), w_layer in zip(groups, sizes):
+        _term(
+            out,
+            shape,
+            f"{what} weights",
+            group_axes,
+            "all-gather",
+            passes["gathers"] * layers * len(group),
+            passes["gathers"] * layers * w_layer * bc,
+        )
     gathers = [(x, passes[f"{part}_gathers"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
     scatters = [(x, passes[f"{part}_scatters"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
     if shape["pipeline"] == 1:  # one program part: each weight gathered once, whoever uses it
@@ -223,15 +242,16 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
         sum(n for _, n in gathers),
         sum(n * local_size(x, shape) for x, n in gathers) * bc,
     )
-    _term(
-        out,
-        shape,
-        "layer gradients",
-        axes,
-        "reduce-scatter",
-        passes["bwd"] * layers * n_block,
-        passes["bwd"] * layers * w_layer * br,
-    )
+    for (what, group_axes, group), w_layer in zip(groups, sizes):
+        _term(
+            out,
+            shape,
+            f"{what} gradients",
+            group_axes,
+            "reduce-scatter",
+            passes["bwd"] * layers * len(group),
+            passes["bwd"] * layers * w_layer * br,
+        )
     _term(
         out,
         shape,
@@ -246,8 +266,9 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
 def _data_terms(cfg: Config, d, out: list) -> None:
     if d.zero == 3:
         return
-    leaves = param_leaves(cfg.model)
-    grads = sum(local_size(x, d.shape, ("fsdp",)) for x in leaves)
+    # The routed experts' gradients need no reduction over data when data is an expert axis.
+    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and "data" in d.expert_axes)]
+    grads = sum(local_size(x, d.shape, ("fsdp",), d.expert_axes) for x in leaves)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
     _term(out, d.shape, "gradients", ("data",), kind, len(leaves), grads * d.wire(d.reduce_bytes))
     if d.zero in (1, 2):
@@ -327,7 +348,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         # which XLA leaves as a copy or drops); the others count in full, S = the chunk, for each op.
         moving = sum(any(src != dst for src, dst in pairs) for pairs in chunk_routes(p, d.virtual).values())
         blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
-        chunk = sum(local_size(x, shape, storage) for x in blocks) // d.virtual
+        chunk = sum(local_size(x, shape, storage, d.expert_axes) for x in blocks) // d.virtual
         for what, width in (
             ("layer parameters into chunk order", d.param_bytes),
             ("layer gradients back", d.reduce_bytes),
@@ -365,6 +386,13 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     )
 
 
+def _expert_terms(cfg: Config, d, passes: dict, out: list) -> None:
+    size = all_to_all_elements(cfg, d)
+    count = all_to_all_count(cfg, d, passes) if size else 0
+    name = f"MoE dispatch/combine ({cfg.model.moe.routing})"
+    _term(out, d.shape, name, d.expert_axes, "all-to-all", count, count * size * d.wire(d.compute_bytes))
+
+
 def collective_terms(cfg: Config, platform: str = "gpu", branches: str = "taken") -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
     docstring). `platform` (`jaxpar.config.precision.PLATFORMS`) resolves `precision.compute_dtype: auto`
@@ -379,6 +407,7 @@ def collective_terms(cfg: Config, platform: str = "gpu", branches: str = "taken"
     _data_terms(cfg, d, out)
     _tensor_terms(cfg, d, passes, out)
     _pipeline_terms(cfg, d, out)
+    _expert_terms(cfg, d, passes, out)
     return out
 
 

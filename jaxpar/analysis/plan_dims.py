@@ -3,6 +3,12 @@ shapes), how much of each leaf one device holds, and the step's sizes on a platf
 `jaxpar.analysis.plan`). Shared by the memory plan (`jaxpar.analysis.plan`), the collectives
 (`jaxpar.analysis.plan_comm`) and the ZeRO table of a compiled step (`jaxpar.analysis.memory`); no
 compilation, no devices.
+
+Expert parallelism (`model.moe.expert_axes`, a subset of data and fsdp; ep the product of their sizes): the routed
+experts' weights (w_gate, w_up [E, D, F], w_down [E, F, D] of each MoE block, `Leaf.expert`) have their experts
+dimension split over the expert axes (E/ep whole experts per device, F still over `tensor`) and their `embed`
+dimension over the storage axes that are not expert axes only; the router and the shared experts are dense
+parameters like any other (`local_size`).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.model import init_params, logical_axes
+from jaxpar.model.moe import EXPERTS_AXIS
 from jaxpar.sharding import PARAM_RULES
 
 
@@ -43,6 +50,12 @@ class Leaf:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight (experts and mlp dimensions: w_gate, w_up, w_down of an MoE block), which
+        expert parallelism splits over experts; the router [D, E] has no mlp dimension and is dense."""
+        return EXPERTS_AXIS in self.axes and "mlp" in self.axes
+
 
 @functools.lru_cache(maxsize=64)
 def param_leaves(model: ModelConfig) -> tuple[Leaf, ...]:
@@ -63,14 +76,22 @@ def param_leaves(model: ModelConfig) -> tuple[Leaf, ...]:
     return tuple(sorted(leaves, key=lambda leaf: leaf.path))
 
 
-def local_size(leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = ()) -> int:
+def local_size(
+    leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = (), expert_axes: tuple[str, ...] = ()
+) -> int:
     """Elements of `leaf` on one device: every logical axis divided by the mesh axes `PARAM_RULES` maps it to,
-    restricted to tensor and pipeline plus the `storage` axes (fsdp, data) the caller counts as sharding it."""
+    restricted to tensor and pipeline plus the `storage` axes (fsdp, data) the caller counts as sharding it. A
+    routed expert's weight (`Leaf.expert`) with `expert_axes` (`model.moe.expert_axes`): its experts dimension
+    divided by their sizes' product ep, its embed dimension by the `storage` axes that are not expert axes
+    (module docstring); other leaves ignore `expert_axes`."""
+    split = expert_axes if leaf.expert else ()
     total = 1
     for dim, name in zip(leaf.shape, leaf.axes):
         axes = [a for a in (PARAM_RULES[name] if name is not None else ()) if a in ("tensor", "pipeline")]
         if name == "embed":
-            axes += list(storage)
+            axes += [a for a in storage if a not in split]
+        if name == EXPERTS_AXIS:
+            axes += list(split)
         total *= -(-dim // math.prod(shape[a] for a in axes))  # ceil: shard_shape of an uneven split
     return total
 
@@ -93,6 +114,12 @@ class Dims:
     param_bytes: int  # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
     platform: str
     virtual: int = 1  # v: model chunks per device (interleaved 1F1B, pipeline.virtual_stages); 1 without
+    expert_axes: tuple[str, ...] = ()  # model.moe.expert_axes (() for a dense model)
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size: the product of the expert axes' sizes (1 without)."""
+        return math.prod(self.shape[a] for a in self.expert_axes)
 
     @property
     def layers_per_chunk(self) -> int:
@@ -134,12 +161,27 @@ def dims(cfg: Config, platform: str) -> Dims:
         param_bytes=2 if cfg.precision.layout == "16p" else 4,
         platform=platform,
         virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule == "1f1b" else 1,
+        expert_axes=expert_axes(cfg),
     )
 
 
-def rank_params(model: ModelConfig, shape: dict[str, int]) -> int:
+def expert_axes(cfg: Config) -> tuple[str, ...]:
+    """`model.moe.expert_axes` of an MoE model, () for a dense one."""
+    return tuple(cfg.model.moe.expert_axes) if cfg.model.moe.enabled else ()
+
+
+def rank_params(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> int:
     """P per tensor/pipeline rank: the parameters one model-parallel rank holds before ZeRO's split (the ZeRO
     formulas apply to this P): leaves sharded over `tensor` (heads, MLP hidden, vocabulary) count 1/t, the
-    stacked layers 1/p, replicated ones (the embedding and head are on every stage) fully. Equals the parameter
-    count when tensor = pipeline = 1. `shape`: mesh axis sizes."""
-    return sum(local_size(leaf, shape) for leaf in param_leaves(model))
+    stacked layers 1/p, replicated ones (the embedding and head are on every stage) fully; with `expert_axes`
+    the routed experts' weights 1/ep (`local_size`). Equals the parameter count when tensor = pipeline = 1 and
+    there are no expert axes. `shape`: mesh axis sizes."""
+    return sum(rank_params_split(model, shape, expert_axes))
+
+
+def rank_params_split(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> tuple[int, int]:
+    """`rank_params` in two parts, (dense, expert): the routed experts' weights (`Leaf.expert`, split 1/ep over
+    `expert_axes`) and every other parameter. The expert part is 0 for a dense model."""
+    leaves = param_leaves(model)
+    expert = sum(local_size(x, shape, (), expert_axes) for x in leaves if x.expert)
+    return sum(local_size(x, shape) for x in leaves if not x.expert), expert

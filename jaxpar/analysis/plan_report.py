@@ -32,6 +32,21 @@ def _pipeline_shape(pipe: dict) -> str:
     return f"{shape}, bubble (p-1)/(v*m+p-1) = {pipe['bubble']:.3f}" if "bubble" in pipe else shape
 
 
+def _expert_lines(experts: dict | None) -> list[str]:
+    """The MoE line of a plan (`jaxpar.analysis.plan._expert_summary`); none for a dense model."""
+    if not experts:
+        return []
+    axes = ",".join(experts["axes"]) or "none (every device holds every expert)"
+    return [
+        (
+            f"  experts E={experts['num_experts']} top-{experts['top_k']} {experts['routing']}; expert axes {axes}, "
+            f"ep={experts['ep']}: {experts['experts_per_device']} experts per device, P_e per rank "
+            f"{experts['expert_params_per_rank']:,}; all-to-all {_n(experts['all_to_all_bytes'])} B/step "
+            f"({human_bytes(experts['all_to_all_bytes'])}) in {experts['all_to_all_count']} ops"
+        )
+    ]
+
+
 def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = None, title: str = "") -> str:
     """Plain-text report: setup, memory per device (planned, and compiled where given) and collectives per step
     by mesh axis and kind (planned, compiled, ratio), then the analytic terms and formula sources."""
@@ -56,6 +71,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"  parameters {p['params']['total']:,} (non-embedding {p['params']['non_embedding']:,}); "
             f"P per tensor/pipeline rank {p['params']['per_rank']:,}"
         ),
+        *_expert_lines(p.get("experts")),
         "",
     ]
     state = (compiled or {}).get("state", {})
@@ -81,6 +97,9 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
         state.get("ratio"),
     )
     row(f"model state, {mem['expression']}", mem["model_state"])
+    experts = p.get("experts")
+    if experts:
+        row(f"  of which experts ({experts['experts_per_device']} of {experts['num_experts']})", mem["expert_state"])
     row("activations (saved for the backward)", mem["activations"])
     row("total: model state + activations", mem["total"])
     row("temp estimate (XLA temp)", mem["temp_estimate"]["total"], temp.get("compiled"), temp.get("ratio"))
@@ -109,6 +128,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
                 if t.get("chunk_order")
                 else ""
             )
+            + (f" + MoE all-to-all send and receive buffers {t['moe_dispatch']:,}" if t.get("moe_dispatch") else "")
             + " (jaxpar.analysis.plan.temp_bytes)"
         ),
         f"  activations: {mem['activation_formula']}",

@@ -9,6 +9,7 @@ A sweep file (YAML, read and its values typed by the config loader, `jaxpar.conf
     constraints: {max_tensor: 2, max_pipeline: 2}   # ... pruned by these (only with `devices`)
     meshes: [{data: 8}, {data: 4, fsdp: 2}]        # ... or an explicit list (missing axes are 1)
     vary: {optimizer.zero_stage: [1, 3], pipeline.microbatches: [1, 2]}   # cartesian product
+    vary: {model.moe.expert_axes: [[], [fsdp], [data, fsdp]]}     # a list-valued key: a list of lists
     objective: memory                   # memory | comm_bytes | tokens_per_s | step_time | mfu
     memory_budget_gb: 24                # or memory_budget_bytes; see below for what is over budget
     measure_steps: 0                    # K > 0: also run K steps per point (tokens/s, step time, MFU)
@@ -213,6 +214,10 @@ def _vary(raw: Any, base: str, fixed: list[str]) -> dict:
 
 
 def _yaml_value(value: Any) -> str:
+    """A vary value as the right-hand side of a dotted override (YAML): a list (e.g. model.moe.expert_axes:
+    [data, fsdp]) as a flow sequence without spaces, [data,fsdp], so the override stays one word."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_yaml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     return "null" if value is None else str(value)
@@ -318,8 +323,9 @@ def points(sweep: Sweep) -> list[dict]:
 
 def _planned_summary(analytic: dict, target: dict) -> dict:
     """Memory and communication of `analytic` (the plan the point is checked and budgeted with), the
-    communication of `target` (the plan for the sweep's platform; the same plan when not compiling) and the
-    pipeline bubble, (p - 1)/(v*m + p - 1) (0 without a pipeline; `jaxpar.parallel.schedule.bubble_fraction`)."""
+    communication of `target` (the plan for the sweep's platform; the same plan when not compiling; its MoE
+    all-to-all bytes too) and the pipeline bubble, (p - 1)/(v*m + p - 1) (0 without a pipeline;
+    `jaxpar.parallel.schedule.bubble_fraction`)."""
     mem = analytic["memory"]
     return {
         "platform": analytic["platform"],
@@ -329,6 +335,9 @@ def _planned_summary(analytic: dict, target: dict) -> dict:
         "total": mem["total"],
         "peak_estimate": mem["peak_estimate"],
         "comm_bytes": sum(analytic["by_axis"].values()),
+        # MoE: the expert axes and the dispatch/combine all-to-all bytes per device and step (None when dense)
+        "expert_axes": (analytic["experts"] or {}).get("axes"),
+        "all_to_all_bytes": (target["experts"] or {}).get("all_to_all_bytes"),
         "by_axis": analytic["by_axis"],
         "target_platform": target["platform"],
         "target_comm_bytes": sum(target["by_axis"].values()),

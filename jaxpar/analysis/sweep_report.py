@@ -121,6 +121,23 @@ def _columns(header: dict) -> list[tuple[str, str, Callable[[dict], str]]]:
     ]
 
 
+def _expert_columns() -> list[tuple[str, str, Callable[[dict], str]]]:
+    """The MoE columns (`jaxpar.analysis.sweep._planned_summary`): the expert axes and the planned all-to-all
+    bytes per device and step (dispatch and combine, `jaxpar.analysis.plan_comm`)."""
+
+    def planned(r):
+        return r.get("planned") or {}
+
+    def axes(r):
+        value = planned(r).get("expert_axes")
+        return "-" if value is None else ",".join(value) or "none"
+
+    return [
+        ("expert axes", "---", axes),
+        ("all-to-all/step planned", "---:", lambda r: human_bytes(planned(r).get("all_to_all_bytes"))),
+    ]
+
+
 def _explanation(header: dict) -> str:
     t = header.get("target")
     if t:
@@ -156,6 +173,8 @@ def write_markdown(path: str, header: dict, records: list[dict]) -> None:
     better = "lower" if OBJECTIVES[objective] == "min" else "higher"
     budget = header["budget_bytes"]
     columns = _columns(header)
+    if any((r.get("planned") or {}).get("expert_axes") is not None for r in records):  # an MoE model
+        columns += _expert_columns()
     lines = [
         f"# Sweep: {os.path.basename(header['sweep'])}",
         "",

@@ -138,6 +138,39 @@ def capacity(seq_len: int, top_k: int, num_experts: int, capacity_factor: float)
 REDISPATCHING_REMAT = ("full", "names")
 
 
+def all_to_all_buffer(
+    routing: str,
+    n: int,
+    rows: int,
+    seq_len: int,
+    top_k: int,
+    num_experts: int,
+    d_model: int,
+    capacity_factor: float,
+) -> int:
+    """S, the elements (compute dtype) of one MoE all-to-all buffer on one device (module docstring): capacity
+    routing E * C * b * D with C = ceil(capacity_factor * T * K / E) (GShard, Lepikhin et al. 2020, section 3.2:
+    the dispatch tensor); dropless routing n * A * D with A = b * T * K (padded for the worst case).
+
+    Args:
+      routing: `dropless` or `capacity`; n: the expert-parallel size; rows: b, local rows of the microbatch;
+      seq_len: T (whole sequences: MoE blocks see every position); top_k: K; num_experts: E; d_model: D;
+      capacity_factor: capacity routing's.
+    """
+    if routing == "capacity":
+        return num_experts * capacity(seq_len, top_k, num_experts, capacity_factor) * rows * d_model
+    return n * rows * seq_len * top_k * d_model
+
+
+def all_to_alls_per_block(remat: str) -> tuple[int, int]:
+    """(buffers, count all-to-alls) one MoE block sends per microbatch through a forward and a backward: four
+    buffers (dispatch and combine in the forward, their transposes in the backward), five when `remat` (a
+    `model.remat` policy) is in `REDISPATCHING_REMAT` (the backward re-runs the dispatch); and the dropless
+    path's int32 expert counts (E * 4 bytes each), once, twice with the re-run dispatch."""
+    redispatch = remat in REDISPATCHING_REMAT
+    return (5, 2) if redispatch else (4, 1)
+
+
 def all_to_all_bytes(
     routing: str,
     n: int,
@@ -150,32 +183,16 @@ def all_to_all_bytes(
     capacity_factor: float,
     remat: str,
 ) -> float:
-    """Bytes one device sends in the all-to-alls of one MoE block for one microbatch, forward and backward
-    (ring cost (n - 1) / n * S per all-to-all of S bytes; NCCL tests, doc/PERFORMANCE.md).
-
-    The buffer S (module docstring): capacity routing E * C * b * D * dtype_bytes with C =
-    ceil(capacity_factor * T * K / E) (GShard, Lepikhin et al. 2020, section 3.2: the dispatch tensor);
-    dropless routing n * A * D * dtype_bytes with A = b * T * K, plus the int32 expert counts, E * 4 bytes. Four
-    buffers per block and microbatch: dispatch and combine in the forward, their transposes in the backward;
-    with `remat` in `REDISPATCHING_REMAT` the backward re-runs the dispatch (a fifth buffer and the counts
-    again).
-
-    Args:
-      routing: `dropless` or `capacity`; n: the expert-parallel size; rows: b, local rows of the microbatch;
-      seq_len: T (whole sequences: MoE blocks see every position); top_k: K; num_experts: E; d_model: D;
-      dtype_bytes: bytes per activation element (the compute dtype); capacity_factor: capacity routing's;
-      remat: `model.remat`.
-
-    Returns:
-      bytes per device (0.0 when n == 1: no all-to-all).
-    """
+    """Bytes one device sends in the all-to-alls of one MoE block for one microbatch, forward and backward:
+    (n - 1) / n of every buffer (`all_to_all_buffer` elements of `dtype_bytes`, times `all_to_alls_per_block`)
+    and, with dropless routing, of the expert counts (ring cost of an all-to-all; NCCL tests,
+    doc/PERFORMANCE.md). 0.0 when n == 1: no all-to-all. Arguments as in `all_to_all_buffer`; remat:
+    `model.remat`."""
     if n == 1:
         return 0.0
-    redispatch = remat in REDISPATCHING_REMAT
-    if routing == "capacity":
-        buffer = num_experts * capacity(seq_len, top_k, num_experts, capacity_factor) * rows * d_model * dtype_bytes
-        sent = (5 if redispatch else 4) * buffer
-    else:
-        buffer = n * rows * seq_len * top_k * d_model * dtype_bytes
-        sent = (5 if redispatch else 4) * buffer + (2 if redispatch else 1) * num_experts * 4
+    buffers, counts = all_to_alls_per_block(remat)
+    sent = buffers * all_to_all_buffer(routing, n, rows, seq_len, top_k, num_experts, d_model, capacity_factor)
+    sent *= dtype_bytes
+    if routing != "capacity":
+        sent += counts * num_experts * 4
     return (n - 1) / n * sent

@@ -2,6 +2,7 @@
 
 import dataclasses
 import glob
+import math
 import os
 
 import pytest
@@ -9,6 +10,7 @@ import yaml
 
 from jaxpar.config import Config, ConfigError, check_unique_overrides, load_config, resolve_config, save_config
 from jaxpar.config.load import read_config_file
+from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.validate import resolve_mesh_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -21,11 +23,19 @@ def test_configs_exist():
     assert {"tiny.yaml", "llama_125m.yaml", "llama_1b.yaml", "llama_7b.yaml", "llama_70b.yaml"} <= names
 
 
+def _devices(path: str) -> int:
+    """8 simulated devices, or the mesh's own device count for a config that fixes every mesh axis (a cluster-sized
+    MoE config such as mixtral_8x7b.yaml, whose experts and pipeline stages need its whole cluster)."""
+    sizes = list(mesh_sizes(load_config(path, validate=False).mesh).values())
+    return math.prod(sizes) if min(sizes) > 0 else 8
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 def test_shipped_config_loads_and_validates(path):
-    cfg = load_config(path, num_devices=8)
-    shape = resolve_mesh_shape(cfg, 8)
-    assert shape["data"] * shape["fsdp"] * shape["tensor"] * shape["pipeline"] == 8
+    n = _devices(path)
+    cfg = load_config(path, num_devices=n)
+    shape = resolve_mesh_shape(cfg, n)
+    assert shape["data"] * shape["fsdp"] * shape["tensor"] * shape["pipeline"] == n
 
 
 GPU_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "llama_*.yaml")))
@@ -111,6 +121,14 @@ def test_resolved_config_round_trips(tmp_path):
         (["optimizer.b1=-0.1"], "optimizer.b1=-0.1 must lie in [0, 1)"),
         (["train.run_dir="], "train.run_dir is empty; name the directory"),
         (["train.run_dir=' '"], "train.run_dir is empty; name the directory"),
+        (["model.moe.expert_axes=fsdp"], "model.moe.expert_axes: expected a list of str, got 'fsdp'"),
+        (["model.moe.expert_axes=[1]"], "model.moe.expert_axes[0]: expected str, got 1"),
+        (["model.moe.num_experts=8", "model.moe.expert_axes=[tensor]"], "names 'tensor'; experts are split over the axes that split the batch, data and fsdp"),
+        (["model.moe.num_experts=8", "model.moe.expert_axes=[fsdp, fsdp]"], "names an axis twice"),
+        (
+            ["model.moe.num_experts=6", "model.moe.expert_axes=[data, fsdp]"],
+            "model.moe.num_experts=6 does not split over model.moe.expert_axes",
+        ),
     ],
 )
 def test_bad_config_names_key_and_fix(overrides, needle):
