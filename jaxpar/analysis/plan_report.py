@@ -40,7 +40,7 @@ def _expert_lines(experts: dict | None) -> list[str]:
     return [
         (
             f"  experts E={experts['num_experts']} top-{experts['top_k']} {experts['routing']}; expert axes {axes}, "
-            f"ep={experts['ep']}: {experts['experts_per_device']} experts per device, P_e per rank "
+            f"ep={experts['ep']}: {experts['experts_per_device']} of them per device, P_e per rank "
             f"{experts['expert_params_per_rank']:,}; all-to-all {_n(experts['all_to_all_bytes'])} B/step "
             f"({human_bytes(experts['all_to_all_bytes'])}) in {experts['all_to_all_count']} ops"
         )

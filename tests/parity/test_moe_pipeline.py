@@ -25,6 +25,8 @@ Each test asserts its layout really differs from the reference's: the MoE units'
 `pipeline` along the stacked units dimension (a device holds U / p units) and the rows over data x fsdp.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,8 +117,34 @@ CASES = {
         1,
         ("mesh.data=2", "mesh.fsdp=2", "mesh.pipeline=2", "pipeline.microbatches=2", "pipeline.virtual_stages=2"),
     ),
+    # Expert parallelism inside the stages: the all-to-alls run among the devices of one stage.
+    "data2_fsdp2_pipeline2_1f1b_ep4_dropless": (
+        "dropless",
+        2,
+        (
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.pipeline=2",
+            "optimizer.zero_stage=1",
+            "pipeline.microbatches=2",
+            "model.moe.expert_axes=[data,fsdp]",
+        ),
+    ),
+    "fsdp2_tensor2_sp_pipeline2_1f1b_ep2_capacity": (
+        "capacity",
+        2,
+        (
+            "mesh.data=1",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "mesh.pipeline=2",
+            "tensor.sequence_parallel=true",
+            "pipeline.microbatches=2",
+            "model.moe.expert_axes=[fsdp]",
+        ),
+    ),
 }
-DEFAULT_CASES = ("data2_fsdp2_pipeline2_1f1b_dropless",)
+DEFAULT_CASES = ("data2_fsdp2_pipeline2_1f1b_ep4_dropless",)
 
 
 def _overrides(routing: str, every: int, extra=()) -> list[str]:
@@ -170,12 +198,17 @@ def test_one_step_equals_single_device(case, reference, devices8):
     batch = device_batch(plan, host_batch(VALID, T, SEED))
 
     # The layout differs from the reference's: MoE units over pipeline (U / p per device, at least one), the
-    # experts' and router's D over fsdp (and data at ZeRO-3), their hidden width over tensor, rows over data x fsdp.
+    # experts' and router's D over fsdp (and data at ZeRO-3), their hidden width over tensor, rows over data x fsdp;
+    # with expert axes whole experts over those axes (E / ep per device, D no longer split over them).
     w_up, router = _experts(state["params"])["w_up"], _experts(state["params"])["router"]
     U, e, D, F = w_up.shape
     assert (U, e) == (4 // every, E) and p == 2 and U // p >= 1
     params_over = fsdp * (data if zero == 3 else 1)
-    assert shard_shape(w_up) == (U // p, E, D // params_over, F // tensor)
+    axes = plan.expert_axes
+    ep = math.prod(plan.mesh.shape[a] for a in axes)
+    expert_d = (fsdp if "fsdp" not in axes else 1) * (data if zero == 3 and "data" not in axes else 1)
+    assert shard_shape(w_up) == (U // p, E // ep, D // expert_d, F // tensor)
+    assert plan.tensor_parallel.sequence_parallel == ("tensor.sequence_parallel=true" in extra or tensor > 1)
     assert shard_shape(router) == (U // p, D // params_over, E)
     assert shard_shape(batch["inputs"]) == (G // (data * fsdp), T)
 

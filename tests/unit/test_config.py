@@ -123,7 +123,10 @@ def test_resolved_config_round_trips(tmp_path):
         (["train.run_dir=' '"], "train.run_dir is empty; name the directory"),
         (["model.moe.expert_axes=fsdp"], "model.moe.expert_axes: expected a list of str, got 'fsdp'"),
         (["model.moe.expert_axes=[1]"], "model.moe.expert_axes[0]: expected str, got 1"),
-        (["model.moe.num_experts=8", "model.moe.expert_axes=[tensor]"], "names 'tensor'; experts are split over the axes that split the batch, data and fsdp"),
+        (
+            ["model.moe.num_experts=8", "model.moe.expert_axes=[tensor]"],
+            "names 'tensor'; experts are split over the axes that split the batch, data and fsdp",
+        ),
         (["model.moe.num_experts=8", "model.moe.expert_axes=[fsdp, fsdp]"], "names an axis twice"),
         (
             ["model.moe.num_experts=6", "model.moe.expert_axes=[data, fsdp]"],
