@@ -150,3 +150,31 @@ def test_packed_documents_segment_ids_are_batch_not_optimizer_state():
     measured = measured_state_bytes(plan, state, packed, COMPILER_OPTIONS)
     assert measured["opt_state"] == plain["opt_state"] and measured["params"] == plain["params"]
     assert measured["persistent"] == plain["persistent"]
+
+
+@pytest.mark.parametrize(
+    "expert_axes,zero,data,fsdp",
+    [("[data]", 1, 4, 2), pytest.param("[fsdp]", 3, 2, 4, marks=pytest.mark.slow)],
+)
+def test_expert_parallel_state_matches_formula(expert_axes, zero, data, fsdp):
+    """With experts split over an axis (model.moe.expert_axes) the compiled step's state equals the formula
+    with the experts' P_e divided only by the storage axes that are not expert axes (`memory_table` rows)."""
+    overrides = SMALL + [
+        "mesh.tensor=1",
+        f"mesh.data={data}",
+        f"mesh.fsdp={fsdp}",
+        f"optimizer.zero_stage={zero}",
+        "model.moe.num_experts=8",
+        "model.moe.every=2",
+        f"model.moe.expert_axes={expert_axes}",
+    ]
+    cfg = load_config("configs/tiny.yaml", overrides, num_devices=8)
+    plan = build_plan(cfg, build_mesh(cfg))
+    state = jax.eval_shape(lambda: init_state(plan, 0))
+    batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
+    rows = {r["kind"]: r for r in memory_table(plan, state, batch, compiler_options=COMPILER_OPTIONS)}
+    # The layout differs from the dense one: the experts' leading dimension is split over the expert axis.
+    axis = expert_axes.strip("[]")
+    assert plan.specs["params"]["blocks"]["moe"]["mlp"]["w_up"][1] == axis
+    for kind in ("params", "grads", "opt_state", "total"):
+        assert rows[kind]["ratio"] == pytest.approx(1.0, abs=1e-3), kind
