@@ -24,6 +24,7 @@ import optax
 from jaxpar.checkpoint import Checkpointer, CheckpointMismatchError, resolve_checkpoint_path
 from jaxpar.checkpoint_info import read_json_item
 from jaxpar.config import Config, ConfigError, load_config
+from jaxpar.config.moe import without_expert_axes
 from jaxpar.mesh import build_mesh
 from jaxpar.training.loss import LossFn
 from jaxpar.training.step import StepPlan, abstract_state, build_plan
@@ -77,8 +78,9 @@ def restore(
     Raises:
       FileNotFoundError: no complete checkpoint at `path` (or no step `step`).
       ConfigError: the saved config with `overrides` does not fit `devices` (the message names the key);
-        `overrides` change `model.*`; the arrays do not fit (an optimizer other than the run's: the message
-        summarises the differences, `jaxpar.checkpoint.CheckpointMismatchError` is its cause).
+        `overrides` change `model.*` (other than `model.moe.expert_axes`, a placement on the mesh); the arrays
+        do not fit (an optimizer other than the run's: the message summarises the differences,
+        `jaxpar.checkpoint.CheckpointMismatchError` is its cause).
     """
     root, given = resolve_checkpoint_path(path)
     reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
@@ -95,16 +97,18 @@ def restore(
             raise FileNotFoundError(f"checkpoint step {chosen} in {root} holds no config")
         devices = list(devices) if devices is not None else jax.devices()
         cfg = load_config(saved, overrides, num_devices=len(devices))
-        trained = load_config(saved, validate=False).model
-        if cfg.model != trained:
+        # model.moe.expert_axes places the experts on the mesh, like the mesh itself: it may change
+        trained = without_expert_axes(load_config(saved, validate=False).model)
+        model = without_expert_axes(cfg.model)
+        if model != trained:
             changed = [
-                f"model.{f.name}: {getattr(trained, f.name)!r} -> {getattr(cfg.model, f.name)!r}"
+                f"model.{f.name}: {getattr(trained, f.name)!r} -> {getattr(model, f.name)!r}"
                 for f in dataclasses.fields(trained)
-                if getattr(trained, f.name) != getattr(cfg.model, f.name)
+                if getattr(trained, f.name) != getattr(model, f.name)
             ]
             raise ConfigError(
                 f"restore cannot change the model the checkpoint holds ({'; '.join(changed)}); leave model.* out "
-                f"of the overrides (the mesh, ZeRO stage and precision may change)"
+                f"of the overrides (the mesh, model.moe.expert_axes, ZeRO stage and precision may change)"
             )
         plan = build_plan(
             cfg, build_mesh(cfg, devices), optimizer=optimizer, learning_rate=learning_rate, loss_fn=loss_fn

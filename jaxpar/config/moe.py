@@ -3,13 +3,20 @@ resolved mesh. Called by `jaxpar.config.validate.validate_config`."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.schema import Config
+from jaxpar.config.schema import Config, ModelConfig
 
 ROUTINGS = ("dropless", "capacity")
 EXPERT_AXES = ("data", "fsdp")  # the mesh axes experts may be split over: those that split the batch
+
+
+def without_expert_axes(model: ModelConfig) -> ModelConfig:
+    """`model` with `moe.expert_axes` cleared: what the parameters are, whatever devices the experts sit on
+    (a checkpoint restores onto other expert axes as onto another mesh)."""
+    return dataclasses.replace(model, moe=dataclasses.replace(model.moe, expert_axes=()))
 
 
 def expert_parallel_size(expert_axes: tuple[str, ...], shape: dict[str, int]) -> int:

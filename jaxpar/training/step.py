@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.moe import check_moe
+from jaxpar.config.moe import check_moe, without_expert_axes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
@@ -120,10 +120,7 @@ class StepPlan:
         """The model for use on global arrays outside the step's shard_map (sampling, a compiler-partitioned
         baseline): `mdef` without expert parallelism, whose all-to-alls need the shard_map's axes. Same
         parameters."""
-        if not self.expert_axes:
-            return self.mdef
-        cfg = self.mdef.cfg
-        return model_def(dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_axes=())))
+        return model_def(without_expert_axes(self.mdef.cfg)) if self.expert_axes else self.mdef
 
     @property
     def expert_axes(self) -> tuple[str, ...]:

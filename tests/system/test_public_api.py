@@ -173,3 +173,27 @@ def test_a_mesh_other_than_the_configs_is_refused():
         jaxpar.ConfigError, match=r"is not the config's \(mesh.data=2, mesh.pipeline=1, mesh.fsdp=2, mesh.tensor=2"
     ):
         jaxpar.build_plan(cfg, data8)
+
+
+@pytest.mark.slow
+def test_expert_parallel_run_restores_onto_other_expert_axes(tmp_path):
+    """A run with its experts over data x fsdp restores bitwise onto one device and onto experts over fsdp only
+    (model.moe.expert_axes places the experts like the mesh places everything: it may change), and both evaluate
+    a batch alike (fp32 sums reordered: step_helpers.FP32_RTOL); other model.* changes stay refused."""
+    moe = ["model.moe.num_experts=4", "model.moe.every=2", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+    run_dir = str(tmp_path / "moe")
+    cfg = jaxpar.load_config(CONFIG, [*QUICK, *moe, "model.moe.expert_axes=[data,fsdp]", f"train.run_dir={run_dir}"])
+    final = to_host(jaxpar.train(cfg).state)
+    one = jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1])
+    fsdp = jaxpar.restore(run_dir, ["mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1", "model.moe.expert_axes=[fsdp]"])
+    assert one.plan.expert_axes == () and fsdp.plan.expert_axes == ("fsdp",)
+    for restored in (one, fsdp):
+        for a, b in zip(jax.tree.leaves(to_host(restored.params)), jax.tree.leaves(final["params"])):
+            np.testing.assert_array_equal(a, b)
+    batch = _batch(8, 32)
+    l1, n1 = jaxpar.make_eval_step(one.plan)(one.params, batch)
+    l4, n4 = jaxpar.make_eval_step(fsdp.plan)(fsdp.params, batch)
+    assert float(n1) == float(n4) == 8 * 32
+    assert_scalar_close(l4, l1, FP32_RTOL, "eval loss with experts over fsdp vs one device")
+    with pytest.raises(jaxpar.ConfigError, match=r"cannot change the model .*moe"):
+        jaxpar.restore(run_dir, [*ONE_DEVICE, "model.moe.top_k=1"], devices=jax.devices()[:1])
