@@ -101,11 +101,7 @@ def restore(
         trained = without_expert_axes(load_config(saved, validate=False).model)
         model = without_expert_axes(cfg.model)
         if model != trained:
-            changed = [
-                f"model.{f.name}: {getattr(trained, f.name)!r} -> {getattr(model, f.name)!r}"
-                for f in dataclasses.fields(trained)
-                if getattr(trained, f.name) != getattr(model, f.name)
-            ]
+            changed = [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(trained, model, "model")]
             raise ConfigError(
                 f"restore cannot change the model the checkpoint holds ({'; '.join(changed)}); leave model.* out "
                 f"of the overrides (the mesh, model.moe.expert_axes, ZeRO stage and precision may change)"
@@ -123,3 +119,18 @@ def restore(
     finally:
         reader.close()
     return Restored(cfg=cfg, plan=plan, state=state, step=chosen, data_state=data_state)
+
+
+def _differences(old, new, prefix: str) -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) of every field that differs between two config dataclasses, nested
+    sections (e.g. model.moe) key by key."""
+    out = []
+    for f in dataclasses.fields(old):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if a == b:
+            continue
+        if dataclasses.is_dataclass(a):
+            out += _differences(a, b, f"{prefix}.{f.name}")
+        else:
+            out.append((f"{prefix}.{f.name}", a, b))
+    return out

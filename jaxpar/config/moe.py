@@ -4,10 +4,13 @@ resolved mesh. Called by `jaxpar.config.validate.validate_config`."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import Config, ModelConfig
+
+log = logging.getLogger(__name__)
 
 ROUTINGS = ("dropless", "capacity")
 EXPERT_AXES = ("data", "fsdp")  # the mesh axes experts may be split over: those that split the batch
@@ -25,7 +28,8 @@ def expert_parallel_size(expert_axes: tuple[str, ...], shape: dict[str, int]) ->
 
 
 def check_expert_axes(expert_axes: tuple[str, ...], num_experts: int, shape: dict[str, int]) -> None:
-    """`model.moe.expert_axes` names distinct axes among `EXPERT_AXES` whose sizes' product divides num_experts.
+    """`model.moe.expert_axes` names distinct axes among `EXPERT_AXES` whose sizes' product divides num_experts
+    (not checked for a dense model, num_experts = 0).
 
     Raises:
       ConfigError: naming the key and the fix.
@@ -39,6 +43,8 @@ def check_expert_axes(expert_axes: tuple[str, ...], num_experts: int, shape: dic
             )
     if len(set(expert_axes)) != len(expert_axes):
         raise ConfigError(f"model.moe.expert_axes={list(expert_axes)} names an axis twice; name each once")
+    if num_experts == 0:
+        return
     ep = expert_parallel_size(expert_axes, shape)
     if num_experts % ep:
         sizes = " x ".join(f"mesh.{a}={shape[a]}" for a in expert_axes)
@@ -63,7 +69,13 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
         the fix.
     """
     moe, m = cfg.model.moe, cfg.model
+    check_expert_axes(moe.expert_axes, moe.num_experts, shape)
     if moe.num_experts == 0:
+        if moe.expert_axes:
+            log.warning(
+                "model.moe.expert_axes=%s has no effect: model.moe.num_experts=0 makes the model dense",
+                list(moe.expert_axes),
+            )
         return
     if moe.num_experts < 2:
         raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be 0 (dense model) or at least 2; change it")
@@ -99,7 +111,6 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
             f"* pipeline.virtual_stages = {stages} * {v} = {stages * v} (each stage holds whole units); change "
             f"model.n_layers, model.moe.every, mesh.pipeline or pipeline.virtual_stages"
         )
-    check_expert_axes(moe.expert_axes, moe.num_experts, shape)
     d_expert = moe.d_expert or m.d_ff
     tp = shape["tensor"]
     if tp > 1 and d_expert % tp:

@@ -18,19 +18,21 @@ Two ways to run the experts, same parameters:
     priority order "every token's first choice, in sequence order, then every second choice, ..." (GShard);
     the rest are dropped (routed output zero; the residual path carries the token). Fixed shapes [B, E, C, D].
 The capacity group is one sequence, so which tokens drop depends only on that sequence: the same on any mesh
-layout (rows are never split over data or fsdp, and the router sees the whole sequence under tensor
-parallelism), with or without expert parallelism (the capacity slots are assigned before dispatch).
+layout (rows are never split over data or fsdp, and the capacity slots are assigned from the whole sequence's
+expert ids under tensor and sequence parallelism), with or without expert parallelism (the slots are assigned
+before dispatch).
 
 Tensor parallelism (`jaxpar.parallel.tensor`): the router runs on the block input before `tp.enter` (its weights
 replicated over `tensor`); each expert's hidden width F is split over `tensor` (gate/up column-parallel, down
-row-parallel) and every tensor rank runs its slice of the experts on every token of its rows; `tp.exit` reduces
-each assignment's partial output [B, T, K, D] before the gates combine them. Without sequence parallelism the
-router sees the whole sequence on every rank and its gradients are whole there, like any parameter used outside
-the column/row pair. With sequence parallelism (Korthikanti et al. 2022) the block input is this rank's slice
-[B, T/t, D]: the router scores only the slice, the chosen expert ids are all-gathered over `tensor` (every rank
-dispatches the whole sequence), `tp.exit` reduce-scatters the assignments' outputs back to the slice, and the
-router's statistics are completed over `tensor` (`TensorParallel.sequence_sum`, `gather_sequence_values`), so
-the router gets the partial gradient of its slice that the step sums over `tensor` like a norm's.
+row-parallel) and every tensor rank runs its slice of the experts on every token of its rows; the gates (entering
+like an activation) combine each token's K partial outputs and `tp.exit` reduces the sum [B, T, D], as a dense
+MLP's output. Without sequence parallelism the router sees the whole sequence on every rank and its gradients are
+whole there, like any parameter used outside the column/row pair. With sequence parallelism (Korthikanti et al.
+2022) the block input is this rank's slice [B, T/t, D]: the router scores only the slice, the chosen expert ids
+are all-gathered over `tensor` (every rank dispatches the whole sequence), the gates are all-gathered too,
+`tp.exit` reduce-scatters the combined output back to the slice, and the router's statistics are completed over
+`tensor` (`TensorParallel.sequence_sum`, `gather_sequence_values`), so the router gets the partial gradient of its
+slice that the step sums over `tensor` like a norm's.
 
 Per block, `MoE.__call__` returns statistics for the losses and metrics (`jaxpar.training.moe_loss`):
   aux_B   fp32 [B]: each sequence's load-balancing loss E * sum_i f_i * P_i (Switch eq. 4), f_i the fraction of
@@ -190,9 +192,12 @@ class MoE(nnx.Module):
         else:
             y_BTKD = dropless_experts(x_in, idx, *weights, self.ep)
             stats["dropped"] = jnp.zeros((), jnp.float32)
-        # all-reduce over tensor of the assignments' partial outputs (reduce-scatter to this rank's slice of the
-        # sequence under sequence parallelism), then the gates of the slice combine them
-        y_BTD = jnp.einsum("btk,btkd->btd", gates.astype(dt), tp.exit(y_BTKD))
+        # The gates combine each token's k partial outputs before the reduction over tensor (linear: the same sum),
+        # so the exit moves [B, T, D] like a dense MLP's, not k times that. The gates enter like an activation:
+        # all-gathered over the sequence under sequence parallelism (backward reduce-scatter), else replicated
+        # (backward all-reduce: each rank's partial outputs give a partial gate gradient).
+        gates_BTK = tp.enter(gates.astype(dt))
+        y_BTD = tp.exit(jnp.einsum("btk,btkd->btd", gates_BTK, y_BTKD))
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD, tp)
         return y_BTD, stats

@@ -217,11 +217,18 @@ def test_capacity_forward_flops_match_xla_cost_analysis():
         (["model.moe.num_experts=4", "model.moe.expert_axes=[fsdp,fsdp]"], "names an axis twice"),
         (["model.moe.num_experts=6", "model.moe.expert_axes=[data,fsdp]"], "multiple of 4"),
         (["model.moe.num_experts=4", "model.moe.expert_axes=fsdp"], "YAML list"),
+        (["model.moe.num_experts=0", "model.moe.expert_axes=[tensor]"], "data and fsdp"),  # named even when dense
     ],
 )
 def test_config_refusals(overrides, match):
     with pytest.raises(ConfigError, match=match):
         load_config(TINY, overrides, num_devices=8)
+
+
+def test_expert_axes_of_a_dense_model_warn(caplog):
+    with caplog.at_level("WARNING", logger="jaxpar.config.moe"):
+        cfg = load_config(TINY, ["model.moe.expert_axes=[fsdp]"], num_devices=8)
+    assert not cfg.model.moe.enabled and "has no effect" in caplog.text
 
 
 def test_sequence_parallel_defaults_on_with_moe_as_without():
