@@ -20,14 +20,20 @@ part in every kind of parallelism through jaxpar's building blocks:
 * pipeline: the blocks are stacked (`stack_layers`) and scanned (`scan_layers`); the three parts
   `embed_tokens`, `run_blocks`, `logits` are what the stages run.
 
+Mixture of experts (`model.moe`, with `model.moe.every=1`: every block's MLP is a `jaxpar.model.MoE`, SwiGLU
+experts as the built-in family's): the blocks return their router statistics beside their output and
+`run_blocks_with_stats` stacks them, which is all the train step needs for the auxiliary losses, expert
+parallelism (`model.moe.expert_axes`) and the metrics.
+
 Packed documents (`data.document_masking`): `run_blocks` takes the batch's segment ids, so attention never crosses
 a document boundary (`jaxpar.model.dot_product_attention`, on the `model.attention` implementation); the learned
 positions are added by `embed_tokens`, which sees no segment ids, so they run across the row (a document after
 the first starts at a later position than it would alone).
 
 Reads from `ModelConfig`: vocab_size, d_model, n_layers, n_heads, head_dim, d_ff, norm_eps, init_std, remat,
-attention, max_segments.
-Refuses n_kv_heads other than n_heads (no grouped-query attention) and untied embeddings (GPT-2 ties them);
+attention, max_segments, moe.
+Refuses n_kv_heads other than n_heads (no grouped-query attention), untied embeddings (GPT-2 ties them) and
+model.moe.every other than 1;
 ignores rope_theta. Sequences may be at most `MAX_POSITIONS` tokens (the position table's rows).
 """
 
@@ -45,6 +51,7 @@ from jaxpar.model import (
     Embed,
     Gather,
     ModelConfig,
+    MoE,
     TensorParallel,
     column_parallel,
     dot_product_attention,
@@ -128,16 +135,26 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm GPT-2 block: x + attn(ln_1(x)), then + mlp(ln_2(x)). x: [B, T or T/t, D]."""
+    """Pre-norm GPT-2 block: x + attn(ln_1(x)), then + mlp(ln_2(x)). x: [B, T or T/t, D]. With `model.moe` the
+    MLP is a `MoE` and the block returns (x, its router statistics)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.ln_1 = LayerNorm(cfg.d_model, cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg, rngs)
         self.ln_2 = LayerNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers, rngs)
+        if cfg.moe.enabled:
+            self.mlp = MoE(cfg.d_model, cfg.moe.d_expert or cfg.d_ff, cfg.moe, cfg.init_std, rngs)
+        else:
+            self.mlp = MLP(cfg.d_model, cfg.d_ff, cfg.init_std, cfg.n_layers, rngs)
+        self.moe = cfg.moe.enabled
 
-    def __call__(self, x_BTD: jax.Array, tp: TensorParallel, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, x_BTD: jax.Array, tp: TensorParallel, segment_ids_BT: jax.Array | None = None
+    ) -> jax.Array | tuple[jax.Array, dict]:
         x_BTD = x_BTD + self.attn(self.ln_1(x_BTD), tp, segment_ids_BT)
+        if self.moe:
+            y_BTD, stats = self.mlp(self.ln_2(x_BTD), tp)
+            return x_BTD + y_BTD, stats
         return x_BTD + self.mlp(self.ln_2(x_BTD), tp)
 
 
@@ -172,7 +189,10 @@ class GPT2(nnx.Module):
             raise ValueError(
                 "model gpt2 ties its output projection to the token embedding: set model.tie_embeddings=true"
             )
+        if cfg.moe.enabled and cfg.moe.every != 1:
+            raise ValueError(f"model gpt2 makes every block MoE: set model.moe.every=1 (got {cfg.moe.every})")
         self.remat = cfg.remat
+        self.moe = cfg.moe.enabled
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
         self.positions = Positions(cfg.d_model, rngs)
         self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs), rngs)
@@ -204,7 +224,19 @@ class GPT2(nnx.Module):
     ) -> jax.Array:
         """The stacked blocks this module holds (a pipeline stage's share) over [B, T or T/t, D]; packed documents'
         segment ids int32 [B, T] keep attention within each document."""
+        if self.moe:
+            return self.run_blocks_with_stats(x_BTD, gather, tp, segment_ids_BT)[0]
         return scan_layers(self.blocks, x_BTD, self.remat, gather, tp, segment_ids_BT)
+
+    def run_blocks_with_stats(
+        self,
+        x_BTD: jax.Array,
+        gather: Gather = no_gather,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict]:
+        """`run_blocks` with `model.moe`: (activations, the MoE blocks' router statistics stacked over layers)."""
+        return scan_layers(self.blocks, x_BTD, self.remat, gather, tp, segment_ids_BT, with_aux=True)
 
     def logits(
         self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL

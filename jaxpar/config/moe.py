@@ -62,11 +62,11 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
       shape: the resolved mesh shape {data, fsdp, tensor, pipeline}.
 
     Raises:
-      ConfigError: a key out of range, `model.moe.every` not dividing `model.n_layers`, a model family other
-        than the built-in llama, MoE units (n_layers / every) that do not split evenly into the pipeline's
-        mesh.pipeline * pipeline.virtual_stages model chunks, or `model.moe.expert_axes` naming another axis than
-        data or fsdp, an axis twice, or axes whose sizes' product does not divide num_experts; the message names
-        the fix.
+      ConfigError: a key out of range, `model.moe.every` not dividing `model.n_layers`, MoE units
+        (n_layers / every) that do not split evenly into the pipeline's mesh.pipeline * pipeline.virtual_stages
+        model chunks, or `model.moe.expert_axes` naming another axis than data or fsdp, an axis twice, or axes
+        whose sizes' product does not divide num_experts; the message names the fix. (A model family without
+        MoE support is refused when its model is built: `jaxpar.model.interface.check_model`.)
     """
     moe, m = cfg.model.moe, cfg.model
     check_expert_axes(moe.expert_axes, moe.num_experts, shape)
@@ -97,11 +97,6 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
             raise ConfigError(f"model.moe.{key}={value} must be a finite number >= 0")
     if moe.capacity_factor == 0:
         raise ConfigError("model.moe.capacity_factor must be > 0 (1.25 is common)")
-    if m.name != "llama":
-        raise ConfigError(
-            f"model.moe is read by the built-in llama family only, not by model.name={m.name!r}; remove the "
-            f"model.moe section or set model.name=llama"
-        )
     stages, v = shape["pipeline"], cfg.pipeline.virtual_stages
     units = m.n_layers // moe.every
     if stages > 1 and units % (stages * v):

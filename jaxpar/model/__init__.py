@@ -5,13 +5,16 @@ Writing a model (`experiments/gpt2.py` is a complete one): `LanguageModel` (`jax
 must provide; `stack_layers` / `scan_layers` (`jaxpar.model.stack`) stack and run its layers; `Embed`, `LMHead`,
 `RMSNorm` (`jaxpar.model.layers`), `dot_product_attention` (`jaxpar.model.attention`: XLA or cuDNN, within
 packed documents), `column_parallel`, `row_parallel` and the `TensorParallel` context
-(`jaxpar.parallel.tensor`) make it tensor-parallel; `register_model` gives it the name `model.name` selects.
+(`jaxpar.parallel.tensor`) make it tensor-parallel; `MoE` (`jaxpar.model.moe`) is a mixture-of-experts MLP for
+`model.moe` (the model then also provides `run_blocks_with_stats`); `register_model` gives it the name
+`model.name` selects.
 """
 
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.attention import dot_product_attention
 from jaxpar.model.interface import LanguageModel
 from jaxpar.model.layers import Embed, LMHead, RMSNorm
+from jaxpar.model.moe import MoE
 from jaxpar.model.params import ModelDef, build_model, init_params, logical_axes, model_def
 from jaxpar.model.registry import ModelFamily, model_family, register_model, registered_models
 from jaxpar.model.stack import ATTENTION_CONTEXT, MLP_HIDDEN, Gather, no_gather, scan_layers, stack_layers
@@ -28,6 +31,7 @@ __all__ = [
     "ModelConfig",
     "ModelDef",
     "ModelFamily",
+    "MoE",
     "RMSNorm",
     "TensorParallel",
     "build_model",

@@ -23,6 +23,12 @@ A model is any Flax NNX module with
       document masking need not take it. `jaxpar.model.attention.dot_product_attention` honours them.
     logits(x [B, T or T/t, D], gather, tp) -> [B, T, V/t]
   and `__call__(tokens, dtype, gather, tp)` = logits(run_blocks(embed_tokens(...))).
+* with `model.moe` (num_experts > 0), a fourth method, used instead of run_blocks in training:
+    run_blocks_with_stats(x, gather, tp[, segment_ids]) -> (x, router statistics)
+  whose statistics are those of the `jaxpar.model.moe.MoE` layers the blocks hold, stacked on a leading
+  dimension of size `ModelConfig.stack_depth` (`scan_layers(..., with_aux=True)` stacks what each layer returns
+  beside its output). With `model.moe.every` > 1 the stack's unit is a group of `every` blocks (`stack_depth` =
+  n_layers / every); a model may instead require every = 1.
 
 Activations between the parts are [B, T, D] in the compute dtype, or [B, T/t, D] with sequence parallelism
 (`tp.sequence_parallel`: the embedding's `tp.exit` reduce-scatters over the sequence; `tp.sequence_start`
@@ -45,6 +51,7 @@ from jaxpar.sharding import PARAM_RULES
 STACK_ATTRIBUTE = "blocks"  # the attribute holding the layer stack
 LAYERS_AXIS = "layers"  # the logical name of its leading dimension
 PARTS = ("embed_tokens", "run_blocks", "logits")
+MOE_PART = "run_blocks_with_stats"  # the part a model with model.moe adds
 
 
 @runtime_checkable
@@ -78,17 +85,18 @@ def takes_segment_ids(model: nnx.Module) -> bool:
     return len(positional) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def check_model(model: nnx.Module, name: str, n_layers: int) -> None:
+def check_model(model: nnx.Module, name: str, n_layers: int, moe: bool = False) -> None:
     """Checks that `model` (abstract is enough: `nnx.eval_shape`) follows the interface.
 
     Args:
       model: the built module.
       name: its family's name, for the messages.
-      n_layers: `ModelConfig.n_layers`, the depth the stack must have.
+      n_layers: `ModelConfig.stack_depth`, the depth the stack must have.
+      moe: the config has `model.moe` on (the model must provide `run_blocks_with_stats`).
 
     Raises:
-      TypeError: a missing part or `blocks`, a variable that is not an `nnx.Param`, or a parameter without
-        well-formed `logical_axes`.
+      TypeError: a missing part or `blocks` (or `run_blocks_with_stats` with `moe`), a variable that is not an
+        `nnx.Param`, or a parameter without well-formed `logical_axes`.
       ValueError: a logical axis name jaxpar does not shard by, or a `blocks` parameter whose leading dimension
         is not `n_layers`.
     """
@@ -98,6 +106,11 @@ def check_model(model: nnx.Module, name: str, n_layers: int) -> None:
         raise TypeError(
             f"{where} lacks {', '.join(missing)}: a jaxpar model has embed_tokens, run_blocks and "
             f"logits (see jaxpar.model.interface)"
+        )
+    if moe and not callable(getattr(model, MOE_PART, None)):
+        raise TypeError(
+            f"{where} has no {MOE_PART}, which model.moe needs (the router statistics of its MoE layers for the "
+            f"auxiliary losses, see jaxpar.model.interface); add it, or set model.moe.num_experts=0"
         )
     if not isinstance(getattr(model, STACK_ATTRIBUTE, None), nnx.Module):
         raise TypeError(

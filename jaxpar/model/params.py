@@ -62,7 +62,7 @@ def model_def(cfg: ModelConfig) -> ModelDef:
     """Builds the model abstractly (no FLOPs, no memory) to get its structure, and checks it follows
     `jaxpar.model.interface` (raising TypeError / ValueError there, before any device work)."""
     abstract = nnx.eval_shape(lambda: build_model(cfg, 0))
-    check_model(abstract, cfg.name, cfg.stack_depth)
+    check_model(abstract, cfg.name, cfg.stack_depth, cfg.moe.enabled)
     graphdef, state = nnx.split(abstract)
     return ModelDef(cfg, graphdef, state, takes_segment_ids(abstract))
 

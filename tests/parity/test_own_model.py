@@ -201,6 +201,59 @@ def _without_key_bias(step: dict) -> dict:
     return {k: _drop_bk(step[k]) for k in ("grads", "params0", "params", "mu", "nu")}
 
 
+# --- a mixture of experts in a model of one's own ------------------------------------------------------------
+
+GPT2_MOE = (
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.every=1",
+    "model.moe.routing=capacity",
+    "model.moe.capacity_factor=0.5",
+    "model.moe.aux_loss_weight=0.1",
+    "model.moe.z_loss_weight=0.01",
+)
+MOE_METRICS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max_mean")
+
+
+def test_gpt2_with_experts_equals_one_device():
+    """GPT-2 with every MLP a `jaxpar.model.MoE` (capacity routing that drops assignments), on data x fsdp x
+    tensor with sequence parallelism and the experts split over fsdp: the step equals one device's, auxiliary
+    losses and expert loads included (through the model's own run_blocks_with_stats)."""
+    ref_plan = _plan(GPT2_MOE, 1)
+    state = init_state(ref_plan, SEED)
+    host_state = to_host(state)
+    ref = one_adam_step(ref_plan, state, device_batch(ref_plan, host_batch(VALID, T, SEED)))
+    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "tensor.sequence_parallel=true", "optimizer.zero_stage=1"]
+    plan = _plan([*GPT2_MOE, *layout, "model.moe.expert_axes=[fsdp]"], 8)
+    state = jax.device_put(host_state, plan.state_shardings)
+    w_up = state["params"]["blocks"]["mlp"]["w_up"]  # [L, E, D, F]
+    L, E, D, F = w_up.shape
+    assert plan.expert_axes == ("fsdp",) and plan.tensor_parallel.sequence_parallel
+    assert shard_shape(w_up) == (L, E // 2, D, F // 2)  # 2 of the 4 experts per device, F over tensor
+    out = one_adam_step(plan, state, device_batch(plan, host_batch(VALID, T, SEED)))
+    m, ref_m = out["metrics"], ref["metrics"]
+    assert ref_m["moe_dropped_fraction"] > 0.2  # capacity overflows: the same assignments drop on both
+    for name in MOE_METRICS:
+        assert_scalar_close(m[name], ref_m[name], RTOL, name)
+    got, want = _without_key_bias(out), _without_key_bias(ref)  # the key bias: see test_gpt2_step_equals_one_device
+    assert np.abs(want["grads"]["blocks"]["mlp"]["router"]).max() > 0
+    assert_tree_close(got["grads"], want["grads"], RTOL)
+    args = adam_step_args(plan, m)
+    args["decayed"] = _drop_bk(args["decayed"])
+    assert_adam_step_close(got, want, got["params0"], RTOL, **args)
+
+
+def test_gpt2_moe_refusals_and_a_model_without_router_statistics():
+    """A model family without run_blocks_with_stats is refused under model.moe, naming the method; gpt2 refuses
+    MoE groups (every > 1)."""
+    jm.register_model("no_moe", _Flat, replace=True)
+    cfg = load_config(CONFIG, [*TINY, "model.name=no_moe", "mesh.data=1", "mesh.fsdp=1", *GPT2_MOE], num_devices=1)
+    with pytest.raises(TypeError, match="has no run_blocks_with_stats, which model.moe needs"):
+        build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+    with pytest.raises(ValueError, match="makes every block MoE: set model.moe.every=1"):
+        _plan([*GPT2_MOE, "model.moe.every=2"], 1)
+
+
 # --- the interface is checked before any device work ---------------------------------------------------------
 
 
