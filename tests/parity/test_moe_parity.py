@@ -100,9 +100,9 @@ def reference():
     return get
 
 
-# By default dropless on ZeRO-3 and on the tensor layout; the other four under `-m slow` (suite
-# time budget: each case compiles two steps).
-DEFAULT_CASES = {("data4_fsdp2_zero3", "dropless"), ("data2_fsdp2_tensor2_sp_zero1", "capacity")}
+# By default dropless on ZeRO-3 (tensor with sequence parallelism and capacity routing by default in the
+# expert-parallel cases below); the other seven under `-m slow` (suite time budget: each case compiles two steps).
+DEFAULT_CASES = {("data4_fsdp2_zero3", "dropless")}
 CASES = [
     pytest.param(
         layout, routing, id=f"{layout}-{routing}", marks=() if (layout, routing) in DEFAULT_CASES else pytest.mark.slow
