@@ -326,8 +326,9 @@ def _virtual_stages(cfg: Config, stages: int) -> None:
         )
     if pipe.microbatches % stages:
         m = pipe.microbatches
+        below, above = m - m % stages, m - m % stages + stages
         raise ConfigError(
             f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={stages} with "
             f"pipeline.virtual_stages={v} (interleaved 1F1B runs microbatches in groups of one per stage); use "
-            f"{max(stages, m - m % stages)} or {m - m % stages + stages}"
+            + (f"{below} or {above}" if below else f"{above}")
         )

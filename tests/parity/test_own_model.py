@@ -64,7 +64,8 @@ VALID = (8, 3, 8, 0, 5, 8, 1, 8, 8, 7, 2, 8, 8, 4, 8, 6)  # uneven valid tokens 
 G = len(VALID)
 GPT2 = ("model.name=gpt2", "model.n_kv_heads=null", "model.tie_embeddings=true")
 
-# name: (overrides, marks). Every ZeRO stage, every axis, both schedules (about 20 s in all).
+# name: (overrides, marks). The default suite: ZeRO 1-3, every axis, 1F1B, accumulation; -m slow adds ZeRO-0,
+# GPipe and the other splits of 8 devices.
 LAYOUTS = {
     "data2_fsdp4_zero1_accum2": (
         ["mesh.data=2", "mesh.fsdp=4", "optimizer.zero_stage=1", "train.grad_accum_steps=2"],
@@ -85,12 +86,12 @@ LAYOUTS = {
         ],
         (),
     ),
-    "data8_zero0": (["mesh.data=8", "mesh.fsdp=1", "optimizer.zero_stage=0"], ()),
-    "fsdp8_zero3": (["mesh.data=1", "mesh.fsdp=8", "optimizer.zero_stage=3"], ()),
-    "data4_fsdp2_zero2": (["mesh.data=4", "mesh.fsdp=2", "optimizer.zero_stage=2"], ()),
+    "data8_zero0": (["mesh.data=8", "mesh.fsdp=1", "optimizer.zero_stage=0"], (pytest.mark.slow,)),
+    "fsdp8_zero3": (["mesh.data=1", "mesh.fsdp=8", "optimizer.zero_stage=3"], (pytest.mark.slow,)),
+    "data4_fsdp2_zero2": (["mesh.data=4", "mesh.fsdp=2", "optimizer.zero_stage=2"], (pytest.mark.slow,)),
     "data4_tensor2_zero1": (
         ["mesh.data=4", "mesh.fsdp=1", "mesh.tensor=2", "tensor.sequence_parallel=false", "optimizer.zero_stage=1"],
-        (),
+        (pytest.mark.slow,),
     ),
     "pipeline2_gpipe_data2_fsdp2_zero1": (
         [
@@ -101,7 +102,7 @@ LAYOUTS = {
             "pipeline.schedule=gpipe",
             "optimizer.zero_stage=1",
         ],
-        (),
+        (pytest.mark.slow,),
     ),
 }
 

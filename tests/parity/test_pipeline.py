@@ -77,7 +77,8 @@ G = len(VALID)
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # step_helpers.py
 # (stages, microbatches, schedule): every M at p=4; both schedules at both p; M < p three times; M > 2p - 1
 # (the 1F1B stash ring wraps) at both p. Compile time limits the grid; p=2 with M=2 (GPipe), M=3 (1F1B) and
-# M=4 (both) runs in the composed-mesh and accumulation tests below.
+# M=4 (both) runs in the composed-mesh and accumulation tests below. The default suite runs five points (both
+# schedules at both p, M < p, the ring wrapping at p=2); -m slow adds M=2 and M=8 at p=4.
 # 1F1B runs with its default pipeline.recompute=false (residuals kept); RECOMPUTE_GRID has the same 1F1B
 # points with recompute=true (stage forward rebuilt from the stashed input), two of them in the default suite.
 GRID = [
@@ -89,6 +90,7 @@ GRID = [
     (4, 4, "gpipe"),
     (4, 8, "1f1b"),
 ]
+SLOW_GRID = {(4, 2, "gpipe"), (4, 8, "1f1b")}
 RECOMPUTE_GRID = [
     pytest.param(p, m, marks=() if (p, m) in ((2, 8), (4, 3)) else pytest.mark.slow, id=f"p{p}_m{m}")
     for p, m, schedule in GRID
@@ -178,7 +180,10 @@ def _assert_grads_match(ref: dict, grads, loss, n_tokens) -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("p,m,schedule", GRID, ids=[f"p{p}_m{m}_{s}" for p, m, s in GRID])
+@pytest.mark.parametrize(
+    "p,m,schedule",
+    [pytest.param(*g, marks=[pytest.mark.slow] * (g in SLOW_GRID), id="p{}_m{}_{}".format(*g)) for g in GRID],
+)
 def test_one_step_equals_single_device(p, m, schedule, reference):
     _one_step_equals_single_device(reference, p, m, schedule)
 

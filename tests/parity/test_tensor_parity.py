@@ -62,7 +62,8 @@ MESHES = {  # (data, fsdp, tensor)
 }
 CLIPPED_MESHES = ("tensor4",)
 # (mesh, sequence parallel, ZeRO stage): every mesh and mode once; stages 1 and 3 alternate, so that each
-# fsdp/data mesh runs both.
+# fsdp/data mesh runs both. The default suite runs every mesh with sequence parallelism and one without
+# (SLOW_CASES run under -m slow).
 CASES = [
     ("tensor2", True, 1),
     ("tensor2", False, 3),
@@ -73,6 +74,7 @@ CASES = [
     ("data2_fsdp2_tensor2", True, 1),
     ("data2_fsdp2_tensor2", False, 3),
 ]
+SLOW_CASES = {("tensor2", False, 3), ("tensor4", False, 1), ("data2_fsdp2_tensor2", False, 3)}
 
 
 def _kv_heads(tensor: int) -> int:
@@ -152,7 +154,13 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "mesh_name,sp,zero", [pytest.param(*c, id=f"{c[0]}-{'sp' if c[1] else 'nosp'}-zero{c[2]}") for c in CASES]
+    "mesh_name,sp,zero",
+    [
+        pytest.param(
+            *c, id=f"{c[0]}-{'sp' if c[1] else 'nosp'}-zero{c[2]}", marks=[pytest.mark.slow] * (c in SLOW_CASES)
+        )
+        for c in CASES
+    ],
 )
 def test_one_step_equals_single_device(mesh_name, sp, zero, reference):
     data, fsdp, tensor = MESHES[mesh_name]

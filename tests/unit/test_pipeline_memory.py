@@ -46,10 +46,11 @@ L = 4
 B = 2  # rows per microbatch in the fixed-microbatch regime
 MICROBATCHES = (4, 8, 16, 32)
 G_FIXED = B * MICROBATCHES[-1]  # the fixed global batch: 64
-SCHEDULES = ("1f1b", "1f1b-recompute", "gpipe")  # 1f1b: pipeline.recompute=false (the default)
 
 
 def _temp_bytes(schedule: str, m: int, g: int, p: int = P_STAGES, layers: int = L, v: int = 1) -> int:
+    """Temporary bytes per device of the gradient function, schedule "1f1b" (pipeline.recompute=false, the
+    default), "1f1b-recompute" or "gpipe"."""
     recompute = schedule == "1f1b-recompute"
     schedule = schedule.removesuffix("-recompute")
     plan = make_plan(
@@ -76,20 +77,28 @@ def _temp_bytes(schedule: str, m: int, g: int, p: int = P_STAGES, layers: int = 
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
+class _CompiledOnUse(dict):
+    """A dict whose missing entry `key` is compiled on first use, `compute(*key)` under `quick_compile`, and
+    kept: a test compiles only the programs it reads (the default suite's read two of each fixture's)."""
+
+    def __init__(self, compute):
+        super().__init__()
+        self._compute = compute
+
+    def __missing__(self, key):
+        with quick_compile():
+            self[key] = value = self._compute(*key)
+        print(f"{key}: {value:,} temp bytes per device")
+        return value
+
+
 @pytest.fixture(scope="module")
 def temp() -> dict:
-    """{(regime, schedule, M): temporary bytes per device}, regime "b" (fixed microbatch) or "G" (fixed batch)."""
+    """{(regime, schedule, M): temporary bytes per device}, regime "b" (fixed microbatch) or "G" (fixed batch);
+    at M = 32 both regimes are one program."""
     if jax.device_count() < P_STAGES:
         pytest.fail(f"needs {P_STAGES} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-    out = {}
-    with quick_compile():
-        for schedule in SCHEDULES:
-            for m in MICROBATCHES:
-                out["b", schedule, m] = _temp_bytes(schedule, m, B * m)
-            out["G", schedule, MICROBATCHES[0]] = _temp_bytes(schedule, MICROBATCHES[0], G_FIXED)
-            out["G", schedule, MICROBATCHES[-1]] = out["b", schedule, MICROBATCHES[-1]]  # same program
-    print({f"{r}/{s}/M={m}": v for (r, s, m), v in out.items()})
-    return out
+    return _CompiledOnUse(lambda regime, schedule, m: _temp_bytes(schedule, m, B * m if regime == "b" else G_FIXED))
 
 
 @pytest.mark.slow  # compiles 8 pipelined steps (about 20 s on 2 cores)
@@ -100,6 +109,7 @@ def test_1f1b_temp_is_flat_in_microbatches_at_fixed_microbatch_size(temp, schedu
     assert max(values) <= 1.05 * min(values), values
 
 
+@pytest.mark.slow  # compiles 4 to 12 pipelined steps
 @pytest.mark.timeout(300)
 def test_1f1b_residual_stash_costs_what_it_keeps(temp):
     """Keeping residuals costs more memory than recomputing (2p - 1 microbatches' residuals instead of
@@ -108,6 +118,7 @@ def test_1f1b_residual_stash_costs_what_it_keeps(temp):
         assert temp["b", "1f1b-recompute", m] < temp["b", "1f1b", m] < temp["b", "gpipe", m], m
 
 
+@pytest.mark.slow  # compiles 4 to 12 pipelined steps
 @pytest.mark.timeout(300)
 def test_gpipe_temp_grows_linearly_in_microbatches_at_fixed_microbatch_size(temp):
     values = [temp["b", "gpipe", m] for m in MICROBATCHES]
@@ -122,6 +133,7 @@ def test_gpipe_temp_grows_linearly_in_microbatches_at_fixed_microbatch_size(temp
         assert temp["b", "gpipe", m] > temp["b", "1f1b-recompute", m]
 
 
+@pytest.mark.slow  # compiles 4 to 12 pipelined steps
 @pytest.mark.timeout(300)
 def test_temp_at_fixed_global_batch(temp):
     first, last = MICROBATCHES[0], MICROBATCHES[-1]
@@ -205,13 +217,9 @@ V_STAGES, L_INTERLEAVED, P_INTERLEAVED = 2, 8, 2
 @pytest.fixture(scope="module")
 def interleaved_temp() -> dict:
     """{(schedule, M): temporary bytes per device} of interleaved 1F1B at fixed microbatch size."""
-    out = {}
-    with quick_compile():
-        for schedule in ("1f1b", "1f1b-recompute"):
-            for m in (4, 8, 16):
-                out[schedule, m] = _temp_bytes(schedule, m, B * m, p=P_INTERLEAVED, layers=L_INTERLEAVED, v=V_STAGES)
-    print(out)
-    return out
+    return _CompiledOnUse(
+        lambda schedule, m: _temp_bytes(schedule, m, B * m, p=P_INTERLEAVED, layers=L_INTERLEAVED, v=V_STAGES)
+    )
 
 
 @pytest.mark.slow  # compiles 8 interleaved steps (about 12 s on 2 cores)
