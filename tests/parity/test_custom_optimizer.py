@@ -257,8 +257,19 @@ def _enclosure(name: str, old_params, grads, new_params, opt_state) -> int:
     return pinned
 
 
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-@pytest.mark.parametrize("zero", [1, 3])
+# Every optimizer on ZeRO-3 (state sharded over data and fsdp), Adafactor's factored statistics on ZeRO-1 too;
+# Lion and multi_transform on ZeRO-1 under -m slow (default-suite budget).
+SLOW_CASES = {(1, "lion"), (1, "multi_transform")}
+
+
+@pytest.mark.parametrize(
+    "zero,name",
+    [
+        pytest.param(z, n, id=f"{z}-{n}", marks=[pytest.mark.slow] * ((z, n) in SLOW_CASES))
+        for z in (1, 3)
+        for n in OPTIMIZERS
+    ],
+)
 def test_one_step_data_fsdp_equals_single_device(name, zero, gradients, reference):
     _need(8)
     ref = reference(name)
