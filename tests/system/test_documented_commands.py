@@ -48,7 +48,8 @@ directory first. Appended to the words of a part (later arguments win):
   python experiments/X.py: REDUCED[X] (one timed step and round; the smallest point grid; the GPU acceptance run
     in its CPU smoke mode; the data RSS benchmark on two tiny shard sets instead of 10M and 1B tokens).
 Parts whose programs parse to the same arguments after this (e.g. `benchmarks.py` and `benchmarks.py --quick`)
-run once.
+run once; a script of REDUCED runs once whatever flags its commands show (its parser checks them in the default
+suite), once more under jaxpar-launch.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ REDUCED = {
     "experiments/bench_overhead.py": ["--steps", "1", "--rounds", "1"],
     "experiments/bench_pipeline.py": ["--stages", "2", "--microbatches", "4", "--steps", "1", "--rounds", "1"],
     "experiments/bench_tensor_collectives.py": ["--steps", "1", "--rounds", "1"],
+    "experiments/bench_tensor_bytes.py": ["--remat", "none", "--layouts", "data=2 x tensor=4 SP"],  # 2 of 24 compiles
     "experiments/benchmarks.py": ["--quick", "--steps", "1", "--rounds", "1"],
     "experiments/own_model.py": ["--steps", "2"],
     "experiments/gpu_acceptance.py": ["--cpu-smoke"],
@@ -688,10 +690,14 @@ _RUNS: dict[tuple, tuple[int, str, str]] = {}
 
 
 def _meaning(part: Part) -> tuple:
-    """What a part runs: its program (or script) and the namespace its parser makes, for the launched command too."""
+    """What a part runs: its program (or script) and the namespace its parser makes, for the launched command too.
+    A script of REDUCED is its name alone: it runs once (reduced) whatever flags its commands show, which its
+    parser checks in the default suite."""
     own, inner = _launch_split(part)
     if own.module == "pytest":
         return ("pytest", tuple(own.args))
+    if own.script in REDUCED:
+        return (own.script,)
     namespace = vars(_parse(own).namespace)
     return (
         own.script or own.program,
