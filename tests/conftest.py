@@ -30,3 +30,10 @@ def devices8() -> list:
     if jax.device_count() < 8:
         pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
     return jax.devices()[:8]
+
+
+def pytest_collection_modifyitems(config, items):
+    """The documented commands' file first: under `-m slow` it is by far the longest (a subprocess per command,
+    about a third of the slow suite's work), and with a file per worker (pyproject.toml's `--dist loadfile`) the
+    worker that starts it first leaves the other files to the others until it is done."""
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/system/test_documented_commands.py"))
