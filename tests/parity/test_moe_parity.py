@@ -202,6 +202,7 @@ def test_expert_parallel_step_equals_single_device(layout, routing, reference, d
     assert_adam_step_close(out, ref, out["params0"], RTOL, **adam_step_args(plan, m))
 
 
+@pytest.mark.slow  # two more single-device compiles (default-suite budget)
 def test_the_comparison_can_fail(reference):
     """A different capacity drops other assignments: its gradients fail the comparison above."""
     ref = reference("capacity")
@@ -211,6 +212,7 @@ def test_the_comparison_can_fail(reference):
         assert_tree_close(other["grads"], ref["grads"], RTOL)
 
 
+@pytest.mark.slow  # two more single-device compiles (default-suite budget)
 def test_aux_losses_enter_the_loss_with_their_weights(reference):
     """Same parameters and batch, auxiliary weights 0: the loss drops by exactly the weighted auxiliary terms,
     summed over the MoE blocks (one here), and the router's gradient changes."""

@@ -426,6 +426,7 @@ def _packed_grads(batch: dict, overrides, devices, params_host=None):
     return plan, params_host, to_host(grads), float(loss)
 
 
+@pytest.mark.slow  # the built-in model's packed-document parity runs by default (tests/parity/test_document_masking.py)
 def test_gpt2_keeps_attention_within_packed_documents_on_tensor_sequence_parallel():
     """GPT-2's run_blocks takes the segment ids: the packed batch's loss and gradients on data x tensor (sequence
     parallel) equal one device's at RTOL, and differ from attention across the documents by far more."""

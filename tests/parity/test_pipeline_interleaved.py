@@ -167,7 +167,7 @@ def _assert_interleaved(plan, params, batch, p: int, v: int, m: int) -> None:
 # (p, v, M, L, recompute): p and v in {2, 4} x {2, 3}; M = p, M = 3p, and M > 2pv - 1; both stash modes.
 STEP_GRID = [
     (2, 2, 2, 4, False),
-    (2, 3, 4, 6, False),
+    pytest.param(2, 3, 4, 6, False, marks=pytest.mark.slow),
     (4, 2, 4, 8, True),
     pytest.param(2, 2, 6, 4, True, marks=pytest.mark.slow),
     pytest.param(2, 3, 6, 6, True, marks=pytest.mark.slow),

@@ -117,6 +117,7 @@ def test_quick_mode_prints_every_ratio(tmp_path):
     assert pipeline[f"interleaved 1F1B v=2 {bubble}"]["measured"] < pipeline[f"1F1B {bubble}"]["measured"], pipeline
 
 
+@pytest.mark.slow  # a benchmark run in a subprocess (default-suite budget)
 @pytest.mark.timeout(120)
 def test_data_rss_benchmark_prints_the_ratio(tmp_path):
     """experiments/bench_data_rss.py on two tiny sets (three short subprocesses): a table and the RSS ratio."""

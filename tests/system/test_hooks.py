@@ -88,6 +88,7 @@ def test_a_hook_added_to_the_defaults_runs_every_n_steps_with_step_state_and_met
     assert rows[0]["val_loss"] is None and rows[1]["val_loss"] == result.val_loss
 
 
+@pytest.mark.slow  # a training run (default-suite budget)
 def test_without_eval_hook_nothing_is_evaluated(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=3", "train.log_every=1", "train.eval_every=1", "checkpoint.every_steps=0")
     result = train(cfg, hooks=[h for h in default_hooks(cfg) if not isinstance(h, EvalHook)])
