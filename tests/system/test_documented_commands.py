@@ -49,7 +49,9 @@ directory first. Appended to the words of a part (later arguments win):
     in its CPU smoke mode; the data RSS benchmark on two tiny shard sets instead of 10M and 1B tokens).
 Parts whose programs parse to the same arguments after this (e.g. `benchmarks.py` and `benchmarks.py --quick`)
 run once; a script of REDUCED runs once whatever flags its commands show (its parser checks them in the default
-suite), once more under jaxpar-launch.
+suite), once more under jaxpar-launch. A command of a script that another slow test runs end to end and checks more
+closely (RUN_ELSEWHERE: the benchmarks, the GPU acceptance smoke run, the own-model/data/loss examples) is not run a
+second time here.
 """
 
 from __future__ import annotations
@@ -90,6 +92,21 @@ REDUCED = {
         "--batches",
         "3",
     ],  # not 2 GB of shards  # the ~1B model on one GPU; the same code on tiny shapes
+}
+# Scripts whose whole run another slow test makes and checks more closely (the value); their documented commands
+# are checked statically by the default suite and not run a second time here.
+RUN_ELSEWHERE = {
+    "experiments/benchmarks.py": "tests/system/test_benchmarks.py::test_quick_mode_prints_every_ratio",
+    "experiments/gpu_acceptance.py": (
+        "tests/system/test_gpu_acceptance.py::test_cpu_smoke_runs_every_part_and_the_loss_falls"
+    ),
+    "experiments/own_data.py": "tests/system/test_train_data.py::test_example_script_resumes_its_own_data_exactly",
+    "experiments/own_model.py": (
+        "tests/parity/test_own_model.py::test_own_model_script_resumes_bitwise_and_runs_unchanged_on_two_processes"
+    ),
+    "experiments/custom_loss_optimizer.py": (
+        "tests/parity/test_custom_optimizer.py::test_example_script_trains_with_its_own_loss_and_optimizer"
+    ),
 }
 FAST_SCRIPTS = {"tools/resolve_config.py"}
 SYNOPSIS = "a usage synopsis with placeholders; its flags are checked against the program's parser"
@@ -524,12 +541,39 @@ def _classified(cmd: Documented) -> list[Part]:
 
 
 FAST = [(c, i) for c, i in zip(COMMANDS, IDS) if any(_fast(p) for p in _classified(c))]
-SLOW = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "local" and not _fast(p) for p in _classified(c))]
+
+
+def _run_elsewhere(part: Part) -> bool:
+    own, inner = _launch_split(part)
+    return (inner or own).script in RUN_ELSEWHERE
+
+
+SLOW = [
+    (c, i)
+    for c, i in zip(COMMANDS, IDS)
+    if any(p.kind == "local" and not _fast(p) and not _run_elsewhere(p) for p in _classified(c))
+]
 CLUSTER = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "cluster" for p in parts(c))]
 GPU = [(c, i) for c, i in zip(COMMANDS, IDS) if any(p.kind == "gpu" for p in parts(c))]
 
 
 # ---- tests ------------------------------------------------------------------------------------------------------
+
+
+def test_scripts_run_elsewhere_are_documented_and_run_there():
+    """Each script of RUN_ELSEWHERE has a documented command, and its test exists, is slow (CI runs it) and runs
+    that script."""
+    documented = {
+        (p if _launch_split(p)[1] is None else _launch_split(p)[1]).script for c in COMMANDS for p in parts(c)
+    }
+    for script, nodeid in RUN_ELSEWHERE.items():
+        assert script in documented, f"{script} is no longer documented: drop it from RUN_ELSEWHERE"
+        path, name = nodeid.split("::")
+        source = open(os.path.join(ROOT, path)).read()
+        block = source[source.index(f"def {name}(") - 200 : source.index(f"def {name}(")]
+        body = source[source.index(f"def {name}(") :].split("\ndef ")[0]
+        assert "@pytest.mark.slow" in block.split("\n\n")[-1] or "pytestmark" in source, nodeid
+        assert os.path.basename(script) in body, f"{nodeid} does not run {script}"
 
 
 def test_extraction_finds_the_known_commands():
