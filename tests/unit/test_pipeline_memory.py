@@ -33,6 +33,8 @@ Shape letters: G global batch, b microbatch rows, T sequence length, L layers, D
 width, V vocabulary, M microbatches, p stages.
 """
 
+import functools
+
 import jax
 import pytest
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
@@ -98,7 +100,8 @@ def temp() -> dict:
     at M = 32 both regimes are one program."""
     if jax.device_count() < P_STAGES:
         pytest.fail(f"needs {P_STAGES} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-    return _CompiledOnUse(lambda regime, schedule, m: _temp_bytes(schedule, m, B * m if regime == "b" else G_FIXED))
+    temp_bytes = functools.cache(_temp_bytes)  # at M = 32 the two regimes' keys share one compile
+    return _CompiledOnUse(lambda regime, schedule, m: temp_bytes(schedule, m, B * m if regime == "b" else G_FIXED))
 
 
 @pytest.mark.slow  # compiles 8 pipelined steps (about 20 s on 2 cores)
