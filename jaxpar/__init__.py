@@ -26,7 +26,7 @@ _PUBLIC = {
     "Config": "jaxpar.config",
     "ConfigError": "jaxpar.config",
     "load_config": "jaxpar.config",
-    "build_mesh": "jaxpar.mesh",
+    "build_mesh": "jaxpar.parallel.mesh",
     "train": "jaxpar.training.loop",
     "TrainResult": "jaxpar.training.hooks",
     "TrainingDiverged": "jaxpar.training.hooks",
@@ -45,11 +45,11 @@ _PUBLIC = {
     "skip_nonfinite": "jaxpar.training.optimizer",
     "register_model": "jaxpar.model",
     "LanguageModel": "jaxpar.model",
-    "restore": "jaxpar.restore_run",
-    "Restored": "jaxpar.restore_run",
-    "sample_text": "jaxpar.generate",
+    "restore": "jaxpar.training.restore",
+    "Restored": "jaxpar.training.restore",
+    "sample_text": "jaxpar.training.sample",
     "configure_logging": "jaxpar.log",
-    "initialize": "jaxpar.distributed",
+    "initialize": "jaxpar.parallel.distributed",
 }
 __all__ = sorted(_PUBLIC)
 

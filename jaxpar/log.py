@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 import sys
 
+GB = 1e9  # decimal, as GPU vendors state memory
+_BYTE_UNITS = (("TB", 1e12), ("GB", GB), ("MB", 1e6), ("kB", 1e3))
+
 LOGGER = logging.getLogger("jaxpar")
 LOGGER.addHandler(logging.NullHandler())
 _CONFIGURED = "_jaxpar_configured"
@@ -57,3 +60,15 @@ def configure_logging(level: int = logging.INFO) -> None:
     LOGGER.setLevel(level)
     LOGGER.propagate = False
     setattr(LOGGER, _CONFIGURED, True)
+
+
+def human_bytes(x: float | None) -> str:
+    """Bytes in the largest decimal unit that is at most `x` (GB = 1e9 bytes, as GPU vendors state memory), 4
+    significant digits: `26 GB`, `431.4 kB`, `512 B`; `-` for None. The one byte formatter of jaxpar's messages and
+    reports."""
+    if x is None:
+        return "-"
+    for unit, scale in _BYTE_UNITS:
+        if abs(x) >= scale:
+            return f"{x / scale:.4g} {unit}"
+    return f"{x:.0f} B"

@@ -3,7 +3,7 @@
     jaxpar-launch -n K --devices-per-process D -- python tests/data_worker.py OUT_DIR --batches B
         [--num-sequences N] [--global-batch G] [--seed S] [--resume STATE_JSON]
 
-Joins the run through `jaxpar.distributed.initialize` (the JAXPAR_* variables the launcher sets), builds the
+Joins the run through `jaxpar.parallel.distributed.initialize` (the JAXPAR_* variables the launcher sets), builds the
 trainer's mesh over all devices (data = process count, fsdp = devices per process) and batch sharding
 (`activation_spec("batch", "seq")`), and a `DataLoader` over N sequences where every token of sequence i is i.
 Each process writes OUT_DIR/process_<index>.json (JSON, never pickle):
@@ -24,11 +24,11 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpar import distributed
 from jaxpar.config.schema import Config, DistributedConfig, MeshConfig
 from jaxpar.data import PAD_ID, DataLoader, EvalLoader
-from jaxpar.mesh import build_mesh
-from jaxpar.sharding import activation_spec
+from jaxpar.parallel import distributed
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.sharding import activation_spec
 
 SEQ_LEN = 2
 

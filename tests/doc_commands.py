@@ -1,8 +1,8 @@
 """The command lines documented in the repository, extracted and parsed for tests/system/test_documented_commands.py.
 
 Sources: README.md; every file of tools/ (the module docstring of a .py file, the `#` comments of any other
-file); the module docstrings of experiments/*.py and of jaxpar/cli/*.py (the --help texts); the `#` comments of
-configs/**/*.yaml.
+file); the module docstrings of examples/*.py, benchmarks/*.py and of jaxpar/cli/*.py (the --help texts); the `#`
+comments of configs/**/*.yaml.
 
 A command line is
   * in README.md: each line of a fenced shell code block (no language, bash or sh; `\\` continuations joined;
@@ -230,7 +230,13 @@ def source_files() -> list[str]:
     """Every file searched, relative to the repository root."""
     files = ["README.md"]
     files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tools", "*")) if os.path.isfile(p))
-    files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "experiments", "*.py")))
+    files += sorted(
+        os.path.relpath(p, ROOT)
+        for p in [
+            *glob.glob(os.path.join(ROOT, "examples", "*.py")),
+            *glob.glob(os.path.join(ROOT, "benchmarks", "*.py")),
+        ]
+    )
     files += sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "jaxpar", "cli", "*.py")))
     files += sorted(
         os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"), recursive=True)

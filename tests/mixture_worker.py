@@ -23,12 +23,12 @@ import jax
 from jax.sharding import NamedSharding
 from stream_worker import GLOBAL_BATCH, SEED, SEQ_LEN, local_rows
 
-from jaxpar import distributed
 from jaxpar.config.schema import Config, DataConfig, DistributedConfig, MeshConfig
 from jaxpar.data import MixtureLoader
 from jaxpar.data.stream import shard_splits
-from jaxpar.mesh import build_mesh
-from jaxpar.sharding import activation_spec
+from jaxpar.parallel import distributed
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.sharding import activation_spec
 
 WEIGHTS = {"web": 0.7, "code": 0.3}
 

@@ -13,10 +13,10 @@ import jax
 import numpy as np
 from optax import tree_utils as otu
 
-from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS as FAST_COMPILE
-from jaxpar.batch import BATCH_KEYS
+from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS as FAST_COMPILE
 from jaxpar.config import load_config
-from jaxpar.mesh import build_mesh
+from jaxpar.data.batch import BATCH_KEYS
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.optimizer import weight_decay_mask
 from jaxpar.training.step import StepPlan, _grad_fn_with_moe, build_plan, make_grad_fn, make_train_step
 
@@ -67,7 +67,7 @@ def to_host(tree):
     return jax.tree.map(lambda x: np.array(x), tree)
 
 
-# FAST_COMPILE (jaxpar.analysis.compile_options.FAST_COMPILER_OPTIONS) cuts XLA:CPU compile time of a step 3-4x
+# FAST_COMPILE (jaxpar.analysis.hlo.compile_options.FAST_COMPILER_OPTIONS) cuts XLA:CPU compile time of a step 3-4x
 # (compile time, not the model, dominates these tests). HLO passes (SPMD partitioning, collectives, fusion
 # decisions) still run, so the program compared is the program shipped; only its machine code is less
 # optimised. Both sides of every comparison compile this way.

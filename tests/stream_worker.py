@@ -3,7 +3,7 @@
     jaxpar-launch -n K --devices-per-process D -- python tests/stream_worker.py SHARD_SET OUT_DIR --batches B
         [--resume STATE_JSON]
 
-Joins the run (`jaxpar.distributed.initialize`), builds the trainer's mesh over all devices (data = process
+Joins the run (`jaxpar.parallel.distributed.initialize`), builds the trainer's mesh over all devices (data = process
 count, fsdp = devices per process) and batch sharding, and a `DataLoader` over the shard set's training split
 (`data.source: shards`, T = SEQ_LEN, G = GLOBAL_BATCH, seed SEED, document masking on), whose row reads it
 records. Writes OUT_DIR/process_<index>.json (JSON):
@@ -24,12 +24,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpar import distributed
 from jaxpar.config.schema import Config, DataConfig, DistributedConfig, MeshConfig
 from jaxpar.data import DataLoader
 from jaxpar.data.stream import shard_splits
-from jaxpar.mesh import build_mesh
-from jaxpar.sharding import activation_spec
+from jaxpar.parallel import distributed
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.sharding import activation_spec
 
 SEQ_LEN, GLOBAL_BATCH, SEED = 16, 8, 7
 KEYS = ("inputs", "targets", "loss_mask", "segment_ids")

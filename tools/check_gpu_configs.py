@@ -6,7 +6,7 @@ with XLA's GPU compiler on this machine (no GPU), and record the per-device peak
 
 Writes configs/gpu_check.json (the default test suite checks it against the configs and the planner) and prints
 the README's table. Exit status 1 when a config does not fit its cluster or the plan is off by more than 15%,
-2 when the CUDA plugin is missing. Logic: jaxpar/analysis/gpu_check.py.
+2 when the CUDA plugin is missing. Logic: jaxpar/analysis/gpu/check.py.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> int:
-    from jaxpar.analysis.gpu_check import RECORD_FILE, check_config, format_table, problems
-    from jaxpar.analysis.plan_dims import param_leaves
-    from jaxpar.analysis.plan_gpu import unavailable_reason
+    from jaxpar.analysis.gpu.check import RECORD_FILE, check_config, format_table, problems
+    from jaxpar.analysis.gpu.deviceless import unavailable_reason
+    from jaxpar.analysis.planner.dims import param_leaves
     from jaxpar.config import load_config
 
     reason = unavailable_reason()

@@ -17,7 +17,7 @@ Examples:
 
 import-hf writes RUN_DIR/checkpoints/0 (the weights as float32 parameters and a fresh AdamW state, restorable
 onto any mesh and ZeRO stage), RUN_DIR/config.yaml (config.json's model, the defaults and the overrides given)
-and RUN_DIR/hf_config.json; export-hf writes config.json and safetensors (`jaxpar.hf_checkpoint`). Both run on
+and RUN_DIR/hf_config.json; export-hf writes config.json and safetensors (`jaxpar.training.hf_checkpoint`). Both run on
 the host CPU.
 
 Exit status: 0, or 2 for a missing path, no complete checkpoint, a step that is not complete, or (import-hf,
@@ -68,8 +68,8 @@ def _hf_main(command: str, argv: list[str]) -> int:
     args = _parse_hf_args(command, argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a conversion on the host: never claim an accelerator
     from jaxpar.config import ConfigError
-    from jaxpar.hf_checkpoint import export_hf, import_hf
     from jaxpar.model.hf_llama import HFConfigError
+    from jaxpar.training.hf_checkpoint import export_hf, import_hf
 
     try:
         if command == "import-hf":
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return _hf_main(argv[0], argv[1:])
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # metadata only: never claim an accelerator
-    from jaxpar.checkpoint_info import (  # imports jax (via orbax)
+    from jaxpar.checkpoint.info import (  # imports jax (via orbax)
         checkpoint_info,
         format_checkpoint_info,
     )

@@ -1,7 +1,7 @@
 """`jaxpar-launch -n K [--devices-per-process D] -- COMMAND ...`: K local processes of one distributed run.
 
 Starts COMMAND K times with the coordinator on 127.0.0.1 at a free port, passing each process its index through
-JAXPAR_COORDINATOR_ADDRESS / JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID (read by `jaxpar.distributed`) and, with
+JAXPAR_COORDINATOR_ADDRESS / JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID (read by `jaxpar.parallel.distributed`) and, with
 `--devices-per-process`, its CPU device count (JAX_NUM_CPU_DEVICES). Output lines are prefixed `[i]`. When a
 process fails, the others are terminated (SIGTERM, then SIGKILL after `--grace` seconds) and the launcher exits
 with the failed process's status; SIGINT/SIGTERM to the launcher are forwarded to every process.

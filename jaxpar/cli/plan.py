@@ -8,7 +8,7 @@ Examples:
   jaxpar-plan configs/tiny.yaml mesh.fsdp=4 --compile --target h100:2x8   # for 2 nodes x 8 H100s, no GPU needed
   jaxpar-plan --exercise-13b                         # the seed exercise: 13B under DDP, ZeRO-1/2/3 on 8 devices
 
-The analytic plan is arithmetic on the config (jaxpar.analysis.plan): no devices needed, any --devices N.
+The analytic plan is arithmetic on the config (jaxpar.analysis.planner.plan): no devices needed, any --devices N.
 --platform (gpu, tpu or cpu; default gpu) is the machine planned for, stated in the output ("planned for
 platform ..."; JSON "platform"): it resolves `precision.compute_dtype: auto` (float32 on cpu, else bfloat16) and
 the width of collectives (gpu, tpu: the partitioned program's dtypes, bf16 stays bf16; cpu: what XLA:CPU
@@ -18,9 +18,9 @@ before jax is imported) and compares like with like: the CPU executable with the
 auto = float32), and the partitioned program (the HLO after XLA's SPMD partitioner, before any backend pass)
 with the plan for --platform (gpu when --platform cpu) at the compute dtype compiled; JSON "compiled" and
 "compiled.partitioned".
---target KIND:NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 H100s; kinds a100, b200, h100, h200; jaxpar.analysis.gpu_targets)
+--target KIND:NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 H100s; kinds a100, b200, h100, h200; jaxpar.analysis.gpu.targets)
 plans for platform gpu on that many devices and states the target's memory; with --compile it compiles the real
-step for that cluster with XLA's GPU compiler on this machine, without GPUs (jaxpar.analysis.plan_gpu; needs the
+step for that cluster with XLA's GPU compiler on this machine, without GPUs (jaxpar.analysis.gpu.deviceless; needs the
 gpu-compile extra: pip install -e ".[gpu-compile]") and prints per-device argument, temporary and peak bytes,
 the GPU HLO's collectives per mesh axis and kind beside the plan's, fused attention (cuDNN) and materialised
 attention scores, and whether the peak fits the GPU's memory (JSON "target", "gpu_compiled"). The device count
@@ -41,10 +41,11 @@ import os
 import subprocess
 import sys
 
-# Only jax-free modules at the top: the device count is set before jax starts.
-from jaxpar.analysis.units import GB
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import PLATFORMS
+
+# Only jax-free modules at the top: the device count is set before jax starts.
+from jaxpar.log import GB
 
 PROG = "jaxpar-plan"
 DEFAULT_DEVICES = 8
@@ -126,8 +127,8 @@ def _set_devices(n: int, argv: list[str], real: bool) -> int | None:
 
 
 def _exercise(args) -> int:
-    from jaxpar.analysis.plan import exercise_activations, zero_exercise
-    from jaxpar.analysis.plan_report import format_exercise
+    from jaxpar.analysis.planner.plan import exercise_activations, zero_exercise
+    from jaxpar.analysis.planner.report import format_exercise
     from jaxpar.config import ConfigError, load_config
 
     path = args.config or EXERCISE_CONFIG
@@ -143,9 +144,9 @@ def _exercise(args) -> int:
 
 
 def gpu_cluster(args: argparse.Namespace):
-    """The `jaxpar.analysis.gpu_targets.Cluster` of --target (None without it), checked against the other flags.
+    """The `jaxpar.analysis.gpu.targets.Cluster` of --target (None without it), checked against the other flags.
 
-    Imports jax (through jaxpar.analysis.gpu_targets): with --target, call it after `_deviceless()`.
+    Imports jax (through jaxpar.analysis.gpu.targets): with --target, call it after `_deviceless()`.
 
     Raises:
       ValueError: not KIND:NODESxGPUS or an unknown kind; --devices other than the cluster's GPU count; a flag
@@ -153,7 +154,7 @@ def gpu_cluster(args: argparse.Namespace):
     """
     if args.target is None:
         return None
-    from jaxpar.analysis.gpu_targets import parse_cluster
+    from jaxpar.analysis.gpu.targets import parse_cluster
 
     try:
         clu = parse_cluster(args.target)
@@ -184,8 +185,8 @@ def gpu_cluster(args: argparse.Namespace):
 
 
 def _deviceless() -> None:
-    """A compile-only GPU topology needs jax to start without trying CUDA (jaxpar.analysis.plan_gpu): set before jax
-    starts; a process that already imported jax keeps its platforms (the compile then says what to set)."""
+    """A compile-only GPU topology needs jax to start without trying CUDA (jaxpar.analysis.gpu.deviceless): set before
+    jax starts; a process that already imported jax keeps its platforms (the compile then says what to set)."""
     if "jax" not in sys.modules:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             return _fail(str(e))
         if args.compile:
-            from jaxpar.analysis.plan_gpu import GpuCompileUnavailable, cuda_plugin_version
+            from jaxpar.analysis.gpu.deviceless import GpuCompileUnavailable, cuda_plugin_version
 
             try:
                 cuda_plugin_version()
@@ -258,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         code = _set_devices(n, argv, args.real_devices)
         if code is not None:
             return code
-    from jaxpar.analysis.plan import plan
-    from jaxpar.analysis.plan_report import format_plan
+    from jaxpar.analysis.planner.plan import plan
+    from jaxpar.analysis.planner.report import format_plan
 
     platform = "cpu" if compile_ and not args.real_devices else args.platform
     analytic = plan(cfg, platform)
@@ -273,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         "over_budget": budget is not None and analytic["memory"]["peak_estimate"] > budget,
     }
     if compile_:
-        from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
-        from jaxpar.analysis.plan_compile import (
+        from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
+        from jaxpar.analysis.planner.compiled import (
             compile_step,
             compiled_plan,
             measure_steps,
@@ -304,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _gpu_target(args, cfg, clu) -> int:
     """The plan for platform gpu on the cluster's devices, its target memory and (--compile) the GPU compile."""
-    from jaxpar.analysis.plan import plan
-    from jaxpar.analysis.plan_report import format_gpu_target, format_plan
+    from jaxpar.analysis.planner.plan import plan
+    from jaxpar.analysis.planner.report import format_gpu_target, format_plan
     from jaxpar.config import ConfigError
 
     analytic = plan(cfg, "gpu")
@@ -334,7 +335,7 @@ def _gpu_target(args, cfg, clu) -> int:
         "over_budget": budget is not None and peak > budget,
     }
     if args.compile:
-        from jaxpar.analysis.plan_gpu import GpuCompileUnavailable, compile_for_gpu
+        from jaxpar.analysis.gpu.deviceless import GpuCompileUnavailable, compile_for_gpu
 
         try:
             out["gpu_compiled"] = gpu = compile_for_gpu(cfg, clu.target.name, clu.nodes, clu.gpus_per_node)

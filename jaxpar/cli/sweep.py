@@ -8,7 +8,7 @@ Examples:
 
 Writes DIR/results.json (rewritten after every point), DIR/results.md (a table ranked by the sweep's objective)
 and DIR/plot.png. Run it again to resume: finished points are skipped. The sweep file format is documented in
-jaxpar/analysis/sweep.py. A sweep file with `target: KIND:NODESxGPUS` and `compile: true` compiles every point for
+jaxpar/analysis/sweep/run.py. A sweep file with `target: KIND:NODESxGPUS` and `compile: true` compiles every point for
 that GPU
 cluster without its GPUs, which needs jax's CUDA plugin (pip install -e ".[gpu-compile]"); without it the sweep
 stops before the first point. Exit status: 0 done, 2 bad sweep file (the message names the key and the fix) or
@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    from jaxpar.analysis.plan_gpu import GpuCompileUnavailable
-    from jaxpar.analysis.sweep import SweepError, load_sweep, points, run_sweep
+    from jaxpar.analysis.gpu.deviceless import GpuCompileUnavailable
+    from jaxpar.analysis.sweep.run import SweepError, load_sweep, points, run_sweep
 
     try:
         sweep = load_sweep(args.sweep)

@@ -6,7 +6,7 @@ Examples:
   # a new run on another mesh (data=4 x tensor=2), in its own directory, seeded from runs/tiny's latest checkpoint:
   jaxpar-train configs/tiny.yaml --cpu-devices 8 mesh.data=4 train.run_dir=runs/data4 --restore-from runs/tiny
   # a model family of one's own (a file that calls jaxpar.register_model), selected by model.name:
-  jaxpar-train configs/tiny.yaml --cpu-devices 8 --import experiments/gpt2.py model.name=gpt2
+  jaxpar-train configs/tiny.yaml --cpu-devices 8 --import examples/gpt2.py model.name=gpt2
     model.n_kv_heads=null model.tie_embeddings=true
 """
 
@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             print("jaxpar-train: --cpu-devices must be >= 1", file=sys.stderr)
             return 2
         os.environ["JAX_NUM_CPU_DEVICES"] = str(args.cpu_devices)
-    from jaxpar import distributed  # jax is imported only after the device count is set
     from jaxpar.log import configure_logging
+    from jaxpar.parallel import distributed  # jax is imported only after the device count is set
 
     configure_logging()
     from jaxpar.config import ConfigError, load_config, validate_config
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2
-    from jaxpar.analysis.memory import state_memory_report
+    from jaxpar.analysis.planner.memory import state_memory_report
     from jaxpar.data.errors import DataError
 
     try:

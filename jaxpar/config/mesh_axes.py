@@ -2,7 +2,8 @@
 jax's device count before jax starts (`jaxpar-plan`, `jaxpar-sweep`) import it too.
 
 Two orders of the same four names:
-  * `MESH_AXES`, the device mesh (`jaxpar.mesh.build_mesh`), outermost to innermost: `tensor` innermost because its
+  * `MESH_AXES`, the device mesh (`jaxpar.parallel.mesh.build_mesh`), outermost to innermost: `tensor` innermost because
+  its
     collectives sit on every layer's critical path and need the fastest link, `data` outermost because its one
     gradient reduction per step tolerates the slowest (cross-host) one. HLO replica groups follow this order.
   * `CONFIG_AXES`, the `mesh:` section (`jaxpar.config.schema.MeshConfig`'s fields): the order a config, a
@@ -20,7 +21,7 @@ CONFIG_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))
 DATA_PARALLEL_AXES = ("data", "fsdp")  # the axes that split the batch
 # The axes that split weight storage rather than computation: a parameter's shards over them are all-gathered
 # right before use (`jaxpar.parallel.gather`). fsdp always, data under ZeRO-3; on a dimension split over both
-# the shard order is fsdp-major, data-minor (`jaxpar.sharding`).
+# the shard order is fsdp-major, data-minor (`jaxpar.parallel.sharding`).
 STORAGE_AXES = ("fsdp", "data")
 
 

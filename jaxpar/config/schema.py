@@ -142,32 +142,12 @@ class ModelConfig:
     def head_width(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
-    def rope_inverse_frequencies(self) -> tuple[float, ...] | None:
-        """The rotary inverse frequencies [head_width / 2] of `rope_scaling` (`jaxpar.model.rope`), or None for
-        `none` (the plain theta ** (-2i / K), computed in the model)."""
-        if self.rope_scaling == "none":
-            return None
-        from jaxpar.model.rope import rope_inverse_frequencies  # numpy only
-
-        return tuple(
-            float(f)
-            for f in rope_inverse_frequencies(
-                self.head_width,
-                self.rope_theta,
-                self.rope_scaling,
-                self.rope_scaling_factor,
-                self.rope_low_freq_factor,
-                self.rope_high_freq_factor,
-                self.rope_original_max_position,
-            )
-        )
-
 
 @dataclass(frozen=True)
 class MeshConfig:
     """Sizes of the four mesh axes; at most one may be -1 (fills the remaining devices).
 
-    Device order, outermost to innermost: data, pipeline, fsdp, tensor (see `jaxpar.mesh`).
+    Device order, outermost to innermost: data, pipeline, fsdp, tensor (see `jaxpar.parallel.mesh`).
     """
 
     data: int = 1
@@ -203,7 +183,7 @@ class PipelineConfig:
         instead (no FLOPs repeated; hfu == mfu with model.remat=none). Either stash is a ring of 2p - 1
         microbatches per stage, flat in M: stage inputs, or the residuals `model.remat` keeps for the stage's
         layers (`jaxpar.parallel.pipeline`). Default false, by measurement (2 simulated CPU devices, p = 2,
-        m = 8, d_model 256, 4 layers, vocabulary 32,000, 16 x 128 tokens, experiments/bench_pipeline.py): matmul
+        m = 8, d_model 256, 4 layers, vocabulary 32,000, 16 x 128 tokens, benchmarks/pipeline.py): matmul
         FLOPs per device 1.037x data parallelism's without recompute against 1.147x with (the tick ratio is
         1.125), step time 1.17-1.19x against 1.16-1.23x over two runs (a draw on CPU, where memory traffic
         weighs as much as FLOPs; a compute-bound accelerator pays the FLOPs), temp memory 217 MB against 212 MB
@@ -351,7 +331,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Where per-step metrics go besides RUN_DIR/metrics.jsonl (always written): `jaxpar.trackers`.
+    """Where per-step metrics go besides RUN_DIR/metrics.jsonl (always written): `jaxpar.training.trackers`.
 
     Attributes:
       tensorboard: TensorBoard event files under RUN_DIR/tensorboard.
@@ -385,8 +365,8 @@ class TrainConfig:
       peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
       progress_bar: show a tqdm progress bar.
       sample_tokens: tokens to generate from the trained model at the end (0: none), decoded with the data's
-        tokenizer; skipped, saying why, without one (a `tokens` file) or above `jaxpar.generate.MAX_SAMPLE_PARAMS`
-        parameters (they are gathered onto every host).
+        tokenizer; skipped, saying why, without one (a `tokens` file) or above
+        `jaxpar.training.sample.MAX_SAMPLE_PARAMS` parameters (they are gathered onto every host).
       max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient.
       divergence_rollbacks: how many times a run that hits `max_bad_steps` restores its last good checkpoint
         and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0: stop at once.
@@ -413,7 +393,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    """Multi-process runs (`jaxpar.distributed`). Empty values fall back to the JAXPAR_* environment variables
+    """Multi-process runs (`jaxpar.parallel.distributed`). Empty values fall back to the JAXPAR_* environment variables
     that `jaxpar-launch` sets, then to jax's own cluster detection (SLURM, ...).
 
     Attributes:

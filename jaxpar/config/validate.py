@@ -9,6 +9,7 @@ import dataclasses
 import os
 
 from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
+from jaxpar.config.choices import PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, WANDB_MODES
 from jaxpar.config.data_sources import check_data
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
@@ -109,8 +110,6 @@ def _wandb_api_key() -> bool:
 def _check_metrics(cfg: Config) -> None:
     import importlib.util
 
-    from jaxpar.trackers import WANDB_EXTRA, WANDB_MODES
-
     mc = cfg.metrics
     if mc.wandb_mode not in WANDB_MODES:
         raise ConfigError(
@@ -118,8 +117,8 @@ def _check_metrics(cfg: Config) -> None:
         )
     if mc.wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
-            f"metrics.wandb=true needs Weights & Biases, which is not installed: {WANDB_EXTRA} (or "
-            f"set metrics.wandb=false)"
+            "metrics.wandb=true needs Weights & Biases, which is not installed: pip install 'jaxpar[wandb]' (or "
+            "set metrics.wandb=false)"
         )
     if mc.wandb and _wandb_goes_online(mc.wandb_mode) and not _wandb_api_key():
         raise ConfigError(
@@ -142,16 +141,10 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
       ConfigError: naming the key and the fix.
     """
     m, o, d, t, p, c = cfg.model, cfg.optimizer, cfg.data, cfg.train, cfg.precision, cfg.checkpoint
-    from jaxpar.model.registry import model_family  # the registry builds nothing until a model is derived
-
-    try:
-        model_family(m.name)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
         _positive(f"model.{key}", getattr(m, key))
     _positive("model.rope_theta", m.rope_theta)
-    _choice("model.rope_scaling", m.rope_scaling, ("none", "linear", "llama3"))
+    _choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
     if m.rope_scaling != "none":
         _positive("model.rope_scaling_factor", m.rope_scaling_factor)
     if m.rope_scaling == "llama3":
@@ -164,7 +157,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             )
     _positive("model.norm_eps", m.norm_eps)
     _positive("model.init_std", m.init_std)
-    _choice("model.remat", m.remat, ("none", "dots", "names", "full"))
+    _choice("model.remat", m.remat, REMAT_POLICIES)
     _choice("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
     _positive("model.max_segments", m.max_segments)
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
@@ -253,7 +246,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
                 f"parallelism; change data.seq_len or set tensor.sequence_parallel=false"
             )
     stages = shape["pipeline"]
-    _choice("pipeline.schedule", cfg.pipeline.schedule, ("1f1b", "gpipe"))
+    _choice("pipeline.schedule", cfg.pipeline.schedule, PIPELINE_SCHEDULES)
     _positive("pipeline.microbatches", cfg.pipeline.microbatches)
     if m.n_layers % stages:
         raise ConfigError(
@@ -264,7 +257,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     check_moe(cfg, shape)
 
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
-    # data too for the ZeRO stages that partition something (jaxpar.sharding).
+    # data too for the ZeRO stages that partition something (jaxpar.parallel.sharding).
     state_shards = shape["fsdp"] * (shape["data"] if o.zero_stage >= 1 else 1)
     if m.d_model % state_shards:
         what = "mesh.fsdp" if o.zero_stage == 0 else "mesh.fsdp * mesh.data"

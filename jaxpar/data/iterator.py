@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
+from jaxpar.data.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.loader import _process_rows
 
 

@@ -28,8 +28,8 @@ import grain
 import jax
 import numpy as np
 
-from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.config import ConfigError, DataConfig
+from jaxpar.data.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
 from jaxpar.data.tokenizer import BOS_ID, PAD_ID

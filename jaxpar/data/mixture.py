@@ -27,8 +27,8 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 
-from jaxpar.batch import BATCH_DTYPES
 from jaxpar.config import ConfigError
+from jaxpar.data.batch import BATCH_DTYPES
 from jaxpar.data.loader import EvalLoader, RowSource, SampleOrder, _process_rows, global_arrays
 from jaxpar.data.mixture_plan import batch_counts, normalised, row_sources
 

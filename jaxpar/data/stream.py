@@ -34,8 +34,8 @@ import os
 
 import numpy as np
 
-from jaxpar.batch import BATCH_KEYS, SEGMENT_IDS
 from jaxpar.config import ConfigError, DataConfig
+from jaxpar.data.batch import BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.errors import DataError
 from jaxpar.data.shards import ShardSet
 from jaxpar.data.tokenizer import PAD_ID

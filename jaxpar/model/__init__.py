@@ -1,7 +1,7 @@
 """Models: the interface a jaxpar model follows, the registry `model.name` selects from (built in: `llama`), the
 layer stack, the tensor-parallel building blocks, and the parameter dicts the train state holds.
 
-Writing a model (`experiments/gpt2.py` is a complete one): `LanguageModel` (`jaxpar.model.interface`) says what it
+Writing a model (`examples/gpt2.py` is a complete one): `LanguageModel` (`jaxpar.model.interface`) says what it
 must provide; `stack_layers` / `scan_layers` (`jaxpar.model.stack`) stack and run its layers; `Embed`, `LMHead`,
 `RMSNorm` (`jaxpar.model.layers`), `dot_product_attention` (`jaxpar.model.attention`: XLA or cuDNN, within
 packed documents), `column_parallel`, `row_parallel` and the `TensorParallel` context

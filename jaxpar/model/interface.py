@@ -6,9 +6,9 @@ V vocabulary (V/t: this tensor rank's shard), L layers, t tensor-parallel size.
 A model is any Flax NNX module with
 
 * parameters only: every variable is an `nnx.Param` carrying `logical_axes`, one name per dimension from the
-  keys of `jaxpar.sharding.PARAM_RULES` (embed, vocab, heads, kv, mlp, experts) or None (a dimension never sharded, e.g.
-  a position table's rows). `embed` is the dimension fsdp and ZeRO shard; vocab, heads and mlp are split over
-  `tensor`, so the model's code must work on those shards (build it from `jaxpar.model.layers` and
+  keys of `jaxpar.parallel.sharding.PARAM_RULES` (embed, vocab, heads, kv, mlp, experts) or None (a dimension never
+  sharded, e.g. a position table's rows). `embed` is the dimension fsdp and ZeRO shard; vocab, heads and mlp are split
+  over `tensor`, so the model's code must work on those shards (build it from `jaxpar.model.layers` and
   `jaxpar.parallel.tensor`'s column/row-parallel ops, which read their widths from the weights they hold);
 * a `blocks` attribute: its layers stacked on a leading dimension of size `ModelConfig.n_layers`
   (`jaxpar.model.stack.stack_layers`). That dimension gets the logical name `layers` and is split over
@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.model.stack import Gather
+from jaxpar.parallel.sharding import PARAM_RULES
 from jaxpar.parallel.tensor import TensorParallel
-from jaxpar.sharding import PARAM_RULES
 
 STACK_ATTRIBUTE = "blocks"  # the attribute holding the layer stack
 LAYERS_AXIS = "layers"  # the logical name of its leading dimension

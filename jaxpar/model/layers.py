@@ -4,7 +4,7 @@ Shape letters: B batch, T sequence, D model width, H query heads, G key/value he
 F MLP hidden width, V vocabulary.
 
 Every parameter is an `nnx.Param` carrying `logical_axes`, one name per dimension from
-{embed, mlp, heads, kv, vocab}; `jaxpar.sharding` maps these to mesh axes. Modules read their head counts and
+{embed, mlp, heads, kv, vocab}; `jaxpar.parallel.sharding` maps these to mesh axes. Modules read their head counts and
 widths from the weights they hold, so the same code runs on whole weights or on tensor-parallel shards.
 Weights are cast to the activation dtype at use; parameters keep their storage dtype.
 

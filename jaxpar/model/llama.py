@@ -16,6 +16,7 @@ from flax import nnx
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
 from jaxpar.model.moe import MoE
+from jaxpar.model.rope import model_inverse_frequencies
 from jaxpar.model.stack import Gather, no_gather, scan_layers, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
@@ -38,7 +39,7 @@ class Block(nnx.Module):
             rngs,
             implementation=cfg.attention,
             max_segments=cfg.max_segments,
-            rope_inv_freq=cfg.rope_inverse_frequencies(),
+            rope_inv_freq=model_inverse_frequencies(cfg),
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if moe:

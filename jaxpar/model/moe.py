@@ -55,8 +55,8 @@ from jaxpar.config.schema import MoEConfig
 from jaxpar.model.layers import SwiGLU, _normal
 from jaxpar.model.stack import MLP_HIDDEN
 from jaxpar.parallel.expert import NO_EXPERT_PARALLEL, ExpertParallel, capacity
+from jaxpar.parallel.sharding import EXPERTS_AXIS
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
-from jaxpar.sharding import EXPERTS_AXIS
 
 
 def route(

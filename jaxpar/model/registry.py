@@ -14,11 +14,12 @@ from collections.abc import Callable
 
 from flax import nnx
 
+from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import ModelConfig
 
 ModelBuilder = Callable[[ModelConfig, nnx.Rngs], nnx.Module]
 # Forward FLOPs per token that `ModelConfig.remat` recomputes in the backward, from (model config, seq_len): the
-# hardware-FLOPs (HFU) count of a family; see `jaxpar.flops.recompute_flops_per_token` for the built-in one.
+# hardware-FLOPs (HFU) count of a family; see `jaxpar.model.flops.recompute_flops_per_token` for the built-in one.
 RecomputeFlops = Callable[[ModelConfig, int], float]
 
 
@@ -83,11 +84,12 @@ def model_family(name: str) -> ModelFamily:
     """The family registered as `name`.
 
     Raises:
-      ValueError: no family has that name; the message lists the registered ones and how to add one.
+      ConfigError: no family has that name (`model.name`); the message lists the registered ones and how to add
+        one. Raised when a model is first derived from a config (`build_plan`, the planner), before device work.
     """
     _register_builtins()
     if name not in _FAMILIES:
-        raise ValueError(
+        raise ConfigError(
             f"model.name={name!r} is not a registered model (registered: "
             f"{', '.join(sorted(_FAMILIES))}); a script registers its own with "
             f"jaxpar.register_model({name!r}, build) before loading the config (jaxpar-train: --import FILE.py)"
@@ -103,7 +105,7 @@ def _register_builtins() -> None:
     if _BUILTINS_REGISTERED:
         return
     _BUILTINS_REGISTERED = True
-    from jaxpar.flops import recompute_flops_per_token
+    from jaxpar.model.flops import recompute_flops_per_token
     from jaxpar.model.llama import Llama
 
     _FAMILIES["llama"] = ModelFamily("llama", Llama, recompute_flops_per_token)

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-ROPE_SCALINGS = ("none", "linear", "llama3")
+from jaxpar.config.choices import ROPE_SCALINGS
 
 
 def rope_inverse_frequencies(
@@ -62,3 +62,20 @@ def rope_inverse_frequencies(
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
     return inv
+
+
+def model_inverse_frequencies(cfg) -> tuple[float, ...] | None:
+    """The rotary inverse frequencies [head_width / 2] of a `ModelConfig`'s `rope_scaling`, or None for `none` (the
+    plain theta ** (-2i / K), computed in the model)."""
+    if cfg.rope_scaling == "none":
+        return None
+    inv = rope_inverse_frequencies(
+        cfg.head_width,
+        cfg.rope_theta,
+        cfg.rope_scaling,
+        cfg.rope_scaling_factor,
+        cfg.rope_low_freq_factor,
+        cfg.rope_high_freq_factor,
+        cfg.rope_original_max_position,
+    )
+    return tuple(float(f) for f in inv)

@@ -37,7 +37,7 @@ _policies = jax.checkpoint_policies
 # The outputs of the tensor-parallel collectives (`jaxpar.parallel.tensor`): TENSOR_REDUCED, each block exit's
 # all-reduce or reduce-scatter, and TENSOR_GATHERED, each sequence-parallel enter's all-gather. A policy that does
 # not save them makes the backward re-run those collectives to rebuild the forward, which the compiler-chosen
-# partitioning of the same model (`jaxpar.analysis.bench_baselines.compiler_chosen_step`) does not do for the
+# partitioning of the same model (`jaxpar.analysis.bench.baselines.compiler_chosen_step`) does not do for the
 # matmul outputs it keeps: with remat dots and no saved outputs the explicit step moved 1.24x its bytes over
 # `tensor` (1.36x with sequence parallelism) on the llama_1b shape. So:
 #   * none and dots save both: the backward re-runs no tensor collective (the compiler-chosen program with these
@@ -57,7 +57,7 @@ _save_tensor_collectives = _policies.save_only_these_names(
 )
 
 # What saving them costs, measured on 8 H100s compiled without a GPU (configs/llama_1b.yaml shape, data=2 x
-# tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python experiments/bench_tensor_bytes.py --target h100:1x8` prints
+# tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python benchmarks/tensor_bytes.py --target h100:1x8` prints
 # the table): XLA's temporary bytes per device, before -> with the saved outputs, without / with sequence
 # parallelism (the compiler-chosen program in brackets), and the ring bytes over `tensor` per step:
 #   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  6.64 GB as before (the old policy function also kept

@@ -6,7 +6,7 @@ of the sizes of `model.moe.expert_axes`), C capacity per expert and sequence, A 
 D model width.
 
 The experts' weights are stacked [E, ...] and split over the expert axes: device r (its linear index over the
-axes, major to minor) holds experts [r * El, (r + 1) * El) (`jaxpar.sharding.logical_to_spec`). Each device
+axes, major to minor) holds experts [r * El, (r + 1) * El) (`jaxpar.parallel.sharding.logical_to_spec`). Each device
 routes its own rows; `all_to_all` over the expert axes moves every assignment to its expert's device and the
 results back (GShard, Lepikhin et al. 2020, section 3.2; DeepSpeed-MoE, Rajbhandari et al. 2022, section 4.1).
 An `all_to_all` is its own transpose, so the backward runs the same two collectives in reverse, and each

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.sharding import PARAM_RULES, gathered_axes, logical_to_spec
+from jaxpar.parallel.sharding import PARAM_RULES, gathered_axes, logical_to_spec
 
 GATHERED_WEIGHT = "gathered_weight"  # checkpoint name of all-gathered weights: never saved for backward
 
@@ -80,7 +80,7 @@ def module_gatherer(
       reduce_dtype: dtype of the gradient reduce-scatters.
       expert_axes: the mesh axes experts are split over (`model.moe.expert_axes`): an expert weight's `experts`
         dimension is never gathered, and its `embed` dimension only over the other storage axes
-        (`jaxpar.sharding.logical_to_spec`).
+        (`jaxpar.parallel.sharding.logical_to_spec`).
     """
 
     def gather_variable(var: nnx.Variable) -> nnx.Variable:

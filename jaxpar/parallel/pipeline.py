@@ -179,8 +179,8 @@ def ordered_after(tree, deps):
     collectives that it does not depend on can start while the loop runs, so devices issue them in different
     orders; each in-process collective blocks a thread of one pool shared by all devices, and the step
     deadlocks (seen on 16 simulated devices). A data dependency fixes one order on every device and backend
-    (`jaxpar.analysis.collective_order` checks a compiled program for such pairs). `jax.lax.optimization_barrier` does
-    not: XLA:CPU compiles it to nothing.
+    (`jaxpar.analysis.hlo.collective_order` checks a compiled program for such pairs). `jax.lax.optimization_barrier`
+    does not: XLA:CPU compiles it to nothing.
 
     Cost: one element read from each array in `deps` and one add per leaf of `tree`. The added term is exactly
     0 (and 0 for a non-finite element too, so a NaN does not spread into `tree`).

@@ -18,8 +18,8 @@ from jaxpar.model.hf_llama.config import model_differences
 
 def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
     """(the model config saved with the checkpoint at `path`, its root, its step), reading metadata only."""
-    from jaxpar.checkpoint import Checkpointer, resolve_checkpoint_path
-    from jaxpar.checkpoint_info import read_json_item
+    from jaxpar.checkpoint.info import read_json_item
+    from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
 
     root, step = resolve_checkpoint_path(path)
     reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
@@ -38,7 +38,7 @@ def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
 
 def resumes(run_dir: str) -> bool:
     """True if `run_dir` holds a complete checkpoint of its own (the run resumes from it; init_from is unused)."""
-    from jaxpar.checkpoint import RUN_CHECKPOINT_DIR, Checkpointer
+    from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, Checkpointer
 
     directory = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
     if not os.path.isdir(directory):
@@ -92,7 +92,7 @@ def check_init_from(model: ModelConfig) -> None:
 def load_init_params(model: ModelConfig) -> dict:
     """The parameters `model.init_from` names, on the host as float32 numpy: a Hugging Face directory's, or a
     jaxpar checkpoint's (its master copy under precision.layout=16p; only the parameters are read, whatever
-    optimizer the run had: `jaxpar.checkpoint_params.restore_params`).
+    optimizer the run had: `jaxpar.checkpoint.params.restore_params`).
 
     Raises:
       ConfigError: as `check_init_from`.
@@ -100,7 +100,7 @@ def load_init_params(model: ModelConfig) -> dict:
     check_init_from(model)
     if is_hf_directory(model.init_from):
         return load_hf_llama(model.init_from, model).params
-    from jaxpar.checkpoint_params import restore_params
+    from jaxpar.checkpoint.params import restore_params
 
     return restore_params(model.init_from)[0]
 

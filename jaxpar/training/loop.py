@@ -29,23 +29,23 @@ import jax
 import numpy as np
 import optax
 
-from jaxpar import flops as flops_lib
-from jaxpar.checkpoint import RUN_CHECKPOINT_DIR, Checkpointer, CheckpointMismatchError, restore_from_path
-from jaxpar.compiled_memory import memory_analysis_bytes
+from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, Checkpointer, CheckpointMismatchError, restore_from_path
 from jaxpar.config import Config, ConfigError, resolve_config, save_config
 from jaxpar.config.resume import check_resume_config, keep_previous_config
 from jaxpar.data import IteratorLoader, build_loaders
 from jaxpar.data.loader import serves_segment_ids
-from jaxpar.distributed import describe_process
-from jaxpar.mesh import build_mesh, describe
-from jaxpar.metrics import MetricsWriter, default_trackers
+from jaxpar.model import flops as flops_lib
 from jaxpar.model import model_family
 from jaxpar.parallel import schedule as schedule_lib
+from jaxpar.parallel.distributed import describe_process
+from jaxpar.parallel.mesh import build_mesh, describe
+from jaxpar.training.compiled_memory import memory_analysis_bytes
 from jaxpar.training.faults import FaultInjector
 from jaxpar.training.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
 from jaxpar.training.hooks.base import log as _log
 from jaxpar.training.init_from import check_init_from, check_init_from_tokenizer, load_init_params, resumes
 from jaxpar.training.loss import LossFn
+from jaxpar.training.metrics import MetricsWriter, default_trackers
 from jaxpar.training.optimizer import nonfinite_state
 from jaxpar.training.step import (
     StepPlan,
@@ -148,7 +148,7 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
 
 
 # Called once the train step is compiled, with (plan, compiled step, state, first batch); returns a report to
-# log, or None. jaxpar-train passes `jaxpar.analysis.memory.state_memory_report` (the ZeRO table).
+# log, or None. jaxpar-train passes `jaxpar.analysis.planner.memory.state_memory_report` (the ZeRO table).
 CompiledHook = Callable[[StepPlan, Any, dict, dict], "str | None"]
 
 

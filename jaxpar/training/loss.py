@@ -40,7 +40,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.batch import abstract_batch
+from jaxpar.data.batch import abstract_batch
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
 

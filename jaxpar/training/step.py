@@ -40,14 +40,12 @@ from jaxpar.config.moe import check_moe, without_expert_axes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
-from jaxpar.mesh import DATA_PARALLEL_AXES, MESH_AXES
 from jaxpar.model import ModelDef, init_params, model_def
 from jaxpar.model.interface import STACK_ATTRIBUTE, takes_segment_ids
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.gather import module_gatherer
-from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
-from jaxpar.parallel.tensor import TensorParallel
-from jaxpar.sharding import (
+from jaxpar.parallel.mesh import DATA_PARALLEL_AXES, MESH_AXES
+from jaxpar.parallel.sharding import (
     activation_spec,
     dim_axes,
     gathered_axes,
@@ -58,6 +56,8 @@ from jaxpar.sharding import (
     spec_axes,
     storage_axes,
 )
+from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
+from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy, summed_loss
 from jaxpar.training.moe_loss import MEAN_KEYS, moe_loss_terms, moe_metrics, moe_sums, zero_sums
 from jaxpar.training.optimizer import (
@@ -145,7 +145,7 @@ def build_plan(
 
     Args:
       cfg: the run config.
-      mesh: the device mesh (`jaxpar.mesh.build_mesh`).
+      mesh: the device mesh (`jaxpar.parallel.mesh.build_mesh`).
       loss_fn: the training loss, a `jaxpar.training.loss.VocabParallelLoss` or a plain function
         `(logits [b, T, V], batch) -> summed fp32 loss` (see `jaxpar.training.loss` for how each sees the logits
         under tensor parallelism and how the step normalises). Default: next-token cross-entropy.
@@ -154,7 +154,7 @@ def build_plan(
         not read (learning rate, schedule, clipping, weight decay are the transformation's own). Wrap it in
         `jaxpar.training.optimizer.skip_nonfinite` to skip and count non-finite updates as the default does; only
         then does the step report `bad_steps_in_a_row` and `skipped_steps`. Its state is sharded by
-        `jaxpar.sharding.opt_state_specs`: parameter-shaped leaves as the parameters' optimizer state (over
+        `jaxpar.parallel.sharding.opt_state_specs`: parameter-shaped leaves as the parameters' optimizer state (over
         `data` too from ZeRO-1), everything else (counts, Adafactor's factored statistics) replicated.
         Default: the config's AdamW with its schedule, clipping and the non-finite skip.
       learning_rate: only with `optimizer`: what the `learning_rate` metric reports. A schedule (count ->
@@ -249,7 +249,7 @@ def build_plan(
 def _resolved_model(cfg: Config, mesh: Mesh) -> ModelConfig:
     """`cfg.model` with `model.attention` resolved for the mesh's devices (`auto` -> cudnn on NVIDIA GPUs, xla
     elsewhere; `jaxpar.config.attention`), so the model never asks the default backend: a step compiled ahead of
-    time for GPUs on a CPU host (`jaxpar.analysis.plan_gpu`) gets the GPU's kernel. `model.moe.expert_axes` keeps
+    time for GPUs on a CPU host (`jaxpar.analysis.gpu.deviceless`) gets the GPU's kernel. `model.moe.expert_axes` keeps
     the axes of size > 1, in mesh order (the order of the experts' shards and of the all-to-all's ranks).
 
     Raises:
@@ -648,7 +648,7 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
     return jax.shard_map(
         body,
         mesh=plan.mesh,
-        # one spec for every batch array: the three of `jaxpar.batch` and an optional "segment_ids"
+        # one spec for every batch array: the three of `jaxpar.data.batch` and an optional "segment_ids"
         in_specs=(plan.specs["params"], plan.batch_sharding.spec),
         out_specs=(plan.specs["grads"], P(), P(), P()),
         check_vma=False,
@@ -750,7 +750,7 @@ def make_eval_step(plan: StepPlan) -> Callable:
         count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
         return total, count
 
-    # one spec for every batch array: the three of `jaxpar.batch` and an optional "segment_ids"
+    # one spec for every batch array: the three of `jaxpar.data.batch` and an optional "segment_ids"
     fn = jax.shard_map(
         body,
         mesh=plan.mesh,

@@ -34,7 +34,7 @@ from step_helpers import (
 )
 
 from jaxpar.config import load_config
-from jaxpar.mesh import build_mesh
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.loss import VocabParallelLoss, cross_entropy_with_z_loss
 from jaxpar.training.step import build_plan, init_state, make_eval_step, make_grad_fn
 

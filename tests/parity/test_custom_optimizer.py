@@ -43,11 +43,11 @@ from step_helpers import (
     to_host,
 )
 
-from jaxpar.analysis.memory import persistent_state_bytes
+from jaxpar.analysis.planner.memory import persistent_state_bytes
 from jaxpar.config import load_config
-from jaxpar.flops import param_count
-from jaxpar.mesh import build_mesh
-from jaxpar.sharding import opt_state_specs
+from jaxpar.model.flops import param_count
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.sharding import opt_state_specs
 from jaxpar.training.optimizer import skip_nonfinite
 from jaxpar.training.step import build_plan, init_state, make_grad_fn, make_train_step
 
@@ -303,7 +303,8 @@ def test_one_step_data_fsdp_equals_single_device(name, zero, gradients, referenc
 
 def test_lion_state_bytes_per_device_are_the_zero_share(reference, gradients):
     """ZeRO-1 on data=2 x fsdp=4: Lion's one fp32 moment is 4 bytes per parameter split 8 ways, measured from the
-    compiled step's arguments (`jaxpar.analysis.memory.persistent_state_bytes`), while the parameters split 4 ways."""
+    compiled step's arguments (`jaxpar.analysis.planner.memory.persistent_state_bytes`), while the parameters split 4
+    ways."""
     _need(8)
     plan = _plan(["mesh.data=2", "mesh.fsdp=4", "optimizer.zero_stage=1"], 8, optimizer=OPTIMIZERS["lion"]())
     out = _step(plan, gradients["params"])
@@ -464,13 +465,13 @@ def test_train_loop_with_an_optimizer_without_skip_or_schedule(tmp_path):
 
 @pytest.mark.slow  # the example script as a training run (about 6 s on 2 cores)
 def test_example_script_trains_with_its_own_loss_and_optimizer(capsys):
-    """experiments/custom_loss_optimizer.py (z-loss and Lion with a schedule through `train`) for 4 steps: the
+    """examples/custom_loss_optimizer.py (z-loss and Lion with a schedule through `train`) for 4 steps: the
     metrics carry the schedule's rates, nothing is skipped, validation improves, Lion's momentum is split over
     data x fsdp."""
     import importlib.util
     import os
 
-    path = os.path.join(os.path.dirname(CONFIG), os.pardir, "experiments", "custom_loss_optimizer.py")
+    path = os.path.join(os.path.dirname(CONFIG), os.pardir, "examples", "custom_loss_optimizer.py")
     spec = importlib.util.spec_from_file_location("custom_loss_optimizer", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

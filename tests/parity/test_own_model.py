@@ -1,4 +1,4 @@
-"""A model family of one's own (`experiments/gpt2.py`, written against `jaxpar.model` only) trains on every
+"""A model family of one's own (`examples/gpt2.py`, written against `jaxpar.model` only) trains on every
 layout exactly as one device does, and a model that does not follow the interface is refused before any device
 work.
 
@@ -47,13 +47,13 @@ import jaxpar
 import jaxpar.model as jm
 from jaxpar.config import ConfigError, load_config
 from jaxpar.data.packing import pack
-from jaxpar.mesh import build_mesh
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step import build_plan, init_state, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("gpt2", os.path.join(ROOT, "experiments", "gpt2.py"))
+_spec = importlib.util.spec_from_file_location("gpt2", os.path.join(ROOT, "examples", "gpt2.py"))
 gpt2 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpt2)  # registers model.name=gpt2
 
@@ -350,10 +350,10 @@ def test_gpt2_refuses_settings_it_cannot_honour():
 
 @pytest.mark.slow
 def test_own_model_script_resumes_bitwise_and_runs_unchanged_on_two_processes(tmp_path):
-    """experiments/own_model.py (GPT-2, own Grain data and loss, data x tensor x pipeline, ZeRO-3) as one process
+    """examples/own_model.py (GPT-2, own Grain data and loss, data x tensor x pipeline, ZeRO-3) as one process
     with 8 devices and as 2 processes x 4 devices under jaxpar-launch: each run's resumed losses equal its
     uninterrupted ones (the script exits 0 only then), and the two runs' losses are bitwise equal."""
-    script = os.path.join(ROOT, "experiments", "own_model.py")
+    script = os.path.join(ROOT, "examples", "own_model.py")
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
     one = subprocess.run(
         [sys.executable, script, "--steps", "4", "--run-dir", str(tmp_path / "one")],

@@ -12,7 +12,7 @@ import pytest
 from step_helpers import CONFIG, FP32, FP32_RTOL, TINY, assert_scalar_close, assert_tree_close, host_batch, to_host
 
 from jaxpar.config import load_config
-from jaxpar.mesh import build_mesh
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step import build_plan, init_state, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py

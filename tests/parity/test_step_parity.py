@@ -9,7 +9,7 @@ Clipping is active on two of the meshes. Adam runs with its default eps, without
 
 Each test first asserts that its layout really differs from the reference's: the axis under test has more
 than one device, and parameters, gradients, optimizer state and the batch are split exactly as the ZeRO stage
-says (`jaxpar.sharding`).
+says (`jaxpar.parallel.sharding`).
 
 Shape letters: G global batch, T sequence length, L layers, D model width, F mlp hidden width.
 """

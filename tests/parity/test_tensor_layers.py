@@ -7,7 +7,7 @@ gradients of sum(output * cotangent) with a fixed random cotangent, with respect
 
 The sharded side runs in a `jax.shard_map` over a 1-D `tensor` mesh of t CPU devices: inputs [B, T, D] are split
 over T with sequence parallelism and replicated without; weights are split as their logical axes say (`heads`,
-`mlp`, `vocab` over `tensor`, like `jaxpar.sharding.PARAM_RULES`). Gradients are taken inside the shard_map, as
+`mlp`, `vocab` over `tensor`, like `jaxpar.parallel.sharding.PARAM_RULES`). Gradients are taken inside the shard_map, as
 `jaxpar.training.step.make_grad_fn` takes them: that is the convention the custom VJPs in `jaxpar.parallel.tensor`
 implement (Megatron's f and g). Differentiating the shard_map from outside instead, with `check_vma=False`,
 would add shard_map's own transpose collectives (a psum of every replicated input's cotangent, a division of
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 RTOL = FP32_RTOL  # fp32, one module on reordered sums: no worse conditioned than a whole model
 B, T, D, F, V = 2, 8, 16, 32, 16
 HEAD_DIM = 4
-TENSOR_LOGICAL = ("heads", "mlp", "vocab")  # logical axes split over `tensor` (jaxpar.sharding.PARAM_RULES)
+TENSOR_LOGICAL = ("heads", "mlp", "vocab")  # logical axes split over `tensor` (jaxpar.parallel.sharding.PARAM_RULES)
 SEQ = P(None, "tensor", None)  # [B, T, D] split over T on tensor (sequence parallelism)
 OUT_FEATURES = P(None, None, "tensor")  # [B, T, F/t] or logits [B, T, V/t]
 SIZES_SP = [pytest.param(t, sp, id=f"t{t}-{'sp' if sp else 'nosp'}") for t in (2, 4) for sp in (False, True)]

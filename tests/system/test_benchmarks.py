@@ -1,5 +1,5 @@
-"""experiments/benchmarks.py: one table of ratios; the quick mode end to end in a subprocess (slow), and the row
-and table helpers of `jaxpar.analysis.bench_report` (cheap)."""
+"""benchmarks/all.py: one table of ratios; the quick mode end to end in a subprocess (slow), and the row
+and table helpers of `jaxpar.analysis.bench.report` (cheap)."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxpar.analysis.bench_report import format_report, memory_rows, row
+from jaxpar.analysis.bench.report import format_report, memory_rows, row
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,7 +54,7 @@ def test_quick_mode_prints_every_ratio(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "experiments", "benchmarks.py"),
+            os.path.join(ROOT, "benchmarks", "all.py"),
             "--quick",
             "--json",
             "--config",
@@ -120,10 +120,10 @@ def test_quick_mode_prints_every_ratio(tmp_path):
 @pytest.mark.slow  # a benchmark run in a subprocess (default-suite budget)
 @pytest.mark.timeout(120)
 def test_data_rss_benchmark_prints_the_ratio(tmp_path):
-    """experiments/bench_data_rss.py on two tiny sets (three short subprocesses): a table and the RSS ratio."""
+    """benchmarks/data_rss.py on two tiny sets (three short subprocesses): a table and the RSS ratio."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    script = os.path.join(ROOT, "experiments", "bench_data_rss.py")
+    script = os.path.join(ROOT, "benchmarks", "data_rss.py")
     args = ["--sizes", "20000", "50000", "--batches", "3", "--global-batch", "4", "--seq-len", "64"]
     proc = subprocess.run(
         [sys.executable, script, *args, "--dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=110
@@ -139,9 +139,7 @@ def test_data_rss_benchmark_prints_the_ratio(tmp_path):
 def test_synthetic_shard_set_is_a_valid_one(tmp_path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_data_rss", os.path.join(ROOT, "experiments", "bench_data_rss.py")
-    )
+    spec = importlib.util.spec_from_file_location("bench_data_rss", os.path.join(ROOT, "benchmarks", "data_rss.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     from jaxpar.data.shards import ShardSet

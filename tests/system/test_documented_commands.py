@@ -8,12 +8,12 @@ part of a command is classified:
            install); the extras must exist in pyproject.toml.
   cluster  `sbatch --nodes=N SCRIPT ARGS`: N x the script's `#SBATCH --gpus-per-node` devices. The script must
            end by running jaxpar-train with "$@", so ARGS are parsed by jaxpar-train's parser, the config loaded,
-           validated and resolved at N x G devices and planned (`jaxpar.analysis.plan.plan`, platform gpu).
+           validated and resolved at N x G devices and planned (`jaxpar.analysis.planner.plan.plan`, platform gpu).
   gpu      `jaxpar-plan ... --compile --target KIND:NODESxGPUS`, or `jaxpar-sweep SWEEP.yaml` (without --list) of a
            sweep file with `target:` and `compile: true`: compiles for a GPU cluster, which need the gpu-compile
            extra (jax's CUDA plugin). Checked as the CLI checks them (`jaxpar.cli.plan.gpu_cluster`: the cluster
-           name, --devices equal to its GPU count, no flag that does not apply; `jaxpar.analysis.sweep.load_sweep` for a
-           sweep file), the config (each point's, for a sweep) loaded, validated and resolved at the cluster's GPU
+           name, --devices equal to its GPU count, no flag that does not apply; `jaxpar.analysis.sweep.run.load_sweep`
+           for a sweep file), the config (each point's, for a sweep) loaded, validated and resolved at the cluster's GPU
            count and planned (platform gpu). Run (slow) only where the extra is installed; skipped otherwise,
            with the reason.
   local    a console script of pyproject.toml's [project.scripts], `python SCRIPT` of the repository, or
@@ -78,14 +78,14 @@ from doc_commands import ROOT, Documented, extract, pyproject_section
 TRAIN_APPEND = ["train.steps=2", "train.eval_batches=1", "train.sample_tokens=0", "train.progress_bar=false"]
 COLLECT_ONLY = ["--collect-only", "-q", "-p", "no:cacheprovider"]
 REDUCED = {
-    "experiments/bench_overhead.py": ["--steps", "1", "--rounds", "1"],
-    "experiments/bench_pipeline.py": ["--stages", "2", "--microbatches", "4", "--steps", "1", "--rounds", "1"],
-    "experiments/bench_tensor_collectives.py": ["--steps", "1", "--rounds", "1"],
-    "experiments/bench_tensor_bytes.py": ["--remat", "none", "--layouts", "data=2 x tensor=4 SP"],  # 2 of 24 compiles
-    "experiments/benchmarks.py": ["--quick", "--steps", "1", "--rounds", "1"],
-    "experiments/own_model.py": ["--steps", "2"],
-    "experiments/gpu_acceptance.py": ["--cpu-smoke"],
-    "experiments/bench_data_rss.py": [
+    "benchmarks/overhead.py": ["--steps", "1", "--rounds", "1"],
+    "benchmarks/pipeline.py": ["--stages", "2", "--microbatches", "4", "--steps", "1", "--rounds", "1"],
+    "benchmarks/tensor_collectives.py": ["--steps", "1", "--rounds", "1"],
+    "benchmarks/tensor_bytes.py": ["--remat", "none", "--layouts", "data=2 x tensor=4 SP"],  # 2 of 24 compiles
+    "benchmarks/all.py": ["--quick", "--steps", "1", "--rounds", "1"],
+    "examples/own_model.py": ["--steps", "2"],
+    "benchmarks/gpu_acceptance.py": ["--cpu-smoke"],
+    "benchmarks/data_rss.py": [
         "--sizes",
         "100000",
         "200000",
@@ -96,15 +96,15 @@ REDUCED = {
 # Scripts whose whole run another slow test makes and checks more closely (the value); their documented commands
 # are checked statically by the default suite and not run a second time here.
 RUN_ELSEWHERE = {
-    "experiments/benchmarks.py": "tests/system/test_benchmarks.py::test_quick_mode_prints_every_ratio",
-    "experiments/gpu_acceptance.py": (
+    "benchmarks/all.py": "tests/system/test_benchmarks.py::test_quick_mode_prints_every_ratio",
+    "benchmarks/gpu_acceptance.py": (
         "tests/system/test_gpu_acceptance.py::test_cpu_smoke_runs_every_part_and_the_loss_falls"
     ),
-    "experiments/own_data.py": "tests/system/test_train_data.py::test_example_script_resumes_its_own_data_exactly",
-    "experiments/own_model.py": (
+    "examples/own_data.py": "tests/system/test_train_data.py::test_example_script_resumes_its_own_data_exactly",
+    "examples/own_model.py": (
         "tests/parity/test_own_model.py::test_own_model_script_resumes_bitwise_and_runs_unchanged_on_two_processes"
     ),
-    "experiments/custom_loss_optimizer.py": (
+    "examples/custom_loss_optimizer.py": (
         "tests/parity/test_custom_optimizer.py::test_example_script_trains_with_its_own_loss_and_optimizer"
     ),
 }
@@ -116,7 +116,6 @@ NOT_RUN = {
     "jaxpar-checkpoints RUN_DIR": SYNOPSIS,
     "jaxpar-data tokenize INPUT ... --tokenizer TOKENIZER --out DIR": SYNOPSIS,
     "jaxpar-sweep SWEEP.yaml": SYNOPSIS,
-    "python experiments/train.py CONFIG [--cpu-devices N] [key=value ...]": SYNOPSIS,
     "jaxpar-checkpoints PATH [--step N] [--json]": SYNOPSIS,
     "jaxpar-checkpoints import-hf HF_DIR --out RUN_DIR [KEY=VALUE ...]": SYNOPSIS,
     "jaxpar-checkpoints export-hf PATH --out HF_DIR [--dtype D] [--step N]": SYNOPSIS,
@@ -167,7 +166,7 @@ class Part:
 def _compiles_for_a_target(args: list[str]) -> bool:
     """jaxpar-sweep ARGS compiles for a GPU cluster: its sweep file (the first .yaml argument) loads and has
     `target:` and `compile: true`, and --list is not given. A file that does not load is left to the checks."""
-    from jaxpar.analysis.sweep import SweepError, load_sweep
+    from jaxpar.analysis.sweep.run import SweepError, load_sweep
 
     files = [a for a in args if a.endswith(".yaml")]
     if "--list" in args or not files or not os.path.isfile(os.path.join(ROOT, files[0])):
@@ -417,7 +416,7 @@ def _check_local(part: Part, devices: int | None = None) -> None:
         _producer(path)
     _check_config(parsed, devices)
     if getattr(ns, "sweep", None):
-        from jaxpar.analysis.sweep import load_sweep
+        from jaxpar.analysis.sweep.run import load_sweep
 
         load_sweep(os.path.join(ROOT, ns.sweep))
 
@@ -445,7 +444,7 @@ def _sbatch_devices(part: Part) -> tuple[int, str, list[str]]:
 
 
 def _check_cluster(part: Part) -> dict:
-    from jaxpar.analysis.plan import plan
+    from jaxpar.analysis.planner.plan import plan
     from jaxpar.config import resolve_config
 
     devices, _, args = _sbatch_devices(part)
@@ -458,14 +457,14 @@ def _check_cluster(part: Part) -> dict:
 def _check_gpu(part: Part) -> dict:
     """A `gpu` part as jaxpar-plan (or jaxpar-sweep) checks it before compiling, planned at the cluster's GPU
     count (a sweep: every point that resolves, at least one; the first one's plan is returned)."""
-    from jaxpar.analysis.plan import plan
+    from jaxpar.analysis.planner.plan import plan
     from jaxpar.cli.plan import gpu_cluster
     from jaxpar.config import resolve_config
 
     parsed = _parse(part)
     if part.program == "jaxpar-sweep":
-        from jaxpar.analysis.gpu_targets import parse_cluster
-        from jaxpar.analysis.sweep import load_sweep, points
+        from jaxpar.analysis.gpu.targets import parse_cluster
+        from jaxpar.analysis.sweep.run import load_sweep, points
         from jaxpar.config import ConfigError, load_config
 
         sweep = load_sweep(os.path.join(ROOT, parsed.namespace.sweep))
@@ -515,7 +514,7 @@ def _fast(part: Part) -> bool:
     if part.program == "jaxpar-plan":
         return "--compile" not in part.args and not any(a.startswith("--measure-steps") for a in part.args)
     if part.program == "jaxpar-sweep":
-        from jaxpar.analysis.sweep import load_sweep
+        from jaxpar.analysis.sweep.run import load_sweep
 
         if "--list" in part.args:
             return True
@@ -584,9 +583,9 @@ def test_extraction_finds_the_known_commands():
         ".venv/bin/jaxpar-plan --exercise-13b",
     ):
         assert expected in texts
-    assert any(
-        c.text.startswith("python experiments/bench_pipeline.py") and "[--optimized]" in c.text for c in COMMANDS
-    ), "a docstring command's continuation line was not joined"
+    assert any(c.text.startswith("python benchmarks/pipeline.py") and "[--optimized]" in c.text for c in COMMANDS), (
+        "a docstring command's continuation line was not joined"
+    )
     assert len(COMMANDS) >= 40
 
 
@@ -669,7 +668,7 @@ def test_gpu_compile_command_resolves_and_plans(cmd):
         "jaxpar-train configs/tiny.yaml",  # one CPU device
         ".venv/bin/jaxpar-trian configs/tiny.yaml --cpu-devices 8",  # no such program
         "jaxpar-launch -n 2 -- jaxpar-train configs/tiny.yaml",  # 2 processes x 1 device
-        "python experiments/bench_overhead.py --stepz 3",  # a script's typo'd flag
+        "python benchmarks/overhead.py --stepz 3",  # a script's typo'd flag
         "python experiments/no_such_script.py",
         "python tools/resolve_config.py configs/llama_7b.yaml mesh.fsdp=16 --devices 64",  # 8 x 16 != 64
         "sbatch --nodes=2 tools/slurm_gpu.sbatch configs/llama_7b.yaml mesh.data=8 mesh.fsdp=8",
@@ -689,7 +688,7 @@ def test_a_broken_example_fails(text, tmp_path):
     """The checks above refuse each kind of broken example (so the documented commands passing them means
     something)."""
     cmd = Documented(text, ["example"])
-    from jaxpar.analysis.sweep import SweepError
+    from jaxpar.analysis.sweep.run import SweepError
     from jaxpar.config import ConfigError
 
     with pytest.raises((AssertionError, ConfigError, SweepError)) as err:
@@ -780,7 +779,7 @@ def test_local_command_runs(cmd, tmp_path_factory):
 
 
 def _plugin_missing() -> str | None:
-    from jaxpar.analysis.plan_gpu import unavailable_reason
+    from jaxpar.analysis.gpu.deviceless import unavailable_reason
 
     return unavailable_reason()
 

@@ -1,4 +1,4 @@
-"""experiments/gpu_acceptance.py in its CPU smoke mode: the code a maintainer runs on one GPU, end to end on tiny
+"""benchmarks/gpu_acceptance.py in its CPU smoke mode: the code a maintainer runs on one GPU, end to end on tiny
 shapes (slow: a subprocess that compiles a few steps), and the verdict and table helpers (cheap)."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxpar.analysis.gpu_acceptance import ATTENTION_TOLERANCE, format_report, verdict
+from jaxpar.analysis.gpu.acceptance import ATTENTION_TOLERANCE, format_report, verdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_cpu_smoke_runs_every_part_and_the_loss_falls(tmp_path):
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "experiments", "gpu_acceptance.py"), "--cpu-smoke", "--out", str(out)],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_acceptance.py"), "--cpu-smoke", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=600,

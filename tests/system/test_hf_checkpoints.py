@@ -17,7 +17,7 @@ from hf_helpers import TIED, UNTIED, assert_same_tensors
 from step_helpers import to_host
 
 import jaxpar
-from jaxpar.checkpoint_params import restore_params
+from jaxpar.checkpoint.params import restore_params
 from jaxpar.cli.checkpoints import main as checkpoints_main
 from jaxpar.config import ConfigError, load_config
 from jaxpar.model.hf_llama import load_hf_llama

@@ -15,8 +15,8 @@ from tokenize_helpers import STDLIB_FILES, stdlib_path
 
 from jaxpar.config import load_config
 from jaxpar.data import build_loaders
-from jaxpar.mesh import build_mesh
-from jaxpar.sharding import activation_spec
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.sharding import activation_spec
 from jaxpar.training.loop import train
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py

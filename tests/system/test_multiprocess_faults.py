@@ -17,10 +17,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.checkpoint import restore_from_path
+from jaxpar.checkpoint.store import restore_from_path
 from jaxpar.cli.launch import free_port
 from jaxpar.config import load_config
-from jaxpar.mesh import build_mesh
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step import abstract_state, build_plan
 from jaxpar.training.watchdog import EXIT_HUNG
 

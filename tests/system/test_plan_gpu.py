@@ -1,4 +1,5 @@
-"""The deviceless GPU compile (jaxpar.analysis.plan_gpu); the targets are tested in tests/unit/test_gpu_targets.py.
+"""The deviceless GPU compile (jaxpar.analysis.gpu.deviceless); the targets are tested in
+tests/unit/test_gpu_targets.py.
 
 The error without the plugin is checked everywhere (with the plugin installed, by hiding its distribution name).
 The compile test needs the `gpu-compile` extra and is skipped without it, with the reason the library gives (and
@@ -14,7 +15,7 @@ import os
 import pytest
 from doc_commands import pyproject_section
 
-from jaxpar.analysis import plan_gpu
+from jaxpar.analysis.gpu import deviceless as plan_gpu
 from jaxpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -64,7 +65,7 @@ def test_attention_scores_are_batched_matmuls_ending_seq_by_seq():
 
 
 def _plugin_missing() -> str | None:
-    from jaxpar.analysis.plan_gpu import unavailable_reason
+    from jaxpar.analysis.gpu.deviceless import unavailable_reason
 
     return unavailable_reason()
 
@@ -80,7 +81,7 @@ def test_the_plugin_accepts_every_shipped_target(name):
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxpar.analysis.gpu_targets import cluster
+    from jaxpar.analysis.gpu.targets import cluster
 
     clu = cluster(name, 1, 2)
     devices = plan_gpu.compile_devices(clu)

@@ -1,5 +1,5 @@
 """`jaxpar-plan ... --target KIND:NODESxGPUS [--compile]` (jaxpar.cli.plan,
-jaxpar.analysis.plan_report.format_gpu_target).
+jaxpar.analysis.planner.report.format_gpu_target).
 
 Without the CUDA plugin (the default environment) the CLI is tested in-process: the flag checks, the error naming
 the extra, the plan for the cluster, and the report of a canned `compile_for_gpu` result. With the gpu-compile
@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-from jaxpar.analysis import plan_gpu
-from jaxpar.analysis.plan_report import format_gpu_target
+from jaxpar.analysis.gpu import deviceless as plan_gpu
+from jaxpar.analysis.planner.report import format_gpu_target
 from jaxpar.cli import plan as plan_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,7 +72,7 @@ def test_target_plans_for_gpu_on_the_clusters_devices(capsys):
     peak = out["plan"]["memory"]["peak_estimate"]
     assert t["cluster"] == "h100:2x8" and t["devices"] == 16 and t["memory_bytes"] == 80 * 10**9
     assert t["planned_peak_bytes"] == peak and t["planned_fraction_of_memory"] == peak / 80e9 and t["planned_fits"]
-    assert t["usable_bytes"] == pytest.approx(0.9 * 80e9)  # jaxpar.analysis.gpu_targets.MEMORY_FRACTION
+    assert t["usable_bytes"] == pytest.approx(0.9 * 80e9)  # jaxpar.analysis.gpu.targets.MEMORY_FRACTION
     assert out["gpu_compiled"] is None
     assert plan_cli.main([*TINY, "--target", "h100:2x8"]) == 0
     text = capsys.readouterr().out
@@ -203,7 +203,7 @@ def test_report_of_a_run_that_does_not_fit():
 
 
 def _plugin_missing() -> str | None:
-    from jaxpar.analysis.plan_gpu import unavailable_reason
+    from jaxpar.analysis.gpu.deviceless import unavailable_reason
 
     return unavailable_reason()
 

@@ -1,4 +1,4 @@
-"""Mesh sweeps (jaxpar.analysis.sweep, jaxpar.cli.sweep): sweep-file checks, the point grid, outputs, resume."""
+"""Mesh sweeps (jaxpar.analysis.sweep.run, jaxpar.cli.sweep): sweep-file checks, the point grid, outputs, resume."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from jaxpar.analysis.plan import plan
-from jaxpar.analysis.sweep import SweepError, factorisations, load_sweep, points, run_sweep
-from jaxpar.analysis.sweep_report import objective_value
+from jaxpar.analysis.planner.plan import plan
+from jaxpar.analysis.sweep.report import objective_value
+from jaxpar.analysis.sweep.run import SweepError, factorisations, load_sweep, points, run_sweep
 from jaxpar.cli import sweep as sweep_cli
 from jaxpar.config import load_config, resolve_config
 

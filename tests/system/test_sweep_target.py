@@ -1,5 +1,5 @@
-"""Sweeps for a GPU cluster (`target:` in a sweep file; jaxpar.analysis.sweep, jaxpar.analysis.sweep_gpu,
-jaxpar.analysis.sweep_report).
+"""Sweeps for a GPU cluster (`target:` in a sweep file; jaxpar.analysis.sweep.run, jaxpar.analysis.sweep.gpu,
+jaxpar.analysis.sweep.report).
 
 Everything but the last test runs without jax's CUDA plugin: the GPU compile of each point is replaced by a fake
 runner, and the plugin check by a monkeypatch (so the tests do not depend on the environment running them). The
@@ -14,11 +14,11 @@ import os
 
 import pytest
 
-from jaxpar.analysis import plan_gpu
-from jaxpar.analysis.plan import plan
-from jaxpar.analysis.sweep import SweepError, factorisations, load_sweep, points, run_sweep
-from jaxpar.analysis.sweep_gpu import gpu_summary, target_command
-from jaxpar.analysis.sweep_report import objective_value
+from jaxpar.analysis.gpu import deviceless as plan_gpu
+from jaxpar.analysis.planner.plan import plan
+from jaxpar.analysis.sweep.gpu import gpu_summary, target_command
+from jaxpar.analysis.sweep.report import objective_value
+from jaxpar.analysis.sweep.run import SweepError, factorisations, load_sweep, points, run_sweep
 from jaxpar.cli import sweep as sweep_cli
 from jaxpar.config import load_config, resolve_config
 from jaxpar.config.mesh_axes import CONFIG_AXES

@@ -78,10 +78,10 @@ def test_checkpoint_of_the_built_in_loader_is_refused_by_an_iterator(tmp_path):
 
 @pytest.mark.slow
 def test_example_script_resumes_its_own_data_exactly():
-    """experiments/own_data.py (a Grain pipeline over the stdlib's text, stopped at half and resumed)."""
+    """examples/own_data.py (a Grain pipeline over the stdlib's text, stopped at half and resumed)."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(CONFIG), os.pardir, "experiments", "own_data.py")
+    path = os.path.join(os.path.dirname(CONFIG), os.pardir, "examples", "own_data.py")
     spec = importlib.util.spec_from_file_location("own_data", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -62,8 +62,8 @@ def test_a_mixture_trains_reports_each_source_and_resumes_exactly(sets, tmp_path
     from jax.sharding import NamedSharding
 
     from jaxpar.data import build_loaders
-    from jaxpar.mesh import build_mesh
-    from jaxpar.sharding import activation_spec
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.parallel.sharding import activation_spec
 
     whole = train(_cfg(sets, tmp_path / "whole", 12))
     rows = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]

@@ -54,7 +54,7 @@ def _cfg(shard_set, run_dir, steps: int, sample_tokens: int = 0):
 def test_training_on_a_shard_set_samples_with_its_tokenizer_and_resumes_exactly(shard_set, tmp_path):
     """Slow: three training runs (about 35 s on 2 cores); the loader's own resume and the sample's tokenizer are
     tested quickly in tests/unit/test_stream.py and tests/unit/test_sample_tokenizer.py."""
-    from jaxpar.generate import run_tokenizer
+    from jaxpar.training.sample import run_tokenizer
 
     whole = train(_cfg(shard_set, tmp_path / "whole", 4, sample_tokens=8))
     first = train(_cfg(shard_set, tmp_path / "split", 2))

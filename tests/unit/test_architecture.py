@@ -98,12 +98,12 @@ def test_no_import_cycles():
 def test_analysis_is_a_package_of_its_own():
     analysis = _modules(os.path.join(PACKAGE, "analysis"))
     for name in (
-        "jaxpar.analysis.plan",
-        "jaxpar.analysis.sweep",
-        "jaxpar.analysis.hlo",
-        "jaxpar.analysis.memory",
-        "jaxpar.analysis.plan_gpu",
-        "jaxpar.analysis.gpu_targets",
+        "jaxpar.analysis.planner.plan",
+        "jaxpar.analysis.sweep.run",
+        "jaxpar.analysis.hlo.collectives",
+        "jaxpar.analysis.planner.memory",
+        "jaxpar.analysis.gpu.deviceless",
+        "jaxpar.analysis.gpu.targets",
     ):
         assert name in analysis
     top = {m for m in _modules(PACKAGE) if m.count(".") == 1}
@@ -125,7 +125,7 @@ def _literal_tuples(path: str):
 ONE_SOURCE = {
     "mesh axes": ({"data", "pipeline", "fsdp", "tensor"}, "jaxpar.config.mesh_axes"),
     "platforms": ({"gpu", "tpu", "cpu"}, "jaxpar.config.precision"),
-    "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.batch"),
+    "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.data.batch"),
 }
 
 
@@ -141,12 +141,12 @@ def test_each_concept_is_spelled_out_in_one_module():
 
 
 def test_compile_options_are_written_once():
-    """XLA:CPU's fast-compile options appear as dict keys only in jaxpar.analysis.compile_options, wherever the
+    """XLA:CPU's fast-compile options appear as dict keys only in jaxpar.analysis.hlo.compile_options, wherever the
     repository's Python lives."""
-    from jaxpar.analysis.compile_options import FAST_COMPILER_OPTIONS
+    from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
 
     where = []
-    for top in ("jaxpar", "experiments", "tools", "tests"):
+    for top in ("jaxpar", "examples", "benchmarks", "tools", "tests"):
         for d, _, files in os.walk(os.path.join(ROOT, top)):
             for f in files:
                 path = os.path.join(d, f)
@@ -158,14 +158,14 @@ def test_compile_options_are_written_once():
                         isinstance(k, ast.Constant) and k.value in FAST_COMPILER_OPTIONS for k in node.keys
                     ):
                         where.append(rel)
-    assert where == [os.path.join("jaxpar", "analysis", "compile_options.py")] * 2
+    assert where == [os.path.join("jaxpar", "analysis", "hlo", "compile_options.py")] * 2
 
 
 def test_jax_free_modules_do_not_start_jax():
     """The commands set jax's device count before jax starts, so what they import first must not import jax."""
     code = (
         "import sys\n"
-        "import jaxpar.cli.plan, jaxpar.cli.sweep, jaxpar.analysis.sweep, jaxpar.config.mesh_axes, "
+        "import jaxpar.cli.plan, jaxpar.cli.sweep, jaxpar.analysis.sweep.run, jaxpar.config.mesh_axes, "
         "jaxpar.config.precision\n"
         "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
     )
@@ -180,7 +180,7 @@ def test_compute_dtype_auto_resolves_once():
     import jax
     import numpy as np
 
-    from jaxpar.analysis.plan import plan
+    from jaxpar.analysis.planner.plan import plan
     from jaxpar.config import load_config, resolve_config
     from jaxpar.config.precision import resolve_compute_dtype
     from jaxpar.training.step import compute_dtype
@@ -194,8 +194,9 @@ def test_compute_dtype_auto_resolves_once():
 
 
 def test_byte_formatting_has_one_source():
-    from jaxpar.analysis import plan_report, sweep_report
-    from jaxpar.analysis.units import human_bytes
+    from jaxpar.analysis.planner import report as plan_report
+    from jaxpar.analysis.sweep import report as sweep_report
+    from jaxpar.log import human_bytes
 
     assert [human_bytes(x) for x in (None, 512, 431_400, 26e9, -3e12)] == ["-", "512 B", "431.4 kB", "26 GB", "-3 TB"]
     assert plan_report.human_bytes is human_bytes and sweep_report.human_bytes is human_bytes

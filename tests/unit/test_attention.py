@@ -1,7 +1,7 @@
 """Attention implementations (jaxpar.config.attention, jaxpar.model.attention): which one `model.attention` picks on
 each platform, the XLA path's document masking against a per-document reference, cuDNN's packed layout built from
 segment ids, and the model and step passing segment ids through. The cuDNN kernel itself runs on NVIDIA GPUs only:
-its compiled form is checked by tests/system/test_plan_gpu.py, its numbers by experiments/gpu_check.py.
+its compiled form is checked by tests/system/test_plan_gpu.py, its numbers by tools/check_gpu_configs.py.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.config.attention import resolve_attention
-from jaxpar.mesh import build_mesh
 from jaxpar.model import build_model, dot_product_attention
 from jaxpar.model.attention import packed_segments
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.checkpoint import (
+from jaxpar.checkpoint.store import (
     EMPTY,
     ArrayDifference,
     Checkpointer,

@@ -13,8 +13,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.checkpoint import Checkpointer
-from jaxpar.checkpoint_info import checkpoint_info
+from jaxpar.checkpoint.info import checkpoint_info
+from jaxpar.checkpoint.store import Checkpointer
 from jaxpar.cli.checkpoints import main
 from jaxpar.config.schema import Config
 

@@ -79,7 +79,7 @@ def test_run_dir_check_leaves_no_directories_behind(tmp_path):
 
 def test_run_dir_check_keeps_created_directories_with_several_processes(tmp_path, monkeypatch):
     """Processes check at the same time: one removing a directory another is probing would fail that one (the
-    race a 2-process run of experiments/own_model.py hit), so with several processes nothing is removed."""
+    race a 2-process run of examples/own_model.py hit), so with several processes nothing is removed."""
     import jax
 
     from jaxpar.training.loop import check_run_dir

@@ -1,4 +1,4 @@
-"""Every device issues the train step's collectives in one order (`jaxpar.analysis.collective_order`).
+"""Every device issues the train step's collectives in one order (`jaxpar.analysis.hlo.collective_order`).
 
 XLA:CPU orders collectives only by when they start, so a collective scheduled after a loop of collectives that it
 does not depend on lets devices issue them in different orders; with blocking in-process collectives that
@@ -18,7 +18,7 @@ import jax
 import pytest
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan, quick_compile
 
-from jaxpar.analysis.collective_order import unordered_collectives
+from jaxpar.analysis.hlo.collective_order import unordered_collectives
 from jaxpar.parallel import pipeline
 from jaxpar.training.step import abstract_state, make_grad_fn
 

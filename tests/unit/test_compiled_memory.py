@@ -1,9 +1,10 @@
-"""jaxpar.compiled_memory: XLA's per-device memory analysis as ints, and the one peak formula every report uses."""
+"""jaxpar.training.compiled_memory: XLA's per-device memory analysis as ints, and the one peak formula every report
+uses."""
 
 import jax
 import jax.numpy as jnp
 
-from jaxpar.compiled_memory import memory_analysis_bytes, peak_bytes
+from jaxpar.training.compiled_memory import memory_analysis_bytes, peak_bytes
 
 
 def test_donated_output_is_counted_once():
@@ -19,7 +20,7 @@ def test_donated_output_is_counted_once():
 
 def test_reports_read_the_peak_they_are_given():
     """The sweep's compiled summary takes the producer's peak, never its own arithmetic."""
-    from jaxpar.analysis.sweep import _compiled_summary
+    from jaxpar.analysis.sweep.run import _compiled_summary
 
     ma = {"argument_bytes": 1, "output_bytes": 1, "alias_bytes": 0, "temp_bytes": 1, "peak_bytes": 7}
     compiled = {"memory_analysis": ma, "state": {"params_plus_opt_state": 1, "ratio": 1.0}, "collectives": []}

@@ -15,7 +15,6 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.batch import BATCH_DTYPES, BATCH_KEYS
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data import (
     BOS_ID,
@@ -29,6 +28,7 @@ from jaxpar.data import (
     pack,
     unigram_entropy,
 )
+from jaxpar.data.batch import BATCH_DTYPES, BATCH_KEYS
 from jaxpar.data.loader import _process_rows
 
 # --- tokenizer ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Expert parallelism's all-to-all bytes: the compiled train step's all-to-alls (parsed from its HLO,
-`jaxpar.analysis.hlo`) against the analytic count `jaxpar.parallel.expert.all_to_all_bytes`, per device and step.
+`jaxpar.analysis.hlo.collectives`) against the analytic count `jaxpar.parallel.expert.all_to_all_bytes`, per device and
+step.
 
 Tiny MoE model (step_helpers.TINY, two blocks as one MoE group of E = 8 experts, top-2), data=2 x fsdp=2 x
 tensor=2 with the experts over data x fsdp (ep = 4), two accumulation microbatches. The issue's bound is
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from step_helpers import FP32, make_plan
 
-from jaxpar.analysis.hlo import collectives_by_axis
+from jaxpar.analysis.hlo.collectives import collectives_by_axis
 from jaxpar.parallel.expert import all_to_all_bytes
 from jaxpar.training.step import abstract_state, make_train_step
 

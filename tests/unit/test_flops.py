@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxpar import flops
 from jaxpar.config import load_config
-from jaxpar.flops import param_count
+from jaxpar.model import flops
+from jaxpar.model.flops import param_count
 from jaxpar.model.llama import Llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Every shipped GPU-scale config is proven to compile for its documented cluster and fit (jaxpar.analysis.gpu_check).
+"""Every shipped GPU-scale config is proven to compile for its documented cluster and fit (jaxpar.analysis.gpu.check).
 
 The compile needs jax's CUDA plugin (the gpu-compile extra), which CI does not install (about 2.7 GB):
 `tools/check_gpu_configs.py` compiles each config with it and stores the records in configs/gpu_check.json.
@@ -14,9 +14,9 @@ import os
 
 import pytest
 
-from jaxpar.analysis import gpu_check
-from jaxpar.analysis.gpu_targets import parse_cluster
-from jaxpar.analysis.plan_gpu import unavailable_reason
+from jaxpar.analysis.gpu import check as gpu_check
+from jaxpar.analysis.gpu.deviceless import unavailable_reason
+from jaxpar.analysis.gpu.targets import parse_cluster
 from jaxpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,7 +108,7 @@ def test_readme_table_is_the_records_with_the_current_plan():
 def test_small_config_on_two_h100_nodes_is_planned_within_15_percent(tmp_path):
     """llama_125m on 2 nodes of 8 H100s (data=16, 8 sequences of 2048 per GPU): the GPU compiler's peak and the
     plan agree within 15%, and it fits."""
-    from jaxpar.analysis.plan_gpu import compile_for_gpu
+    from jaxpar.analysis.gpu.deviceless import compile_for_gpu
 
     cfg = load_config(os.path.join(CONFIGS, "llama_125m.yaml"), ["train.global_batch_size=512"], num_devices=16)
     out = compile_for_gpu(cfg, "h100", 2, 8)
@@ -136,7 +136,7 @@ def test_readme_cluster_commands_run_a_checked_step():
     compiled for the config's cluster: the same GPU count and the same fingerprint (mesh, batch, model)."""
     import re
 
-    from jaxpar.analysis.plan_gpu import gpu_config
+    from jaxpar.analysis.gpu.deviceless import gpu_config
 
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         commands = re.findall(r"^sbatch --nodes=(\d+) tools/slurm_gpu\.sbatch (\S+)(.*)$", f.read(), re.MULTILINE)

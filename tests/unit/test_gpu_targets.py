@@ -1,4 +1,4 @@
-"""GPU compile targets (jaxpar.analysis.gpu_targets): the shipped descriptions, their memory and peak, cluster names.
+"""GPU compile targets (jaxpar.analysis.gpu.targets): the shipped descriptions, their memory and peak, cluster names.
 
 No CUDA plugin needed: the descriptions are parsed here as text (the plugin's own parsing is exercised by
 tests/system/test_plan_gpu.py where the `gpu-compile` extra is installed).
@@ -12,8 +12,8 @@ import os
 import pytest
 from doc_commands import pyproject_section
 
-from jaxpar import flops
-from jaxpar.analysis import gpu_targets
+from jaxpar.analysis.gpu import targets as gpu_targets
+from jaxpar.model import flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,8 +95,8 @@ def test_cluster_names():
 
 def test_targets_are_package_data():
     shipped = ast.literal_eval(pyproject_section("tool.setuptools.package-data")["jaxpar"])
-    assert "analysis/gpu_targets/*.txtpb" in shipped
-    files = {f for f in os.listdir(os.path.join(ROOT, "jaxpar", "analysis", "gpu_targets")) if f.endswith(".txtpb")}
+    assert "analysis/gpu/targets/*.txtpb" in shipped
+    files = {f for f in os.listdir(os.path.join(ROOT, "jaxpar", "analysis", "gpu", "targets")) if f.endswith(".txtpb")}
     assert files == set(gpu_targets.TARGET_FILES.values())
 
 

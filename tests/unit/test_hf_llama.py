@@ -251,7 +251,7 @@ def test_rotary_buffers_and_a_stored_tied_head_are_skipped(tmp_path):
 def test_jaxpar_plan_takes_the_llama3_configs(name, total):
     """The planner (what jaxpar-plan prints) counts the published models' parameters: Llama 3.2 1B 1.24B (tied),
     Llama 3 8B 8.03B."""
-    from jaxpar.analysis.plan import plan
+    from jaxpar.analysis.planner.plan import plan
     from jaxpar.config import load_config, resolve_config
 
     root = os.path.dirname(os.path.dirname(FIXTURES))

@@ -17,7 +17,7 @@ Where each expected count comes from (jaxpar/parallel/tensor.py, jaxpar/model/la
                   reduce-scatters over fsdp, and the 9 re-gathers of the weights (see BACKWARD_REGATHERS).
 Outside the loops the embedding/head/cross-entropy collectives and the optimizer's compiler-inserted reductions
 run once; the combiner merges some of them into tuple all-reduces (e.g. the head's backward all-reduce with a
-grad-norm partial sum), so they are only checked in total by experiments/bench_tensor_collectives.py.
+grad-norm partial sum), so they are only checked in total by benchmarks/tensor_collectives.py.
 """
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan
 
-from jaxpar.analysis.comm import ring_bytes
-from jaxpar.analysis.hlo import (
+from jaxpar.analysis.hlo.collectives import (
     classify_groups,
     collectives_by_axis,
     parse_collectives,
     parse_replica_groups,
     while_loops,
 )
-from jaxpar.analysis.plan_compile import PARTITIONER_PASS, read_partitioned_hlo
+from jaxpar.analysis.hlo.ring import ring_bytes
+from jaxpar.analysis.planner.compiled import PARTITIONER_PASS, read_partitioned_hlo
 from jaxpar.training.step import abstract_state, make_train_step
 
 N_LAYERS = 2  # step_helpers.TINY
@@ -94,7 +94,7 @@ def test_layer_collectives(fsdp, sp):
     per_step = collectives_by_axis(text, plan.mesh, computations={fwd, bwd})
     assert per_step[(tensor, "reduce-scatter" if sp else "all-reduce")]["count"] == 2 * 2 * N_LAYERS
     # The activation collectives carry [b, T, D] (b = 8 rows per device / fsdp): ring bytes
-    # (`jaxpar.analysis.comm.ring_bytes`).
+    # (`jaxpar.analysis.hlo.ring.ring_bytes`).
     x_bytes = 8 // fsdp * 8 * 64 * 4
     for c in parse_collectives(text):
         if c.computation in (fwd, bwd) and classify_groups(c.groups, plan.mesh) == tensor:
@@ -135,9 +135,9 @@ def test_cpu_backend_widens_bf16_collectives(tmp_path):
     """Which collectives XLA:CPU rewrites, seen in HLO: one bf16 all-reduce, reduce-scatter, all-gather and
     collective-permute each stay bf16 in the partitioned program (after the SPMD partitioner, before any backend
     pass) and are fp32 in the CPU executable (AllReducePromotion BF16 -> F32 for the first two, FloatNormalization
-    for the others), the same ops in the same groups; fp32 ones are untouched. jaxpar.analysis.plan's cpu platform
-    counts
-    collectives this way (`jaxpar.analysis.plan_dims.collective_bytes`)."""
+    for the others), the same ops in the same groups; fp32 ones are untouched. jaxpar.analysis.planner.plan's cpu
+    platform counts
+    collectives this way (`jaxpar.analysis.planner.dims.collective_bytes`)."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
     def body(a, b):

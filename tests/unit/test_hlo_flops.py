@@ -1,4 +1,4 @@
-"""`jaxpar.analysis.hlo_flops`: matmul FLOPs per device from a compiled program, with loop trip counts and the
+"""`jaxpar.analysis.hlo.flops`: matmul FLOPs per device from a compiled program, with loop trip counts and the
 branch of each conditional that device takes; XLA's own `cost_analysis()` does neither (checked here too).
 
 A toy shard_map over mesh pipeline=2 x tensor=2: a scan of 5 steps whose body runs an [8, 64] x [64, 64] matmul
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.analysis.hlo_flops import dot_flops_per_device, per_device_cost
+from jaxpar.analysis.hlo.flops import dot_flops_per_device, per_device_cost
 
 MATMUL = 2 * 8 * 64 * 64  # one [8, 64] x [64, 64] matmul
 TRIPS = 5

@@ -4,18 +4,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxpar.analysis.compile_options import COMPILER_OPTIONS
-from jaxpar.analysis.memory import (
+from jaxpar.analysis.hlo.compile_options import COMPILER_OPTIONS
+from jaxpar.analysis.planner.memory import (
     format_memory_table,
     formula_expression,
     measured_state_bytes,
     memory_table,
     state_bytes_formula,
 )
-from jaxpar.batch import abstract_batch
 from jaxpar.config import load_config
-from jaxpar.flops import param_count
-from jaxpar.mesh import build_mesh
+from jaxpar.data.batch import abstract_batch
+from jaxpar.model.flops import param_count
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step import build_plan, init_state
 
 GB = 1e9

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpar.metrics import MetricsWriter
+from jaxpar.training.metrics import MetricsWriter
 
 
 def _lines(run_dir):

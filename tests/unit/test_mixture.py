@@ -202,7 +202,7 @@ def test_resuming_with_other_sources_or_weights_is_refused(tmp_path):
 
 
 def test_the_sample_decodes_with_the_sources_tokenizer(sets):
-    from jaxpar.generate import run_tokenizer
+    from jaxpar.training.sample import run_tokenizer
 
     entries = (DataSourceConfig(name="bpe", path=sets["bpe"]), DataSourceConfig(name="more", path=sets["bpe"]))
     tok = run_tokenizer(DataConfig(source="shards", sources=entries))

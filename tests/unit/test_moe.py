@@ -12,11 +12,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxpar import flops
 from jaxpar.config import load_config
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.validate import sequence_parallel
-from jaxpar.model import init_params
+from jaxpar.model import flops, init_params
 from jaxpar.model.llama import Llama
 from jaxpar.model.moe import capacity, capacity_experts, dropless_experts, route
 from jaxpar.training.moe_loss import moe_metrics

@@ -1,5 +1,5 @@
 """The pipeline does no wasted work, counted in the compiled program's matmul FLOPs per device
-(`jaxpar.analysis.hlo_flops`: loop trip counts, and only the branch of each conditional a device takes).
+(`jaxpar.analysis.hlo.flops`: loop trip counts, and only the branch of each conditional a device takes).
 
 Model: L = 4 layers, D = 64, F = 128, T = 32, V = 2048 (a head large next to the blocks, as a real
 vocabulary is), fp32, b = 2 rows per microbatch, m = 8 microbatches, compiled (never run) on p devices.
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from step_helpers import FP32, compile_fast, make_plan
 
-from jaxpar.analysis.hlo_flops import dot_flops_per_device, per_device_cost
-from jaxpar.batch import abstract_batch
+from jaxpar.analysis.hlo.flops import dot_flops_per_device, per_device_cost
+from jaxpar.data.batch import abstract_batch
 from jaxpar.parallel import schedule
 from jaxpar.training.step import abstract_state, make_grad_fn
 

@@ -39,7 +39,7 @@ import jax
 import pytest
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
 
-from jaxpar.batch import abstract_batch
+from jaxpar.data.batch import abstract_batch
 from jaxpar.training.step import abstract_state, make_grad_fn
 
 P_STAGES = 4

@@ -1,8 +1,8 @@
-"""Pipeline schedule arithmetic (`jaxpar.analysis.pipeline_report`): pure integer/float checks, no compilation."""
+"""Pipeline schedule arithmetic (`jaxpar.analysis.planner.pipeline`): pure integer/float checks, no compilation."""
 
 import pytest
 
-from jaxpar.analysis.pipeline_report import (
+from jaxpar.analysis.planner.pipeline import (
     activation_bytes,
     bubble_fraction,
     format_table,

@@ -1,5 +1,5 @@
-"""The planner (jaxpar.analysis.plan, jaxpar.analysis.plan_comm) against the model, the hand-computed formulas and the
-compiled step.
+"""The planner (jaxpar.analysis.planner.plan, jaxpar.analysis.planner.comm) against the model, the hand-computed
+formulas and the compiled step.
 
 The compiled checks compile the real train step of a small model ahead of time on the 8 simulated CPU devices
 (nothing runs) and compare like with like: params + optimizer state bytes (XLA's arguments minus the batch and
@@ -24,7 +24,9 @@ import sys
 import jax
 import pytest
 
-from jaxpar.analysis.plan import (
+from jaxpar.analysis.planner.comm import collective_terms
+from jaxpar.analysis.planner.dims import param_leaves, rank_params
+from jaxpar.analysis.planner.plan import (
     activation_bytes,
     attention_working_bytes,
     exercise_activations,
@@ -34,13 +36,11 @@ from jaxpar.analysis.plan import (
     temp_bytes,
     zero_exercise,
 )
-from jaxpar.analysis.plan_comm import collective_terms
-from jaxpar.analysis.plan_dims import param_leaves, rank_params
-from jaxpar.analysis.units import GB
 from jaxpar.cli import plan as plan_cli
 from jaxpar.config import load_config, resolve_config
-from jaxpar.mesh import build_mesh
+from jaxpar.log import GB
 from jaxpar.model import init_params, logical_axes
+from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -353,7 +353,7 @@ def test_planned_collectives_equal_compiled(name, capsys):
 
 
 # The partitioned program still holds what the backends' generic simplifier later hoists or drops in pipeline
-# layouts (loop-invariant gathers, unread shifts; jaxpar.analysis.plan_compile), which the plan counts after that.
+# layouts (loop-invariant gathers, unread shifts; jaxpar.analysis.planner.compiled), which the plan counts after that.
 PARTITIONED = [n for n in MESHES if "mesh.pipeline=2" not in MESHES[n]]
 
 

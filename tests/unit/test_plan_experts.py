@@ -14,12 +14,12 @@ import os
 
 import pytest
 
-from jaxpar.analysis.comm import ring_bytes
-from jaxpar.analysis.plan import plan, state_bytes
-from jaxpar.analysis.plan_comm import collective_terms
-from jaxpar.analysis.plan_dims import param_leaves, rank_params
-from jaxpar.analysis.sweep import load_sweep, points, run_point
-from jaxpar.analysis.sweep_report import write_markdown
+from jaxpar.analysis.hlo.ring import ring_bytes
+from jaxpar.analysis.planner.comm import collective_terms
+from jaxpar.analysis.planner.dims import param_leaves, rank_params
+from jaxpar.analysis.planner.plan import plan, state_bytes
+from jaxpar.analysis.sweep.report import write_markdown
+from jaxpar.analysis.sweep.run import load_sweep, points, run_point
 from jaxpar.config import load_config, resolve_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

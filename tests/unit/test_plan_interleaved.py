@@ -1,6 +1,6 @@
-"""The planner (jaxpar.analysis.plan, jaxpar.analysis.plan_comm) for interleaved 1F1B, `pipeline.virtual_stages`
-v > 1 (`jaxpar.parallel.schedule`): memory and collectives by hand, the edge parts' ticks against the schedule's
-own tick functions, and the collectives against the compiled step.
+"""The planner (jaxpar.analysis.planner.plan, jaxpar.analysis.planner.comm) for interleaved 1F1B,
+`pipeline.virtual_stages` v > 1 (`jaxpar.parallel.schedule`): memory and collectives by hand, the edge parts' ticks
+against the schedule's own tick functions, and the collectives against the compiled step.
 
 Shapes as in tests/unit/test_plan.py (D = 64, F = 128, s = 8, 4 heads of 16, 2 key/value heads, V = 264), with
 L = 4 layers on p = 2 stages, v = 2 (chunks of L/(pv) = 1 layer), m = 4 microbatches of b = 1 row. One layer
@@ -23,9 +23,9 @@ import os
 
 import pytest
 
-from jaxpar.analysis.plan import activation_bytes, plan, temp_bytes
-from jaxpar.analysis.plan_comm import _edge_ticks, collective_terms
-from jaxpar.analysis.plan_dims import param_leaves
+from jaxpar.analysis.planner.comm import _edge_ticks, collective_terms
+from jaxpar.analysis.planner.dims import param_leaves
+from jaxpar.analysis.planner.plan import activation_bytes, plan, temp_bytes
 from jaxpar.cli import plan as plan_cli
 from jaxpar.config import load_config, resolve_config
 from jaxpar.parallel import schedule

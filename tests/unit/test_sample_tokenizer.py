@@ -16,9 +16,9 @@ from jaxpar.config import Config
 from jaxpar.config.schema import DataConfig
 from jaxpar.data.tokenize_corpus import TokenizeOptions, tokenize_corpus
 from jaxpar.data.tokenizer import ByteTokenizer
-from jaxpar.generate import SamplingUnavailable, run_tokenizer, sample_text
 from jaxpar.training.hooks import SampleHook
 from jaxpar.training.hooks.base import TrainResult
+from jaxpar.training.sample import SamplingUnavailable, run_tokenizer, sample_text
 from jaxpar.training.step import init_state
 
 

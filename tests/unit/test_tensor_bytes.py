@@ -1,5 +1,5 @@
 """Explicit tensor parallelism never moves more activation bytes than the compiler-chosen partitioning of the same
-model (`jaxpar.analysis.tensor_bytes`; the remat policies of `jaxpar.model.stack` save the tensor collectives'
+model (`jaxpar.analysis.bench.tensor_bytes`; the remat policies of `jaxpar.model.stack` save the tensor collectives'
 outputs they need for that), while the gradients are still reduced in fp32.
 
 On 8 simulated CPU devices (tiny shape, data=2 x tensor=4) in the default suite for remat dots, all four policies
@@ -14,7 +14,7 @@ import os
 import jax
 import pytest
 
-from jaxpar.analysis.tensor_bytes import compile_steps, format_table, program_bytes
+from jaxpar.analysis.bench.tensor_bytes import compile_steps, format_table, program_bytes
 from jaxpar.config import load_config
 from jaxpar.config.validate import resolve_config
 from jaxpar.model.stack import REMAT_POLICIES
@@ -112,7 +112,7 @@ def test_program_bytes_sorts_tensor_collectives_from_gradient_reductions(devices
 
 
 def _plugin_missing() -> str | None:
-    from jaxpar.analysis.plan_gpu import unavailable_reason
+    from jaxpar.analysis.gpu.deviceless import unavailable_reason
 
     return unavailable_reason()
 
@@ -124,8 +124,8 @@ def _plugin_missing() -> str | None:
 def test_llama_1b_on_8_h100s_moves_no_more_than_the_compiler(remat, sp):
     """data=2 x tensor=4, ZeRO-1, bf16, 8 x 4096 tokens: explicit activation bytes <= the compiler-chosen
     program's, gradients reduced in fp32 where the compiler-chosen program reduces them in bf16."""
-    from jaxpar.analysis.gpu_targets import cluster
-    from jaxpar.analysis.plan_gpu import compile_devices, gpu_config
+    from jaxpar.analysis.gpu.deviceless import compile_devices, gpu_config
+    from jaxpar.analysis.gpu.targets import cluster
 
     clu = cluster("h100", 1, 8)
     overrides = [*COMMON, *TENSOR4, f"tensor.sequence_parallel={str(sp).lower()}", f"model.remat={remat}"]

@@ -1,4 +1,4 @@
-"""Trackers (jaxpar.trackers): a script's own tracker, TensorBoard off, and Weights & Biases offline with no
+"""Trackers (jaxpar.training.trackers): a script's own tracker, TensorBoard off, and Weights & Biases offline with no
 network (the `wandb` extra; part of the test extra), resumed into the same W&B run; config checks."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import struct
 import pytest
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.metrics import MetricsWriter, default_trackers
-from jaxpar.trackers import WANDB_ID_FILE, WandbTracker
+from jaxpar.training.metrics import MetricsWriter, default_trackers
+from jaxpar.training.trackers import WANDB_ID_FILE, WandbTracker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

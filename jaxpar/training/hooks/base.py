@@ -63,13 +63,13 @@ class RunContext:
       val_loader: the validation split (`jaxpar.data.EvalLoader`); eval_step: `(params, batch) -> (loss sum
         in nats, valid tokens)`, see `jaxpar.training.hooks.evaluate`.
       data_info: the splits' token and sequence counts and `val_unigram_entropy` (`jaxpar.data.build_loaders`).
-      checkpointer: the run's `jaxpar.checkpoint.Checkpointer`, None with `checkpoint.every_steps=0`.
-      writer: the run's `jaxpar.metrics.MetricsWriter` (metrics.jsonl and the configured trackers).
+      checkpointer: the run's `jaxpar.checkpoint.store.Checkpointer`, None with `checkpoint.every_steps=0`.
+      writer: the run's `jaxpar.training.metrics.MetricsWriter` (metrics.jsonl and the configured trackers).
       stack: a `contextlib.ExitStack` closed when the loop ends, normally or by an error: a hook enters its
         contexts there (`run.stack.enter_context(...)`, `run.stack.callback(...)`).
       start_step: the step the run started (or resumed) at.
       memory: per-device `memory_peak_bytes` and `memory_step_bytes` (bytes; None where unknown).
-      flops_per_token, hardware_flops_per_token: model and hardware training FLOPs per token (`jaxpar.flops`;
+      flops_per_token, hardware_flops_per_token: model and hardware training FLOPs per token (`jaxpar.model.flops`;
         the hardware count is None for a model family that registered no recompute count);
         peak_flops: the device's dense peak FLOP/s, None if unknown.
 

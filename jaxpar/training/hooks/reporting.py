@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import jax
 
-from jaxpar import flops as flops_lib
-from jaxpar.generate import MAX_SAMPLE_PARAMS, SamplingUnavailable, sample_text
+from jaxpar.model import flops as flops_lib
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 from jaxpar.training.moe_loss import MOE_METRICS
+from jaxpar.training.sample import MAX_SAMPLE_PARAMS, SamplingUnavailable, sample_text
 
 
 class MetricsHook(Hook):
@@ -95,7 +95,7 @@ class ProgressBarHook(Hook):
 
 class SampleHook(Hook):
     """At the end of a run (not after a preemption), continues `prompt` by `num_tokens` sampled tokens
-    (`jaxpar.generate.sample_text`, temperature 0.8, top-k 40) decoded with the run's tokenizer, logs the text
+    (`jaxpar.training.sample.sample_text`, temperature 0.8, top-k 40) decoded with the run's tokenizer, logs the text
     and sets `result.sample`. When the run has no usable tokenizer (a flat `tokens` file, a shard set whose
     tokenizer cannot be rebuilt) or more than `max_params` parameters (sampling gathers them onto every host), it
     logs why and skips (`result.sample` stays "").
@@ -103,8 +103,8 @@ class SampleHook(Hook):
     Args:
       num_tokens: tokens to generate (`train.sample_tokens`). prompt: the text to continue.
       seed: the sampling seed (`train.seed`).
-      tokenizer: the `TextTokenizer` to use instead of the run's (`jaxpar.generate.run_tokenizer`).
-      max_params: the largest model sampled (`jaxpar.generate.MAX_SAMPLE_PARAMS`).
+      tokenizer: the `TextTokenizer` to use instead of the run's (`jaxpar.training.sample.run_tokenizer`).
+      max_params: the largest model sampled (`jaxpar.training.sample.MAX_SAMPLE_PARAMS`).
     """
 
     def __init__(

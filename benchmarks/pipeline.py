@@ -1,0 +1,179 @@
+"""Pipeline schedules (1F1B keeping residuals, 1F1B recomputing the stage forward, GPipe) against data
+parallelism on the same devices: compiled temp memory, activations in flight, clock ticks, bubble, matmul FLOPs
+and step time.
+
+    python benchmarks/pipeline.py [--config configs/tiny.yaml] [--stages 2 4] [--microbatches 4 8 16 32]
+        [--steps 5] [--rounds 3] [--micro-rows 2] [--optimized] [key=value ...]
+
+For each p (stages) and m (microbatches) the microbatch size is fixed (global batch = m * micro_rows), and
+four train steps run on the same p simulated CPU devices, interleaved and timed in one run:
+  * 1F1B (pipeline.recompute=false, "1f1b"; true, "1f1b-rc"), interleaved 1F1B (pipeline.virtual_stages=2,
+    "1f1b-v2"; skipped where the layers or m do not divide) and GPipe on mesh pipeline=p
+    (data=fsdp=tensor=1), pipeline.microbatches=m;
+  * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
+    (pipeline.microbatches=1), ZeRO-0 unless overridden.
+"meas t/dp" is the median step time over the baseline's; "ideal t/dp" the compute-bound prediction of
+`jaxpar.analysis.planner.pipeline.ideal_time_ratio`. "FLOPs/dp" is the matmul FLOPs per device (mean over the
+devices) of the compiled step over the baseline's, counted with loop trip counts and each device's own branch of
+the stage conds (`jaxpar.analysis.hlo.flops`; for 1f1b-v2 the blocks' FLOPs plus the heads' formula, since its
+conds select on the tick too), next to the tick ratio (vm + p - 1)/(vm); "1-dp/FLOPs" and "1-dp/t" are the
+measured bubbles, next to the formula (p - 1)/(vm + p - 1). Row formulas live in
+`jaxpar.analysis.planner.pipeline`; the model (`PIPELINE_MODEL`) and mesh overrides in
+`jaxpar.analysis.bench.report`, which benchmarks/all.py also uses for its 1F1B / GPipe memory rows; the
+fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a few percent of an optimised build, step
+times about 2x for every contender alike) in `jaxpar.analysis.hlo.compile_options`.
+
+A model with a 32,000-token vocabulary (d_model 256, 4 layers, 8 microbatches of 2 x 128 tokens on 2 devices),
+where the head outweighs the layers:
+
+    python benchmarks/pipeline.py --stages 2 --microbatches 8 --steps 3 model.vocab_size=32000
+        model.d_model=256 model.d_ff=768 data.seq_len=128
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")  # before jax is imported: 8 simulated CPU devices
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.analysis.bench.report import PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.bench.timing import interleaved_step_times, median_seconds
+from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
+from jaxpar.analysis.hlo.flops import dot_flops_per_device
+from jaxpar.analysis.planner.pipeline import format_table, report_row
+from jaxpar.config import ConfigError, load_config
+from jaxpar.data.batch import BATCH_KEYS, random_batch
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.training.step import build_plan, init_state, make_train_step
+
+SCHEDULES = ("1f1b", "1f1b-rc", "1f1b-v2", "gpipe")  # -rc: pipeline.recompute=true; -v2: pipeline.virtual_stages=2
+
+
+class Contender:
+    """One compiled train step with its own state (the step donates it) and batch on its mesh.
+
+    `states` caches one initial state per state sharding, so each mesh's init compiles once; every contender
+    runs on its own copy."""
+
+    def __init__(self, cfg, devices, batch: dict, compiler_options: dict, states: dict, rows: int = 0):
+        self.plan = build_plan(cfg, build_mesh(cfg, devices))
+        self.batch = {k: jax.device_put(batch[k], self.plan.batch_sharding) for k in BATCH_KEYS}
+        key = (len(devices), cfg.mesh.pipeline)
+        if key not in states:
+            states[key] = init_state(self.plan, cfg.train.seed)
+        self.state = jax.tree.map(lambda x: x.copy(), states[key])
+        t0 = time.perf_counter()
+        self.step = make_train_step(self.plan).lower(self.state, self.batch).compile(compiler_options=compiler_options)
+        self.compile_s = time.perf_counter() - t0
+        self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)
+        if cfg.pipeline.virtual_stages == 1:
+            self.flops = sum(dot_flops_per_device(self.step.as_text())) / len(devices)  # mean per device
+        else:
+            # The edge conds select on the tick too, which the FLOPs reader cannot evaluate: the blocks' FLOPs
+            # without the conds, plus the m heads' 6 b T D V each (jaxpar.analysis.bench.report does the same).
+            mdl, m = cfg.model, cfg.pipeline.microbatches
+            heads = m * 6 * rows * cfg.data.seq_len * mdl.d_model * mdl.vocab_size
+            blocks = sum(dot_flops_per_device(self.step.as_text(), skip_conditionals=True))
+            self.flops = (blocks + heads) / len(devices)
+
+    def __call__(self):
+        self.state, metrics = self.step(self.state, self.batch)
+        return metrics["loss"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round and contender")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--micro-rows", type=int, default=2, help="rows (sequences) per microbatch, b")
+    ap.add_argument("--optimized", action="store_true", help="compile with XLA's default options (slower)")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.n_layers=8")
+    args = ap.parse_args()
+
+    rows, all_rows, states = args.micro_rows, [], {}
+    options = {} if args.optimized else FAST_COMPILER_OPTIONS
+    t_start = time.perf_counter()
+    for p in args.stages:
+        devices = jax.devices()[:p]
+        for m in args.microbatches:
+
+            def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
+                flags = [
+                    f"pipeline.recompute={str(sched == '1f1b-rc').lower()}",
+                    f"pipeline.virtual_stages={2 if sched == '1f1b-v2' else 1}",
+                ]
+                base = sched.split("-")[0]
+                overrides = pipeline_overrides(p, pipelined, base, m, rows) + flags
+                return load_config(args.config, PIPELINE_MODEL + args.overrides + overrides, num_devices=p)
+
+            cfg = load(False)
+            batch = random_batch(m * rows, cfg.data.seq_len, cfg.model.vocab_size, devices[0], cfg.train.seed)
+            contenders = {"dp": Contender(cfg, devices, batch, options, states)}
+            for sched in SCHEDULES:
+                try:
+                    sched_cfg = load(True, sched)
+                except ConfigError as e:  # interleaving needs n_layers % 2p == 0 and m % p == 0
+                    print(f"p={p} m={m}: {sched} skipped: {e}", flush=True)
+                    continue
+                contenders[sched] = Contender(sched_cfg, devices, batch, options, states, rows)
+            losses = {name: float(c()) for name, c in contenders.items()}  # first step: same loss expected
+            times = interleaved_step_times(contenders, args.steps, args.rounds)
+            med = {name: median_seconds(t) for name, t in times.items()}
+            plan = contenders["1f1b"].plan
+            for sched in (s for s in SCHEDULES if s in contenders):
+                row = report_row(
+                    sched.split("-")[0],
+                    p,
+                    m,
+                    rows,
+                    cfg.data.seq_len,
+                    cfg.model.d_model,
+                    jnp.dtype(plan.compute_dtype).itemsize,
+                    recompute=sched == "1f1b-rc",
+                    v=2 if sched == "1f1b-v2" else 1,
+                )
+                row.update(
+                    temp_bytes=contenders[sched].temp_bytes,
+                    time_ratio=med[sched] / med["dp"],
+                    flops_ratio=contenders[sched].flops / contenders["dp"].flops,
+                )
+                all_rows.append(row)
+            print(
+                f"p={p} m={m}: median step ms "
+                + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in med.items())
+                + f"; dp temp {contenders['dp'].temp_bytes / 1024:.1f} KiB; "
+                f"compile s "
+                + " ".join(f"{n} {c.compile_s:.1f}" for n, c in contenders.items())
+                + "; first-step loss "
+                + " ".join(f"{n} {v:.6f}" for n, v in losses.items()),
+                flush=True,
+            )
+
+    print(
+        f"\nmodel {cfg.model.n_layers} layers, d_model {cfg.model.d_model}, seq {cfg.data.seq_len}, "
+        f"b = {rows} rows per microbatch, compute {jnp.dtype(plan.compute_dtype).name}, "
+        f"{jax.devices()[0].device_kind} ({jax.default_backend()}); {args.rounds} rounds x {args.steps} steps; "
+        f"baseline dp = mesh data=p, same global batch m*b; "
+        f"{'optimised' if args.optimized else 'fast (unoptimised) XLA:CPU'} compile; "
+        f"total {time.perf_counter() - t_start:.0f} s"
+    )
+    print(
+        "temp: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: "
+        "microbatches whose stage inputs (1f1b-rc) or residuals (1f1b, gpipe) are kept for the backward on stage "
+        "0 (live at once / buffers reserved), live KiB counting stage inputs only; ticks (half): clock ticks run "
+        "(of which forward-only or backward-only); FLOPs/dp: matmul FLOPs per device over data parallelism's"
+    )
+    print(format_table(all_rows))
+
+
+if __name__ == "__main__":
+    main()

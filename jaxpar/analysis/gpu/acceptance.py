@@ -1,0 +1,427 @@
+"""The one-GPU acceptance run (`benchmarks/gpu_acceptance.py`): what a maintainer with one NVIDIA GPU checks in one
+command, in a few minutes including compilation.
+
+1. Device: name, memory, dense bf16 peak FLOP/s (`jaxpar.model.flops.PEAK_FLOPS`, vendor datasheets).
+2. Attention parity (`attention_parity`): cuDNN's fused kernel against XLA's path, forward and the gradients of
+   q, k and v, in bf16, with and without packed-document segment ids, grouped-query heads; both against an fp32
+   XLA reference on the same bf16 inputs.
+3. Speed (`measure_step`): the train step of a ~1B Llama (`configs/llama_1b.yaml`'s shape: d_model 2048, 16
+   layers, 32 heads, 8 key/value heads, d_ff 8192, 32,000-token vocabulary; bf16 compute, fp32 parameters and
+   AdamW state, sequence 4096) on one device, for each remat policy of a short list whose planned peak fits the
+   GPU; tokens/s over timed steps after warm-up, MFU (model FLOPs: 6N + 12*L*h*s per token, PaLM appendix B,
+   the attention term not halved for the causal mask) and HFU (plus what the remat policy recomputes,
+   `jaxpar.model.flops.hardware_flops_per_token`), the compiler's peak bytes beside the planner's
+   (`jaxpar.analysis.planner.plan`). The fastest policy is the one kept.
+4. Learning (`train_on_text`): the kept step for `train_steps` steps on real text (the standard library's Python
+   sources, byte-tokenised and packed, `jaxpar.data`), loss per step; it must fall.
+
+`--cpu-smoke` runs the same code on CPU with tiny shapes (the test suite runs it); cuDNN is then reported as not
+run. Bytes are per device, FLOP/s per device, times in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.analysis.planner.plan import plan as analytic_plan
+from jaxpar.config import load_config
+from jaxpar.config.schema import Config
+from jaxpar.config.validate import resolve_config
+from jaxpar.data.batch import BATCH_KEYS, random_batch
+from jaxpar.log import human_bytes
+from jaxpar.model import flops as flops_lib
+from jaxpar.model.attention import dot_product_attention
+from jaxpar.model.registry import model_family
+from jaxpar.parallel.mesh import build_mesh
+from jaxpar.training.compiled_memory import memory_analysis_bytes
+from jaxpar.training.step import build_plan, init_state, make_train_step
+
+_LOGGER = logging.getLogger("jaxpar.analysis.gpu.acceptance")
+
+REMAT_CANDIDATES = ("none", "names", "dots", "full")  # tried in this order; the first `max_candidates` that fit
+MEMORY_FRACTION = 0.90  # a candidate fits when its planned peak is at most this share of the device's memory
+ATTENTION_TOLERANCE = 2e-2  # max |cuDNN - fp32| / max |fp32| per tensor: a few bf16 roundings (2^-8 each)
+
+GPU_OVERRIDES = [
+    "data.seq_len=4096",
+    "train.global_batch_size=8",
+    "train.grad_accum_steps=1",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "optimizer.zero_stage=0",
+    "precision.layout=fp32",
+    "precision.compute_dtype=bfloat16",
+    "model.attention=auto",
+]
+SMOKE_OVERRIDES = [
+    "model.d_model=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.d_ff=128",
+    "model.vocab_size=512",
+    "data.seq_len=64",
+    "train.global_batch_size=4",
+    "train.grad_accum_steps=1",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "optimizer.zero_stage=0",
+    "precision.layout=fp32",
+    "precision.compute_dtype=float32",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one acceptance run does.
+
+    Attributes:
+      config: base config path (its model shape is the one measured).
+      overrides: applied on top (shape, batch, precision).
+      train_steps: steps of the learning check; warmup_steps: untimed steps before timing; timed_steps: timed.
+      max_candidates: remat policies measured (the first that fit, in `REMAT_CANDIDATES` order).
+      attention_shape: (B, T, H, G, K) of the attention parity check.
+      learning_rate, warmup: AdamW schedule of the learning check (cosine to 10% over `train_steps`).
+    """
+
+    config: str
+    overrides: tuple[str, ...]
+    train_steps: int
+    warmup_steps: int
+    timed_steps: int
+    max_candidates: int
+    attention_shape: tuple[int, int, int, int, int]
+    learning_rate: float = 3e-4
+    warmup: int = 10
+
+
+def gpu_settings(config: str) -> Settings:
+    """The run on one GPU: ~1B Llama, 8 sequences of 4096 tokens per step, 100 learning steps."""
+    return Settings(config, tuple(GPU_OVERRIDES), 100, 2, 5, 3, (2, 4096, 32, 8, 128))
+
+
+def smoke_settings(config: str) -> Settings:
+    """The same code path on CPU in seconds: a 2-layer, 64-wide model, 4 x 64 tokens per step."""
+    return Settings(config, tuple(SMOKE_OVERRIDES), 30, 1, 2, 2, (2, 128, 4, 2, 16), 3e-3, 3)
+
+
+def device_info() -> dict:
+    """{"device_kind", "platform", "memory_bytes" (None where the backend does not say), "peak_flops" (dense
+    bf16, None when unknown)} of the first device."""
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    return {
+        "device_kind": dev.device_kind,
+        "platform": dev.platform,
+        "memory_bytes": stats.get("bytes_limit"),
+        "peak_flops": flops_lib.peak_flops(dev.device_kind),
+    }
+
+
+def _documents(b: int, t: int, seed: int) -> np.ndarray:
+    """Segment ids [b, t]: documents of random lengths (8 to t/4 tokens), numbered from 1 in each row."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((b, t), np.int32)
+    for row in range(b):
+        pos, doc = 0, 1
+        while pos < t:
+            n = int(rng.integers(8, max(9, t // 4)))
+            ids[row, pos : pos + n] = doc
+            pos, doc = pos + n, doc + 1
+    return ids
+
+
+def attention_parity(shape: tuple[int, int, int, int, int], implementations: tuple[str, ...], seed: int = 0) -> dict:
+    """Forward and input gradients of causal attention in bf16 against an fp32 XLA reference on the same inputs.
+
+    Args:
+      shape: (B, T, H, G, K).
+      implementations: which to check (`xla`, `cudnn`).
+
+    Returns:
+      {"segments" / "no_segments": {implementation: {"out", "dq", "dk", "dv": max |x - ref| / max |ref|}}}; the
+      cotangent of the output is a fixed random bf16 tensor.
+    """
+    b, t, h, g, k = shape
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, h, k), jnp.bfloat16)
+    kk = jax.random.normal(keys[1], (b, t, g, k), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, t, g, k), jnp.bfloat16)
+    cot = jax.random.normal(keys[3], (b, t, h, k), jnp.bfloat16)
+    seg = jnp.asarray(_documents(b, t, seed))
+    out = {}
+    for name, segment_ids in (("no_segments", None), ("segments", seg)):
+
+        def run(q, kk, v, cot, segment_ids, impl, dtype):
+            def f(q, kk, v):
+                return dot_product_attention(q, kk, v, implementation=impl, segment_ids_BT=segment_ids)
+
+            args = [x.astype(dtype) for x in (q, kk, v)]
+            o, vjp = jax.vjp(f, *args)
+            return (o, *vjp(cot.astype(dtype)))
+
+        # the inputs are arguments, not constants the compiler would fold
+        run = jax.jit(run, static_argnames=("impl", "dtype"))
+        ref = run(q, kk, v, cot, segment_ids, impl="xla", dtype=jnp.float32)
+        row = {}
+        for impl in implementations:
+            got = run(q, kk, v, cot, segment_ids, impl=impl, dtype=jnp.bfloat16)
+            row[impl] = {
+                part: float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
+                for part, x, r in zip(("out", "dq", "dk", "dv"), got, ref)
+            }
+        out[name] = row
+    return out
+
+
+def resolved(settings: Settings, extra: list[str] | None = None) -> Config:
+    """The config of the run with `extra` overrides, resolved for one device."""
+    cfg = load_config(settings.config, [*settings.overrides, *(extra or [])], validate=False)
+    return resolve_config(cfg, 1)
+
+
+def planned_peak(cfg: Config, platform: str) -> int:
+    """The planner's per-device peak bytes (`jaxpar.analysis.planner.plan`)."""
+    return int(analytic_plan(cfg, platform)["memory"]["peak_estimate"])
+
+
+def _flops(cfg: Config, params) -> tuple[float, float]:
+    model = flops_lib.flops_per_token(
+        flops_lib.active_non_embedding_params(params, cfg.model),
+        cfg.model.n_layers,
+        cfg.model.d_model,
+        cfg.data.seq_len,
+    )
+    recompute = model_family(cfg.model.name).recompute_flops_per_token
+    hardware = flops_lib.hardware_flops_per_token(model, recompute(cfg.model, cfg.data.seq_len))
+    return model, hardware
+
+
+def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float | None) -> tuple[dict, object]:
+    """Compiles and times the train step of `cfg` on one device with a random batch.
+
+    Returns:
+      (record, compiled step): record {"remat", "compile_seconds", "step_seconds" (median of the timed steps),
+      "tokens_per_s", "mfu", "hfu" (None without a known peak), "model_flops_per_token",
+      "hardware_flops_per_token", "compiled_peak_bytes" (XLA's), "planned_peak_bytes", "planned_ratio" (compiled /
+      planned)}.
+    """
+    plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+    state = init_state(plan, cfg.train.seed)
+    batch = random_batch(
+        cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding, cfg.train.seed
+    )
+    t0 = time.perf_counter()
+    compiled = make_train_step(plan).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    model_flops, hardware_flops = _flops(cfg, state["params"])
+    for _ in range(warmup_steps):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(timed_steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    del state
+    step_s = float(np.median(times))
+    tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / step_s
+    analysis = memory_analysis_bytes(compiled) or {}
+    compiled_peak = analysis.get("xla_peak_bytes") or analysis.get("peak_bytes")
+    platform = jax.devices()[0].platform
+    planned = planned_peak(cfg, "gpu" if platform == "gpu" else "cpu")
+    record = {
+        "remat": cfg.model.remat,
+        "compile_seconds": compile_s,
+        "step_seconds": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": flops_lib.mfu(tokens_per_s, model_flops, 1, peak),
+        "hfu": flops_lib.mfu(tokens_per_s, hardware_flops, 1, peak),
+        "model_flops_per_token": model_flops,
+        "hardware_flops_per_token": hardware_flops,
+        "compiled_peak_bytes": compiled_peak,
+        "planned_peak_bytes": planned,
+        "planned_ratio": compiled_peak / planned if compiled_peak and planned else None,
+    }
+    return record, (plan, compiled)
+
+
+def text_batches(cfg: Config, steps: int) -> list[dict]:
+    """`steps` global batches of real text: the standard library's Python sources, byte-tokenised and packed
+    into [global_batch_size, seq_len] windows, in order (`jaxpar.data`); numpy arrays."""
+    from jaxpar.data.packing import pack
+    from jaxpar.data.sources import load_tokens
+
+    rows = cfg.train.global_batch_size * steps
+    need = rows * cfg.data.seq_len + 1
+    data = dataclasses.replace(cfg.data, source="stdlib", max_bytes=int(need * 1.2) + 65536)
+    train, _ = load_tokens(data)
+    windows = pack(train, cfg.data.seq_len)
+    n = len(windows["inputs"])
+    if n < rows:
+        raise RuntimeError(f"the standard library gave {n} windows of {cfg.data.seq_len} tokens, {rows} needed")
+    g = cfg.train.global_batch_size
+    return [{k: windows[k][i * g : (i + 1) * g] for k in BATCH_KEYS} for i in range(steps)]
+
+
+def train_on_text(cfg: Config, steps: int) -> dict:
+    """Trains `cfg` from its seed for `steps` steps on `text_batches` (one device) and returns {"losses" (per
+    step, nats), "first10", "last10" (means), "falls" (last10 < first10 - 0.5 nats), "seconds"}."""
+    plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+    state = init_state(plan, cfg.train.seed)
+    step = make_train_step(plan)
+    batches = text_batches(cfg, steps)
+    losses = []
+    t0 = time.perf_counter()
+    for batch in batches:
+        state, metrics = step(state, {k: jax.device_put(v, plan.batch_sharding) for k, v in batch.items()})
+        losses.append(metrics["loss"])
+    losses = [float(x) for x in jax.device_get(losses)]
+    seconds = time.perf_counter() - t0
+    first, last = float(np.mean(losses[:10])), float(np.mean(losses[-10:]))
+    return {"losses": losses, "first10": first, "last10": last, "falls": last < first - 0.5, "seconds": seconds}
+
+
+def _section(report: dict, name: str, fn):
+    """Runs one part; a failure is recorded (type, message, traceback) and the run goes on."""
+    t0 = time.perf_counter()
+    try:
+        report[name] = fn()
+        _LOGGER.info("%s done in %.1f s: %.600s", name, time.perf_counter() - t0, report[name])
+    except Exception as e:  # the report must say what failed and still give the other parts
+        _LOGGER.exception("%s failed", name)
+        report[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    report.setdefault("seconds", {})[name] = time.perf_counter() - t0
+
+
+def run(settings: Settings) -> dict:
+    """The whole acceptance run (module docstring); returns the JSON-ready report. Failures of a part are
+    reported under its key ("error"), never raised."""
+    t_start = time.perf_counter()
+    report: dict = {"jax_version": jax.__version__, "settings": dataclasses.asdict(settings)}
+    report["device"] = device_info()
+    on_gpu = report["device"]["platform"] == "gpu"
+    impls = ("xla", "cudnn") if on_gpu else ("xla",)
+    _section(report, "attention", lambda: attention_parity(settings.attention_shape, impls))
+    peak = report["device"]["peak_flops"]
+    limit = report["device"]["memory_bytes"]
+    platform = "gpu" if on_gpu else "cpu"
+    candidates = []
+    for remat in REMAT_CANDIDATES:
+        cfg = resolved(settings, [f"model.remat={remat}"])
+        if limit is None or planned_peak(cfg, platform) <= MEMORY_FRACTION * limit:
+            candidates.append(cfg)
+    candidates = candidates[: settings.max_candidates]
+    report["candidates"] = [c.model.remat for c in candidates]
+    report["remat"] = []
+    for cfg in candidates:
+        box: dict = {}
+        _section(box, "step", lambda cfg=cfg: measure_step(cfg, settings.warmup_steps, settings.timed_steps, peak)[0])
+        report["remat"].append(box["step"] if "error" not in box["step"] else {"remat": cfg.model.remat, **box["step"]})
+    measured = [r for r in report["remat"] if "tokens_per_s" in r]
+    best = max(measured, key=lambda r: r["tokens_per_s"]) if measured else None
+    report["best_remat"] = best["remat"] if best else None
+    if best:
+        extra = [f"model.remat={best['remat']}", f"optimizer.learning_rate={settings.learning_rate}"]
+        extra += [f"optimizer.warmup_steps={settings.warmup}", f"train.steps={settings.train_steps}"]
+        _section(report, "learning", lambda: train_on_text(resolved(settings, extra), settings.train_steps))
+    stats = jax.devices()[0].memory_stats() or {}
+    report["allocator_peak_bytes"] = stats.get("peak_bytes_in_use")
+    report["total_seconds"] = time.perf_counter() - t_start
+    report["passed"] = verdict(report)
+    return report
+
+
+def verdict(report: dict) -> dict:
+    """{"attention" (every cuDNN error within `ATTENTION_TOLERANCE`; None when cuDNN did not run), "learning"
+    (the loss fell), "mfu_at_least_50" (best MFU >= 0.5 on a GPU; None elsewhere)}."""
+    out: dict = {"attention": None, "learning": None, "mfu_at_least_50": None}
+    att = report.get("attention", {})
+    if "error" in att:
+        out["attention"] = False
+    elif any("cudnn" in row for row in att.values()):
+        out["attention"] = all(
+            err <= ATTENTION_TOLERANCE for row in att.values() for err in row.get("cudnn", {}).values()
+        )
+    learning = report.get("learning")
+    if learning is not None:
+        out["learning"] = bool(learning.get("falls", False))
+    mfus = [r["mfu"] for r in report.get("remat", []) if r.get("mfu") is not None]
+    if mfus and report["device"]["platform"] == "gpu":
+        out["mfu_at_least_50"] = max(mfus) >= 0.5
+    return out
+
+
+def _gb(x) -> str:
+    return "-" if x is None else human_bytes(x)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def format_report(report: dict) -> str:
+    """The report as the table the script prints (Markdown)."""
+    dev = report["device"]
+    peak = dev["peak_flops"]
+    lines = [
+        f"# GPU acceptance: {dev['device_kind']} ({dev['platform']}), jax {report['jax_version']}",
+        "",
+        f"memory {_gb(dev['memory_bytes'])}; dense bf16 peak "
+        f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; total {report['total_seconds']:.0f} s",
+        "",
+        "## Attention: max |x - fp32 reference| / max |reference| (bf16 inputs)",
+        "",
+        "| documents | implementation | out | dq | dk | dv |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    att = report.get("attention", {})
+    if "error" in att:
+        lines.append(f"| error | {att['error']} | | | | |")
+    else:
+        for docs, row in att.items():
+            for impl, errs in row.items():
+                lines.append(
+                    f"| {docs} | {impl} | " + " | ".join(f"{errs[p]:.2e}" for p in ("out", "dq", "dk", "dv")) + " |"
+                )
+        if not any("cudnn" in row for row in att.values()):
+            lines.append("| - | cudnn | not run: no NVIDIA GPU | | | |")
+    lines += [
+        "",
+        "## Train step, one device",
+        "",
+        "| remat | compile s | step s | tokens/s | MFU | HFU | compiled peak | planned peak | compiled / planned |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in report.get("remat", []):
+        if "error" in r:
+            lines.append(f"| {r['remat']} | error: {r['error']} | | | | | | | |")
+            continue
+        ratio = "-" if r["planned_ratio"] is None else f"{r['planned_ratio']:.2f}"
+        lines.append(
+            f"| {r['remat']} | {r['compile_seconds']:.1f} | {r['step_seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
+            f"{_pct(r['mfu'])} | {_pct(r['hfu'])} | {_gb(r['compiled_peak_bytes'])} | "
+            f"{_gb(r['planned_peak_bytes'])} | {ratio} |"
+        )
+    lines += ["", f"best remat: {report.get('best_remat')}; allocator peak {_gb(report.get('allocator_peak_bytes'))}"]
+    learning = report.get("learning")
+    if learning is not None:
+        if "error" in learning:
+            lines.append(f"learning: error: {learning['error']}")
+        else:
+            n = len(learning["losses"])
+            lines.append(
+                f"learning: {n} steps of real text in {learning['seconds']:.0f} s, loss {learning['losses'][0]:.3f} "
+                f"-> {learning['losses'][-1]:.3f} (mean of first 10 {learning['first10']:.3f}, last 10 "
+                f"{learning['last10']:.3f})"
+            )
+    lines.append(f"passed: {report['passed']}")
+    return "\n".join(lines)

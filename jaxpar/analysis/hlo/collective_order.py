@@ -1,0 +1,81 @@
+"""Collectives that devices may start in different orders on XLA:CPU, read from a compiled program's HLO text.
+
+    compiled = jax.jit(step).lower(*args).compile()
+    assert unordered_collectives(compiled.as_text()) == []
+
+XLA:CPU runs a device's program as a dataflow graph and orders collectives only by when they *start*: a
+collective scheduled after a while loop (or call) that holds collectives may start as soon as the loop has
+started, unless it consumes the loop's results. Devices then issue the loop's later collectives and that one in
+different orders. Each in-process collective blocks a thread of one pool shared by all devices until its peers
+arrive, so such a program can deadlock (jaxpar's 1F1B step did, on 16 simulated devices, until its ticks
+ordered their collectives by data dependencies: `jaxpar.parallel.pipeline`). GPUs run each device's program in
+schedule order and are not affected; a program free of such pairs is safe on both.
+
+`unordered_collectives` lists every pair (loop, later collective user) in one computation of the schedule where
+the later one does not depend on the loop through its operands. A collective user is a collective op or a
+while/call/conditional whose computations (transitively) hold one.
+"""
+
+from __future__ import annotations
+
+from jaxpar.analysis.hlo.collectives import called_computations, parse_module
+
+_COLLECTIVE_OPCODES = {
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "collective-broadcast",
+    "all-reduce-start",
+    "all-gather-start",
+    "collective-permute-start",
+}
+_NESTING_OPCODES = {"while", "call", "conditional"}
+
+
+def _called(attrs: str) -> list[str]:
+    return [name for _, name in called_computations(attrs)]
+
+
+def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str, str]]:
+    """(computation, loop, later collective user, its opcode) for each later collective user that does not
+    consume a loop holding collectives scheduled before it in the same computation. Empty for a program every device
+    issues
+    in one order. The text must be a scheduled module (a compiled executable's `as_text()`)."""
+    comps, _, _ = parse_module(hlo_text)
+    holds: dict[str, bool] = {}
+
+    def holds_collective(comp: str) -> bool:
+        if comp not in holds:
+            holds[comp] = False  # no recursion through a cycle
+            holds[comp] = any(
+                ins.opcode in _COLLECTIVE_OPCODES or any(holds_collective(c) for c in _called(ins.attrs) if c in comps)
+                for ins in comps.get(comp, [])
+            )
+        return holds[comp]
+
+    out = []
+    for comp, instrs in comps.items():
+        operands = {ins.name: ins.operands for ins in instrs}
+        ancestors: dict[str, frozenset[str]] = {}
+
+        def upstream(name: str, operands=operands, ancestors=ancestors) -> frozenset[str]:
+            if name not in ancestors:
+                stack, seen = list(operands.get(name, ())), set()
+                while stack:
+                    n = stack.pop()
+                    if n not in seen:
+                        seen.add(n)
+                        stack.extend(operands.get(n, ()))
+                ancestors[name] = frozenset(seen)
+            return ancestors[name]
+
+        loops: list[str] = []
+        for ins in instrs:
+            nested = ins.opcode in _NESTING_OPCODES and any(holds_collective(c) for c in _called(ins.attrs))
+            if ins.opcode in _COLLECTIVE_OPCODES or nested:
+                out.extend((comp, loop, ins.name, ins.opcode) for loop in loops if loop not in upstream(ins.name))
+            if nested:
+                loops.append(ins.name)
+    return out

@@ -1,0 +1,41 @@
+"""Ring-algorithm communication volume: the bytes one device sends in each kind of collective.
+
+Ring costs (bytes sent per device; NCCL tests, doc/PERFORMANCE.md, "bus bandwidth"), n = group size:
+
+    all-reduce       2(n-1)/n * S
+    all-gather        (n-1)/n * S    S = the gathered (output) size
+    reduce-scatter    (n-1)/n * S    S = the input size
+    all-to-all        (n-1)/n * S
+    collective-permute        S      each device sends its whole operand once
+
+The analytic count of a step's collectives is `jaxpar.analysis.planner.comm` (every mesh axis, Megatron tensor
+parallelism included); `jaxpar.analysis.hlo.collectives` applies the same costs to the collectives of a compiled
+program.
+"""
+
+from __future__ import annotations
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def ring_bytes(kind: str, size_bytes: float, n: int) -> float:
+    """Bytes sent per device by one ring collective over a group of `n` devices (table in the module docstring).
+
+    Args:
+      kind: one of `KINDS`.
+      size_bytes: S in the table: the all-reduce/all-to-all/permute operand, the all-gather output, the
+        reduce-scatter input, in bytes.
+      n: devices per replica group; n = 1 moves nothing.
+
+    Raises:
+      ValueError: unknown kind or n < 1.
+    """
+    if n < 1:
+        raise ValueError(f"group size must be >= 1, got {n}")
+    if kind == "all-reduce":
+        return 2.0 * (n - 1) / n * size_bytes
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n * size_bytes
+    if kind == "collective-permute":
+        return float(size_bytes) if n > 1 else 0.0
+    raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")

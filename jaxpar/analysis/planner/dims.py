@@ -1,0 +1,187 @@
+"""The planner's view of a step: the parameter table of a model config (derived from the model's abstract
+shapes), how much of each leaf one device holds, and the step's sizes on a platform (letters as in
+`jaxpar.analysis.planner.plan`). Shared by the memory plan (`jaxpar.analysis.planner.plan`), the collectives
+(`jaxpar.analysis.planner.comm`) and the ZeRO table of a compiled step (`jaxpar.analysis.planner.memory`); no
+compilation, no devices.
+
+Expert parallelism (`model.moe.expert_axes`, a subset of data and fsdp; ep the product of their sizes): the routed
+experts' weights (w_gate, w_up [E, D, F], w_down [E, F, D] of each MoE block, `Leaf.expert`) have their experts
+dimension split over the expert axes (E/ep whole experts per device, F still over `tensor`) and their `embed`
+dimension over the storage axes that are not expert axes only; the router and the shared experts are dense
+parameters like any other (`local_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+
+from jaxpar.config.mesh_axes import MESH_AXES
+from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
+from jaxpar.config.schema import Config, ModelConfig
+from jaxpar.model import init_params, logical_axes
+from jaxpar.model.moe import EXPERTS_AXIS
+from jaxpar.parallel.sharding import PARAM_RULES
+
+
+def collective_bytes(dtype_bytes: int, platform: str) -> int:
+    """Bytes per element that a collective of a float array `dtype_bytes` wide (2: bf16, 4: fp32) moves when
+    compiled for `platform`: 4 for bf16 on cpu (XLA:CPU widens bf16 collectives to fp32,
+    `jaxpar.analysis.planner.plan`), else `dtype_bytes`. Raises ValueError for an unknown platform."""
+    return 4 if check_platform(platform) == "cpu" and dtype_bytes == 2 else dtype_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter array: path, global shape and logical axes (`jaxpar.model.logical_axes`)."""
+
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+
+    @property
+    def in_blocks(self) -> bool:
+        return self.axes[0] == "layers"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def expert(self) -> bool:
+        """A routed expert's weight (experts and mlp dimensions: w_gate, w_up, w_down of an MoE block), which
+        expert parallelism splits over experts; the router [D, E] has no mlp dimension and is dense."""
+        return EXPERTS_AXIS in self.axes and "mlp" in self.axes
+
+
+@functools.lru_cache(maxsize=64)
+def param_leaves(model: ModelConfig) -> tuple[Leaf, ...]:
+    """The parameter table of the model `model.name` selects: every parameter's path, global shape and logical
+    axes, derived from the model itself (`jax.eval_shape` of `jaxpar.model.init_params` and
+    `jaxpar.model.logical_axes`: no FLOPs, no memory), in path order. Cached per `ModelConfig`.
+
+    Raises:
+      ValueError / TypeError: as `jaxpar.model.model_def` (an unregistered `model.name`, a model that does not
+        follow `jaxpar.model.interface`).
+    """
+    shapes = jax.eval_shape(lambda: init_params(model, 0))
+    axes = logical_axes(model)
+    flat_axes = dict(jax.tree_util.tree_flatten_with_path(axes, is_leaf=lambda x: isinstance(x, tuple))[0])
+    leaves = []
+    for path, shape in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        leaves.append(Leaf("/".join(str(k.key) for k in path), tuple(shape.shape), tuple(flat_axes[path])))
+    return tuple(sorted(leaves, key=lambda leaf: leaf.path))
+
+
+def local_size(
+    leaf: Leaf, shape: dict[str, int], storage: tuple[str, ...] = (), expert_axes: tuple[str, ...] = ()
+) -> int:
+    """Elements of `leaf` on one device: every logical axis divided by the mesh axes `PARAM_RULES` maps it to,
+    restricted to tensor and pipeline plus the `storage` axes (fsdp, data) the caller counts as sharding it. A
+    routed expert's weight (`Leaf.expert`) with `expert_axes` (`model.moe.expert_axes`): its experts dimension
+    divided by their sizes' product ep, its embed dimension by the `storage` axes that are not expert axes
+    (module docstring); other leaves ignore `expert_axes`."""
+    split = expert_axes if leaf.expert else ()
+    total = 1
+    for dim, name in zip(leaf.shape, leaf.axes):
+        axes = [a for a in (PARAM_RULES[name] if name is not None else ()) if a in ("tensor", "pipeline")]
+        if name == "embed":
+            axes += [a for a in storage if a not in split]
+        if name == EXPERTS_AXIS:
+            axes += list(split)
+        total *= -(-dim // math.prod(shape[a] for a in axes))  # ceil: shard_shape of an uneven split
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The step's sizes as the planner uses them (the letters of `jaxpar.analysis.planner.plan`)."""
+
+    shape: dict
+    zero: int
+    b: int
+    s: int
+    s_act: int  # s' (s / t with sequence parallelism)
+    sp: bool
+    accum: int  # A
+    m: int  # pipeline microbatches
+    layers_per_stage: int
+    compute_bytes: int  # Bc: bytes of the compute dtype (activations, gathered weights)
+    reduce_bytes: int  # Br: bytes of precision.reduce_dtype (gradient reductions)
+    param_bytes: int  # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
+    platform: str
+    virtual: int = 1  # v: model chunks per device (interleaved 1F1B, pipeline.virtual_stages); 1 without
+    expert_axes: tuple[str, ...] = ()  # model.moe.expert_axes (() for a dense model)
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel size: the product of the expert axes' sizes (1 without)."""
+        return math.prod(self.shape[a] for a in self.expert_axes)
+
+    @property
+    def layers_per_chunk(self) -> int:
+        """L/(pv): the layers of one model chunk, what one 1F1B tick runs forward or backward (L/p when v = 1)."""
+        return self.layers_per_stage // self.virtual
+
+    def wire(self, dtype_bytes: int) -> int:
+        """Bytes per element a collective of that dtype moves on this platform (`collective_bytes`)."""
+        return collective_bytes(dtype_bytes, self.platform)
+
+
+def dims(cfg: Config, platform: str) -> Dims:
+    """Sizes of a resolved config (mesh without -1, `tensor.sequence_parallel` concrete) on `platform`.
+
+    Raises:
+      ValueError: the config is not resolved; platform not one of `jaxpar.config.precision.PLATFORMS`.
+    """
+    check_platform(platform)
+    shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    if min(shape.values()) < 1:
+        raise ValueError(f"config is not resolved (mesh {shape}); call jaxpar.config.resolve_config first")
+    t, p = shape["tensor"], shape["pipeline"]
+    sp = bool(cfg.tensor.sequence_parallel) and t > 1
+    accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
+    b = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum * m)
+    s = cfg.data.seq_len
+    return Dims(
+        shape=shape,
+        zero=cfg.optimizer.zero_stage,
+        b=b,
+        s=s,
+        s_act=s // t if sp else s,
+        sp=sp,
+        accum=accum,
+        m=m,
+        layers_per_stage=cfg.model.n_layers // p,
+        compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
+        reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
+        param_bytes=2 if cfg.precision.layout == "16p" else 4,
+        platform=platform,
+        virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule == "1f1b" else 1,
+        expert_axes=expert_axes(cfg),
+    )
+
+
+def expert_axes(cfg: Config) -> tuple[str, ...]:
+    """`model.moe.expert_axes` of an MoE model, () for a dense one."""
+    return tuple(cfg.model.moe.expert_axes) if cfg.model.moe.enabled else ()
+
+
+def rank_params(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> int:
+    """P per tensor/pipeline rank: the parameters one model-parallel rank holds before ZeRO's split (the ZeRO
+    formulas apply to this P): leaves sharded over `tensor` (heads, MLP hidden, vocabulary) count 1/t, the
+    stacked layers 1/p, replicated ones (the embedding and head are on every stage) fully; with `expert_axes`
+    the routed experts' weights 1/ep (`local_size`). Equals the parameter count when tensor = pipeline = 1 and
+    there are no expert axes. `shape`: mesh axis sizes."""
+    return sum(rank_params_split(model, shape, expert_axes))
+
+
+def rank_params_split(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> tuple[int, int]:
+    """`rank_params` in two parts, (dense, expert): the routed experts' weights (`Leaf.expert`, split 1/ep over
+    `expert_axes`) and every other parameter. The expert part is 0 for a dense model."""
+    leaves = param_leaves(model)
+    expert = sum(local_size(x, shape, (), expert_axes) for x in leaves if x.expert)
+    return sum(local_size(x, shape) for x in leaves if not x.expert), expert

@@ -1,0 +1,68 @@
+"""Expert parallelism in the plan (`model.moe.expert_axes`, ep = the product of those mesh axes' sizes): the MoE
+dispatch and combine all-to-alls that `jaxpar.analysis.planner.comm` counts, and the plan's MoE summary. Letters as
+in `jaxpar.analysis.planner.plan`; E experts, K top_k, C capacity per expert and sequence, T = s.
+
+All-to-all (GShard, Lepikhin et al. 2020, arXiv 2006.16668, sections 2.2 and 3.2: dispatch and combine as
+all-to-all over the expert-parallel devices; DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv 2201.05596, section
+5): every MoE block runs two all-to-alls over the expert axes in its forward (dispatch, combine) and two in its
+backward (their transposes), and under the remat policies `full` and `names` the backward's recomputation repeats
+the dispatch (`none` and `dots` keep both outputs; checked against the compiled HLO in
+tests/unit/test_expert_bytes.py). Per all-to-all each
+device holds a buffer of S elements in the compute dtype and sends (ep-1)/ep of it (`jaxpar.analysis.hlo.ring`):
+  capacity routing   S = E*C*b*D, C = ceil(capacity_factor*T*K/E) per sequence (`jaxpar.parallel.expert.capacity`)
+  dropless routing   S = ep*A*D, A = b*T*K local assignments: without a ragged all-to-all the buffer is padded
+                     for the worst case, every local assignment routed to one device
+The routed experts' weights need no reduction over the expert axes: the all-to-all's transpose brings every
+token's contribution to the device that holds the expert.
+"""
+
+from __future__ import annotations
+
+from jaxpar.config.schema import Config
+from jaxpar.parallel.expert import all_to_all_buffer, all_to_alls_per_block
+
+
+def all_to_all_elements(cfg: Config, d) -> int:
+    """S of one MoE all-to-all (dispatch or combine) on one device, in elements of the compute dtype
+    (`jaxpar.parallel.expert.all_to_all_buffer`, the layer's own count): capacity routing E*C*b*D, dropless
+    ep*b*T*K*D (padded for the worst case). 0 without expert axes. `d`: `jaxpar.analysis.planner.dims.dims(cfg,
+    platform)`."""
+    moe = cfg.model.moe
+    if not d.expert_axes:
+        return 0
+    return all_to_all_buffer(
+        moe.routing, d.ep, d.b, d.s, moe.top_k, moe.num_experts, cfg.model.d_model, moe.capacity_factor
+    )
+
+
+def all_to_all_count(cfg: Config, d, passes: dict) -> int:
+    """Buffer all-to-alls per step on one device (module docstring): per MoE block 2 in each forward pass (a 1F1B
+    recompute's included), 2 in each backward pass, and 1 more per backward pass under a remat policy whose
+    backward re-runs the dispatch (`jaxpar.parallel.expert.all_to_alls_per_block`); L/every MoE blocks of the L
+    layers of a pass. (Dropless routing's int32 expert counts, E * 4 bytes per dispatch, are left out.)"""
+    per_pass = passes["layers"] // cfg.model.moe.every
+    rerun = passes["bwd"] * (all_to_alls_per_block(cfg.model.remat)[0] - 4)
+    return per_pass * (2 * passes["fwd"] + 2 * passes["bwd"] + rerun)
+
+
+def expert_summary(cfg: Config, d, state: dict, terms: list) -> dict | None:
+    """The MoE part of a plan (`jaxpar.analysis.planner.plan.plan`'s "experts"): None for a dense model, else
+    {"num_experts" E, "top_k", "routing", "axes" (the expert axes), "ep", "experts_per_device" (E/ep),
+    "expert_params_per_rank" (P_e after the 1/ep split), "all_to_all_bytes" (sent per device per step: the
+    all-to-all rows of `terms`, the step's `jaxpar.analysis.planner.comm.CollectiveTerm`s), "all_to_all_count"}.
+    `d`: `jaxpar.analysis.planner.dims.dims`; `state`: `jaxpar.analysis.planner.plan.state_bytes`."""
+    moe = cfg.model.moe
+    if not moe.enabled:
+        return None
+    a2a = [t for t in terms if t.kind == "all-to-all"]
+    return {
+        "num_experts": moe.num_experts,
+        "top_k": moe.top_k,
+        "routing": moe.routing,
+        "axes": list(d.expert_axes),
+        "ep": d.ep,
+        "experts_per_device": moe.num_experts // d.ep,
+        "expert_params_per_rank": state["n_expert_params"],
+        "all_to_all_bytes": sum(t.bytes for t in a2a),
+        "all_to_all_count": sum(t.count for t in a2a),
+    }

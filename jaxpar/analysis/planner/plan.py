@@ -1,0 +1,507 @@
+"""Analytic plan of one train step: per-device bytes of model state and activations, and the collectives.
+
+Pure arithmetic on a resolved `Config` (`jaxpar.config.resolve_config`): no jax devices, no compilation, so a
+13B model on 64 GPUs is planned on a laptop. `jaxpar.analysis.planner.compiled` checks the numbers against XLA's
+compiled step, `jaxpar.analysis.planner.comm` holds the collective terms, `jaxpar.analysis.planner.report` prints them.
+
+Shape letters: b microbatch rows per device, s sequence length (s' = s/t under sequence parallelism), D model
+width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
+stage), t tensor size, p pipeline stages, m pipeline microbatches, A gradient-accumulation steps.
+
+Model state (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3): bytes per
+parameter by precision layout `fp32` (4 + 4 + 8) or `16p` (bf16 params 2 + bf16 grads 2 + fp32 master, Adam m
+and v 12), each kind divided by the fsdp size and, for the kinds the ZeRO stage partitions, by the data size
+(`jaxpar.analysis.planner.memory.state_bytes_formula`), applied to P per tensor/pipeline rank (the parameters one rank
+holds before ZeRO's split: tensor-sharded leaves count 1/t, the stacked layers 1/p, the embedding and head are on
+every stage).
+
+Activations: Korthikanti et al. 2022 (arXiv 2205.05198, section 4, Table 2) give, per layer and 16-bit
+activations, s*b*h*(34 + 5*a*s/h) bytes without recomputation (divided by t with tensor + sequence
+parallelism) and 2*s*b*h with full recomputation. jaxpar stores something different (no dropout masks, the
+softmax recomputed from the saved scores, what is kept set by `model.remat`); `activation_bytes` counts what
+its checkpoint policies keep, in the compute dtype (Bc bytes), per layer and microbatch:
+    all policies   the block input, b*s'*D (the layer scan's carry)
+    full           nothing else (recompute the block)
+    names          + attention context b*s*(H/t)*K + MLP hidden b*s*F/t
+    dots           + q, k, v b*s*(H+2G)/t*K + 2 projection outputs 2*b*s*D + gate, up 2*b*s*F/t
+    none           dots + attention context b*s*(H/t)*K + the fp32 attention probabilities 4*b*(H/t)*s*s bytes
+    with t > 1     the tensor collectives' outputs (`jaxpar.model.stack`): full and names keep the attention
+                   exit b*s'*D (dots and none count it as the attention projection's output); with sequence
+                   parallelism none and dots keep the 2 gathered block inputs 2*b*s*D
+plus, outside the layers, the embedding output b*s'*D and the logits b*s*(V/t) (XLA's GPU buffer assignment
+keeps them in Bc through the layers' backward; the cross-entropy's fp32 copies live only before it).
+Microbatches in flight: one without a pipeline (gradient accumulation runs them one after the other); 1F1B with
+`pipeline.recompute: true` holds a ring of 2p - 1 stage inputs b*s'*D and one microbatch's layers, without it a
+ring of 2p - 1 microbatches' layers (what the remat policy keeps, the block inputs included); GPipe keeps every
+tick's (m + p - 1) layers and stage input (`jaxpar.analysis.planner.pipeline`). Interleaved 1F1B
+(`pipeline.virtual_stages` v > 1; Narayanan et al. 2021, arXiv 2104.04473, section 2.2.2; the ring from
+`jaxpar.parallel.schedule`) holds a ring of 2pv - 1 chunk-microbatches of L/(pv) layers each, (2pv - 1)/v stages'
+worth (about 2p, against 2p - 1), or with recompute a ring of 2pv - 1 chunk inputs b*s'*D (each the size of a
+stage input) and one chunk's L/(pv) layers.
+
+Attention scores (`attention_working_bytes`), on XLA's attention path (`model.attention` xla, or auto on cpu:
+`jaxpar.config.attention`): `jax.nn.dot_product_attention`'s XLA implementation computes the logits
+[b, H/t, s, s] in fp32, the softmax in fp32 and casts the probabilities to Bc, so the score tensors are written
+to memory. At the peak of one layer's backward XLA's GPU buffer
+assignment holds the fp32 logits and their fp32 gradient and the probabilities and their gradient in Bc:
+(2*4 + 2*Bc) bytes per score element (12 with bf16; read from the buffer assignment's peak breakdown of the
+step compiled for H100 by jax 0.10.2, the same for every remat policy; remat none also keeps each layer's fp32
+probabilities, above). cuDNN's fused (flash) kernel (`auto` on gpu) keeps scores on chip: no score bytes; remat
+none keeps its fp32 softmax statistics (logsumexp) 4*b*(H/t)*s per layer instead of the probabilities. The
+compiled check reports whether the program materialises scores.
+
+Temporaries (`temp_bytes`): the activations, the working set of one layer's backward (its attention scores
+above and, when weights are gathered (fsdp or ZeRO-3), its gradients at full size in the reduce dtype before
+their reduce-scatter, (layer parameters / t) * Br), the gathered weights in use, fp32 gradient accumulators and
+the gradient outputs; with interleaved 1F1B also the step's chunk-order copy of the stage's layer parameters (the
+local shard in the parameter dtype) and of their gradients (in Br), which `jaxpar.training.step.make_grad_fn`
+makes once per step (`jaxpar.parallel.pipeline.to_chunk_order`, `from_chunk_order`). Checked against XLA's GPU
+compiler for every shipped config on its cluster (`jaxpar.analysis.gpu.deviceless`).
+
+Platform (`jaxpar.config.precision.PLATFORMS`: gpu, tpu, cpu; `jaxpar-plan --platform`, a sweep file's `platform:`,
+default gpu) is the machine the step is planned for. It resolves `precision.compute_dtype: auto` (float32 on cpu,
+bfloat16 elsewhere: `jaxpar.config.precision.resolve_compute_dtype`) and sets the width of collectives
+(`jaxpar.analysis.planner.dims.collective_bytes`): gpu and tpu count each collective in the dtype the partitioned
+program gives it (the HLO after XLA's SPMD partitioner, which every backend receives; the GPU compiler only
+promotes 16-bit integer all-reduce and reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose
+backend passes widen every bf16 all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives
+implement no bf16 reduction) and every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32
+(XLA's source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/unit/test_hlo_collectives.py, and the plans checked
+against both programs by tests/unit/test_plan.py). Memory is planned the same on every platform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_leaf
+from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
+from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
+from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
+from jaxpar.config.attention import resolve_attention
+from jaxpar.config.errors import ConfigError
+from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.precision import resolve_compute_dtype
+from jaxpar.config.schema import Config
+from jaxpar.log import GB
+from jaxpar.parallel import schedule
+from jaxpar.parallel.sharding import storage_axes
+
+# How each platform's compiler leaves the partitioned program's collectives (module docstring).
+COLLECTIVE_DTYPES = {
+    "gpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
+    "tpu": "collectives in the partitioned program's dtypes (bf16 stays bf16)",
+    "cpu": "as XLA:CPU compiles them: bf16 all-reduce, reduce-scatter, all-gather, collective-permute widened to fp32",
+}
+
+
+def state_bytes(cfg: Config) -> dict:
+    """Model-state bytes per device: {"params", "grads", "opt_state" (with the 16p fp32 master), "total",
+    "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank, the experts' 1/ep under expert
+    parallelism), "n_expert_params" (P_e: the routed experts' part of it), "experts" (the bytes of P_e's state,
+    part of "total")}. With `model.moe.expert_axes` the
+    experts' part is divided by the storage axes that are not expert axes only
+    (`jaxpar.analysis.planner.memory.expert_state_bytes_formula`). Raises ValueError as
+    `jaxpar.analysis.planner.memory.state_bytes_formula`."""
+    experts = expert_axes(cfg)
+    dense, expert = rank_params_split(cfg.model, mesh_sizes(cfg.mesh), experts)
+    layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
+    out = expert_state_bytes_formula(dense, expert, layout, zero, cfg.mesh.data, cfg.mesh.fsdp, experts)
+    expression = formula_expression(layout, zero, cfg.mesh.fsdp)
+    return {**out, "expression": expression, "n_params": dense + expert, "n_expert_params": expert}
+
+
+def score_elements(cfg: Config, d: Dims) -> int:
+    """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * s * s (the
+    query heads; grouped key/value heads are broadcast to them)."""
+    return d.b * (cfg.model.n_heads // d.shape["tensor"]) * d.s * d.s
+
+
+# Bytes per attention score element that XLA's attention path writes (module docstring): saved per layer for
+# the backward by remat none (fp32 probabilities), and the working set of one layer's backward (fp32 logits and
+# their gradient; the probabilities and their gradient add 2 * Bc).
+SCORE_SAVED_BYTES = 4
+SCORE_WORKING_FP32_BYTES = 2 * 4
+
+
+def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
+    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn.
+
+    Raises:
+      ConfigError: cudnn on a platform or with a dtype or head width it does not take."""
+    dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
+    try:
+        return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
+def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
+    """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
+    mdl, t, bc = cfg.model, d.shape["tensor"], d.compute_bytes
+    b, s = d.b, d.s
+    h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
+    out = {"block input": b * d.s_act * dm * bc}
+    if mdl.remat == "names":
+        out["context + mlp hidden"] = b * s * (h_t * k + f_t) * bc
+    if mdl.remat in ("dots", "none"):
+        out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t) * bc
+    if mdl.remat == "none":
+        out["attention context"] = b * s * h_t * k * bc
+        if attention_implementation(cfg, platform) == "cudnn":
+            out["fp32 softmax statistics"] = 4 * b * h_t * s
+        else:
+            out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
+    # The tensor collectives' outputs the policies keep (`jaxpar.model.stack`).
+    if t > 1 and mdl.remat in ("full", "names"):
+        out["attention exit"] = b * d.s_act * dm * bc
+    if d.sp and mdl.remat in ("none", "dots"):
+        out["gathered block inputs"] = 2 * b * s * dm * bc
+    return out
+
+
+def attention_working_bytes(cfg: Config, platform: str = "gpu") -> int:
+    """Bytes of attention scores that one layer's backward holds at its peak on XLA's attention path: (2*4 +
+    2*Bc) bytes per score element (`score_elements`; module docstring, measured from XLA's GPU buffer
+    assignment); 0 with cuDNN's fused kernel (scores stay on chip). Per device."""
+    d = dims(cfg, platform)
+    if attention_implementation(cfg, platform) == "cudnn":
+        return 0
+    return (SCORE_WORKING_FP32_BYTES + 2 * d.compute_bytes) * score_elements(cfg, d)
+
+
+def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
+    """Bytes the head's backward adds at its peak: the fp32 gradient of the logits, 4*b*s*(V/t) (the softmax
+    cross-entropy differentiates in fp32; read from XLA's GPU buffer assignment of the step compiled for H100 by
+    jax 0.10.2, where it sits beside the bf16 logits that `activation_bytes` counts). Per device; with a pipeline
+    only the last stage has it, and the planner counts the largest stage."""
+    d = dims(cfg, platform)
+    return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape["tensor"])
+
+
+def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
+    """Activation bytes per device held for the backward, as jaxpar stores them (module docstring).
+
+    Args:
+      cfg: resolved config; platform: `cpu` or an accelerator (resolves `precision.compute_dtype: auto`).
+
+    Returns:
+      {"per_layer" (bytes per layer per microbatch), "layers" (all layers and microbatches in flight),
+       "stage_inputs" (pipeline stash), "outside" (embedding output, logits), "total", "in_flight" (microbatches
+       whose layers are held, in stages' worth of layers: (2pv - 1)/v, or 1/v with recompute, under interleaved
+       1F1B), "layers_held" (layer-microbatches held: L/p x in_flight), "formula" (text), "korthikanti" (the
+       paper's 16-bit count for the same layers and microbatches: 34 + 5as/h, or 2sbh with remat full; with
+       tensor parallelism the Table 2 variant)}.
+    """
+    d = dims(cfg, platform)
+    mdl, p, t, v = cfg.model, d.shape["pipeline"], d.shape["tensor"], d.virtual
+    bc = d.compute_bytes
+    per_layer = sum(_layer_bytes(cfg, d, platform).values())
+    stage_input = d.b * d.s_act * mdl.d_model * bc
+    outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
+    slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
+    depth = f"L/p={d.layers_per_stage}" if v == 1 else f"L/(pv)={d.layers_per_chunk}"
+    if p == 1:
+        in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
+    elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute and v == 1:
+        in_flight, stash = 1, (2 * p - 1) * stage_input
+        formula_flight = f"1F1B recomputing: 1 microbatch's layers + a ring of 2p-1={2 * p - 1} stage inputs"
+    elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute:
+        in_flight, stash = 1 / v, slots * stage_input
+        formula_flight = (
+            f"interleaved 1F1B (v={v}) recomputing: 1 chunk's layers + a ring of 2pv-1={slots} chunk inputs of "
+            f"stage-input size b*s'*D"
+        )
+    elif cfg.pipeline.schedule == "1f1b" and v == 1:
+        in_flight, stash = 2 * p - 1, 0
+        formula_flight = f"1F1B keeping residuals: a ring of 2p-1={2 * p - 1} microbatches' layers"
+    elif cfg.pipeline.schedule == "1f1b":
+        in_flight, stash = slots / v, 0
+        formula_flight = (
+            f"interleaved 1F1B (v={v}) keeping residuals: a ring of 2pv-1={slots} chunk-microbatches' layers, "
+            f"(2pv-1)/v={slots / v:g} stages' worth"
+        )
+    else:
+        in_flight, stash = d.m + p - 1, (d.m + p - 1) * stage_input
+        outside *= in_flight
+        formula_flight = f"GPipe: every tick's layers and stage input, m+p-1={d.m + p - 1}"
+    # Layer-microbatches held: L/p per microbatch in flight, or L/(pv) per chunk-microbatch (an integer).
+    held = d.layers_per_stage * in_flight if v == 1 else d.layers_per_chunk * (1 if cfg.pipeline.recompute else slots)
+    layers = per_layer * held
+    # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
+    sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
+    if mdl.remat == "full":
+        ref = 2 * sbh
+    elif t == 1:
+        ref = sbh * (34 + ratio)
+    elif d.sp:
+        ref = sbh * (34 + ratio) / t
+    else:
+        ref = sbh * (10 + 24 / t + ratio / t)
+    terms = " + ".join(_layer_bytes(cfg, d, platform))
+    return {
+        "per_layer": per_layer,
+        "layers": layers,
+        "stage_inputs": stash,
+        "outside": outside,
+        "total": layers + stash + outside,
+        "in_flight": in_flight,
+        "layers_held": held,
+        "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (fp32 where named) x "
+        f"{depth} x {formula_flight}; + embedding output and logits (b={d.b}, "
+        f"s={d.s}, s'={d.s_act})",
+        "korthikanti": ref * held,
+    }
+
+
+def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
+    """Estimate of the step's temporary bytes per device (XLA's `temp_size_in_bytes`), module docstring:
+    {"activations" (`activation_bytes`), "attention_working" (`attention_working_bytes`: one layer's backward
+    on XLA's attention path), "head_working" (`head_working_bytes`: the head's backward; the total counts the
+    larger of the two working sets), "layer_grads" (with fsdp/ZeRO-3 sharding, one layer's gradients at full size in
+    the reduce dtype before their reduce-scatter), "grad_accumulators" (fp32, one per local parameter shard as
+    stored over fsdp and, under ZeRO-3, data; 0 with a single microbatch), "grad_outputs" (the step's gradients in the
+    parameter dtype,
+    `state_bytes` grads), "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the peak: one
+    layer's and the largest of embedding and head, all-gathered, in the compute dtype), "chunk_order" (interleaved
+    1F1B, v > 1: the step's chunk-order copy of the stage's layer parameters, the local shard as stored over fsdp
+    and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
+    `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
+    v = 1), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
+    all-to-all, 2*S elements in the compute dtype, S = `jaxpar.analysis.planner.comm.all_to_all_elements`; a lower
+    bound of what an MoE block holds, 0 without expert axes), "total"}.
+
+    The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
+    XLA's by `jaxpar.analysis.planner.compiled` (CPU) and `jaxpar.analysis.gpu.deviceless` (the GPU compiler), not a
+    bound."""
+    d = dims(cfg, platform)
+    storage = storage_axes("params", d.zero)
+    leaves = param_leaves(cfg.model)
+    summed = d.accum * d.m > 1  # microbatches whose gradients add up (pipeline microbatches included)
+    ea = d.expert_axes
+    accum = 4 * sum(local_size(x, d.shape, storage, ea) for x in leaves) if summed else 0
+    gathered = layer_grads = 0
+    if math.prod(d.shape[a] for a in storage) > 1:
+        w_out = max(local_size(x, d.shape) for x in leaves if not x.in_blocks)
+        # a layer's weights gathered whole; the routed experts' E/ep of them only where a storage axis that is not
+        # an expert axis splits them (`jaxpar.analysis.planner.comm.gathered_leaf`)
+        w_layer = sum(
+            local_size(x, d.shape, (), ea) for x in leaves if x.in_blocks and gathered_leaf(x, d.shape, storage, ea)
+        )
+        w_layer //= d.layers_per_stage
+        gathered = (w_out + w_layer) * d.compute_bytes
+        layer_grads = w_layer * d.reduce_bytes
+    chunk_order = 0
+    if d.virtual > 1:
+        stage_layers = sum(local_size(x, d.shape, storage, ea) for x in leaves if x.in_blocks)
+        chunk_order = stage_layers * (d.param_bytes + d.reduce_bytes)
+    out = {
+        "activations": activation_bytes(cfg, platform)["total"],
+        "attention_working": attention_working_bytes(cfg, platform),
+        "head_working": head_working_bytes(cfg, platform),
+        "layer_grads": layer_grads,
+        "grad_accumulators": accum,
+        "grad_outputs": int(state_bytes(cfg)["grads"]),
+        "gathered_weights": gathered,
+        "chunk_order": chunk_order,
+        # expert parallelism: one MoE all-to-all's send and receive buffers, S elements each in the compute dtype
+        "moe_dispatch": 2 * all_to_all_elements(cfg, d) * d.compute_bytes,
+    }
+    # One layer's backward and the head's backward do not overlap: the larger working set counts.
+    working = max(out["attention_working"], out["head_working"])
+    out["total"] = sum(v for k, v in out.items() if k not in ("attention_working", "head_working")) + working
+    return out
+
+
+def plan(cfg: Config, platform: str = "gpu") -> dict:
+    """The analytic plan of a resolved config: memory per device and collectives per step (JSON-ready).
+
+    Args:
+      cfg: resolved config (`resolve_config(cfg, devices)`); platform: one of `jaxpar.config.precision.PLATFORMS`,
+        the machine the run targets (module docstring): `cpu` when comparing with a step compiled by XLA:CPU.
+
+    Returns:
+      {"devices", "mesh", "platform", "collective_dtypes" (how the platform's compiler leaves the collectives,
+       `COLLECTIVE_DTYPES`), "compute_dtype", "layout", "zero_stage", "batch", "params", "pipeline" {"schedule",
+       "microbatches", "stages", "recompute", "virtual_stages" (v; 1 without a pipeline), "bubble" ((p - 1)/(v*m +
+       p - 1), `jaxpar.parallel.schedule.bubble_fraction`; 0 without a pipeline)},
+       "memory": {params, grads, opt_state, model_state, expert_state (the routed experts' part of
+       model_state), activations, total (model state + activations),
+       peak_estimate (params + opt_state + `temp_bytes`, which holds the gradients), all bytes per device;
+       expression, activation_formula, korthikanti_activations, temp_estimate (`temp_bytes`)},
+       "activations" (see `activation_bytes`), "experts" (None for a dense model;
+       `jaxpar.analysis.planner.experts.expert_summary`: the expert axes, ep and the all-to-all bytes per step),
+       "collectives" (list of `jaxpar.analysis.planner.comm.collective_terms` rows), "by_axis" {(axes, kind) label:
+       bytes}, "by_axis_hlo" (the same as a static reading of the compiled HLO counts them: equal to "by_axis"
+       except under interleaved 1F1B, where it counts the embedding's and head's conds in every tick that
+       evaluates them, `collective_terms(..., branches="evaluated")`)}.
+
+    Raises:
+      ValueError: platform not one of `jaxpar.config.precision.PLATFORMS`; the config is not resolved.
+    """
+    d = dims(cfg, platform)
+    state = state_bytes(cfg)
+    act = activation_bytes(cfg, platform)
+    leaves = param_leaves(cfg.model)
+    total_params = sum(leaf.size for leaf in leaves)
+    embedding = sum(leaf.size for leaf in leaves if leaf.path.startswith(("embed/", "lm_head/")))
+    terms = collective_terms(cfg, platform)
+    # What a static reading of the compiled HLO counts (jaxpar.analysis.planner.comm.collective_terms, branches):
+    # under interleaved 1F1B the edge conds' collectives in every tick that evaluates them.
+    static = collective_terms(cfg, platform, "evaluated") if d.virtual > 1 else terms
+    model_state = state["total"]
+    temp = temp_bytes(cfg, platform)
+    return {
+        "devices": math.prod(d.shape.values()),
+        "mesh": d.shape,
+        "platform": platform,
+        "collective_dtypes": COLLECTIVE_DTYPES[platform],
+        "compute_dtype": resolve_compute_dtype(cfg.precision.compute_dtype, platform),
+        "layout": cfg.precision.layout,
+        "zero_stage": d.zero,
+        "remat": cfg.model.remat,
+        "attention": attention_implementation(cfg, platform),
+        "pipeline": {
+            "schedule": cfg.pipeline.schedule,
+            "microbatches": d.m,
+            "stages": d.shape["pipeline"],
+            "recompute": cfg.pipeline.recompute,
+            "virtual_stages": d.virtual,
+            # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule)
+            "bubble": schedule.bubble_fraction(d.shape["pipeline"], d.virtual, d.m),
+        },
+        "sequence_parallel": d.sp,
+        "batch": {
+            "global_batch_size": cfg.train.global_batch_size,
+            "seq_len": d.s,
+            "grad_accum_steps": d.accum,
+            "rows_per_microbatch": d.b,
+            "tokens_per_step": cfg.train.global_batch_size * d.s,
+        },
+        "params": {"total": total_params, "non_embedding": total_params - embedding, "per_rank": state["n_params"]},
+        "memory": {
+            "params": state["params"],
+            "grads": state["grads"],
+            "opt_state": state["opt_state"],
+            "model_state": model_state,
+            "expert_state": state["experts"],
+            "activations": act["total"],
+            "total": model_state + act["total"],
+            "expression": state["expression"],
+            "activation_formula": act["formula"],
+            "korthikanti_activations": act["korthikanti"],
+            "temp_estimate": temp,
+            "peak_estimate": state["params"] + state["opt_state"] + temp["total"],
+        },
+        "activations": act,
+        "experts": expert_summary(cfg, d, state, terms),
+        "collectives": [dataclasses.asdict(term) | {"bytes": term.bytes} for term in terms],
+        "by_axis": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(terms).items()},
+        "by_axis_hlo": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(static).items()},
+    }
+
+
+def zero_exercise(n_params: float = 13e9, devices: int = 8, budget_bytes: float = 24 * GB, layout: str = "16p") -> dict:
+    """The seed exercise: model-state bytes per device of P parameters on N data-parallel devices under DDP and
+    ZeRO-1/2/3 (`jaxpar.analysis.planner.memory.state_bytes_formula`, fsdp = 1), and the smallest N whose ZeRO-3 state
+    fits `budget_bytes`.
+
+    Returns:
+      {"n_params", "devices", "layout", "budget_bytes", "stages": [{"zero_stage", "expression", "bytes"}],
+       "smallest_devices_zero3" (int), "zero3_bytes_at_smallest"}.
+
+    Raises:
+      ValueError: n_params or budget_bytes <= 0, devices < 1, unknown layout.
+    """
+    if n_params <= 0 or budget_bytes <= 0 or devices < 1:
+        raise ValueError(
+            f"need n_params > 0, budget_bytes > 0, devices >= 1; got {n_params}, {budget_bytes}, {devices}"
+        )
+    stages = [
+        {
+            "zero_stage": z,
+            "expression": formula_expression(layout, z),
+            "bytes": state_bytes_formula(n_params, layout, z, devices, 1)["total"],
+        }
+        for z in range(4)
+    ]
+    full = state_bytes_formula(n_params, layout, 3, 1, 1)["total"]  # ZeRO-3 state is full / N
+    smallest = max(1, math.ceil(full / budget_bytes))
+    while full / smallest > budget_bytes:  # guard the float ceil
+        smallest += 1
+    return {
+        "n_params": n_params,
+        "devices": devices,
+        "layout": layout,
+        "budget_bytes": budget_bytes,
+        "stages": stages,
+        "smallest_devices_zero3": smallest,
+        "zero3_bytes_at_smallest": full / smallest,
+    }
+
+
+def fsdp_config(cfg: Config, devices: int, rows_per_device: int = 1) -> Config:
+    """`cfg` on mesh data=1, fsdp=devices (tensor = pipeline = 1) with `rows_per_device` sequences per device and
+    no accumulation, left unvalidated so that a device count jaxpar could not shard (d_model % N != 0) can
+    still be planned by formula."""
+    return dataclasses.replace(
+        cfg,
+        mesh=dataclasses.replace(cfg.mesh, data=1, fsdp=devices, tensor=1, pipeline=1),
+        tensor=dataclasses.replace(cfg.tensor, sequence_parallel=False),
+        pipeline=dataclasses.replace(cfg.pipeline, microbatches=1),
+        train=dataclasses.replace(cfg.train, global_batch_size=devices * rows_per_device, grad_accum_steps=1),
+    )
+
+
+def smallest_fitting_devices(
+    cfg: Config,
+    budget_bytes: float,
+    include_temp: bool,
+    shardable: bool,
+    platform: str = "gpu",
+    max_devices: int = 1 << 16,
+) -> int | None:
+    """Smallest N for which `fsdp_config(cfg, N)` needs at most `budget_bytes` per device: model state plus
+    activations, or with `include_temp` model state plus `temp_bytes` (activations, fp32 gradient accumulators,
+    gradient outputs, gathered weights). `shardable`: only N that divide d_model (jaxpar shards state along the
+    embed dimension). None if no N up to `max_devices` fits (activations alone exceed the budget)."""
+    for n in range(1, max_devices + 1):
+        if shardable and cfg.model.d_model % n:
+            continue
+        c = fsdp_config(cfg, n)
+        state = state_bytes(c)
+        if include_temp:  # the temp estimate holds the gradients that the model state counts as well
+            need = state["params"] + state["opt_state"] + temp_bytes(c, platform)["total"]
+        else:
+            need = state["total"] + activation_bytes(c, platform)["total"]
+        if need <= budget_bytes:
+            return n
+    return None
+
+
+def exercise_activations(cfg: Config, exercise: dict, platform: str = "gpu") -> dict:
+    """What activations add to the seed exercise (`zero_exercise`) for the model shape of `cfg`, with one
+    sequence of `data.seq_len` tokens per device: Korthikanti et al. 2022 (Table 2, 16-bit) without and with full
+    recomputation, jaxpar's own count for `model.remat`, and the smallest N that fits the exercise's budget
+    (`smallest_fitting_devices`). Bytes per device."""
+    n, budget = exercise["smallest_devices_zero3"], exercise["budget_bytes"]
+    mdl, s = cfg.model, cfg.data.seq_len
+    one_layer = s * mdl.d_model * (34 + 5 * mdl.n_heads * s / mdl.d_model)
+    at_n = fsdp_config(cfg, n)
+    return {
+        "n_params": sum(x.size for x in param_leaves(mdl)),
+        "layers": mdl.n_layers,
+        "d_model": mdl.d_model,
+        "heads": mdl.n_heads,
+        "seq_len": s,
+        "remat": mdl.remat,
+        "korthikanti_none": mdl.n_layers * one_layer,
+        "korthikanti_full": 2 * s * mdl.d_model * mdl.n_layers,
+        "one_layer": one_layer,
+        "jaxpar_activations": activation_bytes(at_n, platform)["total"],
+        "attention_working_at_smallest": temp_bytes(at_n, platform)["attention_working"],
+        "fit_state_acts": smallest_fitting_devices(cfg, budget, False, False, platform),
+        "fit_temp": smallest_fitting_devices(cfg, budget, True, False, platform),
+        "fit_temp_shardable": smallest_fitting_devices(cfg, budget, True, True, platform),
+    }

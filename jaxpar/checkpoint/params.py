@@ -1,0 +1,59 @@
+"""The parameters alone of a jaxpar checkpoint, on the host: for export and for `model.init_from`, whatever the
+run's optimizer and layout, without reading its optimizer state (a quarter of the bytes of an AdamW state).
+
+Reads the step's Orbax metadata for the arrays' shapes and dtypes and restores only `master` (the float32 copy
+under precision.layout=16p) or else `params` onto one CPU device (Orbax's partial restore).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxpar.checkpoint.info import read_json_item
+from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
+from jaxpar.config import Config, load_config
+
+
+def restore_params(path: str, step: int | None = None) -> tuple[dict, Config, int]:
+    """(float32 numpy parameters, the saved config, the step) of a checkpoint: a run dir, its checkpoints/ dir or
+    one step dir; `step` None: the step dir given, else the latest complete one.
+
+    Raises:
+      FileNotFoundError: no complete checkpoint at `path` (or no step `step`), or a step without a saved config.
+    """
+    root, given = resolve_checkpoint_path(path)
+    reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    try:
+        steps = reader.all_steps()
+    finally:
+        reader.close()
+    chosen = step if step is not None else given if given is not None else (steps[-1] if steps else None)
+    if chosen is None or chosen not in steps:
+        raise FileNotFoundError(
+            f"no complete checkpoint{'' if chosen is None else f' for step {chosen}'} in {root} (complete steps: "
+            f"{steps})"
+        )
+    step_dir = os.path.join(root, str(chosen))
+    saved = read_json_item(step_dir, "config")
+    if saved is None:
+        raise FileNotFoundError(f"checkpoint step {chosen} in {root} holds no config")
+    cfg = load_config(saved, validate=False)
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    state_dir = os.path.join(step_dir, "state")
+    metadata = checkpointer.metadata(state_dir)
+    tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata.tree
+    key = "master" if "master" in tree else "params"
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    target = {key: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding), tree[key])}
+    restored = checkpointer.restore(
+        state_dir,
+        args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+        ),
+    )
+    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), restored[key])
+    return params, cfg, chosen

@@ -1,0 +1,146 @@
+"""Where per-step metrics go: trackers with one `log(step, metrics)` / `close()` interface.
+
+`MetricsWriter` (jaxpar.training.metrics) sends every record to its trackers. Shipped:
+  JsonlTracker        RUN_DIR/metrics.jsonl, one JSON object per line, appended on resume (always on).
+  TensorBoardTracker  RUN_DIR/tensorboard/ event files (tensorboardX); numeric finite scalars only.
+  WandbTracker        Weights & Biases, the optional `wandb` extra (`pip install -e ".[wandb]"`). Mode "offline"
+                      writes the run under RUN_DIR/wandb/ with no network (`wandb sync` uploads it later);
+                      "online" streams; "" leaves the choice to wandb (its WANDB_MODE environment variable). The
+                      run id is kept in RUN_DIR/wandb_run_id, so a resumed run continues the same W&B run.
+A script may pass its own: any object with `log(step: int, metrics: dict[str, int | float | bool | str | None])`
+and `close()`. Values arrive as Python scalars (`to_json_value`); None means "not measured".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import secrets
+from typing import Any, Protocol
+
+import numpy as np
+
+from jaxpar.config.choices import WANDB_MODES
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+WANDB_ID_FILE = "wandb_run_id"
+WANDB_EXTRA = "pip install 'jaxpar[wandb]'"
+
+
+class Tracker(Protocol):
+    """A metrics destination."""
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def to_json_value(value: Any) -> Any:
+    """numpy/jax scalars and 0-d arrays -> Python int/float/bool; None and other JSON values unchanged.
+
+    Raises:
+      TypeError: a non-scalar array (metrics are scalars).
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # np.ndarray, np.generic, jax.Array
+        arr = np.asarray(value)
+        if arr.ndim != 0:
+            raise TypeError(f"metric values must be scalars, got an array of shape {arr.shape}")
+        return arr.item()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def numeric_scalars(metrics: dict[str, Any]) -> dict[str, float | int]:
+    """The finite int/float entries of a record (no bools, None, strings, NaN or inf): what plotting trackers
+    take."""
+    return {
+        k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
+class JsonlTracker:
+    """Appends `{"step": step, **metrics}` to `run_dir/metrics.jsonl` (created with the directory)."""
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, METRICS_FILE)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"step": int(step)} | metrics) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardTracker:
+    """Numeric finite scalars to TensorBoard event files under `run_dir/tensorboard`."""
+
+    def __init__(self, run_dir: str):
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for key, value in numeric_scalars(metrics).items():
+            self._tb.add_scalar(key, value, global_step=int(step))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+class WandbTracker:
+    """Numeric finite scalars to a Weights & Biases run (module docstring).
+
+    Args:
+      run_dir: the run directory (W&B's files go under run_dir/wandb; the run id in run_dir/wandb_run_id).
+      project: W&B project name.
+      mode: one of `WANDB_MODES`.
+      config: the run's settings, shown by W&B (e.g. `Config.to_dict()`).
+
+    Raises:
+      ValueError: an unknown mode.
+      ImportError: wandb is not installed (the message names the extra).
+    """
+
+    def __init__(self, run_dir: str, project: str, mode: str = "offline", config: dict | None = None):
+        if mode not in WANDB_MODES:
+            raise ValueError(f"W&B mode {mode!r} is not one of {', '.join(repr(m) for m in WANDB_MODES)}")
+        try:
+            import wandb
+        except ImportError as e:
+            raise ImportError(f"metrics.wandb=true needs Weights & Biases: {WANDB_EXTRA}") from e
+        os.makedirs(run_dir, exist_ok=True)
+        id_path = os.path.join(run_dir, WANDB_ID_FILE)
+        if os.path.exists(id_path):
+            with open(id_path, encoding="utf-8") as f:
+                run_id = f.read().strip()
+        else:
+            run_id = secrets.token_hex(8)
+            with open(id_path, "w", encoding="utf-8") as f:
+                f.write(run_id + "\n")
+        self.run_id = run_id
+        self._run = wandb.init(
+            project=project, dir=run_dir, id=run_id, resume="allow", config=config or {}, mode=mode or None
+        )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self._run.log(numeric_scalars(metrics), step=int(step))
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
