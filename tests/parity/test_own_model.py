@@ -322,12 +322,15 @@ def test_missing_parts_are_named():
 
 
 def test_unknown_model_name_is_a_config_error_naming_the_registered_ones():
+    """The config layer knows no models (it imports nothing above it): the name is checked when the step's plan
+    first derives the model, before any device work."""
+    cfg = load_config(CONFIG, [*TINY, "model.name=gpt3", "mesh.data=1", "mesh.fsdp=1"], num_devices=1)
     with pytest.raises(
         ConfigError,
         match=r"model.name='gpt3' is not a registered model \(registered: .*llama.*\);"
         r" a script registers its own with jaxpar.register_model",
     ):
-        load_config(CONFIG, ["model.name=gpt3"], num_devices=8)
+        build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
 
 
 def test_registering_a_taken_name_or_a_bad_builder_is_refused():
