@@ -12,6 +12,25 @@ The names a training script needs (each documented where it is defined):
     processes, messages   initialize (jax.distributed from the environment jaxpar-launch or a cluster sets),
                           configure_logging
 
+Shape letters, one meaning each, used by every module (a name's suffix gives its array's dimensions in order:
+`x_BTD`, `w_DF`; a module names only the letters it adds or narrows, e.g. "B: rows per microbatch"):
+
+    B  batch rows: sequences in the array at hand (per device, or per microbatch where a function says so)
+    T  sequence length in tokens (T' = T/t where sequence parallelism splits it over `tensor`)
+    D  model width (model.d_model)          F  MLP hidden width (model.d_ff; model.moe.d_expert in an expert)
+    H  query heads                          G  key/value heads (G divides H: grouped-query attention)
+    K  head width (model.head_dim)          V  vocabulary
+    L  layers (the stacked `layers` axis)   S  pipeline stages
+    M  microbatches of one step (gradient accumulation or pipeline; a module using both names which)
+    E  experts                              C  capacity: assignments per expert and sequence
+    A  router assignments (B T k)           N  packed sequences or rows cut from a token stream
+    Q  data sources of a mixture
+
+Lower-case letters are sizes and counts in formulas, as the papers write them: d, f, t, p the sizes of the
+`data`, `fsdp`, `tensor` and `pipeline` mesh axes (p stages), v virtual stages per device, m microbatches, k
+experts per token (model.moe.top_k), ep the expert-parallel size, b rows per microbatch and device. The global
+batch has no letter (`train.global_batch_size`, sequences over all devices).
+
 Imports are lazy: `import jaxpar` does not import jax, so a script (or `jaxpar-train --cpu-devices N`) can still
 set JAX_NUM_CPU_DEVICES or XLA_FLAGS after it.
 """
