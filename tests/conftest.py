@@ -6,7 +6,9 @@ signals). `step_helpers.py` (models, meshes, batches, comparisons with their tol
 (the documented commands) and `data_worker.py` (one process of a multi-process data test) are shared.
 """
 
+import json
 import os
+import time
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -32,8 +34,72 @@ def devices8() -> list:
     return jax.devices()[:8]
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--subset",
+        metavar="FILE",
+        help="run only the tests whose node ids FILE lists (one per line, `#` comments); an id that is not "
+        "collected is an error, so the list cannot shrink silently (CI's parity subset under other instruction "
+        "sets: tests/parity/isa_subset.txt)",
+    )
+
+
+def _subset(path: str) -> set[str]:
+    with open(path, encoding="utf-8") as f:
+        return {line.split("#", 1)[0].strip() for line in f} - {""}
+
+
 def pytest_collection_modifyitems(config, items):
-    """The documented commands' file first: under `-m slow` it is by far the longest (a subprocess per command,
-    about a third of the slow suite's work), and with a file per worker (pyproject.toml's `--dist loadfile`) the
-    worker that starts it first leaves the other files to the others until it is done."""
+    """With --subset FILE, keep only FILE's tests. Then the documented commands' file first: under `-m slow` it
+    is by far the longest (a subprocess per command), and with a file per worker (pyproject.toml's `--dist
+    loadfile`) the worker that starts it first leaves the other files to the others until it is done."""
+    if config.getoption("--subset"):
+        wanted = _subset(config.getoption("--subset"))
+        missing = wanted - {item.nodeid for item in items}
+        if missing:
+            raise pytest.UsageError(
+                f"--subset {config.getoption('--subset')}: not collected: {', '.join(sorted(missing))}; fix the "
+                "list (a renamed test, or a test of another marker selection)"
+            )
+        deselected = [item for item in items if item.nodeid not in wanted]
+        items[:] = [item for item in items if item.nodeid in wanted]
+        config.hook.pytest_deselected(items=deselected)
     items.sort(key=lambda item: not item.nodeid.startswith("tests/system/test_documented_commands.py"))
+
+
+# Where the time goes (tools/test_times.py reads it): with JAXPAR_TEST_TIMES=DIR, each pytest process writes
+# DIR/<worker>.json: per test, its wall seconds (setup + call + teardown) and the seconds jax spent compiling in
+# this process (tracing, lowering and XLA's compile: jax's monitoring events). Compiles in subprocesses a test
+# starts count as run time of that test.
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_TIMES: dict[str, dict[str, float]] = {}
+_current = {"test": None}
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+    if event in _COMPILE_EVENTS and _current["test"]:
+        _TIMES[_current["test"]]["compile"] += duration
+
+
+if os.environ.get("JAXPAR_TEST_TIMES"):
+    jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        _current["test"] = item.nodeid
+        _TIMES[item.nodeid] = {"compile": 0.0, "wall": 0.0}
+        start = time.perf_counter()
+        yield
+        _TIMES[item.nodeid]["wall"] = time.perf_counter() - start
+        _current["test"] = None
+
+    def pytest_sessionfinish(session):
+        out = os.environ["JAXPAR_TEST_TIMES"]
+        os.makedirs(out, exist_ok=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(out, f"{worker}.json"), "w", encoding="utf-8") as f:
+            json.dump(_TIMES, f)
