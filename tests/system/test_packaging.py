@@ -5,6 +5,7 @@ configs/ (one copy of each file)."""
 import ast
 import fnmatch
 import glob
+import importlib.resources
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import zipfile
 import pytest
 from doc_commands import pyproject_section
 
+import jaxpar
 from jaxpar.cli import plan as plan_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,19 +27,26 @@ def _shipped_globs() -> list[str]:
 
 
 def test_configs_are_package_data_of_one_copy():
+    """The source tree keeps one copy of each config (jaxpar/configs links to configs/), and the installed package
+    -- editable or not, whichever jaxpar this process imported -- holds every shipped config with the same bytes,
+    the exercise's config among them."""
     link = os.path.join(PACKAGE, "configs")
     assert os.path.islink(link) and os.path.realpath(link) == os.path.realpath(os.path.join(ROOT, "configs"))
-    assert os.path.realpath(plan_cli.EXERCISE_CONFIG) == os.path.realpath(
-        os.path.join(ROOT, "configs", "llama_13b.yaml")
-    )
-    assert os.path.commonpath([plan_cli.EXERCISE_CONFIG, PACKAGE]) == PACKAGE  # inside the package, not beside it
     shipped = _shipped_globs()
     configs = [
-        os.path.relpath(p, PACKAGE)
-        for p in glob.glob(os.path.join(link, "**", "*"), recursive=True)
-        if os.path.isfile(p)
+        os.path.relpath(p, link) for p in glob.glob(os.path.join(link, "**", "*"), recursive=True) if os.path.isfile(p)
     ]
-    assert configs and all(any(fnmatch.fnmatch(c, g) for g in shipped) for c in configs), (configs, shipped)
+    assert configs and all(any(fnmatch.fnmatch(os.path.join("configs", c), g) for g in shipped) for c in configs), (
+        configs,
+        shipped,
+    )
+    installed = importlib.resources.files("jaxpar") / "configs"
+    for c in configs:
+        with open(os.path.join(ROOT, "configs", c), "rb") as f:
+            assert installed.joinpath(c).read_bytes() == f.read(), c
+    package = os.path.dirname(os.path.abspath(jaxpar.__file__))
+    assert os.path.commonpath([os.path.abspath(plan_cli.EXERCISE_CONFIG), package]) == package  # inside the package
+    assert installed.joinpath("llama_13b.yaml").read_bytes() == open(plan_cli.EXERCISE_CONFIG, "rb").read()
 
 
 @pytest.mark.slow
