@@ -33,7 +33,7 @@ def devices8() -> list:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The documented commands' file first: under `-m slow` it is by far the longest (a subprocess per command,
-    about a third of the slow suite's work), and with a file per worker (pyproject.toml's `--dist loadfile`) the
-    worker that starts it first leaves the other files to the others until it is done."""
+    """The documented commands' file first: under `-m slow` it is one of the longest (the README's main job and the
+    benchmark scripts no other test runs, each a subprocess), and with a file per worker (pyproject.toml's
+    `--dist loadfile`) the worker that starts it first leaves the other files to the others until it is done."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/system/test_documented_commands.py"))
