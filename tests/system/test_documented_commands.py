@@ -406,7 +406,7 @@ def test_documented_command(cmd):
 
 def test_commands_are_found_in_every_kind_of_source():
     where = {w.split(":")[0] for c in COMMANDS for w in c.where}
-    for expected in ("README.md", "jaxpar/cli/train.py", "tools/slurm_gpu.sbatch"):
+    for expected in ("README.md", "docs/planning.md", "jaxpar/cli/train.py", "tools/slurm_gpu.sbatch"):
         assert expected in where, f"no command found in {expected}"
     assert any(w.startswith("configs/sweeps/") for w in where) and len(COMMANDS) >= 40
     joined = [
