@@ -50,9 +50,10 @@ def _subset(path: str) -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
-    """With --subset FILE, keep only FILE's tests. Then the documented commands' file first: under `-m slow` it
-    is by far the longest (a subprocess per command), and with a file per worker (pyproject.toml's `--dist
-    loadfile`) the worker that starts it first leaves the other files to the others until it is done."""
+    """With --subset FILE, keep only FILE's tests. Then the documented commands' file first: under `-m slow` it is
+    one of the longest (the README's main job and the benchmark scripts no other test runs, each a subprocess), and
+    with a file per worker (pyproject.toml's `--dist loadfile`) the worker that starts it first leaves the other
+    files to the others until it is done."""
     if config.getoption("--subset"):
         wanted = _subset(config.getoption("--subset"))
         missing = wanted - {item.nodeid for item in items}

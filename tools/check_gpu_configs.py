@@ -5,7 +5,7 @@ with XLA's GPU compiler on this machine (no GPU), and record the per-device peak
     .venv/bin/python tools/check_gpu_configs.py   # about 10 s per config on 2 CPU cores
 
 Writes configs/gpu_check.json (the default test suite checks it against the configs and the planner) and prints
-the README's table. Exit status 1 when a config does not fit its cluster or the plan is off by more than 15%,
+the table of docs/planning.md. Exit status 1 when a config does not fit its cluster or the plan is off by more than 15%,
 2 when the CUDA plugin is missing. Logic: jaxpar/analysis/gpu/check.py.
 """
 

@@ -1,5 +1,5 @@
 """The public API: `import jaxpar` exposes the documented names lazily (no jax at import), `jaxpar.train` is the
-function, the README's script runs as written, and `jaxpar.restore` puts a saved run onto another mesh exactly.
+function, the script of docs/api.md runs as written, and `jaxpar.restore` puts a saved run onto another mesh exactly.
 
 Shape letters: G global batch, T sequence length.
 """
@@ -49,18 +49,20 @@ def test_import_is_lazy_and_every_public_name_resolves():
         jaxpar.trian  # noqa: B018
 
 
-def _readme_example() -> str:
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+def _docs_example() -> str:
+    """The ```python block of docs/api.md's "Use jaxpar from your own script"."""
+    text = open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8").read()
     section = text[text.index("## Use jaxpar from your own script") :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-@pytest.mark.slow  # the README's script as a subprocess training run (about 25 s on 2 cores)
-def test_readme_script_runs_as_written(tmp_path):
-    """The README's example, unchanged, in a directory holding the repository's configs/ and README.md."""
+@pytest.mark.slow  # the docs' script as a subprocess training run (about 25 s on 2 cores)
+def test_docs_script_runs_as_written(tmp_path):
+    """docs/api.md's example, unchanged, in a directory holding the repository's configs/ and README.md (which it
+    reads)."""
     for name in ("configs", "README.md"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    (tmp_path / "script.py").write_text(_readme_example())
+    (tmp_path / "script.py").write_text(_docs_example())
     env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}  # the script sets it
     env["PYTHONPATH"] = ROOT
     out = subprocess.run(

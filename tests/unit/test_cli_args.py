@@ -107,6 +107,6 @@ def test_launch_without_double_dash_hints_at_it(capsys):
 
 
 def test_resolve_config_docstring_commands_use_the_venv_python():
-    """A bare `python` need not have jaxpar installed; the README runs tools with .venv/bin/python."""
+    """A bare `python` need not have jaxpar installed; the docs run tools with .venv/bin/python."""
     commands = [line.strip() for line in _resolve_tool().__doc__.splitlines() if "tools/resolve_config.py" in line]
     assert commands and all(c.startswith(".venv/bin/python tools/resolve_config.py ") for c in commands), commands

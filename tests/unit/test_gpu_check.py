@@ -3,8 +3,9 @@
 The compile needs jax's CUDA plugin (the gpu-compile extra), which CI does not install (about 2.7 GB):
 `tools/check_gpu_configs.py` compiles each config with it and stores the records in configs/gpu_check.json.
 Without the plugin these tests check that record against the current configs (fingerprint), the current planner
-(within 15%) and the README's table, so an unchecked change to a config or to the planner fails here. Where the
-plugin is installed, one small config is compiled for two H100 nodes and one shipped config recompiled.
+(within 15%) and the table of docs/planning.md ("Will it fit?"), so an unchecked change to a config or to the
+planner fails here. Where the plugin is installed, one small config is compiled for two H100 nodes and one shipped
+config recompiled.
 """
 
 from __future__ import annotations
@@ -93,15 +94,15 @@ def test_fingerprint_follows_what_the_step_compiles():
     )
 
 
-def test_readme_table_is_the_records_with_the_current_plan():
-    """The README's "Will it fit?" table is `format_table` of the stored records, planned by today's code."""
+def test_docs_table_is_the_records_with_the_current_plan():
+    """The "Will it fit?" table of docs/planning.md is `format_table` of the stored records, planned by today's code."""
     records = [RECORDS[os.path.basename(p)] for p in GPU_CONFIGS]
     records.sort(key=lambda r: list(RECORDS).index(r["config"]))  # the order of the file (smallest first)
     planned = {os.path.basename(p): gpu_check.planned_peak(gpu_check.resolved_for_cluster(p)[0]) for p in GPU_CONFIGS}
     table = gpu_check.format_table(records, planned)
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        readme = f.read()
-    assert table in readme, "README table differs from configs/gpu_check.json; paste:\n" + table
+    with open(os.path.join(ROOT, "docs", "planning.md"), encoding="utf-8") as f:
+        page = f.read()
+    assert table in page, "docs/planning.md's table differs from configs/gpu_check.json; paste:\n" + table
 
 
 @pytest.mark.skipif(NO_PLUGIN is not None, reason=f"needs the gpu-compile extra: {NO_PLUGIN}")
@@ -131,15 +132,17 @@ def test_recompiling_a_shipped_config_reproduces_its_record():
     assert abs(got["ratio"] - 1) <= gpu_check.PLAN_TOLERANCE
 
 
-def test_readme_cluster_commands_run_a_checked_step():
-    """Each `sbatch --nodes=N tools/slurm_gpu.sbatch CONFIG OVERRIDES` in the README runs the step that was
-    compiled for the config's cluster: the same GPU count and the same fingerprint (mesh, batch, model)."""
+def test_documented_cluster_commands_run_a_checked_step():
+    """Each `sbatch --nodes=N tools/slurm_gpu.sbatch CONFIG OVERRIDES` of README.md and docs/ runs the step that
+    was compiled for the config's cluster: the same GPU count and the same fingerprint (mesh, batch, model)."""
     import re
 
     from jaxpar.analysis.gpu.deviceless import gpu_config
 
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        commands = re.findall(r"^sbatch --nodes=(\d+) tools/slurm_gpu\.sbatch (\S+)(.*)$", f.read(), re.MULTILINE)
+    commands = []
+    for page in ["README.md", *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            commands += re.findall(r"^sbatch --nodes=(\d+) tools/slurm_gpu\.sbatch (\S+)(.*)$", f.read(), re.MULTILINE)
     with open(os.path.join(ROOT, "tools", "slurm_gpu.sbatch"), encoding="utf-8") as f:
         per_node = int(re.search(r"^#SBATCH --gpus-per-node=(\d+)$", f.read(), re.MULTILINE).group(1))
     assert commands

@@ -6,8 +6,8 @@ config's real train step for that cluster with XLA's GPU compiler on a machine w
 (`jaxpar.analysis.gpu.deviceless.compile_for_gpu`, which needs the `gpu-compile` extra) and records the per-device peak
 beside the plan's. `tools/check_gpu_configs.py` runs it for every shipped config and writes the records to
 `configs/gpu_check.json`; the default test suite, which has no CUDA plugin, checks that record against the
-current configs and planner (`fingerprint`, the 15% agreement, `fits`) and the README table
-(`format_table`), so a config or planner change that is not re-checked fails CI.
+current configs and planner (`fingerprint`, the 15% agreement, `fits`) and the "Will it fit?"
+table of docs/planning.md (`format_table`), so a config or planner change that is not re-checked fails CI.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ class MetricsHook(Hook):
 
     and, for a data mixture (`data.sources`), `val_loss/<name>` for each source on the rows that evaluated; with
     `model.moe` also moe_aux_loss, moe_z_loss, moe_dropped_fraction, moe_load_max_mean
-    (`jaxpar.training.moe_loss.moe_metrics`). (README, "What the default run does", says what each means).
+    (`jaxpar.training.moe_loss.moe_metrics`). (docs/configuration.md, "The run directory", says what each means).
     Fetching the metrics waits for the step, so other steps run ahead of the host.
 
     Args:
