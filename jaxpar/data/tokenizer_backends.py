@@ -18,8 +18,8 @@ from jaxpar.data.shards import file_sha256
 from jaxpar.data.tokenizer_spec import TokenizerSpec
 
 # Split patterns of tiktoken's published encodings, with the SHA-256 of each encoding's published ranks file and
-# its special tokens, as tiktoken_ext/openai_public.py (tiktoken 0.14) states them. A ranks file whose SHA-256 is
-# one of these is that encoding (its pattern and special tokens apply); any other ranks file needs the pattern it
+# its special tokens, as tiktoken defines those encodings (`tiktoken.get_encoding(name)`). A ranks file whose SHA-256
+# is one of these is that encoding (its pattern and special tokens apply); any other ranks file needs the pattern it
 # was trained with named (--tiktoken-pattern) and gets one special token, <|endoftext|>, after its last rank.
 _R50K = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _CL100K = (

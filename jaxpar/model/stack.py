@@ -60,8 +60,8 @@ _save_tensor_collectives = _policies.save_only_these_names(
 # tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python benchmarks/tensor_bytes.py --target h100:1x8` prints
 # the table): XLA's temporary bytes per device, before -> with the saved outputs, without / with sequence
 # parallelism (the compiler-chosen program in brackets), and the ring bytes over `tensor` per step:
-#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  6.64 GB as before (the old policy function also kept
-#                                                          each layer's weights as scan residuals)
+#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  6.64 -> 6.64 GB (the policy without the saved outputs
+#                                                          also kept each layer's weights as scan residuals)
 #   dots   12.28 -> 12.27 GB / 11.53 -> 12.72 GB  (12.03)  8.25 / 9.06 -> 6.64 GB (compiler 6.64)
 #   names   9.86 -> 10.94 GB /  9.10 -> 9.37 GB   (9.64)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)
 #   full    8.52 ->  9.59 GB /  7.76 -> 8.02 GB   (8.36)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)

@@ -198,7 +198,7 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
       batch: {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} (arrays or ShapeDtypeStructs).
       compiler_options: passed to `Lowered.compile`. {"xla_backend_optimization_level": 0} compiles about
         3x faster on CPU and changes only code generation, not buffer assignment: every number below was
-        identical with and without it for this step (checked on CPU, jax 0.10).
+        identical with and without it for this step (checked on XLA:CPU).
 
     Returns:
       bytes per device (int):
