@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from jaxpar.config.extras import require
 from jaxpar.log import human_bytes
 
 # What a sweep can rank its points by, and whether lower or higher is better; the measured ones need timed steps.
 OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
 MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
+PLOT_FEATURE = "a sweep's plot.png"
 
 
 def peak_bytes(rec: dict) -> float | None:
@@ -207,9 +209,12 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
     """plot.png (matplotlib, Agg): per point (the `max_points` best by the objective), throughput (tokens/s
     when measured, else communication bytes per step) on top and memory per device (planned and compiled
     peak, budget line) below. With a GPU `target` (header "target") the compiled bars are the GPU compiler's for
-    that cluster, and a line marks one GPU's memory."""
-    import matplotlib
+    that cluster, and a line marks one GPU's memory.
 
+    Raises:
+      jaxpar.config.extras.MissingExtra: matplotlib (the `plot` extra) is not installed.
+    """
+    matplotlib = require("matplotlib", PLOT_FEATURE)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
