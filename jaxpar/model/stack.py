@@ -14,21 +14,22 @@ weights (`jaxpar.parallel.gather`), and its transpose reduce-scatters their grad
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 import jax
 from flax import nnx
 
 from jaxpar.parallel.expert import EXPERT_COMBINED, EXPERT_DISPATCHED
+from jaxpar.parallel.gather import Gather, ModuleT
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_GATHERED, TENSOR_REDUCED, TensorParallel
 
-Gather = Callable[[nnx.Module], nnx.Module]
 # Checkpoint names of the activations the `names` remat policy keeps: the inputs of the row-parallel projections
 # (tag them with `jax.ad_checkpoint.checkpoint_name` in a model's blocks).
 ATTENTION_CONTEXT = "attention_context"
 MLP_HIDDEN = "mlp_hidden"
 
 
-def no_gather(module: nnx.Module) -> nnx.Module:
+def no_gather(module: ModuleT) -> ModuleT:
     """The `Gather` of one device: the module as it is."""
     return module
 
@@ -96,6 +97,31 @@ def stack_layers(n_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], rn
         return make_layer(layer_rngs)
 
     return make(rngs)
+
+
+@overload
+def scan_layers(
+    layers: nnx.Module,
+    x_BTD: jax.Array,
+    remat: str,
+    gather: Gather = ...,
+    tp: TensorParallel = ...,
+    segment_ids_BT: jax.Array | None = ...,
+    with_aux: Literal[False] = ...,
+) -> jax.Array: ...
+
+
+@overload
+def scan_layers(
+    layers: nnx.Module,
+    x_BTD: jax.Array,
+    remat: str,
+    gather: Gather = ...,
+    tp: TensorParallel = ...,
+    segment_ids_BT: jax.Array | None = ...,
+    *,
+    with_aux: Literal[True],
+) -> tuple[jax.Array, dict]: ...
 
 
 def scan_layers(

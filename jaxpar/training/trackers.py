@@ -18,7 +18,7 @@ import math
 import numbers
 import os
 import secrets
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
@@ -73,9 +73,11 @@ class JsonlTracker:
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._file is None:
+            raise ValueError(f"{self.path}: log after close")
         self._file.write(json.dumps({"step": int(step)} | metrics) + "\n")
         self._file.flush()
 

@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 
@@ -117,7 +118,7 @@ class Watchdog:
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._client = None
+        self._client: Any = None  # the coordination-service client (`_kv_client`), None in one process
         self._thread_id: int | None = None
 
     def __enter__(self) -> Watchdog:

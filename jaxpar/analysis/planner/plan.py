@@ -202,6 +202,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
     depth = f"L/p={d.layers_per_stage}" if v == 1 else f"L/(pv)={d.layers_per_chunk}"
+    in_flight: float  # microbatches (or, interleaved, stages' worth of chunk-microbatches) whose layers are held
     if p == 1:
         in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
     elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute and v == 1:
@@ -231,6 +232,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     layers = per_layer * held
     # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
     sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
+    ref: float
     if mdl.remat == "full":
         ref = 2 * sbh
     elif t == 1:

@@ -42,8 +42,9 @@ def objective_value(rec: dict, objective: str) -> float | None:
 
 def ranked(records: list[dict], objective: str) -> list[tuple[int | None, dict]]:
     """(rank, record): points with status ok and a value first, best first; the rest after, unranked."""
-    good = [r for r in records if r["status"] == "ok" and objective_value(r, objective) is not None]
-    good.sort(key=lambda r: objective_value(r, objective), reverse=OBJECTIVES[objective] == "max")
+    scored = [(v, r) for r in records if r["status"] == "ok" and (v := objective_value(r, objective)) is not None]
+    scored.sort(key=lambda vr: vr[0], reverse=OBJECTIVES[objective] == "max")
+    good = [r for _, r in scored]
     rest = [r for r in records if not any(r is g for g in good)]
     return [(i + 1, r) for i, r in enumerate(good)] + [(None, r) for r in rest]
 

@@ -67,7 +67,9 @@ def parse_text_proto(text: str) -> dict:
     Raises:
       ValueError: unbalanced braces or a field without a value (with the offending position).
     """
-    pos, stack, current, name = 0, [], {}, None
+    pos, name = 0, None
+    stack: list[tuple[dict, str]] = []  # the enclosing messages of `current`, with the field it is under
+    current: dict = {}
 
     def put(container: dict, key: str, value) -> None:
         if key in container:
