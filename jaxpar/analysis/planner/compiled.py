@@ -100,7 +100,8 @@ def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledS
     with tempfile.TemporaryDirectory(prefix="jaxpar-hlo-") as dump:
         options.update(xla_dump_to=dump, xla_dump_hlo_pass_re=PARTITIONER_PASS, xla_dump_hlo_as_text=True)
         t0 = time.perf_counter()
-        executable = make_train_step(plan).lower(state, batch).compile(options)  # type: ignore[attr-defined]  # a jax.jit function, typed Callable
+        # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
+        executable = make_train_step(plan).lower(state, batch).compile(options)  # type: ignore[attr-defined]
         seconds = time.perf_counter() - t0
         partitioned = read_partitioned_hlo(dump)
     return CompiledStep(plan, state, batch, executable, seconds, partitioned)

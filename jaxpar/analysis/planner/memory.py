@@ -215,7 +215,8 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     Raises:
       RuntimeError: the backend reports no memory analysis.
     """
-    step = make_train_step(plan).lower(state, batch).compile(compiler_options)  # type: ignore[attr-defined]  # a jax.jit function, typed Callable
+    # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
+    step = make_train_step(plan).lower(state, batch).compile(compiler_options)  # type: ignore[attr-defined]
     out = persistent_state_bytes(plan, step, state, batch)
     grad_compiled = jax.jit(make_grad_fn(plan)).lower(state["params"], batch).compile(compiler_options)
     n_outputs = len(jax.tree.leaves(grad_compiled.out_info))
