@@ -5,7 +5,7 @@
 Inputs: text files, directories (every file in them, recursively) or quoted glob patterns. The tokenizer is GPT-2
 style (byte-level pre-tokenizer and decoder, so any text round-trips), with `<s>` (id 0) and `</s>` (id 1) as
 special tokens that the `jaxpar-data` tokenize command uses as BOS and EOS. For a real corpus train on a sample of
-it; the `tokenizers` library's trainer reads the files itself, in parallel.
+it; the `tokenizers` library's trainer (of the `data` extra) reads the files itself, in parallel.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.vocab_size < 258:
         p.error(f"--vocab-size {args.vocab_size}: a byte-level BPE needs at least 258 ids (256 bytes + <s>, </s>)")
+    from jaxpar.config.extras import MissingExtra, require
+
+    try:
+        require("tokenizers", "tools/train_bpe.py")
+    except MissingExtra as e:
+        raise SystemExit(str(e)) from None
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())

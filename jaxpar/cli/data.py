@@ -8,7 +8,9 @@ follows from the file names (.jsonl / .ndjson, .parquet, else text) or from --fo
 TOKENIZER: `byte` (jaxpar's byte-level tokenizer), a Hugging Face tokenizer.json (or the directory holding it), a
 tiktoken .tiktoken ranks file (with --tiktoken-pattern naming the encoding whose split pattern it uses, unless it
 is a published file such as cl100k_base's), or a SentencePiece .model; `KIND:PATH` names the kind explicitly
-(hf, tiktoken, sentencepiece). Nothing is downloaded. The set keeps a copy of the tokenizer file.
+(hf, tiktoken, sentencepiece). Nothing is downloaded. The set keeps a copy of the tokenizer file. The byte
+tokenizer and text / JSONL input need nothing more; the other tokenizers and Parquet input need the `data` extra
+(pip install 'jaxpar[data]'), which the error names when it is missing.
 
 Runs over all cores (--workers) with a progress bar. Interrupted (Ctrl-C, a kill), the same command continues from
 the finished shards; run again when finished, it does nothing; pointed at a directory holding shards of another
@@ -17,7 +19,8 @@ tokenizer, input or options, it refuses. The result does not depend on --workers
 Examples:
   jaxpar-data tokenize 'jaxpar/**/*.py' 'tools/*.py' --tokenizer byte --out runs/data/jaxpar_src
 
-Exit status: 0; 2 for bad input (the message names the problem and the fix); 130 when interrupted.
+Exit status: 0; 2 for bad input or a missing extra (the message names the problem and the fix); 130 when
+interrupted.
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = tokenize_parser().parse_args(argv[1:])
 
+    from jaxpar.config.extras import MissingExtra
     from jaxpar.data.errors import DataError
     from jaxpar.data.tokenize_corpus import DEFAULT_SHARD_TOKENS, TokenizeOptions, tokenize_corpus
     from jaxpar.log import configure_logging
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         result = tokenize_corpus(opts)
-    except DataError as e:
+    except (DataError, MissingExtra) as e:
         print(f"jaxpar-data tokenize: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,7 +7,8 @@ Examples:
   jaxpar-sweep configs/sweeps/llama_7b_h100_64.yaml --list     # 7B compiled for 8 nodes x 8 H100s (target:)
 
 Writes DIR/results.json (rewritten after every point), DIR/results.md (a table ranked by the sweep's objective)
-and DIR/plot.png. Run it again to resume: finished points are skipped. The sweep file format is documented in
+and DIR/plot.png (with matplotlib, the `plot` extra: pip install 'jaxpar[plot]'; without it the sweep says so and
+skips the plot). Run it again to resume: finished points are skipped. The sweep file format is documented in
 jaxpar/analysis/sweep/run.py. A sweep file with `target: KIND:NODESxGPUS` and `compile: true` compiles every point for
 that GPU
 cluster without its GPUs, which needs jax's CUDA plugin (pip install -e ".[gpu-compile]"); without it the sweep
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     from jaxpar.analysis.gpu.deviceless import GpuCompileUnavailable
     from jaxpar.analysis.sweep.run import SweepError, load_sweep, points, run_sweep
+    from jaxpar.config.extras import installed
 
     try:
         sweep = load_sweep(args.sweep)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     print(
         f"{PROG}: {len(records)} points ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
-        f"results in {out}/results.json, results.md, plot.png"
+        f"results in {out}/results.json, results.md{', plot.png' if installed('matplotlib') else ''}"
     )
     return 0
 

@@ -191,7 +191,7 @@ def _build(cls: type, values: dict, prefix: str) -> Any:
         key = f"{prefix}.{name}" if prefix else name
         hint = hints[name]
         entry = _entry_class(hint)
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: must be a mapping of keys, got {value!r}")
             kwargs[name] = _build(hint, value, key)
@@ -206,7 +206,7 @@ def _entry_class(hint: Any) -> type | None:
     """The dataclass of a `tuple[SomeConfig, ...]` field (a list of entries, e.g. `data.sources`), else None."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return args[0] if dataclasses.is_dataclass(args[0]) else None
+        return args[0] if isinstance(args[0], type) and dataclasses.is_dataclass(args[0]) else None
     return None
 
 

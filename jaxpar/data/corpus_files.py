@@ -3,7 +3,7 @@
 Formats:
   text     one file is one document (any file: a directory is taken recursively, every regular file in it)
   jsonl    one line is one document: the string under `field` of the line's JSON object (blank lines skipped)
-  parquet  one row is one document: the string in column `field`
+  parquet  one row is one document: the string in column `field` (read with pyarrow, of the `data` extra)
 
 Files are sorted by their path relative to the input root (the deepest directory holding all of them); within a
 file, lines or rows keep their order. A position in the input is (file index, record index): the line index
@@ -19,6 +19,7 @@ import json
 import os
 from collections.abc import Iterator
 
+from jaxpar.config.extras import require
 from jaxpar.data.errors import DataError
 
 FORMATS = ("text", "jsonl", "parquet")
@@ -43,6 +44,17 @@ class Corpus:
 
     def path(self, index: int) -> str:
         return os.path.join(self.root, self.files[index])
+
+    @property
+    def record_field(self) -> str:
+        """`field` of a JSONL or Parquet corpus, the key / column its records are read from.
+
+        Raises:
+          ValueError: a text corpus (its records are whole files).
+        """
+        if self.field is None:
+            raise ValueError(f"a {self.format} corpus has no record field")
+        return self.field
 
     def describe(self) -> dict:
         """The manifest's `input` entry: {format, field, root, files: [{path, bytes}], bytes}."""
@@ -136,10 +148,10 @@ def check_corpus(corpus: Corpus) -> None:
             with open(corpus.path(i), "rb") as f:
                 for line_no, line in enumerate(f):
                     if line.strip():
-                        jsonl_text(line, rel, line_no, corpus.field)
+                        jsonl_text(line, rel, line_no, corpus.record_field)
                         break
         elif corpus.format == "parquet":
-            _parquet_column_check(corpus.path(i), rel, corpus.field)
+            _parquet_column_check(corpus.path(i), rel, corpus.record_field)
 
 
 def jsonl_text(line: bytes, rel: str, line_index: int, field: str) -> tuple[str, bool]:
@@ -175,7 +187,7 @@ def jsonl_text(line: bytes, rel: str, line_index: int, field: str) -> tuple[str,
 
 
 def _parquet_file(path: str, rel: str):
-    import pyarrow.parquet as pq
+    pq = require("pyarrow.parquet", "Parquet input (--format parquet, .parquet files)")
 
     try:
         return pq.ParquetFile(path)
@@ -184,7 +196,7 @@ def _parquet_file(path: str, rel: str):
 
 
 def _parquet_column_check(path: str, rel: str, field: str) -> None:
-    import pyarrow as pa
+    pa = require("pyarrow", "Parquet input (--format parquet, .parquet files)")
 
     schema = _parquet_file(path, rel).schema_arrow
     if field not in schema.names:

@@ -21,14 +21,23 @@ p resumes from its own. Restoring onto another process count is refused unless e
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
 from jaxpar.data.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.loader import _process_rows
+
+
+class StatefulIterator(Protocol):
+    """Grain's iterator protocol (module docstring): `next(it)`, `it.get_state()`, `it.set_state(state)`."""
+
+    def __next__(self) -> Any: ...
+
+    def get_state(self) -> Any: ...
+
+    def set_state(self, state: Any) -> None: ...
 
 
 def _encode(state: Any) -> dict:
@@ -61,7 +70,9 @@ class IteratorLoader:
       ValueError: the batch rows cannot be split evenly over this process's devices.
     """
 
-    def __init__(self, iterator: Iterator, global_batch_size: int, seq_len: int, sharding: jax.sharding.NamedSharding):
+    def __init__(
+        self, iterator: StatefulIterator, global_batch_size: int, seq_len: int, sharding: jax.sharding.NamedSharding
+    ):
         missing = [name for name in ("__next__", "get_state", "set_state") if not hasattr(iterator, name)]
         if missing:
             raise TypeError(

@@ -259,7 +259,7 @@ class EvalLoader:
         self._sharding = sharding
         self._global_shape = (g, self.seq_len)
         self._local_rows = _process_rows(sharding, self._global_shape)
-        self._stats = None
+        self._stats: tuple[int, np.ndarray] | None = None
 
     def target_stats(self) -> tuple[int, np.ndarray]:
         """(valid target tokens, count of each target id: int64 [largest id + 1]) over the scored sequences, read
@@ -312,10 +312,11 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
     That layout is the distinct row blocks of the addressable shards (several devices may hold the same
     block), sorted by their first row and concatenated.
     """
-    blocks = set()
+    found: set[tuple[int, int]] = set()
     for index in sharding.addressable_devices_indices_map(global_shape).values():
-        blocks.add(index[0].indices(global_shape[0])[:2])
-    blocks = sorted(blocks)
+        rows = slice(None) if index is None else index[0]  # None: the device holds the whole array
+        found.add(rows.indices(global_shape[0])[:2])
+    blocks = sorted(found)
     if len({stop - start for start, stop in blocks}) != 1:
         raise ValueError(
             f"uneven batch-row blocks {blocks} for global shape {global_shape}; shard the batch dimension evenly"
@@ -332,6 +333,8 @@ def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multip
       ConfigError: as `build_loaders`.
     """
     shard_set = None
+    train: RowSource | dict[str, np.ndarray]
+    val: RowSource | dict[str, np.ndarray]
     if data_cfg.source == "shards":
         from jaxpar.data.stream import shard_splits
 

@@ -128,10 +128,15 @@ class MixtureLoader:
           ValueError: `state` is not a mixture state of these sources (e.g. a single-source loader's
             {"next_sample": ...}), or its counts do not add up to next_batch * G.
         """
-        ok = isinstance(state, dict) and isinstance(state.get("taken"), dict) and "next_batch" in state
-        k = state.get("next_batch") if ok else None
-        taken = state.get("taken") if ok else None
-        if not ok or isinstance(k, bool) or not isinstance(k, int) or k < 0 or set(taken) != set(self.names):
+        k = state.get("next_batch") if isinstance(state, dict) else None
+        taken = state.get("taken") if isinstance(state, dict) else None
+        if (
+            isinstance(k, bool)
+            or not isinstance(k, int)
+            or k < 0
+            or not isinstance(taken, dict)
+            or set(taken) != set(self.names)
+        ):
             raise ValueError(
                 f"data loader state must be {{'next_batch': int >= 0, 'taken': {{name: int}}}} for the sources "
                 f"{self.names}, got {state!r:.200}"

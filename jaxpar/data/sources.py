@@ -44,17 +44,17 @@ def load_tokens(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
     if cfg.source == "tokens":
         return _load_token_file(cfg)
     if cfg.source == "stdlib":
-        docs = _file_documents(*_stdlib_files())
+        found = _file_documents(*_stdlib_files())
     elif cfg.source == "text":
-        docs = _file_documents(*_match_files(cfg))
+        found = _file_documents(*_match_files(cfg))
     elif cfg.source == "jsonl":
-        docs = _jsonl_documents(*_match_files(cfg), cfg.text_field)
+        found = _jsonl_documents(*_match_files(cfg), cfg.text_field)
     else:
         raise ConfigError(
             f"data.source={cfg.source!r} is not one of stdlib, text, jsonl, tokens (a shard set, data.source=shards, "
             f"is read by jaxpar.data.stream)"
         )
-    docs = _cap_documents(docs, cfg.max_bytes)
+    docs = _cap_documents(found, cfg.max_bytes)
     where = "the standard library" if cfg.source == "stdlib" else f"data.path={cfg.path!r}"
     if not docs:
         raise ConfigError(f"data.source={cfg.source}: {where} holds no non-empty document; point data.path at text")
@@ -161,7 +161,8 @@ def _jsonl_documents(root: str, rels: list[str], text_field: str) -> Iterator[Do
 
 def _cap_documents(docs: Iterable[Document], max_bytes: int) -> list[Document]:
     """Keeps non-empty documents in order until `max_bytes` are read (0: all); always at least two if any."""
-    kept, total = [], 0
+    kept: list[Document] = []
+    total = 0
     for key, data in docs:
         if max_bytes > 0 and total >= max_bytes and len(kept) >= 2:
             break

@@ -17,6 +17,7 @@ records, and `tokenizer_from_manifest` rebuilds the same tokenizer from a shard 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -38,9 +39,14 @@ class TextTokenizer(Protocol):
       bos_id, eos_id: the ids a document may open / close with, or None when the tokenizer has none.
     """
 
-    vocab_size: int
-    bos_id: int | None
-    eos_id: int | None
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, no special tokens added: a 1-D integer array."""
@@ -65,7 +71,7 @@ def parse_tokenizer_spec(
     kind, path = None, text
     head, sep, tail = text.partition(":")
     if text == "byte":
-        kind, path = "byte", None
+        kind, path = "byte", ""
     elif sep and head in KINDS:
         kind, path = head, tail
     elif sep and not os.path.exists(text) and "/" not in head and len(head) > 1:
@@ -101,7 +107,7 @@ def parse_tokenizer_spec(
             f"--bos-token / --eos-token name tokens of a hf or sentencepiece tokenizer; the {kind} tokenizer's "
             f"special tokens are fixed (use --no-add-bos / --no-add-eos to leave them out)"
         )
-    return TokenizerSpec(kind, path, pattern, bos_token, eos_token)
+    return TokenizerSpec(kind, path or None, pattern, bos_token, eos_token)
 
 
 def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
@@ -110,16 +116,18 @@ def load_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
     Raises:
       DataError: the file cannot be read as that kind of tokenizer, a BOS / EOS token it names is not in its
         vocabulary, or (tiktoken) no pattern is known for the ranks file.
+      jaxpar.config.extras.MissingExtra: the kind's library (the `data` extra) is not installed.
     """
     if spec.kind == "byte":
         from jaxpar.data.tokenizer import ByteTokenizer
 
         return ByteTokenizer()
-    build = {
+    builders: dict[str, Callable[[TokenizerSpec], TextTokenizer]] = {
         "hf": tokenizer_backends.HFTokenizer,
         "tiktoken": tokenizer_backends.TiktokenTokenizer,
         "sentencepiece": tokenizer_backends.SentencePieceTokenizer,
-    }.get(spec.kind)
+    }
+    build = builders.get(spec.kind)
     if build is None:
         raise DataError(f"unknown tokenizer kind {spec.kind!r}; use one of {', '.join(KINDS)}")
     return build(spec)

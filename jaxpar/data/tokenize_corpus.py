@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class TokenizeResult:
 class _WorkerConfig:
     spec: TokenizerSpec
     format: str
-    field: str | None
+    field: str  # the JSONL key ("" for text and Parquet, whose records arrive as their text)
     files: tuple[str, ...]
     bos: int | None  # the id put before each document, or None
     eos: int | None
@@ -141,15 +142,15 @@ def _encode_chunk(chunk: list[tuple[int, int, bytes | str]]) -> tuple[np.ndarray
     tok = _WORKER["tokenizer"]
     texts, invalid = [], np.zeros(len(chunk), bool)
     for r, (file, record, payload) in enumerate(chunk):
-        if cfg.format == "jsonl":
+        if isinstance(payload, str):  # a Parquet row's text
+            text = payload
+        elif cfg.format == "jsonl":
             text, invalid[r] = corpus_files.jsonl_text(payload, cfg.files[file], record, cfg.field)
-        elif isinstance(payload, bytes):
+        else:
             try:
                 text = payload.decode("utf-8")
             except UnicodeDecodeError:
                 text, invalid[r] = payload.decode("utf-8", errors="replace"), True
-        else:
-            text = payload
         texts.append(text)
     nonempty = [t for t in texts if t]
     encode_batch = getattr(tok, "encode_batch", None)
@@ -235,7 +236,7 @@ def _write_shard(directory: str, index: int, pieces: list[np.ndarray], lengths: 
         "tokens": int(offsets[-1]),
         "documents": len(lengths),
         "tokens_sha256": shards.write_npy(os.path.join(directory, tokens_file), pieces, dtype),
-        "offsets_sha256": shards.write_npy(os.path.join(directory, offsets_file), [offsets], np.int64),
+        "offsets_sha256": shards.write_npy(os.path.join(directory, offsets_file), [offsets], np.dtype(np.int64)),
     }
 
 
@@ -277,7 +278,7 @@ def _resolve(opts: TokenizeOptions) -> tuple[TokenizerSpec, corpus_files.Corpus,
             spec, fixed_ids=True, bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id, pattern=identity["pattern"]
         ),
         corpus.format,
-        corpus.field,
+        corpus.record_field if corpus.format == "jsonl" else "",
         corpus.files,
         tokenizer.bos_id if add["bos"] else None,
         tokenizer.eos_id if add["eos"] else None,
@@ -343,14 +344,14 @@ def _copy_tokenizer(out: str, spec: TokenizerSpec, identity: dict) -> str | None
     Raises:
       DataError: the file changed while it was being copied.
     """
-    info = identity["tokenizer"]
-    if info["file"] is None:
+    info, source = identity["tokenizer"], spec.path
+    if info["file"] is None or source is None:  # the byte tokenizer has no file
         return None
     dest = os.path.join(out, info["file"])
     if os.path.isfile(dest) and file_sha256(dest) == info["sha256"]:
         return dest
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    shutil.copyfile(spec.path, dest + shards.PARTIAL)
+    shutil.copyfile(source, dest + shards.PARTIAL)
     if file_sha256(dest + shards.PARTIAL) != info["sha256"]:
         raise DataError(f"{spec.path} changed while it was being copied; run the command again")
     os.replace(dest + shards.PARTIAL, dest)
@@ -433,7 +434,7 @@ def _run(
         end = entries[-1]["end"]
         start, start_bytes = (end["file"], end["record"]), end["input_bytes"]
     written = [0, 0, 0]
-    state = {"pieces": [], "lengths": [], "tokens": 0, "empty": 0, "invalid": 0}
+    state: dict[str, Any] = {"pieces": [], "lengths": [], "tokens": 0, "empty": 0, "invalid": 0}
 
     def close(end: tuple[int, int], input_bytes: int) -> None:
         entry = _write_shard(out, len(entries), state["pieces"], state["lengths"], dtype)
@@ -484,4 +485,4 @@ def _run(
     if not entries:
         raise DataError(f"the input under {corpus.root} holds no document with text; give files holding text")
     shards.write_json(manifest_path, _manifest(identity, True, entries))
-    return tuple(written)
+    return written[0], written[1], written[2]

@@ -13,13 +13,14 @@ import os
 
 import numpy as np
 
+from jaxpar.config.extras import require
 from jaxpar.data.errors import DataError
 from jaxpar.data.shards import file_sha256
 from jaxpar.data.tokenizer_spec import TokenizerSpec
 
 # Split patterns of tiktoken's published encodings, with the SHA-256 of each encoding's published ranks file and
-# its special tokens, as tiktoken_ext/openai_public.py (tiktoken 0.14) states them. A ranks file whose SHA-256 is
-# one of these is that encoding (its pattern and special tokens apply); any other ranks file needs the pattern it
+# its special tokens, as tiktoken defines those encodings (`tiktoken.get_encoding(name)`). A ranks file whose SHA-256
+# is one of these is that encoding (its pattern and special tokens apply); any other ranks file needs the pattern it
 # was trained with named (--tiktoken-pattern) and gets one special token, <|endoftext|>, after its last rank.
 _R50K = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _CL100K = (
@@ -70,6 +71,17 @@ _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>")
 
 
+def _file(spec: TokenizerSpec) -> str:
+    """The tokenizer file of a file-based spec.
+
+    Raises:
+      DataError: the spec names no file.
+    """
+    if not spec.path:
+        raise DataError(f"a {spec.kind} tokenizer is read from a file; give KIND:PATH (--tokenizer {spec.kind}:FILE)")
+    return spec.path
+
+
 def _ids(ids) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64).reshape(-1)
 
@@ -85,13 +97,13 @@ class HFTokenizer:
     """
 
     def __init__(self, spec: TokenizerSpec):
-        from tokenizers import Tokenizer
-
+        path = _file(spec)
+        tokenizers = require("tokenizers", "a Hugging Face tokenizer.json (tokenizer kind hf)")
         try:
-            self._tok = Tokenizer.from_file(spec.path)
+            self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001 -- the library raises its own Exception type
             raise DataError(
-                f"{spec.path} is not a Hugging Face tokenizer.json ({e}); give the tokenizer.json file"
+                f"{path} is not a Hugging Face tokenizer.json ({e}); give the tokenizer.json file"
             ) from None
         self._tok.no_truncation()
         self._tok.no_padding()
@@ -101,7 +113,7 @@ class HFTokenizer:
         if spec.fixed_ids:
             self.bos_id, self.eos_id = spec.bos_id, spec.eos_id
         else:
-            config = _hf_special_tokens(os.path.join(os.path.dirname(spec.path), "tokenizer_config.json"))
+            config = _hf_special_tokens(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
             self.bos_id = self._special(spec.bos_token, config.get("bos_token"), _BOS_NAMES, "--bos-token")
             self.eos_id = self._special(spec.eos_token, config.get("eos_token"), _EOS_NAMES, "--eos-token")
 
@@ -187,9 +199,9 @@ class TiktokenTokenizer:
     """
 
     def __init__(self, spec: TokenizerSpec):
-        import tiktoken
-
-        known = TIKTOKEN_KNOWN_FILES.get(file_sha256(spec.path))
+        path = _file(spec)
+        tiktoken = require("tiktoken", "a tiktoken ranks file (tokenizer kind tiktoken)")
+        known = TIKTOKEN_KNOWN_FILES.get(file_sha256(path))
         name = spec.pattern
         if name is not None and name not in TIKTOKEN_PATTERNS:
             raise DataError(
@@ -198,20 +210,22 @@ class TiktokenTokenizer:
             )
         if known is not None and name is not None and TIKTOKEN_PATTERNS[name] != TIKTOKEN_PATTERNS[known[0]]:
             raise DataError(
-                f"{spec.path} is {known[0]}'s published ranks file, whose pattern is not {name}'s; drop "
+                f"{path} is {known[0]}'s published ranks file, whose pattern is not {name}'s; drop "
                 f"--tiktoken-pattern or write --tiktoken-pattern {known[0]}"
             )
-        if known is None and name is None:
+        if known is not None:
+            self.pattern, specials = known[0], dict(known[1])
+        elif name is not None:
+            self.pattern, specials = name, {}  # its one special token follows the last rank, below
+        else:
             raise DataError(
-                f"{spec.path} is not a published tiktoken ranks file, so its split pattern is unknown; name the "
+                f"{path} is not a published tiktoken ranks file, so its split pattern is unknown; name the "
                 f"encoding whose pattern it was made with: --tiktoken-pattern with one of "
                 f"{', '.join(TIKTOKEN_PATTERNS)}"
             )
-        ranks = read_tiktoken_ranks(spec.path)
-        if known is not None:
-            self.pattern, specials = known[0], dict(known[1])
-        else:
-            self.pattern, specials = name, {ENDOFTEXT: max(ranks.values()) + 1}
+        ranks = read_tiktoken_ranks(path)
+        if known is None:
+            specials = {ENDOFTEXT: max(ranks.values()) + 1}
         self._enc = tiktoken.Encoding(
             f"jaxpar-{self.pattern}",
             pat_str=TIKTOKEN_PATTERNS[self.pattern],
@@ -248,13 +262,13 @@ class SentencePieceTokenizer:
     """
 
     def __init__(self, spec: TokenizerSpec):
-        import sentencepiece
-
+        path = _file(spec)
+        sentencepiece = require("sentencepiece", "a SentencePiece model (tokenizer kind sentencepiece)")
         self._sp = sentencepiece.SentencePieceProcessor()
         try:
-            self._sp.Load(model_file=spec.path)
+            self._sp.Load(model_file=path)
         except (OSError, RuntimeError) as e:
-            raise DataError(f"{spec.path} is not a SentencePiece model ({e}); give a .model file") from None
+            raise DataError(f"{path} is not a SentencePiece model ({e}); give a .model file") from None
         self.vocab_size = int(self._sp.GetPieceSize())
         if spec.fixed_ids:
             self.bos_id, self.eos_id = spec.bos_id, spec.eos_id

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
+from jaxpar.parallel import jax_private
 
 
 def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
@@ -62,9 +63,7 @@ def packed_segments(segment_ids_BT: jax.Array, max_segments: int) -> tuple[jax.A
 def _cudnn_packed(q, k, v, segment_ids_BT: jax.Array, max_segments: int) -> jax.Array:
     # The packed (ragged) layout is reached through cuDNN's own jax entry point: jax.nn.dot_product_attention
     # passes per-row lengths only (padding, one segment per row).
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
-
+    cudnn_attention, MaskType = jax_private.cudnn_attention()
     offsets, lengths, overflow_B = packed_segments(segment_ids_BT, max_segments)
     out = cudnn_attention(
         q,

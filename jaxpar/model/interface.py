@@ -75,7 +75,7 @@ def _path(path) -> str:
     return "/".join(str(getattr(k, "key", k)) for k in path)
 
 
-def takes_segment_ids(model: nnx.Module) -> bool:
+def takes_segment_ids(model: LanguageModel) -> bool:
     """Whether `model.run_blocks` takes packed-document segment ids: a fourth positional parameter, or *args."""
     try:
         params = list(inspect.signature(model.run_blocks).parameters.values())
@@ -85,7 +85,7 @@ def takes_segment_ids(model: nnx.Module) -> bool:
     return len(positional) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
-def check_model(model: nnx.Module, name: str, n_layers: int, moe: bool = False) -> None:
+def check_model(model: LanguageModel, name: str, n_layers: int, moe: bool = False) -> None:
     """Checks that `model` (abstract is enough: `nnx.eval_shape`) follows the interface.
 
     Args:

@@ -9,6 +9,8 @@ Pre-norm blocks with RMSNorm, rotary attention with grouped-query heads and a Sw
 
 from __future__ import annotations
 
+from typing import cast
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -42,6 +44,7 @@ class Block(nnx.Module):
             rope_inv_freq=model_inverse_frequencies(cfg),
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp: MoE | SwiGLU
         if moe:
             self.mlp = MoE(cfg.d_model, cfg.moe.d_expert or cfg.d_ff, cfg.moe, cfg.init_std, rngs)
         else:
@@ -52,7 +55,7 @@ class Block(nnx.Module):
         self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
     ) -> jax.Array | tuple[jax.Array, dict]:
         x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp, segment_ids_BT)
-        if self.moe:
+        if isinstance(self.mlp, MoE):  # self.moe
             y_BTD, stats = self.mlp(self.mlp_norm(x_BTD), tp)
             return x_BTD + y_BTD, stats
         return x_BTD + self.mlp(self.mlp_norm(x_BTD), tp)
@@ -73,7 +76,7 @@ class MoEGroup(nnx.Module):
     ) -> tuple[jax.Array, dict]:
         for i in range(self.n_dense):
             x_BTD = getattr(self, f"dense_{i}")(x_BTD, tp, segment_ids_BT)
-        return self.moe(x_BTD, tp, segment_ids_BT)
+        return cast(tuple[jax.Array, dict], self.moe(x_BTD, tp, segment_ids_BT))  # an MoE block: (x, statistics)
 
 
 class Llama(nnx.Module):

@@ -16,8 +16,9 @@ from flax import nnx
 
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import ModelConfig
+from jaxpar.model.interface import LanguageModel
 
-ModelBuilder = Callable[[ModelConfig, nnx.Rngs], nnx.Module]
+ModelBuilder = Callable[[ModelConfig, nnx.Rngs], LanguageModel]
 # Forward FLOPs per token that `ModelConfig.remat` recomputes in the backward, from (model config, seq_len): the
 # hardware-FLOPs (HFU) count of a family; see `jaxpar.model.flops.recompute_flops_per_token` for the built-in one.
 RecomputeFlops = Callable[[ModelConfig, int], float]

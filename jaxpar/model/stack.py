@@ -14,21 +14,22 @@ weights (`jaxpar.parallel.gather`), and its transpose reduce-scatters their grad
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 import jax
 from flax import nnx
 
 from jaxpar.parallel.expert import EXPERT_COMBINED, EXPERT_DISPATCHED
+from jaxpar.parallel.gather import Gather, ModuleT
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_GATHERED, TENSOR_REDUCED, TensorParallel
 
-Gather = Callable[[nnx.Module], nnx.Module]
 # Checkpoint names of the activations the `names` remat policy keeps: the inputs of the row-parallel projections
 # (tag them with `jax.ad_checkpoint.checkpoint_name` in a model's blocks).
 ATTENTION_CONTEXT = "attention_context"
 MLP_HIDDEN = "mlp_hidden"
 
 
-def no_gather(module: nnx.Module) -> nnx.Module:
+def no_gather(module: ModuleT) -> ModuleT:
     """The `Gather` of one device: the module as it is."""
     return module
 
@@ -60,8 +61,8 @@ _save_tensor_collectives = _policies.save_only_these_names(
 # tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python benchmarks/tensor_bytes.py --target h100:1x8` prints
 # the table): XLA's temporary bytes per device, before -> with the saved outputs, without / with sequence
 # parallelism (the compiler-chosen program in brackets), and the ring bytes over `tensor` per step:
-#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  6.64 GB as before (the old policy function also kept
-#                                                          each layer's weights as scan residuals)
+#   none   74.73 -> 73.75 GB / 75.21 -> 74.24 GB  (73.75)  6.64 -> 6.64 GB (the policy without the saved outputs
+#                                                          also kept each layer's weights as scan residuals)
 #   dots   12.28 -> 12.27 GB / 11.53 -> 12.72 GB  (12.03)  8.25 / 9.06 -> 6.64 GB (compiler 6.64)
 #   names   9.86 -> 10.94 GB /  9.10 -> 9.37 GB   (9.64)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)
 #   full    8.52 ->  9.59 GB /  7.76 -> 8.02 GB   (8.36)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)
@@ -96,6 +97,31 @@ def stack_layers(n_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], rn
         return make_layer(layer_rngs)
 
     return make(rngs)
+
+
+@overload
+def scan_layers(
+    layers: nnx.Module,
+    x_BTD: jax.Array,
+    remat: str,
+    gather: Gather = ...,
+    tp: TensorParallel = ...,
+    segment_ids_BT: jax.Array | None = ...,
+    with_aux: Literal[False] = ...,
+) -> jax.Array: ...
+
+
+@overload
+def scan_layers(
+    layers: nnx.Module,
+    x_BTD: jax.Array,
+    remat: str,
+    gather: Gather = ...,
+    tp: TensorParallel = ...,
+    segment_ids_BT: jax.Array | None = ...,
+    *,
+    with_aux: Literal[True],
+) -> tuple[jax.Array, dict]: ...
 
 
 def scan_layers(

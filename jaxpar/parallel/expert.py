@@ -60,7 +60,7 @@ class ExpertParallel:
     def _all_to_all(self, x: jax.Array) -> jax.Array:
         # all-to-all over the expert axes: slice i of the leading dimension goes to expert-parallel rank i, and
         # the slices received are stacked in rank order. Sent as [n, everything else]: XLA:CPU's all-to-all
-        # combiner (jax 0.10) fails its verifier on two rank-5 all-to-alls of different layouts.
+        # combiner fails its verifier on two rank-5 all-to-alls of different layouts.
         flat = jax.lax.all_to_all(x.reshape(x.shape[0], -1), self.axes, 0, 0, tiled=True)
         return flat.reshape(x.shape)
 

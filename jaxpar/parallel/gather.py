@@ -9,7 +9,7 @@ one again in the backward (the gathered weight is not kept, see `GATHERED_WEIGHT
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +19,14 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxpar.parallel.sharding import PARAM_RULES, gathered_axes, logical_to_spec
 
 GATHERED_WEIGHT = "gathered_weight"  # checkpoint name of all-gathered weights: never saved for backward
+ModuleT = TypeVar("ModuleT", bound=nnx.Module)
+
+
+class Gather(Protocol):
+    """`gather(module) -> module`: the same module (same class, same structure) with its parameters ready for
+    use on this device, e.g. all-gathered over the axes they are stored sharded on (`module_gatherer`)."""
+
+    def __call__(self, module: ModuleT, /) -> ModuleT: ...
 
 
 def _live(axes: tuple[str, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:
@@ -70,7 +78,7 @@ def module_gatherer(
     compute_dtype: jnp.dtype,
     reduce_dtype: jnp.dtype,
     expert_axes: tuple[str, ...] = (),
-) -> Callable[[nnx.Module], nnx.Module]:
+) -> Gather:
     """Returns `gather(module) -> module` whose parameters are all-gathered with `gather_weight`.
 
     Args:
@@ -90,7 +98,7 @@ def module_gatherer(
         dims = [(d, axes) for d, axes in dims if axes]
         return var.replace(gather_weight(var[...], dims, compute_dtype, reduce_dtype))
 
-    def gather(module: nnx.Module) -> nnx.Module:
+    def gather(module: ModuleT) -> ModuleT:
         graphdef, state = nnx.split(module)
         state = jax.tree.map(gather_variable, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
         return nnx.merge(graphdef, state)

@@ -3,7 +3,7 @@
 `MetricsWriter` (jaxpar.training.metrics) sends every record to its trackers. Shipped:
   JsonlTracker        RUN_DIR/metrics.jsonl, one JSON object per line, appended on resume (always on).
   TensorBoardTracker  RUN_DIR/tensorboard/ event files (tensorboardX); numeric finite scalars only.
-  WandbTracker        Weights & Biases, the optional `wandb` extra (`pip install -e ".[wandb]"`). Mode "offline"
+  WandbTracker        Weights & Biases, the optional `wandb` extra (`pip install 'jaxpar[wandb]'`). Mode "offline"
                       writes the run under RUN_DIR/wandb/ with no network (`wandb sync` uploads it later);
                       "online" streams; "" leaves the choice to wandb (its WANDB_MODE environment variable). The
                       run id is kept in RUN_DIR/wandb_run_id, so a resumed run continues the same W&B run.
@@ -18,16 +18,17 @@ import math
 import numbers
 import os
 import secrets
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
 from jaxpar.config.choices import WANDB_MODES
+from jaxpar.config.extras import require
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
-WANDB_EXTRA = "pip install 'jaxpar[wandb]'"
+WANDB_FEATURE = "metrics.wandb=true (Weights & Biases)"
 
 
 class Tracker(Protocol):
@@ -72,9 +73,11 @@ class JsonlTracker:
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, METRICS_FILE)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._file is None:
+            raise ValueError(f"{self.path}: log after close")
         self._file.write(json.dumps({"step": int(step)} | metrics) + "\n")
         self._file.flush()
 
@@ -113,16 +116,13 @@ class WandbTracker:
 
     Raises:
       ValueError: an unknown mode.
-      ImportError: wandb is not installed (the message names the extra).
+      jaxpar.config.extras.MissingExtra: wandb is not installed (the message names the extra).
     """
 
     def __init__(self, run_dir: str, project: str, mode: str = "offline", config: dict | None = None):
         if mode not in WANDB_MODES:
             raise ValueError(f"W&B mode {mode!r} is not one of {', '.join(repr(m) for m in WANDB_MODES)}")
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError(f"metrics.wandb=true needs Weights & Biases: {WANDB_EXTRA}") from e
+        wandb = require("wandb", WANDB_FEATURE)
         os.makedirs(run_dir, exist_ok=True)
         id_path = os.path.join(run_dir, WANDB_ID_FILE)
         if os.path.exists(id_path):

@@ -11,8 +11,8 @@ key-value store (the coordination service that `jax.distributed.initialize` star
 frame (inside jax means it waits on a device or a collective). On a timeout a process reads all heartbeats and
 names as missing every process whose heartbeat is older than `timeout_s` (it died), that is behind the furthest
 step, or that sits outside jax while its peers wait inside it (it stalled before entering the collective they
-wait in). If the store cannot be reached, process 0 (its host) is named. The store is reached through
-`jax._src.distributed.global_state.client`, the client jax itself uses.
+wait in). If the store cannot be reached, process 0 (its host) is named. The store is reached through the client
+jax itself uses, which jax does not expose (`jaxpar.parallel.jax_private.distributed_client`).
 """
 
 from __future__ import annotations
@@ -23,22 +23,23 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
+
+from jaxpar.parallel import jax_private
 
 EXIT_HUNG = 124  # as `timeout(1)`
 _KEY = "jaxpar/heartbeat/"
 _HUNG_KEY = "jaxpar/hung/"
-_JAX_DIR = os.path.dirname(jax.__file__) + os.sep  # .../site-packages/jax/
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep  # the installed jax package's directory
 
 
 def _kv_client():
     """jax's coordination-service client, or None in a single-process run."""
     if jax.process_count() == 1:
         return None
-    from jax._src import distributed
-
-    return distributed.global_state.client
+    return jax_private.distributed_client()
 
 
 def _call_with_timeout(fn, timeout_s: float):
@@ -117,7 +118,7 @@ class Watchdog:
         self._last_beat = time.monotonic()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._client = None
+        self._client: Any = None  # the coordination-service client (`_kv_client`), None in one process
         self._thread_id: int | None = None
 
     def __enter__(self) -> Watchdog:

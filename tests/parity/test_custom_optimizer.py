@@ -10,8 +10,8 @@ tol = FP32_RTOL * (|g| + max|g|) of the reference gradient g (the elementwise to
 `assert_adam_step_close` does not apply to these optimizers, and no single slope does: Lion's first update is
 -lr * (sign(g) + wd * p), a step function of g, and Adafactor's first update g / sqrt(g^2 + 1e-30) on unfactored
 leaves is one too. So the test computes, per entry, the interval of first updates over *all* gradients in the
-box [g - tol, g + tol] by interval arithmetic in float64 (each optimizer's first step written out below from
-optax 0.2.8: Lion; Adafactor's factored second moments, block-RMS clipping, learning rate and parameter-RMS
+box [g - tol, g + tol] by interval arithmetic in float64 (each optimizer's first step written out below as
+optax defines it: Lion; Adafactor's factored second moments, block-RMS clipping, learning rate and parameter-RMS
 scale; SGD), widened by the fp32 roundings of the step (for each mean over n values n * 2^-24 relative, Higham
 2002 section 4.2; one ulp for the final parameter add). Both the reference's and the layout's updated parameters
 must lie in it, as must their optimizer states (Lion's first moment, Adafactor's v_row / v_col / v): an entry
@@ -164,7 +164,7 @@ def _mean(a, axis, keepdims=False):
 
 
 def _factored_dims(shape):
-    """optax 0.2.8 `factorized._factored_dims`: the two largest dims (d1 second, d0 largest) if d1 is big enough."""
+    """The dims Adafactor factors, as optax picks them: the two largest (d1 second, d0 largest) if d1 is big enough."""
     if len(shape) < 2:
         return None
     order = np.argsort(shape)

@@ -126,7 +126,7 @@ def test_metrics_from_sums():
 
 
 def test_default_model_is_dense_and_unchanged():
-    """Without model.moe the block stack is the dense one: same parameter tree as before MoE existed."""
+    """Without model.moe the block stack is the dense one: no router or expert parameters, one block per layer."""
     cfg = load_config(TINY, ["mesh.tensor=1", "mesh.data=1"], num_devices=1).model
     assert not cfg.moe.enabled and cfg.stack_depth == cfg.n_layers
     params = jax.eval_shape(lambda: init_params(cfg, 0))

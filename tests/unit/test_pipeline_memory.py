@@ -17,7 +17,7 @@ Two regimes, because the microbatch size b = G / M changes what "more microbatch
   GPipe's hold about (M + p - 1) microbatches' residuals, i.e. (M + p - 1) / M times the whole batch's, so they
   fall too, towards a floor of one batch's residuals, and stay far above 1F1B's.
 
-Measured on XLA:CPU (jax 0.10.2, these compile options), bytes per device:
+Measured on XLA:CPU with these compile options, bytes per device:
 
     M                    4            8           16           32
     fixed b = 2

@@ -73,7 +73,7 @@ def _check_cpu(remat: str, sp: bool) -> None:
 @pytest.mark.parametrize("sp", [False, True])
 def test_remat_dots_moves_no_more_than_the_compiler_on_cpu(devices8, sp):
     """The case issue 13 measured (1.24x without, 1.36x with sequence parallelism on the GPU target, before the
-    policy saved the collectives' outputs): the backward no longer re-runs the attention exit or the enters."""
+    policy saved the collectives' outputs): the backward re-runs neither the attention exit nor the enters."""
     _check_cpu("dots", sp)
 
 

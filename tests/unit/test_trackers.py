@@ -126,7 +126,7 @@ def test_wandb_without_the_extra_is_a_config_error(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r'metrics.wandb=true needs Weights & Biases.*pip install -e "\.\[wandb\]"'):
+    with pytest.raises(ConfigError, match=r"metrics.wandb=true needs Weights & Biases.*pip install 'jaxpar\[wandb\]'"):
         load_config(TINY, ["metrics.wandb=true"], num_devices=8)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from jaxpar.analysis.hlo.collectives import classify_groups, parse_collectives
 from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES
@@ -94,9 +95,10 @@ def compile_steps(cfg, devices: Sequence) -> dict:
     plan = build_plan(cfg, mesh)
     state = abstract_state(plan)
     batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
-    out = {"mesh": mesh}
+    out: dict[str, Any] = {"mesh": mesh}
     for name, step in (("explicit", make_train_step(plan)), ("compiler", compiler_chosen_step(plan))):
-        compiled = step.lower(state, batch).compile()
+        # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
+        compiled = step.lower(state, batch).compile()  # type: ignore[union-attr]
         memory = memory_analysis_bytes(compiled)
         out[name] = program_bytes(compiled.as_text(), mesh, memory["temp_bytes"] if memory else None)
     return out

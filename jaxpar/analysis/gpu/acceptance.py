@@ -200,6 +200,8 @@ def _flops(cfg: Config, params) -> tuple[float, float]:
         cfg.data.seq_len,
     )
     recompute = model_family(cfg.model.name).recompute_flops_per_token
+    if recompute is None:
+        raise ValueError(f"model {cfg.model.name!r} registered no recompute count, which the acceptance's HFU needs")
     hardware = flops_lib.hardware_flops_per_token(model, recompute(cfg.model, cfg.data.seq_len))
     return model, hardware
 
@@ -219,7 +221,8 @@ def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float |
         cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding, cfg.train.seed
     )
     t0 = time.perf_counter()
-    compiled = make_train_step(plan).lower(state, batch).compile()
+    # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
+    compiled = make_train_step(plan).lower(state, batch).compile()  # type: ignore[attr-defined]
     compile_s = time.perf_counter() - t0
     model_flops, hardware_flops = _flops(cfg, state["params"])
     for _ in range(warmup_steps):

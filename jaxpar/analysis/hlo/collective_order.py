@@ -55,7 +55,7 @@ def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str, str]]:
             )
         return holds[comp]
 
-    out = []
+    out: list[tuple[str, str, str, str]] = []
     for comp, instrs in comps.items():
         operands = {ins.name: ins.operands for ins in instrs}
         ancestors: dict[str, frozenset[str]] = {}

@@ -249,6 +249,18 @@ def _trip_count(instr: _Instr, comps: dict[str, list[_Instr]]) -> int | None:
     return None
 
 
+def hlo_attr(pattern: str, attrs: str) -> str:
+    r"""Group 1 of `pattern`'s first match in an instruction's attributes (e.g. r"body=%?([\w.\-]+)").
+
+    Raises:
+      ValueError: no match (HLO text of a form this reader does not know).
+    """
+    found = re.search(pattern, attrs)
+    if found is None:
+        raise ValueError(f"no {pattern!r} in the HLO attributes {attrs[:200]!r}")
+    return found.group(1)
+
+
 def while_loops(hlo_text: str) -> list[WhileLoop]:
     """Every while instruction of the module, with its trip count (None where not found)."""
     comps, _, _ = parse_module(hlo_text)
@@ -256,8 +268,8 @@ def while_loops(hlo_text: str) -> list[WhileLoop]:
     for comp, instrs in comps.items():
         for i in instrs:
             if i.opcode == "while":
-                body = re.search(r"body=%?([\w.\-]+)", i.attrs).group(1)
-                cond = re.search(r"condition=%?([\w.\-]+)", i.attrs).group(1)
+                body = hlo_attr(r"body=%?([\w.\-]+)", i.attrs)
+                cond = hlo_attr(r"condition=%?([\w.\-]+)", i.attrs)
                 out.append(WhileLoop(i.name, comp, body, cond, _trip_count(i, comps), _op_name(i.attrs)))
     return out
 

@@ -27,12 +27,21 @@ import dataclasses
 import math
 import operator
 import re
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from jaxpar.analysis.hlo.collectives import _arrays, _Instr, _trip_count, called_computations, parse_module
+from jaxpar.analysis.hlo.collectives import (
+    _arrays,
+    _Instr,
+    _trip_count,
+    called_computations,
+    hlo_attr,
+    parse_module,
+)
 
-_BINARY = {
+_BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "add": operator.add,
     "subtract": operator.sub,
     "multiply": operator.mul,
@@ -94,7 +103,7 @@ class _Module:
             return _cast(v, i.type_str)
         if op == "compare":
             a, b = args()
-            return bool(_COMPARE[re.search(r"direction=(\w+)", i.attrs).group(1)](a, b))
+            return bool(_COMPARE[hlo_attr(r"direction=(\w+)", i.attrs)](a, b))
         if op == "not":
             (v,) = args()
             return (not v) if isinstance(v, bool) else ~v
@@ -110,15 +119,15 @@ class _Module:
         if op in ("dynamic-slice", "slice"):
             arr = np.asarray(self.value(comp, i.operands[0], frames, pid)).ravel()
             if op == "slice":
-                start = int(re.search(r"slice=\{\[(\d+):", i.attrs).group(1))
+                start = int(hlo_attr(r"slice=\{\[(\d+):", i.attrs))
             else:
                 start = int(self.value(comp, i.operands[1], frames, pid))
             return _cast(arr[min(max(start, 0), arr.size - 1)], i.type_str)
         if op == "fusion" or op == "call":
-            called = re.search(r"(?:calls|to_apply)=%?([\w.\-]+)", i.attrs).group(1)
+            called = hlo_attr(r"(?:calls|to_apply)=%?([\w.\-]+)", i.attrs)
             return self.value(called, _root(self.comps[called]), (*frames, _Frame(comp, i)), pid)
         if op == "get-tuple-element":
-            index = int(re.search(r"index=(\d+)", i.attrs).group(1))
+            index = int(hlo_attr(r"index=(\d+)", i.attrs))
             return self._element(comp, i.operands[0], index, frames, pid)
         if op == "parameter":
             return self._parameter(comp, i, frames, pid)
@@ -130,7 +139,7 @@ class _Module:
             return self.value(comp, i.operands[index], frames, pid)
         if i.opcode == "parameter" and frames and frames[-1].instr.opcode == "while":
             caller = frames[-1]
-            body = re.search(r"body=%?([\w.\-]+)", caller.instr.attrs).group(1)
+            body = hlo_attr(r"body=%?([\w.\-]+)", caller.instr.attrs)
             if comp == body:  # the element must come back unchanged at the end of each iteration
                 root = self.by_name[comp][_root(self.comps[comp])]
                 back = self.by_name[comp].get(root.operands[index]) if root.opcode == "tuple" else None
@@ -138,7 +147,7 @@ class _Module:
                     back is not None
                     and back.opcode == "get-tuple-element"
                     and back.operands == [name]
-                    and re.search(r"index=(\d+)", back.attrs).group(1) == str(index)
+                    and hlo_attr(r"index=(\d+)", back.attrs) == str(index)
                 ):
                     raise ValueError(f"element {index} of while loop {caller.instr.name} is not loop-invariant")
             return self._element(caller.comp, caller.instr.operands[0], index, frames[:-1], pid)
@@ -172,7 +181,7 @@ class _Module:
                 trips = _trip_count(i, self.comps)
                 if trips is None:
                     raise ValueError(f"trip count of while loop {i.name} not found")
-                body = re.search(r"body=%?([\w.\-]+)", i.attrs).group(1)
+                body = hlo_attr(r"body=%?([\w.\-]+)", i.attrs)
                 total += trips * self.total(body, (*frames, _Frame(comp, i)), pid)
             elif i.opcode == "conditional":
                 total += 0.0 if self.skip_conditionals else self._conditional_cost(comp, i, frames, pid)
@@ -188,7 +197,7 @@ class _Module:
         branches = [n for role, n in called_computations(i.attrs) if role == "branch"]
         pred = not branches
         if pred:  # the true_computation / false_computation form: branch 0 runs on true
-            branches = [re.search(rf"{k}_computation=%?([\w.\-]+)", i.attrs).group(1) for k in ("true", "false")]
+            branches = [hlo_attr(rf"{k}_computation=%?([\w.\-]+)", i.attrs) for k in ("true", "false")]
         try:
             selector = self.value(comp, i.operands[0], frames, pid)
         except ValueError:

@@ -100,7 +100,8 @@ def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledS
     with tempfile.TemporaryDirectory(prefix="jaxpar-hlo-") as dump:
         options.update(xla_dump_to=dump, xla_dump_hlo_pass_re=PARTITIONER_PASS, xla_dump_hlo_as_text=True)
         t0 = time.perf_counter()
-        executable = make_train_step(plan).lower(state, batch).compile(options)
+        # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
+        executable = make_train_step(plan).lower(state, batch).compile(options)  # type: ignore[attr-defined]
         seconds = time.perf_counter() - t0
         partitioned = read_partitioned_hlo(dump)
     return CompiledStep(plan, state, batch, executable, seconds, partitioned)
@@ -127,7 +128,7 @@ def hlo_collectives(hlo_text: str, mesh) -> dict:
     an array operand, "scalars": {"count", "bytes", "kinds", "axes"} for those whose operands are all 0-d (loss,
     token count, grad-norm and finite-check partial sums)}. Bytes are ring bytes sent per device."""
     by_axis: dict = {}
-    scalars = {"count": 0, "bytes": 0.0, "kinds": set(), "axes": set()}
+    scalars: dict[str, Any] = {"count": 0, "bytes": 0.0, "kinds": set(), "axes": set()}
     for c in parse_collectives(hlo_text):
         axes = classify_groups(c.groups, mesh, c.kind)
         if axes == ():

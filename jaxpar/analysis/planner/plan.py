@@ -45,7 +45,7 @@ Attention scores (`attention_working_bytes`), on XLA's attention path (`model.at
 to memory. At the peak of one layer's backward XLA's GPU buffer
 assignment holds the fp32 logits and their fp32 gradient and the probabilities and their gradient in Bc:
 (2*4 + 2*Bc) bytes per score element (12 with bf16; read from the buffer assignment's peak breakdown of the
-step compiled for H100 by jax 0.10.2, the same for every remat policy; remat none also keeps each layer's fp32
+step compiled for H100 by XLA's GPU compiler, the same for every remat policy; remat none also keeps each layer's fp32
 probabilities, above). cuDNN's fused (flash) kernel (`auto` on gpu) keeps scores on chip: no score bytes; remat
 none keeps its fp32 softmax statistics (logsumexp) 4*b*(H/t)*s per layer instead of the probabilities. The
 compiled check reports whether the program materialises scores.
@@ -66,7 +66,7 @@ program gives it (the HLO after XLA's SPMD partitioner, which every backend rece
 promotes 16-bit integer all-reduce and reduce-scatter, so bf16 stays bf16), cpu counts what XLA:CPU compiles, whose
 backend passes widen every bf16 all-reduce and reduce-scatter (AllReducePromotion BF16 -> F32: its collectives
 implement no bf16 reduction) and every bf16 all-gather and collective-permute (FloatNormalization for BF16) to fp32
-(XLA's source, xla/service/cpu/cpu_compiler.cc; seen in HLO by tests/unit/test_hlo_collectives.py, and the plans checked
+(passes of XLA:CPU's compiler pipeline; seen in HLO by tests/unit/test_hlo_collectives.py, and the plans checked
 against both programs by tests/unit/test_plan.py). Memory is planned the same on every platform.
 """
 
@@ -173,8 +173,8 @@ def attention_working_bytes(cfg: Config, platform: str = "gpu") -> int:
 
 def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     """Bytes the head's backward adds at its peak: the fp32 gradient of the logits, 4*b*s*(V/t) (the softmax
-    cross-entropy differentiates in fp32; read from XLA's GPU buffer assignment of the step compiled for H100 by
-    jax 0.10.2, where it sits beside the bf16 logits that `activation_bytes` counts). Per device; with a pipeline
+    cross-entropy differentiates in fp32; read from XLA's GPU buffer assignment of the step compiled for H100,
+    where it sits beside the bf16 logits that `activation_bytes` counts). Per device; with a pipeline
     only the last stage has it, and the planner counts the largest stage."""
     d = dims(cfg, platform)
     return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape["tensor"])
@@ -202,6 +202,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
     depth = f"L/p={d.layers_per_stage}" if v == 1 else f"L/(pv)={d.layers_per_chunk}"
+    in_flight: float  # microbatches (or, interleaved, stages' worth of chunk-microbatches) whose layers are held
     if p == 1:
         in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
     elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute and v == 1:
@@ -231,6 +232,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     layers = per_layer * held
     # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
     sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
+    ref: float
     if mdl.remat == "full":
         ref = 2 * sbh
     elif t == 1:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from jaxpar.config.extras import require
 from jaxpar.log import human_bytes
 
 # What a sweep can rank its points by, and whether lower or higher is better; the measured ones need timed steps.
 OBJECTIVES = {"memory": "min", "comm_bytes": "min", "tokens_per_s": "max", "step_time": "min", "mfu": "max"}
 MEASURED_OBJECTIVES = ("tokens_per_s", "step_time", "mfu")
+PLOT_FEATURE = "a sweep's plot.png"
 
 
 def peak_bytes(rec: dict) -> float | None:
@@ -40,8 +42,9 @@ def objective_value(rec: dict, objective: str) -> float | None:
 
 def ranked(records: list[dict], objective: str) -> list[tuple[int | None, dict]]:
     """(rank, record): points with status ok and a value first, best first; the rest after, unranked."""
-    good = [r for r in records if r["status"] == "ok" and objective_value(r, objective) is not None]
-    good.sort(key=lambda r: objective_value(r, objective), reverse=OBJECTIVES[objective] == "max")
+    scored = [(v, r) for r in records if r["status"] == "ok" and (v := objective_value(r, objective)) is not None]
+    scored.sort(key=lambda vr: vr[0], reverse=OBJECTIVES[objective] == "max")
+    good = [r for _, r in scored]
     rest = [r for r in records if not any(r is g for g in good)]
     return [(i + 1, r) for i, r in enumerate(good)] + [(None, r) for r in rest]
 
@@ -207,9 +210,12 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
     """plot.png (matplotlib, Agg): per point (the `max_points` best by the objective), throughput (tokens/s
     when measured, else communication bytes per step) on top and memory per device (planned and compiled
     peak, budget line) below. With a GPU `target` (header "target") the compiled bars are the GPU compiler's for
-    that cluster, and a line marks one GPU's memory."""
-    import matplotlib
+    that cluster, and a line marks one GPU's memory.
 
+    Raises:
+      jaxpar.config.extras.MissingExtra: matplotlib (the `plot` extra) is not installed.
+    """
+    matplotlib = require("matplotlib", PLOT_FEATURE)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

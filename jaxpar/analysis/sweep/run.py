@@ -63,8 +63,9 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxpar.analysis.sweep.gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
-from jaxpar.analysis.sweep.report import MEASURED_OBJECTIVES, OBJECTIVES, write_markdown, write_plot
+from jaxpar.analysis.sweep.report import MEASURED_OBJECTIVES, OBJECTIVES, PLOT_FEATURE, write_markdown, write_plot
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
+from jaxpar.config.extras import installed, missing_message
 from jaxpar.config.load import decode_value, read_yaml
 from jaxpar.config.mesh_axes import CONFIG_AXES
 from jaxpar.config.precision import PLATFORMS
@@ -540,7 +541,8 @@ def run_sweep(
     runner: Callable[[Sweep, dict], tuple[int, str, str]] = _subprocess,
 ) -> list[dict]:
     """Runs every point not finished earlier, rewriting out_dir/results.json and results.md after each and
-    drawing plot.png at the end (`jaxpar.analysis.sweep.report`). Returns the records in point order.
+    drawing plot.png at the end (`jaxpar.analysis.sweep.report`); without matplotlib (the `plot` extra) it says
+    so before the first point and draws no plot. Returns the records in point order.
 
     `runner(sweep, point) -> (exit status, stdout, stderr)` compiles/measures one point (default: a
     `python -m jaxpar.cli.plan ... --json` subprocess).
@@ -558,6 +560,9 @@ def run_sweep(
 
             raise GpuCompileUnavailable(reason)
 
+    plot = installed("matplotlib")
+    if not plot:
+        log(f"plot.png is skipped: {missing_message('matplotlib', PLOT_FEATURE)}")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:  # a file in the way, a read-only parent, ...
@@ -596,5 +601,6 @@ def run_sweep(
         )
     _write_json(path, {**header, "points": ordered()})
     write_markdown(os.path.join(out_dir, "results.md"), header, ordered())
-    write_plot(os.path.join(out_dir, "plot.png"), header, ordered())
+    if plot:
+        write_plot(os.path.join(out_dir, "plot.png"), header, ordered())
     return ordered()

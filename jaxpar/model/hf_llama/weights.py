@@ -94,7 +94,7 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (f, d),
         "mlp.down_proj.weight": (d, f),
     }
-    out = {"model.embed_tokens.weight": (v, d)}
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
     for i in range(cfg.n_layers):
         out.update({f"model.layers.{i}.{s}": shape for s, shape in per_layer.items()})
     out["model.norm.weight"] = (d,)
@@ -196,7 +196,8 @@ def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
     by_file: dict[str, list[str]] = {}
     for name in want:
         by_file.setdefault(files[name], []).append(name)
-    tensors, dtypes = {}, {}
+    tensors: dict[str, np.ndarray] = {}
+    dtypes: dict[str, int] = {}  # stored dtype name -> tensors of it
     for path, names in by_file.items():
         with _open(path) as f:
             for name in names:
@@ -215,7 +216,7 @@ def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
     }
     if not cfg.tie_embeddings:
         params["lm_head"] = {"kernel": tensors.pop("lm_head.weight").T}
-    stored = max(dtypes, key=dtypes.get)
+    stored = max(dtypes, key=lambda name: dtypes[name])
     _LOGGER.info("read %d tensors (%s) from %s", len(want), ", ".join(sorted(dtypes)), hf_dir)
     return params, stored
 

@@ -21,9 +21,22 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+
+if TYPE_CHECKING:  # the types of the run's parts; importing them here would load the whole training stack
+    from jaxpar.checkpoint.store import Checkpointer
+    from jaxpar.config.schema import Config
+    from jaxpar.data.iterator import IteratorLoader
+    from jaxpar.data.loader import DataLoader, EvalLoader
+    from jaxpar.data.mixture import MixtureEvalLoader, MixtureLoader
+    from jaxpar.training.metrics import MetricsWriter
+    from jaxpar.training.step import StepPlan
+
+TrainState = dict[str, Any]  # {"params", "opt_state", "step", ...}: `jaxpar.training.step.init_state`
+# eval_step(params, batch) -> (summed token loss in nats, valid tokens): `jaxpar.training.step.make_eval_step`
+EvalStep = Callable[[dict, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
 
 _LOGGER = logging.getLogger("jaxpar.training")
 
@@ -48,7 +61,7 @@ class TrainResult:
     start_step: int
     sample: str
     preempted_at: int | None = None  # step saved and stopped at after a SIGTERM
-    state: Any = dataclasses.field(repr=False, default=None)
+    state: TrainState = dataclasses.field(repr=False, default_factory=dict)  # the final train state
     val_losses: dict[str, float] = dataclasses.field(default_factory=dict)  # a mixture's val_loss per source
 
 
@@ -57,11 +70,13 @@ class RunContext:
     """What hooks see of a run: its parts (fixed for the run) and the values hooks share (updated as it goes).
 
     Parts:
-      cfg: the resolved config. plan: the `StepPlan`. mesh: the device mesh. compiled: the compiled train step,
-        `(state, batch) -> (state, metrics)`.
-      train_loader: the training batches (`next_batch()`, Grain's `get_state()` / `set_state()`).
-      val_loader: the validation split (`jaxpar.data.EvalLoader`); eval_step: `(params, batch) -> (loss sum
-        in nats, valid tokens)`, see `jaxpar.training.hooks.evaluate`.
+      cfg: the resolved config. plan: the `StepPlan`. mesh: the device mesh. compiled: the compiled train step
+        (`jax.stages.Compiled`), `(state, batch) -> (state, metrics)`.
+      train_loader: the training batches (`next_batch()`, Grain's `get_state()` / `set_state()`): a
+        `jaxpar.data.DataLoader`, a `MixtureLoader` for `data.sources`, or an `IteratorLoader` over the caller's
+        iterator.
+      val_loader: the validation split (`jaxpar.data.EvalLoader`, a `MixtureEvalLoader` for `data.sources`);
+        eval_step: `(params, batch) -> (loss sum in nats, valid tokens)`, see `jaxpar.training.hooks.evaluate`.
       data_info: the splits' token and sequence counts and `val_unigram_entropy` (`jaxpar.data.build_loaders`).
       checkpointer: the run's `jaxpar.checkpoint.store.Checkpointer`, None with `checkpoint.every_steps=0`.
       writer: the run's `jaxpar.training.metrics.MetricsWriter` (metrics.jsonl and the configured trackers).
@@ -85,20 +100,20 @@ class RunContext:
       stop_requested: a hook called `stop()`; preempted_at: the step a preemption stopped the run at.
     """
 
-    cfg: Any
-    plan: Any
-    mesh: Any
-    compiled: Any
-    train_loader: Any
-    val_loader: Any
-    eval_step: Callable
-    data_info: dict
-    checkpointer: Any
-    writer: Any
+    cfg: Config
+    plan: StepPlan
+    mesh: jax.sharding.Mesh
+    compiled: jax.stages.Compiled
+    train_loader: DataLoader | MixtureLoader | IteratorLoader
+    val_loader: EvalLoader | MixtureEvalLoader
+    eval_step: EvalStep
+    data_info: dict[str, Any]
+    checkpointer: Checkpointer | None
+    writer: MetricsWriter
     stack: contextlib.ExitStack
     start_step: int
-    state: Any
-    memory: dict = dataclasses.field(default_factory=dict)
+    state: TrainState
+    memory: dict[str, int | None] = dataclasses.field(default_factory=dict)
     flops_per_token: float = 0.0
     hardware_flops_per_token: float | None = None
     peak_flops: float | None = None

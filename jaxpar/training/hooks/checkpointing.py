@@ -15,7 +15,7 @@ class CheckpointHook(Hook):
     """
 
     def on_start(self, run: RunContext) -> None:
-        self._saved = None  # the step this hook last saved (or decided not to)
+        self._saved: int | None = None  # the step this hook last saved (or decided not to)
 
     def on_stop(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
         """A stop requested by a hook after this one in the list still saves the step."""

@@ -93,7 +93,7 @@ class EvalHook(Hook):
         if result.preempted_at:
             return
         if run.val_loss is not None:
-            final, by_source = run.val_loss, run.val_losses
+            final, by_source = run.val_loss, run.val_losses or {}
         else:
             final, _, by_source = evaluate_sources(run.eval_step, result.state["params"], run.val_loader)
         result.val_loss, result.val_losses = final, dict(by_source)

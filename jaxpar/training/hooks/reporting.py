@@ -36,11 +36,16 @@ class MetricsHook(Hook):
     def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
         m = run.host_metrics(step, metrics)
         skipped = int(m["skipped_steps"]) if "skipped_steps" in m else None
-        mfu = flops_lib.mfu(run.tokens_per_s, run.flops_per_token, run.mesh.size, run.peak_flops)
+        tokens_per_s = run.tokens_per_s  # measured by host_metrics
+        mfu = (
+            None
+            if tokens_per_s is None
+            else flops_lib.mfu(tokens_per_s, run.flops_per_token, run.mesh.size, run.peak_flops)
+        )
         hfu = (
             None
-            if run.hardware_flops_per_token is None
-            else flops_lib.mfu(run.tokens_per_s, run.hardware_flops_per_token, run.mesh.size, run.peak_flops)
+            if run.hardware_flops_per_token is None or tokens_per_s is None
+            else flops_lib.mfu(tokens_per_s, run.hardware_flops_per_token, run.mesh.size, run.peak_flops)
         )
         run.writer.write(
             step,

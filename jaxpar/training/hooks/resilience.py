@@ -41,7 +41,7 @@ class PreemptionHook(Hook):
         self._watch = run.stack.enter_context(PreemptionWatch())
 
     def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
-        if self._watch.reached(step):
+        if self._watch is not None and self._watch.reached(step):
             run.preempted_at = step
             run.stop()
 

@@ -6,7 +6,7 @@ file). jax's CUDA plugin parses it when asked for a compile-only topology (`jaxp
 
     topologies.get_topology_desc(platform="cuda", target_config=target("h100").text, topology="1x8x8")
 
-What the fields do (checked with jax 0.10.2's CUDA plugin by deleting one field at a time and compiling a
+What the fields do (checked with the gpu-compile extra's CUDA plugin by deleting one field at a time and compiling a
 sharded matmul + all-reduce; an unknown field name is refused by the parser, so a file written for a newer XLA
 fails at `get_topology_desc` with "Failed to parse GpuTargetConfigProto"):
   needed to compile at all
@@ -67,7 +67,9 @@ def parse_text_proto(text: str) -> dict:
     Raises:
       ValueError: unbalanced braces or a field without a value (with the offending position).
     """
-    pos, stack, current, name = 0, [], {}, None
+    pos, name = 0, None
+    stack: list[tuple[dict, str]] = []  # the enclosing messages of `current`, with the field it is under
+    current: dict = {}
 
     def put(container: dict, key: str, value) -> None:
         if key in container:

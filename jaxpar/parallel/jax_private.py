@@ -1,0 +1,53 @@
+"""Every name jaxpar takes from jax's private modules (`jax._src`), in one place: what it is, why jaxpar needs it,
+and what to switch to once jax exposes it. Every other module imports these from here
+(tests/unit/test_architecture.py fails on `jax._src` anywhere else), so a jax upgrade that moves one of them
+breaks this file only, and tests/unit/test_jax_private.py says which name went.
+
+  eval_jaxpr(jaxpr, consts, *args) -> list           jax._src.core.eval_jaxpr
+      Runs a jaxpr on arrays (or tracers). Used by `jaxpar.parallel.pipeline` to rebuild, in the backward tick
+      of 1F1B, the residuals computed from the weights alone. Public replacement, already there:
+      `jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, consts))(*args)`, the same evaluation
+      with jax's NaN checking (`jax_debug_nans`) turned off inside it.
+  dce_jaxpr(jaxpr, used_outputs) -> (jaxpr, used_inputs)   jax._src.interpreters.partial_eval.dce_jaxpr
+      Dead-code elimination of a jaxpr for the outputs asked for, returning which inputs the rest reads. Used by
+      `jaxpar.parallel.pipeline` to find which residuals depend on the weights only. jax also reaches it as
+      `jax.interpreters.partial_eval.dce_jaxpr`, a compatibility module that is not public API; switch when
+      `jax.extend` exposes dead-code elimination.
+  convert_constvars_jaxpr(jaxpr) -> jaxpr            jax._src.interpreters.partial_eval.convert_constvars_jaxpr
+      The same jaxpr with its constants turned into leading inputs, so `dce_jaxpr` reports whether an output
+      reads them. Used by `jaxpar.parallel.pipeline`. No public replacement; switch when `jax.extend` has one.
+  cudnn_attention() -> (dot_product_attention, MaskType)   jax._src.cudnn.fused_attention_stablehlo
+      cuDNN's fused flash attention with per-segment offsets and lengths (`q_offsets`, `kv_offsets`), the packed
+      document layout of `jaxpar.model.attention`. The public `jax.nn.dot_product_attention(implementation=
+      "cudnn")` takes one length per row only (padding, one document per row); switch to it when it takes
+      segment offsets. Imported when called: the module is loaded only where packed cuDNN attention is traced.
+  distributed_client() -> the coordination-service client, or None   jax._src.distributed.global_state.client
+      The key-value store of the coordination service `jax.distributed.initialize` starts (process 0 hosts it),
+      through the same client jax itself uses. Used by `jaxpar.training.watchdog` to publish heartbeats and
+      name the missing process of a hung run. Public `jax.distributed` offers initialize, is_initialized and
+      shutdown only; switch when it exposes the key-value store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax._src.core import eval_jaxpr
+from jax._src.interpreters.partial_eval import convert_constvars_jaxpr, dce_jaxpr
+
+__all__ = ["convert_constvars_jaxpr", "cudnn_attention", "dce_jaxpr", "distributed_client", "eval_jaxpr"]
+
+
+def cudnn_attention() -> tuple[Any, Any]:
+    """(dot_product_attention, MaskType) of jax's cuDNN fused-attention module (module docstring)."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo.dot_product_attention, fused_attention_stablehlo.MaskType
+
+
+def distributed_client() -> Any:
+    """jax's coordination-service client (`key_value_set`, `key_value_dir_get`, ...), or None before
+    `jax.distributed.initialize` (module docstring)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

@@ -1,0 +1,34 @@
+"""The private jax names of jaxpar.parallel.jax_private still exist and do what its docstring says, so a jax
+upgrade that moves or changes one fails here, naming it, rather than deep inside a step."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.parallel import jax_private
+
+
+def test_jaxpr_tools_evaluate_and_prune():
+    """convert_constvars_jaxpr puts the constants first, dce_jaxpr keeps what an output reads, eval_jaxpr runs it."""
+    c = jnp.arange(3.0)
+    closed = jax.make_jaxpr(lambda x, y: (x * c, y + 1.0))(jnp.ones(3), jnp.ones(3))
+    jaxpr = jax_private.convert_constvars_jaxpr(closed.jaxpr)
+    assert len(jaxpr.invars) == len(closed.consts) + 2 and not jaxpr.constvars
+    pruned, used = jax_private.dce_jaxpr(jaxpr, [True, False])
+    assert used == [True] * len(closed.consts) + [True, False]
+    (out,) = jax_private.eval_jaxpr(pruned, (), *closed.consts, jnp.full(3, 2.0))
+    assert out.tolist() == [0.0, 2.0, 4.0]
+
+
+def test_cudnn_attention_takes_segment_offsets():
+    attention, mask_type = jax_private.cudnn_attention()
+    params = inspect.signature(attention).parameters
+    assert {"q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "mask_type", "qkv_layout"} <= set(params)
+    assert hasattr(mask_type, "PADDING_CAUSAL")
+
+
+def test_distributed_client_is_none_in_one_process():
+    assert jax.process_count() == 1 and jax_private.distributed_client() is None
