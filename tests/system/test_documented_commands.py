@@ -78,6 +78,9 @@ ELSEWHERE = {
         "tests/unit/test_gpu_check.py::test_recompiling_a_shipped_config_reproduces_its_record"
     ),
     "tools/resolve_config.py": "tests/unit/test_cli_args.py::test_resolve_config_refuses_device_counts_below_one",
+    "tools/test_times.py": (
+        "tests/unit/test_test_times.py::test_rows_per_file_with_compile_seconds_and_the_files_over_budget"
+    ),
 }
 HERE = {  # script: reduced arguments (one timed step and round, the smallest grid), run by test_script_runs
     "benchmarks/overhead.py": ["--steps", "1", "--rounds", "1"],
