@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
+
 # Checkpoint names of the all-to-alls' outputs, for the remat policies of `jaxpar.model.stack`: EXPERT_DISPATCHED
 # on the rows each device's experts receive, EXPERT_COMBINED on the expert outputs back on their tokens' device.
 EXPERT_DISPATCHED = "expert_dispatched"
@@ -133,11 +135,6 @@ def capacity(seq_len: int, top_k: int, num_experts: int, capacity_factor: float)
     return max(1, math.ceil(capacity_factor * seq_len * top_k / num_experts))
 
 
-# Remat policies (`model.remat`) whose backward re-runs the forward dispatch (`jaxpar.model.stack`): they keep
-# only EXPERT_COMBINED of the two all-to-all outputs.
-REDISPATCHING_REMAT = ("full", "names")
-
-
 def all_to_all_buffer(
     routing: str,
     n: int,
@@ -165,9 +162,10 @@ def all_to_all_buffer(
 def all_to_alls_per_block(remat: str) -> tuple[int, int]:
     """(buffers, count all-to-alls) one MoE block sends per microbatch through a forward and a backward: four
     buffers (dispatch and combine in the forward, their transposes in the backward), five when `remat` (a
-    `model.remat` policy) is in `REDISPATCHING_REMAT` (the backward re-runs the dispatch); and the dropless
-    path's int32 expert counts (E * 4 bytes each), once, twice with the re-run dispatch."""
-    redispatch = remat in REDISPATCHING_REMAT
+    `model.remat` policy) is in `REMAT_KEEPING_EXITS_ONLY` (it keeps only EXPERT_COMBINED of the two all-to-all
+    outputs, so the backward re-runs the dispatch); and the dropless path's int32 expert counts (E * 4 bytes
+    each), once, twice with the re-run dispatch."""
+    redispatch = remat in REMAT_KEEPING_EXITS_ONLY
     return (5, 2) if redispatch else (4, 1)
 
 

@@ -16,7 +16,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.config.choices import LR_DECAYS
 from jaxpar.config.schema import OptimizerConfig
+
+# optimizer.decay -> the decayed rate at decay progress t in [0, 1] (fp32 array) from `peak` to `end` (floats).
+DECAYS = {
+    "cosine": lambda t, peak, end: end + (peak - end) * 0.5 * (1.0 + jnp.cos(math.pi * t)),
+    "linear": lambda t, peak, end: peak + (end - peak) * t,
+    "constant": lambda t, peak, end: jnp.full_like(t, peak),
+}
+if set(DECAYS) != set(LR_DECAYS):
+    raise ImportError(f"optimizer decays {sorted(DECAYS)} differ from jaxpar.config.choices.LR_DECAYS {LR_DECAYS}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -36,6 +46,9 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     (unless `min_lr_ratio` = 0 and the run goes past S). `count` is the optimizer's own update count, which
     an update skipped for non-finite gradients does not advance (`build_optimizer`).
 
+    Raises:
+      KeyError (when called): `cfg.decay` is not one of `jaxpar.config.choices.LR_DECAYS`.
+
     Returns:
       a function int32 count -> float32 learning rate (usable inside jit).
     """
@@ -46,12 +59,7 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     def schedule(count):
         count = jnp.asarray(count, jnp.float32)
         t = jnp.clip((count - warmup) / decay_steps, 0.0, 1.0)
-        if cfg.decay == "cosine":
-            decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(math.pi * t))
-        elif cfg.decay == "linear":
-            decayed = peak + (end - peak) * t
-        else:
-            decayed = jnp.full_like(t, peak)
+        decayed = DECAYS[cfg.decay](t, peak, end)
         if warmup == 0:
             return decayed
         return jnp.where(count < warmup, peak * (count + 1.0) / warmup, decayed)

@@ -8,11 +8,28 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "jaxpar")
+# Temporary: the files helper H1 is splitting (issue 23) keep their own spellings of mesh axis names and choice
+# lists until that work lands; the rules below skip them. Empty this set when it has been merged.
+_PENDING = {
+    os.path.join("jaxpar", *p.split("/"))
+    for p in (
+        "training/step.py",
+        "training/loop.py",
+        "parallel/pipeline.py",
+        "checkpoint/store.py",
+        "config/validate.py",
+        "config/precision.py",
+        "data/build.py",
+        "analysis/gpu/deviceless.py",
+        "model/flops.py",
+    )
+}
 
 
 def _modules(top: str) -> dict[str, str]:
@@ -121,20 +138,39 @@ def _literal_tuples(path: str):
             yield node.lineno, tuple(e.value for e in node.elts)
 
 
-# Each concept's names are spelled out once, in the module named here, and imported everywhere else.
+# Each concept's names are spelled out once, in the module named here, and imported everywhere else. A config
+# key's vocabulary lives in the config layer (`jaxpar.config.choices` where an implementation above the config
+# maps each name, beside the key's own checks otherwise).
 ONE_SOURCE = {
     "mesh axes": ({"data", "pipeline", "fsdp", "tensor"}, "jaxpar.config.mesh_axes"),
     "platforms": ({"gpu", "tpu", "cpu"}, "jaxpar.config.precision"),
     "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.data.batch"),
+    "remat policies": ({"none", "dots", "names", "full"}, "jaxpar.config.choices"),
+    "pipeline schedules": ({"1f1b", "gpipe"}, "jaxpar.config.choices"),
+    "rotary scalings": ({"none", "linear", "llama3"}, "jaxpar.config.choices"),
+    "learning-rate decays": ({"cosine", "linear", "constant"}, "jaxpar.config.choices"),
+    "text sources": ({"stdlib", "text", "jsonl"}, "jaxpar.config.data_sources"),
+    "token sources": ({"tokens", "shards"}, "jaxpar.config.data_sources"),
+    "token dtypes": ({"uint16", "uint32"}, "jaxpar.config.data_sources"),
+    "attention implementations": ({"auto", "xla", "cudnn"}, "jaxpar.config.attention"),
+    "corpus formats": ({"text", "jsonl", "parquet"}, "jaxpar.data.corpus_files"),
+}
+# Literals that spell a concept out again on purpose, each with its reason.
+ONE_SOURCE_ALSO = {
+    # the order the acceptance run tries the policies in; checked at import to be an order of REMAT_POLICIES
+    ("remat policies", "jaxpar.analysis.gpu.acceptance"),
 }
 
 
 def test_each_concept_is_spelled_out_in_one_module():
     found: dict[str, list[str]] = {name: [] for name in ONE_SOURCE}
     for module, path in _modules(PACKAGE).items():
+        pending = os.path.relpath(path, ROOT) in _PENDING
         for line, names in _literal_tuples(path):
-            for concept, (want, _) in ONE_SOURCE.items():
-                if set(names) == want and len(names) == len(want):
+            for concept, (want, source) in ONE_SOURCE.items():
+                if set(names) != want or len(names) != len(want) or (concept, module) in ONE_SOURCE_ALSO:
+                    continue
+                if module == source or not pending:
                     found[concept].append(f"{module}:{line}")
     for concept, (_, source) in ONE_SOURCE.items():
         assert [w.split(":")[0] for w in found[concept]] == [source], (concept, found[concept])
@@ -200,3 +236,62 @@ def test_byte_formatting_has_one_source():
 
     assert [human_bytes(x) for x in (None, 512, 431_400, 26e9, -3e12)] == ["-", "512 B", "431.4 kB", "26 GB", "-3 TB"]
     assert plan_report.human_bytes is human_bytes and sweep_report.human_bytes is human_bytes
+    assert _byte_formatters(FORMATTER_SAMPLE) == [4, 5, 6]
+    found = []
+    for top in ("jaxpar", "benchmarks", "examples", "tools"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in sorted(files):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)
+                if f.endswith(".py") and rel not in OWN_BYTE_UNITS:
+                    with open(os.path.join(d, f), encoding="utf-8") as fh:
+                        found += [f"{rel}:{line}" for line in _byte_formatters(fh.read())]
+    assert found == [], "format bytes with jaxpar.log.human_bytes (or say why not in OWN_BYTE_UNITS)"
+
+
+# A number printed with a byte unit of its own: a formatted value followed by "kB", "MB", "GiB", ... (what
+# `human_bytes` is for), or a binary unit named in a string.
+_UNIT_AFTER = re.compile(r"^\s?(k|K|M|G|T)i?B\b")
+_BINARY_UNIT = re.compile(r"\b(KiB|MiB|GiB|TiB)\b")
+FORMATTER_SAMPLE = '''
+def f(x):
+    """Bytes in GiB (a docstring may say so)."""
+    a = f"{x / 2**30:.1f} GiB"
+    b = f"{x / 1e9:.2f} GB per device"
+    return a, b, "peak MiB", human_bytes(x), f"{x} tokens"
+'''
+# Files whose byte units are their own, and why.
+OWN_BYTE_UNITS = {
+    os.path.join("jaxpar", "log.py"): "human_bytes itself",
+    os.path.join("jaxpar", "analysis", "gpu", "check.py"): "a table whose byte columns share one unit and decimal",
+    os.path.join("benchmarks", "data_rss.py"): "resident set sizes in MiB, as the kernel reports them in KiB",
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions."""
+    kinds = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, kinds)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def _byte_formatters(source: str) -> list[int]:
+    """Lines of `source` that format a byte count by hand (docstrings aside)."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            for before, part in zip(node.values, node.values[1:]):
+                if isinstance(before, ast.FormattedValue) and isinstance(part, ast.Constant):
+                    if _UNIT_AFTER.match(part.value):
+                        lines.add(node.lineno)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if _BINARY_UNIT.search(node.value):
+                lines.add(node.lineno)
+    return sorted(lines)

@@ -201,10 +201,10 @@ def test_cli_exercise(capsys):
     assert plan_cli.main(["--exercise-13b"]) == 0
     out = capsys.readouterr().out
     for needle in (
-        "208.00 GB",
-        "71.50 GB",
-        "48.75 GB",
-        "26.00 GB",
+        "DDP     16P              208 GB",
+        "ZeRO-1  4P + 12P/N      71.5 GB",
+        "ZeRO-2  2P + 14P/N     48.75 GB",
+        "ZeRO-3  16P/N             26 GB",
         "N = 9 (23.11 GB per device)",
         "no recomputation",
         "Smallest N for model state + jaxpar activations <= 24 GB: 10",

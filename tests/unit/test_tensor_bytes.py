@@ -16,13 +16,13 @@ import pytest
 
 from jaxpar.analysis.bench.tensor_bytes import compile_steps, format_table, program_bytes
 from jaxpar.config import load_config
+from jaxpar.config.choices import REMAT_POLICIES
 from jaxpar.config.validate import resolve_config
-from jaxpar.model.stack import REMAT_POLICIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["train.global_batch_size=8", "train.grad_accum_steps=1", "optimizer.zero_stage=1"]
 TENSOR4 = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"]
-POLICIES = tuple(REMAT_POLICIES)
+POLICIES = REMAT_POLICIES
 
 
 _CPU_ROWS: dict = {}

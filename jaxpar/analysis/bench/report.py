@@ -45,6 +45,7 @@ from jaxpar.analysis.planner.comm import collective_terms
 from jaxpar.analysis.planner.memory import memory_table
 from jaxpar.analysis.planner.pipeline import bubble_fraction, stage_inputs_in_flight
 from jaxpar.config import Config, load_config, resolve_config
+from jaxpar.config.choices import PIPELINE_SCHEDULES
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
@@ -319,14 +320,14 @@ def pipeline_memory_rows(
     for p in stages:
         for m in microbatches:
             temp = {}
-            for sched in ("1f1b", "gpipe"):
+            for sched in PIPELINE_SCHEDULES:
                 cfg = load_config(
                     config,
                     [*PIPELINE_MODEL, *overrides, *pipeline_overrides(p, True, sched, m, micro_rows)],
                     num_devices=p,
                 )
                 temp[sched] = pipeline_temp_bytes(cfg, jax.devices()[:p], compiler_options)
-            live = {s: stage_inputs_in_flight(s, p, m)["live"] for s in ("1f1b", "gpipe")}
+            live = {s: stage_inputs_in_flight(s, p, m)["live"] for s in PIPELINE_SCHEDULES}
             out.append(
                 row(
                     "pipeline",
@@ -341,9 +342,10 @@ def pipeline_memory_rows(
     return out
 
 
-# Schedules compared with data parallelism: (row label, pipeline.schedule, pipeline.recompute).
-# (name, pipeline.schedule, pipeline.recompute, pipeline.virtual_stages)
-PIPELINE_SCHEDULES = (
+# The pipeline variants compared with data parallelism: (row label, pipeline.schedule, pipeline.recompute,
+# pipeline.virtual_stages). Not a vocabulary: each schedule of `jaxpar.config.choices.PIPELINE_SCHEDULES`, 1F1B
+# also with recompute and interleaved.
+PIPELINE_VARIANTS = (
     ("1F1B", "1f1b", False, 1),
     ("1F1B recompute", "1f1b", True, 1),
     ("interleaved 1F1B v=2", "1f1b", False, 2),
@@ -361,7 +363,7 @@ def pipeline_schedule_rows(
     micro_rows: int = 2,
     compiler_options: dict | None = None,
 ) -> list[dict]:
-    """Each schedule of PIPELINE_SCHEDULES on mesh pipeline=p against data parallelism on mesh data=p, same
+    """Each variant of PIPELINE_VARIANTS on mesh pipeline=p against data parallelism on mesh data=p, same
     devices and global batch m * micro_rows, PIPELINE_MODEL + `overrides`: matmul FLOPs per device (mean over
     the devices, `jaxpar.analysis.hlo.flops`) over data parallelism's, with the tick ratio (v m + p - 1)/(v m) as
     reference (target <= 1.03 x it, except with recompute: the stage forward twice, about 4/3 of the blocks);
@@ -372,7 +374,7 @@ def pipeline_schedule_rows(
     heads' added from the formula, 6 b T D V per microbatch on the last stage (b = micro_rows)."""
     devices = jax.devices()[:p]
     runs, flops = {}, {}
-    for name, sched, recompute, v in (("data parallel", "1f1b", False, 1), *PIPELINE_SCHEDULES):
+    for name, sched, recompute, v in (("data parallel", "1f1b", False, 1), *PIPELINE_VARIANTS):
         pipelined = name != "data parallel"
         cfg = load_config(
             config,
@@ -404,7 +406,7 @@ def pipeline_schedule_rows(
     times = {name: median_seconds(t) for name, t in interleaved_step_times(runs, steps, rounds).items()}
     case = f"p={p} m={m} b={micro_rows}"
     out = []
-    for name, _, recompute, v in PIPELINE_SCHEDULES:
+    for name, _, recompute, v in PIPELINE_VARIANTS:
         ticks, bubble = (v * m + p - 1) / (v * m), bubble_fraction(p, m, v)
         f_ratio, t_ratio = flops[name] / flops["data parallel"], times[name] / times["data parallel"]
         bound = "~4/3 of the blocks' share" if recompute else "<= 1.03"

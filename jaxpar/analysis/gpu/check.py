@@ -174,7 +174,8 @@ def problems(record: dict, path: str) -> list[str]:
 def format_table(records: list[dict], planned: dict[str, int] | None = None) -> str:
     """Markdown table of records: config, cluster, mesh, rows per microbatch x accumulation, remat,
     GPU-compiled peak, planned peak (`planned` overrides the recorded one, by config name), ratio, share of
-    the GPU's memory. GB = 1e9 bytes."""
+    the GPU's memory. GB = 1e9 bytes (`jaxpar.log.GB`): the byte columns share one unit and one decimal, unlike
+    `jaxpar.log.human_bytes`, so that the table the docs quote lines up and compares as text."""
     lines = [
         (
             "| config | cluster | mesh (data x fsdp x tensor x pipeline) | rows per microbatch x accumulation "

@@ -76,6 +76,7 @@ import math
 from jaxpar.analysis.hlo.ring import ring_bytes
 from jaxpar.analysis.planner.dims import dims, local_size, param_leaves
 from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_elements
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.mesh_axes import MESH_AXES
 from jaxpar.config.schema import Config
 from jaxpar.parallel import schedule
@@ -288,7 +289,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     ce = d.b * d.s * 4
     # Every remat policy saves the exits' outputs, none and dots the SP enters' too (`jaxpar.model.stack`): names
     # and full with SP re-gather both block inputs of each layer in the backward.
-    regather = cfg.model.remat in ("names", "full")
+    regather = cfg.model.remat in REMAT_KEEPING_EXITS_ONLY
     fwd, bwd = passes["fwd"], passes["bwd"]
     head_fwd, head_bwd, embed_fwd, embed_bwd = (passes[k] for k in ("head_fwd", "head_bwd", "embed_fwd", "embed_bwd"))
     tensor = ("tensor",)

@@ -80,6 +80,7 @@ from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, pa
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
 from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
 from jaxpar.config.attention import resolve_attention
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
@@ -154,9 +155,9 @@ def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
         else:
             out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
     # The tensor collectives' outputs the policies keep (`jaxpar.model.stack`).
-    if t > 1 and mdl.remat in ("full", "names"):
+    if t > 1 and mdl.remat in REMAT_KEEPING_EXITS_ONLY:
         out["attention exit"] = b * d.s_act * dm * bc
-    if d.sp and mdl.remat in ("none", "dots"):
+    if d.sp and mdl.remat not in REMAT_KEEPING_EXITS_ONLY:
         out["gathered block inputs"] = 2 * b * s * dm * bc
     return out
 

@@ -224,6 +224,7 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
     by = f"XLA GPU compiler, {gpu_target['cluster']}" if gpu_target else "XLA"
 
     def unit(values):
+        """One decimal unit for a whole plot axis (`human_bytes` formats one value; an axis needs one scale)."""
         scale = 1e9 if max(values, default=0) >= 1e9 else 1e6
         return scale, "GB" if scale == 1e9 else "MB"
 
