@@ -295,3 +295,52 @@ def _byte_formatters(source: str) -> list[int]:
             if _BINARY_UNIT.search(node.value):
                 lines.add(node.lineno)
     return sorted(lines)
+
+
+# Strings equal to a mesh axis's name that name something else: {file: ({string: count}, what they name)}.
+NOT_AXIS_NAMES = {
+    "jaxpar/config/data_sources.py": ({"data": 1}, "the `data` config section, prefixing error messages"),
+    "jaxpar/training/init_from.py": ({"data": 3}, "the `data` config section"),
+    "jaxpar/checkpoint/info.py": ({"data": 4}, "a checkpoint's data position and the `data` config section"),
+    "jaxpar/analysis/planner/plan.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
+    "jaxpar/analysis/planner/report.py": ({"pipeline": 2}, "the plan's `pipeline` section"),
+    "jaxpar/analysis/sweep/run.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
+    "jaxpar/analysis/gpu/check.py": ({"tensor": 1, "pipeline": 5}, "the `tensor` and `pipeline` config sections"),
+    "jaxpar/analysis/bench/report.py": ({"tensor": 2, "pipeline": 5}, "the report's row groups"),
+}
+
+
+def _axis_name_literals(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, string) of every string constant in `source` equal to one of `names`, except docstrings and the
+    text of f-strings."""
+    tree = ast.parse(source)
+    text = _docstrings(tree) | {
+        id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values
+    }
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in text
+    )
+
+
+def test_mesh_axes_are_named_through_constants():
+    """Code names a mesh axis through `jaxpar.config.mesh_axes` (DATA, FSDP, TENSOR, PIPELINE and the axis
+    groups), never with a string of its own: an AST scan of jaxpar/ outside that module."""
+    from jaxpar.config.mesh_axes import MESH_AXES
+
+    sample = 'def f(x):\n    """On "data"."""\n    return P("fsdp"), f"mesh.data={x}", x["tensor"], DATA\n'
+    assert _axis_name_literals(sample, MESH_AXES) == [(3, "fsdp"), (3, "tensor")]
+    found, counted = [], {}
+    for module, path in _modules(PACKAGE).items():
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if module == "jaxpar.config.mesh_axes" or os.path.relpath(path, ROOT) in _PENDING:
+            continue
+        with open(path, encoding="utf-8") as f:
+            hits = _axis_name_literals(f.read(), MESH_AXES)
+        if rel in NOT_AXIS_NAMES:
+            counted[rel] = {name: sum(1 for _, n in hits if n == name) for name in {n for _, n in hits}}
+        else:
+            found += [f"{rel}:{line}: {name!r}" for line, name in hits]
+    assert found == [], "name mesh axes with jaxpar.config.mesh_axes's constants"
+    assert counted == {rel: want for rel, (want, _) in NOT_AXIS_NAMES.items()}

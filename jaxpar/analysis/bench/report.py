@@ -46,6 +46,7 @@ from jaxpar.analysis.planner.memory import memory_table
 from jaxpar.analysis.planner.pipeline import bubble_fraction, stage_inputs_in_flight
 from jaxpar.config import Config, load_config, resolve_config
 from jaxpar.config.choices import PIPELINE_SCHEDULES
+from jaxpar.config.mesh_axes import DATA, FSDP, TENSOR
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
@@ -207,7 +208,7 @@ def memory_rows(tables: dict[int, list[dict]]) -> list[dict]:
     out = []
     for table in tables.values():
         head = table[0]
-        case = f"{head['expression'].split(':')[0]} data={head['data']}"
+        case = f"{head['expression'].split(':')[0]} data={head[DATA]}"
         for r in table:
             if r["kind"] in (*STATE_KINDS, "total"):
                 out.append(
@@ -232,7 +233,7 @@ def tensor_analytic(plan: StepPlan) -> tuple[list, dict[str, float]]:
     sequence parallelism; `jaxpar.analysis.planner.comm.collective_terms`, planned for the backend the step compiles
     on) and their bytes per device per step by collective kind."""
     cfg = resolve_config(plan.cfg, plan.mesh.size)
-    terms = [t for t in collective_terms(cfg, jax.default_backend()) if t.axes == ("tensor",)]
+    terms = [t for t in collective_terms(cfg, jax.default_backend()) if t.axes == (TENSOR,)]
     out: dict[str, float] = {}
     for t in terms:
         out[t.kind] = out.get(t.kind, 0.0) + t.bytes
@@ -242,7 +243,7 @@ def tensor_analytic(plan: StepPlan) -> tuple[list, dict[str, float]]:
 def tensor_axis_bytes(table: dict) -> dict[str, float]:
     """Bytes per device per step of each collective kind over exactly the `tensor` axis, from a
     `collectives_by_axis` table."""
-    return {kind: v["bytes"] for (axes, kind), v in table.items() if axes == ("tensor",)}
+    return {kind: v["bytes"] for (axes, kind), v in table.items() if axes == (TENSOR,)}
 
 
 def tensor_collective_rows(
@@ -264,7 +265,7 @@ def tensor_collective_rows(
         compiled = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan)).compile(compiler_options)
         got = tensor_axis_bytes(collectives_by_axis(compiled.as_text(), plan.mesh))
         _, want = tensor_analytic(plan)
-        case = f"tensor=2 fsdp={plan.mesh_shape['fsdp']} sp={'on' if sp else 'off'}"
+        case = f"tensor=2 fsdp={plan.mesh_shape[FSDP]} sp={'on' if sp else 'off'}"
         for kind in sorted(set(want) | set(got)):
             target = "~1 (HLO adds grad-norm scalars)" if kind == "all-reduce" else "1.00"
             out.append(

@@ -23,10 +23,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxpar.analysis.hlo.collectives import classify_groups, parse_collectives
-from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES
+from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, TENSOR
 from jaxpar.log import human_bytes
 
-ACTIVATION_AXES = ("tensor",)
+ACTIVATION_AXES = (TENSOR,)
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 

@@ -77,7 +77,7 @@ from jaxpar.analysis.hlo.ring import ring_bytes
 from jaxpar.analysis.planner.dims import dims, local_size, param_leaves
 from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_elements
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
-from jaxpar.config.mesh_axes import MESH_AXES
+from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.schema import Config
 from jaxpar.parallel import schedule
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
@@ -141,7 +141,7 @@ def _passes(cfg: Config, d, branches: str = "taken") -> dict[str, int]:
     embedding's and of the head's (final norm, output projection) weights ("embed_gathers", "head_gathers",
     "embed_scatters", "head_scatters"). `branches`: the edge conds' runs as the stages take them ("taken") or as
     a static HLO reading counts them ("evaluated", `_edge_ticks`)."""
-    p, a, m, per_stage, v = d.shape["pipeline"], d.accum, d.m, d.layers_per_stage, d.virtual
+    p, a, m, per_stage, v = d.shape[PIPELINE], d.accum, d.m, d.layers_per_stage, d.virtual
     # Forward (and as many backward) ticks of one pipeline loop: m*v + p - 1 (jaxpar.parallel.schedule: v*p - 1
     # forward-only warm-up ticks, then the steady ones), m + p - 1 for v = 1 (GPipe's too).
     ticks = schedule.ticks(p, v, m) - schedule.warmup_ticks(p, v)
@@ -232,7 +232,7 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
         )
     gathers = [(x, passes[f"{part}_gathers"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
     scatters = [(x, passes[f"{part}_scatters"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
-    if shape["pipeline"] == 1:  # one program part: each weight gathered once, whoever uses it
+    if shape[PIPELINE] == 1:  # one program part: each weight gathered once, whoever uses it
         gathers = [(x, 1) for x in {x.path: x for x, _ in gathers}.values()]
         scatters = [(x, passes["bwd"]) for x in {x.path: x for x, _ in scatters}.values()]
     _term(
@@ -269,21 +269,21 @@ def _data_terms(cfg: Config, d, out: list) -> None:
     if d.zero == 3:
         return
     # The routed experts' gradients need no reduction over data when data is an expert axis.
-    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and "data" in d.expert_axes)]
-    grads = sum(local_size(x, d.shape, ("fsdp",), d.expert_axes) for x in leaves)
+    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and DATA in d.expert_axes)]
+    grads = sum(local_size(x, d.shape, (FSDP,), d.expert_axes) for x in leaves)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
-    _term(out, d.shape, "gradients", ("data",), kind, len(leaves), grads * d.wire(d.reduce_bytes))
+    _term(out, d.shape, "gradients", (DATA,), kind, len(leaves), grads * d.wire(d.reduce_bytes))
     if d.zero in (1, 2):
         width = {2: "bf16", 4: "fp32"}
         name = f"updated parameters ({width[d.param_bytes]}" + (
             f", {width[d.wire(d.param_bytes)]} on {d.platform})" if d.wire(d.param_bytes) != d.param_bytes else ")"
         )
-        _term(out, d.shape, name, ("data",), "all-gather", len(leaves), grads * d.wire(d.param_bytes))
+        _term(out, d.shape, name, (DATA,), "all-gather", len(leaves), grads * d.wire(d.param_bytes))
 
 
 def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape, layers = d.shape, passes["layers"]
-    if shape["tensor"] == 1:
+    if shape[TENSOR] == 1:
         return
     x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
     ce = d.b * d.s * 4
@@ -292,7 +292,7 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     regather = cfg.model.remat in REMAT_KEEPING_EXITS_ONLY
     fwd, bwd = passes["fwd"], passes["bwd"]
     head_fwd, head_bwd, embed_fwd, embed_bwd = (passes[k] for k in ("head_fwd", "head_bwd", "embed_fwd", "embed_bwd"))
-    tensor = ("tensor",)
+    tensor = (TENSOR,)
     # Exits: the embedding's and 2 per layer in the forward; enters: 2 per layer and the head's.
     merged = passes.get("rebuilt_merged", 0)
     exits = embed_fwd + fwd * 2 * layers - merged
@@ -318,12 +318,12 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         # Parameters replicated over tensor receive partial gradients under sequence parallelism: the norm
         # scales, [L/p, D/shards] in the stack and [D/shards] outside it.
         replicated = [x for x in param_leaves(cfg.model) if not {"vocab", "heads", "mlp"} & set(x.axes)]
-        stacked = sum(local_size(x, shape, storage) for x in replicated if x.in_blocks or shape["pipeline"] == 1)
+        stacked = sum(local_size(x, shape, storage) for x in replicated if x.in_blocks or shape[PIPELINE] == 1)
         _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.wire(d.reduce_bytes))
 
 
 def _pipeline_terms(cfg: Config, d, out: list) -> None:
-    shape, p = d.shape, d.shape["pipeline"]
+    shape, p = d.shape, d.shape[PIPELINE]
     if p == 1:
         return
     if d.virtual == 1:
@@ -337,7 +337,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "stage activations and their gradients" + (" (ring)" if d.virtual > 1 else ""),
-        ("pipeline",),
+        (PIPELINE,),
         "collective-permute",
         d.accum * shifts,
         d.accum * shifts * act,
@@ -359,7 +359,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
                 out,
                 shape,
                 what,
-                ("pipeline",),
+                (PIPELINE,),
                 "collective-permute",
                 moving * len(blocks),
                 moving * chunk * d.wire(width),
@@ -372,7 +372,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "embedding/head gradients (one stage used them)",
-        ("pipeline",),
+        (PIPELINE,),
         "all-reduce",
         len(rest),
         sum(local_size(x, shape, storage) for x in rest) * br,
@@ -381,7 +381,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "final-norm gradient (one stage, s/t each)",
-        ("pipeline", "tensor"),
+        (PIPELINE, TENSOR),
         "all-reduce",
         len(norms),
         sum(local_size(x, shape, storage) for x in norms) * br,

@@ -19,7 +19,7 @@ import math
 
 import jax
 
-from jaxpar.config.mesh_axes import MESH_AXES
+from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.model import init_params, logical_axes
@@ -87,7 +87,7 @@ def local_size(
     split = expert_axes if leaf.expert else ()
     total = 1
     for dim, name in zip(leaf.shape, leaf.axes):
-        axes = [a for a in (PARAM_RULES[name] if name is not None else ()) if a in ("tensor", "pipeline")]
+        axes = [a for a in (PARAM_RULES[name] if name is not None else ()) if a in (TENSOR, PIPELINE)]
         if name == "embed":
             axes += [a for a in storage if a not in split]
         if name == EXPERTS_AXIS:
@@ -141,10 +141,10 @@ def dims(cfg: Config, platform: str) -> Dims:
     shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
     if min(shape.values()) < 1:
         raise ValueError(f"config is not resolved (mesh {shape}); call jaxpar.config.resolve_config first")
-    t, p = shape["tensor"], shape["pipeline"]
+    t, p = shape[TENSOR], shape[PIPELINE]
     sp = bool(cfg.tensor.sequence_parallel) and t > 1
     accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
-    b = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum * m)
+    b = cfg.train.global_batch_size // (shape[DATA] * shape[FSDP] * accum * m)
     s = cfg.data.seq_len
     return Dims(
         shape=shape,

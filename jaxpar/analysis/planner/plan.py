@@ -82,7 +82,7 @@ from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_e
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.mesh_axes import PIPELINE, TENSOR, mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.log import GB
@@ -116,7 +116,7 @@ def state_bytes(cfg: Config) -> dict:
 def score_elements(cfg: Config, d: Dims) -> int:
     """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * s * s (the
     query heads; grouped key/value heads are broadcast to them)."""
-    return d.b * (cfg.model.n_heads // d.shape["tensor"]) * d.s * d.s
+    return d.b * (cfg.model.n_heads // d.shape[TENSOR]) * d.s * d.s
 
 
 # Bytes per attention score element that XLA's attention path writes (module docstring): saved per layer for
@@ -140,7 +140,7 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
 
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
     """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
-    mdl, t, bc = cfg.model, d.shape["tensor"], d.compute_bytes
+    mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
     b, s = d.b, d.s
     h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
     out = {"block input": b * d.s_act * dm * bc}
@@ -178,7 +178,7 @@ def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     jax 0.10.2, where it sits beside the bf16 logits that `activation_bytes` counts). Per device; with a pipeline
     only the last stage has it, and the planner counts the largest stage."""
     d = dims(cfg, platform)
-    return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape["tensor"])
+    return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape[TENSOR])
 
 
 def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -196,7 +196,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
        tensor parallelism the Table 2 variant)}.
     """
     d = dims(cfg, platform)
-    mdl, p, t, v = cfg.model, d.shape["pipeline"], d.shape["tensor"], d.virtual
+    mdl, p, t, v = cfg.model, d.shape[PIPELINE], d.shape[TENSOR], d.virtual
     bc = d.compute_bytes
     per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
@@ -366,11 +366,11 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
         "pipeline": {
             "schedule": cfg.pipeline.schedule,
             "microbatches": d.m,
-            "stages": d.shape["pipeline"],
+            "stages": d.shape[PIPELINE],
             "recompute": cfg.pipeline.recompute,
             "virtual_stages": d.virtual,
             # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule)
-            "bubble": schedule.bubble_fraction(d.shape["pipeline"], d.virtual, d.m),
+            "bubble": schedule.bubble_fraction(d.shape[PIPELINE], d.virtual, d.m),
         },
         "sequence_parallel": d.sp,
         "batch": {

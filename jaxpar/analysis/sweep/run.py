@@ -66,7 +66,7 @@ from jaxpar.analysis.sweep.gpu import SweepTargetError, gpu_summary, parse_targe
 from jaxpar.analysis.sweep.report import MEASURED_OBJECTIVES, OBJECTIVES, write_markdown, write_plot
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.load import decode_value, read_yaml
-from jaxpar.config.mesh_axes import CONFIG_AXES
+from jaxpar.config.mesh_axes import CONFIG_AXES, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import PLATFORMS
 from jaxpar.log import GB
 
@@ -131,7 +131,7 @@ def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int)
     for p, t, f in itertools.product(divisors, divisors, divisors):
         if devices % (p * t * f):
             continue
-        mesh = {"data": devices // (p * t * f), "fsdp": f, "tensor": t, "pipeline": p}
+        mesh = {DATA: devices // (p * t * f), FSDP: f, TENSOR: t, PIPELINE: p}
         if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in CONFIG_AXES):
             continue
         if constraints.get("pipeline_divides_layers", True) and n_layers % p:
