@@ -344,3 +344,67 @@ def test_mesh_axes_are_named_through_constants():
             found += [f"{rel}:{line}: {name!r}" for line, name in hits]
     assert found == [], "name mesh axes with jaxpar.config.mesh_axes's constants"
     assert counted == {rel: want for rel, (want, _) in NOT_AXIS_NAMES.items()}
+
+
+# A glossary entry: a letter (upper case, or one or two lower-case letters) at the start of a column, its meaning
+# up to the next column.
+_COLUMN = re.compile(r"(?:^ {4}|(?<=\S) {2,})([A-Z]|[a-z]{1,2}) {1,2}(\S.*?)(?= {2,}(?:[A-Z]|[a-z]{1,2}) |$)")
+# A module's own key: "Shape letters: B batch, ...", "Shape key: ...", "Letters as in `module`; ...", up to the
+# end of its paragraph.
+_KEY = re.compile(r"(?:Shape letters|Shape key|[Ll]etters)(?: as in [^:;]*?)?[:;](.*?)(?:\n\s*\n|$)", re.S)
+_ITEM = re.compile(r"^\s*([A-Za-z]{1,2})'?(?::\s*|\s+)(?:=\s*)?(\S.*)$")
+_FILLER = {"the", "of", "a", "an", "in", "per", "and", "or", "on", "by", "its", "one", "each", "size", "sizes", "mesh"}
+
+
+def _glossary() -> dict[str, str]:
+    """{letter: meaning} of the glossary in `jaxpar`'s docstring (its two tables of letters)."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, "__init__.py"), encoding="utf-8").read()))
+    table = doc.split("Shape letters", 1)[1]
+    return {m.group(1): m.group(2) for line in table.splitlines() for m in _COLUMN.finditer(line)}
+
+
+def _outside_brackets(text: str) -> str:
+    out, depth = [], 0
+    for ch in text:
+        depth += ch in "([{"
+        if not depth:
+            out.append(ch)
+        depth -= ch in ")]}" and depth > 0
+    return "".join(out)
+
+
+def _letter_key(doc: str) -> dict[str, str]:
+    """{letter: meaning} of the letter keys in a module docstring (bracketed asides dropped)."""
+    out: dict[str, str] = {}
+    for key in _KEY.finditer(doc):
+        for part in re.split(r",|;| and |\. ", _outside_brackets(" ".join(key.group(1).split()))):
+            item = _ITEM.match(part)
+            if item:
+                out.setdefault(item.group(1), item.group(2).strip(" ."))
+    return out
+
+
+def _words(text: str) -> set[str]:
+    words = {w.removesuffix("s") if len(w) > 3 else w for w in re.findall(r"[a-z0-9_]+", text.lower())}
+    return words - _FILLER
+
+
+def test_shape_letters_have_one_meaning():
+    """Every module that keys its own shape letters gives each glossary letter (the `jaxpar` docstring) a meaning
+    that shares a word with the glossary's: "G global batch" where G is key/value heads fails."""
+    glossary = _glossary()
+    assert {"B", "T", "D", "G", "K", "S", "M", "A", "Q", "k", "b", "ep"} <= set(glossary), sorted(glossary)
+    assert _letter_key("Shape letters: B rows, K top_k (the experts per token), S sources.\n\nMore.") == {
+        "B": "rows",
+        "K": "top_k",
+        "S": "sources",
+    }
+    wrong = []
+    for module, path in _modules(PACKAGE).items():
+        if module == "jaxpar" or os.path.relpath(path, ROOT) in _PENDING:
+            continue
+        doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
+        for letter, meaning in _letter_key(doc).items():
+            if letter in glossary and not _words(meaning) & _words(glossary[letter]):
+                wrong.append(f"{module}: {letter} {meaning!r}, the glossary's {letter} is {glossary[letter]!r}")
+    assert wrong == []

@@ -17,21 +17,21 @@ gpu against the partitioned program (the HLO after the SPMD partitioner, before 
 Storage axes: fsdp, and data under ZeRO-3 (Rajbhandari et al. 2019, section 5.3; `jaxpar.parallel.gather`).
   Each layer's weights are all-gathered (Bc) in every forward pass and again in every backward pass (jaxpar
   re-gathers instead of keeping them); each layer's gradient is reduce-scattered (Br) in every backward pass.
-  Passes per step: A*m forward and A*m backward without a pipeline. 1F1B: A*(m+p-1) forward ticks and
-  A*(m+p-1) backward ticks: 2 gathers per layer and tick (the backward regathers the weights its residuals
+  Passes per step: M*m forward and M*m backward without a pipeline. 1F1B: M*(m+p-1) forward ticks and
+  M*(m+p-1) backward ticks: 2 gathers per layer and tick (the backward regathers the weights its residuals
   need), 3 with pipeline.recompute (the rebuilt forward gathers too). GPipe: the head ticks' forward gathers are
   loop-invariant and XLA hoists them out of the tick loop (once per accumulation step), the p - 1 warm-up ticks
-  gather their own, the backward re-gathers in each of the A*(m+p-1) ticks. Without a pipeline the embedding,
+  gather their own, the backward re-gathers in each of the M*(m+p-1) ticks. Without a pipeline the embedding,
   final norm and head are gathered once per step (loop-invariant, hoisted) and reduce-scattered per backward
   pass; in a pipeline they sit in conds on the stage index (`jaxpar.parallel.pipeline`), counted for the stage
-  that runs them: the embedding's gathered and reduce-scattered in each of the A*(m+p-1) forward and backward
-  ticks, the head's in the A*m ticks that run it. With one layer per stage and no pipeline the layer loop
+  that runs them: the embedding's gathered and reduce-scattered in each of the M*(m+p-1) forward and backward
+  ticks, the head's in the M*m ticks that run it. With one layer per stage and no pipeline the layer loop
   disappears and the block gathers become loop-invariant too: once per step.
   Interleaved 1F1B (`pipeline.virtual_stages` v > 1; tick arithmetic from `jaxpar.parallel.schedule`): the block
-  passes run in chunk ticks, A*(m*v+p-1) forward (v*p - 1 warm-up, then steady) and as many backward, each of
+  passes run in chunk ticks, M*(m*v+p-1) forward (v*p - 1 warm-up, then steady) and as many backward, each of
   L/(pv) layers, with the same 2 (3 with recompute) gathers per layer and tick; with recompute and one layer
   per chunk the chunk's layer loop is gone and XLA merges the rebuilt forward's gathers with the backward's (2).
-  The first stage embeds in the A*(m+p-1) forward ticks of its chunk 0 and the last runs the head in A*m; the
+  The first stage embeds in the M*(m+p-1) forward ticks of its chunk 0 and the last runs the head in M*m; the
   conds around them are evaluated in every forward (steady) tick, which is what a static reading of the HLO
   counts (`collective_terms(..., branches="evaluated")`, the plan's `by_axis_hlo`).
 data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the fsdp-sharded gradients,
@@ -47,7 +47,7 @@ tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per la
   reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy saves
   the exits' outputs and none and dots the SP enters' too (`jaxpar.model.stack`): only names and full with SP
   re-run collectives in the backward, the 2 enters (all-gathers) per layer.
-  In a pipeline the embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once per
+  In a pipeline the embedding runs in M*(m+p-1) ticks (first stage) and the head in M*m (last stage), once per
   microbatch; a 1F1B recompute re-runs the layers' forward collectives (interleaved with one layer per chunk,
   XLA drops the rebuilt forward's last exit, whose output nobody reads, and under remat full with SP merges its
   first enter with the backward's regather: one each fewer per backward tick). With SP the norm-scale gradients
@@ -347,7 +347,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         # The step's permutes of the stage's layers into chunk order and of their gradients back
         # (`jaxpar.parallel.pipeline.to_chunk_order`): per layer leaf one ppermute per route, each one chunk of the
         # local shard. A route whose chunks all stay on their device moves nothing (a group of one in the HLO,
-        # which XLA leaves as a copy or drops); the others count in full, S = the chunk, for each op.
+        # which XLA leaves as a copy or drops); the others count in full (the chunk's bytes) for each op.
         moving = sum(any(src != dst for src, dst in pairs) for pairs in chunk_routes(p, d.virtual).values())
         blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
         chunk = sum(local_size(x, shape, storage, d.expert_axes) for x in blocks) // d.virtual

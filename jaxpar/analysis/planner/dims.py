@@ -106,7 +106,7 @@ class Dims:
     s: int
     s_act: int  # s' (s / t with sequence parallelism)
     sp: bool
-    accum: int  # A
+    accum: int  # M
     m: int  # pipeline microbatches
     layers_per_stage: int
     compute_bytes: int  # Bc: bytes of the compute dtype (activations, gathered weights)

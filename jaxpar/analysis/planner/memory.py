@@ -196,7 +196,7 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     Args:
       plan: the step plan.
       state: train state from `init_state` (arrays or ShapeDtypeStructs); laid out as `plan.state_shardings`.
-      batch: {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} (arrays or ShapeDtypeStructs).
+      batch: {"inputs", "targets": int32 [B, T], "loss_mask": float32 [B, T]} (arrays or ShapeDtypeStructs).
       compiler_options: passed to `Lowered.compile`. {"xla_backend_optimization_level": 0} compiles about
         3x faster on CPU and changes only code generation, not buffer assignment: every number below was
         identical with and without it for this step (checked on CPU, jax 0.10).

@@ -6,7 +6,8 @@ compiled step, `jaxpar.analysis.planner.comm` holds the collective terms, `jaxpa
 
 Shape letters: b microbatch rows per device, s sequence length (s' = s/t under sequence parallelism), D model
 width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
-stage), t tensor size, p pipeline stages, m pipeline microbatches, A gradient-accumulation steps.
+stage), t tensor size, p pipeline stages, m pipeline microbatches, M gradient-accumulation microbatches
+(`train.grad_accum_steps`).
 
 Model state (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3): bytes per
 parameter by precision layout `fp32` (4 + 4 + 8) or `16p` (bf16 params 2 + bf16 grads 2 + fp32 master, Adam m
@@ -270,7 +271,7 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
     `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
     v = 1), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
-    all-to-all, 2*S elements in the compute dtype, S = `jaxpar.analysis.planner.comm.all_to_all_elements`; a lower
+    all-to-all, twice `jaxpar.analysis.planner.experts.all_to_all_elements` elements in the compute dtype; a lower
     bound of what an MoE block holds, 0 without expert axes), "total"}.
 
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
