@@ -111,12 +111,6 @@ class MixtureLoader:
         self._next_batch += 1
         return global_arrays(self._sharding, local, self._global_shape)
 
-    def shares(self) -> dict[str, float]:
-        """Each source's share of the rows served so far (its weight before the first batch)."""
-        total = int(self._taken.sum())
-        values = self._taken / total if total else self.weights
-        return {n: float(v) for n, v in zip(self.names, values)}
-
     def get_state(self) -> dict:
         """{"next_batch": i, "taken": {name: rows source name gave to batches [0, i)}} (JSON-safe)."""
         return {"next_batch": self._next_batch, "taken": {n: int(t) for n, t in zip(self.names, self._taken)}}

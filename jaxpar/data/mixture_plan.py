@@ -65,12 +65,3 @@ def row_sources(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     key = (within + 0.5) / np.maximum(counts[source], 1)
     order = np.lexsort((source, key))
     return source[order], within[order].astype(np.int64)
-
-
-def realised_counts(weights, global_batch_size: int, num_batches: int) -> np.ndarray:
-    """Rows each source gets over batches [0, num_batches) from the start: int64 [Q] (for reports and tests)."""
-    w = normalised(weights)
-    taken = np.zeros(w.size, np.int64)
-    for k in range(num_batches):
-        taken += batch_counts(w, global_batch_size, k, taken)
-    return taken

@@ -170,18 +170,13 @@ def expert_axes(cfg: Config) -> tuple[str, ...]:
     return tuple(cfg.model.moe.expert_axes) if cfg.model.moe.enabled else ()
 
 
-def rank_params(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> int:
-    """P per tensor/pipeline rank: the parameters one model-parallel rank holds before ZeRO's split (the ZeRO
-    formulas apply to this P): leaves sharded over `tensor` (heads, MLP hidden, vocabulary) count 1/t, the
-    stacked layers 1/p, replicated ones (the embedding and head are on every stage) fully; with `expert_axes`
-    the routed experts' weights 1/ep (`local_size`). Equals the parameter count when tensor = pipeline = 1 and
-    there are no expert axes. `shape`: mesh axis sizes."""
-    return sum(rank_params_split(model, shape, expert_axes))
-
-
 def rank_params_split(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> tuple[int, int]:
-    """`rank_params` in two parts, (dense, expert): the routed experts' weights (`Leaf.expert`, split 1/ep over
-    `expert_axes`) and every other parameter. The expert part is 0 for a dense model."""
+    """P per tensor/pipeline rank in two parts, (dense, expert): the parameters one model-parallel rank holds
+    before ZeRO's split (the ZeRO formulas apply to this P): leaves sharded over `tensor` (heads, MLP hidden,
+    vocabulary) count 1/t, the stacked layers 1/p, replicated ones (the embedding and head are on every stage)
+    fully (`local_size`); the expert part is the routed experts' weights (`Leaf.expert`), split 1/ep over
+    `expert_axes`, 0 for a dense model. Their sum is the parameter count when tensor = pipeline = 1 and there are
+    no expert axes. `shape`: mesh axis sizes."""
     leaves = param_leaves(model)
     expert = sum(local_size(x, shape, (), expert_axes) for x in leaves if x.expert)
     return sum(local_size(x, shape) for x in leaves if not x.expert), expert
