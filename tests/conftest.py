@@ -1,4 +1,7 @@
-"""Shared test setup: 8 simulated CPU devices (set before jax is imported) and the fixtures every kind of test uses.
+"""Shared test setup: 8 simulated CPU devices (set before jax is imported) and the fixtures every kind of test uses:
+`need_devices(n)` and `devices8` (fail, naming the cause, when the process has fewer devices), the
+`requires_gpu_compile` marker (skip, naming what to install, without jax's CUDA plugin) and `fast_compile`. A test
+file's step plans come from `step_helpers.planner`.
 
 The suite is laid out by kind: `unit/` (functions and small pieces, no training run), `parity/` (each mesh layout
 against one device: loss, gradients, optimizer step), `system/` (whole runs, commands, several processes,
@@ -24,16 +27,58 @@ def fast_compile():
         yield
 
 
+def _need_devices(n: int, exactly: bool = False) -> list:
+    """The first `n` devices; fails (not skips) when the process has fewer (or, with `exactly`, another count),
+    naming the cause."""
+    count = jax.device_count()
+    if count < n or (exactly and count != n):
+        pytest.fail(
+            f"needs {'exactly ' if exactly else ''}{n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before "
+            f"jax starts"
+        )
+    return jax.devices()[:n]
+
+
+@pytest.fixture(scope="session")
+def need_devices():
+    """`need_devices(n)` (or `need_devices(n, exactly=True)`): the first n devices, failing the test, not skipping
+    it, when the process has fewer. A function, so that a test can ask for a count it is parametrized by; any
+    fixture may use it (session scope)."""
+    return _need_devices
+
+
 @pytest.fixture
 def devices8() -> list:
     """The 8 simulated devices; fails (not skips) when the process has fewer, naming the cause."""
-    if jax.device_count() < 8:
-        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-    return jax.devices()[:8]
+    return _need_devices(8)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "requires_gpu_compile: compiles for NVIDIA GPUs without one; skipped, naming what to install, when the "
+        "gpu-compile extra (jax's CUDA plugin) is missing",
+    )
+
+
+def _skip_without_gpu_compile(items) -> None:
+    """Skips the tests marked `requires_gpu_compile` when the deviceless GPU compile cannot run here, with the
+    reason `jaxpar.analysis.gpu.deviceless.unavailable_reason` gives (asked once, at collection)."""
+    marked = [item for item in items if item.get_closest_marker("requires_gpu_compile")]
+    if not marked:
+        return
+    from jaxpar.analysis.gpu.deviceless import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=f"needs the gpu-compile extra: {reason}"))
 
 
 def pytest_collection_modifyitems(config, items):
-    """The documented commands' file first: under `-m slow` it is by far the longest (a subprocess per command,
-    about a third of the slow suite's work), and with a file per worker (pyproject.toml's `--dist loadfile`) the
-    worker that starts it first leaves the other files to the others until it is done."""
+    """Marked GPU compiles skipped where they cannot run (`_skip_without_gpu_compile`), and the documented
+    commands' file first: under `-m slow` it is by far the longest (a subprocess per command, about a third of the
+    slow suite's work), and with a file per worker (pyproject.toml's `--dist loadfile`) the worker that starts it
+    first leaves the other files to the others until it is done."""
+    _skip_without_gpu_compile(items)
     items.sort(key=lambda item: not item.nodeid.startswith("tests/system/test_documented_commands.py"))
