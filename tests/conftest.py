@@ -27,6 +27,30 @@ def fast_compile():
         yield
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "requires_gpu_compile: compiles for NVIDIA GPUs without one; skipped, naming what to install, when the "
+        "gpu-compile extra (jax's CUDA plugin) is missing",
+    )
+
+
+_GPU_COMPILE: dict = {}
+
+
+def pytest_itemcollected(item):
+    """A test marked `requires_gpu_compile` is skipped when the deviceless GPU compile cannot run here, with the
+    reason `jaxpar.analysis.gpu.deviceless.unavailable_reason` gives (asked once, at collection)."""
+    if item.get_closest_marker("requires_gpu_compile") is None:
+        return
+    if "reason" not in _GPU_COMPILE:
+        from jaxpar.analysis.gpu.deviceless import unavailable_reason
+
+        _GPU_COMPILE["reason"] = unavailable_reason()
+    if _GPU_COMPILE["reason"] is not None:
+        item.add_marker(pytest.mark.skip(reason=f"needs the gpu-compile extra: {_GPU_COMPILE['reason']}"))
+
+
 def _need_devices(n: int, exactly: bool = False) -> list:
     """The first `n` devices; fails (not skips) when the process has fewer (or, with `exactly`, another count),
     naming the cause."""
@@ -53,32 +77,8 @@ def devices8() -> list:
     return _need_devices(8)
 
 
-def pytest_configure(config):
-    config.addinivalue_line(
-        "markers",
-        "requires_gpu_compile: compiles for NVIDIA GPUs without one; skipped, naming what to install, when the "
-        "gpu-compile extra (jax's CUDA plugin) is missing",
-    )
-
-
-def _skip_without_gpu_compile(items) -> None:
-    """Skips the tests marked `requires_gpu_compile` when the deviceless GPU compile cannot run here, with the
-    reason `jaxpar.analysis.gpu.deviceless.unavailable_reason` gives (asked once, at collection)."""
-    marked = [item for item in items if item.get_closest_marker("requires_gpu_compile")]
-    if not marked:
-        return
-    from jaxpar.analysis.gpu.deviceless import unavailable_reason
-
-    reason = unavailable_reason()
-    if reason is not None:
-        for item in marked:
-            item.add_marker(pytest.mark.skip(reason=f"needs the gpu-compile extra: {reason}"))
-
-
 def pytest_collection_modifyitems(config, items):
-    """Marked GPU compiles skipped where they cannot run (`_skip_without_gpu_compile`), and the documented
-    commands' file first: under `-m slow` it is by far the longest (a subprocess per command, about a third of the
-    slow suite's work), and with a file per worker (pyproject.toml's `--dist loadfile`) the worker that starts it
-    first leaves the other files to the others until it is done."""
-    _skip_without_gpu_compile(items)
+    """The documented commands' file first: under `-m slow` it is by far the longest (a subprocess per command,
+    about a third of the slow suite's work), and with a file per worker (pyproject.toml's `--dist loadfile`) the
+    worker that starts it first leaves the other files to the others until it is done."""
     items.sort(key=lambda item: not item.nodeid.startswith("tests/system/test_documented_commands.py"))
