@@ -49,6 +49,7 @@ from jaxpar.analysis.hlo.flops import dot_flops_per_device
 from jaxpar.analysis.planner.pipeline import format_table, report_row
 from jaxpar.config import ConfigError, load_config
 from jaxpar.data.batch import BATCH_KEYS, random_batch
+from jaxpar.log import human_bytes
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.step import build_plan, init_state, make_train_step
 
@@ -150,7 +151,7 @@ def main() -> None:
             print(
                 f"p={p} m={m}: median step ms "
                 + ", ".join(f"{n} {t * 1e3:.2f}" for n, t in med.items())
-                + f"; dp temp {contenders['dp'].temp_bytes / 1024:.1f} KiB; "
+                + f"; dp temp {human_bytes(contenders['dp'].temp_bytes)}; "
                 f"compile s "
                 + " ".join(f"{n} {c.compile_s:.1f}" for n, c in contenders.items())
                 + "; first-step loss "
@@ -167,9 +168,9 @@ def main() -> None:
         f"total {time.perf_counter() - t_start:.0f} s"
     )
     print(
-        "temp: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: "
+        "temp bytes: memory_analysis().temp_size_in_bytes of the compiled step (per device); live/alloc: "
         "microbatches whose stage inputs (1f1b-rc) or residuals (1f1b, gpipe) are kept for the backward on stage "
-        "0 (live at once / buffers reserved), live KiB counting stage inputs only; ticks (half): clock ticks run "
+        "0 (live at once / buffers reserved), live bytes counting stage inputs only; ticks (half): clock ticks run "
         "(of which forward-only or backward-only); FLOPs/dp: matmul FLOPs per device over data parallelism's"
     )
     print(format_table(all_rows))

@@ -26,10 +26,15 @@ Shape letters, one meaning each, used by every module (a name's suffix gives its
     A  router assignments (B T k)           N  packed sequences or rows cut from a token stream
     Q  data sources of a mixture
 
-Lower-case letters are sizes and counts in formulas, as the papers write them: d, f, t, p the sizes of the
-`data`, `fsdp`, `tensor` and `pipeline` mesh axes (p stages), v virtual stages per device, m microbatches, k
-experts per token (model.moe.top_k), ep the expert-parallel size, b rows per microbatch and device. The global
-batch has no letter (`train.global_batch_size`, sequences over all devices).
+Lower-case letters are sizes and counts in formulas, as the papers write them:
+
+    d  size of the `data` mesh axis         f  size of the `fsdp` mesh axis
+    t  size of the `tensor` mesh axis       p  size of the `pipeline` mesh axis: pipeline stages
+    v  virtual stages per device            m  microbatches
+    k  experts per token (model.moe.top_k)  ep expert-parallel size
+    b  rows per microbatch and device
+
+The global batch has no letter (`train.global_batch_size`, sequences over all devices).
 
 Imports are lazy: `import jaxpar` does not import jax, so a script (or `jaxpar-train --cpu-devices N`) can still
 set JAX_NUM_CPU_DEVICES or XLA_FLAGS after it.

@@ -1,4 +1,7 @@
-"""Shared test setup: 8 simulated CPU devices (set before jax is imported) and the fixtures every kind of test uses.
+"""Shared test setup: 8 simulated CPU devices (set before jax is imported) and the fixtures every kind of test uses:
+`need_devices(n)` and `devices8` (fail, naming the cause, when the process has fewer devices), the
+`requires_gpu_compile` marker (skip, naming what to install, without jax's CUDA plugin) and `fast_compile`. A test
+file's step plans come from `step_helpers.planner`.
 
 The suite is laid out by kind: `unit/` (functions and small pieces, no training run), `parity/` (each mesh layout
 against one device: loss, gradients, optimizer step), `system/` (whole runs, commands, several processes,
@@ -26,12 +29,54 @@ def fast_compile():
         yield
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "requires_gpu_compile: compiles for NVIDIA GPUs without one; skipped, naming what to install, when the "
+        "gpu-compile extra (jax's CUDA plugin) is missing",
+    )
+
+
+_GPU_COMPILE: dict = {}
+
+
+def pytest_itemcollected(item):
+    """A test marked `requires_gpu_compile` is skipped when the deviceless GPU compile cannot run here, with the
+    reason `jaxpar.analysis.gpu.deviceless.unavailable_reason` gives (asked once, at collection)."""
+    if item.get_closest_marker("requires_gpu_compile") is None:
+        return
+    if "reason" not in _GPU_COMPILE:
+        from jaxpar.analysis.gpu.deviceless import unavailable_reason
+
+        _GPU_COMPILE["reason"] = unavailable_reason()
+    if _GPU_COMPILE["reason"] is not None:
+        item.add_marker(pytest.mark.skip(reason=f"needs the gpu-compile extra: {_GPU_COMPILE['reason']}"))
+
+
+def _need_devices(n: int, exactly: bool = False) -> list:
+    """The first `n` devices; fails (not skips) when the process has fewer (or, with `exactly`, another count),
+    naming the cause."""
+    count = jax.device_count()
+    if count < n or (exactly and count != n):
+        pytest.fail(
+            f"needs {'exactly ' if exactly else ''}{n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before "
+            f"jax starts"
+        )
+    return jax.devices()[:n]
+
+
+@pytest.fixture(scope="session")
+def need_devices():
+    """`need_devices(n)` (or `need_devices(n, exactly=True)`): the first n devices, failing the test, not skipping
+    it, when the process has fewer. A function, so that a test can ask for a count it is parametrized by; any
+    fixture may use it (session scope)."""
+    return _need_devices
+
+
 @pytest.fixture
 def devices8() -> list:
     """The 8 simulated devices; fails (not skips) when the process has fewer, naming the cause."""
-    if jax.device_count() < 8:
-        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-    return jax.devices()[:8]
+    return _need_devices(8)
 
 
 def pytest_addoption(parser):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -39,10 +39,21 @@ FP32 = ("precision.compute_dtype=float32", "precision.layout=fp32")
 VOCAB = 264
 
 
-def make_plan(overrides: Sequence[str], devices: Sequence[jax.Device]) -> StepPlan:
-    """The step plan of tiny.yaml + TINY + `overrides` on a mesh over `devices`."""
+def make_plan(overrides: Sequence[str], devices: Sequence[jax.Device], **plan_kw) -> StepPlan:
+    """The step plan of tiny.yaml + TINY + `overrides` on a mesh over `devices`; `plan_kw` go to `build_plan`
+    (loss_fn=, optimizer=, learning_rate=)."""
     cfg = load_config(CONFIG, [*TINY, *overrides], num_devices=len(devices))
-    return build_plan(cfg, build_mesh(cfg, devices))
+    return build_plan(cfg, build_mesh(cfg, devices), **plan_kw)
+
+
+def planner(*base: str, **defaults) -> Callable[..., StepPlan]:
+    """A test file's plan maker: `plan(overrides, n, **plan_kw)` is `make_plan` of `base` + `overrides` on the
+    first n devices, `build_plan` given `defaults` updated by `plan_kw`."""
+
+    def plan(overrides: Sequence[str] = (), n: int = 1, **plan_kw) -> StepPlan:
+        return make_plan([*base, *overrides], jax.devices()[:n], **{**defaults, **plan_kw})
+
+    return plan
 
 
 def host_batch(valid_per_row: Sequence[int], seq_len: int, seed: int) -> dict:

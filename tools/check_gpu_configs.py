@@ -26,6 +26,7 @@ def main() -> int:
     from jaxpar.analysis.gpu.deviceless import unavailable_reason
     from jaxpar.analysis.planner.dims import param_leaves
     from jaxpar.config import load_config
+    from jaxpar.log import human_bytes
 
     reason = unavailable_reason()
     if reason:
@@ -40,8 +41,8 @@ def main() -> int:
     for path in configs:
         rec = check_config(path)
         print(
-            f"{rec['config']}: {rec['cluster']} peak {rec['peak_bytes'] / 1e9:.2f} GB per device, planned "
-            f"{rec['planned_peak_bytes'] / 1e9:.2f} GB (ratio {rec['ratio']:.3f}), "
+            f"{rec['config']}: {rec['cluster']} peak {human_bytes(rec['peak_bytes'])} per device, planned "
+            f"{human_bytes(rec['planned_peak_bytes'])} (ratio {rec['ratio']:.3f}), "
             f"{'fits' if rec['fits'] else 'DOES NOT FIT'}; compiled in {rec['compile_seconds']} s",
             flush=True,
         )

@@ -30,6 +30,9 @@ import logging
 import os
 import sys
 
+from jaxpar.config.data_sources import TOKEN_DTYPES
+from jaxpar.data.corpus_files import FORMATS
+
 COMMANDS = ("tokenize",)
 
 
@@ -40,9 +43,7 @@ def tokenize_parser() -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or quoted glob patterns")
     p.add_argument("--tokenizer", required=True, help="byte, a tokenizer file (.json, .tiktoken, .model) or KIND:PATH")
     p.add_argument("--out", required=True, help="output directory of the shard set")
-    p.add_argument(
-        "--format", default="auto", choices=("auto", "text", "jsonl", "parquet"), help="input format (default: auto)"
-    )
+    p.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="input format (default: auto)")
     p.add_argument(
         "--field", "--column", dest="field", default="text", help="JSONL key / Parquet column of the text (text)"
     )
@@ -53,7 +54,7 @@ def tokenize_parser() -> argparse.ArgumentParser:
         help="tokens per shard at most, unless one document is longer (default 100000000)",
     )
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: os.cpu_count())")
-    p.add_argument("--token-dtype", default="auto", choices=("auto", "uint16", "uint32"), help="id dtype (auto)")
+    p.add_argument("--token-dtype", default="auto", choices=("auto", *TOKEN_DTYPES), help="id dtype (auto)")
     p.add_argument(
         "--add-bos",
         action=argparse.BooleanOptionalAction,

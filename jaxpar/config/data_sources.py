@@ -14,7 +14,10 @@ import re
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import DataConfig
 
-SOURCE_KINDS = ("stdlib", "text", "jsonl", "tokens", "shards")
+TEXT_SOURCES = ("stdlib", "text", "jsonl")  # data.source: text read and tokenised as the run loads it
+TOKEN_SOURCES = ("tokens", "shards")  # data.source: ids tokenised before the run (a token file, a shard set)
+SOURCE_KINDS = TEXT_SOURCES + TOKEN_SOURCES
+TOKEN_DTYPES = ("uint16", "uint32")  # data.token_dtype, and the id dtypes of a shard set (`jaxpar.data.shards`)
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _INHERITED = ("source", "path", "validation_path", "text_field", "token_dtype", "validation_fraction", "max_bytes")
 
@@ -39,8 +42,8 @@ def check_source(d: DataConfig, key: str = "data") -> None:
     """
     if d.source not in SOURCE_KINDS:
         raise ConfigError(f"{key}.source={d.source!r} is not one of {', '.join(SOURCE_KINDS)}")
-    if d.token_dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"{key}.token_dtype={d.token_dtype!r} is not one of uint16, uint32")
+    if d.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"{key}.token_dtype={d.token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
     if d.source != "stdlib" and not d.path:
         what = (
             "the shard set directory (jaxpar-data tokenize --out DIR)"

@@ -55,6 +55,26 @@ def read_yaml(path: str, what: str = "config", example: str = "configs/tiny.yaml
             raise ConfigError(f"{path}: not a UTF-8 text file ({e.reason}); pass a YAML {what}") from e
 
 
+def pop_base(document: Any, path: str, keys: str = "sections (model:, mesh:, ...)") -> tuple[dict, str | None]:
+    """Splits the document of YAML file `path` (as `read_yaml` returns it) into its mapping without `base:` and
+    the file that `base:` names: absolute as given, or relative to `path`'s directory; normalised. None when the
+    file names no base. A config file extends its base (`load_config`); a sweep file starts every point from it
+    (`jaxpar.analysis.sweep.run.load_sweep`). `keys` names the top-level keys the file holds, for messages.
+
+    Raises:
+      ConfigError: the top level is not a mapping, or `base` is not a file name.
+    """
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of {keys}, got {type(document).__name__}")
+    mapping = dict(document)
+    base = mapping.pop("base", None)
+    if base is None:
+        return mapping, None
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
+    return mapping, os.path.normpath(base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base))
+
+
 def _read_yaml(path: str, depth: int = 0) -> dict:
     """Reads `path`, resolving its `base:` chain; returns the merged mapping (without `base`)."""
     if depth > _MAX_BASE_DEPTH:
@@ -65,15 +85,10 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
             f"{path}: the file is empty and names no settings; pass a config such as "
             f"configs/tiny.yaml, or name what yours changes (e.g. `base: tiny.yaml`)"
         )
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: top level must be a mapping of sections (model:, mesh:, ...)")
-    base = raw.pop("base", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str):
-        raise ConfigError(f"{path}: `base` must be a file name, got {base!r}")
-    base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-    return _merge(_read_yaml(base_path, depth + 1), raw)
+    values, base_path = pop_base(raw, path)
+    if base_path is None:
+        return values
+    return _merge(_read_yaml(base_path, depth + 1), values)
 
 
 def read_config_file(path: str) -> dict:

@@ -17,12 +17,15 @@ import dataclasses
 from jaxpar.config.schema import MeshConfig
 
 MESH_AXES = ("data", "pipeline", "fsdp", "tensor")
+# Each axis's name: code names an axis (a PartitionSpec entry, a collective's axis_name, a {axis: size} key)
+# through these, never by a string of its own (tests/unit/test_architecture.py checks).
+DATA, PIPELINE, FSDP, TENSOR = MESH_AXES
 CONFIG_AXES = tuple(f.name for f in dataclasses.fields(MeshConfig))
-DATA_PARALLEL_AXES = ("data", "fsdp")  # the axes that split the batch
+DATA_PARALLEL_AXES = (DATA, FSDP)  # the axes that split the batch
 # The axes that split weight storage rather than computation: a parameter's shards over them are all-gathered
 # right before use (`jaxpar.parallel.gather`). fsdp always, data under ZeRO-3; on a dimension split over both
 # the shard order is fsdp-major, data-minor (`jaxpar.parallel.sharding`).
-STORAGE_AXES = ("fsdp", "data")
+STORAGE_AXES = (FSDP, DATA)
 
 
 def mesh_sizes(mesh: MeshConfig) -> dict[str, int]:

@@ -8,12 +8,13 @@ import logging
 import math
 
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, PIPELINE, TENSOR
 from jaxpar.config.schema import Config, ModelConfig
 
 log = logging.getLogger(__name__)
 
 ROUTINGS = ("dropless", "capacity")
-EXPERT_AXES = ("data", "fsdp")  # the mesh axes experts may be split over: those that split the batch
+EXPERT_AXES = DATA_PARALLEL_AXES  # the mesh axes experts may be split over: those that split the batch
 
 
 def without_expert_axes(model: ModelConfig) -> ModelConfig:
@@ -97,7 +98,7 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
             raise ConfigError(f"model.moe.{key}={value} must be a finite number >= 0")
     if moe.capacity_factor == 0:
         raise ConfigError("model.moe.capacity_factor must be > 0 (1.25 is common)")
-    stages, v = shape["pipeline"], cfg.pipeline.virtual_stages
+    stages, v = shape[PIPELINE], cfg.pipeline.virtual_stages
     units = m.n_layers // moe.every
     if stages > 1 and units % (stages * v):
         raise ConfigError(
@@ -107,7 +108,7 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
             f"model.n_layers, model.moe.every, mesh.pipeline or pipeline.virtual_stages"
         )
     d_expert = moe.d_expert or m.d_ff
-    tp = shape["tensor"]
+    tp = shape[TENSOR]
     if tp > 1 and d_expert % tp:
         raise ConfigError(
             f"the experts' hidden width {d_expert} (model.moe.d_expert, or model.d_ff when 0) must be divisible "

@@ -1,10 +1,11 @@
 """The batch a train or eval step takes, and its abstract form for compiling a step ahead of time.
 
-    {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}
+    {"inputs": int32 [B, T], "targets": int32 [B, T], "loss_mask": float32 [B, T]}
 
-G global batch size (sequences over all devices), T sequence length. `targets` are the next tokens of `inputs`;
+B the rows of a global batch (`train.global_batch_size`: sequences over all devices), T sequence length (the
+`jaxpar` glossary's letters). `targets` are the next tokens of `inputs`;
 `loss_mask` is 1 where a target is scored and 0 for padding (`jaxpar.data.pack`). A batch of packed documents
-may also carry "segment_ids": int32 [G, T], numbering the documents of each row; the train step then keeps
+may also carry "segment_ids": int32 [B, T], numbering the documents of each row; the train step then keeps
 attention within each document (`jaxpar.model.attention`). Each array is sharded by rows
 over the data-parallel axes (`jaxpar.training.step.StepPlan.batch_sharding`).
 """

@@ -5,13 +5,13 @@ The iterator follows Grain's iterator protocol: `next(it)` gives this process's 
 resumes exactly. A Grain `DatasetIterator` (`iter(grain.MapDataset...)`), a `grain.DataLoader` iterator or a
 hand-written class all fit.
 
-Batches: {"inputs": int [R, T], "targets": int [R, T], "loss_mask": float [R, T]} with R = `local_rows` rows,
-this process's share of the global batch of G sequences (G / number of processes when the batch is split evenly
-over the processes' devices, as jaxpar's mesh does); T the sequence length. Token ids are cast to int32 and the
-mask to float32; `loss_mask` 0 excludes a position from the loss. A batch may also carry "segment_ids" (int
-[R, T], packed documents numbered within each row: attention and rotary positions then stay within each
-document, `jaxpar.data.pack`). `IteratorLoader` assembles the global [G, T]
-arrays with `jax.make_array_from_process_local_data`, exactly as the built-in `DataLoader` does.
+Batches: {"inputs": int [R, T], "targets": int [R, T], "loss_mask": float [R, T]} with R = `local_rows` rows, this
+process's share of the global batch of B sequences (the `jaxpar` glossary's B; B / number of processes when the
+batch is split evenly over the processes' devices, as jaxpar's mesh does); T the sequence length. Token ids are cast
+to int32 and the mask to float32; `loss_mask` 0 excludes a position from the loss. A batch may also carry
+"segment_ids" (int [R, T], packed documents numbered within each row: attention and rotary positions then stay
+within each document, `jaxpar.data.pack`). `IteratorLoader` assembles the global [B, T] arrays with
+`jax.make_array_from_process_local_data`, exactly as the built-in `DataLoader` does.
 
 State in a checkpoint: each process's iterator state, gathered to every process (`multihost_utils`), so process
 p resumes from its own. Restoring onto another process count is refused unless every process had the same state
@@ -55,15 +55,15 @@ def _decode(entry: dict) -> Any:
 
 
 class IteratorLoader:
-    """Serves global batches {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} from an iterator of
+    """Serves global batches {"inputs", "targets": int32 [B, T], "loss_mask": float32 [B, T]} from an iterator of
     process-local batches (module docstring), with the `next_batch` / `get_state` / `set_state` interface of
     `jaxpar.data.DataLoader`.
 
     Args:
       iterator: yields this process's rows of each global batch; has `get_state()` and `set_state(state)`.
-      global_batch_size: G, sequences per batch over all processes.
+      global_batch_size: B, sequences per batch over all processes.
       seq_len: T.
-      sharding: NamedSharding of each [G, T] batch array (the step plan's `batch_sharding`).
+      sharding: NamedSharding of each [B, T] batch array (the step plan's `batch_sharding`).
 
     Raises:
       TypeError: the iterator lacks `__next__`, `get_state` or `set_state`.
@@ -105,7 +105,7 @@ class IteratorLoader:
         return out
 
     def next_batch(self) -> dict[str, jax.Array]:
-        """The next global batch, each array of shape [G, T] placed with `sharding`.
+        """The next global batch, each array of shape [B, T] placed with `sharding`.
 
         Raises:
           ValueError: the iterator's batch lacks a key, has another shape, or non-integer token ids.

@@ -1,10 +1,11 @@
 """Global batches of packed sequences as sharded jax Arrays, with exactly resumable state.
 
-Shape key: G global batch size (sequences per step over all devices), T sequence length, N packed sequences.
+Shape letters as in the `jaxpar` glossary; B: the rows of a global batch (`train.global_batch_size`, sequences per
+step over all devices), N: the packed sequences of the split.
 
 The sample order is a Grain `MapDataset`: the N sequence ids, shuffled, repeated forever with a fresh shuffle
-each epoch (Grain folds the epoch into the seed). Global batch k reads G consecutive positions of that stream;
-a batch never straddles an epoch boundary (the last N mod G positions of each epoch are skipped), so no
+each epoch (Grain folds the epoch into the seed). Global batch i reads B consecutive positions of that stream;
+a batch never straddles an epoch boundary (the last N mod B positions of each epoch are skipped), so no
 sequence appears twice in one batch. The state is one integer, the next stream position, so a run resumes
 exactly and the order does not depend on the number of processes.
 
@@ -130,25 +131,25 @@ class SampleOrder:
 def global_arrays(
     sharding: jax.sharding.NamedSharding, local: dict[str, np.ndarray], global_shape: tuple[int, int]
 ) -> dict[str, jax.Array]:
-    """This process's rows `local` ({key: [R, T]}, in `_process_rows` order) as global [G, T] arrays."""
+    """This process's rows `local` ({key: [R, T]}, in `_process_rows` order) as global [B, T] arrays."""
     return {k: jax.make_array_from_process_local_data(sharding, v, global_shape) for k, v in local.items()}
 
 
 class DataLoader:
-    """Serves global batches {"inputs": int32 [G, T], "targets": int32 [G, T], "loss_mask": float32 [G, T]}, with
-    "segment_ids": int32 [G, T] when the rows have them (document masking, `jaxpar.data.pack`).
+    """Serves global batches {"inputs": int32 [B, T], "targets": int32 [B, T], "loss_mask": float32 [B, T]}, with
+    "segment_ids": int32 [B, T] when the rows have them (document masking, `jaxpar.data.pack`).
 
     Args:
       packed: output of `jaxpar.data.pack` (N sequences of T tokens), or a `RowSource` of N rows (e.g. a shard
         set's `jaxpar.data.stream.ShardRows`), from which only this process's rows are read.
-      global_batch_size: G, sequences per batch over all processes.
-      sharding: NamedSharding of each [G, T] batch array, typically P(("data", "fsdp"), None).
+      global_batch_size: B, sequences per batch over all processes.
+      sharding: NamedSharding of each [B, T] batch array, typically P(("data", "fsdp"), None).
       seed: shuffle seed (taken modulo 2**32).
       shuffle: False keeps the packed order.
       split: name used in error messages ("train" or "validation").
 
     Raises:
-      ConfigError: N < G, so a batch could not hold G distinct sequences.
+      ConfigError: N < B, so a batch could not hold B distinct sequences.
       ValueError: `packed` lacks a key or its arrays disagree in shape.
     """
 
@@ -178,7 +179,7 @@ class DataLoader:
 
     @property
     def batches_per_epoch(self) -> int:
-        """floor(N / G): full batches per pass over the data."""
+        """floor(N / B): full batches per pass over the data."""
         return self.num_sequences // self.global_batch_size
 
     def sample_ids(self, start: int, rows: np.ndarray) -> np.ndarray:
@@ -186,7 +187,7 @@ class DataLoader:
         return self._order.ids(start + np.asarray(rows, dtype=np.int64))
 
     def next_batch(self) -> dict[str, jax.Array]:
-        """Returns the next global batch, each array of shape [G, T] placed with `sharding`. Reads only the rows
+        """Returns the next global batch, each array of shape [B, T] placed with `sharding`. Reads only the rows
         this process's devices hold."""
         n, g = self.num_sequences, self.global_batch_size
         epoch, offset = divmod(self._next_sample, n)
@@ -214,20 +215,20 @@ class DataLoader:
 
 
 class EvalLoader:
-    """One pass over a validation split: global batches {"inputs", "targets": int32 [G, T], "loss_mask":
-    float32 [G, T]} (and "segment_ids" when the rows have them; 0 on padding rows) in file order, each sequence
+    """One pass over a validation split: global batches {"inputs", "targets": int32 [B, T], "loss_mask":
+    float32 [B, T]} (and "segment_ids" when the rows have them; 0 on padding rows) in file order, each sequence
     exactly once, never repeated.
 
-    Batch b holds, in row r, sequence b*G + r while that is below `num_scored`, else a padding row (inputs
+    Batch i holds, in row r, sequence i*B + r while that is below `num_scored`, else a padding row (inputs
     and targets the source's pad id, loss_mask 0), so a token-mean over all batches is the mean over exactly the
     scored sequences' valid tokens. The rows depend only on the global row index: every process pads the same rows.
 
     Args:
       packed: output of `jaxpar.data.pack`, N >= 1 sequences of T tokens, or a `RowSource` of N rows.
-      global_batch_size: G, rows per batch over all processes.
-      sharding: NamedSharding of each [G, T] batch array, as for `DataLoader`.
-      max_batches: 0 scores the whole split (ceil(N / G) batches, the last padded); B > 0 scores its first
-        min(B * G, N) sequences (`train.eval_batches`).
+      global_batch_size: B, rows per batch over all processes.
+      sharding: NamedSharding of each [B, T] batch array, as for `DataLoader`.
+      max_batches: 0 scores the whole split (ceil(N / B) batches, the last padded); max_batches > 0
+        scores its first min(max_batches * B, N) sequences (`train.eval_batches`).
 
     Raises:
       ConfigError: the split holds no sequence, or `max_batches` < 0.
@@ -287,7 +288,7 @@ class EvalLoader:
         return out
 
     def batches(self) -> Iterator[dict[str, jax.Array]]:
-        """Yields the `num_batches` global batches of one pass, each array [G, T] placed with `sharding`. Reads
+        """Yields the `num_batches` global batches of one pass, each array [B, T] placed with `sharding`. Reads
         only the rows this process's devices hold."""
         rows = len(self._local_rows)
         for b in range(self.num_batches):

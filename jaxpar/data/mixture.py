@@ -1,17 +1,17 @@
 """A weighted data mixture (`data.sources`): global batches whose rows are shared out among several row sources
 by weight, exactly resumable, and each source's validation split scored separately.
 
-Shape key: S sources, G global batch size, T sequence length.
+Shape letters as in the `jaxpar` glossary; Q: the mixture's sources, B: the rows of a global batch.
 
-Training (`MixtureLoader`): global batch k takes c_s(k) rows from source s, placed in the batch as
+Training (`MixtureLoader`): global batch i takes c_s(i) rows from source s, placed in the batch as
 `jaxpar.data.mixture_plan` says (largest-remainder counts carried over from batch to batch, so each source's
-running total stays within one row of k*G*w_s; rows interleaved by stride scheduling). Each source has its own
+running total stays within one row of i*B*w_s; rows interleaved by stride scheduling). Each source has its own
 sample stream (`jaxpar.data.loader.SampleOrder`: its N_s sequences shuffled with a seed derived from `data.seed`
-and the source's index, a fresh shuffle each epoch) read at consecutive positions: source s's rows of batch k
-are positions C_s(k) .. C_s(k) + c_s(k) - 1 of its stream, C_s(k) the rows it gave to batches [0, k). Unlike a
+and the source's index, a fresh shuffle each epoch) read at consecutive positions: source s's rows of batch i
+are positions C_s(i) .. C_s(i) + c_s(i) - 1 of its stream, C_s(i) the rows it gave to batches [0, i). Unlike a
 single-source `DataLoader`, a batch may straddle a source's epoch boundary (so a source with fewer sequences than
-its rows in one batch repeats some within the batch). The state is {"next_batch": k, "taken": {name: C_s(k)}}:
-S + 1 integers, none of which depends on the number of processes, so a run resumes exactly on any process
+its rows in one batch repeats some within the batch). The state is {"next_batch": i, "taken": {name: C_s(i)}}:
+Q + 1 integers, none of which depends on the number of processes, so a run resumes exactly on any process
 count. Each process reads only the rows its devices hold, each from its own source.
 
 Validation (`MixtureEvalLoader`): one `EvalLoader` per source; a pass scores every source's split in turn, so a
@@ -39,15 +39,15 @@ def source_seed(seed: int, index: int) -> int:
 
 
 class MixtureLoader:
-    """Serves global batches {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} (and "segment_ids":
-    int32 [G, T] when the sources serve them) mixed from several row sources (module docstring), with the
+    """Serves global batches {"inputs", "targets": int32 [B, T], "loss_mask": float32 [B, T]} (and "segment_ids":
+    int32 [B, T] when the sources serve them) mixed from several row sources (module docstring), with the
     `next_batch` / `get_state` / `set_state` interface of `jaxpar.data.DataLoader`.
 
     Args:
       sources: {name: `RowSource`} (e.g. `jaxpar.data.PackedRows`, `jaxpar.data.ShardRows`), all of one T and
         the same batch keys, each with N_s >= 1 sequences.
       weights: {name: weight > 0}, normalised here.
-      global_batch_size: G. sharding: NamedSharding of each [G, T] batch array. seed: `data.seed`.
+      global_batch_size: B. sharding: NamedSharding of each [B, T] batch array. seed: `data.seed`.
 
     Raises:
       ConfigError: a source without sequences, or sources of different T or batch keys.
@@ -88,14 +88,14 @@ class MixtureLoader:
         self._taken = np.zeros(len(self.names), np.int64)
 
     def plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The next batch's layout: (rows per source: int64 [S], source of each batch row: int64 [G], stream
-        position of each batch row in its source's stream: int64 [G])."""
+        """The next batch's layout: (rows per source: int64 [Q], source of each batch row: int64 [B], stream
+        position of each batch row in its source's stream: int64 [B])."""
         counts = batch_counts(self.weights, self.global_batch_size, self._next_batch, self._taken)
         source, within = row_sources(counts)
         return counts, source, self._taken[source] + within
 
     def next_batch(self) -> dict[str, jax.Array]:
-        """Returns the next global batch, each array [G, T] placed with `sharding`; reads from each source only
+        """Returns the next global batch, each array [B, T] placed with `sharding`; reads from each source only
         the rows this process's devices hold."""
         counts, source, position = self.plan()
         local_source, local_position = source[self._local_rows], position[self._local_rows]
@@ -111,14 +111,8 @@ class MixtureLoader:
         self._next_batch += 1
         return global_arrays(self._sharding, local, self._global_shape)
 
-    def shares(self) -> dict[str, float]:
-        """Each source's share of the rows served so far (its weight before the first batch)."""
-        total = int(self._taken.sum())
-        values = self._taken / total if total else self.weights
-        return {n: float(v) for n, v in zip(self.names, values)}
-
     def get_state(self) -> dict:
-        """{"next_batch": k, "taken": {name: rows source name gave to batches [0, k)}} (JSON-safe)."""
+        """{"next_batch": i, "taken": {name: rows source name gave to batches [0, i)}} (JSON-safe)."""
         return {"next_batch": self._next_batch, "taken": {n: int(t) for n, t in zip(self.names, self._taken)}}
 
     def set_state(self, state: dict) -> None:
@@ -126,7 +120,7 @@ class MixtureLoader:
 
         Raises:
           ValueError: `state` is not a mixture state of these sources (e.g. a single-source loader's
-            {"next_sample": ...}), or its counts do not add up to next_batch * G.
+            {"next_sample": ...}), or its counts do not add up to next_batch * B.
         """
         k = state.get("next_batch") if isinstance(state, dict) else None
         taken = state.get("taken") if isinstance(state, dict) else None

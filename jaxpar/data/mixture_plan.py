@@ -1,14 +1,14 @@
 """Which rows of each global batch a data mixture takes from which source: deterministic, no randomness, no jax.
 
-Shape key: S sources, G rows per global batch.
+Shape letters as in the `jaxpar` glossary; Q: the mixture's sources, B: the rows of a global batch.
 
-Counts (`batch_counts`): batch k gives source s the rows that bring its running total closest to its share of
-all rows so far. With C_s(k) the rows source s has had in batches [0, k) (so sum_s C_s(k) = k*G) and w_s its
-normalised weight, the demand of batch k is d_s = (k + 1)*G*w_s - C_s(k), which sums to G; source s gets
+Counts (`batch_counts`): batch i gives source s the rows that bring its running total closest to its share of
+all rows so far. With C_s(i) the rows source s has had in batches [0, i) (so sum_s C_s(i) = i*B) and w_s its
+normalised weight, the demand of batch i is d_s = (i + 1)*B*w_s - C_s(i), which sums to B; source s gets
 floor(d_s) rows (0 when d_s < 0), and the rows left over go one each to the sources with the largest remainders
-d_s - floor(d_s) (ties to the lower index): the largest-remainder (Hamilton) apportionment of G rows, carried over
-from batch to batch. Then |C_s(k) - k*G*w_s| < 1 for every k and s whenever G*w_s >= 1 for all s, so over K
-batches a source's realised share misses its weight by less than 1/(K*G) (tests/unit/test_mixture_plan.py
+d_s - floor(d_s) (ties to the lower index): the largest-remainder (Hamilton) apportionment of B rows, carried over
+from batch to batch. Then |C_s(i) - i*B*w_s| < 1 for every i and s whenever B*w_s >= 1 for all s, so over n
+batches a source's realised share misses its weight by less than 1/(n*B) (tests/unit/test_mixture_plan.py
 measures it over 10,000 batches).
 
 Placement (`row_sources`): within a batch the sources' rows are interleaved, not blocked, so that each process's
@@ -22,7 +22,7 @@ import numpy as np
 
 
 def normalised(weights) -> np.ndarray:
-    """Weights divided by their sum: float64 [S].
+    """Weights divided by their sum: float64 [Q].
 
     Raises:
       ValueError: no weight, or a weight that is not a finite number > 0.
@@ -34,13 +34,13 @@ def normalised(weights) -> np.ndarray:
 
 
 def batch_counts(weights: np.ndarray, global_batch_size: int, batch: int, taken: np.ndarray) -> np.ndarray:
-    """Rows of global batch `batch` (k) per source: int64 [S] summing to G (module docstring).
+    """Rows of global batch `batch` (i) per source: int64 [Q] summing to B (module docstring).
 
     Args:
-      weights: normalised weights, float64 [S] (`normalised`).
-      global_batch_size: G.
-      batch: k >= 0.
-      taken: C(k), int [S]: each source's rows in batches [0, k); sums to k*G.
+      weights: normalised weights, float64 [Q] (`normalised`).
+      global_batch_size: B.
+      batch: i >= 0.
+      taken: C(i), int [Q]: each source's rows in batches [0, i); sums to i*B.
     """
     g = global_batch_size
     demand = (batch + 1) * g * weights - np.asarray(taken, dtype=np.float64)
@@ -50,27 +50,18 @@ def batch_counts(weights: np.ndarray, global_batch_size: int, batch: int, taken:
         remainder = np.where(demand > 0, demand - counts, -np.inf)
         order = np.lexsort((np.arange(len(weights)), -remainder))  # largest remainder first, then lower index
         counts[order[:left]] += 1
-    elif left < 0:  # cannot happen while sum(demand) = G; kept so that the counts always sum to G
+    elif left < 0:  # cannot happen while sum(demand) = B; kept so that the counts always sum to B
         for s in np.argsort(-counts, kind="stable")[:-left]:
             counts[s] -= 1
     return counts
 
 
 def row_sources(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(source of each row: int64 [G], the row's index within its source's rows of the batch: int64 [G]) for
-    per-source row counts `counts` (int [S], sum G), interleaved by stride scheduling (module docstring)."""
+    """(source of each row: int64 [B], the row's index within its source's rows of the batch: int64 [B]) for
+    per-source row counts `counts` (int [Q], sum B), interleaved by stride scheduling (module docstring)."""
     counts = np.asarray(counts, dtype=np.int64)
     source = np.repeat(np.arange(counts.size), counts)
     within = np.concatenate([np.arange(c) for c in counts]) if counts.size else np.zeros(0, np.int64)
     key = (within + 0.5) / np.maximum(counts[source], 1)
     order = np.lexsort((source, key))
     return source[order], within[order].astype(np.int64)
-
-
-def realised_counts(weights, global_batch_size: int, num_batches: int) -> np.ndarray:
-    """Rows each source gets over batches [0, num_batches) from the start: int64 [S] (for reports and tests)."""
-    w = normalised(weights)
-    taken = np.zeros(w.size, np.int64)
-    for k in range(num_batches):
-        taken += batch_counts(w, global_batch_size, k, taken)
-    return taken

@@ -47,6 +47,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from jaxpar.config.data_sources import TOKEN_DTYPES
 from jaxpar.data.errors import DataError
 
 FORMAT = "jaxpar-token-shards"
@@ -63,13 +64,13 @@ def shard_names(index: int) -> tuple[str, str]:
 
 def token_dtype_for(vocab_size: int, requested: str = "auto") -> np.dtype:
     """uint16 when every id of a `vocab_size` vocabulary fits (vocab_size <= 65,536), else uint32; `requested`
-    ("auto", "uint16", "uint32") may force one.
+    ("auto" or one of `jaxpar.config.data_sources.TOKEN_DTYPES`) may force one.
 
     Raises:
       DataError: `requested` is not one of those, or cannot hold ids up to vocab_size - 1.
     """
-    if requested not in ("auto", "uint16", "uint32"):
-        raise DataError(f"--token-dtype {requested!r} is not one of auto, uint16, uint32")
+    if requested not in ("auto", *TOKEN_DTYPES):
+        raise DataError(f"--token-dtype {requested!r} is not one of auto, {', '.join(TOKEN_DTYPES)}")
     dtype = np.dtype(("uint16" if vocab_size <= 1 << 16 else "uint32") if requested == "auto" else requested)
     if vocab_size - 1 > np.iinfo(dtype).max:
         raise DataError(

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
+from jaxpar.config.data_sources import TOKEN_DTYPES
 from jaxpar.data.tokenizer import BOS_ID, EOS_ID
 
 _STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "__pycache__"})
@@ -185,8 +186,8 @@ def _concat(docs: list[Document]) -> np.ndarray:
 
 
 def _load_token_file(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray]:
-    if cfg.token_dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"data.token_dtype={cfg.token_dtype!r} is not one of uint16, uint32")
+    if cfg.token_dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"data.token_dtype={cfg.token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
     dtype = np.dtype(cfg.token_dtype)
     path = os.path.expanduser(cfg.path)
     if not os.path.isfile(path):

@@ -1,7 +1,8 @@
 """Packed sequences read lazily from a token shard set (`data.source: shards`): nothing proportional to the corpus
 is loaded.
 
-Shape key: T sequence length (`data.seq_len`), R rows asked for, L tokens of a split, D documents.
+Shape letters as in the `jaxpar` glossary; T: the sequence length (`data.seq_len`), R: the rows asked for, N: the packed
+sequences of a split.
 
 A split is a contiguous range of documents of a shard set (`jaxpar.data.shards`), read as one token stream: the
 documents one after another, in shard order. `ShardRows` serves that stream packed exactly as `jaxpar.data.pack`
@@ -123,8 +124,8 @@ class _Shards:
     def __init__(self, shard_set: ShardSet):
         self.set = shard_set
         entries = shard_set.manifest["shards"]
-        self.first_doc = np.cumsum([0] + [int(s["documents"]) for s in entries]).astype(np.int64)  # [S + 1]
-        self.first_token = np.cumsum([0] + [int(s["tokens"]) for s in entries]).astype(np.int64)  # [S + 1]
+        self.first_doc = np.cumsum([0] + [int(s["documents"]) for s in entries]).astype(np.int64)  # [shards + 1]
+        self.first_token = np.cumsum([0] + [int(s["tokens"]) for s in entries]).astype(np.int64)  # [shards + 1]
         self._open: collections.OrderedDict[int, _Shard] = collections.OrderedDict()
 
     def shard(self, s: int) -> _Shard:
@@ -141,7 +142,8 @@ class _Shards:
             shard.close()
 
     def token_position(self, doc: int) -> int:
-        """Global position of the first token of global document `doc` (0 <= doc <= D; D gives the total)."""
+        """Global position of the first token of global document `doc` (0 <= doc <= the document count, which
+        gives the total)."""
         if doc >= int(self.first_doc[-1]):
             return int(self.first_token[-1])
         s = int(np.searchsorted(self.first_doc, doc, side="right")) - 1
@@ -188,12 +190,13 @@ class ShardRows:
     docstring): the row source of a `jaxpar.data.DataLoader` or `EvalLoader`.
 
     Attributes:
-      num_sequences: N = ceil((L - 1) / T) rows. seq_len: T. num_tokens: L. keys: the batch keys `rows` gives.
+      num_sequences: N = ceil((num_tokens - 1) / T) rows. seq_len: T. num_tokens: the split's tokens. keys: the
+        batch keys `rows` gives.
       pad_id: the id of padded positions (loss_mask 0, segment id 0).
 
     Args:
       shards: the opened shard set (`_Shards`), shared by the splits of one set.
-      doc_start, doc_stop: the split's documents, 0 <= doc_start < doc_stop <= D.
+      doc_start, doc_stop: the split's documents, 0 <= doc_start < doc_stop <= the set's document count.
       seq_len: T >= 1.
       document_masking: serve "segment_ids" and mask cross-document targets.
       pad_id: the id written into padded positions.
@@ -336,8 +339,8 @@ def shard_splits(
 
 
 def _split_document(shards: _Shards, validation_fraction: float) -> int:
-    """The first validation document: the tail documents [split, D) are the fewest whole documents holding at
-    least `validation_fraction` of the tokens; 1 <= split <= D - 1."""
+    """The first validation document: the tail documents [split, documents) are the fewest whole documents holding at
+    least `validation_fraction` of the tokens; 1 <= split <= documents - 1."""
     total, d = int(shards.first_token[-1]), int(shards.first_doc[-1])
     boundary = total - int(np.ceil(total * validation_fraction))  # validation starts at or before this position
     split = shards.document_at(boundary) if boundary < total else d - 1

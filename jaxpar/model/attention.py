@@ -2,7 +2,7 @@
 (`jaxpar.config.attention`): XLA's, or cuDNN's fused flash-attention kernel.
 
 Shape letters: B batch, T sequence, H query heads, G key/value heads (G divides H: grouped-query attention), K
-head width, M the most segments one sequence may hold (`model.max_segments`).
+head width; `max_segments` (`model.max_segments`) is the most segments one sequence may hold.
 
 Packed documents: `segment_ids` int32 [B, T] numbers the documents of each row; a token attends to the earlier
 tokens of its own document only (causal and same segment id). A document is a run of equal ids: ids need not
@@ -40,9 +40,9 @@ def packed_segments(segment_ids_BT: jax.Array, max_segments: int) -> tuple[jax.A
     """cuDNN's packed layout of `segment_ids_BT`: each run of equal ids is one segment.
 
     Returns:
-      offsets int32 [B, M + 1]: the first position of each segment, -1 after the last one;
-      lengths int32 [B, M]: each segment's length, -1 after the last one;
-      overflow bool [B]: the row holds more than M segments (its later segments are not in the layout).
+      offsets int32 [B, max_segments + 1]: the first position of each segment, -1 after the last one;
+      lengths int32 [B, max_segments]: each segment's length, -1 after the last one;
+      overflow bool [B]: the row holds more than max_segments segments (its later segments are not in the layout).
     """
     b, t = segment_ids_BT.shape
     starts_BT = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]], axis=1)
@@ -77,8 +77,8 @@ def _cudnn_packed(q, k, v, segment_ids_BT: jax.Array, max_segments: int) -> jax.
         mask_type=MaskType.PADDING_CAUSAL,
         qkv_layout="BTNH",
     )
-    # A row with more than M segments would lose its last ones without a trace: make it NaN instead, which the
-    # step's non-finite check reports (raise model.max_segments).
+    # A row with more than max_segments segments would lose its last ones without a trace: make it NaN instead,
+    # which the step's non-finite check reports (raise model.max_segments).
     return jnp.where(overflow_B[:, None, None, None], jnp.nan, out).astype(q.dtype)
 
 
@@ -97,7 +97,7 @@ def dot_product_attention(
       q_BTHK: queries [B, T, H, K]; k_BTGK, v_BTGK: keys and values [B, T, G, K], the same dtype.
       implementation: `xla` or `cudnn` (already resolved: `jaxpar.config.attention.resolve_attention`).
       segment_ids_BT: int32 [B, T] document ids (module docstring), or None (one document per row).
-      max_segments: M, the segments per row cuDNN's packed layout holds (unused by xla). A row with more gets a
+      max_segments: the segments per row cuDNN's packed layout holds (unused by xla). A row with more gets a
         NaN output.
 
     Returns:

@@ -1,7 +1,7 @@
 """Mixture-of-experts MLP: a softmax router in fp32, top-k experts per token, optional shared experts.
 
-Shape letters: B batch, T sequence, D model width, E experts, K top_k, F expert hidden width, A assignments
-(token, choice) pairs, C capacity per expert and sequence.
+Shape letters as in the `jaxpar` glossary; F: an expert's hidden width (model.moe.d_expert, else model.d_ff), A:
+the router's assignments, (token, choice) pairs.
 
 Every expert is a SwiGLU MLP (Shazeer 2020); the E experts' weights are stacked on a leading dimension with the
 logical axis `experts`, split over the expert axes under expert parallelism (`model.moe.expert_axes`,
@@ -12,9 +12,9 @@ token's output is sum_j gate_j * expert_{e_j}(x) with gate_j = p_{e_j}, renormal
 top_k > 1 (Mixtral, DeepSeek-V3), raw when top_k == 1 (Switch).
 
 Two ways to run the experts, same parameters:
-  * dropless: all T*K assignments of the batch are sorted by expert and run as grouped matmuls
+  * dropless: all T*k assignments of the batch are sorted by expert and run as grouped matmuls
     (`jax.lax.ragged_dot`, one group per expert): nothing is dropped (MegaBlocks, Gale et al. 2022).
-  * capacity: each expert takes at most C = ceil(capacity_factor * T * K / E) assignments per sequence, in
+  * capacity: each expert takes at most C = ceil(capacity_factor * T * k / E) assignments per sequence, in
     priority order "every token's first choice, in sequence order, then every second choice, ..." (GShard);
     the rest are dropped (routed output zero; the residual path carries the token). Fixed shapes [B, E, C, D].
 The capacity group is one sequence, so which tokens drop depends only on that sequence: the same on any mesh
@@ -25,7 +25,7 @@ before dispatch).
 Tensor parallelism (`jaxpar.parallel.tensor`): the router runs on the block input before `tp.enter` (its weights
 replicated over `tensor`); each expert's hidden width F is split over `tensor` (gate/up column-parallel, down
 row-parallel) and every tensor rank runs its slice of the experts on every token of its rows; the gates (entering
-like an activation) combine each token's K partial outputs and `tp.exit` reduces the sum [B, T, D], as a dense
+like an activation) combine each token's k partial outputs and `tp.exit` reduces the sum [B, T, D], as a dense
 MLP's output. Without sequence parallelism the router sees the whole sequence on every rank and its gradients are
 whole there, like any parameter used outside the column/row pair. With sequence parallelism (Korthikanti et al.
 2022) the block input is this rank's slice [B, T/t, D]: the router scores only the slice, the chosen expert ids
@@ -36,7 +36,7 @@ slice that the step sums over `tensor` like a norm's.
 
 Per block, `MoE.__call__` returns statistics for the losses and metrics (`jaxpar.training.moe_loss`):
   aux_B   fp32 [B]: each sequence's load-balancing loss E * sum_i f_i * P_i (Switch eq. 4), f_i the fraction of
-          the sequence's T*K assignments routed to expert i (no gradient), P_i the mean router probability of
+          the sequence's T*k assignments routed to expert i (no gradient), P_i the mean router probability of
           expert i over its T tokens; 1.0 when perfectly balanced.
   z_BT    fp32 [B, T] (whole sequence): each token's router z-loss (log sum_i exp(logit_i))^2 (ST-MoE, Zoph et
           al. 2022, eq. 5).
@@ -63,7 +63,7 @@ def route(
     x_BTD: jax.Array, router_DE: jax.Array, top_k: int, tp: TensorParallel = NO_TENSOR_PARALLEL
 ) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
     """The router in fp32 on the block input [B, T', D] (T' = T/t, this rank's slice, under sequence
-    parallelism; else T' = T): (gates fp32 [B, T', K] of the slice, expert ids int32 [B, T, K] of the whole
+    parallelism; else T' = T): (gates fp32 [B, T', k] of the slice, expert ids int32 [B, T, k] of the whole
     sequence (all-gathered over `tensor` under sequence parallelism), probabilities fp32 [B, T', E], stats
     {"aux_B", "z_BT" [B, T], "load_E"} of the whole sequence, as in the module docstring)."""
     logits = x_BTD.astype(jnp.float32) @ router_DE.astype(jnp.float32)
@@ -97,20 +97,20 @@ def _grouped_swiglu(rows_RD: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_u
 
 def dropless_experts(
     x_BTD: jax.Array,
-    idx_BTK: jax.Array,
+    idx_BTk: jax.Array,
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
     ep: ExpertParallel = NO_EXPERT_PARALLEL,
 ) -> jax.Array:
     """Every assignment through its expert with grouped matmuls: [B, T, D] -> each assignment's output
-    [B, T, K, D] (partial sums over `tensor`: the caller reduces them). Weights: gate/up [E/n, D, F(/t)], down
+    [B, T, k, D] (partial sums over `tensor`: the caller reduces them). Weights: gate/up [E/n, D, F(/t)], down
     [E/n, F(/t), D] (this device's experts under expert parallelism: the assignments go to their experts'
     devices and back, `ep`)."""
     b, t, d = x_BTD.shape
-    k = idx_BTK.shape[-1]
+    k = idx_BTk.shape[-1]
     e = w_gate.shape[0] * ep.size()
-    expert_A = idx_BTK.reshape(-1)  # assignment a = token * K + choice
+    expert_A = idx_BTk.reshape(-1)  # assignment a = token * k + choice
     order = jnp.argsort(expert_A, stable=True)  # assignments grouped by expert, in token order within each
     xs_AD = x_BTD.reshape(b * t, d)[order // k]
     sizes = jnp.bincount(expert_A, length=e).astype(jnp.int32)
@@ -124,21 +124,21 @@ def dropless_experts(
 
 def capacity_experts(
     x_BTD: jax.Array,
-    idx_BTK: jax.Array,
+    idx_BTk: jax.Array,
     w_gate: jax.Array,
     w_up: jax.Array,
     w_down: jax.Array,
     capacity_factor: float,
     ep: ExpertParallel = NO_EXPERT_PARALLEL,
 ) -> tuple[jax.Array, jax.Array]:
-    """Capacity routing (module docstring): (each assignment's output [B, T, K, D], zero where dropped, partial
-    sums over `tensor`; kept mask bool [B, T, K]). Weights as in `dropless_experts`; under expert parallelism the
+    """Capacity routing (module docstring): (each assignment's output [B, T, k, D], zero where dropped, partial
+    sums over `tensor`; kept mask bool [B, T, k]). Weights as in `dropless_experts`; under expert parallelism the
     [B, E, C, D] buffer goes to the experts' devices and back (`ep`)."""
     b, t, d = x_BTD.shape
-    k, dt = idx_BTK.shape[-1], x_BTD.dtype
+    k, dt = idx_BTk.shape[-1], x_BTD.dtype
     e = w_gate.shape[0] * ep.size()
     c = capacity(t, k, e, capacity_factor)
-    idx_BA = jnp.swapaxes(idx_BTK, 1, 2).reshape(b, k * t)  # a = choice * T + position: choice-major priority
+    idx_BA = jnp.swapaxes(idx_BTk, 1, 2).reshape(b, k * t)  # a = choice * T + position: choice-major priority
     onehot = jax.nn.one_hot(idx_BA, e, dtype=jnp.int32)
     pos_BA = jnp.sum((jnp.cumsum(onehot, axis=1) - 1) * onehot, axis=-1)  # place in its expert's queue
     keep_BA = pos_BA < c
@@ -152,8 +152,8 @@ def capacity_experts(
     out = jnp.einsum("nebcf,efd->nebcd", _swiglu_hidden(h_gate, h_up), w_down.astype(dt))
     out = ep.combine_capacity(out)  # [B, E, C, D]
     y_BAD = out[rows, idx_BA, jnp.minimum(slot_BA, c - 1)] * keep_BA[..., None].astype(dt)
-    y_BTKD = jnp.swapaxes(y_BAD.reshape(b, k, t, d), 1, 2)
-    return y_BTKD, jnp.swapaxes(keep_BA.reshape(b, k, t), 1, 2)
+    y_BTkD = jnp.swapaxes(y_BAD.reshape(b, k, t, d), 1, 2)
+    return y_BTkD, jnp.swapaxes(keep_BA.reshape(b, k, t), 1, 2)
 
 
 class MoE(nnx.Module):
@@ -187,17 +187,17 @@ class MoE(nnx.Module):
         x_in = tp.enter(x_BTD)  # [B, T, D]: every tensor rank runs its slice of every expert on every token
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if self.routing == "capacity":
-            y_BTKD, keep = capacity_experts(x_in, idx, *weights, self.capacity_factor, self.ep)
+            y_BTkD, keep = capacity_experts(x_in, idx, *weights, self.capacity_factor, self.ep)
             stats["dropped"] = jnp.sum(~keep).astype(jnp.float32)
         else:
-            y_BTKD = dropless_experts(x_in, idx, *weights, self.ep)
+            y_BTkD = dropless_experts(x_in, idx, *weights, self.ep)
             stats["dropped"] = jnp.zeros((), jnp.float32)
         # The gates combine each token's k partial outputs before the reduction over tensor (linear: the same sum),
         # so the exit moves [B, T, D] like a dense MLP's, not k times that. The gates enter like an activation:
         # all-gathered over the sequence under sequence parallelism (backward reduce-scatter), else replicated
         # (backward all-reduce: each rank's partial outputs give a partial gate gradient).
-        gates_BTK = tp.enter(gates.astype(dt))
-        y_BTD = tp.exit(jnp.einsum("btk,btkd->btd", gates_BTK, y_BTKD))
+        gates_BTk = tp.enter(gates.astype(dt))
+        y_BTD = tp.exit(jnp.einsum("btk,btkd->btd", gates_BTk, y_BTkD))
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD, tp)
         return y_BTD, stats

@@ -19,6 +19,7 @@ from typing import Literal, overload
 import jax
 from flax import nnx
 
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY, REMAT_POLICIES
 from jaxpar.parallel.expert import EXPERT_COMBINED, EXPERT_DISPATCHED
 from jaxpar.parallel.gather import Gather, ModuleT
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_GATHERED, TENSOR_REDUCED, TensorParallel
@@ -53,9 +54,8 @@ _policies = jax.checkpoint_policies
 # The expert-parallel all-to-alls (`jaxpar.parallel.expert`) follow the same rule: none and dots save both their
 # outputs (the backward re-runs no all-to-all of the forward), names and full save EXPERT_COMBINED, the MoE
 # block's counterpart of an exit (the backward re-runs the dispatch once, as Megatron-Core's full recompute does).
-_save_tensor_collectives = _policies.save_only_these_names(
-    TENSOR_REDUCED, TENSOR_GATHERED, EXPERT_DISPATCHED, EXPERT_COMBINED
-)
+_EXITS = (TENSOR_REDUCED, EXPERT_COMBINED)
+_COLLECTIVES = (TENSOR_REDUCED, TENSOR_GATHERED, EXPERT_DISPATCHED, EXPERT_COMBINED)
 
 # What saving them costs, measured on 8 H100s compiled without a GPU (configs/llama_1b.yaml shape, data=2 x
 # tensor=4, ZeRO-1, bf16, 8 x 4096 tokens; `python benchmarks/tensor_bytes.py --target h100:1x8` prints
@@ -66,20 +66,37 @@ _save_tensor_collectives = _policies.save_only_these_names(
 #   dots   12.28 -> 12.27 GB / 11.53 -> 12.72 GB  (12.03)  8.25 / 9.06 -> 6.64 GB (compiler 6.64)
 #   names   9.86 -> 10.94 GB /  9.10 -> 9.37 GB   (9.64)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)
 #   full    8.52 ->  9.59 GB /  7.76 -> 8.02 GB   (8.36)   8.25 / 9.06 -> 6.64 / 8.25 GB (compiler 8.25)
-REMAT_POLICIES = {
+
+
+def _collectives_saved(remat: str) -> tuple[str, ...]:
+    """The collective outputs policy `remat` keeps: the exits' only, or all (`REMAT_KEEPING_EXITS_ONLY`)."""
+    return _EXITS if remat in REMAT_KEEPING_EXITS_ONLY else _COLLECTIVES
+
+
+# model.remat (`jaxpar.config.choices.REMAT_POLICIES`) -> its `jax.checkpoint` policy.
+CHECKPOINT_POLICIES = {
     # Every matmul output and tensor-collective output is saved, so neither is recomputed; elementwise ops
     # (norms, rotary, gates) are recomputed, and so are the all-gathered weights. (A "save everything except the
     # gathered weights" policy keeps them anyway: a cast or reshape of a gathered weight is saveable.)
-    "none": _policies.save_from_both_policies(_policies.dots_saveable, _save_tensor_collectives),
+    "none": _policies.save_from_both_policies(
+        _policies.dots_saveable, _policies.save_only_these_names(*_collectives_saved("none"))
+    ),
     # Recompute the whole block in the backward from its input, except the exits' reduced outputs.
-    "full": _policies.save_only_these_names(TENSOR_REDUCED, EXPERT_COMBINED),
+    "full": _policies.save_only_these_names(*_collectives_saved("full")),
     # Save matmul outputs without batch dimensions and the tensor collectives' outputs, recompute the rest.
-    "dots": _policies.save_from_both_policies(_policies.dots_with_no_batch_dims_saveable, _save_tensor_collectives),
+    "dots": _policies.save_from_both_policies(
+        _policies.dots_with_no_batch_dims_saveable, _policies.save_only_these_names(*_collectives_saved("dots"))
+    ),
     # Save only the named activations: ATTENTION_CONTEXT and MLP_HIDDEN (the inputs of the row-parallel
     # projections) and the exits' reduced outputs; the backward recomputes the rest of the block but not the
     # attention itself.
-    "names": _policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN, TENSOR_REDUCED, EXPERT_COMBINED),
+    "names": _policies.save_only_these_names(ATTENTION_CONTEXT, MLP_HIDDEN, *_collectives_saved("names")),
 }
+if set(CHECKPOINT_POLICIES) != set(REMAT_POLICIES):
+    raise ImportError(
+        f"checkpoint policies {sorted(CHECKPOINT_POLICIES)} differ from jaxpar.config.choices.REMAT_POLICIES "
+        f"{REMAT_POLICIES}"
+    )
 
 
 def stack_layers(n_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], rngs: nnx.Rngs) -> nnx.Module:
@@ -136,12 +153,12 @@ def scan_layers(
     """Runs a stack made by `stack_layers` over activations [B, T, D]: x = layer(x, tp) for each layer in order,
     or x = layer(x, tp, segment_ids_BT) when packed-document segment ids (int32 [B, T]) are given.
 
-    Each layer is gathered (`gather`) inside the scan body and checkpointed with `REMAT_POLICIES[remat]`.
+    Each layer is gathered (`gather`) inside the scan body and checkpointed with `CHECKPOINT_POLICIES[remat]`.
     With `with_aux` each layer returns (x, aux), a pytree of arrays (e.g. a mixture-of-experts block's router
     statistics, `jaxpar.model.moe`), and the result is (x, aux stacked on a leading dimension of size L).
 
     Raises:
-      KeyError: `remat` is not one of `REMAT_POLICIES`.
+      KeyError: `remat` is not one of `jaxpar.config.choices.REMAT_POLICIES`.
     """
     graphdef, stacked = nnx.split(layers)
 
@@ -152,6 +169,6 @@ def scan_layers(
         out = layer(x, tp, *extra)
         return out if with_aux else (out, None)
 
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    body = jax.checkpoint(body, policy=CHECKPOINT_POLICIES[remat], prevent_cse=False)
     x_BTD, aux = jax.lax.scan(body, x_BTD, stacked)
     return (x_BTD, aux) if with_aux else x_BTD

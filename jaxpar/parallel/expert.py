@@ -2,7 +2,7 @@
 `all_to_all`s over the expert axes, for use inside shard_map.
 
 Shape letters: b local batch rows, E experts, El = E / n experts per device, n expert-parallel size (the product
-of the sizes of `model.moe.expert_axes`), C capacity per expert and sequence, A = b * T * K local assignments,
+of the sizes of `model.moe.expert_axes`), C capacity per expert and sequence, A = b * T * k local assignments,
 D model width.
 
 The experts' weights are stacked [E, ...] and split over the expert axes: device r (its linear index over the
@@ -30,6 +30,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 
 # Checkpoint names of the all-to-alls' outputs, for the remat policies of `jaxpar.model.stack`: EXPERT_DISPATCHED
 # on the rows each device's experts receive, EXPERT_COMBINED on the expert outputs back on their tokens' device.
@@ -128,14 +130,9 @@ NO_EXPERT_PARALLEL = ExpertParallel()
 
 
 def capacity(seq_len: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """C, the assignments one expert takes per sequence under capacity routing: ceil(capacity_factor * T * K / E)
+    """C, the assignments one expert takes per sequence under capacity routing: ceil(capacity_factor * T * k / E)
     (GShard, Lepikhin et al. 2020, section 2.2), at least 1."""
     return max(1, math.ceil(capacity_factor * seq_len * top_k / num_experts))
-
-
-# Remat policies (`model.remat`) whose backward re-runs the forward dispatch (`jaxpar.model.stack`): they keep
-# only EXPERT_COMBINED of the two all-to-all outputs.
-REDISPATCHING_REMAT = ("full", "names")
 
 
 def all_to_all_buffer(
@@ -149,12 +146,12 @@ def all_to_all_buffer(
     capacity_factor: float,
 ) -> int:
     """S, the elements (compute dtype) of one MoE all-to-all buffer on one device (module docstring): capacity
-    routing E * C * b * D with C = ceil(capacity_factor * T * K / E) (GShard, Lepikhin et al. 2020, section 3.2:
-    the dispatch tensor); dropless routing n * A * D with A = b * T * K (padded for the worst case).
+    routing E * C * b * D with C = ceil(capacity_factor * T * k / E) (GShard, Lepikhin et al. 2020, section 3.2:
+    the dispatch tensor); dropless routing n * A * D with A = b * T * k (padded for the worst case).
 
     Args:
       routing: `dropless` or `capacity`; n: the expert-parallel size; rows: b, local rows of the microbatch;
-      seq_len: T (whole sequences: MoE blocks see every position); top_k: K; num_experts: E; d_model: D;
+      seq_len: T (whole sequences: MoE blocks see every position); top_k: k; num_experts: E; d_model: D;
       capacity_factor: capacity routing's.
     """
     if routing == "capacity":
@@ -165,9 +162,10 @@ def all_to_all_buffer(
 def all_to_alls_per_block(remat: str) -> tuple[int, int]:
     """(buffers, count all-to-alls) one MoE block sends per microbatch through a forward and a backward: four
     buffers (dispatch and combine in the forward, their transposes in the backward), five when `remat` (a
-    `model.remat` policy) is in `REDISPATCHING_REMAT` (the backward re-runs the dispatch); and the dropless
-    path's int32 expert counts (E * 4 bytes each), once, twice with the re-run dispatch."""
-    redispatch = remat in REDISPATCHING_REMAT
+    `model.remat` policy) is in `REMAT_KEEPING_EXITS_ONLY` (it keeps only EXPERT_COMBINED of the two all-to-all
+    outputs, so the backward re-runs the dispatch); and the dropless path's int32 expert counts (E * 4 bytes
+    each), once, twice with the re-run dispatch."""
+    redispatch = remat in REMAT_KEEPING_EXITS_ONLY
     return (5, 2) if redispatch else (4, 1)
 
 

@@ -61,13 +61,6 @@ def forward_tick(i: int, c: int, p: int, v: int) -> int:
     return g * p * v + j * p + r + s
 
 
-def backward_tick(i: int, c: int, p: int, v: int) -> int:
-    """t_b(i, c) (module docstring)."""
-    g, r = divmod(i, p)
-    j, s = divmod(c, p)
-    return warmup_ticks(p, v) + g * p * v + (v - 1 - j) * p + r + (p - 1 - s)
-
-
 def forward_at(t, s, p: int, v: int, m: int):
     """(microbatch i, virtual stage j, valid) of the forward device `s` runs at tick `t`; works on Python ints and
     on jax integer arrays alike (floor division and modulo of non-negative values)."""

@@ -22,16 +22,16 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config.mesh_axes import STORAGE_AXES
+from jaxpar.config.mesh_axes import DATA, DATA_PARALLEL_AXES, FSDP, PIPELINE, STORAGE_AXES, TENSOR
 
 EXPERTS_AXIS = "experts"  # the logical name of stacked experts' leading dimension (jaxpar.model.moe)
 
 PARAM_RULES: dict[str, tuple[str, ...]] = {
-    "layers": ("pipeline",),
-    "embed": ("fsdp",),
-    "vocab": ("tensor",),
-    "heads": ("tensor",),
-    "mlp": ("tensor",),
+    "layers": (PIPELINE,),
+    "embed": (FSDP,),
+    "vocab": (TENSOR,),
+    "heads": (TENSOR,),
+    "mlp": (TENSOR,),
     "kv": (),
     # Mixture-of-experts weights stacked over experts (jaxpar.model.moe): split over the run's expert axes
     # (`model.moe.expert_axes`, passed as `expert_axes` below), none by default.
@@ -39,12 +39,12 @@ PARAM_RULES: dict[str, tuple[str, ...]] = {
 }
 
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": DATA_PARALLEL_AXES,
     "seq": (),
     "embed": (),
-    "heads": ("tensor",),
-    "mlp": ("tensor",),
-    "vocab": ("tensor",),
+    "heads": (TENSOR,),
+    "mlp": (TENSOR,),
+    "vocab": (TENSOR,),
 }
 
 STATE_KINDS = ("params", "grads", "opt_state")
@@ -66,7 +66,7 @@ def partitioned_over_data(kind: str, zero_stage: int) -> bool:
 def storage_axes(kind: str, zero_stage: int) -> tuple[str, ...]:
     """The `STORAGE_AXES` that split state of `kind` along its `embed` dimension at `zero_stage`: ("fsdp",), and
     ("fsdp", "data") (fsdp-major) where the stage partitions the kind over `data`."""
-    return tuple(a for a in STORAGE_AXES if a == "fsdp" or partitioned_over_data(kind, zero_stage))
+    return tuple(a for a in STORAGE_AXES if a == FSDP or partitioned_over_data(kind, zero_stage))
 
 
 def logical_to_spec(
@@ -87,7 +87,7 @@ def logical_to_spec(
         else:
             mesh_axes = () if name is None else rules[name]  # None: a dimension never sharded
             if name == "embed" and over_data:
-                mesh_axes = mesh_axes + ("data",)
+                mesh_axes = mesh_axes + (DATA,)
             mesh_axes = tuple(a for a in mesh_axes if a not in taken)
         dims.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return P(*dims)

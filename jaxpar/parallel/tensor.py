@@ -30,7 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-AXIS = "tensor"
+from jaxpar.config.mesh_axes import TENSOR
+
+AXIS = TENSOR
 SEQ_DIM = 1  # activations are [B, T, ...]
 # Checkpoint names of the outputs of the collectives that move activations, for the remat policies of
 # `jaxpar.model.stack`: TENSOR_REDUCED on every `exit` (all-reduce, or reduce-scatter with sequence parallelism;

@@ -16,25 +16,38 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxpar.config.choices import LR_DECAYS
 from jaxpar.config.schema import OptimizerConfig
+
+# optimizer.decay -> the decayed rate at decay progress t in [0, 1] (fp32 array) from `peak` to `end` (floats).
+DECAYS = {
+    "cosine": lambda t, peak, end: end + (peak - end) * 0.5 * (1.0 + jnp.cos(math.pi * t)),
+    "linear": lambda t, peak, end: peak + (end - peak) * t,
+    "constant": lambda t, peak, end: jnp.full_like(t, peak),
+}
+if set(DECAYS) != set(LR_DECAYS):
+    raise ImportError(f"optimizer decays {sorted(DECAYS)} differ from jaxpar.config.choices.LR_DECAYS {LR_DECAYS}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     """The learning rate as a function of `count`, the number of updates applied before this one.
 
-    With peak = `learning_rate`, end = peak * `min_lr_ratio`, W = `warmup_steps`, S = `total_steps` and
-    D = max(S - W, 1), the k-th update (k = count + 1 = 1, 2, ...) uses
+    With peak = `learning_rate`, end = peak * `min_lr_ratio`, warmup = `warmup_steps`, total = `total_steps` and
+    decay = max(total - warmup, 1), update j (j = count + 1 = 1, 2, ...) uses
 
-        warmup, k <= W:  peak * k / W                     (update 1 already moves: peak / W; update W: peak)
-        decay,  k > W:   t = (k - 1 - W) / D, clipped to [0, 1]
-                         linear:   peak + (end - peak) * t
-                         cosine:   end + (peak - end) * (1 + cos(pi * t)) / 2   (Loshchilov & Hutter 2017)
-                         constant: peak
+        warmup, j <= warmup:  peak * j / warmup    (update 1 already moves: peak / warmup; update warmup: peak)
+        decay,  j > warmup:   t = (j - 1 - warmup) / decay, clipped to [0, 1]
+                              linear:   peak + (end - peak) * t
+                              cosine:   end + (peak - end) * (1 + cos(pi * t)) / 2   (Loshchilov & Hutter 2017)
+                              constant: peak
 
-    so update W + 1 starts the decay at peak, and the decay reaches `end` at count S, the rate after the last
-    update: the last update (k = S) uses t = (D - 1) / D, one decay step above `end`. No update runs at rate 0
-    (unless `min_lr_ratio` = 0 and the run goes past S). `count` is the optimizer's own update count, which
-    an update skipped for non-finite gradients does not advance (`build_optimizer`).
+    so update warmup + 1 starts the decay at peak, and the decay reaches `end` at count total, the rate after the
+    last update: the last update (j = total) uses t = (decay - 1) / decay, one decay step above `end`. No update
+    runs at rate 0 (unless `min_lr_ratio` = 0 and the run goes past total). `count` is the optimizer's own update
+    count, which an update skipped for non-finite gradients does not advance (`build_optimizer`).
+
+    Raises:
+      KeyError (when called): `cfg.decay` is not one of `jaxpar.config.choices.LR_DECAYS`.
 
     Returns:
       a function int32 count -> float32 learning rate (usable inside jit).
@@ -46,12 +59,7 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     def schedule(count):
         count = jnp.asarray(count, jnp.float32)
         t = jnp.clip((count - warmup) / decay_steps, 0.0, 1.0)
-        if cfg.decay == "cosine":
-            decayed = end + (peak - end) * 0.5 * (1.0 + jnp.cos(math.pi * t))
-        elif cfg.decay == "linear":
-            decayed = peak + (end - peak) * t
-        else:
-            decayed = jnp.full_like(t, peak)
+        decayed = DECAYS[cfg.decay](t, peak, end)
         if warmup == 0:
             return decayed
         return jnp.where(count < warmup, peak * (count + 1.0) / warmup, decayed)

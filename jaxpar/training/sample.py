@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxpar.config.data_sources import TEXT_SOURCES
 from jaxpar.data.tokenizer import ByteTokenizer
+from jaxpar.log import human_bytes
 
-MAX_SAMPLE_PARAMS = 1 << 28  # 268M parameters (1 GiB in fp32): above this the sample would gather too much per host
+MAX_SAMPLE_PARAMS = 1 << 28  # 268M parameters (1.074 GB in fp32): above this the sample would gather too much per host
 
 
 class SamplingUnavailable(ValueError):
@@ -37,7 +39,7 @@ def run_tokenizer(data_cfg):
 
         resolved = [sd for _, _, sd in source_configs(data_cfg)]
         data_cfg = next((sd for sd in resolved if sd.source != "tokens"), resolved[0])
-    if data_cfg.source in ("stdlib", "text", "jsonl"):
+    if data_cfg.source in TEXT_SOURCES:
         return ByteTokenizer()
     if data_cfg.source == "shards":
         import os
@@ -87,9 +89,9 @@ def sample_text(
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     if n_params > max_params:
         raise SamplingUnavailable(
-            f"the model has {n_params:,} parameters; sampling gathers them onto every host ({4 * n_params / 2**30:.1f} "
-            f"GiB in fp32), above the limit of {max_params:,}: sample from a checkpoint on a machine that holds it "
-            f"(jaxpar.restore onto one device, then sample_text with max_params raised)"
+            f"the model has {n_params:,} parameters; sampling gathers them onto every host "
+            f"({human_bytes(4 * n_params)} in fp32), above the limit of {max_params:,}: sample from a checkpoint on a "
+            f"machine that holds it (jaxpar.restore onto one device, then sample_text with max_params raised)"
         )
     vocab = plan.cfg.model.vocab_size
     if tok.vocab_size > vocab:

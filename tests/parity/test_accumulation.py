@@ -59,10 +59,9 @@ def _overrides(data: int, accum: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def grad_fns():
+def grad_fns(need_devices):
     """name -> (plan, compiled grad_fn, params on the plan's mesh), all from the same initial parameters."""
-    if jax.device_count() < 2:
-        pytest.fail("needs 2 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    need_devices(2)
     fns = {}
     host_params = None
     for name, (data, accum) in {"full": (1, 1), **LAYOUTS}.items():

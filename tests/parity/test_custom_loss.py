@@ -18,25 +18,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from step_helpers import (
-    CONFIG,
     FP32,
     FP32_RTOL,
-    TINY,
     VOCAB,
     assert_scalar_close,
     assert_tree_close,
     compile_fast,
     device_batch,
     host_batch,
+    planner,
     shard_shape,
     spec_axes,
     to_host,
 )
 
-from jaxpar.config import load_config
-from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.loss import VocabParallelLoss, cross_entropy_with_z_loss
-from jaxpar.training.step import build_plan, init_state, make_eval_step, make_grad_fn
+from jaxpar.training.step import init_state, make_eval_step, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -49,11 +46,7 @@ Z_WEIGHT = 1e-2
 Z_LOSS = cross_entropy_with_z_loss(Z_WEIGHT)
 
 
-def _plan(overrides, n: int, loss_fn=Z_LOSS):
-    cfg = load_config(
-        CONFIG, [*TINY, *FP32, f"train.global_batch_size={G}", "mesh.data=1", "mesh.fsdp=1", *overrides], num_devices=n
-    )
-    return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]), loss_fn=loss_fn)
+_plan = planner(*FP32, f"train.global_batch_size={G}", "mesh.data=1", "mesh.fsdp=1", loss_fn=Z_LOSS)
 
 
 def _grads(plan, host_params):
@@ -61,11 +54,6 @@ def _grads(plan, host_params):
     batch = device_batch(plan, host_batch(VALID, T, SEED))
     grads, loss, n_tokens = compile_fast(jax.jit(make_grad_fn(plan)), params, batch)(params, batch)
     return params, batch, to_host(grads), float(loss), float(n_tokens)
-
-
-def _need(n: int) -> None:
-    if jax.device_count() < n:
-        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
 
 
 def _z_loss_full_logits(logits_BTV, batch):
@@ -132,8 +120,8 @@ def _assert_matches(ref: dict, grads, loss: float, n_tokens: float) -> None:
     assert_tree_close(grads, ref["grads"], RTOL)
 
 
-def test_z_loss_data_fsdp_accumulation_equals_one_device(reference):
-    _need(8)
+def test_z_loss_data_fsdp_accumulation_equals_one_device(reference, need_devices):
+    need_devices(8)
     plan = _plan(["mesh.data=2", "mesh.fsdp=4", "optimizer.zero_stage=1", "train.grad_accum_steps=2"], 8)
     params, batch, grads, loss, n_tokens = _grads(plan, reference["params"])
     w = params["blocks"]["mlp"]["w_up"]
@@ -143,8 +131,8 @@ def test_z_loss_data_fsdp_accumulation_equals_one_device(reference):
     _assert_matches(reference, grads, loss, n_tokens)
 
 
-def test_z_loss_tensor_sequence_parallel_equals_one_device(reference):
-    _need(8)
+def test_z_loss_tensor_sequence_parallel_equals_one_device(reference, need_devices):
+    need_devices(8)
     plan = _plan(
         ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "tensor.sequence_parallel=true", "optimizer.zero_stage=3"], 8
     )
@@ -157,9 +145,9 @@ def test_z_loss_tensor_sequence_parallel_equals_one_device(reference):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_z_loss_pipeline_equals_one_device(schedule, reference):
+def test_z_loss_pipeline_equals_one_device(schedule, reference, need_devices):
     """The last stage computes the loss; pipeline=2 x data=2 x fsdp=2, 2 microbatches."""
-    _need(8)
+    need_devices(8)
     plan = _plan(
         ["mesh.pipeline=2", "mesh.data=2", "mesh.fsdp=2", "pipeline.microbatches=2", f"pipeline.schedule={schedule}"], 8
     )
@@ -171,10 +159,10 @@ def test_z_loss_pipeline_equals_one_device(schedule, reference):
     _assert_matches(reference, grads, loss, n_tokens)
 
 
-def test_plain_loss_sees_full_logits_under_tensor_parallelism(reference):
+def test_plain_loss_sees_full_logits_under_tensor_parallelism(reference, need_devices):
     """A plain function of the full logits (here the z-loss through jax.nn.logsumexp) on tensor=2 with sequence
     parallelism: the step gathers the vocabulary shards, and the result equals the one-device z-loss."""
-    _need(4)
+    need_devices(4)
     seen = []
 
     def loss_fn(logits_BTV, batch):
@@ -188,16 +176,16 @@ def test_plain_loss_sees_full_logits_under_tensor_parallelism(reference):
     _assert_matches(reference, grads, loss, n_tokens)
 
 
-def test_vocab_parallel_loss_sees_its_shard():
+def test_vocab_parallel_loss_sees_its_shard(need_devices):
     """A VocabParallelLoss gets [b, T, V/t] logits and the tensor context (checked while tracing)."""
-    _need(2)
+    need_devices(2)
     seen = []
 
     def fn(logits, batch, tp):
         seen.append((logits.shape[-1], tp.size))
         return tp.cross_entropy_sum(logits, batch["targets"], batch["loss_mask"])
 
-    plan = _plan(["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=2", "model.n_layers=1"], 2, VocabParallelLoss(fn))
+    plan = _plan(["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=2", "model.n_layers=1"], 2, loss_fn=VocabParallelLoss(fn))
     params = init_state(plan, SEED)["params"]
     batch = device_batch(plan, host_batch(VALID, T, SEED))
     jax.jit(make_grad_fn(plan)).lower(params, batch)

@@ -34,11 +34,11 @@ from step_helpers import (
     CONFIG,
     FP32,
     FP32_RTOL,
-    TINY,
     U32,
     compile_fast,
     device_batch,
     host_batch,
+    planner,
     spec_axes,
     to_host,
 )
@@ -46,10 +46,9 @@ from step_helpers import (
 from jaxpar.analysis.planner.memory import persistent_state_bytes
 from jaxpar.config import load_config
 from jaxpar.model.flops import param_count
-from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import opt_state_specs
 from jaxpar.training.optimizer import skip_nonfinite
-from jaxpar.training.step import build_plan, init_state, make_grad_fn, make_train_step
+from jaxpar.training.step import init_state, make_grad_fn, make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -75,26 +74,7 @@ OPTIMIZERS = {
 }
 
 
-def _plan(overrides, n: int, **kw):
-    cfg = load_config(
-        CONFIG,
-        [
-            *TINY,
-            *FP32,
-            f"train.global_batch_size={G}",
-            "mesh.data=1",
-            "mesh.fsdp=1",
-            "optimizer.warmup_steps=0",
-            *overrides,
-        ],
-        num_devices=n,
-    )
-    return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]), **kw)
-
-
-def _need(n: int) -> None:
-    if jax.device_count() < n:
-        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+_plan = planner(*FP32, f"train.global_batch_size={G}", "mesh.data=1", "mesh.fsdp=1", "optimizer.warmup_steps=0")
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +250,8 @@ SLOW_CASES = {(1, "lion"), (1, "multi_transform")}
         for n in OPTIMIZERS
     ],
 )
-def test_one_step_data_fsdp_equals_single_device(name, zero, gradients, reference):
-    _need(8)
+def test_one_step_data_fsdp_equals_single_device(name, zero, gradients, reference, need_devices):
+    need_devices(8)
     ref = reference(name)
     n_entries = sum(x.size for x in jax.tree.leaves(gradients["params"]))
     # The enclosure holds the single-device step itself (it models the optimizer right) and pins most entries (the
@@ -301,11 +281,11 @@ def test_one_step_data_fsdp_equals_single_device(name, zero, gradients, referenc
         assert np.shape(_opt_leaves(out["opt_state"], "v")["['blocks']['attn']['wq']"]) != (1,)  # and not
 
 
-def test_lion_state_bytes_per_device_are_the_zero_share(reference, gradients):
+def test_lion_state_bytes_per_device_are_the_zero_share(reference, gradients, need_devices):
     """ZeRO-1 on data=2 x fsdp=4: Lion's one fp32 moment is 4 bytes per parameter split 8 ways, measured from the
     compiled step's arguments (`jaxpar.analysis.planner.memory.persistent_state_bytes`), while the parameters split 4
     ways."""
-    _need(8)
+    need_devices(8)
     plan = _plan(["mesh.data=2", "mesh.fsdp=4", "optimizer.zero_stage=1"], 8, optimizer=OPTIMIZERS["lion"]())
     out = _step(plan, gradients["params"])
     n = param_count(gradients["params"])
@@ -358,11 +338,11 @@ def test_adafactor_factored_statistics_get_a_spec_that_fits():
     assert _opt_leaves(new, "v")["['blocks']['attn']['wq']"] == specs["blocks"]["attn"]["wq"]
 
 
-def test_skip_nonfinite_is_an_explicit_wrapper():
+def test_skip_nonfinite_is_an_explicit_wrapper(need_devices):
     """Lion without the wrapper applies a NaN update and reports no skip counters or learning rate; wrapped, with
     its schedule given, it skips and counts the bad step (rate 0), and the next good step uses the schedule's
     first rate; a constant `learning_rate` is reported as given."""
-    _need(2)
+    need_devices(2)
     overrides = ["mesh.data=2"]
     good = host_batch(VALID, T, SEED)
     bad = dict(good, loss_mask=np.full((G, T), np.nan, np.float32))

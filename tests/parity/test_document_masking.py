@@ -108,10 +108,9 @@ def reference() -> dict:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", MESHES)
-def test_packed_batch_equals_documents_one_by_one(reference, name):
+def test_packed_batch_equals_documents_one_by_one(reference, name, need_devices):
     overrides, devices = MESHES[name]
-    if jax.device_count() < devices:
-        pytest.fail(f"needs {devices} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    need_devices(devices)
     packed = _packed(reference["docs"])
     assert packed["inputs"].shape[0] < len(reference["docs"])  # the layouts differ: 4 packed rows, 12 documents
     plan, _, grads, loss, n_tokens = _grads(packed, overrides, devices, reference["params"])

@@ -15,6 +15,7 @@ from step_helpers import FP32, make_plan, quick_compile, shard_shape, to_host
 
 from jaxpar.training.step import init_state
 
+pytestmark = pytest.mark.usefixtures("devices8")  # tests/conftest.py: fails when the process has fewer
 SEED = 11
 # name -> (data, fsdp, zero_stage, devices)
 LAYOUTS = {"single": (1, 1, 0, 1), "data8": (8, 1, 1, 8), "fsdp8": (1, 8, 1, 8), "data2_fsdp4_zero3": (2, 4, 3, 8)}
@@ -50,12 +51,6 @@ def _assert_bitwise_equal(state, ref, name: str) -> None:
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(state)[0], jax.tree.leaves(ref)):
         assert x.dtype == y.dtype, (name, path)
         np.testing.assert_array_equal(x, y, err_msg=f"{name} {jax.tree_util.keystr(path)}")
-
-
-@pytest.fixture(autouse=True)
-def _needs_8_devices():
-    if jax.device_count() < 8:
-        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
 
 
 def test_init_is_identical_across_layouts():

@@ -38,6 +38,7 @@ from step_helpers import (
     device_batch,
     host_batch,
     one_adam_step,
+    planner,
     shard_shape,
     spec_axes,
     to_host,
@@ -107,22 +108,7 @@ LAYOUTS = {
 }
 
 
-def _plan(overrides, n: int):
-    cfg = load_config(
-        CONFIG,
-        [
-            *TINY,
-            *FP32,
-            *FIRST_STEP_AT_PEAK,
-            *GPT2,
-            "mesh.data=1",
-            "mesh.fsdp=1",
-            f"train.global_batch_size={G}",
-            *overrides,
-        ],
-        num_devices=n,
-    )
-    return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]))
+_plan = planner(*FP32, *FIRST_STEP_AT_PEAK, *GPT2, "mesh.data=1", "mesh.fsdp=1", f"train.global_batch_size={G}")
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +154,8 @@ def _assert_layout(name: str, plan, state, batch) -> None:
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, (_, m) in LAYOUTS.items()])
-def test_gpt2_step_equals_one_device(name, reference):
-    if jax.device_count() < 8:
-        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+def test_gpt2_step_equals_one_device(name, reference, need_devices):
+    need_devices(8)
     plan = _plan(LAYOUTS[name][0], 8)
     state = jax.device_put(reference["host_state"], plan.state_shardings)  # identical init on every layout
     batch = device_batch(plan, host_batch(VALID, T, SEED))
@@ -430,11 +415,10 @@ def _packed_grads(batch: dict, overrides, devices, params_host=None):
 
 
 @pytest.mark.slow  # the built-in model's packed-document parity runs by default (tests/parity/test_document_masking.py)
-def test_gpt2_keeps_attention_within_packed_documents_on_tensor_sequence_parallel():
+def test_gpt2_keeps_attention_within_packed_documents_on_tensor_sequence_parallel(need_devices):
     """GPT-2's run_blocks takes the segment ids: the packed batch's loss and gradients on data x tensor (sequence
     parallel) equal one device's at RTOL, and differ from attention across the documents by far more."""
-    if jax.device_count() < 8:
-        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    need_devices(8)
     rng = np.random.default_rng(SEED)
     tokens = rng.integers(0, VOCAB, G * T + 1).astype(np.int32)
     tokens[::5] = 1  # a document opens every 5 tokens (id 1 as BOS): several per row of T = 8

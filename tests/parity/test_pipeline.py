@@ -117,11 +117,6 @@ def _w_up(tree):
     return tree["blocks"]["mlp"]["w_up"]  # [L, D, F]: layers over pipeline, D over fsdp, F over tensor
 
 
-def _need(n: int) -> None:
-    if jax.device_count() < n:
-        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-
-
 def _assert_pipelined(plan, params, p: int) -> None:
     """The layout differs from the single-device reference's: blocks split into p stages along the layers
     dimension, everything else replicated over `pipeline`."""
@@ -184,18 +179,19 @@ def _assert_grads_match(ref: dict, grads, loss, n_tokens) -> None:
     "p,m,schedule",
     [pytest.param(*g, marks=[pytest.mark.slow] * (g in SLOW_GRID), id="p{}_m{}_{}".format(*g)) for g in GRID],
 )
-def test_one_step_equals_single_device(p, m, schedule, reference):
+def test_one_step_equals_single_device(p, m, schedule, reference, need_devices):
+    need_devices(p)
     _one_step_equals_single_device(reference, p, m, schedule)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("p,m", RECOMPUTE_GRID)
-def test_one_step_equals_single_device_1f1b_recompute(p, m, reference):
+def test_one_step_equals_single_device_1f1b_recompute(p, m, reference, need_devices):
+    need_devices(p)
     _one_step_equals_single_device(reference, p, m, "1f1b", "pipeline.recompute=true")
 
 
 def _one_step_equals_single_device(reference, p: int, m: int, schedule: str, *extra: str) -> None:
-    _need(p)
     ref = reference
     plan = make_plan(
         _overrides(f"mesh.pipeline={p}", f"pipeline.microbatches={m}", f"pipeline.schedule={schedule}", *extra),
@@ -226,10 +222,10 @@ def _one_step_equals_single_device(reference, p: int, m: int, schedule: str, *ex
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("recompute", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_grads_pipeline_data_fsdp_zero2_and_eval(reference, recompute):
+def test_grads_pipeline_data_fsdp_zero2_and_eval(reference, recompute, need_devices):
     """pipeline=2 x data=2 x fsdp=2 (ZeRO-2: gradients reduce-scattered over data), 1F1B, M=3; with the
     residuals kept (fsdp-gathered weights rebuilt in the backward) and with the stage forward recomputed."""
-    _need(8)
+    need_devices(8)
     plan, params, batch, grads, loss, n_tokens = _pipelined_grads(
         reference,
         "mesh.pipeline=2",
@@ -264,9 +260,9 @@ def _assert_pipelined_eval(plan, params, batch, reference) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_grads_pipeline_fsdp_tensor_sequence_parallel(reference):
+def test_grads_pipeline_fsdp_tensor_sequence_parallel(reference, need_devices):
     """pipeline=2 x fsdp=2 x tensor=2 with sequence parallelism, GPipe, M=4."""
-    _need(8)
+    need_devices(8)
     plan, params, batch, grads, loss, n_tokens = _pipelined_grads(
         reference,
         "mesh.pipeline=2",
@@ -398,9 +394,9 @@ def test_grads_16_devices_1f1b_no_deadlock(reference, tmp_path, recompute):
 
 
 @pytest.mark.timeout(180)
-def test_pipeline_inside_grad_accumulation(reference):
+def test_pipeline_inside_grad_accumulation(reference, need_devices):
     """pipeline=2, M=4, inside train.grad_accum_steps=2 (8 microbatches of 3 rows) equals the unsplit batch."""
-    _need(2)
+    need_devices(2)
     plan, params, _, grads, loss, n_tokens = _pipelined_grads(
         reference,
         "mesh.pipeline=2",
@@ -496,11 +492,10 @@ RUN = [
 
 @pytest.mark.timeout(300)
 @pytest.mark.slow
-def test_resume_with_pipeline_reproduces_losses(tmp_path):
+def test_resume_with_pipeline_reproduces_losses(tmp_path, need_devices):
     """A 4-step pipelined run, then its step-4 checkpoint and metrics removed and the same config run again in
     the same directory: it resumes at step 2 and steps 3 and 4 reproduce the uninterrupted run bitwise."""
-    if jax.device_count() != 8:
-        pytest.fail("needs exactly 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    need_devices(8, exactly=True)
     from jaxpar.training.loop import train
 
     cfg = load_config(CONFIG, [*RUN, f"train.run_dir={tmp_path}"])

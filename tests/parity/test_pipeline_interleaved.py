@@ -63,11 +63,6 @@ VALID = (8, 3, 8, 0, 5, 8, 1, 8, 8, 7, 2, 8, 8, 4, 8, 6, 8, 2, 7, 8, 3, 0, 0, 0)
 G = len(VALID)
 
 
-def _need(n: int) -> None:
-    if jax.device_count() < n:
-        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-
-
 def _overrides(layers: int, *extra: str) -> list[str]:
     # Clipping off: Adam's first moment is then (1 - b1) * gradient (tests/parity/test_pipeline.py).
     return [
@@ -86,8 +81,8 @@ def _overrides(layers: int, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("p,v", [(2, 2), (2, 3), (4, 2), (4, 3)])
-def test_chunk_order_permute(p, v):
-    _need(p)
+def test_chunk_order_permute(p, v, need_devices):
+    need_devices(p)
     lc = 2  # layers per chunk
     n_layers = p * v * lc
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:p]), (pipeline.AXIS,))
@@ -184,8 +179,8 @@ def _step_id(case) -> str:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("p,v,m,layers,recompute", STEP_GRID, ids=[_step_id(c) for c in STEP_GRID])
-def test_one_step_equals_single_device(p, v, m, layers, recompute):
-    _need(p)
+def test_one_step_equals_single_device(p, v, m, layers, recompute, need_devices):
+    need_devices(p)
     ref = _reference(layers)
     plan = make_plan(
         _overrides(
@@ -235,10 +230,10 @@ COMPOSED = [
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mesh,recompute", COMPOSED)
-def test_grads_composed_and_eval(mesh, recompute):
+def test_grads_composed_and_eval(mesh, recompute, need_devices):
     """p = 2, v = 2, M = 2, L = 4 on 8 devices with the other axes: gradients and loss equal one device's, and
     the evaluation (plain pipeline forward over the model-order layers) equals the single-device evaluation."""
-    _need(8)
+    need_devices(8)
     p, v, m, layers = 2, 2, 2, 4
     ref = _reference(layers)
     plan = make_plan(
@@ -310,11 +305,11 @@ def test_config_errors_before_device_work():
 
 
 @pytest.mark.timeout(240)
-def test_the_check_can_fail_without_the_chunk_order(monkeypatch):
+def test_the_check_can_fail_without_the_chunk_order(monkeypatch, need_devices):
     """With the permute into chunk order removed (each device's model-order layers taken as its chunks), the
     interleaved step runs the model's chunks in the wrong order: the loss leaves the tolerance and the layer
     gradients move by more than 100 times it, so the parity tests above can fail."""
-    _need(2)
+    need_devices(2)
     ref = _reference(4)
     monkeypatch.setattr(pipeline, "to_chunk_order", lambda layers, p, v: layers)
     monkeypatch.setattr(pipeline, "from_chunk_order", lambda grads, p, v: grads)

@@ -9,11 +9,17 @@ without them far beyond the tolerance. Positions restarting at each document com
 import jax
 import numpy as np
 import pytest
-from step_helpers import CONFIG, FP32, FP32_RTOL, TINY, assert_scalar_close, assert_tree_close, host_batch, to_host
+from step_helpers import (
+    FP32,
+    FP32_RTOL,
+    assert_scalar_close,
+    assert_tree_close,
+    host_batch,
+    planner,
+    to_host,
+)
 
-from jaxpar.config import load_config
-from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import build_plan, init_state, make_grad_fn
+from jaxpar.training.step import init_state, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -36,13 +42,7 @@ SEGMENTS = np.array(
 )
 
 
-def _plan(overrides, n: int):
-    cfg = load_config(
-        CONFIG,
-        [*TINY, *FP32, f"train.global_batch_size={len(VALID)}", "mesh.data=1", "mesh.fsdp=1", *overrides],
-        num_devices=n,
-    )
-    return build_plan(cfg, build_mesh(cfg, jax.devices()[:n]))
+_plan = planner(*FP32, f"train.global_batch_size={len(VALID)}", "mesh.data=1", "mesh.fsdp=1")
 
 
 def _grads(plan, host_params, segments: bool = True):

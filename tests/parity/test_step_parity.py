@@ -93,9 +93,8 @@ PAIRS = [
 
 
 @pytest.mark.parametrize("mesh_name,zero", PAIRS)
-def test_one_step_equals_single_device(mesh_name, zero, reference):
-    if jax.device_count() < 8:
-        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+def test_one_step_equals_single_device(mesh_name, zero, reference, need_devices):
+    need_devices(8)
     data, fsdp = MESHES[mesh_name]
     clipped = mesh_name in CLIPPED_MESHES
     ref = reference(clipped)

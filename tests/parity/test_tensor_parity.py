@@ -162,11 +162,10 @@ def reference():
         for c in CASES
     ],
 )
-def test_one_step_equals_single_device(mesh_name, sp, zero, reference):
+def test_one_step_equals_single_device(mesh_name, sp, zero, reference, need_devices):
     data, fsdp, tensor = MESHES[mesh_name]
     n = data * fsdp * tensor
-    if jax.device_count() < n:
-        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    need_devices(n)
     clipped = mesh_name in CLIPPED_MESHES
     ref = reference(_kv_heads(tensor), clipped)
     plan = make_plan(_overrides(data, fsdp, tensor, sp, zero, clipped), jax.devices()[:n])

@@ -64,13 +64,7 @@ def test_attention_scores_are_batched_matmuls_ending_seq_by_seq():
     assert plan_gpu.attention_scores(hlo, 64) == {"materialised": False, "shapes": [], "largest_bytes": 0}
 
 
-def _plugin_missing() -> str | None:
-    from jaxpar.analysis.gpu.deviceless import unavailable_reason
-
-    return unavailable_reason()
-
-
-@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+@pytest.mark.requires_gpu_compile
 @pytest.mark.parametrize("name", ["a100", "b200", "h100", "h200"])
 def test_the_plugin_accepts_every_shipped_target(name):
     """Each description gives compile-only devices of its kind, and a sharded matmul with an all-reduce compiles
@@ -94,7 +88,7 @@ def test_the_plugin_accepts_every_shipped_target(name):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+@pytest.mark.requires_gpu_compile
 def test_tiny_compiles_for_two_h100_nodes():
     """tiny.yaml (data=2, fsdp=4 here, tensor=2, ZeRO-1) on h100:2x8, compiled by XLA's GPU compiler (15-40 s
     on 2 shared cores, hence slow). The all-gathers and reduce-scatters of the GPU HLO carry exactly the plan's bytes
@@ -132,7 +126,7 @@ def test_tiny_compiles_for_two_h100_nodes():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+@pytest.mark.requires_gpu_compile
 def test_fused_attention_memory_grows_linearly_in_the_sequence():
     """Llama 1B's layer shape (2 layers, one sequence per H100, remat dots): with model.attention auto the step
     runs cuDNN's flash kernel forward and backward, so doubling T from 4096 to 8192 less than doubles-and-a-tenth

@@ -202,14 +202,8 @@ def test_report_of_a_run_that_does_not_fit():
     assert "--compile compiles" in format_gpu_target(target)
 
 
-def _plugin_missing() -> str | None:
-    from jaxpar.analysis.gpu.deviceless import unavailable_reason
-
-    return unavailable_reason()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+@pytest.mark.requires_gpu_compile
 def test_cli_compiles_tiny_for_two_h100_nodes(capsys):
     """One real compile through the CLI (12-40 s on 2 shared cores): the JSON report's figures are consistent
     with each other and with the plan, and the text report shows them."""

@@ -94,6 +94,7 @@ def test_points_are_the_cartesian_product(tmp_path):
         ("- just\n- a list\n", "top level must be a mapping"),
         ("model: [1, 2\n", "not valid YAML"),
         ("devices: 8\n", "`base:` must name the config"),
+        ("base: 3\ndevices: 8\n", "`base` must be a file name, got 3"),
         ("base: missing.yaml\ndevices: 8\n", "base config 'missing.yaml'"),
         ("base: {tiny}\ndevices: 8\nmeshs: []\n", "unknown sweep key 'meshs'"),
         ("base: {tiny}\n", "exactly one of `devices: D`"),

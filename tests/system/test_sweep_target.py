@@ -288,11 +288,7 @@ def test_memory_ranks_by_the_gpu_compiled_peak(tmp_path, monkeypatch):
         run_sweep(load_sweep(str(other)), str(tmp_path / "out"), log=lambda _: None, runner=_fake_runner([], peaks))
 
 
-def _plugin_missing() -> str | None:
-    return plan_gpu.unavailable_reason()
-
-
-@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+@pytest.mark.requires_gpu_compile
 def test_one_point_compiled_for_eight_h100s(tmp_path):
     """The real per-point subprocess (`jaxpar-plan --target h100:1x8 --compile --json`) for the small tiny model:
     XLA's GPU compiler's peak ranks the point, and its collectives carry the plan's bytes."""

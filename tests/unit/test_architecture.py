@@ -14,6 +14,22 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "jaxpar")
+# Temporary: the files helper H1 is splitting (issue 23) keep their own spellings of mesh axis names and choice
+# lists until that work lands; the rules below skip them. Empty this set when it has been merged.
+_PENDING = {
+    os.path.join("jaxpar", *p.split("/"))
+    for p in (
+        "training/step.py",
+        "training/loop.py",
+        "parallel/pipeline.py",
+        "checkpoint/store.py",
+        "config/validate.py",
+        "config/precision.py",
+        "data/build.py",
+        "analysis/gpu/deviceless.py",
+        "model/flops.py",
+    )
+}
 
 
 def _modules(top: str) -> dict[str, str]:
@@ -122,20 +138,39 @@ def _literal_tuples(path: str):
             yield node.lineno, tuple(e.value for e in node.elts)
 
 
-# Each concept's names are spelled out once, in the module named here, and imported everywhere else.
+# Each concept's names are spelled out once, in the module named here, and imported everywhere else. A config
+# key's vocabulary lives in the config layer (`jaxpar.config.choices` where an implementation above the config
+# maps each name, beside the key's own checks otherwise).
 ONE_SOURCE = {
     "mesh axes": ({"data", "pipeline", "fsdp", "tensor"}, "jaxpar.config.mesh_axes"),
     "platforms": ({"gpu", "tpu", "cpu"}, "jaxpar.config.precision"),
     "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.data.batch"),
+    "remat policies": ({"none", "dots", "names", "full"}, "jaxpar.config.choices"),
+    "pipeline schedules": ({"1f1b", "gpipe"}, "jaxpar.config.choices"),
+    "rotary scalings": ({"none", "linear", "llama3"}, "jaxpar.config.choices"),
+    "learning-rate decays": ({"cosine", "linear", "constant"}, "jaxpar.config.choices"),
+    "text sources": ({"stdlib", "text", "jsonl"}, "jaxpar.config.data_sources"),
+    "token sources": ({"tokens", "shards"}, "jaxpar.config.data_sources"),
+    "token dtypes": ({"uint16", "uint32"}, "jaxpar.config.data_sources"),
+    "attention implementations": ({"auto", "xla", "cudnn"}, "jaxpar.config.attention"),
+    "corpus formats": ({"text", "jsonl", "parquet"}, "jaxpar.data.corpus_files"),
+}
+# Literals that spell a concept out again on purpose, each with its reason.
+ONE_SOURCE_ALSO = {
+    # the order the acceptance run tries the policies in; checked at import to be an order of REMAT_POLICIES
+    ("remat policies", "jaxpar.analysis.gpu.acceptance"),
 }
 
 
 def test_each_concept_is_spelled_out_in_one_module():
     found: dict[str, list[str]] = {name: [] for name in ONE_SOURCE}
     for module, path in _modules(PACKAGE).items():
+        pending = os.path.relpath(path, ROOT) in _PENDING
         for line, names in _literal_tuples(path):
-            for concept, (want, _) in ONE_SOURCE.items():
-                if set(names) == want and len(names) == len(want):
+            for concept, (want, source) in ONE_SOURCE.items():
+                if set(names) != want or len(names) != len(want) or (concept, module) in ONE_SOURCE_ALSO:
+                    continue
+                if module == source or not pending:
                     found[concept].append(f"{module}:{line}")
     for concept, (_, source) in ONE_SOURCE.items():
         assert [w.split(":")[0] for w in found[concept]] == [source], (concept, found[concept])
@@ -201,6 +236,16 @@ def test_byte_formatting_has_one_source():
 
     assert [human_bytes(x) for x in (None, 512, 431_400, 26e9, -3e12)] == ["-", "512 B", "431.4 kB", "26 GB", "-3 TB"]
     assert plan_report.human_bytes is human_bytes and sweep_report.human_bytes is human_bytes
+    assert _byte_formatters(FORMATTER_SAMPLE) == [4, 5, 6]
+    found = []
+    for top in ("jaxpar", "benchmarks", "examples", "tools"):
+        for d, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in sorted(files):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)
+                if f.endswith(".py") and rel not in OWN_BYTE_UNITS:
+                    with open(os.path.join(d, f), encoding="utf-8") as fh:
+                        found += [f"{rel}:{line}" for line in _byte_formatters(fh.read())]
+    assert found == [], "format bytes with jaxpar.log.human_bytes (or say why not in OWN_BYTE_UNITS)"
 
 
 JAX_PRIVATE = os.path.join("jaxpar", "parallel", "jax_private.py")
@@ -307,3 +352,166 @@ def test_comments_state_facts_instead_of_pointing_outside_the_repository():
                 with open(os.path.join(d, f), encoding="utf-8") as fh:
                     found += [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(fh, 1) if _OUTSIDE.search(line)]
     assert found == [], "\n".join(found)
+
+
+# A number printed with a byte unit of its own: a formatted value followed by "kB", "MB", "GiB", ... (what
+# `human_bytes` is for), or a binary unit named in a string.
+_UNIT_AFTER = re.compile(r"^\s?(k|K|M|G|T)i?B\b")
+_BINARY_UNIT = re.compile(r"\b(KiB|MiB|GiB|TiB)\b")
+FORMATTER_SAMPLE = '''
+def f(x):
+    """Bytes in GiB (a docstring may say so)."""
+    a = f"{x / 2**30:.1f} GiB"
+    b = f"{x / 1e9:.2f} GB per device"
+    return a, b, "peak MiB", human_bytes(x), f"{x} tokens"
+'''
+# Files whose byte units are their own, and why.
+OWN_BYTE_UNITS = {
+    os.path.join("jaxpar", "log.py"): "human_bytes itself",
+    os.path.join("jaxpar", "analysis", "gpu", "check.py"): "a table whose byte columns share one unit and decimal",
+    os.path.join("benchmarks", "data_rss.py"): "resident set sizes in MiB, as the kernel reports them in KiB",
+}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions."""
+    kinds = (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, kinds)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def _byte_formatters(source: str) -> list[int]:
+    """Lines of `source` that format a byte count by hand (docstrings aside)."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            for before, part in zip(node.values, node.values[1:]):
+                if isinstance(before, ast.FormattedValue) and isinstance(part, ast.Constant):
+                    if _UNIT_AFTER.match(part.value):
+                        lines.add(node.lineno)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if _BINARY_UNIT.search(node.value):
+                lines.add(node.lineno)
+    return sorted(lines)
+
+
+# Strings equal to a mesh axis's name that name something else: {file: ({string: count}, what they name)}.
+NOT_AXIS_NAMES = {
+    "jaxpar/config/data_sources.py": ({"data": 1}, "the `data` config section, prefixing error messages"),
+    "jaxpar/config/extras.py": ({"data": 1}, "the `data` extra of pyproject.toml"),
+    "jaxpar/training/init_from.py": ({"data": 3}, "the `data` config section"),
+    "jaxpar/checkpoint/info.py": ({"data": 4}, "a checkpoint's data position and the `data` config section"),
+    "jaxpar/analysis/planner/plan.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
+    "jaxpar/analysis/planner/report.py": ({"pipeline": 2}, "the plan's `pipeline` section"),
+    "jaxpar/analysis/sweep/run.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
+    "jaxpar/analysis/gpu/check.py": ({"tensor": 1, "pipeline": 5}, "the `tensor` and `pipeline` config sections"),
+    "jaxpar/analysis/bench/report.py": ({"tensor": 2, "pipeline": 5}, "the report's row groups"),
+}
+
+
+def _axis_name_literals(source: str, names: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, string) of every string constant in `source` equal to one of `names`, except docstrings and the
+    text of f-strings."""
+    tree = ast.parse(source)
+    text = _docstrings(tree) | {
+        id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values
+    }
+    return sorted(
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in names and id(node) not in text
+    )
+
+
+def test_mesh_axes_are_named_through_constants():
+    """Code names a mesh axis through `jaxpar.config.mesh_axes` (DATA, FSDP, TENSOR, PIPELINE and the axis
+    groups), never with a string of its own: an AST scan of jaxpar/ outside that module."""
+    from jaxpar.config.mesh_axes import MESH_AXES
+
+    sample = 'def f(x):\n    """On "data"."""\n    return P("fsdp"), f"mesh.data={x}", x["tensor"], DATA\n'
+    assert _axis_name_literals(sample, MESH_AXES) == [(3, "fsdp"), (3, "tensor")]
+    found, counted = [], {}
+    for module, path in _modules(PACKAGE).items():
+        rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+        if module == "jaxpar.config.mesh_axes" or os.path.relpath(path, ROOT) in _PENDING:
+            continue
+        with open(path, encoding="utf-8") as f:
+            hits = _axis_name_literals(f.read(), MESH_AXES)
+        if rel in NOT_AXIS_NAMES:
+            counted[rel] = {name: sum(1 for _, n in hits if n == name) for name in {n for _, n in hits}}
+        else:
+            found += [f"{rel}:{line}: {name!r}" for line, name in hits]
+    assert found == [], "name mesh axes with jaxpar.config.mesh_axes's constants"
+    assert counted == {rel: want for rel, (want, _) in NOT_AXIS_NAMES.items()}
+
+
+# A glossary entry: a letter (upper case, or one or two lower-case letters) at the start of a column, its meaning
+# up to the next column.
+_COLUMN = re.compile(r"(?:^ {4}|(?<=\S) {2,})([A-Z]|[a-z]{1,2}) {1,2}(\S.*?)(?= {2,}(?:[A-Z]|[a-z]{1,2}) |$)")
+# A module's own key: "Shape letters: B batch, ...", "Shape key: ...", "Letters as in `module`; ...", up to the
+# end of its paragraph.
+_KEY = re.compile(r"(?:Shape letters|Shape key|[Ll]etters)(?: as in [^:;]*?)?[:;](.*?)(?:\n\s*\n|$)", re.S)
+_ITEM = re.compile(r"^\s*([A-Za-z]{1,2})'?(?::\s*|\s+)(?:=\s*)?(\S.*)$")
+_FILLER = {"the", "of", "a", "an", "in", "per", "and", "or", "on", "by", "its", "one", "each", "size", "sizes", "mesh"}
+
+
+def _glossary() -> dict[str, str]:
+    """{letter: meaning} of the glossary in `jaxpar`'s docstring (its two tables of letters)."""
+    doc = ast.get_docstring(ast.parse(open(os.path.join(PACKAGE, "__init__.py"), encoding="utf-8").read()))
+    table = doc.split("Shape letters", 1)[1]
+    return {m.group(1): m.group(2) for line in table.splitlines() for m in _COLUMN.finditer(line)}
+
+
+def _outside_brackets(text: str) -> str:
+    out, depth = [], 0
+    for ch in text:
+        depth += ch in "([{"
+        if not depth:
+            out.append(ch)
+        depth -= ch in ")]}" and depth > 0
+    return "".join(out)
+
+
+def _letter_key(doc: str) -> dict[str, str]:
+    """{letter: meaning} of the letter keys in a module docstring (bracketed asides dropped)."""
+    out: dict[str, str] = {}
+    for key in _KEY.finditer(doc):
+        for part in re.split(r",|;| and |\. ", _outside_brackets(" ".join(key.group(1).split()))):
+            item = _ITEM.match(part)
+            if item:
+                out.setdefault(item.group(1), item.group(2).strip(" ."))
+    return out
+
+
+def _words(text: str) -> set[str]:
+    words = {w.removesuffix("s") if len(w) > 3 else w for w in re.findall(r"[a-z0-9_]+", text.lower())}
+    return words - _FILLER
+
+
+def test_shape_letters_have_one_meaning():
+    """Every module that keys its own shape letters gives each glossary letter (the `jaxpar` docstring) a meaning
+    that shares a word with the glossary's: "G global batch" where G is key/value heads fails."""
+    glossary = _glossary()
+    assert {"B", "T", "D", "G", "K", "S", "M", "A", "Q", "k", "b", "ep"} <= set(glossary), sorted(glossary)
+    assert _letter_key("Shape letters: B rows, K top_k (the experts per token), S sources.\n\nMore.") == {
+        "B": "rows",
+        "K": "top_k",
+        "S": "sources",
+    }
+    wrong = []
+    for module, path in _modules(PACKAGE).items():
+        if module == "jaxpar" or os.path.relpath(path, ROOT) in _PENDING:
+            continue
+        doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
+        for letter, meaning in _letter_key(doc).items():
+            if letter in glossary and not _words(meaning) & _words(glossary[letter]):
+                wrong.append(f"{module}: {letter} {meaning!r}, the glossary's {letter} is {glossary[letter]!r}")
+    assert wrong == []

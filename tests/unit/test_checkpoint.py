@@ -22,9 +22,8 @@ from jaxpar.checkpoint.store import (
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() < 8:
-        pytest.fail("needs 8 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+def mesh(need_devices):
+    need_devices(8)
     return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 

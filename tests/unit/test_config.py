@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from jaxpar.config import Config, ConfigError, check_unique_overrides, load_config, resolve_config, save_config
-from jaxpar.config.load import read_config_file
+from jaxpar.config.load import pop_base, read_config_file
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.validate import resolve_mesh_shape
 
@@ -221,6 +221,22 @@ def test_empty_config_file_is_refused(tmp_path, text):
     empty.write_text(text)
     with pytest.raises(ConfigError, match=r"empty\.yaml.* no settings.*configs/tiny\.yaml"):
         load_config(str(empty), num_devices=8)
+
+
+def test_base_names_a_file_relative_to_the_one_that_names_it(tmp_path):
+    """`pop_base`, shared by config files and sweep files: the mapping without `base`, and the base's path."""
+    top = str(tmp_path / "sub" / "top.yaml")
+    assert pop_base({"base": "../tiny.yaml", "train": {"steps": 3}}, top) == (
+        {"train": {"steps": 3}},
+        str(tmp_path / "tiny.yaml"),
+    )
+    assert pop_base({"base": TINY}, top) == ({}, TINY)
+    assert pop_base({"train": {}}, top) == ({"train": {}}, None)
+    for bad in (3, "", ["a.yaml"]):
+        with pytest.raises(ConfigError, match="`base` must be a file name"):
+            pop_base({"base": bad}, top)
+    with pytest.raises(ConfigError, match=r"top level must be a mapping of sections \(model:, mesh:, ...\), got list"):
+        pop_base(["a"], top)
 
 
 def test_empty_base_file_is_refused(tmp_path):

@@ -184,8 +184,8 @@ def _ids(batch):
     return inputs[:, 0].tolist()
 
 
-def test_loader_batches_are_sharded_and_distinct(sharding):
-    assert jax.device_count() == 8, "run with JAX_NUM_CPU_DEVICES=8 (tests/conftest.py sets it)"
+def test_loader_batches_are_sharded_and_distinct(sharding, need_devices):
+    need_devices(8, exactly=True)
     loader = DataLoader(_id_packed(), G, sharding, seed=0)
     batch = loader.next_batch()
     for k in BATCH_KEYS:

@@ -16,7 +16,6 @@ import os
 import pytest
 
 from jaxpar.analysis.gpu import check as gpu_check
-from jaxpar.analysis.gpu.deviceless import unavailable_reason
 from jaxpar.analysis.gpu.targets import parse_cluster
 from jaxpar.config import load_config
 
@@ -24,7 +23,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIGS = os.path.join(ROOT, "configs")
 GPU_CONFIGS = sorted(glob.glob(os.path.join(CONFIGS, "llama_*.yaml")))
 RECORDS = {r["config"]: r for r in gpu_check.load_records(CONFIGS)}
-NO_PLUGIN = unavailable_reason()
 
 
 def test_every_gpu_config_names_a_cluster_it_resolves_on():
@@ -105,7 +103,7 @@ def test_docs_table_is_the_records_with_the_current_plan():
     assert table in page, "docs/planning.md's table differs from configs/gpu_check.json; paste:\n" + table
 
 
-@pytest.mark.skipif(NO_PLUGIN is not None, reason=f"needs the gpu-compile extra: {NO_PLUGIN}")
+@pytest.mark.requires_gpu_compile
 def test_small_config_on_two_h100_nodes_is_planned_within_15_percent(tmp_path):
     """llama_125m on 2 nodes of 8 H100s (data=16, 8 sequences of 2048 per GPU): the GPU compiler's peak and the
     plan agree within 15%, and it fits."""
@@ -119,7 +117,7 @@ def test_small_config_on_two_h100_nodes_is_planned_within_15_percent(tmp_path):
     assert out["fused_attention"] and not out["attention_scores"]["materialised"]
 
 
-@pytest.mark.skipif(NO_PLUGIN is not None, reason=f"needs the gpu-compile extra: {NO_PLUGIN}")
+@pytest.mark.requires_gpu_compile
 def test_recompiling_a_shipped_config_reproduces_its_record():
     """The record is what the compiler gives: llama_7b compiled again has the recorded peak (same jax)."""
     import jax

@@ -34,9 +34,8 @@ def _compiled(branch_on: str):
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    if jax.device_count() < 4:
-        pytest.fail("needs 4 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+def compiled(need_devices):
+    need_devices(4)
     return _compiled("pipeline")
 
 
@@ -51,9 +50,8 @@ def test_cost_analysis_counts_a_loop_body_once(compiled):
     assert flops < 3 * MATMUL < (TRIPS + 1) * MATMUL
 
 
-def test_selector_on_another_axis():
-    if jax.device_count() < 4:
-        pytest.fail("needs 4 devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+def test_selector_on_another_axis(need_devices):
+    need_devices(4)
     # tensor index 1: partitions 1 and 3. (The all-reduce over tensor inside then has one member per group
     # taking the branch; the program is only compiled, never run.)
     text = _compiled("tensor").as_text()

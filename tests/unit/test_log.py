@@ -1,5 +1,5 @@
 """Library messages go through `logging` (jaxpar.log): a script can silence or redirect them; the commands print
-plain lines, info and warnings on stdout, errors on stderr; the training core has no print()."""
+plain lines, info and warnings on stdout, errors on stderr; library code has no print()."""
 
 from __future__ import annotations
 
@@ -14,16 +14,38 @@ from jaxpar.log import LOGGER, configure_logging
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_core_never_prints():
+# The ways around `logging` a library message could take: print(), warnings.warn, writing to sys.stdout /
+# sys.stderr, tqdm.write. (A progress bar the user asks for, train.progress_bar or `jaxpar-data tokenize`'s, is a
+# display, not a message.)
+_AROUND_LOGGING = {"print", "warnings.warn", "sys.stdout.write", "sys.stderr.write", "tqdm.write"}
+# Temporary: helper H1 is splitting checkpoint/store.py (issue 23); its fallback warning becomes a log record
+# there. Empty this set when that has been merged.
+_PENDING = {os.path.join("jaxpar", "checkpoint", "store.py")}
+
+
+def _messages_around_logging(source: str) -> list[int]:
+    """Lines of `source` that call one of `_AROUND_LOGGING`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+            if ast.unparse(node.func) in _AROUND_LOGGING:
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_library_code_speaks_only_through_logging():
+    """Every module of jaxpar/ except the commands (jaxpar/cli/, which print their output) reports through
+    `logging`, so that a script can silence or redirect every message."""
+    sample = "print(1)\nwarnings.warn('x')\nsys.stderr.write('x')\ntqdm.write('x')\nlog.info('x')\nf.write('x')\n"
+    assert _messages_around_logging(sample) == [1, 2, 3, 4]
     found = []
     for d, dirs, files in os.walk(os.path.join(ROOT, "jaxpar")):
-        dirs[:] = [x for x in dirs if x not in ("cli", "analysis", "configs", "__pycache__")]
+        dirs[:] = [x for x in dirs if x not in ("cli", "configs", "__pycache__")]
         for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(d, f)
-                for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-                    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
-                        found.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+            path = os.path.join(d, f)
+            if f.endswith(".py") and os.path.relpath(path, ROOT) not in _PENDING:
+                with open(path, encoding="utf-8") as fh:
+                    found += [f"{os.path.relpath(path, ROOT)}:{n}" for n in _messages_around_logging(fh.read())]
     assert found == []
 
 

@@ -1,16 +1,25 @@
 """The mixture's row assignment alone (`jaxpar.data.mixture_plan`, no jax): over 10,000 global batches every
 source's realised share stays within +-0.5% of its weight (in fact within one row of its quota at every batch),
-each batch holds exactly G rows, and a batch's rows are interleaved so that any contiguous slice (a process's
-share) holds every source in about its share. Shape letters: G global batch size, S sources."""
+each batch holds exactly B rows, and a batch's rows are interleaved so that any contiguous slice (a process's
+share) holds every source in about its share. Shape letters: B global batch rows, Q sources."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jaxpar.data.mixture_plan import batch_counts, normalised, realised_counts, row_sources
+from jaxpar.data.mixture_plan import batch_counts, normalised, row_sources
 
 BATCHES = 10_000
+
+
+def realised_counts(weights, global_batch_size: int, num_batches: int) -> np.ndarray:
+    """Rows each source gets over batches [0, num_batches) from the start: int64 [sources]."""
+    w = normalised(weights)
+    taken = np.zeros(w.size, np.int64)
+    for k in range(num_batches):
+        taken += batch_counts(w, global_batch_size, k, taken)
+    return taken
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan, to_host
+from step_helpers import FP32, compile_fast, device_batch, host_batch, planner, to_host
 
 from jaxpar.config.schema import OptimizerConfig
 from jaxpar.training.optimizer import learning_rate_schedule
@@ -48,10 +48,7 @@ def test_schedule_values_at_the_documented_updates(decay):
     assert min(_rate(schedule, k) for k in range(1, steps + 1)) > 0  # no update runs at rate 0
 
 
-def _plan(*overrides):
-    return make_plan(
-        [*FP32, "mesh.data=2", "mesh.fsdp=1", f"train.global_batch_size={G}", *overrides], jax.devices()[:2]
-    )
+_plan = planner(*FP32, "mesh.data=2", "mesh.fsdp=1", f"train.global_batch_size={G}")
 
 
 def _batches(plan, n):
@@ -60,7 +57,7 @@ def _batches(plan, n):
 
 def test_first_update_moves_every_parameter():
     """The default warmup (20 updates): the first update runs at 3e-3 / 20, not 0."""
-    plan = _plan("train.steps=200")
+    plan = _plan(["train.steps=200"], 2)
     assert plan.cfg.optimizer.warmup_steps == 20
     state = init_state(plan, SEED)
     (batch,) = _batches(plan, 1)
@@ -81,11 +78,14 @@ def test_logged_rate_is_the_applied_rate_after_a_skipped_update():
     gradient NaN): the four steps report 1e-2, 0 (skipped), 7.5e-3, 5e-3, the rates a run that never saw the
     bad batch applies to the same three good batches, and both runs end with the same parameters."""
     plan = _plan(
-        "train.steps=4",
-        "optimizer.warmup_steps=0",
-        "optimizer.decay=linear",
-        "optimizer.learning_rate=1e-2",
-        "optimizer.min_lr_ratio=0",
+        [
+            "train.steps=4",
+            "optimizer.warmup_steps=0",
+            "optimizer.decay=linear",
+            "optimizer.learning_rate=1e-2",
+            "optimizer.min_lr_ratio=0",
+        ],
+        2,
     )
 
     good = _batches(plan, 3)

@@ -53,15 +53,10 @@ def _hlo(p: int, *overrides: str, pipelined: bool = True, layers: int = L) -> st
     return compile_fast(jax.jit(make_grad_fn(plan)), params, batch).as_text()
 
 
-def _need(n: int) -> None:
-    if jax.device_count() < n:
-        pytest.fail(f"needs {n} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p,recompute", [(2, "false"), (4, "false"), (4, "true")])
-def test_embedding_and_head_run_on_their_stage_only(p, recompute):
-    _need(p)
+def test_embedding_and_head_run_on_their_stage_only(p, recompute, need_devices):
+    need_devices(p)
     text = _hlo(p, f"pipeline.recompute={recompute}")
     flops = dot_flops_per_device(text)
     assert len(set(flops[:-1])) == 1, flops  # first and middle stages alike: no head
@@ -75,9 +70,9 @@ def test_embedding_and_head_run_on_their_stage_only(p, recompute):
 
 
 @pytest.fixture(scope="module")
-def ratios() -> dict:
+def ratios(need_devices) -> dict:
     """{case: mean per-device matmul FLOPs of the pipelined step / of data parallelism} for p = 2."""
-    _need(2)
+    need_devices(2)
     dp = np.mean(dot_flops_per_device(_hlo(2, pipelined=False)))
     cases = {
         "1f1b": ("pipeline.schedule=1f1b", "pipeline.recompute=false"),
@@ -106,7 +101,7 @@ def test_recomputing_the_stage_forward_costs_a_third_of_the_blocks_more(ratios):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("p,v,layers", [(2, 1, 4), (2, 2, 4), (4, 2, 8)])
-def test_measured_bubble_is_the_interleaved_formula(p, v, layers):
+def test_measured_bubble_is_the_interleaved_formula(p, v, layers, need_devices):
     """Interleaved 1F1B (pipeline.virtual_stages=v): the blocks' matmul FLOPs a device executes per step, read
     from the compiled program with loop trip counts, over the useful ones (data parallelism's on the same
     devices and global batch, less its heads, 6 b T D V per microbatch row block) give the bubble
@@ -114,7 +109,7 @@ def test_measured_bubble_is_the_interleaved_formula(p, v, layers):
     schedule`). The embedding and head conds select on the tick as well as the stage (which chunk runs), so
     they are left out of the count (`skip_conditionals`); at v = 1 the bubble is plain 1F1B's (p - 1)/(m + p - 1),
     so the check can tell the schedules apart."""
-    _need(p)
+    need_devices(p)
     dp = np.mean(dot_flops_per_device(_hlo(p, pipelined=False, layers=layers)))
     useful = dp - 6 * (B * M // p) * T * D * V  # data parallelism's heads: G/p rows per device
     pipelined = _hlo(p, f"pipeline.virtual_stages={v}", layers=layers)

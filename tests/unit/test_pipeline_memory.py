@@ -95,11 +95,10 @@ class _CompiledOnUse(dict):
 
 
 @pytest.fixture(scope="module")
-def temp() -> dict:
+def temp(need_devices) -> dict:
     """{(regime, schedule, M): temporary bytes per device}, regime "b" (fixed microbatch) or "G" (fixed batch);
     at M = 32 both regimes are one program."""
-    if jax.device_count() < P_STAGES:
-        pytest.fail(f"needs {P_STAGES} devices: tests/conftest.py sets JAX_NUM_CPU_DEVICES=8 before jax starts")
+    need_devices(P_STAGES)
     temp_bytes = functools.cache(_temp_bytes)  # at M = 32 the two regimes' keys share one compile
     return _CompiledOnUse(lambda regime, schedule, m: temp_bytes(schedule, m, B * m if regime == "b" else G_FIXED))
 

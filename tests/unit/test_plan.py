@@ -25,7 +25,7 @@ import jax
 import pytest
 
 from jaxpar.analysis.planner.comm import collective_terms
-from jaxpar.analysis.planner.dims import param_leaves, rank_params
+from jaxpar.analysis.planner.dims import param_leaves, rank_params_split
 from jaxpar.analysis.planner.plan import (
     activation_bytes,
     attention_working_bytes,
@@ -106,7 +106,7 @@ def _rank_params_from_specs(cfg) -> int:
 def test_rank_params_match_the_step_on_a_tensor_pipeline_mesh():
     cfg = _cfg(["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", "mesh.pipeline=2", "model.n_layers=4"])
     total = sum(leaf.size for leaf in param_leaves(cfg.model))
-    p = rank_params(cfg.model, {"data": 1, "fsdp": 2, "tensor": 2, "pipeline": 2})
+    p = sum(rank_params_split(cfg.model, {"data": 1, "fsdp": 2, "tensor": 2, "pipeline": 2}))
     assert p == _rank_params_from_specs(cfg)
     assert total / 4 < p < total  # the embedding and head are on both stages
 
@@ -201,10 +201,10 @@ def test_cli_exercise(capsys):
     assert plan_cli.main(["--exercise-13b"]) == 0
     out = capsys.readouterr().out
     for needle in (
-        "208.00 GB",
-        "71.50 GB",
-        "48.75 GB",
-        "26.00 GB",
+        "DDP     16P              208 GB",
+        "ZeRO-1  4P + 12P/N      71.5 GB",
+        "ZeRO-2  2P + 14P/N     48.75 GB",
+        "ZeRO-3  16P/N             26 GB",
         "N = 9 (23.11 GB per device)",
         "no recomputation",
         "Smallest N for model state + jaxpar activations <= 24 GB: 10",

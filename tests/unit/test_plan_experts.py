@@ -16,7 +16,7 @@ import pytest
 
 from jaxpar.analysis.hlo.ring import ring_bytes
 from jaxpar.analysis.planner.comm import collective_terms
-from jaxpar.analysis.planner.dims import param_leaves, rank_params
+from jaxpar.analysis.planner.dims import param_leaves, rank_params_split
 from jaxpar.analysis.planner.plan import plan, state_bytes
 from jaxpar.analysis.sweep.report import write_markdown
 from jaxpar.analysis.sweep.run import load_sweep, points, run_point
@@ -108,10 +108,10 @@ def test_state_bytes_by_hand(mesh, zero, axes, expected):
 
 def test_state_bytes_with_tensor():
     """tensor=2 splits each expert's F_e: the experts' state is P_e/(ep*t) per device, with no fsdp split when
-    fsdp is the expert axis; the dense part is `rank_params` (tensor-split leaves 1/t) over fsdp."""
+    fsdp is the expert axis; the dense part is P per rank (`rank_params_split`, tensor-split leaves 1/t) over fsdp."""
     mesh = {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1}
     cfg = _cfg(mesh, 0, "[fsdp]")
-    dense_rank = rank_params(cfg.model, mesh) - P_E // 2  # the experts at 1/t in rank_params
+    dense_rank = sum(rank_params_split(cfg.model, mesh)) - P_E // 2  # without expert axes: the experts at 1/t
     expert = P_E / (2 * 2)
     got = state_bytes(cfg)
     assert got["params"] == pytest.approx(4 * (dense_rank / 2 + expert), rel=1e-12)

@@ -16,13 +16,13 @@ import pytest
 
 from jaxpar.analysis.bench.tensor_bytes import compile_steps, format_table, program_bytes
 from jaxpar.config import load_config
+from jaxpar.config.choices import REMAT_POLICIES
 from jaxpar.config.validate import resolve_config
-from jaxpar.model.stack import REMAT_POLICIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMMON = ["train.global_batch_size=8", "train.grad_accum_steps=1", "optimizer.zero_stage=1"]
 TENSOR4 = ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4"]
-POLICIES = tuple(REMAT_POLICIES)
+POLICIES = REMAT_POLICIES
 
 
 _CPU_ROWS: dict = {}
@@ -111,14 +111,8 @@ def test_program_bytes_sorts_tensor_collectives_from_gradient_reductions(devices
     assert got.total_bytes == pytest.approx(got.activation_bytes + 2 * 1 / 2 * 64 * 4)
 
 
-def _plugin_missing() -> str | None:
-    from jaxpar.analysis.gpu.deviceless import unavailable_reason
-
-    return unavailable_reason()
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_plugin_missing() is not None, reason=f"needs the gpu-compile extra: {_plugin_missing()}")
+@pytest.mark.requires_gpu_compile
 @pytest.mark.parametrize("remat", POLICIES)
 @pytest.mark.parametrize("sp", [False, True])
 def test_llama_1b_on_8_h100s_moves_no_more_than_the_compiler(remat, sp):

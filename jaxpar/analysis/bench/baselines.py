@@ -1,6 +1,6 @@
 """Baselines that benchmarks compare jaxpar's train step against, and the random batches they run on.
 
-Shape letters: G global batch (sequences), T sequence length, V vocabulary.
+Shape letters as in the `jaxpar` glossary; B: the rows of a global batch.
 
   * `reference_step`: a minimal hand-written Flax NNX + optax step (same loss, clipping, AdamW schedule and
     weight-decay mask) on one device: the "no framework" cost of a step.

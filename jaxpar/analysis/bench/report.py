@@ -46,6 +46,8 @@ from jaxpar.analysis.planner.comm import collective_terms
 from jaxpar.analysis.planner.memory import memory_table
 from jaxpar.analysis.planner.pipeline import bubble_fraction, stage_inputs_in_flight
 from jaxpar.config import Config, load_config, resolve_config
+from jaxpar.config.choices import PIPELINE_SCHEDULES
+from jaxpar.config.mesh_axes import DATA, FSDP, TENSOR
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
@@ -208,7 +210,7 @@ def memory_rows(tables: dict[int, list[dict]]) -> list[dict]:
     out = []
     for table in tables.values():
         head = table[0]
-        case = f"{head['expression'].split(':')[0]} data={head['data']}"
+        case = f"{head['expression'].split(':')[0]} data={head[DATA]}"
         for r in table:
             if r["kind"] in (*STATE_KINDS, "total"):
                 out.append(
@@ -233,7 +235,7 @@ def tensor_analytic(plan: StepPlan) -> tuple[list, dict[str, float]]:
     sequence parallelism; `jaxpar.analysis.planner.comm.collective_terms`, planned for the backend the step compiles
     on) and their bytes per device per step by collective kind."""
     cfg = resolve_config(plan.cfg, plan.mesh.size)
-    terms = [t for t in collective_terms(cfg, jax.default_backend()) if t.axes == ("tensor",)]
+    terms = [t for t in collective_terms(cfg, jax.default_backend()) if t.axes == (TENSOR,)]
     out: dict[str, float] = {}
     for t in terms:
         out[t.kind] = out.get(t.kind, 0.0) + t.bytes
@@ -243,7 +245,7 @@ def tensor_analytic(plan: StepPlan) -> tuple[list, dict[str, float]]:
 def tensor_axis_bytes(table: dict) -> dict[str, float]:
     """Bytes per device per step of each collective kind over exactly the `tensor` axis, from a
     `collectives_by_axis` table."""
-    return {kind: v["bytes"] for (axes, kind), v in table.items() if axes == ("tensor",)}
+    return {kind: v["bytes"] for (axes, kind), v in table.items() if axes == (TENSOR,)}
 
 
 def tensor_collective_rows(
@@ -267,7 +269,7 @@ def tensor_collective_rows(
         compiled = lowered.compile(compiler_options)
         got = tensor_axis_bytes(collectives_by_axis(compiled.as_text(), plan.mesh))
         _, want = tensor_analytic(plan)
-        case = f"tensor=2 fsdp={plan.mesh_shape['fsdp']} sp={'on' if sp else 'off'}"
+        case = f"tensor=2 fsdp={plan.mesh_shape[FSDP]} sp={'on' if sp else 'off'}"
         for kind in sorted(set(want) | set(got)):
             target = "~1 (HLO adds grad-norm scalars)" if kind == "all-reduce" else "1.00"
             out.append(
@@ -324,14 +326,14 @@ def pipeline_memory_rows(
     for p in stages:
         for m in microbatches:
             temp = {}
-            for sched in ("1f1b", "gpipe"):
+            for sched in PIPELINE_SCHEDULES:
                 cfg = load_config(
                     config,
                     [*PIPELINE_MODEL, *overrides, *pipeline_overrides(p, True, sched, m, micro_rows)],
                     num_devices=p,
                 )
                 temp[sched] = pipeline_temp_bytes(cfg, jax.devices()[:p], compiler_options)
-            live = {s: stage_inputs_in_flight(s, p, m)["live"] for s in ("1f1b", "gpipe")}
+            live = {s: stage_inputs_in_flight(s, p, m)["live"] for s in PIPELINE_SCHEDULES}
             out.append(
                 row(
                     "pipeline",
@@ -346,9 +348,10 @@ def pipeline_memory_rows(
     return out
 
 
-# Schedules compared with data parallelism: (row label, pipeline.schedule, pipeline.recompute).
-# (name, pipeline.schedule, pipeline.recompute, pipeline.virtual_stages)
-PIPELINE_SCHEDULES = (
+# The pipeline variants compared with data parallelism: (row label, pipeline.schedule, pipeline.recompute,
+# pipeline.virtual_stages). Not a vocabulary: each schedule of `jaxpar.config.choices.PIPELINE_SCHEDULES`, 1F1B
+# also with recompute and interleaved.
+PIPELINE_VARIANTS = (
     ("1F1B", "1f1b", False, 1),
     ("1F1B recompute", "1f1b", True, 1),
     ("interleaved 1F1B v=2", "1f1b", False, 2),
@@ -366,7 +369,7 @@ def pipeline_schedule_rows(
     micro_rows: int = 2,
     compiler_options: dict | None = None,
 ) -> list[dict]:
-    """Each schedule of PIPELINE_SCHEDULES on mesh pipeline=p against data parallelism on mesh data=p, same
+    """Each variant of PIPELINE_VARIANTS on mesh pipeline=p against data parallelism on mesh data=p, same
     devices and global batch m * micro_rows, PIPELINE_MODEL + `overrides`: matmul FLOPs per device (mean over
     the devices, `jaxpar.analysis.hlo.flops`) over data parallelism's, with the tick ratio (v m + p - 1)/(v m) as
     reference (target <= 1.03 x it, except with recompute: the stage forward twice, about 4/3 of the blocks);
@@ -378,7 +381,7 @@ def pipeline_schedule_rows(
     devices = jax.devices()[:p]
     runs: dict[str, Callable[[], Any]] = {}
     flops: dict[str, float] = {}
-    for name, sched, recompute, v in (("data parallel", "1f1b", False, 1), *PIPELINE_SCHEDULES):
+    for name, sched, recompute, v in (("data parallel", "1f1b", False, 1), *PIPELINE_VARIANTS):
         pipelined = name != "data parallel"
         cfg = load_config(
             config,
@@ -411,7 +414,7 @@ def pipeline_schedule_rows(
     times = {name: median_seconds(t) for name, t in interleaved_step_times(runs, steps, rounds).items()}
     case = f"p={p} m={m} b={micro_rows}"
     out = []
-    for name, _, recompute, v in PIPELINE_SCHEDULES:
+    for name, _, recompute, v in PIPELINE_VARIANTS:
         ticks, bubble = (v * m + p - 1) / (v * m), bubble_fraction(p, m, v)
         f_ratio, t_ratio = flops[name] / flops["data parallel"], times[name] / times["data parallel"]
         bound = "~4/3 of the blocks' share" if recompute else "<= 1.03"

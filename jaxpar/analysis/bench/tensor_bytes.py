@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpar.analysis.hlo.collectives import classify_groups, parse_collectives
-from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES
+from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, TENSOR
 from jaxpar.log import human_bytes
 
-ACTIVATION_AXES = ("tensor",)
+ACTIVATION_AXES = (TENSOR,)
 _REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 

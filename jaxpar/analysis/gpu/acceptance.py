@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxpar.analysis.planner.plan import plan as analytic_plan
 from jaxpar.config import load_config
+from jaxpar.config.choices import REMAT_POLICIES
 from jaxpar.config.schema import Config
 from jaxpar.config.validate import resolve_config
 from jaxpar.data.batch import BATCH_KEYS, random_batch
@@ -45,7 +46,13 @@ from jaxpar.training.step import build_plan, init_state, make_train_step
 
 _LOGGER = logging.getLogger("jaxpar.analysis.gpu.acceptance")
 
-REMAT_CANDIDATES = ("none", "names", "dots", "full")  # tried in this order; the first `max_candidates` that fit
+# The remat policies (`jaxpar.config.choices.REMAT_POLICIES`) in the order they are tried: the first
+# `max_candidates` that fit are measured. Likely fastest first: none recomputes nothing; names keeps the attention
+# context, so unlike dots (whose saved matmuls exclude the batched attention products) its backward does not re-run
+# the attention, the largest recompute at 4096 tokens; full recomputes every block.
+REMAT_CANDIDATES = ("none", "names", "dots", "full")
+if sorted(REMAT_CANDIDATES) != sorted(REMAT_POLICIES):
+    raise ImportError(f"REMAT_CANDIDATES {REMAT_CANDIDATES} is not an order of REMAT_POLICIES {REMAT_POLICIES}")
 MEMORY_FRACTION = 0.90  # a candidate fits when its planned peak is at most this share of the device's memory
 ATTENTION_TOLERANCE = 2e-2  # max |cuDNN - fp32| / max |fp32| per tensor: a few bf16 roundings (2^-8 each)
 
@@ -363,10 +370,6 @@ def verdict(report: dict) -> dict:
     return out
 
 
-def _gb(x) -> str:
-    return "-" if x is None else human_bytes(x)
-
-
 def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
@@ -378,7 +381,7 @@ def format_report(report: dict) -> str:
     lines = [
         f"# GPU acceptance: {dev['device_kind']} ({dev['platform']}), jax {report['jax_version']}",
         "",
-        f"memory {_gb(dev['memory_bytes'])}; dense bf16 peak "
+        f"memory {human_bytes(dev['memory_bytes'])}; dense bf16 peak "
         f"{'unknown' if peak is None else f'{peak / 1e12:.0f} TFLOP/s'}; total {report['total_seconds']:.0f} s",
         "",
         "## Attention: max |x - fp32 reference| / max |reference| (bf16 inputs)",
@@ -411,10 +414,13 @@ def format_report(report: dict) -> str:
         ratio = "-" if r["planned_ratio"] is None else f"{r['planned_ratio']:.2f}"
         lines.append(
             f"| {r['remat']} | {r['compile_seconds']:.1f} | {r['step_seconds']:.3f} | {r['tokens_per_s']:,.0f} | "
-            f"{_pct(r['mfu'])} | {_pct(r['hfu'])} | {_gb(r['compiled_peak_bytes'])} | "
-            f"{_gb(r['planned_peak_bytes'])} | {ratio} |"
+            f"{_pct(r['mfu'])} | {_pct(r['hfu'])} | {human_bytes(r['compiled_peak_bytes'])} | "
+            f"{human_bytes(r['planned_peak_bytes'])} | {ratio} |"
         )
-    lines += ["", f"best remat: {report.get('best_remat')}; allocator peak {_gb(report.get('allocator_peak_bytes'))}"]
+    lines += [
+        "",
+        f"best remat: {report.get('best_remat')}; allocator peak {human_bytes(report.get('allocator_peak_bytes'))}",
+    ]
     learning = report.get("learning")
     if learning is not None:
         if "error" in learning:

@@ -18,6 +18,7 @@ import json
 import os
 import re
 
+from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.log import GB
 
@@ -119,10 +120,10 @@ def check_config(path: str, name: str | None = None) -> dict:
     out = compile_for_gpu(cfg, clu.target.name, clu.nodes, clu.gpus_per_node)
     shape = out["mesh"]
     rows = cfg.train.global_batch_size // (
-        shape["data"]
-        * shape["fsdp"]
+        shape[DATA]
+        * shape[FSDP]
         * cfg.train.grad_accum_steps
-        * (cfg.pipeline.microbatches if shape["pipeline"] == 1 else 1)
+        * (cfg.pipeline.microbatches if shape[PIPELINE] == 1 else 1)
     )
     planned = planned_peak(cfg)
     m = out["memory"]
@@ -174,7 +175,8 @@ def problems(record: dict, path: str) -> list[str]:
 def format_table(records: list[dict], planned: dict[str, int] | None = None) -> str:
     """Markdown table of records: config, cluster, mesh, rows per microbatch x accumulation, remat,
     GPU-compiled peak, planned peak (`planned` overrides the recorded one, by config name), ratio, share of
-    the GPU's memory. GB = 1e9 bytes."""
+    the GPU's memory. GB = 1e9 bytes (`jaxpar.log.GB`): the byte columns share one unit and one decimal, unlike
+    `jaxpar.log.human_bytes`, so that the table the docs quote lines up and compares as text."""
     lines = [
         (
             "| config | cluster | mesh (data x fsdp x tensor x pipeline) | rows per microbatch x accumulation "
@@ -187,8 +189,8 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
         plan_peak = (planned or {}).get(r["config"], r["planned_peak_bytes"])
         memory = r["usable_bytes"] / _memory_fraction()
         lines.append(
-            f"| `{r['config']}` | {r['cluster']} | {m['data']} x {m['fsdp']} x {m['tensor']} x "
-            f"{m['pipeline']} | {r['rows_per_microbatch']} x {r['grad_accum_steps']} | {r['remat']} | "
+            f"| `{r['config']}` | {r['cluster']} | {m[DATA]} x {m[FSDP]} x {m[TENSOR]} x "
+            f"{m[PIPELINE]} | {r['rows_per_microbatch']} x {r['grad_accum_steps']} | {r['remat']} | "
             f"{r['peak_bytes'] / GB:.1f} GB | {plan_peak / GB:.1f} GB | "
             f"{r['peak_bytes'] / plan_peak:.2f} | {r['peak_bytes'] / memory:.0%} |"
         )

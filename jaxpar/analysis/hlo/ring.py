@@ -1,12 +1,13 @@
 """Ring-algorithm communication volume: the bytes one device sends in each kind of collective.
 
-Ring costs (bytes sent per device; NCCL tests, doc/PERFORMANCE.md, "bus bandwidth"), n = group size:
+Ring costs (bytes sent per device; NCCL tests, doc/PERFORMANCE.md, "bus bandwidth"), n = group size, size = the
+operand's bytes:
 
-    all-reduce       2(n-1)/n * S
-    all-gather        (n-1)/n * S    S = the gathered (output) size
-    reduce-scatter    (n-1)/n * S    S = the input size
-    all-to-all        (n-1)/n * S
-    collective-permute        S      each device sends its whole operand once
+    all-reduce       2(n-1)/n * size
+    all-gather        (n-1)/n * size    size of the gathered (output) operand
+    reduce-scatter    (n-1)/n * size    size of the input operand
+    all-to-all        (n-1)/n * size
+    collective-permute        size      each device sends its whole operand once
 
 The analytic count of a step's collectives is `jaxpar.analysis.planner.comm` (every mesh axis, Megatron tensor
 parallelism included); `jaxpar.analysis.hlo.collectives` applies the same costs to the collectives of a compiled
@@ -23,7 +24,7 @@ def ring_bytes(kind: str, size_bytes: float, n: int) -> float:
 
     Args:
       kind: one of `KINDS`.
-      size_bytes: S in the table: the all-reduce/all-to-all/permute operand, the all-gather output, the
+      size_bytes: `size` in the table: the all-reduce/all-to-all/permute operand, the all-gather output, the
         reduce-scatter input, in bytes.
       n: devices per replica group; n = 1 moves nothing.
 

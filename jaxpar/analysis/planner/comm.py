@@ -17,21 +17,21 @@ gpu against the partitioned program (the HLO after the SPMD partitioner, before 
 Storage axes: fsdp, and data under ZeRO-3 (Rajbhandari et al. 2019, section 5.3; `jaxpar.parallel.gather`).
   Each layer's weights are all-gathered (Bc) in every forward pass and again in every backward pass (jaxpar
   re-gathers instead of keeping them); each layer's gradient is reduce-scattered (Br) in every backward pass.
-  Passes per step: A*m forward and A*m backward without a pipeline. 1F1B: A*(m+p-1) forward ticks and
-  A*(m+p-1) backward ticks: 2 gathers per layer and tick (the backward regathers the weights its residuals
+  Passes per step: M*m forward and M*m backward without a pipeline. 1F1B: M*(m+p-1) forward ticks and
+  M*(m+p-1) backward ticks: 2 gathers per layer and tick (the backward regathers the weights its residuals
   need), 3 with pipeline.recompute (the rebuilt forward gathers too). GPipe: the head ticks' forward gathers are
   loop-invariant and XLA hoists them out of the tick loop (once per accumulation step), the p - 1 warm-up ticks
-  gather their own, the backward re-gathers in each of the A*(m+p-1) ticks. Without a pipeline the embedding,
+  gather their own, the backward re-gathers in each of the M*(m+p-1) ticks. Without a pipeline the embedding,
   final norm and head are gathered once per step (loop-invariant, hoisted) and reduce-scattered per backward
   pass; in a pipeline they sit in conds on the stage index (`jaxpar.parallel.pipeline`), counted for the stage
-  that runs them: the embedding's gathered and reduce-scattered in each of the A*(m+p-1) forward and backward
-  ticks, the head's in the A*m ticks that run it. With one layer per stage and no pipeline the layer loop
+  that runs them: the embedding's gathered and reduce-scattered in each of the M*(m+p-1) forward and backward
+  ticks, the head's in the M*m ticks that run it. With one layer per stage and no pipeline the layer loop
   disappears and the block gathers become loop-invariant too: once per step.
   Interleaved 1F1B (`pipeline.virtual_stages` v > 1; tick arithmetic from `jaxpar.parallel.schedule`): the block
-  passes run in chunk ticks, A*(m*v+p-1) forward (v*p - 1 warm-up, then steady) and as many backward, each of
+  passes run in chunk ticks, M*(m*v+p-1) forward (v*p - 1 warm-up, then steady) and as many backward, each of
   L/(pv) layers, with the same 2 (3 with recompute) gathers per layer and tick; with recompute and one layer
   per chunk the chunk's layer loop is gone and XLA merges the rebuilt forward's gathers with the backward's (2).
-  The first stage embeds in the A*(m+p-1) forward ticks of its chunk 0 and the last runs the head in A*m; the
+  The first stage embeds in the M*(m+p-1) forward ticks of its chunk 0 and the last runs the head in M*m; the
   conds around them are evaluated in every forward (steady) tick, which is what a static reading of the HLO
   counts (`collective_terms(..., branches="evaluated")`, the plan's `by_axis_hlo`).
 data axis, ZeRO 0-2: one all-reduce (ZeRO-0/1) or reduce-scatter (ZeRO-2) of the fsdp-sharded gradients,
@@ -47,7 +47,7 @@ tensor axis (Megatron; Shoeybi et al. 2019, section 3: 2 all-reduces of x per la
   reduce-scatter), with SP 2 exit transposes per layer and the embedding's (all-gather). Every remat policy saves
   the exits' outputs and none and dots the SP enters' too (`jaxpar.model.stack`): only names and full with SP
   re-run collectives in the backward, the 2 enters (all-gathers) per layer.
-  In a pipeline the embedding runs in A*(m+p-1) ticks (first stage) and the head in A*m (last stage), once per
+  In a pipeline the embedding runs in M*(m+p-1) ticks (first stage) and the head in M*m (last stage), once per
   microbatch; a 1F1B recompute re-runs the layers' forward collectives (interleaved with one layer per chunk,
   XLA drops the rebuilt forward's last exit, whose output nobody reads, and under remat full with SP merges its
   first enter with the backward's regather: one each fewer per backward tick). With SP the norm-scale gradients
@@ -76,7 +76,8 @@ import math
 from jaxpar.analysis.hlo.ring import ring_bytes
 from jaxpar.analysis.planner.dims import dims, local_size, param_leaves
 from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_elements
-from jaxpar.config.mesh_axes import MESH_AXES
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
+from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.schema import Config
 from jaxpar.parallel import schedule
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
@@ -140,7 +141,7 @@ def _passes(cfg: Config, d, branches: str = "taken") -> dict[str, int]:
     embedding's and of the head's (final norm, output projection) weights ("embed_gathers", "head_gathers",
     "embed_scatters", "head_scatters"). `branches`: the edge conds' runs as the stages take them ("taken") or as
     a static HLO reading counts them ("evaluated", `_edge_ticks`)."""
-    p, a, m, per_stage, v = d.shape["pipeline"], d.accum, d.m, d.layers_per_stage, d.virtual
+    p, a, m, per_stage, v = d.shape[PIPELINE], d.accum, d.m, d.layers_per_stage, d.virtual
     # Forward (and as many backward) ticks of one pipeline loop: m*v + p - 1 (jaxpar.parallel.schedule: v*p - 1
     # forward-only warm-up ticks, then the steady ones), m + p - 1 for v = 1 (GPipe's too).
     ticks = schedule.ticks(p, v, m) - schedule.warmup_ticks(p, v)
@@ -231,7 +232,7 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
         )
     gathers = [(x, passes[f"{part}_gathers"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
     scatters = [(x, passes[f"{part}_scatters"]) for part in ("embed", "head") for x in _edge_leaves(cfg, part)]
-    if shape["pipeline"] == 1:  # one program part: each weight gathered once, whoever uses it
+    if shape[PIPELINE] == 1:  # one program part: each weight gathered once, whoever uses it
         gathers = [(x, 1) for x in {x.path: x for x, _ in gathers}.values()]
         scatters = [(x, passes["bwd"]) for x in {x.path: x for x, _ in scatters}.values()]
     _term(
@@ -268,30 +269,30 @@ def _data_terms(cfg: Config, d, out: list) -> None:
     if d.zero == 3:
         return
     # The routed experts' gradients need no reduction over data when data is an expert axis.
-    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and "data" in d.expert_axes)]
-    grads = sum(local_size(x, d.shape, ("fsdp",), d.expert_axes) for x in leaves)
+    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and DATA in d.expert_axes)]
+    grads = sum(local_size(x, d.shape, (FSDP,), d.expert_axes) for x in leaves)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
-    _term(out, d.shape, "gradients", ("data",), kind, len(leaves), grads * d.wire(d.reduce_bytes))
+    _term(out, d.shape, "gradients", (DATA,), kind, len(leaves), grads * d.wire(d.reduce_bytes))
     if d.zero in (1, 2):
         width = {2: "bf16", 4: "fp32"}
         name = f"updated parameters ({width[d.param_bytes]}" + (
             f", {width[d.wire(d.param_bytes)]} on {d.platform})" if d.wire(d.param_bytes) != d.param_bytes else ")"
         )
-        _term(out, d.shape, name, ("data",), "all-gather", len(leaves), grads * d.wire(d.param_bytes))
+        _term(out, d.shape, name, (DATA,), "all-gather", len(leaves), grads * d.wire(d.param_bytes))
 
 
 def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape, layers = d.shape, passes["layers"]
-    if shape["tensor"] == 1:
+    if shape[TENSOR] == 1:
         return
     x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
     ce = d.b * d.s * 4
     # Every remat policy saves the exits' outputs, none and dots the SP enters' too (`jaxpar.model.stack`): names
     # and full with SP re-gather both block inputs of each layer in the backward.
-    regather = cfg.model.remat in ("names", "full")
+    regather = cfg.model.remat in REMAT_KEEPING_EXITS_ONLY
     fwd, bwd = passes["fwd"], passes["bwd"]
     head_fwd, head_bwd, embed_fwd, embed_bwd = (passes[k] for k in ("head_fwd", "head_bwd", "embed_fwd", "embed_bwd"))
-    tensor = ("tensor",)
+    tensor = (TENSOR,)
     # Exits: the embedding's and 2 per layer in the forward; enters: 2 per layer and the head's.
     merged = passes.get("rebuilt_merged", 0)
     exits = embed_fwd + fwd * 2 * layers - merged
@@ -317,12 +318,12 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         # Parameters replicated over tensor receive partial gradients under sequence parallelism: the norm
         # scales, [L/p, D/shards] in the stack and [D/shards] outside it.
         replicated = [x for x in param_leaves(cfg.model) if not {"vocab", "heads", "mlp"} & set(x.axes)]
-        stacked = sum(local_size(x, shape, storage) for x in replicated if x.in_blocks or shape["pipeline"] == 1)
+        stacked = sum(local_size(x, shape, storage) for x in replicated if x.in_blocks or shape[PIPELINE] == 1)
         _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.wire(d.reduce_bytes))
 
 
 def _pipeline_terms(cfg: Config, d, out: list) -> None:
-    shape, p = d.shape, d.shape["pipeline"]
+    shape, p = d.shape, d.shape[PIPELINE]
     if p == 1:
         return
     if d.virtual == 1:
@@ -336,7 +337,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "stage activations and their gradients" + (" (ring)" if d.virtual > 1 else ""),
-        ("pipeline",),
+        (PIPELINE,),
         "collective-permute",
         d.accum * shifts,
         d.accum * shifts * act,
@@ -346,7 +347,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         # The step's permutes of the stage's layers into chunk order and of their gradients back
         # (`jaxpar.parallel.pipeline.to_chunk_order`): per layer leaf one ppermute per route, each one chunk of the
         # local shard. A route whose chunks all stay on their device moves nothing (a group of one in the HLO,
-        # which XLA leaves as a copy or drops); the others count in full, S = the chunk, for each op.
+        # which XLA leaves as a copy or drops); the others count in full (the chunk's bytes) for each op.
         moving = sum(any(src != dst for src, dst in pairs) for pairs in chunk_routes(p, d.virtual).values())
         blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
         chunk = sum(local_size(x, shape, storage, d.expert_axes) for x in blocks) // d.virtual
@@ -358,7 +359,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
                 out,
                 shape,
                 what,
-                ("pipeline",),
+                (PIPELINE,),
                 "collective-permute",
                 moving * len(blocks),
                 moving * chunk * d.wire(width),
@@ -371,7 +372,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "embedding/head gradients (one stage used them)",
-        ("pipeline",),
+        (PIPELINE,),
         "all-reduce",
         len(rest),
         sum(local_size(x, shape, storage) for x in rest) * br,
@@ -380,7 +381,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "final-norm gradient (one stage, s/t each)",
-        ("pipeline", "tensor"),
+        (PIPELINE, TENSOR),
         "all-reduce",
         len(norms),
         sum(local_size(x, shape, storage) for x in norms) * br,

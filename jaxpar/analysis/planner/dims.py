@@ -19,7 +19,7 @@ import math
 
 import jax
 
-from jaxpar.config.mesh_axes import MESH_AXES
+from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.model import init_params, logical_axes
@@ -87,7 +87,7 @@ def local_size(
     split = expert_axes if leaf.expert else ()
     total = 1
     for dim, name in zip(leaf.shape, leaf.axes):
-        axes = [a for a in (PARAM_RULES[name] if name is not None else ()) if a in ("tensor", "pipeline")]
+        axes = [a for a in (PARAM_RULES[name] if name is not None else ()) if a in (TENSOR, PIPELINE)]
         if name == "embed":
             axes += [a for a in storage if a not in split]
         if name == EXPERTS_AXIS:
@@ -106,7 +106,7 @@ class Dims:
     s: int
     s_act: int  # s' (s / t with sequence parallelism)
     sp: bool
-    accum: int  # A
+    accum: int  # M
     m: int  # pipeline microbatches
     layers_per_stage: int
     compute_bytes: int  # Bc: bytes of the compute dtype (activations, gathered weights)
@@ -141,10 +141,10 @@ def dims(cfg: Config, platform: str) -> Dims:
     shape = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
     if min(shape.values()) < 1:
         raise ValueError(f"config is not resolved (mesh {shape}); call jaxpar.config.resolve_config first")
-    t, p = shape["tensor"], shape["pipeline"]
+    t, p = shape[TENSOR], shape[PIPELINE]
     sp = bool(cfg.tensor.sequence_parallel) and t > 1
     accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
-    b = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * accum * m)
+    b = cfg.train.global_batch_size // (shape[DATA] * shape[FSDP] * accum * m)
     s = cfg.data.seq_len
     return Dims(
         shape=shape,
@@ -170,18 +170,13 @@ def expert_axes(cfg: Config) -> tuple[str, ...]:
     return tuple(cfg.model.moe.expert_axes) if cfg.model.moe.enabled else ()
 
 
-def rank_params(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> int:
-    """P per tensor/pipeline rank: the parameters one model-parallel rank holds before ZeRO's split (the ZeRO
-    formulas apply to this P): leaves sharded over `tensor` (heads, MLP hidden, vocabulary) count 1/t, the
-    stacked layers 1/p, replicated ones (the embedding and head are on every stage) fully; with `expert_axes`
-    the routed experts' weights 1/ep (`local_size`). Equals the parameter count when tensor = pipeline = 1 and
-    there are no expert axes. `shape`: mesh axis sizes."""
-    return sum(rank_params_split(model, shape, expert_axes))
-
-
 def rank_params_split(model: ModelConfig, shape: dict[str, int], expert_axes: tuple[str, ...] = ()) -> tuple[int, int]:
-    """`rank_params` in two parts, (dense, expert): the routed experts' weights (`Leaf.expert`, split 1/ep over
-    `expert_axes`) and every other parameter. The expert part is 0 for a dense model."""
+    """P per tensor/pipeline rank in two parts, (dense, expert): the parameters one model-parallel rank holds
+    before ZeRO's split (the ZeRO formulas apply to this P): leaves sharded over `tensor` (heads, MLP hidden,
+    vocabulary) count 1/t, the stacked layers 1/p, replicated ones (the embedding and head are on every stage)
+    fully (`local_size`); the expert part is the routed experts' weights (`Leaf.expert`), split 1/ep over
+    `expert_axes`, 0 for a dense model. Their sum is the parameter count when tensor = pipeline = 1 and there are
+    no expert axes. `shape`: mesh axis sizes."""
     leaves = param_leaves(model)
     expert = sum(local_size(x, shape, (), expert_axes) for x in leaves if x.expert)
     return sum(local_size(x, shape) for x in leaves if not x.expert), expert

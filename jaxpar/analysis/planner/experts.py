@@ -1,6 +1,6 @@
 """Expert parallelism in the plan (`model.moe.expert_axes`, ep = the product of those mesh axes' sizes): the MoE
 dispatch and combine all-to-alls that `jaxpar.analysis.planner.comm` counts, and the plan's MoE summary. Letters as
-in `jaxpar.analysis.planner.plan`; E experts, K top_k, C capacity per expert and sequence, T = s.
+in `jaxpar.analysis.planner.plan`; E experts, k top_k, C capacity per expert and sequence, T = s.
 
 All-to-all (GShard, Lepikhin et al. 2020, arXiv 2006.16668, sections 2.2 and 3.2: dispatch and combine as
 all-to-all over the expert-parallel devices; DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv 2201.05596, section
@@ -8,9 +8,9 @@ all-to-all over the expert-parallel devices; DeepSpeed-MoE, Rajbhandari et al. 2
 backward (their transposes), and under the remat policies `full` and `names` the backward's recomputation repeats
 the dispatch (`none` and `dots` keep both outputs; checked against the compiled HLO in
 tests/unit/test_expert_bytes.py). Per all-to-all each
-device holds a buffer of S elements in the compute dtype and sends (ep-1)/ep of it (`jaxpar.analysis.hlo.ring`):
-  capacity routing   S = E*C*b*D, C = ceil(capacity_factor*T*K/E) per sequence (`jaxpar.parallel.expert.capacity`)
-  dropless routing   S = ep*A*D, A = b*T*K local assignments: without a ragged all-to-all the buffer is padded
+device holds a buffer of `size` elements in the compute dtype and sends (ep-1)/ep of it (`jaxpar.analysis.hlo.ring`):
+  capacity routing   size = E*C*b*D, C = ceil(capacity_factor*T*k/E) per sequence (`jaxpar.parallel.expert.capacity`)
+  dropless routing   size = ep*A*D, A = b*T*k local assignments: without a ragged all-to-all the buffer is padded
                      for the worst case, every local assignment routed to one device
 The routed experts' weights need no reduction over the expert axes: the all-to-all's transpose brings every
 token's contribution to the device that holds the expert.
@@ -23,9 +23,9 @@ from jaxpar.parallel.expert import all_to_all_buffer, all_to_alls_per_block
 
 
 def all_to_all_elements(cfg: Config, d) -> int:
-    """S of one MoE all-to-all (dispatch or combine) on one device, in elements of the compute dtype
+    """The size of one MoE all-to-all's buffer (dispatch or combine) on one device, in elements of the compute dtype
     (`jaxpar.parallel.expert.all_to_all_buffer`, the layer's own count): capacity routing E*C*b*D, dropless
-    ep*b*T*K*D (padded for the worst case). 0 without expert axes. `d`: `jaxpar.analysis.planner.dims.dims(cfg,
+    ep*b*T*k*D (padded for the worst case). 0 without expert axes. `d`: `jaxpar.analysis.planner.dims.dims(cfg,
     platform)`."""
     moe = cfg.model.moe
     if not d.expert_axes:

@@ -40,6 +40,7 @@ import jax
 import numpy as np
 
 from jaxpar.analysis.planner.dims import rank_params_split
+from jaxpar.config.mesh_axes import DATA, FSDP
 from jaxpar.parallel.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.training.compiled_memory import memory_analysis_bytes
 from jaxpar.training.step import StepPlan, make_grad_fn, make_train_step
@@ -113,8 +114,8 @@ def expert_state_bytes_formula(
         expert_params,
         layout,
         zero_stage,
-        1 if "data" in expert_axes else data,
-        1 if "fsdp" in expert_axes else fsdp,
+        1 if DATA in expert_axes else data,
+        1 if FSDP in expert_axes else fsdp,
     )
     return {**{k: dense[k] + expert[k] for k in (*STATE_KINDS, "total")}, "experts": expert["total"]}
 
@@ -196,7 +197,7 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     Args:
       plan: the step plan.
       state: train state from `init_state` (arrays or ShapeDtypeStructs); laid out as `plan.state_shardings`.
-      batch: {"inputs", "targets": int32 [G, T], "loss_mask": float32 [G, T]} (arrays or ShapeDtypeStructs).
+      batch: {"inputs", "targets": int32 [B, T], "loss_mask": float32 [B, T]} (arrays or ShapeDtypeStructs).
       compiler_options: passed to `Lowered.compile`. {"xla_backend_optimization_level": 0} compiles about
         3x faster on CPU and changes only code generation, not buffer assignment: every number below was
         identical with and without it for this step (checked on XLA:CPU).
@@ -246,10 +247,10 @@ def memory_table(
     experts = tuple(cfg.model.moe.expert_axes) if cfg.model.moe.enabled else ()
     dense, expert = rank_params_split(cfg.model, shape, experts)  # P per tensor/pipeline rank, experts 1/ep
     n_params = dense + expert
-    formula = expert_state_bytes_formula(dense, expert, layout, zero, shape["data"], shape["fsdp"], experts)
+    formula = expert_state_bytes_formula(dense, expert, layout, zero, shape[DATA], shape[FSDP], experts)
     if measured is None:
         measured = measured_state_bytes(plan, state, batch, compiler_options)
-    expression = formula_expression(layout, zero, shape["fsdp"])
+    expression = formula_expression(layout, zero, shape[FSDP])
     if experts:
         expression += f" for the dense P={dense:,}, experts' P_e={expert:,} without the expert axes {experts}"
     rows = []
@@ -271,8 +272,8 @@ def memory_table(
                 "formula": term,
                 "expression": expression,
                 "n_params": n_params,
-                "data": shape["data"],
-                "fsdp": shape["fsdp"],
+                DATA: shape[DATA],
+                FSDP: shape[FSDP],
             }
         )
     return rows
@@ -298,8 +299,8 @@ def format_memory_table(rows: list[dict]) -> str:
         return ""
     head = rows[0]
     lines = [
-        f"{head['expression']}   (P={head['n_params']:,} per tensor/pipeline rank, N=data={head['data']}, "
-        f"F=fsdp={head['fsdp']};"
+        f"{head['expression']}   (P={head['n_params']:,} per tensor/pipeline rank, N=data={head[DATA]}, "
+        f"F=fsdp={head[FSDP]};"
         " bytes per device)",
         f"{'kind':<10} | {'measured':>14} | {'formula':>14} | {'ratio':>7} | term",
     ]

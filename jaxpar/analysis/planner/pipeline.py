@@ -14,14 +14,13 @@ All functions are pure integer/float arithmetic (no jax), so they are cheap to t
 from __future__ import annotations
 
 from jaxpar.config.choices import PIPELINE_SCHEDULES
+from jaxpar.log import human_bytes
 from jaxpar.parallel import schedule as _schedule
-
-SCHEDULES = PIPELINE_SCHEDULES
 
 
 def _check(schedule: str, p: int, m: int) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
     if p < 1 or m < 1:
         raise ValueError(f"need p >= 1 and m >= 1, got p={p} m={m}")
 
@@ -147,9 +146,9 @@ COLUMNS = (
     ("schedule", "sched", "{}"),
     ("p", "p", "{}"),
     ("m", "m", "{}"),
-    ("temp_bytes", "temp KiB", "{:.1f}"),
+    ("temp_bytes", "temp bytes", None),
     ("in_flight", "live/alloc inputs", "{}"),
-    ("in_flight_bytes", "live KiB", "{:.1f}"),
+    ("in_flight_bytes", "live bytes", None),
     ("ticks", "ticks (half)", "{}"),
     ("full_equivalent", "full-tick eq", "{:g}"),
     ("bubble", "bubble", "{:.3f}"),
@@ -164,8 +163,8 @@ COLUMNS = (
 
 def format_table(rows: list[dict]) -> str:
     """Fixed-width text table of `report_row` dicts, with "temp_bytes", "flops_ratio" and "time_ratio" added
-    (bytes as KiB); the measured bubbles are 1 - 1/flops_ratio and 1 - 1/time_ratio (the share of the pipelined
-    step's work, or time, that data parallelism does not need)."""
+    (bytes by `jaxpar.log.human_bytes`); the measured bubbles are 1 - 1/flops_ratio and 1 - 1/time_ratio (the
+    share of the pipelined step's work, or time, that data parallelism does not need)."""
 
     def cell(row, key, fmt):
         if key in ("bubble_flops", "bubble_time"):
@@ -178,7 +177,7 @@ def format_table(rows: list[dict]) -> str:
         value = row.get(key)
         if value is None:
             return "-"
-        return fmt.format(value / 1024 if key.endswith("bytes") else value)
+        return human_bytes(value) if key.endswith("bytes") else fmt.format(value)
 
     table = [[head for _, head, _ in COLUMNS]] + [[cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]

@@ -6,7 +6,8 @@ compiled step, `jaxpar.analysis.planner.comm` holds the collective terms, `jaxpa
 
 Shape letters: b microbatch rows per device, s sequence length (s' = s/t under sequence parallelism), D model
 width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
-stage), t tensor size, p pipeline stages, m pipeline microbatches, A gradient-accumulation steps.
+stage), t tensor size, p pipeline stages, m pipeline microbatches, M gradient-accumulation microbatches
+(`train.grad_accum_steps`).
 
 Model state (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3): bytes per
 parameter by precision layout `fp32` (4 + 4 + 8) or `16p` (bf16 params 2 + bf16 grads 2 + fp32 master, Adam m
@@ -80,8 +81,9 @@ from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, pa
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
 from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
 from jaxpar.config.attention import resolve_attention
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.mesh_axes import PIPELINE, TENSOR, mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.log import GB
@@ -115,7 +117,7 @@ def state_bytes(cfg: Config) -> dict:
 def score_elements(cfg: Config, d: Dims) -> int:
     """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * s * s (the
     query heads; grouped key/value heads are broadcast to them)."""
-    return d.b * (cfg.model.n_heads // d.shape["tensor"]) * d.s * d.s
+    return d.b * (cfg.model.n_heads // d.shape[TENSOR]) * d.s * d.s
 
 
 # Bytes per attention score element that XLA's attention path writes (module docstring): saved per layer for
@@ -139,7 +141,7 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
 
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
     """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
-    mdl, t, bc = cfg.model, d.shape["tensor"], d.compute_bytes
+    mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
     b, s = d.b, d.s
     h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
     out = {"block input": b * d.s_act * dm * bc}
@@ -154,9 +156,9 @@ def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
         else:
             out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
     # The tensor collectives' outputs the policies keep (`jaxpar.model.stack`).
-    if t > 1 and mdl.remat in ("full", "names"):
+    if t > 1 and mdl.remat in REMAT_KEEPING_EXITS_ONLY:
         out["attention exit"] = b * d.s_act * dm * bc
-    if d.sp and mdl.remat in ("none", "dots"):
+    if d.sp and mdl.remat not in REMAT_KEEPING_EXITS_ONLY:
         out["gathered block inputs"] = 2 * b * s * dm * bc
     return out
 
@@ -177,7 +179,7 @@ def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     where it sits beside the bf16 logits that `activation_bytes` counts). Per device; with a pipeline
     only the last stage has it, and the planner counts the largest stage."""
     d = dims(cfg, platform)
-    return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape["tensor"])
+    return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape[TENSOR])
 
 
 def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -195,7 +197,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
        tensor parallelism the Table 2 variant)}.
     """
     d = dims(cfg, platform)
-    mdl, p, t, v = cfg.model, d.shape["pipeline"], d.shape["tensor"], d.virtual
+    mdl, p, t, v = cfg.model, d.shape[PIPELINE], d.shape[TENSOR], d.virtual
     bc = d.compute_bytes
     per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
@@ -271,7 +273,7 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
     `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
     v = 1), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
-    all-to-all, 2*S elements in the compute dtype, S = `jaxpar.analysis.planner.comm.all_to_all_elements`; a lower
+    all-to-all, twice `jaxpar.analysis.planner.experts.all_to_all_elements` elements in the compute dtype; a lower
     bound of what an MoE block holds, 0 without expert axes), "total"}.
 
     The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
@@ -367,11 +369,11 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
         "pipeline": {
             "schedule": cfg.pipeline.schedule,
             "microbatches": d.m,
-            "stages": d.shape["pipeline"],
+            "stages": d.shape[PIPELINE],
             "recompute": cfg.pipeline.recompute,
             "virtual_stages": d.virtual,
             # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule)
-            "bubble": schedule.bubble_fraction(d.shape["pipeline"], d.virtual, d.m),
+            "bubble": schedule.bubble_fraction(d.shape[PIPELINE], d.virtual, d.m),
         },
         "sequence_parallel": d.sp,
         "batch": {

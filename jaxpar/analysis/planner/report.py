@@ -7,7 +7,7 @@ Bytes are per device; GB = 1e9 bytes. Ratios are compiled / planned.
 
 from __future__ import annotations
 
-from jaxpar.log import GB, human_bytes
+from jaxpar.log import human_bytes
 
 
 def _ratio(x: float | None) -> str:
@@ -330,14 +330,15 @@ def format_exercise(ex: dict, acts: dict) -> str:
         (
             f"Seed exercise: P = {p / 1e9:g}e9 parameters on N = {n} devices, {ex['layout']} layout (bf16 params 2 + "
             f"bf16 grads 2 + fp32 master, Adam m, v 12 = 16 bytes per parameter; ZeRO, Rajbhandari et al. 2019, "
-            f"section 3). Model state per device, GB = 1e9 bytes:"
+            f"section 3). Model state per device:"
         )
     ]
     for s in ex["stages"]:
-        lines.append(f"  {names[s['zero_stage']]:<8}{s['expression'].split(': ', 1)[1]:<14}{s['bytes'] / GB:>9.2f} GB")
+        formula = s["expression"].split(": ", 1)[1]
+        lines.append(f"  {names[s['zero_stage']]:<8}{formula:<14}{human_bytes(s['bytes']):>9}")
     lines.append(
-        f"Smallest N with ZeRO-3 model state <= {ex['budget_bytes'] / GB:g} GB: N = "
-        f"{ex['smallest_devices_zero3']} ({ex['zero3_bytes_at_smallest'] / GB:.2f} GB per device)."
+        f"Smallest N with ZeRO-3 model state <= {human_bytes(ex['budget_bytes'])}: N = "
+        f"{ex['smallest_devices_zero3']} ({human_bytes(ex['zero3_bytes_at_smallest'])} per device)."
     )
     lines += [
         "",
@@ -348,25 +349,25 @@ def format_exercise(ex: dict, acts: dict) -> str:
         ),
         (
             f"  Korthikanti et al. 2022 (arXiv 2205.05198, Table 2), no recomputation, sbhL(34 + 5as/h): "
-            f"{acts['korthikanti_none'] / GB:.1f} GB"
+            f"{human_bytes(acts['korthikanti_none'])}"
         ),
         (
-            f"  full recomputation, 2sbhL: {acts['korthikanti_full'] / GB:.2f} GB, plus the recomputed layer's "
-            f"sbh(34 + 5as/h) = {acts['one_layer'] / GB:.2f} GB while it runs"
+            f"  full recomputation, 2sbhL: {human_bytes(acts['korthikanti_full'])}, plus the recomputed layer's "
+            f"sbh(34 + 5as/h) = {human_bytes(acts['one_layer'])} while it runs"
         ),
         (
             f"  jaxpar, remat=full (block inputs, embedding output, logits): "
-            f"{acts['jaxpar_activations'] / GB:.2f} GB; the backward of each layer also holds its attention "
+            f"{human_bytes(acts['jaxpar_activations'])}; the backward of each layer also holds its attention "
             f"scores on XLA's attention path, 12 bytes per score element: "
-            f"{acts['attention_working_at_smallest'] / GB:.2f} GB"
+            f"{human_bytes(acts['attention_working_at_smallest'])}"
         ),
         (
             f"  At N = {ex['smallest_devices_zero3']} the model state leaves "
-            f"{(ex['budget_bytes'] - ex['zero3_bytes_at_smallest']) / GB:.2f} GB: too little for activations "
+            f"{human_bytes(ex['budget_bytes'] - ex['zero3_bytes_at_smallest'])}: too little for activations "
             f"even with full recomputation and one sequence per device."
         ),
         (
-            f"  Smallest N for model state + jaxpar activations <= {ex['budget_bytes'] / GB:g} GB: "
+            f"  Smallest N for model state + jaxpar activations <= {human_bytes(ex['budget_bytes'])}: "
             f"{acts['fit_state_acts']}; with jaxpar's peak estimate (params, optimizer state, activations, "
             f"attention scores, gradients, gathered weights): {acts['fit_temp']}; and N dividing d_model = "
             f"{acts['d_model']} (jaxpar shards along embed): {acts['fit_temp_shardable']}."

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 
 from jaxpar.config.extras import require
+from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.log import human_bytes
 
 # What a sweep can rank its points by, and whether lower or higher is better; the measured ones need timed steps.
@@ -58,7 +59,7 @@ def label(rec: dict) -> str:
     """Short plot label: `d4 f2 t1 p1` plus the varied values."""
     m = rec["mesh"]
     short = " ".join(o.split(".")[-1] for o in rec["overrides"] if not o.startswith("mesh."))
-    return f"d{m['data']} f{m['fsdp']} t{m['tensor']} p{m['pipeline']}" + (f"\n{short}" if short else "")
+    return f"d{m[DATA]} f{m[FSDP]} t{m[TENSOR]} p{m[PIPELINE]}" + (f"\n{short}" if short else "")
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -195,7 +196,7 @@ def write_markdown(path: str, header: dict, records: list[dict]) -> None:
     for rank, r in ranked(records, objective):
         m = r["mesh"]
         lines.append(
-            f"| {rank or '-'} | {m['data']} | {m['fsdp']} | {m['tensor']} | {m['pipeline']} | {varied(r)} | "
+            f"| {rank or '-'} | {m[DATA]} | {m[FSDP]} | {m[TENSOR]} | {m[PIPELINE]} | {varied(r)} | "
             f"{r['status'].replace('_', ' ')} | " + " | ".join(cell(r) for _, _, cell in columns) + " |"
         )
         if r["error"]:
@@ -230,6 +231,7 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
     by = f"XLA GPU compiler, {gpu_target['cluster']}" if gpu_target else "XLA"
 
     def unit(values):
+        """One decimal unit for a whole plot axis (`human_bytes` formats one value; an axis needs one scale)."""
         scale = 1e9 if max(values, default=0) >= 1e9 else 1e6
         return scale, "GB" if scale == 1e9 else "MB"
 

@@ -1,7 +1,8 @@
 """Mesh sweeps: plan (and optionally compile and time) every point of a grid of mesh shapes and config overrides.
 
-A sweep file (YAML, read and its values typed by the config loader, `jaxpar.config.load.read_yaml` and
-`decode_value`: like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to the file):
+A sweep file (YAML, read, its `base:` found and its values typed by the config loader, `jaxpar.config.load.read_yaml`,
+`pop_base` and `decode_value`: like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to
+the file, as a config's `base:` is):
 
     base: ../tiny.yaml                  # required: the config every point starts from
     overrides: [model.n_layers=2]       # optional: dotted overrides applied to every point
@@ -66,8 +67,8 @@ from jaxpar.analysis.sweep.gpu import SweepTargetError, gpu_summary, parse_targe
 from jaxpar.analysis.sweep.report import MEASURED_OBJECTIVES, OBJECTIVES, PLOT_FEATURE, write_markdown, write_plot
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
 from jaxpar.config.extras import installed, missing_message
-from jaxpar.config.load import decode_value, read_yaml
-from jaxpar.config.mesh_axes import CONFIG_AXES
+from jaxpar.config.load import decode_value, pop_base, read_yaml
+from jaxpar.config.mesh_axes import CONFIG_AXES, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import PLATFORMS
 from jaxpar.log import GB
 
@@ -132,7 +133,7 @@ def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int)
     for p, t, f in itertools.product(divisors, divisors, divisors):
         if devices % (p * t * f):
             continue
-        mesh = {"data": devices // (p * t * f), "fsdp": f, "tensor": t, "pipeline": p}
+        mesh = {DATA: devices // (p * t * f), FSDP: f, TENSOR: t, PIPELINE: p}
         if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in CONFIG_AXES):
             continue
         if constraints.get("pipeline_divides_layers", True) and n_layers % p:
@@ -233,21 +234,15 @@ def load_sweep(path: str) -> Sweep:
         or a key that conflicts with it (`jaxpar.analysis.sweep.gpu.parse_target`).
     """
     try:
-        raw = read_yaml(path, "sweep", "configs/sweeps/tiny_mesh_8.yaml")
+        document = read_yaml(path, "sweep", "configs/sweeps/tiny_mesh_8.yaml")
+        raw, base = pop_base(document, path, "keys (base:, devices: or meshes:, vary:, ...)")
     except ConfigError as e:
         raise SweepError(str(e)) from e
-    if not isinstance(raw, dict):
-        raise SweepError(
-            f"{path}: the top level must be a mapping (base:, devices: or meshes:, vary:, ...), "
-            f"got {type(raw).__name__}"
-        )
     unknown = sorted(set(raw) - set(_KEYS))
     if unknown:
         raise SweepError(f"{path}: unknown sweep key {unknown[0]!r}; valid keys: {', '.join(_KEYS)}")
-    if not isinstance(raw.get("base"), str) or not raw["base"]:
+    if base is None:
         raise SweepError(f"{path}: `base:` must name the config every point starts from, e.g. base: ../tiny.yaml")
-    base = raw["base"] if os.path.isabs(raw["base"]) else os.path.join(os.path.dirname(path), raw["base"])
-    base = os.path.normpath(base)
     fixed = raw.get("overrides") or []
     if not isinstance(fixed, list) or not all(isinstance(o, str) for o in fixed):
         raise SweepError(f"overrides: must be a list of strings like mesh.tensor=1, got {fixed!r}")
@@ -255,7 +250,7 @@ def load_sweep(path: str) -> Sweep:
         check_unique_overrides(fixed)  # each point's jaxpar-plan command line refuses a repeated key
         base_cfg = load_config(base, fixed, validate=False)
     except ConfigError as e:
-        raise SweepError(f"{path}: base config {raw['base']!r}: {e}") from e
+        raise SweepError(f"{path}: base config {document['base']!r}: {e}") from e
     for text in fixed:
         if text.split("=", 1)[0].strip().startswith("mesh."):
             raise SweepError(f"overrides: {text!r}: mesh sizes come from `devices` or `meshes`, not from overrides")
