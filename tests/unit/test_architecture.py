@@ -515,3 +515,55 @@ def test_shape_letters_have_one_meaning():
             if letter in glossary and not _words(meaning) & _words(glossary[letter]):
                 wrong.append(f"{module}: {letter} {meaning!r}, the glossary's {letter} is {glossary[letter]!r}")
     assert wrong == []
+
+
+# The packages, bottom to top, and which others each may import (jaxpar.log and jaxpar's lazy API aside). A new
+# edge is a design decision: add it here, in the direction of the layers, or move the code.
+LAYERS = {
+    "config": set(),
+    "checkpoint": {"config"},
+    "parallel": {"config"},
+    "data": {"config"},
+    "model": {"config", "parallel"},
+    "training": {"config", "parallel", "model", "data", "checkpoint"},
+    "analysis.hlo": {"config", "parallel"},
+    "analysis.planner": {"config", "parallel", "model", "data", "training", "analysis.hlo"},
+    "analysis.gpu": {"config", "parallel", "model", "data", "training", "analysis.hlo", "analysis.planner"},
+    "analysis.sweep": {"config", "parallel", "model", "data", "training", "analysis.planner", "analysis.gpu"},
+    "analysis.bench": {"config", "parallel", "model", "data", "training", "analysis.hlo", "analysis.planner"},
+    "cli": {"config", "parallel", "model", "data", "checkpoint", "training", "analysis.planner", "analysis.gpu"}
+    | {"analysis.sweep", "analysis.bench", "analysis.hlo"},
+}
+
+
+def _package(module: str) -> str | None:
+    """The LAYERS key a module belongs to (None for the root modules)."""
+    parts = module.split(".")[1:]
+    if not parts or len(parts) == 1 and parts[0] in ("log",):
+        return None
+    if parts[0] == "analysis":
+        return ".".join(parts[:2]) if len(parts) > 1 else None
+    return parts[0]
+
+
+def test_the_package_root_holds_only_the_api_and_logging():
+    files = {f for f in os.listdir(PACKAGE) if f.endswith(".py")}
+    assert files == {"__init__.py", "log.py"}, "a root module belongs in the package of its concern"
+    assert {f for f in os.listdir(os.path.join(PACKAGE, "analysis")) if f.endswith(".py")} == {"__init__.py"}
+
+
+def test_packages_import_only_the_layers_below_them():
+    """Package-level imports (inside functions too) follow LAYERS: config imports nothing above it, the core never
+    imports analysis or cli, and the analysis subpackages import one another only downwards."""
+    modules = _modules(PACKAGE)
+    assert {_package(m) for m in modules} - {None} == set(LAYERS)
+    bad = {}
+    for m, path in modules.items():
+        own = _package(m)
+        for i in _imports(path, m):
+            other = _package(i) if i in modules else None
+            if own and other and other != own and other not in LAYERS[own]:
+                bad.setdefault(m, set()).add(i)
+    assert bad == {}
+    graph = {p: set(deps) for p, deps in LAYERS.items()}
+    assert _cycles(graph) == []  # the table itself is a hierarchy
