@@ -22,7 +22,7 @@ def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
     from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
 
     root, step = resolve_checkpoint_path(path)
-    reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    reader = Checkpointer.read_only(root)
     try:
         steps = reader.all_steps()
     finally:
@@ -43,7 +43,7 @@ def resumes(run_dir: str) -> bool:
     directory = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
     if not os.path.isdir(directory):
         return False
-    reader = Checkpointer(directory, every_steps=1, keep=1, async_save=False, read_only=True)
+    reader = Checkpointer.read_only(directory)
     try:
         return reader.latest_step() is not None
     finally:
