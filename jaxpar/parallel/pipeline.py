@@ -194,11 +194,6 @@ def ordered_after(tree, deps):
     return jax.tree.map(lambda x: x + zero.astype(x.dtype), tree)
 
 
-def ticks_1f1b(p: int, m: int) -> int:
-    """Clock ticks of the lockstep 1F1B loop: m + 2p - 2 (2p - 2 of them half ticks)."""
-    return m + 2 * p - 2
-
-
 def _add32(acc, g):
     return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
 
@@ -320,134 +315,11 @@ def one_f_one_b(
     Raises:
       ValueError: from `jaxpar.parallel.schedule.check` (m not a multiple of p with v > 1).
     """
-    v = virtual_stages
-    schedule.check(p, v, m)
-    s = jax.lax.axis_index(AXIS)
-    is_first, is_last = s == 0, s == p - 1
-    depth = schedule.stash_slots(p, v)
-    zeros_act = jnp.zeros(act_shape, act_dtype)
-    chunks = layers if v == 1 else jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
-
-    def chunk(j):
-        # The layers of virtual stage j (all of the stage's layers when v = 1: no slicing at all).
-        if v == 1:
-            return layers
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), chunks)
-
-    mb0 = _microbatch(mbs, jnp.int32(0), m)
-    if recompute:
-        template, stash_shapes = None, [jax.ShapeDtypeStruct(act_shape, act_dtype)]
-    else:
-        template = _Residuals(parts, chunk(jnp.int32(0)), zeros_act, mb0)
-        stash_shapes = template.stash_avals
-
-    def stage_input(x_in, mb, first):
-        return jax.lax.cond(first, lambda: parts.embed(edge, mb).astype(act_dtype), lambda: x_in)
-
-    def head_grad(h, mb, scale, g_edge, last):
-        # Last chunk: the head's loss and its gradient with respect to the edge parameters and h.
-        def run():
-            loss, (d_edge, d_h) = jax.value_and_grad(
-                lambda e, y: parts.head(e, y, mb).astype(jnp.float32) * scale, argnums=(0, 1)
-            )(edge, h)
-            return loss, d_h.astype(act_dtype), _add32(g_edge, d_edge)
-
-        return jax.lax.cond(last, run, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge))
-
-    def embed_grad(d_x, mb, g_edge, first):
-        # First chunk: the embedding's gradient from the blocks' input gradient.
-        def run():
-            _, vjp_fn = jax.vjp(lambda e: parts.embed(e, mb).astype(act_dtype), edge)
-            return _add32(g_edge, vjp_fn(d_x)[0])
-
-        return jax.lax.cond(first, run, lambda: g_edge)
-
-    def add_chunk(g_layers, d_layers, j):
-        if v == 1:
-            return _add32(g_layers, d_layers)
-
-        def one(acc, d):
-            return jax.lax.dynamic_update_index_in_dim(acc, acc[j] + d.astype(jnp.float32), j, 0)
-
-        return jax.tree.map(one, g_layers, d_layers)
-
-    def tick(carry, k, do_forward: bool, do_backward: bool):
-        recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc = carry
-        send_f = send_b = zeros_act
-        if do_forward:
-            i, j_f, valid_f = schedule.forward_at(k, s, p, v, m)
-            mb = _microbatch(mbs, i, m)
-            # The embedding runs for model chunk 0 only, the head for the last chunk only (chunk j*p + s).
-            first_f = is_first if v == 1 else is_first & (j_f == 0)
-            last_f = is_last if v == 1 else is_last & (j_f == v - 1)
-            x = stage_input(recv_f, mb, first_f)
-            w = chunk(j_f)
-            if v > 1 and parts.edge_gathered:
-                # A chunk of one layer runs outside any layer loop, so its weights' fsdp gathers would not depend
-                # on the embedding's cond (and its gathers) before them: order them after it.
-                w = ordered_after(w, x)
-            if recompute:
-                h, b_loss, b_stats = _run_blocks(parts, w, x, mb)
-                keep = [x]
-            else:
-                h, b_loss, b_stats, vjp_fn = _blocks_vjp(parts, w, x, mb)
-                keep = template.stash(vjp_fn, w)
-            if parts.blocks_loss:  # the blocks' own loss terms and stats, counted in their forward tick
-                loss_acc = loss_acc + jnp.where(valid_f, b_loss * loss_scale, 0.0)
-                stats_acc = _add_stats(stats_acc, b_stats, j_f, valid_f)
-            # Slots by forward tick: the live ones are the 2pv - 2 ticks before this one (a chunk input waits at
-            # most 2pv - 2 ticks), so this tick's slot holds nothing live and the write needs no validity mask,
-            # also for a microbatch outside 0 .. m - 1.
-            slot = jnp.mod(k, depth)
-            stash = [jax.lax.dynamic_update_index_in_dim(r, x_, slot, 0) for r, x_ in zip(stash, keep)]
-            send_f = h
-        if do_backward:
-            i_b, j_b, valid = schedule.backward_at(k, s, p, v, m)
-            mb_b = _microbatch(mbs, i_b, m)
-            d_h = recv_b
-            if do_forward:
-                # The last chunk's backward is this tick's forward (always valid in the steady ticks): its head
-                # seeds the backward. d_h then depends on the forward on every stage, so the backward's
-                # collectives start after the forward's.
-                loss, d_head, g_edge = head_grad(h, mb, jnp.where(valid, loss_scale, 0.0), g_edge, last_f)
-                loss_acc = loss_acc + loss
-                d_h = jnp.where(last_f, d_head, recv_b)
-            d_h = jnp.where(valid, d_h, jnp.zeros_like(d_h))
-            # The forward of chunk c = j_b*p + s of this microbatch ran 2(pv - 1 - c) ticks ago.
-            slot_b = jnp.mod(k - 2 * (p * v - 1 - (j_b * p + s)), depth)
-            kept = [jax.lax.dynamic_index_in_dim(r, slot_b, keepdims=False) for r in stash]
-            w_b = chunk(j_b)
-            if v > 1 and parts.edge_gathered:
-                w_b = ordered_after(w_b, d_h)  # as in the forward: the backward's regathers after the head's cond
-            if recompute:
-                x_b, mb_b = ordered_after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
-                vjp_fn = _blocks_vjp(parts, w_b, x_b, mb_b)[3]
-            else:
-                vjp_fn = template.rebuild(kept, w_b, d_h)
-            d_layers, d_x = vjp_fn(_cotangent(parts, d_h, jnp.where(valid, loss_scale, 0.0)))
-            g_layers = add_chunk(g_layers, d_layers, j_b)
-            first_b = is_first if v == 1 else is_first & (j_b == 0)
-            g_edge = embed_grad(d_x, ordered_after(mb_b, d_x), g_edge, first_b)
-            send_b = d_x
-        if do_forward and do_backward:  # the permutes after the backward, one after the other
-            send_f = ordered_after(send_f, (send_b, d_layers, g_edge))
-        recv_f = _shift(send_f, p, forward=True, ring=v > 1) if do_forward else recv_f
-        if do_forward and do_backward:
-            send_b = ordered_after(send_b, recv_f)
-        recv_b = _shift(send_b, p, forward=False, ring=v > 1) if do_backward else recv_b
-        return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc), None
-
-    zeros32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
-    carry = (
-        zeros_act,
-        zeros_act,
-        [jnp.zeros((depth, *r.shape), r.dtype) for r in stash_shapes],
-        zeros32(chunks),
-        zeros32(edge),
-        jnp.zeros((), jnp.float32),
-        _zero_stats(parts, chunk(jnp.int32(0)), zeros_act, mb0, v),
-    )
+    schedule.check(p, virtual_stages, m)
+    run = _Lockstep(parts, layers, edge, mbs, p, m, virtual_stages, act_shape, act_dtype, loss_scale, recompute)
+    carry = run.initial_carry()
     # Three static loops: forward only (warm-up), forward and backward, backward only (cool-down).
+    v = virtual_stages
     warm, last_forward = schedule.warmup_ticks(p, v), schedule.forward_tick(m - 1, p * v - 1, p, v)
     phases = (
         (0, warm, True, False),
@@ -456,11 +328,178 @@ def one_f_one_b(
     )
     for start, stop, fwd, bwd in phases:
         if stop > start:
-            carry, _ = jax.lax.scan(lambda c, k, f=fwd, b=bwd: tick(c, k, f, b), carry, jnp.arange(start, stop))
+            carry, _ = jax.lax.scan(lambda c, k, f=fwd, b=bwd: run.tick(c, k, f, b), carry, jnp.arange(start, stop))
     _, _, _, g_layers, g_edge, loss, stats = carry
     if v > 1:
         g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layers)
     return (g_layers, g_edge), loss, stats
+
+
+class _Lockstep:
+    """One stage's run of `one_f_one_b` (inside the shard_map): the static context of its clock ticks and the
+    parts of one tick. A tick's carry is (received activation [b, T', D], received gradient [b, T', D], the
+    stash rings, the layers' and the edge's fp32 gradient sums, the loss sum, the blocks' stats sums).
+
+    Forward tick k of stage s runs microbatch i's chunk j (`jaxpar.parallel.schedule.forward_at`), its backward
+    tick microbatch i_b's chunk j_b (`backward_at`); the stash holds, per forward tick, what that backward needs
+    (the chunk input with `recompute`, else the blocks' microbatch-dependent residuals, `_Residuals`)."""
+
+    def __init__(self, parts, layers, edge, mbs, p, m, v, act_shape, act_dtype, loss_scale, recompute):
+        self.parts, self.layers, self.edge, self.mbs = parts, layers, edge, mbs
+        self.p, self.m, self.v, self.act_dtype = p, m, v, act_dtype
+        self.loss_scale, self.recompute = loss_scale, recompute
+        self.s = jax.lax.axis_index(AXIS)
+        self.is_first, self.is_last = self.s == 0, self.s == p - 1
+        self.depth = schedule.stash_slots(p, v)
+        self.zeros_act = jnp.zeros(act_shape, act_dtype)
+        self.chunks = layers if v == 1 else jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
+        self.mb0 = _microbatch(mbs, jnp.int32(0), m)
+        if recompute:
+            self.template, self.stash_shapes = None, [jax.ShapeDtypeStruct(act_shape, act_dtype)]
+        else:
+            self.template = _Residuals(parts, self.chunk(jnp.int32(0)), self.zeros_act, self.mb0)
+            self.stash_shapes = self.template.stash_avals
+
+    def chunk(self, j):
+        """The layers of virtual stage j (all of the stage's layers when v = 1: no slicing at all)."""
+        if self.v == 1:
+            return self.layers
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), self.chunks)
+
+    def initial_carry(self) -> tuple:
+        """The carry before tick 0: nothing received, empty stash rings, zero sums."""
+        zeros32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
+        return (
+            self.zeros_act,
+            self.zeros_act,
+            [jnp.zeros((self.depth, *r.shape), r.dtype) for r in self.stash_shapes],
+            zeros32(self.chunks),
+            zeros32(self.edge),
+            jnp.zeros((), jnp.float32),
+            _zero_stats(self.parts, self.chunk(jnp.int32(0)), self.zeros_act, self.mb0, self.v),
+        )
+
+    def tick(self, carry, k, do_forward: bool, do_backward: bool):
+        """One clock tick: this stage's forward (`do_forward`), backward (`do_backward`), then the permutes of
+        their outputs to the neighbouring stages (in a fixed order, `ordered_after`)."""
+        recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc = carry
+        send_f = send_b = self.zeros_act
+        if do_forward:
+            fwd, stash, loss_acc, stats_acc = self.forward(recv_f, stash, loss_acc, stats_acc, k)
+            send_f = fwd["h"]
+        if do_backward:
+            send_b, d_layers, g_layers, g_edge, loss_acc = self.backward(
+                recv_b, stash, g_layers, g_edge, loss_acc, k, fwd if do_forward else None
+            )
+        if do_forward and do_backward:  # the permutes after the backward, one after the other
+            send_f = ordered_after(send_f, (send_b, d_layers, g_edge))
+        recv_f = _shift(send_f, self.p, forward=True, ring=self.v > 1) if do_forward else recv_f
+        if do_forward and do_backward:
+            send_b = ordered_after(send_b, recv_f)
+        recv_b = _shift(send_b, self.p, forward=False, ring=self.v > 1) if do_backward else recv_b
+        return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc), None
+
+    def forward(self, recv_f, stash, loss_acc, stats_acc, k):
+        """Tick k's forward of one chunk-microbatch: ({"h": the chunk's output, "mb", "last": whether the chunk
+        is the model's last}, the stash with what its backward needs in slot k mod depth, the sums with the
+        blocks' own loss terms and stats)."""
+        parts, v = self.parts, self.v
+        i, j_f, valid_f = schedule.forward_at(k, self.s, self.p, v, self.m)
+        mb = _microbatch(self.mbs, i, self.m)
+        # The embedding runs for model chunk 0 only, the head for the last chunk only (chunk j*p + s).
+        first_f = self.is_first if v == 1 else self.is_first & (j_f == 0)
+        last_f = self.is_last if v == 1 else self.is_last & (j_f == v - 1)
+        x = self.stage_input(recv_f, mb, first_f)
+        w = self.chunk(j_f)
+        if v > 1 and parts.edge_gathered:
+            # A chunk of one layer runs outside any layer loop, so its weights' fsdp gathers would not depend
+            # on the embedding's cond (and its gathers) before them: order them after it.
+            w = ordered_after(w, x)
+        if self.recompute:
+            h, b_loss, b_stats = _run_blocks(parts, w, x, mb)
+            keep = [x]
+        else:
+            h, b_loss, b_stats, vjp_fn = _blocks_vjp(parts, w, x, mb)
+            keep = self.template.stash(vjp_fn, w)
+        if parts.blocks_loss:  # the blocks' own loss terms and stats, counted in their forward tick
+            loss_acc = loss_acc + jnp.where(valid_f, b_loss * self.loss_scale, 0.0)
+            stats_acc = _add_stats(stats_acc, b_stats, j_f, valid_f)
+        # Slots by forward tick: the live ones are the 2pv - 2 ticks before this one (a chunk input waits at
+        # most 2pv - 2 ticks), so this tick's slot holds nothing live and the write needs no validity mask,
+        # also for a microbatch outside 0 .. m - 1.
+        slot = jnp.mod(k, self.depth)
+        stash = [jax.lax.dynamic_update_index_in_dim(r, x_, slot, 0) for r, x_ in zip(stash, keep)]
+        return {"h": h, "mb": mb, "last": last_f}, stash, loss_acc, stats_acc
+
+    def backward(self, recv_b, stash, g_layers, g_edge, loss_acc, k, fwd: dict | None):
+        """Tick k's backward of one chunk-microbatch, seeded by the received gradient or, for the model's last
+        chunk, by the head's gradient of this tick's forward `fwd` (None in a backward-only tick): (the gradient
+        to send to the previous stage, the chunk's weight gradient, the updated gradient sums, the loss sum
+        with the head's loss)."""
+        p, v, scale = self.p, self.v, self.loss_scale
+        i_b, j_b, valid = schedule.backward_at(k, self.s, p, v, self.m)
+        mb_b = _microbatch(self.mbs, i_b, self.m)
+        d_h = recv_b
+        if fwd is not None:
+            # The last chunk's backward is this tick's forward (always valid in the steady ticks): its head
+            # seeds the backward. d_h then depends on the forward on every stage, so the backward's
+            # collectives start after the forward's.
+            loss, d_head, g_edge = self.head_grad(
+                fwd["h"], fwd["mb"], jnp.where(valid, scale, 0.0), g_edge, fwd["last"]
+            )
+            loss_acc = loss_acc + loss
+            d_h = jnp.where(fwd["last"], d_head, recv_b)
+        d_h = jnp.where(valid, d_h, jnp.zeros_like(d_h))
+        # The forward of chunk c = j_b*p + s of this microbatch ran 2(pv - 1 - c) ticks ago.
+        slot_b = jnp.mod(k - 2 * (p * v - 1 - (j_b * p + self.s)), self.depth)
+        kept = [jax.lax.dynamic_index_in_dim(r, slot_b, keepdims=False) for r in stash]
+        w_b = self.chunk(j_b)
+        if v > 1 and self.parts.edge_gathered:
+            w_b = ordered_after(w_b, d_h)  # as in the forward: the backward's regathers after the head's cond
+        if self.recompute:
+            x_b, mb_b = ordered_after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
+            vjp_fn = _blocks_vjp(self.parts, w_b, x_b, mb_b)[3]
+        else:
+            vjp_fn = self.template.rebuild(kept, w_b, d_h)
+        d_layers, d_x = vjp_fn(_cotangent(self.parts, d_h, jnp.where(valid, scale, 0.0)))
+        g_layers = self.add_chunk(g_layers, d_layers, j_b)
+        first_b = self.is_first if v == 1 else self.is_first & (j_b == 0)
+        g_edge = self.embed_grad(d_x, ordered_after(mb_b, d_x), g_edge, first_b)
+        return d_x, d_layers, g_layers, g_edge, loss_acc
+
+    def stage_input(self, x_in, mb, first):
+        """The chunk's input: the embedding of `mb` on the model's first chunk, else the received activation."""
+        return jax.lax.cond(first, lambda: self.parts.embed(self.edge, mb).astype(self.act_dtype), lambda: x_in)
+
+    def head_grad(self, h, mb, scale, g_edge, last):
+        """On the last chunk: the head's loss and its gradient with respect to the edge parameters and h."""
+
+        def run():
+            loss, (d_edge, d_h) = jax.value_and_grad(
+                lambda e, y: self.parts.head(e, y, mb).astype(jnp.float32) * scale, argnums=(0, 1)
+            )(self.edge, h)
+            return loss, d_h.astype(self.act_dtype), _add32(g_edge, d_edge)
+
+        return jax.lax.cond(last, run, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge))
+
+    def embed_grad(self, d_x, mb, g_edge, first):
+        """On the first chunk: the embedding's gradient from the blocks' input gradient, added to `g_edge`."""
+
+        def run():
+            _, vjp_fn = jax.vjp(lambda e: self.parts.embed(e, mb).astype(self.act_dtype), self.edge)
+            return _add32(g_edge, vjp_fn(d_x)[0])
+
+        return jax.lax.cond(first, run, lambda: g_edge)
+
+    def add_chunk(self, g_layers, d_layers, j):
+        """`d_layers` (chunk j's weight gradient) added into its rows of the gradient sums."""
+        if self.v == 1:
+            return _add32(g_layers, d_layers)
+
+        def one(acc, d):
+            return jax.lax.dynamic_update_index_in_dim(acc, acc[j] + d.astype(jnp.float32), j, 0)
+
+        return jax.tree.map(one, g_layers, d_layers)
 
 
 def chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
