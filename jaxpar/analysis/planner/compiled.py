@@ -267,16 +267,14 @@ def compiled_plan(
     }
 
 
-def measure_steps(
-    cfg: Config, analytic: dict, steps: int, peak_flops_override: float = 0.0, step: CompiledStep | None = None
-) -> dict:
+def measure_steps(cfg: Config, steps: int, peak_flops_override: float = 0.0, step: CompiledStep | None = None) -> dict:
     """Runs `steps` train steps (after one untimed warm-up step) on random tokens and times them, with the
     executable of `step` when given (no second compile; its compiler options then apply to the timing), else a
     fresh `jax.jit` of the step.
 
     Returns:
       {"steps", "step_time_s" (median seconds), "tokens_per_s" (global tokens per second), "mfu" (model FLOPs
-       utilisation with `jaxpar.model.flops`: 6N + 12*L*h*s per token over devices x peak; None when the device's
+       utilisation with `jaxpar.model.flops.model_flops` per token over devices x peak; None when the device's
        peak is unknown, e.g. CPU), "peak_flops_per_device", "peak_memory_bytes" (device 0's allocator peak;
        None where the backend keeps no statistics, e.g. CPU), "device_kind"}.
 
@@ -303,12 +301,7 @@ def measure_steps(
     tokens_per_s = g * t / seconds
     device = plan.mesh.devices.flat[0]
     peak = flops.peak_flops(device.device_kind, peak_flops_override or cfg.train.peak_flops_per_device)
-    per_token = flops.flops_per_token(
-        analytic["params"]["non_embedding"] - flops.inactive_expert_params(cfg.model),
-        cfg.model.n_layers,
-        cfg.model.d_model,
-        t,
-    )
+    per_token, _ = flops.model_flops(cfg, state["params"])
     stats = device.memory_stats() or {}
     return {
         "steps": steps,
