@@ -1,7 +1,8 @@
 """Pipeline schedules inside one SPMD program: 1F1B and GPipe over the `pipeline` mesh axis (inside shard_map).
 
-Shape letters: p stages, m microbatches, b microbatch rows, T' activation sequence length (T, or T/t under
-sequence parallelism), D model width.
+Shape letters: b rows of one microbatch on a device, T' the activations' sequence length (T, or T/t under sequence
+parallelism); p stages, v virtual stages per device, m microbatches. Indices (not sizes): s a stage, i a
+microbatch, c a model chunk (0 .. pv - 1), j a chunk's slot on its device, `tick` a clock tick.
 
 Every stage runs the same program in lockstep clock ticks; `ppermute` moves activations to the next stage and
 gradients to the previous one. A stage is split into three parts (`StageParts`): the embedding, run only by the
@@ -11,8 +12,8 @@ so the other stages skip them rather than computing and discarding them. A branc
 `tensor`, `fsdp` and `data` (every member of such a group is the same stage and takes the same branch), never
 over `pipeline`.
 
-1F1B (PipeDream-Flush; Narayanan et al. 2021, arXiv 2104.04473, section 2.2) in lockstep: at tick k, stage s
-runs the forward of microbatch k - s and the backward of microbatch k - (2p - 2 - s); the last stage runs each
+1F1B (PipeDream-Flush; Narayanan et al. 2021, arXiv 2104.04473, section 2.2) in lockstep: at clock tick `tick`, stage
+s runs the forward of microbatch tick - s and the backward of microbatch tick - (2p - 2 - s); the last stage runs each
 backward in the tick of its forward, seeded by the head's gradient taken right there (`jax.value_and_grad` of
 head and loss with respect to the edge parameters and the stage output). Three static loops -- warm-up (forward
 only, p - 1 ticks), steady (forward and backward, m ticks), cool-down (backward only, p - 1 ticks) -- give
@@ -340,9 +341,10 @@ class _Lockstep:
     parts of one tick. A tick's carry is (received activation [b, T', D], received gradient [b, T', D], the
     stash rings, the layers' and the edge's fp32 gradient sums, the loss sum, the blocks' stats sums).
 
-    Forward tick k of stage s runs microbatch i's chunk j (`jaxpar.parallel.schedule.forward_at`), its backward
+    In a forward tick stage s runs microbatch i's chunk j (`jaxpar.parallel.schedule.forward_at`), in a backward
     tick microbatch i_b's chunk j_b (`backward_at`); the stash holds, per forward tick, what that backward needs
-    (the chunk input with `recompute`, else the blocks' microbatch-dependent residuals, `_Residuals`)."""
+    (the chunk input with `recompute`, else the blocks' microbatch-dependent residuals, `_Residuals`). The methods'
+    `k` is the tick."""
 
     def __init__(self, parts, layers, edge, mbs, p, m, v, act_shape, act_dtype, loss_scale, recompute):
         self.parts, self.layers, self.edge, self.mbs = parts, layers, edge, mbs

@@ -2,7 +2,7 @@
 
 `check_init_from` runs before any device work (reads config.json and safetensors headers, or a checkpoint's saved
 config) and names every model key that differs; `load_init_params` reads the parameters on the host (float32
-numpy, or a checkpoint's parameters alone), which `jaxpar.training.step.init_state(plan, params=...)`
+numpy, or a checkpoint's parameters alone), which `jaxpar.training.state.init_state(plan, params=...)`
 then places on the run's mesh with a fresh optimizer state at step 0.
 """
 

@@ -18,7 +18,6 @@ sharding drifted would raise instead of silently recompiling.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import tempfile
@@ -47,15 +46,9 @@ from jaxpar.training.init_from import check_init_from, check_init_from_tokenizer
 from jaxpar.training.loss import LossFn
 from jaxpar.training.metrics import MetricsWriter, default_trackers
 from jaxpar.training.optimizer import nonfinite_state
-from jaxpar.training.step import (
-    StepPlan,
-    abstract_state,
-    build_plan,
-    compute_dtype,
-    init_state,
-    make_eval_step,
-    make_train_step,
-)
+from jaxpar.training.plan import StepPlan, build_plan
+from jaxpar.training.state import abstract_state, init_state
+from jaxpar.training.step import make_eval_step, make_train_step
 
 # TrainResult, TrainingDiverged and evaluate live in jaxpar.training.hooks; imported from here as before.
 __all__ = ["CompiledHook", "TrainResult", "TrainingDiverged", "check_run_dir", "evaluate", "train"]
@@ -178,16 +171,6 @@ def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
                 f"steps >= 1 (0: on_step never runs), or override its due()"
             )
     return out
-
-
-def _resolved(cfg: Config) -> Config:
-    """`cfg` with the mesh sizes and `precision.compute_dtype: auto` resolved for this machine."""
-    cfg = resolve_config(cfg, jax.device_count())
-    if cfg.precision.compute_dtype == "auto":
-        cfg = dataclasses.replace(
-            cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name)
-        )
-    return cfg
 
 
 def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
@@ -350,11 +333,12 @@ def _start_run(
         check_init_from_tokenizer(cfg)
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
+    cfg = plan.cfg  # `precision.compute_dtype` resolved for the mesh's devices: the config the run saves
     _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
     _log(
         f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
         f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}, attention "
-        f"{plan.mdef.cfg.attention} (model.attention {cfg.model.attention})"
+        f"{plan.attention} (model.attention {cfg.model.attention})"
     )
     if cfg.mesh.pipeline > 1:
         pipe = cfg.pipeline
@@ -490,7 +474,7 @@ def train(
     Args:
       cfg: the run config.
       loss_fn, optimizer, learning_rate: a caller's own training loss and optax optimizer, and what the
-        `learning_rate` metric reports for it; see `jaxpar.training.step.build_plan` (defaults: cross-entropy, and
+        `learning_rate` metric reports for it; see `jaxpar.training.plan.build_plan` (defaults: cross-entropy, and
         the config's AdamW). Validation (`val_loss`) is the cross-entropy whatever the loss. Metrics the step
         does not report (`learning_rate` without `learning_rate`; `skipped_steps` without a
         `jaxpar.training.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
@@ -514,7 +498,7 @@ def train(
       TrainingDiverged: too many non-finite updates in a row (`DivergenceHook`).
     """
     hooks = None if hooks is None else _checked_hooks(hooks)
-    cfg = _resolved(cfg)
+    cfg = resolve_config(cfg, jax.device_count())  # the mesh sizes; the plan resolves the precision
     hooks = default_hooks(cfg) if hooks is None else hooks
     check_run_dir(cfg.train.run_dir)
     with contextlib.ExitStack() as stack:  # closes the hooks' contexts, the writer and the checkpointer

@@ -36,7 +36,9 @@ from step_helpers import (
 from jaxpar.config import load_config
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.loss import VocabParallelLoss, cross_entropy_with_z_loss
-from jaxpar.training.step import build_plan, init_state, make_eval_step, make_grad_fn
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_eval_step, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

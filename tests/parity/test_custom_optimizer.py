@@ -49,7 +49,9 @@ from jaxpar.model.flops import param_count
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import opt_state_specs
 from jaxpar.training.optimizer import skip_nonfinite
-from jaxpar.training.step import build_plan, init_state, make_grad_fn, make_train_step
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_grad_fn, make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

@@ -13,7 +13,7 @@ import pytest
 from optax import tree_utils as otu
 from step_helpers import FP32, make_plan, quick_compile, shard_shape, to_host
 
-from jaxpar.training.step import init_state
+from jaxpar.training.state import init_state
 
 SEED = 11
 # name -> (data, fsdp, zero_stage, devices)

@@ -13,7 +13,9 @@ from step_helpers import CONFIG, FP32, FP32_RTOL, TINY, assert_scalar_close, ass
 
 from jaxpar.config import load_config
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import build_plan, init_state, make_grad_fn
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

@@ -20,7 +20,8 @@ from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan
 
 from jaxpar.analysis.hlo.collective_order import unordered_collectives
 from jaxpar.parallel import pipeline
-from jaxpar.training.step import abstract_state, make_grad_fn
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_grad_fn
 
 VALID = (8, 3, 8, 0, 5, 8, 1, 8, 8, 7, 2, 8, 8, 4, 8, 6)
 LAYOUTS = {

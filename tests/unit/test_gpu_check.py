@@ -136,7 +136,7 @@ def test_readme_cluster_commands_run_a_checked_step():
     compiled for the config's cluster: the same GPU count and the same fingerprint (mesh, batch, model)."""
     import re
 
-    from jaxpar.analysis.gpu.deviceless import gpu_config
+    from jaxpar.config import resolve_config
 
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         commands = re.findall(r"^sbatch --nodes=(\d+) tools/slurm_gpu\.sbatch (\S+)(.*)$", f.read(), re.MULTILINE)
@@ -147,5 +147,5 @@ def test_readme_cluster_commands_run_a_checked_step():
         rec = RECORDS[os.path.basename(config)]
         devices = int(nodes) * per_node
         assert devices == parse_cluster(rec["cluster"]).devices, (config, rec["cluster"])
-        cfg = gpu_config(load_config(os.path.join(ROOT, config), overrides.split(), num_devices=devices), devices)
+        cfg = resolve_config(load_config(os.path.join(ROOT, config), overrides.split(), num_devices=devices), devices)
         assert gpu_check.fingerprint(cfg) == rec["fingerprint"], f"{config}{overrides}: not the checked step"

@@ -40,7 +40,8 @@ import pytest
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
 
 from jaxpar.data.batch import abstract_batch
-from jaxpar.training.step import abstract_state, make_grad_fn
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_grad_fn
 
 P_STAGES = 4
 T = 32
@@ -162,7 +163,7 @@ def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
     from jax.sharding import PartitionSpec as P
 
     from jaxpar.parallel import pipeline
-    from jaxpar.training import step
+    from jaxpar.training import pipelined
 
     plan = make_plan(
         [*FP32, f"model.n_layers={layers}", f"data.seq_len={T}", "mesh.data=1", "mesh.fsdp=1", f"mesh.pipeline={p}"],
@@ -177,9 +178,9 @@ def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
             "targets": jax.numpy.zeros((B, T), "int32"),
             "loss_mask": jax.numpy.zeros((B, T)),
         }
-        stack, _ = step.split_stack(params)
+        stack, _ = pipelined.split_stack(params)
         chunk = jax.tree.map(lambda a: a[: a.shape[0] // v], stack)
-        parts = step._stage_parts(plan, params, plan.loss_fn)
+        parts = pipelined.stage_parts(plan, params, plan.loss_fn)
         got["bytes"] = pipeline.residual_bytes(parts, chunk, jax.numpy.zeros((B, T, d)), mb)
         return jax.numpy.zeros(())
 

@@ -40,7 +40,9 @@ from jaxpar.model import flops as flops_lib
 from jaxpar.model.attention import dot_product_attention
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.compiled_memory import memory_analysis_bytes
-from jaxpar.training.step import build_plan, init_state, make_train_step
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_train_step
 
 _LOGGER = logging.getLogger("jaxpar.analysis.gpu.acceptance")
 

@@ -45,12 +45,9 @@ from jaxpar.config.schema import Config
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.compiled_memory import memory_analysis_bytes
-from jaxpar.training.step import (
-    abstract_state,
-    build_plan,
-    init_state,
-    make_train_step,
-)
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import abstract_state, init_state
+from jaxpar.training.step import make_train_step
 
 # The pass after which the program is "partitioned" (module docstring): StatefulRngSpmdPartitioner's name in
 # XLA's CPU and GPU SPMD pipelines.
@@ -76,7 +73,7 @@ def _step_plan(cfg: Config):
 class CompiledStep:
     """The train step compiled ahead of time for abstract (state, batch), with what produced it."""
 
-    plan: Any  # jaxpar.training.step.StepPlan
+    plan: Any  # jaxpar.training.plan.StepPlan
     state: dict  # abstract state (ShapeDtypeStructs with shardings)
     batch: dict  # abstract batch
     executable: Any  # jax.stages.Compiled; callable on real arrays with the same shardings

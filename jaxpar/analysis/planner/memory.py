@@ -43,7 +43,8 @@ from jaxpar.analysis.planner.dims import rank_params_split
 from jaxpar.config.precision import precision_layout
 from jaxpar.parallel.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.training.compiled_memory import memory_analysis_bytes
-from jaxpar.training.step import StepPlan, make_grad_fn, make_train_step
+from jaxpar.training.plan import StepPlan
+from jaxpar.training.step import make_grad_fn, make_train_step
 
 _STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 POINTER_BYTES = 8  # one entry of XLA's tuple index table
