@@ -15,10 +15,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-EMPTY = "empty"  # a node without arrays (an optax state such as EmptyState, None, {}), as a leaf of `flat_leaves`
+EMPTY = "empty"  # a node without arrays (an optax state such as EmptyState, None, {}), as a leaf of `_flat_leaves`
 
 
-def flat_leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str] | str]:
+def _flat_leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str] | str]:
     """Orbax's dotted leaf names ("opt_state.0.mu.w") -> (shape, dtype name) for arrays, `EMPTY` for nodes that
     hold none; the same for a restore target and for a checkpoint's metadata."""
     out: dict = {}
@@ -95,7 +95,7 @@ class CheckpointMismatchError(ValueError):
 def check_target(saved_tree: Any, abstract_state: Any, path: str, step: int) -> None:
     """Raise CheckpointMismatchError with every key whose presence, structure, shape or dtype differs between the
     checkpoint's metadata (`saved_tree`, of the step's state at `path`) and the target."""
-    saved, want = flat_leaves(saved_tree), flat_leaves(abstract_state)
+    saved, want = _flat_leaves(saved_tree), _flat_leaves(abstract_state)
     differences = [
         ArrayDifference(k, saved.get(k), want.get(k))
         for k in sorted(saved.keys() | want.keys())

@@ -25,6 +25,8 @@ from typing import Any
 
 import jax
 
+from jaxpar.data.info import DataInfo
+
 _LOGGER = logging.getLogger("jaxpar.training")
 
 
@@ -62,7 +64,8 @@ class RunContext:
       train_loader: the training batches (`next_batch()`, Grain's `get_state()` / `set_state()`).
       val_loader: the validation split (`jaxpar.data.EvalLoader`); eval_step: `(params, batch) -> (loss sum
         in nats, valid tokens)`, see `jaxpar.training.hooks.evaluate`.
-      data_info: the splits' token and sequence counts and `val_unigram_entropy` (`jaxpar.data.build_loaders`).
+      data_info: the splits' token and sequence counts and `val_unigram_entropy` (`jaxpar.data.info.DataInfo`, from
+        `jaxpar.data.build_loaders`).
       checkpointer: the run's `jaxpar.checkpoint.store.Checkpointer`, None with `checkpoint.every_steps=0`.
       writer: the run's `jaxpar.training.metrics.MetricsWriter` (metrics.jsonl and the configured trackers).
       stack: a `contextlib.ExitStack` closed when the loop ends, normally or by an error: a hook enters its
@@ -92,7 +95,7 @@ class RunContext:
     train_loader: Any
     val_loader: Any
     eval_step: Callable
-    data_info: dict
+    data_info: DataInfo
     checkpointer: Any
     writer: Any
     stack: contextlib.ExitStack
@@ -129,12 +132,8 @@ class RunContext:
 
     @property
     def val_cover(self) -> str:
-        """What each evaluation scores, in words (for log lines)."""
-        i = self.data_info
-        return (
-            f"{i['val_scored_tokens']:,} validation tokens ({i['val_scored_sequences']:,} of "
-            f"{i['val_sequences']:,} validation sequences)"
-        )
+        """What each evaluation scores, in words (for log lines; `jaxpar.data.info.DataInfo.val_coverage`)."""
+        return self.data_info.val_coverage()
 
     def log(self, msg: str) -> None:
         """Logs `msg` from process 0 (logger `jaxpar.training`)."""
