@@ -58,7 +58,7 @@ def hardware_flops_per_token(
     policy recomputes (`jaxpar.model.llama.recompute_flops_per_token` for the built-in llama family), plus one
     more forward (a third of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule with
     `pipeline.recompute: true` rebuilds each stage's forward from its stashed input before the backward; see
-    `jaxpar.parallel.pipeline` and `stage_recompute`). With remat none and no stage recompute the result is the
+    `jaxpar.parallel.pipeline_1f1b` and `stage_recompute`). With remat none and no stage recompute the result is the
     model FLOPs: HFU == MFU."""
     extra = model_flops_per_token / 3 if stage_recompute else 0.0
     return model_flops_per_token + extra + recomputed_flops_per_token

@@ -40,7 +40,7 @@ def reduce_replicated(plan: StepPlan, grads: dict) -> dict:
     axes = []
     if plan.tensor_parallel.sequence_parallel:
         axes.append(TENSOR_AXIS)
-    if shape["pipeline"] > 1:
+    if shape[pipeline_lib.AXIS] > 1:
         axes.append(pipeline_lib.AXIS)
     if shape["fsdp"] > 1:
         axes.append("fsdp")

@@ -1,6 +1,6 @@
 """The step's pipelined parts (`mesh.pipeline > 1`): the plan's model cut into a pipeline stage's parts
 (`stage_parts`) and one accumulation step's gradients through the configured schedule (`pipeline_grads`,
-`jaxpar.parallel.pipeline`), inside the step's shard_map.
+`jaxpar.parallel.pipeline`, `jaxpar.parallel.pipeline_1f1b`), inside the step's shard_map.
 
 Shape letters: b rows of one microbatch on this device; T' = T/t under sequence parallelism, else T; U the
 model's MoE blocks (`jaxpar.training.moe_loss`); p stages, v virtual stages per device, m microbatches.
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel.pipeline_1f1b import one_f_one_b
 from jaxpar.parallel.sharding import storage_axes
 from jaxpar.training.forward import gatherer, run_blocks, split_microbatches
 from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
@@ -73,21 +74,22 @@ def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[i
 
 def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array, dict]:
     """Gradients, scaled loss and MoE sums of one accumulation step's local batch through the configured
-    pipeline schedule (`jaxpar.parallel.pipeline`), split into m = `pipeline.microbatches` microbatches.
+    pipeline schedule (`jaxpar.parallel.pipeline_1f1b.one_f_one_b` or `jaxpar.parallel.pipeline.gpipe`), split
+    into m = `pipeline.microbatches` microbatches.
 
     The MoE sums ({} without `model.moe`) are this stage's: its units' "aux", "z" and "dropped", and "load"
     [U, E] in model order with this stage's rows filled and zeros elsewhere, so their sum over `pipeline` is the
     whole model's."""
     m = plan.cfg.pipeline.microbatches
     mbs, act_shape = _pipeline_shapes(plan, batch, m)
-    schedule = pipeline_lib.one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
+    schedule = one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
     layers, edge = split_stack(params)
     (g_layers, g_edge), loss, stats = schedule(
         stage_parts(plan, params, plan.loss_fn),
         layers,
         edge,
         mbs,
-        p=plan.mesh_shape["pipeline"],
+        p=plan.mesh_shape[pipeline_lib.AXIS],
         m=m,
         act_shape=act_shape,
         act_dtype=plan.compute_dtype,
@@ -99,7 +101,7 @@ def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Ar
     # [v, U/(pv), E] go to their units' rows in model order.
     sums = {k: jnp.sum(a, axis=0) for k, a in stats.items() if k != "load"}
     if "load" in stats:
-        sums["load"] = pipeline_lib.chunk_rows_in_model_order(stats["load"], plan.mesh_shape["pipeline"])
+        sums["load"] = pipeline_lib.chunk_rows_in_model_order(stats["load"], plan.mesh_shape[pipeline_lib.AXIS])
     return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss, sums
 
 
@@ -116,7 +118,7 @@ def pipelined_eval_loss(plan: StepPlan, params: dict, batch: dict) -> jax.Array:
         layers,
         edge,
         mbs,
-        p=plan.mesh_shape["pipeline"],
+        p=plan.mesh_shape[pipeline_lib.AXIS],
         m=m,
         act_shape=act_shape,
         act_dtype=plan.compute_dtype,

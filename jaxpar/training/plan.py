@@ -32,6 +32,7 @@ from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
 from jaxpar.model import ModelDef, init_params, model_def
 from jaxpar.parallel.mesh import MESH_AXES
 from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs
+from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
 from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy
 from jaxpar.training.optimizer import build_optimizer, learning_rate_schedule, nonfinite_state, schedule_count
@@ -84,7 +85,7 @@ class StepPlan:
 
     @property
     def tensor_parallel(self) -> TensorParallel:
-        size = self.mesh_shape["tensor"]
+        size = self.mesh_shape[TENSOR_AXIS]
         return TensorParallel(size=size, sequence_parallel=sequence_parallel(self.cfg, size))
 
     @functools.cached_property

@@ -68,7 +68,7 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
     """`make_grad_fn`'s function with a fourth output: the global MoE sums (`jaxpar.training.moe_loss`; "aux"
     and "z" divided by the global token count), or {} without `model.moe`."""
     accumulate = _accumulated_grads(plan)
-    stages = plan.mesh_shape["pipeline"]
+    stages = plan.mesh_shape[pipeline_lib.AXIS]
     loss_axes = DATA_PARALLEL_AXES + ((pipeline_lib.AXIS,) if stages > 1 else ())
     virtual = plan.cfg.pipeline.virtual_stages if stages > 1 else 1
 
@@ -118,7 +118,7 @@ def _accumulated_grads(plan: StepPlan) -> Callable:
     the pipeline schedule on `staged` (the layers in the schedule's order, `jaxpar.training.pipelined`)."""
     loss_sum = loss_body(plan)
     moe = plan.cfg.model.moe
-    stages, pipe_mb = plan.mesh_shape["pipeline"], plan.cfg.pipeline.microbatches
+    stages, pipe_mb = plan.mesh_shape[pipeline_lib.AXIS], plan.cfg.pipeline.microbatches
     # Without a pipeline its microbatches are just more gradient accumulation.
     accum = plan.cfg.train.grad_accum_steps * (pipe_mb if stages == 1 else 1)
 
@@ -218,7 +218,7 @@ def make_eval_step(plan: StepPlan) -> Callable:
     pipelined_eval_loss`: each device keeps its own stage's layers), with each device's rows split into
     gcd(rows, pipeline.microbatches) microbatches."""
     loss_sum = loss_body(plan, train=False)
-    stages = plan.mesh_shape["pipeline"]
+    stages = plan.mesh_shape[pipeline_lib.AXIS]
 
     def body(params, batch):
         # psum over the batch-splitting axes: each device saw only its own rows (and over pipeline: only the

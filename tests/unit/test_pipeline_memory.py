@@ -158,11 +158,11 @@ def test_temp_at_fixed_global_batch(temp):
 
 
 def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
-    """(residual bytes of one chunk-microbatch that 1F1B without recompute stashes, `jaxpar.parallel.pipeline.
+    """(residual bytes of one chunk-microbatch that 1F1B without recompute stashes, `jaxpar.parallel.pipeline_1f1b.
     residual_bytes`; one stage input [b, T, D] fp32 in bytes) for p stages of `layers` layers, v chunks each."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxpar.parallel import pipeline
+    from jaxpar.parallel import pipeline_1f1b
     from jaxpar.training import pipelined
 
     plan = make_plan(
@@ -181,7 +181,7 @@ def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
         stack, _ = pipelined.split_stack(params)
         chunk = jax.tree.map(lambda a: a[: a.shape[0] // v], stack)
         parts = pipelined.stage_parts(plan, params, plan.loss_fn)
-        got["bytes"] = pipeline.residual_bytes(parts, chunk, jax.numpy.zeros((B, T, d)), mb)
+        got["bytes"] = pipeline_1f1b.residual_bytes(parts, chunk, jax.numpy.zeros((B, T, d)), mb)
         return jax.numpy.zeros(())
 
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"],), out_specs=P(), check_vma=False)
@@ -192,7 +192,7 @@ def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
 @pytest.mark.timeout(300)
 def test_residual_stash_bound(temp):
     """The stated stash bound of 1F1B without recompute: (2p - 1) x the residual bytes of one stage-microbatch
-    (`jaxpar.parallel.pipeline.residual_bytes`) in place of (2p - 1) stage inputs [b, T, D]: the temporaries of
+    (`jaxpar.parallel.pipeline_1f1b.residual_bytes`) in place of (2p - 1) stage inputs [b, T, D]: the temporaries of
     the two modes differ by that, within 10% (XLA's buffer reuse and the tick's working set)."""
     residual, stage_input = _residual_bytes(P_STAGES, L)
     assert residual > stage_input
