@@ -145,7 +145,7 @@ def child(args) -> None:
     print(
         json.dumps(
             {
-                "tokens": info["train_tokens"] + info["val_tokens"],
+                "tokens": info.train_tokens + info.val_tokens,
                 "hwm_kib": _status_kib("VmHWM"),
                 "rss_kib": _status_kib("VmRSS"),
                 "rss_after_imports_kib": base,

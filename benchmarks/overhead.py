@@ -18,13 +18,11 @@ import argparse
 import statistics
 
 import jax
-import jax.numpy as jnp
 
 from jaxpar.analysis.bench.report import ONE_DEVICE, measure_overhead, zero_memory_tables
 from jaxpar.analysis.bench.timing import median_seconds, round_medians
 from jaxpar.analysis.planner.memory import format_memory_table
 from jaxpar.config import load_config
-from jaxpar.training.step import compute_dtype
 
 
 def main() -> None:
@@ -36,12 +34,12 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = load_config(args.config, args.overrides + ONE_DEVICE, num_devices=1)
+    result = measure_overhead(cfg, args.steps, args.rounds)
     print(
         f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}); model {cfg.model.n_layers} layers, "
         f"d_model {cfg.model.d_model}, batch {cfg.train.global_batch_size} x {cfg.data.seq_len} tokens, "
-        f"layout {cfg.precision.layout}, compute {jnp.dtype(compute_dtype(cfg)).name}"
+        f"layout {cfg.precision.layout}, compute {result['compute_dtype']}"
     )
-    result = measure_overhead(cfg, args.steps, args.rounds)
     jc, rc = result["cost"]["jaxpar"], result["cost"]["reference"]
     print(
         f"XLA cost estimate jaxpar/reference: FLOPs {jc['flops'] / rc['flops']:.4f}, "

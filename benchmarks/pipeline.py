@@ -51,7 +51,9 @@ from jaxpar.config import ConfigError, load_config
 from jaxpar.data.batch import BATCH_KEYS, random_batch
 from jaxpar.log import human_bytes
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import build_plan, init_state, make_train_step
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_train_step
 
 SCHEDULES = ("1f1b", "1f1b-rc", "1f1b-v2", "gpipe")  # -rc: pipeline.recompute=true; -v2: pipeline.virtual_stages=2
 

@@ -53,7 +53,6 @@ def main() -> int:
     import jax
 
     from jaxpar.analysis.bench.tensor_bytes import compile_steps, format_table
-    from jaxpar.analysis.gpu.deviceless import gpu_config
     from jaxpar.config import ConfigError, load_config
     from jaxpar.config.validate import resolve_config
 
@@ -85,7 +84,7 @@ def main() -> int:
             overrides = [*extra, *COMMON, *LAYOUTS[layout], f"model.remat={remat}", *args.overrides]
             try:
                 cfg = load_config(config, overrides, validate=False)
-                cfg = resolve_config(cfg, len(devices)) if args.target is None else gpu_config(cfg, len(devices))
+                cfg = resolve_config(cfg, len(devices))
             except ConfigError as e:
                 print(f"bench_tensor_bytes: {layout}, remat={remat}: {e}", file=sys.stderr)
                 return 2

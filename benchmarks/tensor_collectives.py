@@ -32,7 +32,9 @@ from jaxpar.analysis.hlo.collectives import collectives_by_axis, format_axis_tab
 from jaxpar.config import load_config
 from jaxpar.data.batch import random_batch
 from jaxpar.parallel.mesh import build_mesh, describe
-from jaxpar.training.step import abstract_state, build_plan, init_state, make_train_step
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import abstract_state, init_state
+from jaxpar.training.step import make_train_step
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ The calls it shows:
     train(cfg, loss_fn=cross_entropy_with_z_loss(1e-4), optimizer=skip_nonfinite(optax.lion(schedule)),
           learning_rate=schedule)
 
-and `jaxpar.training.step.build_plan(cfg, mesh, loss_fn=..., optimizer=..., learning_rate=...)` takes the same
+and `jaxpar.training.plan.build_plan(cfg, mesh, loss_fn=..., optimizer=..., learning_rate=...)` takes the same
 keywords for a hand-written loop (`init_state`, `make_train_step`).
 """
 

@@ -18,7 +18,8 @@ from jaxpar.config import load_config
 from jaxpar.data.batch import BATCH_KEYS
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.optimizer import weight_decay_mask
-from jaxpar.training.step import StepPlan, _grad_fn_with_moe, build_plan, make_grad_fn, make_train_step
+from jaxpar.training.plan import StepPlan, build_plan
+from jaxpar.training.step import _grad_fn_with_moe, make_grad_fn, make_train_step
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Compile time (not the model) dominates these tests, so the model is as small as the checks allow:

@@ -1,2 +1,3 @@
-"""Checkpoints of a run: the Orbax store a run saves to and restores from (`store`), what a saved step holds
-without restoring it (`info`), and parameters alone read from a saved step (`params`)."""
+"""Checkpoints of a run: the Orbax store a run saves to and restores from (`store`), the check of a restore target
+against a saved step (`mismatch`), what a saved step holds without restoring it (`info`), and parameters alone read
+from a saved step (`params`)."""

@@ -26,7 +26,7 @@ def restore_params(path: str, step: int | None = None) -> tuple[dict, Config, in
       FileNotFoundError: no complete checkpoint at `path` (or no step `step`), or a step without a saved config.
     """
     root, given = resolve_checkpoint_path(path)
-    reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    reader = Checkpointer.read_only(root)
     try:
         steps = reader.all_steps()
     finally:

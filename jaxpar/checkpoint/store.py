@@ -7,18 +7,16 @@ A checkpoint directory holds one sub-directory per step, written by `orbax.check
     <directory>/<step>/config/   JSON: the run config as a plain dict
 
 Completeness. On a local or POSIX filesystem Orbax writes a step into `<step>.orbax-checkpoint-tmp`, writes
-`commit_success.txt` into it, then renames it to `<step>` (orbax/checkpoint/_src/path/atomicity.py,
-`AtomicRenameTemporaryPath.finalize`). By default Orbax's step finder accepts any local directory whose name
-lacks the tmp suffix; this module also requires the `commit_success.txt` marker (and gives Orbax's finder a
-`CommitFileTemporaryPath` step-name format, so its retention count agrees), so a half-copied or hand-made step
-directory is never taken as a checkpoint. A writable `Checkpointer` removes left-over tmp directories when it
-opens (`cleanup_tmp_directories=True`; done in the background, awaited by the first save), so a step can be
-saved again after a crash mid-save.
+`commit_success.txt` into it, then renames it to `<step>` (Orbax's `AtomicRenameTemporaryPath`). By default Orbax's
+step finder accepts any local directory whose name lacks the tmp suffix; this module also requires the
+`commit_success.txt` marker (and gives Orbax's finder a `CommitFileTemporaryPath` step-name format, so its retention
+count agrees), so a half-copied or hand-made step directory is never taken as a checkpoint. A writable
+`Checkpointer` removes left-over tmp directories when it opens (`cleanup_tmp_directories=True`; done in the
+background, awaited by the first save), so a step can be saved again after a crash mid-save.
 
 Async failures. A background write failure is raised by the next `wait()`, `save()` or `close()`, once.
-Restores check the target against the saved metadata first, every leaf including the empty nodes of optax
-states, and raise `CheckpointMismatchError` (a `ValueError`) carrying every difference as an `ArrayDifference`
-(Orbax's own shape error does not name the key, and it silently casts dtypes).
+Restores check the target against the saved metadata first (`jaxpar.checkpoint.mismatch`): every leaf, and a
+`CheckpointMismatchError` (a `ValueError`) carrying every difference.
 
 Restoring onto a different mesh or layout is supported: every leaf of `abstract_state` is a
 `jax.ShapeDtypeStruct` with a `.sharding`, and the arrays come back with exactly that sharding.
@@ -26,17 +24,17 @@ Restoring onto a different mesh or layout is supported: every leaf of `abstract_
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import re
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from jaxpar.checkpoint.mismatch import CheckpointMismatchError, check_target
 
 _STATE, _DATA, _CONFIG = "state", "data", "config"
 # Orbax's notes on reading a checkpoint read-only, which say nothing wrong with it: the directory is read-only (we
@@ -64,97 +62,27 @@ def _is_complete_step_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, _COMMIT_MARKER))
 
 
-EMPTY = "empty"  # a node without arrays (an optax state such as EmptyState, None, {}), as a leaf of `_flat_leaves`
-
-
-def _flat_leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str] | str]:
-    """Orbax's dotted leaf names ("opt_state.0.mu.w") -> (shape, dtype name) for arrays, `EMPTY` for nodes that
-    hold none; the same for a restore target and for a checkpoint's metadata."""
-    out: dict = {}
-
-    def walk(x: Any, path: str) -> None:
-        if hasattr(x, "shape"):
-            out[path] = (tuple(int(n) for n in x.shape), str(jax.numpy.dtype(x.dtype)))
-        elif isinstance(x, dict) and x:
-            for k, v in x.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-        elif isinstance(x, (list, tuple)) and len(x):
-            for i, v in enumerate(x):
-                walk(v, f"{path}.{i}" if path else str(i))
-        else:
-            out[path] = EMPTY
-
-    walk(ocp.tree.serialize_tree(tree, keep_empty_nodes=True), "")
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class ArrayDifference:
-    """One leaf on which a checkpoint and a restore target disagree.
-
-    Attributes:
-      key: Orbax's dotted name of the leaf, e.g. "params.blocks.attn.wk".
-      saved, target: (shape, dtype name) of the array on that side, `EMPTY` for a node without arrays, None
-        where that side has no such key.
-    """
-
-    key: str
-    saved: tuple[tuple[int, ...], str] | str | None
-    target: tuple[tuple[int, ...], str] | str | None
-
-    def __str__(self) -> str:
-        s, t = self.saved, self.target
-        if s is None:
-            return f"{self.key}: in the target, missing from the checkpoint"
-        if t is None:
-            return f"{self.key}: in the checkpoint, missing from the target"
-        if s == EMPTY or t == EMPTY:
-            return (
-                f"{self.key}: {'no array' if s == EMPTY else 'an array'} in the checkpoint, "
-                f"{'no array' if t == EMPTY else 'an array'} in the target"
-            )
-        parts = [f"checkpoint shape {s[0]} != target shape {t[0]}"] if s[0] != t[0] else []
-        parts += [f"checkpoint dtype {s[1]} != target dtype {t[1]}"] if s[1] != t[1] else []
-        return f"{self.key}: {'; '.join(parts)}"
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint is readable but its arrays do not fit the restore target (another model or optimizer).
-
-    Attributes:
-      path: the step's state directory; step: its step.
-      differences: every `ArrayDifference`, sorted by key (presence, structure, shape or dtype).
-    """
-
-    def __init__(self, path: str, step: int, differences: Sequence[ArrayDifference]):
-        self.path, self.step, self.differences = path, step, tuple(differences)
-        super().__init__(
-            f"checkpoint {path} does not match the restore target:\n" + "\n".join(f"  {d}" for d in self.differences)
-        )
-
-    def __reduce__(self):  # keeps the fields through pickling (multiprocessing, pytest-xdist)
-        return type(self), (self.path, self.step, self.differences)
-
-    def summary(self, examples: int = 3) -> str:
-        """ "N arrays differ, e.g. A; B; C", the parameters' differences first (they say most about the model)."""
-        first = sorted(self.differences, key=lambda d: not d.key.startswith("params."))[:examples]
-        return f"{len(self.differences)} arrays differ, e.g. {'; '.join(map(str, first))}"
-
-
-def _check_target(saved_tree: Any, abstract_state: Any, path: str, step: int) -> None:
-    """Raise CheckpointMismatchError with every key whose presence, structure, shape or dtype differs between the
-    checkpoint's metadata and the target."""
-    saved, want = _flat_leaves(saved_tree), _flat_leaves(abstract_state)
-    differences = [
-        ArrayDifference(k, saved.get(k), want.get(k))
-        for k in sorted(saved.keys() | want.keys())
-        if saved.get(k) != want.get(k)
-    ]
-    if differences:
-        raise CheckpointMismatchError(path, step, differences)
+def _manager_options(every_steps: int, keep: int, async_save: bool, read_only: bool) -> ocp.CheckpointManagerOptions:
+    """The Orbax manager's options for a `Checkpointer` (its arguments): nothing created before the first save,
+    and a step found only once it holds the commit marker (module docstring)."""
+    return ocp.CheckpointManagerOptions(
+        # what Orbax sets for read_only itself (saying so at warning level when given anything else)
+        max_to_keep=None if read_only else keep,
+        save_interval_steps=0 if read_only else every_steps,
+        enable_async_checkpointing=async_save,
+        read_only=read_only,
+        create=False,  # `save` creates the directory: a failed restore must not leave it behind
+        cleanup_tmp_directories=not read_only,
+        # Only for finding steps: a step counts once it holds commit_success.txt. Writing still uses the
+        # default atomic rename of <step>.orbax-checkpoint-tmp.
+        step_name_format=ocp.path.step.standard_name_format(
+            temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath
+        ),
+    )
 
 
 def _check_has_shardings(abstract_state: Any) -> None:
+    """Raises ValueError naming the leaves of a restore target that carry no `.sharding`."""
     leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
     missing = [jax.tree_util.keystr(p) for p, x in leaves if getattr(x, "sharding", None) is None]
     if missing:
@@ -171,7 +99,8 @@ class Checkpointer:
       every_steps: save when `step % every_steps == 0` (or on a preemption signal); >= 1.
       keep: number of most recent checkpoints kept; older ones are deleted after a newer one commits; >= 1.
       async_save: write arrays in a background thread; `save` returns once device buffers are copied to host.
-      read_only: only restore; never create, save, delete, or clean up tmp directories.
+      read_only: only restore; never create, save, delete, or clean up tmp directories (`Checkpointer.read_only`
+        makes one).
 
     Raises:
       ValueError: `every_steps` or `keep` < 1.
@@ -190,28 +119,23 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         self.every_steps = every_steps
         self._read_only = read_only
-        options = ocp.CheckpointManagerOptions(
-            # what Orbax sets for read_only itself (saying so at warning level when given anything else)
-            max_to_keep=None if read_only else keep,
-            save_interval_steps=0 if read_only else every_steps,
-            enable_async_checkpointing=async_save,
-            read_only=read_only,
-            create=False,  # `save` creates the directory: a failed restore must not leave it behind
-            cleanup_tmp_directories=not read_only,
-            # Only for finding steps: a step counts once it holds commit_success.txt. Writing still uses the
-            # default atomic rename of <step>.orbax-checkpoint-tmp.
-            step_name_format=ocp.path.step.standard_name_format(
-                temporary_path_cls=ocp.path.atomicity.CommitFileTemporaryPath
-            ),
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            item_handlers={
+                _STATE: ocp.StandardCheckpointHandler(),
+                _DATA: ocp.JsonCheckpointHandler(),
+                _CONFIG: ocp.JsonCheckpointHandler(),
+            },
+            options=_manager_options(every_steps, keep, async_save, read_only),
         )
-        handlers = {
-            _STATE: ocp.StandardCheckpointHandler(),
-            _DATA: ocp.JsonCheckpointHandler(),
-            _CONFIG: ocp.JsonCheckpointHandler(),
-        }
-        self._manager = ocp.CheckpointManager(self.directory, item_handlers=handlers, options=options)
         # Newest step saved or in flight; should_save reads this, not the filesystem, each step.
         self._last_saved: int | None = self.latest_step()
+
+    @classmethod
+    def read_only(cls, directory: str) -> Checkpointer:
+        """A Checkpointer of `directory` that only restores (synchronous; never creates, saves, deletes or cleans
+        up anything there): how a checkpoint is read outside the run that writes it. Close it after use."""
+        return cls(directory, every_steps=1, keep=1, async_save=False, read_only=True)
 
     def all_steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint on disk, ascending; [] if the directory is missing."""
@@ -286,6 +210,10 @@ class Checkpointer:
         _check_has_shardings(abstract_state)
         if step is not None:
             return self._restore_step(step, abstract_state)
+        return self._restore_latest(abstract_state)
+
+    def _restore_latest(self, abstract_state: Any) -> tuple[Any, dict, dict]:
+        """`restore(None, ...)`: the newest readable complete step, setting aside the unreadable newer ones."""
         steps = self.all_steps()
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
@@ -302,7 +230,7 @@ class Checkpointer:
                 warnings.warn(
                     f"checkpoint step {bad} in {self.directory} cannot be read ({type(e).__name__}: "
                     f"{str(e).splitlines()[0][:300] if str(e) else ''}); fell back to step {candidate}",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
                 self._set_aside(bad)
             return restored
@@ -315,7 +243,7 @@ class Checkpointer:
                 f"no complete checkpoint for step {step} in {self.directory} (complete steps: {self.all_steps()})"
             )
         saved = self._manager.item_metadata(step)[_STATE]
-        _check_target(
+        check_target(
             saved.tree if hasattr(saved, "tree") else saved, abstract_state, os.path.join(step_dir, _STATE), step
         )
         args = ocp.args.Composite(
@@ -400,7 +328,7 @@ def restore_from_path(path: str, abstract_state: Any) -> tuple[Any, dict, dict]:
       CheckpointMismatchError, ValueError: as `Checkpointer.restore`.
     """
     root, step = resolve_checkpoint_path(path)
-    ckpt = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    ckpt = Checkpointer.read_only(root)
     try:
         return ckpt.restore(step, abstract_state)
     finally:

@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             peak = compiled["memory_analysis"]["peak_bytes"]
             out["over_budget"] = out["over_budget"] or (budget is not None and peak > budget)
             if args.measure_steps and not out["over_budget"]:
-                out["measured"] = measure_steps(cfg, analytic, args.measure_steps, step=step)
+                out["measured"] = measure_steps(cfg, args.measure_steps, step=step)
         except ConfigError as e:
             return _fail(f"config error: {e}")
         except Exception as e:  # noqa: BLE001 -- a compile or run failure is reported, not a traceback

@@ -182,7 +182,7 @@ class PipelineConfig:
         before its backward (one more forward: 4/3 of the blocks' FLOPs); `false` keeps the forward's residuals
         instead (no FLOPs repeated; hfu == mfu with model.remat=none). Either stash is a ring of 2p - 1
         microbatches per stage, flat in M: stage inputs, or the residuals `model.remat` keeps for the stage's
-        layers (`jaxpar.parallel.pipeline`). Default false, by measurement (2 simulated CPU devices, p = 2,
+        layers (`jaxpar.parallel.pipeline_1f1b`). Default false, by measurement (2 simulated CPU devices, p = 2,
         m = 8, d_model 256, 4 layers, vocabulary 32,000, 16 x 128 tokens, benchmarks/pipeline.py): matmul
         FLOPs per device 1.037x data parallelism's without recompute against 1.147x with (the tick ratio is
         1.125), step time 1.17-1.19x against 1.16-1.23x over two runs (a draw on CPU, where memory traffic

@@ -14,7 +14,7 @@ from jaxpar.config.data_sources import check_data
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import mesh_sizes
 from jaxpar.config.moe import check_moe
-from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES
+from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, LAYOUTS
 from jaxpar.config.schema import Config
 
 BYTE_VOCAB = 259  # 256 byte values + PAD, BOS, EOS (jaxpar.data.tokenizer)
@@ -131,7 +131,8 @@ def _check_metrics(cfg: Config) -> None:
 
 
 def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, int]:
-    """Checks ranges and combinations; returns the resolved mesh shape.
+    """Checks ranges and combinations; returns the resolved mesh shape. The checks run section by section, those
+    of one section in the order its keys are listed (the first failure is raised).
 
     Args:
       cfg: the config to check.
@@ -140,7 +141,28 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     Raises:
       ConfigError: naming the key and the fix.
     """
-    m, o, d, t, p, c = cfg.model, cfg.optimizer, cfg.data, cfg.train, cfg.precision, cfg.checkpoint
+    _check_model(cfg)
+    _check_precision(cfg)
+    _check_optimizer(cfg)
+    check_data(cfg.data)
+    _positive("data.seq_len", cfg.data.seq_len)
+    _check_checkpoint_and_train(cfg)
+    _check_metrics(cfg)
+    if num_devices is None:
+        import jax
+
+        num_devices = jax.device_count()
+    shape = resolve_mesh_shape(cfg, num_devices)
+    _check_tensor(cfg, shape["tensor"])
+    _check_pipeline(cfg, shape["pipeline"])
+    check_moe(cfg, shape)
+    _check_state_and_batch(cfg, shape)
+    return shape
+
+
+def _check_model(cfg: Config) -> None:
+    """The `model:` section's ranges, choices and shapes (rotary scaling, heads, head width, vocabulary)."""
+    m = cfg.model
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
         _positive(f"model.{key}", getattr(m, key))
     _positive("model.rope_theta", m.rope_theta)
@@ -168,16 +190,24 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         )
     if m.head_width % 2:
         raise ConfigError(f"head width {m.head_width} must be even for rotary embeddings; set model.head_dim")
-    if d.source not in ("tokens", "shards") and m.vocab_size < BYTE_VOCAB:
+    if cfg.data.source not in ("tokens", "shards") and m.vocab_size < BYTE_VOCAB:
         raise ConfigError(
             f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
             f"set model.vocab_size >= {BYTE_VOCAB}"
         )
 
+
+def _check_precision(cfg: Config) -> None:
+    """The `precision:` section's choices (`jaxpar.config.precision`)."""
+    p = cfg.precision
     _choice("precision.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
-    _choice("precision.layout", p.layout, ("fp32", "16p"))
+    _choice("precision.layout", p.layout, tuple(LAYOUTS))
     _choice("precision.reduce_dtype", p.reduce_dtype, FLOAT_DTYPES)
 
+
+def _check_optimizer(cfg: Config) -> None:
+    """The `optimizer:` section's stage, schedule and ranges."""
+    o = cfg.optimizer
     if o.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"optimizer.zero_stage={o.zero_stage} must be 0 (DDP), 1, 2 or 3")
     _choice("optimizer.decay", o.decay, ("cosine", "linear", "constant"))
@@ -192,9 +222,10 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{key}={value} must lie in [0, 1)")
 
-    check_data(d)
-    _positive("data.seq_len", d.seq_len)
 
+def _check_checkpoint_and_train(cfg: Config) -> None:
+    """The `checkpoint:` and `train:` sections: the restore path exists, counts and intervals in range."""
+    c, t = cfg.checkpoint, cfg.train
     if c.restore_from and not os.path.isdir(c.restore_from):
         raise ConfigError(
             f"checkpoint.restore_from={c.restore_from!r} (--restore-from) is not a directory; give a "
@@ -215,54 +246,61 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
     _positive("train.divergence_rollbacks", t.divergence_rollbacks, allow_zero=True)
     _positive("train.watchdog_s", t.watchdog_s, allow_zero=True)
-    _check_metrics(cfg)
 
-    if num_devices is None:
-        import jax
 
-        num_devices = jax.device_count()
-    shape = resolve_mesh_shape(cfg, num_devices)
-    tp = shape["tensor"]
-    if tp > 1:
-        for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.d_ff", m.d_ff)):
-            if value % tp:
-                hint = (
-                    " (grouped-query attention needs at least one key/value head per tensor rank)"
-                    if key == "model.n_kv_heads"
-                    else ""
-                )
-                raise ConfigError(
-                    f"{key}={value} must be divisible by mesh.tensor={tp}{hint}; lower mesh.tensor or change {key}"
-                )
-        if m.vocab_size % tp:
-            raise ConfigError(
-                f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={tp} (the "
-                f"vocabulary is sharded over tensor); round it up, e.g. model.vocab_size="
-                f"{-(-m.vocab_size // tp) * tp}"
+def _check_tensor(cfg: Config, tp: int) -> None:
+    """With `mesh.tensor` = `tp` > 1: heads, MLP width and vocabulary split over it, and the sequence too under
+    sequence parallelism."""
+    if tp == 1:
+        return
+    m = cfg.model
+    for key, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.kv_heads), ("model.d_ff", m.d_ff)):
+        if value % tp:
+            hint = (
+                " (grouped-query attention needs at least one key/value head per tensor rank)"
+                if key == "model.n_kv_heads"
+                else ""
             )
-        if sequence_parallel(cfg, tp) and d.seq_len % tp:
             raise ConfigError(
-                f"data.seq_len={d.seq_len} must be divisible by mesh.tensor={tp} with sequence "
-                f"parallelism; change data.seq_len or set tensor.sequence_parallel=false"
+                f"{key}={value} must be divisible by mesh.tensor={tp}{hint}; lower mesh.tensor or change {key}"
             )
-    stages = shape["pipeline"]
+    if m.vocab_size % tp:
+        raise ConfigError(
+            f"model.vocab_size={m.vocab_size} must be divisible by mesh.tensor={tp} (the "
+            f"vocabulary is sharded over tensor); round it up, e.g. model.vocab_size="
+            f"{-(-m.vocab_size // tp) * tp}"
+        )
+    if sequence_parallel(cfg, tp) and cfg.data.seq_len % tp:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} must be divisible by mesh.tensor={tp} with sequence "
+            f"parallelism; change data.seq_len or set tensor.sequence_parallel=false"
+        )
+
+
+def _check_pipeline(cfg: Config, stages: int) -> None:
+    """The `pipeline:` section on `stages` = mesh.pipeline stages: the schedule, equal-depth stages, and
+    interleaving's constraints (`_virtual_stages`)."""
     _choice("pipeline.schedule", cfg.pipeline.schedule, PIPELINE_SCHEDULES)
     _positive("pipeline.microbatches", cfg.pipeline.microbatches)
-    if m.n_layers % stages:
+    if cfg.model.n_layers % stages:
         raise ConfigError(
-            f"model.n_layers={m.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
+            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
             f"equal depth); change model.n_layers or mesh.pipeline"
         )
     _virtual_stages(cfg, stages)
-    check_moe(cfg, shape)
 
+
+def _check_state_and_batch(cfg: Config, shape: dict[str, int]) -> None:
+    """The state's embed dimension splits over its storage axes, and the global batch over replicas, accumulation
+    steps and pipeline microbatches."""
+    o, t = cfg.optimizer, cfg.train
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
     # data too for the ZeRO stages that partition something (jaxpar.parallel.sharding).
     state_shards = shape["fsdp"] * (shape["data"] if o.zero_stage >= 1 else 1)
-    if m.d_model % state_shards:
+    if cfg.model.d_model % state_shards:
         what = "mesh.fsdp" if o.zero_stage == 0 else "mesh.fsdp * mesh.data"
         raise ConfigError(
-            f"model.d_model={m.d_model} must be divisible by {what}={state_shards} (state is sharded along "
+            f"model.d_model={cfg.model.d_model} must be divisible by {what}={state_shards} (state is sharded along "
             f"the embed dimension); change the mesh, model.d_model or optimizer.zero_stage"
         )
     replicas = shape["data"] * shape["fsdp"]
@@ -274,7 +312,6 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
             f"({cfg.pipeline.microbatches}) = {splits}; change the batch size, the accumulation steps or the "
             f"microbatches"
         )
-    return shape
 
 
 def resolve_config(cfg: Config, num_devices: int) -> Config:

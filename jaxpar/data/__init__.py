@@ -16,6 +16,7 @@ _PUBLIC = {
     "BOS_ID": "jaxpar.data.tokenizer",
     "BYTE_VOCAB": "jaxpar.data.tokenizer",
     "ByteTokenizer": "jaxpar.data.tokenizer",
+    "DataInfo": "jaxpar.data.info",
     "DataLoader": "jaxpar.data.loader",
     "EOS_ID": "jaxpar.data.tokenizer",
     "EvalLoader": "jaxpar.data.loader",

@@ -7,7 +7,7 @@ B the rows of a global batch (`train.global_batch_size`: sequences over all devi
 `loss_mask` is 1 where a target is scored and 0 for padding (`jaxpar.data.pack`). A batch of packed documents
 may also carry "segment_ids": int32 [B, T], numbering the documents of each row; the train step then keeps
 attention within each document (`jaxpar.model.attention`). Each array is sharded by rows
-over the data-parallel axes (`jaxpar.training.step.StepPlan.batch_sharding`).
+over the data-parallel axes (`jaxpar.training.plan.StepPlan.batch_sharding`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 
 from jaxpar.config import DataConfig
+from jaxpar.data.info import DataInfo
 from jaxpar.data.loader import DataLoader, EvalLoader, split_rows
 from jaxpar.data.mixture_loaders import build_mixture_loaders
 from jaxpar.data.stats import unigram_entropy_of_counts
@@ -17,7 +18,7 @@ def build_loaders(
     vocab_size: int | None = None,
     eval_batches: int = 0,
     vocab_multiple: int = 1,
-) -> tuple[DataLoader, EvalLoader, dict]:
+) -> tuple[DataLoader, EvalLoader, DataInfo]:
     """Reads, splits and packs the corpus (or, for `data.source: shards`, opens the shard set to be read lazily,
     `jaxpar.data.stream`); returns (train_loader, val_loader, info). A mixture (`data.sources`) gives a
     `jaxpar.data.MixtureLoader` and `MixtureEvalLoader` instead (`jaxpar.data.mixture_loaders`).
@@ -26,11 +27,8 @@ def build_loaders(
     token error suggests is the smallest size that holds every id and is such a multiple.
 
     The train loader shuffles with `data.seed`; the validation loader is an `EvalLoader` over the first
-    `eval_batches` global batches' worth of validation sequences in file order (0: all of them).
-    info: {"train_tokens", "val_tokens" (stream lengths), "train_sequences", "val_sequences" (packed),
-    "val_scored_sequences", "val_scored_tokens" (what each evaluation covers), "seq_len"} (ints),
-    "val_unigram_entropy" (nats/token over the scored target tokens, see `jaxpar.data.unigram_entropy`), and for
-    shards "shard_set" (the training set's directory).
+    `eval_batches` global batches' worth of validation sequences in file order (0: all of them). info: the
+    splits' counts and what each evaluation covers (`jaxpar.data.info.DataInfo`).
 
     Raises:
       ConfigError: from `load_tokens` or `jaxpar.data.stream.shard_splits`, a train split with fewer than
@@ -40,19 +38,18 @@ def build_loaders(
     if data_cfg.sources:
         return build_mixture_loaders(data_cfg, global_batch_size, sharding, vocab_size, eval_batches, vocab_multiple)
     train, val, train_len, val_len, shard_set = split_rows(data_cfg, vocab_size, vocab_multiple)
-    extra = {} if shard_set is None else {"shard_set": shard_set.directory}
     train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
     scored_tokens, counts = val_loader.target_stats()
-    info = {
-        "train_tokens": int(train_len),
-        "val_tokens": int(val_len),
-        "train_sequences": train_loader.num_sequences,
-        "val_sequences": val_loader.num_sequences,
-        "val_scored_sequences": val_loader.num_scored,
-        "val_scored_tokens": scored_tokens,
-        "seq_len": data_cfg.seq_len,
-        "val_unigram_entropy": unigram_entropy_of_counts(counts),
-        **extra,
-    }
+    info = DataInfo(
+        train_tokens=int(train_len),
+        val_tokens=int(val_len),
+        train_sequences=train_loader.num_sequences,
+        val_sequences=val_loader.num_sequences,
+        val_scored_sequences=val_loader.num_scored,
+        val_scored_tokens=scored_tokens,
+        val_unigram_entropy=unigram_entropy_of_counts(counts),
+        seq_len=data_cfg.seq_len,
+        shard_set=None if shard_set is None else shard_set.directory,
+    )
     return train_loader, val_loader, info

@@ -7,6 +7,7 @@ import jax
 
 from jaxpar.config import ConfigError, DataConfig
 from jaxpar.config.data_sources import source_configs
+from jaxpar.data.info import DataInfo
 from jaxpar.data.loader import EvalLoader, _as_rows, split_rows
 from jaxpar.data.mixture import MixtureEvalLoader, MixtureLoader
 from jaxpar.data.stats import unigram_entropy_of_counts
@@ -50,14 +51,12 @@ def build_mixture_loaders(
     vocab_size: int | None = None,
     eval_batches: int = 0,
     vocab_multiple: int = 1,
-) -> tuple[MixtureLoader, MixtureEvalLoader, dict]:
+) -> tuple[MixtureLoader, MixtureEvalLoader, DataInfo]:
     """(train loader, validation loader, info) of a config with `data.sources`, as `jaxpar.data.build_loaders`.
 
     Each source's validation loader scores its first `eval_batches` global batches' worth of validation
-    sequences (0: all). info holds the totals over the sources under `build_loaders`' keys (val_unigram_entropy
-    over all sources' scored tokens) and "sources": {name: {"weight" (normalised), "train_tokens",
-    "val_tokens", "train_sequences", "val_sequences", "val_scored_sequences", "val_scored_tokens",
-    "val_unigram_entropy", and "shard_set" for shards}}.
+    sequences (0: all). info (`jaxpar.data.info.DataInfo`) holds the totals over the sources (val_unigram_entropy
+    over all sources' scored tokens) and each source's own counts and normalised weight in `sources`.
 
     Raises:
       ConfigError: what `build_loaders` raises for one source, prefixed with the source's entry; sources
@@ -74,30 +73,31 @@ def build_mixture_loaders(
         identities.append((name, tokenizer_identity(sd.source, shard_set)))
         train[name], weights[name] = _as_rows(train_rows), weight
         scored, counts = val[name].target_stats()
-        per_source[name] = {
-            "weight": weight,
-            "train_tokens": int(train_len),
-            "val_tokens": int(val_len),
-            "train_sequences": train[name].num_sequences,
-            "val_sequences": val[name].num_sequences,
-            "val_scored_sequences": val[name].num_scored,
-            "val_scored_tokens": scored,
-            "val_unigram_entropy": unigram_entropy_of_counts(counts),
-            **({} if shard_set is None else {"shard_set": shard_set.directory}),
-        }
+        per_source[name] = DataInfo(
+            weight=weight,
+            train_tokens=int(train_len),
+            val_tokens=int(val_len),
+            train_sequences=train[name].num_sequences,
+            val_sequences=val[name].num_sequences,
+            val_scored_sequences=val[name].num_scored,
+            val_scored_tokens=scored,
+            val_unigram_entropy=unigram_entropy_of_counts(counts),
+            seq_len=data_cfg.seq_len,
+            shard_set=None if shard_set is None else shard_set.directory,
+        )
     _check_tokenizers(identities)
     train_loader = MixtureLoader(train, weights, global_batch_size, sharding, data_cfg.seed)
     val_loader = MixtureEvalLoader(val)
     scored_tokens, counts = val_loader.target_stats()
-    info = {
-        "train_tokens": sum(v["train_tokens"] for v in per_source.values()),
-        "val_tokens": sum(v["val_tokens"] for v in per_source.values()),
-        "train_sequences": train_loader.num_sequences,
-        "val_sequences": val_loader.num_sequences,
-        "val_scored_sequences": val_loader.num_scored,
-        "val_scored_tokens": scored_tokens,
-        "seq_len": data_cfg.seq_len,
-        "val_unigram_entropy": unigram_entropy_of_counts(counts),
-        "sources": per_source,
-    }
+    info = DataInfo(
+        train_tokens=sum(v.train_tokens for v in per_source.values()),
+        val_tokens=sum(v.val_tokens for v in per_source.values()),
+        train_sequences=train_loader.num_sequences,
+        val_sequences=val_loader.num_sequences,
+        val_scored_sequences=val_loader.num_scored,
+        val_scored_tokens=scored_tokens,
+        val_unigram_entropy=unigram_entropy_of_counts(counts),
+        seq_len=data_cfg.seq_len,
+        sources=per_source,
+    )
     return train_loader, val_loader, info

@@ -1,11 +1,13 @@
 """Model FLOPs per token, parameter counts, peak device FLOP/s and MFU.
 
-Symbols: N non-embedding parameters, L layers, h model width (d_model), s sequence length.
-Source: PaLM (Chowdhery et al. 2022), appendix B; Kaplan et al. 2020, section 2.1.
+Symbols (PaLM's, formula quantities): P non-embedding parameters (PaLM's N), L layers, D model width (d_model, PaLM's
+h), T sequence length (PaLM's s). Source: PaLM (Chowdhery et al. 2022), appendix B; Kaplan et al. 2020, section 2.1.
+`model_flops` is the one place a run's FLOPs per token are computed (the training loop's MFU, the GPU acceptance
+run, the planner's measured steps).
 
-Mixture of experts (`model.moe`): N counts the *active* parameters, those one token's forward uses: the
+Mixture of experts (`model.moe`): P counts the *active* parameters, those one token's forward uses: the
 routed experts' weights enter top_k / E times, while the router, the shared experts, attention and norms enter
-whole (`active_non_embedding_params`). That is the 6N rule over activated parameters that DeepSeek-V3's report
+whole (`active_non_embedding_params`). That is the 6P rule over activated parameters that DeepSeek-V3's report
 (arXiv 2412.19437, section 4.2 and table 1: 37B activated of 671B) and Switch Transformer (Fedus et al. 2021,
 section 2: "FLOPs per token" of top-1 routing equal the dense model's) use: a token's matmuls touch only k experts.
 Capacity routing's padding slots and dropped tokens are not counted either way (model FLOPs, not hardware).
@@ -16,6 +18,8 @@ from __future__ import annotations
 import math
 
 import jax
+
+from jaxpar.model.registry import model_family
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets; no sparsity). Matched by lower-cased substring of
 # `jax.Device.device_kind`; longer keys are tried first so "v5p" wins over a shorter overlapping key.
@@ -36,9 +40,9 @@ PEAK_FLOPS: dict[str, float] = {
 
 
 def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: int) -> float:
-    """Model training FLOPs per token (forward + backward): 6N + 12*L*h*s.
+    """Model training FLOPs per token (forward + backward): 6P + 12*L*D*T.
 
-    PaLM appendix B. The attention term 12*L*h*s is the full, un-halved one (QK^T and AV over all s positions,
+    PaLM appendix B. The attention term 12*L*D*T is the full, un-halved one (QK^T and AV over all T positions,
     not discounting the causal mask). Recomputation is not counted: these are model FLOPs, the numerator of MFU.
 
     Returns:
@@ -47,61 +51,15 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, se
     return 6.0 * n_params_non_embedding + 12.0 * n_layers * d_model * seq_len
 
 
-def recompute_flops_per_token(model, seq_len: int) -> float:
-    """Forward FLOPs per token that `model.remat` runs a second time in the backward pass (hardware only), for
-    the built-in `llama` family (`jaxpar.model.llama`; another family registers its own count).
-
-    Per layer, with D = d_model, H heads, G key/value heads, K head width, F MLP width, s = `seq_len`
-    (a matmul of an [s, a] by [a, b] costs 2ab FLOPs per token; the attention products QK^T and AV cost
-    2sHK each; PaLM appendix B):
-      none  0: every matmul output is saved;
-      dots  4sHK: QK^T and AV have batch dimensions, so `dots_with_no_batch_dims_saveable` recomputes them;
-      names 2D(HK + 2GK) + 2sHK + 2HKD + 4DF: only the attention context and the MLP hidden are saved, so the
-            q/k/v projections and QK^T (for the softmax), the out projection (the MLP norm's backward needs its
-            input) and the gate/up projections (SwiGLU's backward needs them) are recomputed;
-      full  2D(HK + 2GK) + 4sHK + 2HKD + 4DF: the block forward except the down projection, whose output only
-            feeds the residual sum that no backward needs.
-    With tensor parallelism (mesh.tensor > 1) every policy keeps the output of the attention's exit collective
-    (`jaxpar.model.stack`), so names and full do not recompute the out projection either: this count, which does
-    not know the tensor size, is then 2HKD per layer high for those two.
-    Checked against XLA's cost analysis of the compiled gradient in tests/unit/test_flops.py.
-    With `model.moe`, an MoE block's gate/up term is 4D(top_k + shared_experts)F_e (its active experts; F_e the
-    experts' width) and the router's 2DE is added for names and full.
-
-    Args:
-      model: a `ModelConfig` (uses remat, n_layers, d_model, n_heads, kv_heads, head_width, d_ff, moe).
-    Raises:
-      ValueError: an unknown remat policy.
-    """
-    d, h, g, k, f = model.d_model, model.n_heads, model.kv_heads, model.head_width, model.d_ff
-    qkv, attention = 2 * d * (h * k + 2 * g * k), 2 * seq_len * h * k
-    out, gate_up = 2 * h * k * d, 4 * d * f
-    per_layer = {
-        "none": 0,
-        "dots": 2 * attention,
-        "names": qkv + attention + out + gate_up,
-        "full": qkv + 2 * attention + out + gate_up,
-    }
-    if model.remat not in per_layer:
-        raise ValueError(f"unknown remat policy {model.remat!r}; expected one of {sorted(per_layer)}")
-    total = model.n_layers * per_layer[model.remat]
-    moe = getattr(model, "moe", None)
-    if moe is not None and moe.enabled and model.remat in ("names", "full"):
-        f_e = moe.d_expert or f
-        total += model.stack_depth * (
-            4 * d * (moe.top_k + moe.shared_experts) * f_e + 2 * d * moe.num_experts - gate_up
-        )
-    return float(total)
-
-
 def hardware_flops_per_token(
     model_flops_per_token: float, recomputed_flops_per_token: float, *, stage_recompute: bool = False
 ) -> float:
     """FLOPs per token the hardware executes, for HFU (never MFU): model FLOPs plus the forward FLOPs the remat
-    policy recomputes (`recompute_flops_per_token` for the built-in llama family), plus one more forward (a third
-    of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule with `pipeline.recompute: true` rebuilds
-    each stage's forward from its stashed input before the backward; see `jaxpar.parallel.pipeline` and
-    `stage_recompute`). With remat none and no stage recompute the result is the model FLOPs: HFU == MFU."""
+    policy recomputes (`jaxpar.model.llama.recompute_flops_per_token` for the built-in llama family), plus one
+    more forward (a third of the model FLOPs) when `stage_recompute` (jaxpar's 1F1B schedule with
+    `pipeline.recompute: true` rebuilds each stage's forward from its stashed input before the backward; see
+    `jaxpar.parallel.pipeline_1f1b` and `stage_recompute`). With remat none and no stage recompute the result is the
+    model FLOPs: HFU == MFU."""
     extra = model_flops_per_token / 3 if stage_recompute else 0.0
     return model_flops_per_token + extra + recomputed_flops_per_token
 
@@ -119,7 +77,7 @@ def param_count(params) -> int:
 
 
 def count_non_embedding_params(params: dict, embedding_keys: tuple[str, ...] = ("embed", "lm_head")) -> int:
-    """Parameters outside the top-level subtrees named in `embedding_keys` (the N of `flops_per_token`).
+    """Parameters outside the top-level subtrees named in `embedding_keys` (the P of `flops_per_token`).
 
     Raises:
       TypeError: `params` is not a mapping.
@@ -131,7 +89,7 @@ def count_non_embedding_params(params: dict, embedding_keys: tuple[str, ...] = (
 
 def inactive_expert_params(model) -> int:
     """Routed-expert parameters one token does not use, for the built-in llama's `model.moe`: per MoE block
-    (E - top_k) experts of 3 * D * F_e weights (SwiGLU gate, up, down; F_e = moe.d_expert or d_ff). 0 for a
+    (E - k) experts of 3 * D * F_e weights (SwiGLU gate, up, down; F_e = moe.d_expert or d_ff). 0 for a
     dense model. `model`: a `ModelConfig`."""
     moe = getattr(model, "moe", None)
     if moe is None or not moe.enabled:
@@ -141,9 +99,30 @@ def inactive_expert_params(model) -> int:
 
 
 def active_non_embedding_params(params: dict, model) -> int:
-    """The N of `flops_per_token` for `model` (a `ModelConfig`): `count_non_embedding_params(params)` less the
+    """The P of `flops_per_token` for `model` (a `ModelConfig`): `count_non_embedding_params(params)` less the
     experts a token does not use (`inactive_expert_params`); equal to it for a dense model."""
     return count_non_embedding_params(params) - inactive_expert_params(model)
+
+
+def model_flops(cfg, params) -> tuple[float, float | None]:
+    """(model FLOPs per token, hardware FLOPs per token or None) of training `cfg` (a `jaxpar.config.Config`):
+    `flops_per_token` of the active non-embedding parameters of `params` (a pytree of arrays or
+    ShapeDtypeStructs: `active_non_embedding_params`), and `hardware_flops_per_token` with the model family's
+    recompute count (`jaxpar.model.registry.ModelFamily.recompute_flops_per_token`) and the pipeline's stage
+    recompute (`stage_recompute`); None where the family registered no recompute count.
+
+    Raises:
+      ConfigError: `model.name` is not a registered model family.
+    """
+    model = cfg.model
+    per_token = flops_per_token(
+        active_non_embedding_params(params, model), model.n_layers, model.d_model, cfg.data.seq_len
+    )
+    recompute = model_family(model.name).recompute_flops_per_token
+    if recompute is None:
+        return per_token, None
+    recomputed = recompute(model, cfg.data.seq_len)
+    return per_token, hardware_flops_per_token(per_token, recomputed, stage_recompute=stage_recompute(cfg))
 
 
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:

@@ -71,7 +71,7 @@ class Attention(nnx.Module):
     packed documents when given segment ids.
 
     `implementation` is `model.attention` (`jaxpar.config.attention`): `xla`, `cudnn`, or `auto` (resolved when
-    called, on jax's default backend; `jaxpar.training.step.build_plan` resolves it for the mesh's devices
+    called, on jax's default backend; `jaxpar.training.plan.build_plan` resolves it for the mesh's devices
     before the model is built). `max_segments` bounds the documents per row on the cuDNN path
     (`jaxpar.model.attention`).
     """

@@ -158,3 +158,51 @@ class Llama(nnx.Module):
     ) -> jax.Array:
         x_BTD = self.embed_tokens(tokens_BT, dtype, gather, tp)
         return self.logits(self.run_blocks(x_BTD, gather, tp, segment_ids_BT), gather, tp)
+
+
+def recompute_flops_per_token(model, seq_len: int) -> float:
+    """Forward FLOPs per token that `model.remat` runs a second time in the backward pass (hardware only), for
+    the built-in `llama` family (another family registers its own count, `jaxpar.model.registry`; the total is
+    `jaxpar.model.flops.hardware_flops_per_token`).
+
+    Per layer, with D = d_model, H heads, G key/value heads, K head width, F MLP width, T = `seq_len`
+    (a matmul of an [T, a] by [a, b] costs 2ab FLOPs per token; the attention products QK^T and AV cost
+    2THK each; PaLM appendix B):
+      none  0: every matmul output is saved;
+      dots  4THK: QK^T and AV have batch dimensions, so `dots_with_no_batch_dims_saveable` recomputes them;
+      names 2D(HK + 2GK) + 2THK + 2HKD + 4DF: only the attention context and the MLP hidden are saved, so the
+            q/k/v projections and QK^T (for the softmax), the out projection (the MLP norm's backward needs its
+            input) and the gate/up projections (SwiGLU's backward needs them) are recomputed;
+      full  2D(HK + 2GK) + 4THK + 2HKD + 4DF: the block forward except the down projection, whose output only
+            feeds the residual sum that no backward needs.
+    With tensor parallelism (mesh.tensor > 1) every policy keeps the output of the attention's exit collective
+    (`jaxpar.model.stack`), so names and full do not recompute the out projection either: this count, which does
+    not know the tensor size, is then 2HKD per layer high for those two.
+    Checked against XLA's cost analysis of the compiled gradient in tests/unit/test_flops.py.
+    With `model.moe`, an MoE block's gate/up term is 4D(k + shared_experts)F_e (its k = top_k active experts; F_e
+    the experts' width) and the router's 2DE is added for names and full.
+
+    Args:
+      model: a `ModelConfig` (uses remat, n_layers, d_model, n_heads, kv_heads, head_width, d_ff, moe).
+    Raises:
+      ValueError: an unknown remat policy.
+    """
+    d, h, g, k, f = model.d_model, model.n_heads, model.kv_heads, model.head_width, model.d_ff
+    qkv, attention = 2 * d * (h * k + 2 * g * k), 2 * seq_len * h * k
+    out, gate_up = 2 * h * k * d, 4 * d * f
+    per_layer = {
+        "none": 0,
+        "dots": 2 * attention,
+        "names": qkv + attention + out + gate_up,
+        "full": qkv + 2 * attention + out + gate_up,
+    }
+    if model.remat not in per_layer:
+        raise ValueError(f"unknown remat policy {model.remat!r}; expected one of {sorted(per_layer)}")
+    total = model.n_layers * per_layer[model.remat]
+    moe = getattr(model, "moe", None)
+    if moe is not None and moe.enabled and model.remat in ("names", "full"):
+        f_e = moe.d_expert or f
+        total += model.stack_depth * (
+            4 * d * (moe.top_k + moe.shared_experts) * f_e + 2 * d * moe.num_experts - gate_up
+        )
+    return float(total)

@@ -20,7 +20,7 @@ from jaxpar.model.interface import LanguageModel
 
 ModelBuilder = Callable[[ModelConfig, nnx.Rngs], LanguageModel]
 # Forward FLOPs per token that `ModelConfig.remat` recomputes in the backward, from (model config, seq_len): the
-# hardware-FLOPs (HFU) count of a family; see `jaxpar.model.flops.recompute_flops_per_token` for the built-in one.
+# hardware-FLOPs (HFU) count of a family; see `jaxpar.model.llama.recompute_flops_per_token` for the built-in one.
 RecomputeFlops = Callable[[ModelConfig, int], float]
 
 
@@ -106,7 +106,6 @@ def _register_builtins() -> None:
     if _BUILTINS_REGISTERED:
         return
     _BUILTINS_REGISTERED = True
-    from jaxpar.model.flops import recompute_flops_per_token
-    from jaxpar.model.llama import Llama
+    from jaxpar.model.llama import Llama, recompute_flops_per_token
 
     _FAMILIES["llama"] = ModelFamily("llama", Llama, recompute_flops_per_token)

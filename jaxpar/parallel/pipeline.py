@@ -1,7 +1,9 @@
-"""Pipeline schedules inside one SPMD program: 1F1B and GPipe over the `pipeline` mesh axis (inside shard_map).
+"""Pipeline schedules inside one SPMD program over the `pipeline` mesh axis (inside shard_map): a stage's parts and
+what every schedule shares, GPipe, the pipelined forward, and interleaving's layer placement.
 
-Shape letters: p stages, m microbatches, b microbatch rows, T' activation sequence length (T, or T/t under
-sequence parallelism), D model width.
+Shape letters: b rows of one microbatch on a device, T' the activations' sequence length (T, or T/t under sequence
+parallelism); p stages, v virtual stages per device, m microbatches. Indices (not sizes): s a stage, i a
+microbatch, c a model chunk (0 .. pv - 1), j a chunk's slot on its device.
 
 Every stage runs the same program in lockstep clock ticks; `ppermute` moves activations to the next stage and
 gradients to the previous one. A stage is split into three parts (`StageParts`): the embedding, run only by the
@@ -11,34 +13,7 @@ so the other stages skip them rather than computing and discarding them. A branc
 `tensor`, `fsdp` and `data` (every member of such a group is the same stage and takes the same branch), never
 over `pipeline`.
 
-1F1B (PipeDream-Flush; Narayanan et al. 2021, arXiv 2104.04473, section 2.2) in lockstep: at tick k, stage s
-runs the forward of microbatch k - s and the backward of microbatch k - (2p - 2 - s); the last stage runs each
-backward in the tick of its forward, seeded by the head's gradient taken right there (`jax.value_and_grad` of
-head and loss with respect to the edge parameters and the stage output). Three static loops -- warm-up (forward
-only, p - 1 ticks), steady (forward and backward, m ticks), cool-down (backward only, p - 1 ticks) -- give
-m + 2p - 2 ticks, of which the warm-up and cool-down ticks do half the work: (m + p - 1) ticks' worth of
-forward + backward of the blocks, the 1F1B bubble (p - 1)/(m + p - 1), and m heads (steady ticks only). Weight
-gradients are running sums.
-
-What the backward of a microbatch needs from its forward, `recompute`:
-  * True: its stage input [b, T', D], from which the backward rebuilds the blocks' forward (`jax.vjp`): one
-    more forward, 4/3 of the blocks' FLOPs. Stash bytes per stage = (2p - 1) x b x T' x D x activation bytes.
-  * False: the blocks' residuals from the forward tick (the leaves of the pytree `jax.vjp` returns, minus the
-    stage's own weights, which stay put), unflattened with the static tree structure in the backward tick: no
-    FLOPs repeated. Stash bytes per stage = (2p - 1) x the residual bytes of one stage-microbatch (what
-    `model.remat` keeps for L/p layers of b rows, plus the stage input; with weights gathered over fsdp the
-    gathered layer weights are residuals too). `residual_bytes` gives the figure.
-A stage input waits 2p - 2 - 2s ticks for its backward, so both stashes are rings of 2p - 1 slots indexed by
-microbatch mod 2p - 1, whatever m: memory per stage is flat in m.
-
-Interleaved 1F1B (`virtual_stages` = v > 1; Narayanan et al. 2021, section 2.2.2): the layers split into pv
-chunks, chunk c on device c mod p, so a microbatch passes every device v times, one chunk per tick, and the
-permutes become rings (device p - 1's chunk feeds device 0's next one). `jaxpar.parallel.schedule` gives the
-ticks (m*v + v*p + p - 2, of which v*p - 1 warm-up and v*p - 1 cool-down), which chunk of which microbatch a
-device runs in each, and the bubble (p - 1)/(v*m + p - 1); the embedding and head conds select on the chunk as
-well as the stage. The stash is a ring of 2pv - 1 slots indexed by forward tick. The parameters stay in model
-order (a device holds L/p consecutive layers, as at v = 1); `to_chunk_order` permutes them into chunk order
-once per step and `from_chunk_order` the gradients back.
+1F1B and interleaved 1F1B, whose backward runs in the same ticks as the forward: `jaxpar.parallel.pipeline_1f1b`.
 
 GPipe (Huang et al. 2019): the forward of all microbatches over m + p - 1 ticks (`forward_loss`), then the
 backward by automatic differentiation of that loop, which keeps every microbatch's residuals: memory grows
@@ -60,10 +35,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as _core
-from jax._src.interpreters import partial_eval as _pe
-
-from jaxpar.parallel import schedule
 
 AXIS = "pipeline"
 
@@ -99,16 +70,16 @@ class StageParts:
     blocks_loss: bool = False
 
 
-def _run_blocks(parts: StageParts, w, x, mb):
+def blocks_forward(parts: StageParts, w, x, mb):
     """The blocks' forward: (h, loss or None, stats or {})."""
     if parts.blocks_loss:
         return parts.blocks(w, x, mb)
     return parts.blocks(w, x, mb), None, {}
 
 
-def _blocks_vjp(parts: StageParts, w, x, mb):
+def blocks_vjp(parts: StageParts, w, x, mb):
     """The blocks' forward and backward function: (h, loss or None, stats or {}, vjp_fn); vjp_fn takes
-    `_cotangent`'s output."""
+    `blocks_cotangent`'s output."""
     if not parts.blocks_loss:
         h, vjp_fn = jax.vjp(lambda w_, y: parts.blocks(w_, y, mb), w, x)
         return h, None, {}, vjp_fn
@@ -121,12 +92,13 @@ def _blocks_vjp(parts: StageParts, w, x, mb):
     return h, loss, stats, vjp_fn
 
 
-def _cotangent(parts: StageParts, d_h: jax.Array, d_loss: jax.Array):
-    # The blocks' output cotangent: d_h, and with `blocks_loss` the loss's (its scale, 0 for a masked slot).
+def blocks_cotangent(parts: StageParts, d_h: jax.Array, d_loss: jax.Array):
+    """The blocks' output cotangent for `blocks_vjp`'s function: d_h [b, T', D], and with `blocks_loss` the
+    loss's (its scale, 0 for a masked slot), fp32."""
     return (d_h, d_loss.astype(jnp.float32)) if parts.blocks_loss else d_h
 
 
-def _zero_stats(parts: StageParts, w, x, mb, v: int):
+def zero_stats(parts: StageParts, w, x, mb, v: int):
     """Per-chunk accumulators of the blocks' stats: zeros, each leaf [v, ...] fp32 ({} without
     `blocks_loss`). Traces the blocks abstractly (no device work)."""
     if not parts.blocks_loss:
@@ -135,8 +107,10 @@ def _zero_stats(parts: StageParts, w, x, mb, v: int):
     return jax.tree.map(lambda a: jnp.zeros((v, *a.shape), jnp.float32), shapes)
 
 
-def _add_stats(acc, stats, j, valid):
-    # Microbatch stats into chunk j's row of the accumulators, zero for a masked (out-of-range) slot.
+def add_stats(acc, stats, j, valid):
+    """`acc` (`zero_stats`' accumulators) with one microbatch's blocks' `stats` added into chunk j's row, zero
+    for a masked (out-of-range) slot (`valid` False)."""
+
     def one(a, x):
         x = jnp.where(valid, x.astype(jnp.float32), 0.0)
         return jax.lax.dynamic_update_index_in_dim(a, a[j] + x, j, 0)
@@ -156,14 +130,17 @@ def chunk_rows_in_model_order(rows: jax.Array, p: int) -> jax.Array:
     return out
 
 
-def _microbatch(mbs: dict, i: jax.Array, m: int) -> dict:
+def microbatch(mbs: dict, i: jax.Array, m: int) -> dict:
+    """Microbatch i of `mbs` (leaves [m, b, ...]) as leaves [b, ...]; i is clipped to 0 .. m - 1 (a tick whose
+    microbatch is out of range computes on a valid one and masks the result)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(i, 0, m - 1), keepdims=False), mbs)
 
 
-def _shift(x: jax.Array, p: int, forward: bool, ring: bool = False) -> jax.Array:
-    # ppermute over pipeline: activations to stage s+1 (forward) or gradients to stage s-1 (backward); without
-    # `ring` the stage with no sender receives zeros, with it the last stage sends to the first (forward; the
-    # first to the last backward): interleaved 1F1B's chunk (p-1) + jp feeds chunk (j+1)p on device 0.
+def shift(x: jax.Array, p: int, forward: bool, ring: bool = False) -> jax.Array:
+    """`x` permuted over `pipeline` (`ppermute`): activations to stage s+1 (`forward`) or gradients to stage s-1
+    (backward). Without `ring` the stage with no sender receives zeros; with it the last stage sends to the first
+    (forward; the first to the last backward): interleaved 1F1B's chunk (p-1) + jp feeds chunk (j+1)p on device
+    0."""
     n = p if ring else p - 1
     pairs = [(i, (i + 1) % p) for i in range(n)] if forward else [((i + 1) % p, i) for i in range(n)]
     return jax.lax.ppermute(x, AXIS, pairs)
@@ -194,273 +171,9 @@ def ordered_after(tree, deps):
     return jax.tree.map(lambda x: x + zero.astype(x.dtype), tree)
 
 
-def ticks_1f1b(p: int, m: int) -> int:
-    """Clock ticks of the lockstep 1F1B loop: m + 2p - 2 (2p - 2 of them half ticks)."""
-    return m + 2 * p - 2
-
-
-def _add32(acc, g):
+def add32(acc, g):
+    """`acc` + `g` leaf by leaf, `g` cast to fp32 first (the schedules' fp32 gradient sums)."""
     return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
-
-
-class _Residuals:
-    """What the backward of the blocks needs from their forward (`jax.vjp`'s returned pytree), split by where it
-    comes from, for `one_f_one_b(recompute=False)`.
-
-    The pytree's leaves are the stage's weights themselves (primal inputs, found by identity), static Python
-    leaves, and arrays. An array computed from the weights alone (e.g. one layer's slice of the stacked
-    weights, which the layer scan stores per layer, or a weight gathered over fsdp) is the same for every
-    microbatch: it is rebuilt from the weights in the backward tick, not stashed (stashing it would keep 2p - 1
-    copies of the stage's weights). Every other array depends on the microbatch and is stashed. Which is which
-    comes from one trace of the forward at construction (`jax.make_jaxpr`, then dead-code elimination per
-    output: an output whose dependencies include no stage input or microbatch array is weight-only); the tree
-    structure is static, the same for every trace of the same function at the same shapes (`stash` checks).
-
-    Uses jax-internal `jax._src.interpreters.partial_eval.dce_jaxpr` and `jax._src.core.eval_jaxpr` (jax 0.10).
-    """
-
-    def __init__(self, parts: StageParts, layers, x, mb):
-        box = {}
-
-        def arrays(lay, xx, mbb):
-            vjp_fn = _blocks_vjp(parts, lay, xx, mbb)[3]
-            box["treedef"], box["kinds"] = jax.tree.structure(vjp_fn), self._kinds(vjp_fn, lay)
-            return [leaf for leaf, kind in zip(jax.tree.leaves(vjp_fn), box["kinds"]) if kind[0] == "array"]
-
-        closed = jax.make_jaxpr(arrays)(layers, x, mb)
-        self.treedef, self.kinds = box["treedef"], box["kinds"]
-        n_consts, n_weights = len(closed.consts), len(jax.tree.leaves(layers))
-        jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)  # consts first, then weights, x, mb
-        n_out = len(jaxpr.outvars)
-        varying = slice(n_consts + n_weights, None)
-        self.from_weights = [
-            not any(_pe.dce_jaxpr(jaxpr, [k == i for k in range(n_out)])[1][varying]) for i in range(n_out)
-        ]
-        self._weights_jaxpr, used = _pe.dce_jaxpr(jaxpr, self.from_weights)
-        self._consts = [c for c, u in zip(closed.consts, used[:n_consts]) if u]
-        self._used_weights = used[n_consts : n_consts + n_weights]
-        self.stash_avals = [
-            jax.ShapeDtypeStruct(a.shape, a.dtype) for a, w in zip(closed.out_avals, self.from_weights) if not w
-        ]
-
-    @staticmethod
-    def _kinds(vjp_fn, layers) -> tuple:
-        weights = {id(w): n for n, w in enumerate(jax.tree.leaves(layers))}
-        return tuple(
-            ("weight", weights[id(leaf)])
-            if id(leaf) in weights
-            else ("array",)
-            if isinstance(leaf, jax.Array)
-            else ("static", leaf)
-            for leaf in jax.tree.leaves(vjp_fn)
-        )
-
-    def stash(self, vjp_fn, layers) -> list[jax.Array]:
-        """The microbatch-dependent arrays of `vjp_fn` (a trace of the same function at the same shapes)."""
-        kinds = self._kinds(vjp_fn, layers)
-        # (The tree structures hold each trace's own jaxpr, so they never compare equal: compare the leaves.)
-        if [k[0] for k in kinds] != [k[0] for k in self.kinds]:
-            raise AssertionError("the blocks' residuals differ between two traces of the same stage function")
-        arrays = [leaf for leaf, kind in zip(jax.tree.leaves(vjp_fn), kinds) if kind[0] == "array"]
-        return [a for a, w in zip(arrays, self.from_weights) if not w]
-
-    def rebuild(self, stashed: list[jax.Array], layers, after):
-        """The vjp function from the stashed arrays and the weights; the weight-only arrays are recomputed from
-        `layers` made to depend on `after` (so their collectives, e.g. fsdp gathers, start after it)."""
-        weights = jax.tree.leaves(layers)
-        used = ordered_after([w for w, u in zip(weights, self._used_weights) if u], after)
-        from_weights = iter(_core.eval_jaxpr(self._weights_jaxpr, (), *self._consts, *used))
-        stashed = iter(stashed)
-        arrays = [next(from_weights) if w else next(stashed) for w in self.from_weights]
-        arrays = iter(arrays)
-        leaves = [weights[k[1]] if k[0] == "weight" else next(arrays) if k[0] == "array" else k[1] for k in self.kinds]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-def residual_bytes(parts: StageParts, layers, x, mb) -> int:
-    """Bytes of the blocks' residuals of one stage-microbatch that `one_f_one_b(recompute=False)` stashes (the
-    weight-only ones excluded, `_Residuals`); (2p - 1) times this is the stash. Call inside the shard_map
-    (abstract values are enough: it traces, no device work)."""
-    return int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in _Residuals(parts, layers, x, mb).stash_avals))
-
-
-def one_f_one_b(
-    parts: StageParts,
-    layers: dict,
-    edge: dict,
-    mbs: dict,
-    *,
-    p: int,
-    m: int,
-    act_shape: tuple[int, ...],
-    act_dtype,
-    loss_scale: jax.Array,
-    recompute: bool,
-    virtual_stages: int = 1,
-) -> tuple[tuple[dict, dict], jax.Array, dict]:
-    """Runs the 1F1B schedule, interleaved over `virtual_stages` model chunks per device when that is > 1;
-    returns ((fp32 gradient sums of `layers`, of `edge`), this stage's summed scaled loss, fp32 scalar: the
-    head's on the last stage plus, with `parts.blocks_loss`, the stage's blocks' terms; the blocks' stats summed
-    over the microbatches, leaves [v, ...] in chunk order, {} without `parts.blocks_loss`).
-
-    Args:
-      parts: the stage's parts (`StageParts`).
-      layers: this device's local layer parameters, each leaf [L/p, ...]. With v = `virtual_stages` > 1 in chunk
-        order (`to_chunk_order`): rows j*L/(pv) .. (j+1)*L/(pv) - 1 are model chunk j*p + s. The gradients come
-        back in the same order.
-      edge: the local parameters outside the layer stack.
-      mbs: microbatches, each leaf [m, b, ...].
-      p, m: stages and microbatches (with v > 1, m a multiple of p: `jaxpar.parallel.schedule.check`).
-      act_shape, act_dtype: shape [b, T', D] and dtype of the activations passed between stages.
-      loss_scale: multiplies each microbatch's loss (1 / global token count), fp32 scalar.
-      recompute: rebuild each chunk forward in the backward from the stashed input (True) or keep its
-        residuals (False); module docstring.
-      virtual_stages: v, model chunks per device (interleaved 1F1B; `jaxpar.parallel.schedule` has the ticks).
-
-    Raises:
-      ValueError: from `jaxpar.parallel.schedule.check` (m not a multiple of p with v > 1).
-    """
-    v = virtual_stages
-    schedule.check(p, v, m)
-    s = jax.lax.axis_index(AXIS)
-    is_first, is_last = s == 0, s == p - 1
-    depth = schedule.stash_slots(p, v)
-    zeros_act = jnp.zeros(act_shape, act_dtype)
-    chunks = layers if v == 1 else jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
-
-    def chunk(j):
-        # The layers of virtual stage j (all of the stage's layers when v = 1: no slicing at all).
-        if v == 1:
-            return layers
-        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), chunks)
-
-    mb0 = _microbatch(mbs, jnp.int32(0), m)
-    if recompute:
-        template, stash_shapes = None, [jax.ShapeDtypeStruct(act_shape, act_dtype)]
-    else:
-        template = _Residuals(parts, chunk(jnp.int32(0)), zeros_act, mb0)
-        stash_shapes = template.stash_avals
-
-    def stage_input(x_in, mb, first):
-        return jax.lax.cond(first, lambda: parts.embed(edge, mb).astype(act_dtype), lambda: x_in)
-
-    def head_grad(h, mb, scale, g_edge, last):
-        # Last chunk: the head's loss and its gradient with respect to the edge parameters and h.
-        def run():
-            loss, (d_edge, d_h) = jax.value_and_grad(
-                lambda e, y: parts.head(e, y, mb).astype(jnp.float32) * scale, argnums=(0, 1)
-            )(edge, h)
-            return loss, d_h.astype(act_dtype), _add32(g_edge, d_edge)
-
-        return jax.lax.cond(last, run, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge))
-
-    def embed_grad(d_x, mb, g_edge, first):
-        # First chunk: the embedding's gradient from the blocks' input gradient.
-        def run():
-            _, vjp_fn = jax.vjp(lambda e: parts.embed(e, mb).astype(act_dtype), edge)
-            return _add32(g_edge, vjp_fn(d_x)[0])
-
-        return jax.lax.cond(first, run, lambda: g_edge)
-
-    def add_chunk(g_layers, d_layers, j):
-        if v == 1:
-            return _add32(g_layers, d_layers)
-
-        def one(acc, d):
-            return jax.lax.dynamic_update_index_in_dim(acc, acc[j] + d.astype(jnp.float32), j, 0)
-
-        return jax.tree.map(one, g_layers, d_layers)
-
-    def tick(carry, k, do_forward: bool, do_backward: bool):
-        recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc = carry
-        send_f = send_b = zeros_act
-        if do_forward:
-            i, j_f, valid_f = schedule.forward_at(k, s, p, v, m)
-            mb = _microbatch(mbs, i, m)
-            # The embedding runs for model chunk 0 only, the head for the last chunk only (chunk j*p + s).
-            first_f = is_first if v == 1 else is_first & (j_f == 0)
-            last_f = is_last if v == 1 else is_last & (j_f == v - 1)
-            x = stage_input(recv_f, mb, first_f)
-            w = chunk(j_f)
-            if v > 1 and parts.edge_gathered:
-                # A chunk of one layer runs outside any layer loop, so its weights' fsdp gathers would not depend
-                # on the embedding's cond (and its gathers) before them: order them after it.
-                w = ordered_after(w, x)
-            if recompute:
-                h, b_loss, b_stats = _run_blocks(parts, w, x, mb)
-                keep = [x]
-            else:
-                h, b_loss, b_stats, vjp_fn = _blocks_vjp(parts, w, x, mb)
-                keep = template.stash(vjp_fn, w)
-            if parts.blocks_loss:  # the blocks' own loss terms and stats, counted in their forward tick
-                loss_acc = loss_acc + jnp.where(valid_f, b_loss * loss_scale, 0.0)
-                stats_acc = _add_stats(stats_acc, b_stats, j_f, valid_f)
-            # Slots by forward tick: the live ones are the 2pv - 2 ticks before this one (a chunk input waits at
-            # most 2pv - 2 ticks), so this tick's slot holds nothing live and the write needs no validity mask,
-            # also for a microbatch outside 0 .. m - 1.
-            slot = jnp.mod(k, depth)
-            stash = [jax.lax.dynamic_update_index_in_dim(r, x_, slot, 0) for r, x_ in zip(stash, keep)]
-            send_f = h
-        if do_backward:
-            i_b, j_b, valid = schedule.backward_at(k, s, p, v, m)
-            mb_b = _microbatch(mbs, i_b, m)
-            d_h = recv_b
-            if do_forward:
-                # The last chunk's backward is this tick's forward (always valid in the steady ticks): its head
-                # seeds the backward. d_h then depends on the forward on every stage, so the backward's
-                # collectives start after the forward's.
-                loss, d_head, g_edge = head_grad(h, mb, jnp.where(valid, loss_scale, 0.0), g_edge, last_f)
-                loss_acc = loss_acc + loss
-                d_h = jnp.where(last_f, d_head, recv_b)
-            d_h = jnp.where(valid, d_h, jnp.zeros_like(d_h))
-            # The forward of chunk c = j_b*p + s of this microbatch ran 2(pv - 1 - c) ticks ago.
-            slot_b = jnp.mod(k - 2 * (p * v - 1 - (j_b * p + s)), depth)
-            kept = [jax.lax.dynamic_index_in_dim(r, slot_b, keepdims=False) for r in stash]
-            w_b = chunk(j_b)
-            if v > 1 and parts.edge_gathered:
-                w_b = ordered_after(w_b, d_h)  # as in the forward: the backward's regathers after the head's cond
-            if recompute:
-                x_b, mb_b = ordered_after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
-                vjp_fn = _blocks_vjp(parts, w_b, x_b, mb_b)[3]
-            else:
-                vjp_fn = template.rebuild(kept, w_b, d_h)
-            d_layers, d_x = vjp_fn(_cotangent(parts, d_h, jnp.where(valid, loss_scale, 0.0)))
-            g_layers = add_chunk(g_layers, d_layers, j_b)
-            first_b = is_first if v == 1 else is_first & (j_b == 0)
-            g_edge = embed_grad(d_x, ordered_after(mb_b, d_x), g_edge, first_b)
-            send_b = d_x
-        if do_forward and do_backward:  # the permutes after the backward, one after the other
-            send_f = ordered_after(send_f, (send_b, d_layers, g_edge))
-        recv_f = _shift(send_f, p, forward=True, ring=v > 1) if do_forward else recv_f
-        if do_forward and do_backward:
-            send_b = ordered_after(send_b, recv_f)
-        recv_b = _shift(send_b, p, forward=False, ring=v > 1) if do_backward else recv_b
-        return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc), None
-
-    zeros32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
-    carry = (
-        zeros_act,
-        zeros_act,
-        [jnp.zeros((depth, *r.shape), r.dtype) for r in stash_shapes],
-        zeros32(chunks),
-        zeros32(edge),
-        jnp.zeros((), jnp.float32),
-        _zero_stats(parts, chunk(jnp.int32(0)), zeros_act, mb0, v),
-    )
-    # Three static loops: forward only (warm-up), forward and backward, backward only (cool-down).
-    warm, last_forward = schedule.warmup_ticks(p, v), schedule.forward_tick(m - 1, p * v - 1, p, v)
-    phases = (
-        (0, warm, True, False),
-        (warm, last_forward + 1, True, True),
-        (last_forward + 1, schedule.ticks(p, v, m), False, True),
-    )
-    for start, stop, fwd, bwd in phases:
-        if stop > start:
-            carry, _ = jax.lax.scan(lambda c, k, f=fwd, b=bwd: tick(c, k, f, b), carry, jnp.arange(start, stop))
-    _, _, _, g_layers, g_edge, loss, stats = carry
-    if v > 1:
-        g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layers)
-    return (g_layers, g_edge), loss, stats
 
 
 def chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
@@ -475,8 +188,9 @@ def chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]
 
 def to_chunk_order(layers, p: int, v: int):
     """This device's layer stack in model order (leaves [L/p, ...]: layers s*L/p .. (s+1)*L/p - 1) -> in chunk
-    order (model chunks s, p + s, .., (v-1)p + s of L/(pv) layers each), as `one_f_one_b` with v virtual stages
-    takes it; identity for v = 1. Inside the shard_map.
+    order (model chunks s, p + s, .., (v-1)p + s of L/(pv) layers each), as
+    `jaxpar.parallel.pipeline_1f1b.one_f_one_b` with v virtual stages takes it; identity for v = 1. Inside the
+    shard_map.
 
     Cost: every layer leaf crosses the pipeline axis once, as v^2 `ppermute`s of one chunk each (a chunk that
     stays on its device is a permute to itself), run one after the other (`ordered_after`: a fixed collective order).
@@ -524,7 +238,8 @@ def forward_loss(
     """The forward of all m microbatches through the pipeline in m + p - 1 ticks: (this stage's summed loss
     times `loss_scale`, fp32 scalar: the head's on the last stage plus, with `parts.blocks_loss`, the stage's
     blocks' terms; the blocks' stats summed over the microbatches, leaves [1, ...], {} without
-    `parts.blocks_loss`). GPipe's forward, and the pipelined evaluation. Same arguments as `one_f_one_b`."""
+    `parts.blocks_loss`). GPipe's forward, and the pipelined evaluation. Same arguments as
+    `jaxpar.parallel.pipeline_1f1b.one_f_one_b`."""
     s = jax.lax.axis_index(AXIS)
     is_first, is_last = s == 0, s == p - 1
 
@@ -536,18 +251,18 @@ def forward_loss(
         # tick), so that no part of a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather
         # of the table) is loop-invariant and hoisted out of the tick order. (A predicate made to depend on the
         # activations would do it for free, but then no HLO reader can tell which stage takes which branch.)
-        mb = ordered_after(_microbatch(mbs, k - s, m), recv)
+        mb = ordered_after(microbatch(mbs, k - s, m), recv)
         edge_e = ordered_after(edge, recv) if parts.edge_gathered else edge
         x = jax.lax.cond(is_first, lambda: parts.embed(edge_e, mb).astype(act_dtype), lambda: recv)
         # Warm-up ticks (p - 1, few enough that XLA may unroll them) also order the blocks' weight-only work
         # after the embedding: autodiff splits it out of the layer scan, and the weight gathers over fsdp in it
         # would otherwise be free to start before or after the embedding's cond. (In the head ticks' loop
         # that work is loop-invariant and XLA hoists it out, once per step.)
-        h, b_loss, b_stats = _run_blocks(parts, layers if head else ordered_after(layers, x), x, mb)
+        h, b_loss, b_stats = blocks_forward(parts, layers if head else ordered_after(layers, x), x, mb)
         if parts.blocks_loss:  # stage s runs microbatch k - s: valid for 0 <= k - s < m
             valid = (k >= s) & (k - s < m)
             loss_acc = loss_acc + jnp.where(valid, b_loss * loss_scale, 0.0)
-            stats_acc = _add_stats(stats_acc, b_stats, 0, valid)
+            stats_acc = add_stats(stats_acc, b_stats, 0, valid)
         if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
             edge_h = ordered_after(edge, h) if parts.edge_gathered else edge
             loss = jax.lax.cond(
@@ -557,10 +272,10 @@ def forward_loss(
             )
             loss_acc = loss_acc + loss
             h = ordered_after(h, loss)
-        return (_shift(h, p, forward=True), loss_acc, stats_acc), None
+        return (shift(h, p, forward=True), loss_acc, stats_acc), None
 
     zeros_act = jnp.zeros(act_shape, act_dtype)
-    stats0 = _zero_stats(parts, layers, zeros_act, _microbatch(mbs, jnp.int32(0), m), 1)
+    stats0 = zero_stats(parts, layers, zeros_act, microbatch(mbs, jnp.int32(0), m), 1)
     carry = (zeros_act, jnp.zeros((), jnp.float32), stats0)
     # Two static loops: ticks before the last stage's first microbatch (no head anywhere), then the m ticks
     # in which the last stage runs the head.
@@ -588,8 +303,8 @@ def gpipe(
     virtual_stages: int = 1,
 ) -> tuple[tuple[dict, dict], jax.Array, dict]:
     """Runs GPipe: forward of all m microbatches in m + p - 1 ticks (`forward_loss`), backward by autodiff of
-    that loop. Same arguments and results as `one_f_one_b`; `recompute` is not read (autodiff keeps every
-    tick's residuals).
+    that loop. Same arguments and results as `jaxpar.parallel.pipeline_1f1b.one_f_one_b`; `recompute` is not
+    read (autodiff keeps every tick's residuals).
 
     Raises:
       ValueError: `virtual_stages` > 1 (interleaving is a 1F1B schedule here; the config refuses it first).

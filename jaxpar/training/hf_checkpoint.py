@@ -48,7 +48,8 @@ def import_hf(hf_dir: str, run_dir: str, overrides: Sequence[str] = ()) -> dict:
 
     from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, Checkpointer
     from jaxpar.parallel.mesh import build_mesh
-    from jaxpar.training.step import build_plan, init_state
+    from jaxpar.training.plan import build_plan
+    from jaxpar.training.state import init_state
 
     ckpt_dir = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):

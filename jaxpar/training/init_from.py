@@ -2,7 +2,7 @@
 
 `check_init_from` runs before any device work (reads config.json and safetensors headers, or a checkpoint's saved
 config) and names every model key that differs; `load_init_params` reads the parameters on the host (float32
-numpy, or a checkpoint's parameters alone), which `jaxpar.training.step.init_state(plan, params=...)`
+numpy, or a checkpoint's parameters alone), which `jaxpar.training.state.init_state(plan, params=...)`
 then places on the run's mesh with a fresh optimizer state at step 0.
 """
 
@@ -22,7 +22,7 @@ def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
     from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
 
     root, step = resolve_checkpoint_path(path)
-    reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    reader = Checkpointer.read_only(root)
     try:
         steps = reader.all_steps()
     finally:
@@ -43,7 +43,7 @@ def resumes(run_dir: str) -> bool:
     directory = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
     if not os.path.isdir(directory):
         return False
-    reader = Checkpointer(directory, every_steps=1, keep=1, async_save=False, read_only=True)
+    reader = Checkpointer.read_only(directory)
     try:
         return reader.latest_step() is not None
     finally:

@@ -18,10 +18,8 @@ sharding drifted would raise instead of silently recompiling.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,13 +27,11 @@ import jax
 import numpy as np
 import optax
 
-from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, Checkpointer, CheckpointMismatchError, restore_from_path
-from jaxpar.config import Config, ConfigError, resolve_config, save_config
-from jaxpar.config.resume import check_resume_config, keep_previous_config
+from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, Checkpointer
+from jaxpar.config import Config, ConfigError, resolve_config
 from jaxpar.data import IteratorLoader, build_loaders
 from jaxpar.data.loader import serves_segment_ids
 from jaxpar.model import flops as flops_lib
-from jaxpar.model import model_family
 from jaxpar.parallel import schedule as schedule_lib
 from jaxpar.parallel.distributed import describe_process
 from jaxpar.parallel.mesh import build_mesh, describe
@@ -43,22 +39,18 @@ from jaxpar.training.compiled_memory import memory_analysis_bytes
 from jaxpar.training.faults import FaultInjector
 from jaxpar.training.hooks import Hook, RunContext, TrainingDiverged, TrainResult, default_hooks, evaluate
 from jaxpar.training.hooks.base import log as _log
-from jaxpar.training.init_from import check_init_from, check_init_from_tokenizer, load_init_params, resumes
+from jaxpar.training.init_from import check_init_from, check_init_from_tokenizer, resumes
 from jaxpar.training.loss import LossFn
 from jaxpar.training.metrics import MetricsWriter, default_trackers
 from jaxpar.training.optimizer import nonfinite_state
-from jaxpar.training.step import (
-    StepPlan,
-    abstract_state,
-    build_plan,
-    compute_dtype,
-    init_state,
-    make_eval_step,
-    make_train_step,
-)
+from jaxpar.training.plan import StepPlan, build_plan
+from jaxpar.training.start_state import check_run_dir, initial_state
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_eval_step, make_train_step
 
-# TrainResult, TrainingDiverged and evaluate live in jaxpar.training.hooks; imported from here as before.
-__all__ = ["CompiledHook", "TrainResult", "TrainingDiverged", "check_run_dir", "evaluate", "train"]
+# TrainResult, TrainingDiverged and evaluate are defined in jaxpar.training.hooks; a run's callers may import them
+# from here too.
+__all__ = ["CompiledHook", "TrainResult", "TrainingDiverged", "evaluate", "train"]
 
 _LOGGER = logging.getLogger("jaxpar.training")
 
@@ -71,80 +63,6 @@ def _memory_bytes(compiled) -> dict[str, int | None]:
         "memory_peak_bytes": stats.get("peak_bytes_in_use"),
         "memory_step_bytes": None if analysis is None else analysis["peak_bytes"],
     }
-
-
-def check_run_dir(run_dir: str) -> None:
-    """Checks that `train.run_dir` is, or can be created as, a directory this process can write in, and leaves
-    the file system as it found it (directories it creates to check are removed again) in a single-process
-    run. With several processes they are kept: the processes check at the same time, and one removing a
-    directory another is probing would fail that one's check.
-
-    Raises:
-      ConfigError: naming the path in the way (a file where a directory must be) or the OS error, and the fix.
-    """
-    fix = "give a directory you can write, e.g. train.run_dir=runs/tiny (it is created if missing)"
-    path = os.path.abspath(run_dir)
-    missing, probe = [], path
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        missing.append(probe)
-        probe = os.path.dirname(probe)
-    if os.path.exists(probe) and not os.path.isdir(probe):
-        what = "is a file" if probe == path else f"cannot be created: {probe} is a file, not a directory"
-        raise ConfigError(f"train.run_dir={run_dir!r} {what}; {fix}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".jaxpar-write-check-", dir=path)
-        os.close(fd)
-        os.remove(name)
-    except OSError as e:
-        raise ConfigError(
-            f"train.run_dir={run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); {fix}"
-        ) from e
-    finally:
-        for created in missing if jax.process_count() == 1 else ():  # innermost first
-            try:
-                os.rmdir(created)
-            except OSError:
-                break
-
-
-def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
-    """Returns (state, data_state) from RUN_DIR's latest checkpoint, else from `checkpoint.restore_from`, else
-    (None, None). A run's own checkpoints come first, so rerunning a command that seeded the run from another
-    checkpoint resumes where it stopped.
-
-    Raises:
-      ConfigError: the path holds no complete checkpoint, or the checkpoint's arrays do not fit this config.
-    """
-    target = abstract_state(plan)
-    own = ckpt is not None and ckpt.latest_step() is not None
-    source = ckpt.directory if own else cfg.checkpoint.restore_from
-    try:
-        if own:  # the run's own progress wins over checkpoint.restore_from, which only seeds a fresh run
-            if cfg.checkpoint.restore_from:
-                _log(
-                    f"resuming from this run's own checkpoints in {ckpt.directory}; checkpoint.restore_from="
-                    f"{cfg.checkpoint.restore_from} only starts a run that has none"
-                )
-            state, data_state, _ = ckpt.restore(None, target)
-            return state, data_state
-        if cfg.checkpoint.restore_from:
-            state, data_state, _ = restore_from_path(cfg.checkpoint.restore_from, target)
-            _log(f"restored from {cfg.checkpoint.restore_from}")
-            return state, data_state
-    except FileNotFoundError as e:
-        raise ConfigError(
-            f"{e}; pass a run directory, its checkpoints/ directory or one of its step "
-            f"directories to --restore-from (checkpoint.restore_from)"
-        ) from e
-    except CheckpointMismatchError as e:
-        raise ConfigError(
-            f"the checkpoint in {source} does not fit this config ({e.summary()}); run with the config it was "
-            f"saved with (config.yaml beside it) and, if it "
-            f"was trained with an optimizer of your own, that optimizer, or start a fresh run in another "
-            f"train.run_dir"
-        ) from e
-    return None, None
 
 
 # Called once the train step is compiled, with (plan, compiled step, state, first batch); returns a report to
@@ -180,16 +98,6 @@ def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
     return out
 
 
-def _resolved(cfg: Config) -> Config:
-    """`cfg` with the mesh sizes and `precision.compute_dtype: auto` resolved for this machine."""
-    cfg = resolve_config(cfg, jax.device_count())
-    if cfg.precision.compute_dtype == "auto":
-        cfg = dataclasses.replace(
-            cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=np.dtype(compute_dtype(cfg)).name)
-        )
-    return cfg
-
-
 def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
     """(train loader, validation loader, their counts): the config's corpus, or the caller's `data` iterator
     for training.
@@ -221,97 +129,24 @@ def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
             f"data: training batches from the caller's {type(data).__name__} ({train_loader.local_rows} rows of "
             f"{cfg.data.seq_len} tokens per process per step); validation from {what}"
         )
-    val_cover = (
-        f"{info['val_scored_tokens']:,} validation tokens ({info['val_scored_sequences']:,} of "
-        f"{info['val_sequences']:,} validation sequences)"
-    )
     _log(
-        f"data: {what}: {info['train_tokens']:,} train tokens ({info['train_sequences']:,} sequences "
-        f"of {info['seq_len']}), {info['val_tokens']:,} validation tokens; each evaluation scores {val_cover}"
+        f"data: {what}: {info.train_tokens:,} train tokens ({info.train_sequences:,} sequences of {info.seq_len}), "
+        f"{info.val_tokens:,} validation tokens; each evaluation scores {info.val_coverage()}"
     )
-    for name, one in info.get("sources", {}).items():
+    for name, one in info.sources.items():
         _log(
-            f"data: source {name}: weight {one['weight']:.4f}, {one['train_tokens']:,} train tokens "
-            f"({one['train_sequences']:,} sequences), validation scores {one['val_scored_tokens']:,} tokens "
-            f"({one['val_scored_sequences']:,} of {one['val_sequences']:,} sequences), reported as val_loss/{name}"
+            f"data: source {name}: weight {one.weight:.4f}, {one.train_tokens:,} train tokens "
+            f"({one.train_sequences:,} sequences), validation scores {one.val_scored_tokens:,} tokens "
+            f"({one.val_scored_sequences:,} of {one.val_sequences:,} sequences), reported as val_loss/{name}"
         )
     return train_loader, val_loader, info
 
 
-def _initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_loader):
-    """The state to start from (the latest checkpoint's, with the data position set on `train_loader`, else
-    `checkpoint.restore_from`'s, else fresh: parameters from `model.init_from` or initialised from the seed),
-    after writing RUN_DIR/config.yaml (keeping a resumed run's previous one if settings changed).
-
-    Raises:
-      ConfigError: other data settings than the checkpoint's, a checkpoint that does not fit, or a run already
-        past `train.steps`. ValueError: a data position the data cannot take.
-    """
-    t, run_dir = cfg.train, cfg.train.run_dir
-    resuming = ckpt is not None and ckpt.latest_step() is not None
-    changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write
-    state, data_state = _restore(cfg, plan, ckpt)
-    if state is None and cfg.model.init_from:
-        state = init_state(plan, params=load_init_params(cfg.model))  # parameters only: fresh optimizer, step 0
-        _log(f"parameters from model.init_from={cfg.model.init_from} (a fresh optimizer state at step 0)")
-    elif state is None:
-        state = init_state(plan, t.seed)
-    else:
-        try:
-            train_loader.set_state(data_state)
-        except ValueError as e:
-            raise ValueError(
-                f"the checkpoint's data position does not fit this run's data ({e}); resume with the "
-                f"data the run was saved with (the built-in corpus, or the same iterator), or start "
-                f"a fresh run in another train.run_dir"
-            ) from e
-    start = int(state["step"])
-    if start > t.steps:
-        raise ConfigError(
-            f"the run in train.run_dir={run_dir!r} is already at step {start}, past train.steps="
-            f"{t.steps}; raise train.steps to train on, or give another train.run_dir"
-        )
-    if jax.process_index() == 0:  # only once the state fits: a failed restore leaves the old config.yaml
-        os.makedirs(run_dir, exist_ok=True)
-        if changes:
-            kept = keep_previous_config(run_dir, start)
-            _log(
-                f"resuming with changed settings ({'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changes.items())}"
-                f"); the previous config is kept as {kept}"
-            )
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    if start:
-        position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
-        if "taken" in data_state:  # a mixture (jaxpar.data.MixtureLoader)
-            position = f"batch {data_state.get('next_batch')}, rows per source {data_state['taken']}"
-        _log(f"resumed at step {start} (data position {position})")
-        if start == t.steps:
-            _log(
-                f"the run in train.run_dir={run_dir!r} has reached train.steps={t.steps}: nothing to train (it is "
-                f"evaluated); raise train.steps to train on, or give another train.run_dir for a new run"
-            )
-    return state
-
-
-def _model_flops(cfg: Config, state: dict) -> tuple[float, float, float | None]:
-    """(model FLOPs per token, hardware FLOPs per token, peak FLOP/s per device or None), logged."""
+def _model_flops(cfg: Config, state: dict) -> tuple[float, float | None, float | None]:
+    """(model FLOPs per token, hardware FLOPs per token or None, peak FLOP/s per device or None), logged
+    (`jaxpar.model.flops.model_flops`)."""
     n_params = flops_lib.param_count(state["params"])
-    flops_per_token = flops_lib.flops_per_token(
-        flops_lib.active_non_embedding_params(state["params"], cfg.model),
-        cfg.model.n_layers,
-        cfg.model.d_model,
-        cfg.data.seq_len,
-    )
-    recompute = model_family(cfg.model.name).recompute_flops_per_token
-    hardware_flops = (
-        None
-        if recompute is None
-        else flops_lib.hardware_flops_per_token(
-            flops_per_token,
-            recompute(cfg.model, cfg.data.seq_len),
-            stage_recompute=flops_lib.stage_recompute(cfg),
-        )
-    )
+    flops_per_token, hardware_flops = flops_lib.model_flops(cfg, state["params"])
     peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops_per_device)
     hardware = (
         f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat})"
@@ -338,85 +173,18 @@ def _start_run(
 ) -> tuple[RunContext, dict]:
     """Builds the mesh, plan, data and state (restored or fresh), compiles the step and opens the checkpointer
     and the metrics writer on `stack`; returns the run's context and the first training batch."""
-    t = cfg.train
-    if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
-        _log(
-            f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
-            f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
-            f"decays; lower optimizer.warmup_steps to reach the peak"
-        )
-    if cfg.model.init_from and not resumes(t.run_dir):  # reads only config files and headers: before device work
-        check_init_from(cfg.model)
-        check_init_from_tokenizer(cfg)
+    _check_before_device_work(cfg, optimizer)
     mesh = build_mesh(cfg)
     plan = build_plan(cfg, mesh, loss_fn=loss_fn, optimizer=optimizer, learning_rate=learning_rate)
-    _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
-    _log(
-        f"jaxpar: mesh {describe(mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
-        f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}, attention "
-        f"{plan.mdef.cfg.attention} (model.attention {cfg.model.attention})"
-    )
-    if cfg.mesh.pipeline > 1:
-        pipe = cfg.pipeline
-        _log(
-            "pipeline: "
-            + schedule_lib.describe(
-                pipe.schedule, cfg.mesh.pipeline, pipe.virtual_stages, pipe.microbatches, pipe.recompute
-            )
-        )
-    if optimizer is not None:
-        skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None
-        _log(
-            "optimizer: the caller's optax transformation (optimizer.* keys other than zero_stage are not read)"
-            + (
-                ""
-                if skips
-                else "; it has no skip_nonfinite wrapper: a NaN or inf update is applied, and "
-                "train.max_bad_steps and train.divergence_rollbacks cannot act"
-            )
-        )
+    cfg = plan.cfg  # `precision.compute_dtype` resolved for the mesh's devices: the config the run saves
+    _log_setup(plan, caller_optimizer=optimizer is not None)
     train_loader, val_loader, info = _loaders(cfg, plan, data)
-
-    ckpt = None
-    if cfg.checkpoint.every_steps > 0:
-        ckpt = Checkpointer(
-            os.path.join(t.run_dir, RUN_CHECKPOINT_DIR),
-            every_steps=cfg.checkpoint.every_steps,
-            keep=cfg.checkpoint.keep,
-            async_save=cfg.checkpoint.async_save,
-        )
-        stack.callback(ckpt.close)
-    state = _initial_state(cfg, plan, ckpt, train_loader)
+    ckpt = _checkpointer(cfg, stack)
+    state = initial_state(cfg, plan, ckpt, train_loader)
     flops_per_token, hardware_flops, peak = _model_flops(cfg, state)
-
     first_batch = train_loader.next_batch()
-    compiled = make_train_step(plan).lower(state, first_batch).compile()
-    memory = _memory_bytes(compiled)
-    for hook in on_compiled:
-        report = hook(plan, compiled, state, first_batch)
-        if report:
-            _log(
-                report
-                + (
-                    "\n(the ZeRO formula counts AdamW's two moments, not this optimizer's state)"
-                    if optimizer is not None
-                    else ""
-                )
-            )
-    mc = cfg.metrics
-    writer = MetricsWriter(
-        t.run_dir,
-        enabled=jax.process_index() == 0,
-        trackers=lambda d: default_trackers(
-            d,
-            tensorboard=mc.tensorboard,
-            wandb=mc.wandb,
-            wandb_project=mc.wandb_project,
-            wandb_mode=mc.wandb_mode,
-            config=cfg.to_dict(),
-        ),
-    )
-    stack.callback(writer.close)
+    compiled, memory = _compiled_step(plan, state, first_batch, on_compiled, caller_optimizer=optimizer is not None)
+    writer = _metrics_writer(cfg, stack)
     run = RunContext(
         cfg=cfg,
         plan=plan,
@@ -437,6 +205,104 @@ def _start_run(
         peak_flops=peak,
     )
     return run, first_batch
+
+
+def _check_before_device_work(cfg: Config, optimizer) -> None:
+    """What a run can refuse or warn about before any device work: a warm-up longer than the run (the default
+    optimizer), and `model.init_from` weights that do not fit (read from config files and headers only).
+
+    Raises:
+      ConfigError: from `jaxpar.training.init_from.check_init_from` / `check_init_from_tokenizer`.
+    """
+    t = cfg.train
+    if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
+        _log(
+            f"warning: optimizer.warmup_steps={cfg.optimizer.warmup_steps} > train.steps={t.steps}: the learning "
+            f"rate reaches only {t.steps / cfg.optimizer.warmup_steps:.0%} of optimizer.learning_rate and never "
+            f"decays; lower optimizer.warmup_steps to reach the peak"
+        )
+    if cfg.model.init_from and not resumes(t.run_dir):  # reads only config files and headers: before device work
+        check_init_from(cfg.model)
+        check_init_from_tokenizer(cfg)
+
+
+def _log_setup(plan: StepPlan, *, caller_optimizer: bool) -> None:
+    """Logs this process, and (from process 0) the mesh, precision and attention the plan resolved, the
+    pipeline schedule, and what a caller's own optimizer leaves out."""
+    cfg = plan.cfg
+    _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
+    _log(
+        f"jaxpar: mesh {describe(plan.mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
+        f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}, attention "
+        f"{plan.attention} (model.attention {cfg.model.attention})"
+    )
+    if cfg.mesh.pipeline > 1:
+        pipe = cfg.pipeline
+        _log(
+            "pipeline: "
+            + schedule_lib.describe(
+                pipe.schedule, cfg.mesh.pipeline, pipe.virtual_stages, pipe.microbatches, pipe.recompute
+            )
+        )
+    if caller_optimizer:
+        skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None
+        _log(
+            "optimizer: the caller's optax transformation (optimizer.* keys other than zero_stage are not read)"
+            + (
+                ""
+                if skips
+                else "; it has no skip_nonfinite wrapper: a NaN or inf update is applied, and "
+                "train.max_bad_steps and train.divergence_rollbacks cannot act"
+            )
+        )
+
+
+def _checkpointer(cfg: Config, stack: contextlib.ExitStack) -> Checkpointer | None:
+    """The run's checkpointer of RUN_DIR/checkpoints, closed with `stack`; None with `checkpoint.every_steps=0`."""
+    if cfg.checkpoint.every_steps == 0:
+        return None
+    ckpt = Checkpointer(
+        os.path.join(cfg.train.run_dir, RUN_CHECKPOINT_DIR),
+        every_steps=cfg.checkpoint.every_steps,
+        keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_save,
+    )
+    stack.callback(ckpt.close)
+    return ckpt
+
+
+def _compiled_step(
+    plan: StepPlan, state: dict, first_batch: dict, on_compiled: Sequence[CompiledHook], *, caller_optimizer: bool
+):
+    """(the train step lowered and compiled once, ahead of time, for `state` and `first_batch`, its memory
+    `_memory_bytes` read right after compiling); logs each report the `on_compiled` hooks return."""
+    compiled = make_train_step(plan).lower(state, first_batch).compile()
+    memory = _memory_bytes(compiled)
+    for hook in on_compiled:
+        report = hook(plan, compiled, state, first_batch)
+        if report:
+            note = "\n(the ZeRO formula counts AdamW's two moments, not this optimizer's state)"
+            _log(report + (note if caller_optimizer else ""))
+    return compiled, memory
+
+
+def _metrics_writer(cfg: Config, stack: contextlib.ExitStack) -> MetricsWriter:
+    """The run's metrics writer (metrics.jsonl and the configured trackers, process 0 only), closed with `stack`."""
+    mc = cfg.metrics
+    writer = MetricsWriter(
+        cfg.train.run_dir,
+        enabled=jax.process_index() == 0,
+        trackers=lambda d: default_trackers(
+            d,
+            tensorboard=mc.tensorboard,
+            wandb=mc.wandb,
+            wandb_project=mc.wandb_project,
+            wandb_mode=mc.wandb_mode,
+            config=cfg.to_dict(),
+        ),
+    )
+    stack.callback(writer.close)
+    return writer
 
 
 def _run_steps(run: RunContext, hooks: list[Hook], batch: dict | None) -> None:
@@ -490,7 +356,7 @@ def train(
     Args:
       cfg: the run config.
       loss_fn, optimizer, learning_rate: a caller's own training loss and optax optimizer, and what the
-        `learning_rate` metric reports for it; see `jaxpar.training.step.build_plan` (defaults: cross-entropy, and
+        `learning_rate` metric reports for it; see `jaxpar.training.plan.build_plan` (defaults: cross-entropy, and
         the config's AdamW). Validation (`val_loss`) is the cross-entropy whatever the loss. Metrics the step
         does not report (`learning_rate` without `learning_rate`; `skipped_steps` without a
         `jaxpar.training.optimizer.skip_nonfinite` wrapper) are null in metrics.jsonl; without that wrapper a
@@ -514,7 +380,7 @@ def train(
       TrainingDiverged: too many non-finite updates in a row (`DivergenceHook`).
     """
     hooks = None if hooks is None else _checked_hooks(hooks)
-    cfg = _resolved(cfg)
+    cfg = resolve_config(cfg, jax.device_count())  # the mesh sizes; the plan resolves the precision
     hooks = default_hooks(cfg) if hooks is None else hooks
     check_run_dir(cfg.train.run_dir)
     with contextlib.ExitStack() as stack:  # closes the hooks' contexts, the writer and the checkpointer
@@ -535,8 +401,8 @@ def train(
         losses=run.losses,
         val_loss=None,
         initial_val_loss=run.initial_val_loss,
-        val_unigram_entropy=info["val_unigram_entropy"],
-        val_tokens=info["val_scored_tokens"],
+        val_unigram_entropy=info.val_unigram_entropy,
+        val_tokens=info.val_scored_tokens,
         tokens_per_s=run.tokens_per_s,
         start_step=run.start_step,
         sample="",

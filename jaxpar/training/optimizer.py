@@ -4,7 +4,7 @@ non-finite skip that any optimizer can be wrapped in, and the readers the train 
 Decoupled weight decay (Loshchilov & Hutter 2019) applies to weight matrices and embeddings only, never to
 norm scales or biases (parameters with one non-layer dimension).
 
-A caller's own `optax.GradientTransformation` replaces the default through `jaxpar.training.step.build_plan(...,
+A caller's own `optax.GradientTransformation` replaces the default through `jaxpar.training.plan.build_plan(...,
 optimizer=tx)`; wrap it in `skip_nonfinite` to get the default's NaN/inf handling and its step metrics.
 """
 

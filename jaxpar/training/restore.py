@@ -22,12 +22,14 @@ import jax
 import optax
 
 from jaxpar.checkpoint.info import read_json_item
-from jaxpar.checkpoint.store import Checkpointer, CheckpointMismatchError, resolve_checkpoint_path
+from jaxpar.checkpoint.mismatch import CheckpointMismatchError
+from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
 from jaxpar.config import Config, ConfigError, load_config
 from jaxpar.config.moe import without_expert_axes
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.loss import LossFn
-from jaxpar.training.step import StepPlan, abstract_state, build_plan
+from jaxpar.training.plan import StepPlan, build_plan
+from jaxpar.training.state import abstract_state
 
 
 @dataclasses.dataclass
@@ -36,7 +38,7 @@ class Restored:
 
     Attributes:
       cfg: the run's config with the overrides applied.
-      plan: the step plan on the new mesh (`jaxpar.training.step.build_plan`).
+      plan: the step plan on the new mesh (`jaxpar.training.plan.build_plan`).
       state: the train state {"step", "params", "opt_state"[, "master"]}, sharded as `plan.state_shardings`.
       step: the checkpoint's step.
       data_state: the data position saved with it.
@@ -80,10 +82,10 @@ def restore(
       ConfigError: the saved config with `overrides` does not fit `devices` (the message names the key);
         `overrides` change `model.*` (other than `model.moe.expert_axes`, a placement on the mesh); the arrays
         do not fit (an optimizer other than the run's: the message summarises the differences,
-        `jaxpar.checkpoint.store.CheckpointMismatchError` is its cause).
+        `jaxpar.checkpoint.mismatch.CheckpointMismatchError` is its cause).
     """
     root, given = resolve_checkpoint_path(path)
-    reader = Checkpointer(root, every_steps=1, keep=1, async_save=False, read_only=True)
+    reader = Checkpointer.read_only(root)
     try:
         steps = reader.all_steps()
         chosen = step if step is not None else given if given is not None else (steps[-1] if steps else None)

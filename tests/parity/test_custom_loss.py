@@ -33,7 +33,8 @@ from step_helpers import (
 )
 
 from jaxpar.training.loss import VocabParallelLoss, cross_entropy_with_z_loss
-from jaxpar.training.step import init_state, make_eval_step, make_grad_fn
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_eval_step, make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

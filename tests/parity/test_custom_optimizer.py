@@ -48,7 +48,8 @@ from jaxpar.config import load_config
 from jaxpar.model.flops import param_count
 from jaxpar.parallel.sharding import opt_state_specs
 from jaxpar.training.optimizer import skip_nonfinite
-from jaxpar.training.step import init_state, make_grad_fn, make_train_step
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_grad_fn, make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

@@ -24,7 +24,8 @@ from step_helpers import FP32, FP32_RTOL, assert_scalar_close, assert_tree_close
 
 from jaxpar.data.packing import pack
 from jaxpar.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from jaxpar.training.step import init_state, make_grad_fn
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

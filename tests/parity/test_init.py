@@ -13,7 +13,7 @@ import pytest
 from optax import tree_utils as otu
 from step_helpers import FP32, make_plan, quick_compile, shard_shape, to_host
 
-from jaxpar.training.step import init_state
+from jaxpar.training.state import init_state
 
 pytestmark = pytest.mark.usefixtures("devices8")  # tests/conftest.py: fails when the process has fewer
 SEED = 11

@@ -32,7 +32,8 @@ from step_helpers import (
     to_host,
 )
 
-from jaxpar.training.step import init_state, make_grad_fn
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

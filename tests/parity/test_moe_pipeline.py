@@ -50,7 +50,8 @@ from step_helpers import (
 
 from jaxpar.config.errors import ConfigError
 from jaxpar.parallel import pipeline
-from jaxpar.training.step import init_state, make_eval_step
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_eval_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

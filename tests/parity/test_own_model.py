@@ -49,7 +49,9 @@ import jaxpar.model as jm
 from jaxpar.config import ConfigError, load_config
 from jaxpar.data.packing import pack
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import build_plan, init_state, make_grad_fn
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

@@ -63,7 +63,8 @@ from step_helpers import (
 )
 
 from jaxpar.config import ConfigError, load_config
-from jaxpar.training.step import init_state, make_eval_step, make_grad_fn, make_train_step
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_eval_step, make_grad_fn, make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
@@ -444,12 +445,13 @@ def test_config_errors_before_device_work(monkeypatch, tmp_path):
 
     # Through the trainer: the check runs before the mesh is built, the state initialised or run_dir written.
     import jaxpar.training.loop as loop
+    import jaxpar.training.start_state as start_state
 
     def no_device_work(*args, **kwargs):
         raise AssertionError("device work before the config was checked")
 
     monkeypatch.setattr(loop, "build_mesh", no_device_work)
-    monkeypatch.setattr(loop, "init_state", no_device_work)
+    monkeypatch.setattr(start_state, "init_state", no_device_work)
     cfg = load_config(
         CONFIG,
         [

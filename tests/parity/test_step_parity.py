@@ -34,7 +34,7 @@ from step_helpers import (
     to_host,
 )
 
-from jaxpar.training.step import init_state
+from jaxpar.training.state import init_state
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

@@ -16,7 +16,7 @@ every replicated output's by t) on top of them.
 Every replicated result (an output, or a gradient of a replicated argument) comes back once per rank, so each
 rank's copy is checked. Under sequence parallelism a weight replicated over `tensor` (the row-parallel bias)
 receives on each rank the gradient of its sequence slice only; the train step sums those over `tensor`
-(`jaxpar.training.step._reduce_replicated`), and so does the check here.
+(`jaxpar.training.grad_reduction.reduce_replicated`), and so does the check here.
 
 Shape letters: B batch, T sequence, D model width, F hidden width, H query heads, G key/value heads,
 K head width, V vocabulary, t tensor size.

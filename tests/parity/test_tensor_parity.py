@@ -44,7 +44,8 @@ from step_helpers import (
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.parallel.tensor import TensorParallel
-from jaxpar.training.step import init_state, make_grad_fn, make_train_step
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_grad_fn, make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

@@ -65,8 +65,8 @@ def test_each_source_validation_is_in_the_metrics_and_the_log(tmp_path, caplog):
     assert [r["step"] for r in evaluated] == [2, 4]
     assert all("val_loss/a" not in r for r in rows if r["val_loss"] is None)
     sharding = NamedSharding(build_mesh(cfg), activation_spec("batch", "seq"))
-    info = build_loaders(cfg.data, 8, sharding, cfg.model.vocab_size, eval_batches=1)[2]["sources"]
-    tokens = {n: info[n]["val_scored_tokens"] for n in ("a", "b")}
+    info = build_loaders(cfg.data, 8, sharding, cfg.model.vocab_size, eval_batches=1)[2].sources
+    tokens = {n: info[n].val_scored_tokens for n in ("a", "b")}
     for r in evaluated:
         mean = sum(r[f"val_loss/{n}"] * tokens[n] for n in tokens) / sum(tokens.values())
         assert r["val_loss"] == pytest.approx(mean, rel=1e-6) and r["val_tokens"] == sum(tokens.values())

@@ -21,7 +21,8 @@ from jaxpar.checkpoint.store import restore_from_path
 from jaxpar.cli.launch import free_port
 from jaxpar.config import load_config
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import abstract_state, build_plan
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import abstract_state
 from jaxpar.training.watchdog import EXIT_HUNG
 
 pytestmark = pytest.mark.slow

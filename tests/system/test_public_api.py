@@ -16,7 +16,7 @@ import pytest
 from step_helpers import CONFIG, FP32_RTOL, assert_scalar_close, to_host
 
 import jaxpar
-from jaxpar.checkpoint.store import CheckpointMismatchError
+from jaxpar.checkpoint.mismatch import CheckpointMismatchError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICK = [

@@ -71,9 +71,9 @@ def test_a_mixture_trains_reports_each_source_and_resumes_exactly(sets, tmp_path
     assert [r["step"] for r in evaluated] == [4, 8, 12]
     cfg = _cfg(sets, tmp_path / "whole", 12)
     sharding = NamedSharding(build_mesh(cfg), activation_spec("batch", "seq"))
-    info = build_loaders(cfg.data, 8, sharding, cfg.model.vocab_size, eval_batches=1)[2]["sources"]
+    info = build_loaders(cfg.data, 8, sharding, cfg.model.vocab_size, eval_batches=1)[2].sources
     for r in evaluated:
-        tokens = {n: info[n]["val_scored_tokens"] for n in ("web", "code")}
+        tokens = {n: info[n].val_scored_tokens for n in ("web", "code")}
         mean = sum(r[f"val_loss/{n}"] * tokens[n] for n in tokens) / sum(tokens.values())
         assert r["val_loss"] == pytest.approx(mean, rel=1e-6) and r["val_tokens"] == sum(tokens.values())
     assert whole.val_losses == {n: evaluated[-1][f"val_loss/{n}"] for n in ("web", "code")}

@@ -144,6 +144,7 @@ def _literal_tuples(path: str):
 ONE_SOURCE = {
     "mesh axes": ({"data", "pipeline", "fsdp", "tensor"}, "jaxpar.config.mesh_axes"),
     "platforms": ({"gpu", "tpu", "cpu"}, "jaxpar.config.precision"),
+    "float dtypes": ({"float32", "bfloat16"}, "jaxpar.config.precision"),
     "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.data.batch"),
     "remat policies": ({"none", "dots", "names", "full"}, "jaxpar.config.choices"),
     "pipeline schedules": ({"1f1b", "gpipe"}, "jaxpar.config.choices"),
@@ -212,21 +213,38 @@ def test_jax_free_modules_do_not_start_jax():
 
 
 def test_compute_dtype_auto_resolves_once():
-    """The planner, the GPU compile and the train step resolve `compute_dtype: auto` with one function."""
-    import jax
+    """The planner and the step plan resolve `compute_dtype: auto` with one function, the step plan from its
+    mesh's platform (which the run saves), and nothing in the library asks jax's default backend for it."""
+    import re
+
     import numpy as np
 
     from jaxpar.analysis.planner.plan import plan
     from jaxpar.config import load_config, resolve_config
     from jaxpar.config.precision import resolve_compute_dtype
-    from jaxpar.training.step import compute_dtype
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.training.plan import build_plan
 
     assert [resolve_compute_dtype("auto", p) for p in ("cpu", "gpu", "tpu")] == ["float32", "bfloat16", "bfloat16"]
     assert resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"
     cfg = resolve_config(load_config(os.path.join(ROOT, "configs", "tiny.yaml"), validate=False), 8)
     assert cfg.precision.compute_dtype == "auto"
-    here = jax.default_backend()
-    assert np.dtype(compute_dtype(cfg)).name == resolve_compute_dtype("auto", here) == plan(cfg, here)["compute_dtype"]
+    step_plan = build_plan(cfg, build_mesh(cfg))
+    here = step_plan.platform
+    assert (
+        np.dtype(step_plan.compute_dtype).name
+        == resolve_compute_dtype("auto", here)
+        == plan(cfg, here)["compute_dtype"]
+    )
+    assert step_plan.cfg.precision.compute_dtype == resolve_compute_dtype("auto", here)
+    # The one exception: a model built outside a step plan (e.g. by hand, `model.attention: auto` unresolved)
+    # resolves its attention when called.
+    outside_a_plan = {"jaxpar.model.layers"}
+    for module, path in _modules(PACKAGE).items():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        found = re.search(r"resolve_(compute_dtype|attention)\([^)]*default_backend", text)
+        assert bool(found) == (module in outside_a_plan), module
 
 
 def test_byte_formatting_has_one_source():

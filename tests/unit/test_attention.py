@@ -18,7 +18,7 @@ from jaxpar.config.attention import resolve_attention
 from jaxpar.model import build_model, dot_product_attention
 from jaxpar.model.attention import packed_segments
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import build_plan
+from jaxpar.training.plan import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")

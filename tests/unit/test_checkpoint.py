@@ -11,14 +11,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.checkpoint.store import (
-    EMPTY,
-    ArrayDifference,
-    Checkpointer,
-    CheckpointMismatchError,
-    resolve_checkpoint_path,
-    restore_from_path,
-)
+from jaxpar.checkpoint.mismatch import EMPTY, ArrayDifference, CheckpointMismatchError
+from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path, restore_from_path
 
 
 @pytest.fixture(scope="module")

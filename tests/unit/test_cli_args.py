@@ -68,7 +68,7 @@ def test_run_dir_that_cannot_be_created_is_refused_before_device_work(tmp_path, 
 
 
 def test_run_dir_check_leaves_no_directories_behind(tmp_path):
-    from jaxpar.training.loop import check_run_dir
+    from jaxpar.training.start_state import check_run_dir
 
     check_run_dir(str(tmp_path / "new" / "run"))
     assert list(tmp_path.iterdir()) == []
@@ -82,7 +82,7 @@ def test_run_dir_check_keeps_created_directories_with_several_processes(tmp_path
     race a 2-process run of examples/own_model.py hit), so with several processes nothing is removed."""
     import jax
 
-    from jaxpar.training.loop import check_run_dir
+    from jaxpar.training.start_state import check_run_dir
 
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     check_run_dir(str(tmp_path / "new" / "run"))

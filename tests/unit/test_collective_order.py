@@ -19,8 +19,9 @@ import pytest
 from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan, quick_compile
 
 from jaxpar.analysis.hlo.collective_order import unordered_collectives
-from jaxpar.parallel import pipeline
-from jaxpar.training.step import abstract_state, make_grad_fn
+from jaxpar.parallel import pipeline, pipeline_1f1b
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_grad_fn
 
 VALID = (8, 3, 8, 0, 5, 8, 1, 8, 8, 7, 2, 8, 8, 4, 8, 6)
 LAYOUTS = {
@@ -97,7 +98,8 @@ def test_without_the_tick_dependencies_pipelines_are_unordered(monkeypatch, name
     tensor all-reduce free against a loop of collectives, and GPipe its edge conds, layer-gather loops and
     permutes. (1F1B without tensor parallelism is ordered by its data flow alone: since the last stage's head
     seeds the backward in the tick of its forward, every stage's backward reads the forward's output.)"""
-    monkeypatch.setattr(pipeline, "ordered_after", lambda tree, deps: tree)
+    for module in (pipeline, pipeline_1f1b):  # the schedules' modules, each with its own name for it
+        monkeypatch.setattr(module, "ordered_after", lambda tree, deps: tree)
     pairs = unordered_collectives(_compiled_grad_fn_hlo(LAYOUTS[name]))
     later = {opcode for _, _, _, opcode in pairs}
     assert later & {"all-reduce", "collective-permute", "while", "conditional"}, pairs

@@ -329,8 +329,8 @@ def test_build_loaders_on_text(tmp_path, sharding):
     _write_texts(tmp_path, n=40)
     cfg = DataConfig(source="text", path=str(tmp_path), seq_len=16, validation_fraction=0.3)
     train, val, info = build_loaders(cfg, 8, sharding)
-    assert info["train_sequences"] == train.num_sequences >= 8
-    assert info["train_tokens"] > 0 and info["val_tokens"] > 0 and info["val_unigram_entropy"] > 0
+    assert info.train_sequences == train.num_sequences >= 8
+    assert info.train_tokens > 0 and info.val_tokens > 0 and info.val_unigram_entropy > 0
     batch = next(val.batches())
     assert batch["inputs"].shape == (8, 16)
     first = np.asarray(batch["inputs"])[0]

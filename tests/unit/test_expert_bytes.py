@@ -15,7 +15,8 @@ from step_helpers import FP32, make_plan
 
 from jaxpar.analysis.hlo.collectives import collectives_by_axis
 from jaxpar.parallel.expert import all_to_all_bytes
-from jaxpar.training.step import abstract_state, make_train_step
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

@@ -135,7 +135,7 @@ def test_documented_cluster_commands_run_a_checked_step():
     was compiled for the config's cluster: the same GPU count and the same fingerprint (mesh, batch, model)."""
     import re
 
-    from jaxpar.analysis.gpu.deviceless import gpu_config
+    from jaxpar.config import resolve_config
 
     commands = []
     for page in ["README.md", *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
@@ -148,5 +148,5 @@ def test_documented_cluster_commands_run_a_checked_step():
         rec = RECORDS[os.path.basename(config)]
         devices = int(nodes) * per_node
         assert devices == parse_cluster(rec["cluster"]).devices, (config, rec["cluster"])
-        cfg = gpu_config(load_config(os.path.join(ROOT, config), overrides.split(), num_devices=devices), devices)
+        cfg = resolve_config(load_config(os.path.join(ROOT, config), overrides.split(), num_devices=devices), devices)
         assert gpu_check.fingerprint(cfg) == rec["fingerprint"], f"{config}{overrides}: not the checked step"

@@ -41,7 +41,8 @@ from jaxpar.analysis.hlo.collectives import (
 )
 from jaxpar.analysis.hlo.ring import ring_bytes
 from jaxpar.analysis.planner.compiled import PARTITIONER_PASS, read_partitioned_hlo
-from jaxpar.training.step import abstract_state, make_train_step
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_train_step
 
 N_LAYERS = 2  # step_helpers.TINY
 BLOCK_PARAMS = 9  # attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down

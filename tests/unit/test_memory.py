@@ -16,7 +16,8 @@ from jaxpar.config import load_config
 from jaxpar.data.batch import abstract_batch
 from jaxpar.model.flops import param_count
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import build_plan, init_state
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
 
 GB = 1e9
 SMALL = ["model.n_layers=2", "model.d_model=128", "data.seq_len=16", "train.global_batch_size=8"]

@@ -104,9 +104,9 @@ def test_shard_mixture_validates_each_source_as_it_would_alone(sets, sharding):
     )
     cfg = DataConfig(source="shards", seq_len=T, validation_fraction=0.2, sources=entries)
     train, val, info = build_loaders(cfg, G, sharding, vocab_size=264, eval_batches=2)
-    assert isinstance(train, MixtureLoader) and set(info["sources"]) == {"web", "code"}
-    assert info["sources"]["web"]["weight"] == pytest.approx(0.7) and "segment_ids" in train.next_batch()
-    assert info["val_scored_tokens"] == sum(s["val_scored_tokens"] for s in info["sources"].values())
+    assert isinstance(train, MixtureLoader) and set(info.sources) == {"web", "code"}
+    assert info.sources["web"].weight == pytest.approx(0.7) and "segment_ids" in train.next_batch()
+    assert info.val_scored_tokens == sum(s.val_scored_tokens for s in info.sources.values())
 
     def eval_step(params, batch):  # a stand-in loss: mean target id (any function of the rows would do)
         mask = np.asarray(batch["loss_mask"])
@@ -117,9 +117,9 @@ def test_shard_mixture_validates_each_source_as_it_would_alone(sets, sharding):
     for name, _, single in source_configs(cfg):
         _, single_val, single_info = build_loaders(single, G, sharding, vocab_size=264, eval_batches=2)
         alone[name] = evaluate(eval_step, None, single_val)
-        assert single_info["val_scored_tokens"] == info["sources"][name]["val_scored_tokens"]
+        assert single_info.val_scored_tokens == info.sources[name].val_scored_tokens
     assert by_source == {name: loss for name, (loss, _) in alone.items()}
-    assert tokens == sum(n for _, n in alone.values()) == info["val_scored_tokens"]
+    assert tokens == sum(n for _, n in alone.values()) == info.val_scored_tokens
     assert overall == pytest.approx(sum(loss * n for loss, n in alone.values()) / tokens)
     assert overall == pytest.approx(evaluate(eval_step, None, val)[0])  # the whole pass, token-weighted
 
@@ -133,7 +133,7 @@ def test_sources_tokenized_differently_are_refused(sets, sharding):
     with pytest.raises(ConfigError, match=r"data.sources\[0\] \(bpe\): .*model.vocab_size=256"):
         build_loaders(small, G, sharding, vocab_size=256)
     text = DataConfig(source="stdlib", seq_len=T, max_bytes=50_000, sources=(entries[0], DataSourceConfig(name="std")))
-    assert build_loaders(text, G, sharding, vocab_size=264)[2]["sources"]["std"]["train_tokens"] > 0  # both bytes
+    assert build_loaders(text, G, sharding, vocab_size=264)[2].sources["std"].train_tokens > 0  # both bytes
 
 
 def _mixture(sources: str, *more: str):

@@ -17,7 +17,8 @@ from step_helpers import FP32, compile_fast, device_batch, host_batch, planner, 
 
 from jaxpar.config.schema import OptimizerConfig
 from jaxpar.training.optimizer import learning_rate_schedule
-from jaxpar.training.step import init_state, make_train_step
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_train_step
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

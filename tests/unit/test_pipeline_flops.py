@@ -24,7 +24,8 @@ from step_helpers import FP32, compile_fast, make_plan
 from jaxpar.analysis.hlo.flops import dot_flops_per_device, per_device_cost
 from jaxpar.data.batch import abstract_batch
 from jaxpar.parallel import schedule
-from jaxpar.training.step import abstract_state, make_grad_fn
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_grad_fn
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 

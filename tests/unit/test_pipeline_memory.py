@@ -40,7 +40,8 @@ import pytest
 from step_helpers import FP32, compile_fast, make_plan, quick_compile, shard_shape
 
 from jaxpar.data.batch import abstract_batch
-from jaxpar.training.step import abstract_state, make_grad_fn
+from jaxpar.training.state import abstract_state
+from jaxpar.training.step import make_grad_fn
 
 P_STAGES = 4
 T = 32
@@ -156,12 +157,12 @@ def test_temp_at_fixed_global_batch(temp):
 
 
 def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
-    """(residual bytes of one chunk-microbatch that 1F1B without recompute stashes, `jaxpar.parallel.pipeline.
+    """(residual bytes of one chunk-microbatch that 1F1B without recompute stashes, `jaxpar.parallel.pipeline_1f1b.
     residual_bytes`; one stage input [b, T, D] fp32 in bytes) for p stages of `layers` layers, v chunks each."""
     from jax.sharding import PartitionSpec as P
 
-    from jaxpar.parallel import pipeline
-    from jaxpar.training import step
+    from jaxpar.parallel import pipeline_1f1b
+    from jaxpar.training import pipelined
 
     plan = make_plan(
         [*FP32, f"model.n_layers={layers}", f"data.seq_len={T}", "mesh.data=1", "mesh.fsdp=1", f"mesh.pipeline={p}"],
@@ -176,10 +177,10 @@ def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
             "targets": jax.numpy.zeros((B, T), "int32"),
             "loss_mask": jax.numpy.zeros((B, T)),
         }
-        stack, _ = step.split_stack(params)
+        stack, _ = pipelined.split_stack(params)
         chunk = jax.tree.map(lambda a: a[: a.shape[0] // v], stack)
-        parts = step._stage_parts(plan, params, plan.loss_fn)
-        got["bytes"] = pipeline.residual_bytes(parts, chunk, jax.numpy.zeros((B, T, d)), mb)
+        parts = pipelined.stage_parts(plan, params, plan.loss_fn)
+        got["bytes"] = pipeline_1f1b.residual_bytes(parts, chunk, jax.numpy.zeros((B, T, d)), mb)
         return jax.numpy.zeros(())
 
     fn = jax.shard_map(body, mesh=plan.mesh, in_specs=(plan.specs["params"],), out_specs=P(), check_vma=False)
@@ -190,7 +191,7 @@ def _residual_bytes(p: int, layers: int, v: int = 1) -> tuple[int, int]:
 @pytest.mark.timeout(300)
 def test_residual_stash_bound(temp):
     """The stated stash bound of 1F1B without recompute: (2p - 1) x the residual bytes of one stage-microbatch
-    (`jaxpar.parallel.pipeline.residual_bytes`) in place of (2p - 1) stage inputs [b, T, D]: the temporaries of
+    (`jaxpar.parallel.pipeline_1f1b.residual_bytes`) in place of (2p - 1) stage inputs [b, T, D]: the temporaries of
     the two modes differ by that, within 10% (XLA's buffer reuse and the tick's working set)."""
     residual, stage_input = _residual_bytes(P_STAGES, L)
     assert residual > stage_input

@@ -12,7 +12,6 @@ from jaxpar.analysis.planner.pipeline import (
     tick_counts,
 )
 from jaxpar.parallel import schedule
-from jaxpar.parallel.pipeline import ticks_1f1b
 
 
 @pytest.mark.parametrize("p,m,expected", [(1, 8, 0.0), (2, 4, 1 / 5), (4, 4, 3 / 7), (4, 32, 3 / 35), (8, 1, 7 / 8)])
@@ -33,7 +32,7 @@ def test_interleaved_bubble_fraction(p, m, v, expected):
 @pytest.mark.parametrize("m", [1, 3, 4, 32])
 def test_1f1b_ticks_match_the_loop_and_the_formula(p, m):
     t = tick_counts("1f1b", p, m)
-    assert t["ticks"] == ticks_1f1b(p, m) == m + 2 * p - 2
+    assert t["ticks"] == schedule.ticks(p, 1, m) == m + 2 * p - 2
     assert t["half_ticks"] == 2 * (p - 1)
     # two half ticks make one full tick: (ticks - half) + half / 2 = m + p - 1, the GPipe/1F1B formula
     assert t["full_equivalent"] == t["ticks"] - t["half_ticks"] + t["half_ticks"] // 2 == t["formula"] == m + p - 1

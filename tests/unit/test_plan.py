@@ -41,7 +41,7 @@ from jaxpar.config import load_config, resolve_config
 from jaxpar.log import GB
 from jaxpar.model import init_params, logical_axes
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.training.step import build_plan
+from jaxpar.training.plan import build_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")

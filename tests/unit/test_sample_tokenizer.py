@@ -19,7 +19,7 @@ from jaxpar.data.tokenizer import ByteTokenizer
 from jaxpar.training.hooks import SampleHook
 from jaxpar.training.hooks.base import TrainResult
 from jaxpar.training.sample import SamplingUnavailable, run_tokenizer, sample_text
-from jaxpar.training.step import init_state
+from jaxpar.training.state import init_state
 
 
 @pytest.fixture(scope="module")

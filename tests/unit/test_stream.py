@@ -133,10 +133,10 @@ def test_a_loader_reads_only_its_own_rows(sets, sharding, monkeypatch):
 def test_build_loaders_for_shards_and_its_info(sets, sharding):
     cfg = DataConfig(source="shards", path=sets["hf"], seq_len=T, validation_fraction=0.2)
     train_loader, val_loader, info = build_loaders(cfg, G, sharding, vocab_size=512, eval_batches=2)
-    assert info["shard_set"] == sets["hf"] and info["train_sequences"] == train_loader.num_sequences
-    assert info["train_tokens"] + info["val_tokens"] == read_manifest(sets["hf"])["tokens"]
-    assert info["val_scored_sequences"] == 2 * G and info["val_scored_tokens"] == val_loader.num_tokens > 0
-    assert 0 < info["val_unigram_entropy"] < np.log(500)
+    assert info.shard_set == sets["hf"] and info.train_sequences == train_loader.num_sequences
+    assert info.train_tokens + info.val_tokens == read_manifest(sets["hf"])["tokens"]
+    assert info.val_scored_sequences == 2 * G and info.val_scored_tokens == val_loader.num_tokens > 0
+    assert 0 < info.val_unigram_entropy < np.log(500)
     assert "segment_ids" in train_loader.next_batch()
 
 

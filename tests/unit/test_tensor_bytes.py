@@ -118,12 +118,12 @@ def test_program_bytes_sorts_tensor_collectives_from_gradient_reductions(devices
 def test_llama_1b_on_8_h100s_moves_no_more_than_the_compiler(remat, sp):
     """data=2 x tensor=4, ZeRO-1, bf16, 8 x 4096 tokens: explicit activation bytes <= the compiler-chosen
     program's, gradients reduced in fp32 where the compiler-chosen program reduces them in bf16."""
-    from jaxpar.analysis.gpu.deviceless import compile_devices, gpu_config
+    from jaxpar.analysis.gpu.deviceless import compile_devices
     from jaxpar.analysis.gpu.targets import cluster
 
     clu = cluster("h100", 1, 8)
     overrides = [*COMMON, *TENSOR4, f"tensor.sequence_parallel={str(sp).lower()}", f"model.remat={remat}"]
-    cfg = gpu_config(load_config(os.path.join(ROOT, "configs", "llama_1b.yaml"), overrides, validate=False), 8)
+    cfg = resolve_config(load_config(os.path.join(ROOT, "configs", "llama_1b.yaml"), overrides, validate=False), 8)
     row = {"layout": f"tensor=4 sp={sp}", "remat": remat, **compile_steps(cfg, compile_devices(clu))}
     _check(row)
     assert "bf16" in row["compiler"].gradient_dtypes, format_table([row])

@@ -24,12 +24,14 @@ from jaxpar.data.batch import BATCH_KEYS
 from jaxpar.model.llama import Llama
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL
 from jaxpar.training.optimizer import learning_rate_schedule
-from jaxpar.training.step import StepPlan, compute_dtype
+from jaxpar.training.plan import StepPlan
 
 
-def reference_step(cfg: Config):
+def reference_step(cfg: Config, compute_dtype):
     """Minimal NNX + optax step: token-mean masked cross-entropy, value_and_grad, global-norm clip + AdamW
-    (the config's schedule; decay on matrices and embeddings only), jit with donation.
+    (the config's schedule; decay on matrices and embeddings only), jit with donation, computing in
+    `compute_dtype` (a jnp dtype: the plan's, `jaxpar.training.plan.StepPlan.compute_dtype`, so both steps
+    compute alike).
 
     Returns:
       (step, params, opt_state): `step(params, opt_state, batch) -> (params, opt_state, loss)` (a jitted
@@ -37,7 +39,7 @@ def reference_step(cfg: Config):
       device).
     """
     graphdef, params = nnx.split(Llama(cfg.model, nnx.Rngs(cfg.train.seed)))
-    o, dtype = cfg.optimizer, compute_dtype(cfg)
+    o, dtype = cfg.optimizer, compute_dtype
 
     # decay matrices and embeddings only (>= 2 dims besides the stacked `layers` dim of block params)
     def decay_mask(p):

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar.analysis.bench.baselines import reference_step
 from jaxpar.analysis.bench.timing import (
@@ -51,13 +52,9 @@ from jaxpar.config.mesh_axes import DATA, FSDP, TENSOR
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
-from jaxpar.training.step import (
-    StepPlan,
-    abstract_state,
-    build_plan,
-    init_state,
-    make_train_step,
-)
+from jaxpar.training.plan import StepPlan, build_plan
+from jaxpar.training.state import abstract_state, init_state
+from jaxpar.training.step import make_train_step
 
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
 # The pipeline grid's model: small enough that every (p, m) point compiles in seconds on 2 CPU cores.
@@ -103,7 +100,7 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
 
     Returns:
       {"cost": {name: compiled_cost}, "first_loss": {name: float}, "times": {name: rounds of per-step seconds}}
-      for name in ("jaxpar", "reference").
+      for name in ("jaxpar", "reference"), and "compute_dtype" (the name of the dtype both compute in: the plan's).
     """
     devices = jax.devices()[:1]
     plan = build_plan(cfg, build_mesh(cfg, devices))
@@ -115,7 +112,7 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
         masked_prefix=cfg.data.seq_len // 8,
     )
     jp = {"state": init_state(plan, cfg.train.seed)}
-    ref_step, params, opt_state = reference_step(cfg)
+    ref_step, params, opt_state = reference_step(cfg, plan.compute_dtype)
     ref = {"params": jax.device_put(params, devices[0]), "opt": jax.device_put(opt_state, devices[0])}
     # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
     jp["step"] = make_train_step(plan).lower(jp["state"], batch).compile()  # type: ignore[attr-defined]
@@ -135,6 +132,7 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
         "cost": {"jaxpar": compiled_cost(jp["step"]), "reference": compiled_cost(ref_step)},
         "first_loss": first,
         "times": times,
+        "compute_dtype": jnp.dtype(plan.compute_dtype).name,
     }
 
 

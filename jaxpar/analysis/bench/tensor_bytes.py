@@ -89,7 +89,9 @@ def compile_steps(cfg, devices: Sequence) -> dict:
     from jaxpar.data.batch import abstract_batch
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training.compiled_memory import memory_analysis_bytes
-    from jaxpar.training.step import abstract_state, build_plan, make_train_step
+    from jaxpar.training.plan import build_plan
+    from jaxpar.training.state import abstract_state
+    from jaxpar.training.step import make_train_step
 
     mesh = build_mesh(cfg, devices)
     plan = build_plan(cfg, mesh)

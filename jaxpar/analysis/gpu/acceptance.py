@@ -39,10 +39,11 @@ from jaxpar.data.batch import BATCH_KEYS, random_batch
 from jaxpar.log import human_bytes
 from jaxpar.model import flops as flops_lib
 from jaxpar.model.attention import dot_product_attention
-from jaxpar.model.registry import model_family
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.compiled_memory import memory_analysis_bytes
-from jaxpar.training.step import build_plan, init_state, make_train_step
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import init_state
+from jaxpar.training.step import make_train_step
 
 _LOGGER = logging.getLogger("jaxpar.analysis.gpu.acceptance")
 
@@ -199,20 +200,6 @@ def planned_peak(cfg: Config, platform: str) -> int:
     return int(analytic_plan(cfg, platform)["memory"]["peak_estimate"])
 
 
-def _flops(cfg: Config, params) -> tuple[float, float]:
-    model = flops_lib.flops_per_token(
-        flops_lib.active_non_embedding_params(params, cfg.model),
-        cfg.model.n_layers,
-        cfg.model.d_model,
-        cfg.data.seq_len,
-    )
-    recompute = model_family(cfg.model.name).recompute_flops_per_token
-    if recompute is None:
-        raise ValueError(f"model {cfg.model.name!r} registered no recompute count, which the acceptance's HFU needs")
-    hardware = flops_lib.hardware_flops_per_token(model, recompute(cfg.model, cfg.data.seq_len))
-    return model, hardware
-
-
 def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float | None) -> tuple[dict, object]:
     """Compiles and times the train step of `cfg` on one device with a random batch.
 
@@ -231,7 +218,7 @@ def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float |
     # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
     compiled = make_train_step(plan).lower(state, batch).compile()  # type: ignore[attr-defined]
     compile_s = time.perf_counter() - t0
-    model_flops, hardware_flops = _flops(cfg, state["params"])
+    model_flops, hardware_flops = flops_lib.model_flops(cfg, state["params"])
     for _ in range(warmup_steps):
         state, metrics = compiled(state, batch)
     jax.block_until_ready(state)

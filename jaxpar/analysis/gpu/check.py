@@ -19,6 +19,7 @@ import os
 import re
 
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.log import GB
 
@@ -56,9 +57,12 @@ def fingerprint(cfg: Config) -> str:
     `pipeline.recompute` counts only with mesh.pipeline > 1 (it decides nothing else), `pipeline.virtual_stages`
     only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`,
     `model.moe` only with experts, and `model.init_from` (where the weights come from) never; records made before
-    those keys existed keep their fingerprints."""
+    those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it (`auto` is
+    bfloat16 there: `jaxpar.config.precision.resolve_compute_dtype`)."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
+    # the dtype the GPU step computes in: `auto` and bfloat16 compile the same step there
+    keep["precision"]["compute_dtype"] = resolve_compute_dtype(cfg.precision.compute_dtype, "gpu")
     rope_scaling = ROPE_SCALING_KEYS if cfg.model.rope_scaling == "none" else ()
     moe_off = ("moe",) if cfg.model.moe.num_experts == 0 else ()
     keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off)}
@@ -75,20 +79,19 @@ def fingerprint(cfg: Config) -> str:
 
 
 def resolved_for_cluster(path: str) -> tuple[Config, str]:
-    """The config at `path` resolved for its documented cluster as the GPU compile resolves it (compute dtype
-    `auto` -> bfloat16), and the cluster name.
+    """The config at `path` resolved for its documented cluster's device count (`jaxpar.config.resolve_config`),
+    and the cluster name.
 
     Raises:
       ValueError: no cluster line or an unknown cluster; ConfigError: the config does not fit the cluster's
         device count.
     """
-    from jaxpar.analysis.gpu.deviceless import gpu_config
     from jaxpar.analysis.gpu.targets import parse_cluster
-    from jaxpar.config import load_config
+    from jaxpar.config import load_config, resolve_config
 
     name = documented_cluster(path)
     clu = parse_cluster(name)
-    return gpu_config(load_config(path, num_devices=clu.devices), clu.devices), clu.name
+    return resolve_config(load_config(path, num_devices=clu.devices), clu.devices), clu.name
 
 
 def planned_peak(cfg: Config) -> int:

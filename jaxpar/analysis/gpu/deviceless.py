@@ -12,8 +12,9 @@ cubins) gives the executable's per-device memory analysis and optimized HLO. Not
 
 The jax process must not try to start a CUDA backend: with the plugin installed, jax on a machine without a
 driver fails the plugin's CUDA checks and never registers it, unless `JAX_PLATFORMS=cpu` (or
-`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`) is set before jax initialises its backends. `precision.compute_dtype:
-auto` is compiled as on a GPU (bfloat16), not as the CPU process would resolve it.
+`JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`) is set before jax initialises its backends. The compile-only devices' platform
+is `gpu`, so the step plan resolves `precision.compute_dtype: auto` (bfloat16) and `model.attention: auto` (cuDNN
+where it can run) as on the cluster (`jaxpar.training.plan.build_plan`), not as the CPU process would.
 
 Differences from the cluster's own compile: no autotuning (no device to time kernels on), so GEMM fusions use
 the compiler's default tile configurations; their scratch may differ a little from an autotuned build.
@@ -21,7 +22,6 @@ the compiler's default tile configurations; their scratch may differ a little fr
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import math
 import re
@@ -113,15 +113,6 @@ def compile_devices(clu: Cluster) -> list:
     return devices
 
 
-def gpu_config(cfg: Config, devices: int) -> Config:
-    from jaxpar.config.precision import resolve_compute_dtype
-    from jaxpar.config.validate import resolve_config
-
-    dtype = resolve_compute_dtype(cfg.precision.compute_dtype, "gpu")
-    cfg = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
-    return resolve_config(cfg, devices)
-
-
 def _batch_dims(dot_operands: str) -> int:
     found = re.search(r"lhs_batch_dims=\{([\d,]*)\}", dot_operands)
     return len([d for d in found.group(1).split(",") if d]) if found else 0
@@ -167,7 +158,8 @@ def compile_for_gpu(
     of `cfg.data.seq_len` tokens, split as the step splits it.
 
     Args:
-      cfg: config (resolved here for the cluster's device count; `compute_dtype: auto` becomes bfloat16).
+      cfg: config (resolved here for the cluster's device count; the plan resolves `compute_dtype: auto` to
+        bfloat16 from the GPU devices).
       target: a `jaxpar.analysis.gpu.targets` name ("h100", "h200", "a100", "b200").
       nodes, gpus_per_node: the cluster's shape (the mesh spans nodes * gpus_per_node devices).
       compiler_options: XLA options for `compile()` (default none).
@@ -201,13 +193,16 @@ def compile_for_gpu(
 
     from jaxpar.analysis.planner.compiled import compare_collectives, hlo_collectives
     from jaxpar.analysis.planner.plan import plan as analytic_plan
+    from jaxpar.config.validate import resolve_config
     from jaxpar.data.batch import abstract_batch
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training.compiled_memory import memory_analysis_bytes
-    from jaxpar.training.step import abstract_state, build_plan, make_train_step
+    from jaxpar.training.plan import build_plan
+    from jaxpar.training.state import abstract_state
+    from jaxpar.training.step import make_train_step
 
     clu = make_cluster(target, nodes, gpus_per_node)
-    cfg = gpu_config(cfg, clu.devices)
+    cfg = resolve_config(cfg, clu.devices)
     devices = compile_devices(clu)
     mesh = build_mesh(cfg, devices)
     plan = build_plan(cfg, mesh)

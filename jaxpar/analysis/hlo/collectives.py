@@ -39,6 +39,8 @@ from jax.sharding import Mesh
 
 from jaxpar.analysis.hlo.ring import KINDS, ring_bytes
 
+# Bytes per element by HLO type name ("bf16", "f32", ...): HLO text's own vocabulary, not the dtype names of
+# configs and arrays (those are `jaxpar.config.precision.DTYPE_BYTES`).
 _DTYPE_BYTES = {
     "pred": 1,
     "s4": 0.5,

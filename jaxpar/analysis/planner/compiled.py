@@ -45,12 +45,9 @@ from jaxpar.config.schema import Config
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.compiled_memory import memory_analysis_bytes
-from jaxpar.training.step import (
-    abstract_state,
-    build_plan,
-    init_state,
-    make_train_step,
-)
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import abstract_state, init_state
+from jaxpar.training.step import make_train_step
 
 # The pass after which the program is "partitioned" (module docstring): StatefulRngSpmdPartitioner's name in
 # XLA's CPU and GPU SPMD pipelines.
@@ -76,7 +73,7 @@ def _step_plan(cfg: Config):
 class CompiledStep:
     """The train step compiled ahead of time for abstract (state, batch), with what produced it."""
 
-    plan: Any  # jaxpar.training.step.StepPlan
+    plan: Any  # jaxpar.training.plan.StepPlan
     state: dict  # abstract state (ShapeDtypeStructs with shardings)
     batch: dict  # abstract batch
     executable: Any  # jax.stages.Compiled; callable on real arrays with the same shardings
@@ -268,16 +265,14 @@ def compiled_plan(
     }
 
 
-def measure_steps(
-    cfg: Config, analytic: dict, steps: int, peak_flops_override: float = 0.0, step: CompiledStep | None = None
-) -> dict:
+def measure_steps(cfg: Config, steps: int, peak_flops_override: float = 0.0, step: CompiledStep | None = None) -> dict:
     """Runs `steps` train steps (after one untimed warm-up step) on random tokens and times them, with the
     executable of `step` when given (no second compile; its compiler options then apply to the timing), else a
     fresh `jax.jit` of the step.
 
     Returns:
       {"steps", "step_time_s" (median seconds), "tokens_per_s" (global tokens per second), "mfu" (model FLOPs
-       utilisation with `jaxpar.model.flops`: 6N + 12*L*h*s per token over devices x peak; None when the device's
+       utilisation with `jaxpar.model.flops.model_flops` per token over devices x peak; None when the device's
        peak is unknown, e.g. CPU), "peak_flops_per_device", "peak_memory_bytes" (device 0's allocator peak;
        None where the backend keeps no statistics, e.g. CPU), "device_kind"}.
 
@@ -304,12 +299,7 @@ def measure_steps(
     tokens_per_s = g * t / seconds
     device = plan.mesh.devices.flat[0]
     peak = flops.peak_flops(device.device_kind, peak_flops_override or cfg.train.peak_flops_per_device)
-    per_token = flops.flops_per_token(
-        analytic["params"]["non_embedding"] - flops.inactive_expert_params(cfg.model),
-        cfg.model.n_layers,
-        cfg.model.d_model,
-        t,
-    )
+    per_token, _ = flops.model_flops(cfg, state["params"])
     stats = device.memory_stats() or {}
     return {
         "steps": steps,

@@ -20,7 +20,7 @@ import math
 import jax
 
 from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
-from jaxpar.config.precision import DTYPE_BYTES, check_platform, resolve_compute_dtype
+from jaxpar.config.precision import DTYPE_BYTES, check_platform, precision_layout, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.model import init_params, logical_axes
 from jaxpar.model.moe import EXPERTS_AXIS
@@ -111,7 +111,7 @@ class Dims:
     layers_per_stage: int
     compute_bytes: int  # Bc: bytes of the compute dtype (activations, gathered weights)
     reduce_bytes: int  # Br: bytes of precision.reduce_dtype (gradient reductions)
-    param_bytes: int  # bytes of the working parameters: 2 (16p layout, bf16) or 4 (fp32)
+    param_bytes: int  # bytes of the working parameters (`jaxpar.config.precision.PrecisionLayout.param_bytes`)
     platform: str
     virtual: int = 1  # v: model chunks per device (interleaved 1F1B, pipeline.virtual_stages); 1 without
     expert_axes: tuple[str, ...] = ()  # model.moe.expert_axes (() for a dense model)
@@ -158,7 +158,7 @@ def dims(cfg: Config, platform: str) -> Dims:
         layers_per_stage=cfg.model.n_layers // p,
         compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
         reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
-        param_bytes=2 if cfg.precision.layout == "16p" else 4,
+        param_bytes=precision_layout(cfg.precision.layout).param_bytes,
         platform=platform,
         virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule == "1f1b" else 1,
         expert_axes=expert_axes(cfg),

@@ -3,7 +3,7 @@
 Symbols: P parameters, N size of the `data` axis (the group ZeRO partitions over), F size of the `fsdp` axis.
 
 Formula (ZeRO, Rajbhandari et al. 2019, arXiv 1910.02054, section 3 and Figure 1). Bytes per parameter of
-each state kind:
+each state kind, as the layout defines them (`jaxpar.config.precision.LAYOUTS`):
 
     layout   params   grads   opt_state
     fp32     4        4       8  (Adam m, v)
@@ -41,24 +41,22 @@ import numpy as np
 
 from jaxpar.analysis.planner.dims import rank_params_split
 from jaxpar.config.mesh_axes import DATA, FSDP
+from jaxpar.config.precision import precision_layout
 from jaxpar.parallel.sharding import STATE_KINDS, partitioned_over_data
 from jaxpar.training.compiled_memory import memory_analysis_bytes
-from jaxpar.training.step import StepPlan, make_grad_fn, make_train_step
+from jaxpar.training.plan import StepPlan
+from jaxpar.training.step import make_grad_fn, make_train_step
 
-# Bytes per parameter of each state kind, per precision layout (ZeRO section 3.1).
-BYTES_PER_PARAM: dict[str, dict[str, int]] = {
-    "fp32": {"params": 4, "grads": 4, "opt_state": 8},  # fp32 params, fp32 grads, Adam m + v
-    "16p": {"params": 2, "grads": 2, "opt_state": 12},  # bf16 params, bf16 grads, fp32 master + m + v
-}
 _STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 POINTER_BYTES = 8  # one entry of XLA's tuple index table
 
 
-def _check(layout: str, zero_stage: int) -> None:
-    if layout not in BYTES_PER_PARAM:
-        raise ValueError(f"layout {layout!r} is not one of {tuple(BYTES_PER_PARAM)}")
+def _bytes_per_param(layout: str, zero_stage: int) -> dict[str, int]:
+    """Bytes per parameter of each state kind of `layout` (`jaxpar.config.precision.PrecisionLayout`); raises
+    ValueError for an unknown layout or zero stage."""
     if zero_stage not in _STAGE_NAMES:
         raise ValueError(f"zero_stage {zero_stage!r} is not one of 0, 1, 2, 3")
+    return precision_layout(layout).bytes_per_param
 
 
 def state_bytes_formula(n_params: float, layout: str, zero_stage: int, data: int, fsdp: int) -> dict:
@@ -77,13 +75,13 @@ def state_bytes_formula(n_params: float, layout: str, zero_stage: int, data: int
     Raises:
       ValueError: unknown layout or zero stage, or a mesh axis size < 1.
     """
-    _check(layout, zero_stage)
+    per_param = _bytes_per_param(layout, zero_stage)
     if data < 1 or fsdp < 1:
         raise ValueError(f"mesh axis sizes must be >= 1, got data={data} fsdp={fsdp}")
     out = {}
     for kind in STATE_KINDS:
         divisor = fsdp * (data if partitioned_over_data(kind, zero_stage) else 1)
-        out[kind] = BYTES_PER_PARAM[layout][kind] * n_params / divisor
+        out[kind] = per_param[kind] * n_params / divisor
     out["total"] = sum(out[k] for k in STATE_KINDS)
     return out
 
@@ -122,9 +120,9 @@ def expert_state_bytes_formula(
 
 def formula_expression(layout: str, zero_stage: int, fsdp: int = 1) -> str:
     """The formula in use as text, e.g. `ZeRO-2 fp32: 4P + 12P/N` (`(...)/F` appended when fsdp > 1)."""
-    _check(layout, zero_stage)
-    whole = sum(b for k, b in BYTES_PER_PARAM[layout].items() if not partitioned_over_data(k, zero_stage))
-    split = sum(b for k, b in BYTES_PER_PARAM[layout].items() if partitioned_over_data(k, zero_stage))
+    per_param = _bytes_per_param(layout, zero_stage)
+    whole = sum(b for k, b in per_param.items() if not partitioned_over_data(k, zero_stage))
+    split = sum(b for k, b in per_param.items() if partitioned_over_data(k, zero_stage))
     terms = ([f"{whole}P"] if whole else []) + ([f"{split}P/N"] if split else [])
     expr = " + ".join(terms)
     if fsdp > 1:
@@ -133,7 +131,7 @@ def formula_expression(layout: str, zero_stage: int, fsdp: int = 1) -> str:
 
 
 def _kind_expression(layout: str, zero_stage: int, kind: str) -> str:
-    b = BYTES_PER_PARAM[layout][kind]
+    b = _bytes_per_param(layout, zero_stage)[kind]
     return f"{b}P/N" if partitioned_over_data(kind, zero_stage) else f"{b}P"
 
 

@@ -1,7 +1,7 @@
 """Hugging Face Llama-family weights in and out of jaxpar's built-in `llama` model.
 
     hf = load_hf_llama("path/to/Llama-3.2-1B")               # ModelConfig + float32 numpy params
-    state = init_state(plan, params=hf.params)               # on any mesh (jaxpar.training.step.init_state)
+    state = init_state(plan, params=hf.params)               # on any mesh (jaxpar.training.state.init_state)
     save_hf_llama(params, cfg, "out/hf", dtype="bfloat16")   # transformers' LlamaForCausalLM loads it
 
 A directory is `config.json` plus `model.safetensors` or shards named by `model.safetensors.index.json`

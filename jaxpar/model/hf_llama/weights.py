@@ -33,6 +33,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxpar.config.precision import DTYPE_BYTES
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama.config import HFConfigError
 
@@ -40,7 +41,6 @@ _LOGGER = logging.getLogger("jaxpar.model.hf_llama")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _IGNORED = re.compile(r"(model\.layers\.\d+\.self_attn\.|model\.)rotary_emb\.inv_freq")  # old exports' buffers
 
 # per-layer HF suffix -> (jaxpar path under blocks, HF [out, in] -> jaxpar reshaping kind)
@@ -228,9 +228,9 @@ def hf_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarr
     Raises:
       HFConfigError: an unknown `dtype`, or a parameter shaped unlike `cfg`.
     """
-    if dtype not in DTYPES:
-        raise HFConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-    np_dtype = DTYPES[dtype]
+    if dtype not in DTYPE_BYTES:
+        raise HFConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    np_dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)  # numpy has no bfloat16 of its own
 
     def cast(w) -> np.ndarray:
         return np.ascontiguousarray(np.asarray(w, dtype=np.float32).astype(np_dtype))

@@ -28,13 +28,14 @@ import jax
 if TYPE_CHECKING:  # the types of the run's parts; importing them here would load the whole training stack
     from jaxpar.checkpoint.store import Checkpointer
     from jaxpar.config.schema import Config
+    from jaxpar.data.info import DataInfo
     from jaxpar.data.iterator import IteratorLoader
     from jaxpar.data.loader import DataLoader, EvalLoader
     from jaxpar.data.mixture import MixtureEvalLoader, MixtureLoader
     from jaxpar.training.metrics import MetricsWriter
-    from jaxpar.training.step import StepPlan
+    from jaxpar.training.plan import StepPlan
 
-TrainState = dict[str, Any]  # {"params", "opt_state", "step", ...}: `jaxpar.training.step.init_state`
+TrainState = dict[str, Any]  # {"params", "opt_state", "step", ...}: `jaxpar.training.state.init_state`
 # eval_step(params, batch) -> (summed token loss in nats, valid tokens): `jaxpar.training.step.make_eval_step`
 EvalStep = Callable[[dict, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
 
@@ -77,7 +78,8 @@ class RunContext:
         iterator.
       val_loader: the validation split (`jaxpar.data.EvalLoader`, a `MixtureEvalLoader` for `data.sources`);
         eval_step: `(params, batch) -> (loss sum in nats, valid tokens)`, see `jaxpar.training.hooks.evaluate`.
-      data_info: the splits' token and sequence counts and `val_unigram_entropy` (`jaxpar.data.build_loaders`).
+      data_info: the splits' token and sequence counts and `val_unigram_entropy` (`jaxpar.data.info.DataInfo`, from
+        `jaxpar.data.build_loaders`).
       checkpointer: the run's `jaxpar.checkpoint.store.Checkpointer`, None with `checkpoint.every_steps=0`.
       writer: the run's `jaxpar.training.metrics.MetricsWriter` (metrics.jsonl and the configured trackers).
       stack: a `contextlib.ExitStack` closed when the loop ends, normally or by an error: a hook enters its
@@ -107,7 +109,7 @@ class RunContext:
     train_loader: DataLoader | MixtureLoader | IteratorLoader
     val_loader: EvalLoader | MixtureEvalLoader
     eval_step: EvalStep
-    data_info: dict[str, Any]
+    data_info: DataInfo
     checkpointer: Checkpointer | None
     writer: MetricsWriter
     stack: contextlib.ExitStack
@@ -144,12 +146,8 @@ class RunContext:
 
     @property
     def val_cover(self) -> str:
-        """What each evaluation scores, in words (for log lines)."""
-        i = self.data_info
-        return (
-            f"{i['val_scored_tokens']:,} validation tokens ({i['val_scored_sequences']:,} of "
-            f"{i['val_sequences']:,} validation sequences)"
-        )
+        """What each evaluation scores, in words (for log lines; `jaxpar.data.info.DataInfo.val_coverage`)."""
+        return self.data_info.val_coverage()
 
     def log(self, msg: str) -> None:
         """Logs `msg` from process 0 (logger `jaxpar.training`)."""

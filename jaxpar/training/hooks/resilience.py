@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 from jaxpar.training.preemption import PreemptionWatch
-from jaxpar.training.step import abstract_state
+from jaxpar.training.state import abstract_state
 from jaxpar.training.watchdog import Watchdog
 
 

@@ -1,0 +1,105 @@
+"""What a restore checks before reading: the checkpoint's arrays against the restore target, leaf by leaf.
+
+Every leaf is compared, including the empty nodes of optax states (an `EmptyState`, None, {}), by Orbax's dotted
+leaf names; a difference in presence, structure, shape or dtype is an `ArrayDifference`, and all of them together
+a `CheckpointMismatchError` (a `ValueError`). Orbax's own shape error does not name the key, and it silently casts
+dtypes, so `jaxpar.checkpoint.store` checks first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+EMPTY = "empty"  # a node without arrays (an optax state such as EmptyState, None, {}), as a leaf of `_flat_leaves`
+
+
+def _flat_leaves(tree: Any) -> dict[str, tuple[tuple[int, ...], str] | str]:
+    """Orbax's dotted leaf names ("opt_state.0.mu.w") -> (shape, dtype name) for arrays, `EMPTY` for nodes that
+    hold none; the same for a restore target and for a checkpoint's metadata."""
+    out: dict = {}
+
+    def walk(x: Any, path: str) -> None:
+        if hasattr(x, "shape"):
+            out[path] = (tuple(int(n) for n in x.shape), str(jax.numpy.dtype(x.dtype)))
+        elif isinstance(x, dict) and x:
+            for k, v in x.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(x, (list, tuple)) and len(x):
+            for i, v in enumerate(x):
+                walk(v, f"{path}.{i}" if path else str(i))
+        else:
+            out[path] = EMPTY
+
+    walk(ocp.tree.serialize_tree(tree, keep_empty_nodes=True), "")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayDifference:
+    """One leaf on which a checkpoint and a restore target disagree.
+
+    Attributes:
+      key: Orbax's dotted name of the leaf, e.g. "params.blocks.attn.wk".
+      saved, target: (shape, dtype name) of the array on that side, `EMPTY` for a node without arrays, None
+        where that side has no such key.
+    """
+
+    key: str
+    saved: tuple[tuple[int, ...], str] | str | None
+    target: tuple[tuple[int, ...], str] | str | None
+
+    def __str__(self) -> str:
+        s, t = self.saved, self.target
+        if s is None:
+            return f"{self.key}: in the target, missing from the checkpoint"
+        if t is None:
+            return f"{self.key}: in the checkpoint, missing from the target"
+        if s == EMPTY or t == EMPTY:
+            return (
+                f"{self.key}: {'no array' if s == EMPTY else 'an array'} in the checkpoint, "
+                f"{'no array' if t == EMPTY else 'an array'} in the target"
+            )
+        parts = [f"checkpoint shape {s[0]} != target shape {t[0]}"] if s[0] != t[0] else []
+        parts += [f"checkpoint dtype {s[1]} != target dtype {t[1]}"] if s[1] != t[1] else []
+        return f"{self.key}: {'; '.join(parts)}"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint is readable but its arrays do not fit the restore target (another model or optimizer).
+
+    Attributes:
+      path: the step's state directory; step: its step.
+      differences: every `ArrayDifference`, sorted by key (presence, structure, shape or dtype).
+    """
+
+    def __init__(self, path: str, step: int, differences: Sequence[ArrayDifference]):
+        self.path, self.step, self.differences = path, step, tuple(differences)
+        super().__init__(
+            f"checkpoint {path} does not match the restore target:\n" + "\n".join(f"  {d}" for d in self.differences)
+        )
+
+    def __reduce__(self):  # keeps the fields through pickling (multiprocessing, pytest-xdist)
+        return type(self), (self.path, self.step, self.differences)
+
+    def summary(self, examples: int = 3) -> str:
+        """ "N arrays differ, e.g. A; B; C", the parameters' differences first (they say most about the model)."""
+        first = sorted(self.differences, key=lambda d: not d.key.startswith("params."))[:examples]
+        return f"{len(self.differences)} arrays differ, e.g. {'; '.join(map(str, first))}"
+
+
+def check_target(saved_tree: Any, abstract_state: Any, path: str, step: int) -> None:
+    """Raise CheckpointMismatchError with every key whose presence, structure, shape or dtype differs between the
+    checkpoint's metadata (`saved_tree`, of the step's state at `path`) and the target."""
+    saved, want = _flat_leaves(saved_tree), _flat_leaves(abstract_state)
+    differences = [
+        ArrayDifference(k, saved.get(k), want.get(k))
+        for k in sorted(saved.keys() | want.keys())
+        if saved.get(k) != want.get(k)
+    ]
+    if differences:
+        raise CheckpointMismatchError(path, step, differences)

@@ -1,0 +1,89 @@
+"""The forward of one microbatch inside the step's shard_map: embedding, the layer stack, head and summed loss on
+this device's rows (`loss_body`), and the pieces the pipelined forward shares with it (`gatherer`, `run_blocks`).
+
+Shape letters: b rows of one microbatch on this device; T' = T/t under sequence parallelism, else T.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from jaxpar.model.interface import takes_segment_ids
+from jaxpar.parallel.gather import module_gatherer
+from jaxpar.parallel.sharding import partitioned_over_data
+from jaxpar.parallel.tensor import TensorParallel
+from jaxpar.training.loss import cross_entropy, summed_loss
+from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
+from jaxpar.training.plan import StepPlan
+
+
+def gatherer(plan: StepPlan):
+    """The plan's weight gatherer (`jaxpar.parallel.gather.module_gatherer`): each module's weights all-gathered
+    over fsdp (and data under ZeRO-3) in the compute dtype right before use, their gradients reduce-scattered in
+    the reduce dtype."""
+    return module_gatherer(
+        plan.mesh_shape,
+        partitioned_over_data("params", plan.cfg.optimizer.zero_stage),
+        plan.compute_dtype,
+        plan.reduce_dtype,
+        plan.expert_axes,
+    )
+
+
+def split_microbatches(batch: dict, n: int) -> dict:
+    """`batch` (leaves [B, ...]) as `n` microbatches (leaves [n, B/n, ...]), in row order."""
+    return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
+
+
+def loss_body(plan: StepPlan, train: bool = True) -> Callable:
+    """`loss_sum(params, mb)`: one microbatch's summed loss on this device's rows (inside the shard_map): the
+    plan's training loss, or with `train=False` the cross-entropy that evaluation reports.
+
+    With `train` it returns (summed loss, MoE sums): with `model.moe` the loss adds the weighted auxiliary losses
+    and the sums are `jaxpar.training.moe_loss.moe_sums`; without, {}."""
+    gather = gatherer(plan)
+    tp = plan.tensor_parallel
+    moe = plan.cfg.model.moe
+
+    def loss_sum(params: dict, mb: dict):
+        model = plan.mdef.bind(params)
+        x = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
+        if train and moe.enabled:
+            h, stats = run_blocks(model, x, mb, gather, tp, with_stats=True)
+        else:
+            h, stats = run_blocks(model, x, mb, gather, tp), None
+        logits = model.logits(h, gather, tp)
+        if not train:
+            return summed_loss(cross_entropy, logits, mb, tp)
+        loss = summed_loss(plan.loss_fn, logits, mb, tp)
+        if stats is None:
+            return loss, {}
+        sums = moe_sums(stats, mb["loss_mask"])
+        return loss + moe_loss_terms(sums, moe), sums
+
+    return loss_sum
+
+
+def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel, with_stats: bool = False):
+    """`model.run_blocks` on activations [b, T', D], with the microbatch's packed-document `segment_ids` (int32
+    [b, T]) when it has them (a model that takes none is never passed any). With `with_stats` (the built-in
+    llama with `model.moe`): `model.run_blocks_with_stats`, returning (activations, router statistics).
+
+    Raises:
+      ValueError: the microbatch has segment ids and the model's run_blocks takes none.
+    """
+    if "segment_ids" in mb:
+        if not takes_segment_ids(model):
+            raise ValueError(
+                f"the batches carry segment_ids (packed documents) but {type(model).__name__}.run_blocks takes "
+                f"none: give it a fourth parameter segment_ids_BT (jaxpar.model.interface), or yield batches "
+                f"without segment_ids"
+            )
+        if with_stats:
+            return model.run_blocks_with_stats(x_BTD, gather, tp, mb["segment_ids"])
+        return model.run_blocks(x_BTD, gather, tp, mb["segment_ids"])
+    if with_stats:
+        return model.run_blocks_with_stats(x_BTD, gather, tp)
+    return model.run_blocks(x_BTD, gather, tp)

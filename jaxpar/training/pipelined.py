@@ -1,0 +1,126 @@
+"""The step's pipelined parts (`mesh.pipeline > 1`): the plan's model cut into a pipeline stage's parts
+(`stage_parts`) and one accumulation step's gradients through the configured schedule (`pipeline_grads`,
+`jaxpar.parallel.pipeline`, `jaxpar.parallel.pipeline_1f1b`), inside the step's shard_map.
+
+Shape letters: b rows of one microbatch on this device; T' = T/t under sequence parallelism, else T; U the
+model's MoE blocks (`jaxpar.training.moe_loss`); p stages, v virtual stages per device, m microbatches.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxpar.model.interface import STACK_ATTRIBUTE
+from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel.pipeline_1f1b import one_f_one_b
+from jaxpar.parallel.sharding import storage_axes
+from jaxpar.training.forward import gatherer, run_blocks, split_microbatches
+from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
+from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
+from jaxpar.training.plan import StepPlan
+
+
+def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = True) -> pipeline_lib.StageParts:
+    """The pipeline stage's parts (`jaxpar.parallel.pipeline.StageParts`) for the plan's model: embedding, this
+    stage's blocks, and head + summed `loss_fn` (inside the shard_map; `params` are this device's local
+    parameters, split by the parts into the layer stack and the edge parameters outside it).
+
+    With `train` and `model.moe` the blocks also return the weighted auxiliary losses of the stage's MoE units
+    (`jaxpar.training.moe_loss.moe_loss_terms`) and their sums (`moe_sums`; "load" [n, E] for the n units the
+    call runs: U/p, or U/(pv) per chunk with v virtual stages) as `blocks_loss` terms and stats; evaluation
+    (`train=False`) reports the cross-entropy alone."""
+    gather = gatherer(plan)
+    tp = plan.tensor_parallel
+    layers, edge = split_stack(params)
+
+    def bind(edge_params: dict, layer_params: dict):
+        return plan.mdef.bind({**edge_params, STACK_ATTRIBUTE: layer_params})
+
+    moe = plan.cfg.model.moe
+    with_moe = train and moe.enabled
+
+    def blocks(layer_params, x, mb):
+        if not with_moe:
+            return run_blocks(bind(edge, layer_params), x, mb, gather, tp)
+        h, stats = run_blocks(bind(edge, layer_params), x, mb, gather, tp, with_stats=True)
+        sums = moe_sums(stats, mb["loss_mask"])
+        return h, moe_loss_terms(sums, moe), sums
+
+    storage = storage_axes("params", plan.cfg.optimizer.zero_stage)
+    return pipeline_lib.StageParts(
+        embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
+        blocks=blocks,
+        head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
+        edge_gathered=any(plan.mesh_shape[a] > 1 for a in storage),
+        blocks_loss=with_moe,
+    )
+
+
+def split_stack(params: dict) -> tuple[dict, dict]:
+    """(the layer stack `params["blocks"]`, every other top-level entry: the edge parameters)."""
+    return params[STACK_ATTRIBUTE], {k: v for k, v in params.items() if k != STACK_ATTRIBUTE}
+
+
+def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[int, ...]]:
+    """(microbatches, each leaf [m, b, ...], and the activation shape [b, T', D] passed between stages)."""
+    tp = plan.tensor_parallel
+    mbs = split_microbatches(batch, m)
+    b, seq = mbs["inputs"].shape[1:]
+    return mbs, (b, seq // tp.size if tp.sequence_parallel else seq, plan.cfg.model.d_model)
+
+
+def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Array) -> tuple[dict, jax.Array, dict]:
+    """Gradients, scaled loss and MoE sums of one accumulation step's local batch through the configured
+    pipeline schedule (`jaxpar.parallel.pipeline_1f1b.one_f_one_b` or `jaxpar.parallel.pipeline.gpipe`), split
+    into m = `pipeline.microbatches` microbatches.
+
+    The MoE sums ({} without `model.moe`) are this stage's: its units' "aux", "z" and "dropped", and "load"
+    [U, E] in model order with this stage's rows filled and zeros elsewhere, so their sum over `pipeline` is the
+    whole model's."""
+    m = plan.cfg.pipeline.microbatches
+    mbs, act_shape = _pipeline_shapes(plan, batch, m)
+    schedule = one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
+    layers, edge = split_stack(params)
+    (g_layers, g_edge), loss, stats = schedule(
+        stage_parts(plan, params, plan.loss_fn),
+        layers,
+        edge,
+        mbs,
+        p=plan.mesh_shape[pipeline_lib.AXIS],
+        m=m,
+        act_shape=act_shape,
+        act_dtype=plan.compute_dtype,
+        loss_scale=loss_scale,
+        recompute=plan.cfg.pipeline.recompute,
+        virtual_stages=plan.cfg.pipeline.virtual_stages,
+    )
+    # The stats are per model chunk (leaves [v, ...]): the scalar sums add up, the per-unit expert loads
+    # [v, U/(pv), E] go to their units' rows in model order.
+    sums = {k: jnp.sum(a, axis=0) for k, a in stats.items() if k != "load"}
+    if "load" in stats:
+        sums["load"] = pipeline_lib.chunk_rows_in_model_order(stats["load"], plan.mesh_shape[pipeline_lib.AXIS])
+    return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss, sums
+
+
+def pipelined_eval_loss(plan: StepPlan, params: dict, batch: dict) -> jax.Array:
+    """This stage's summed cross-entropy of the local `batch` through the pipeline's forward
+    (`jaxpar.parallel.pipeline.forward_loss`), in m = gcd(rows, `pipeline.microbatches`) microbatches: the
+    last stage's loss, 0 on the others (inside the shard_map)."""
+    rows = batch["inputs"].shape[0]
+    m = math.gcd(rows, plan.cfg.pipeline.microbatches)
+    mbs, act_shape = _pipeline_shapes(plan, batch, m)
+    layers, edge = split_stack(params)
+    loss, _ = pipeline_lib.forward_loss(
+        stage_parts(plan, params, cross_entropy, train=False),
+        layers,
+        edge,
+        mbs,
+        p=plan.mesh_shape[pipeline_lib.AXIS],
+        m=m,
+        act_shape=act_shape,
+        act_dtype=plan.compute_dtype,
+    )
+    return loss

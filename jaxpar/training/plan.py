@@ -1,0 +1,333 @@
+"""The step plan: everything static about the train step of one config on one mesh, derived once, with no device
+work (`build_plan`).
+
+The plan is where the config's platform-dependent choices are made, once, from the mesh's devices (their
+`platform`, so a step compiled ahead of time for GPUs on a CPU host, `jaxpar.analysis.gpu.deviceless`, is planned
+as on the GPUs): `precision.compute_dtype: auto` (`jaxpar.config.precision.resolve_compute_dtype`) and
+`model.attention` (`jaxpar.config.attention.resolve_attention`). Everything downstream (the step, the loop, the
+saved config) reads the plan's resolved values.
+
+Shape letters: B here the rows of the global batch (`train.global_batch_size`), split over data x fsdp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpar.config.attention import resolve_attention
+from jaxpar.config.errors import ConfigError
+from jaxpar.config.moe import check_moe, without_expert_axes
+from jaxpar.config.precision import PrecisionLayout, precision_layout, resolve_compute_dtype
+from jaxpar.config.schema import Config, ModelConfig
+from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
+from jaxpar.model import ModelDef, init_params, model_def
+from jaxpar.parallel.mesh import MESH_AXES
+from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs
+from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
+from jaxpar.parallel.tensor import TensorParallel
+from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy
+from jaxpar.training.optimizer import build_optimizer, learning_rate_schedule, nonfinite_state, schedule_count
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Everything static about the step on one mesh: model structure, optimizer, precision, specs and shardings.
+
+    Attributes:
+      cfg: the config, with `precision.compute_dtype` resolved for `platform` (never `auto`): what a run saves
+        as its config.yaml.
+      mdef: the model, with `model.attention` resolved for `platform` and `model.moe.expert_axes` cut to the
+        mesh axes of size > 1.
+      logical: the parameters' logical axes (`jaxpar.model.ModelDef.logical_axes`).
+      tx: the optimizer (`build_plan`'s `optimizer`, else the config's AdamW).
+      schedule: what the `learning_rate` metric reports: a schedule (count -> rate), a constant rate, or None
+        (no such metric).
+      platform: the mesh's devices' platform ("cpu", "gpu", "tpu"), from which the precision and attention
+        were resolved.
+      layout: what `precision.layout` means (`jaxpar.config.precision.PrecisionLayout`).
+      compute_dtype, reduce_dtype, param_dtype: jnp dtypes of activations and gathered weights, of the gradient
+        reductions, and of the working parameters and the step's gradients.
+      specs: PartitionSpec trees for "params", "grads" and "opt_state" (also used for the fp32 master copy);
+        the optimizer state's own specs are in `state_shardings["opt_state"]`.
+      state_shardings: NamedSharding tree matching `jaxpar.training.state.init_state`'s output.
+      batch_sharding: NamedSharding of each [B, T] batch array (rows over data x fsdp).
+      loss_fn: the training loss (`jaxpar.training.loss`; default `cross_entropy`).
+    """
+
+    cfg: Config
+    mesh: Mesh
+    mdef: ModelDef
+    logical: dict
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule | float | None
+    platform: str
+    layout: PrecisionLayout
+    compute_dtype: Any
+    reduce_dtype: Any
+    param_dtype: Any
+    specs: dict
+    state_shardings: dict
+    batch_sharding: NamedSharding
+    loss_fn: LossFn = cross_entropy
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        size = self.mesh_shape[TENSOR_AXIS]
+        return TensorParallel(size=size, sequence_parallel=sequence_parallel(self.cfg, size))
+
+    @functools.cached_property
+    def global_mdef(self) -> ModelDef:
+        """The model for use on global arrays outside the step's shard_map (sampling, a compiler-partitioned
+        baseline): `mdef` without expert parallelism, whose all-to-alls need the shard_map's axes. Same
+        parameters."""
+        return model_def(without_expert_axes(self.mdef.cfg)) if self.expert_axes else self.mdef
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 the experts are split over (`model.moe.expert_axes` in mesh order; () without
+        expert parallelism)."""
+        return self.mdef.cfg.moe.expert_axes
+
+    @property
+    def attention(self) -> str:
+        """The attention implementation the step runs, `xla` or `cudnn` (`model.attention` resolved)."""
+        return self.mdef.cfg.attention
+
+    @property
+    def has_master(self) -> bool:
+        """Whether the state keeps an fp32 master copy of the parameters (the `16p` layout)."""
+        return self.layout.master
+
+
+def build_plan(
+    cfg: Config,
+    mesh: Mesh,
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    learning_rate: optax.Schedule | float | None = None,
+) -> StepPlan:
+    """Derives model structure, precision, optimizer and every sharding for `cfg` on `mesh` (no device work).
+
+    Args:
+      cfg: the run config.
+      mesh: the device mesh (`jaxpar.parallel.mesh.build_mesh`); its devices' platform resolves
+        `precision.compute_dtype: auto` and `model.attention: auto` (module docstring).
+      loss_fn: the training loss, a `jaxpar.training.loss.VocabParallelLoss` or a plain function
+        `(logits [b, T, V], batch) -> summed fp32 loss` (see `jaxpar.training.loss` for how each sees the logits
+        under tensor parallelism and how the step normalises). Default: next-token cross-entropy.
+      optimizer: any `optax.GradientTransformation` (e.g. `optax.lion`, `optax.adafactor`,
+        `optax.multi_transform`), used as given: then the `optimizer.*` config keys other than `zero_stage` are
+        not read (learning rate, schedule, clipping, weight decay are the transformation's own). Wrap it in
+        `jaxpar.training.optimizer.skip_nonfinite` to skip and count non-finite updates as the default does; only
+        then does the step report `bad_steps_in_a_row` and `skipped_steps`. Its state is sharded by
+        `jaxpar.parallel.sharding.opt_state_specs`: parameter-shaped leaves as the parameters' optimizer state (over
+        `data` too from ZeRO-1), everything else (counts, Adafactor's factored statistics) replicated.
+        Default: the config's AdamW with its schedule, clipping and the non-finite skip.
+      learning_rate: only with `optimizer`: what the `learning_rate` metric reports. A schedule (count ->
+        rate, the one the optimizer was given) is read at the optimizer's own update count, which needs
+        exactly one `optax.ScaleByScheduleState` in its state (an optax optimizer given a callable learning
+        rate keeps one); a number is reported as is. Either reads 0.0 on an update a `skip_nonfinite` wrapper
+        skipped. None (the default with `optimizer`): no `learning_rate` metric.
+
+    Raises:
+      ConfigError: a mesh that is not the config's; `model.attention=cudnn` where cuDNN cannot run; a parameter
+        width the mesh does not divide.
+      TypeError: `optimizer` is not an `optax.GradientTransformation`; `loss_fn` fails on abstract inputs or
+        returns no real scalar (`jaxpar.training.loss.check_loss_fn`).
+      ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
+        holds no or several schedule states; an optimizer state with nested `skip_nonfinite` wrappers.
+    """
+    check_moe(cfg, _check_mesh(cfg, mesh))
+    platform = mesh.devices.flat[0].platform
+    cfg = _resolved_precision(cfg, platform)
+    mdef = model_def(_resolved_model(cfg, mesh, platform))
+    logical = mdef.logical_axes()
+    specs = {
+        kind: param_specs(logical, kind, cfg.optimizer.zero_stage, mdef.cfg.moe.expert_axes)
+        for kind in ("params", "grads", "opt_state")
+    }
+    tx, schedule = _optimizer(cfg, logical, optimizer, learning_rate)
+    if loss_fn is None:
+        loss_fn = cross_entropy
+    else:
+        check_loss_fn(loss_fn, cfg.data.seq_len, cfg.model.vocab_size)
+    layout = precision_layout(cfg.precision.layout)
+    state_specs = _state_specs(cfg, tx, schedule, logical, specs, layout, dict(mesh.shape))
+    return StepPlan(
+        cfg=cfg,
+        mesh=mesh,
+        mdef=mdef,
+        logical=logical,
+        tx=tx,
+        schedule=schedule,
+        platform=platform,
+        layout=layout,
+        compute_dtype=jnp.dtype(cfg.precision.compute_dtype),
+        reduce_dtype=jnp.dtype(cfg.precision.reduce_dtype),
+        param_dtype=jnp.dtype(layout.param_dtype),
+        specs=specs,
+        state_shardings=named(mesh, state_specs),
+        batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")),
+        loss_fn=loss_fn,
+    )
+
+
+def _resolved_precision(cfg: Config, platform: str) -> Config:
+    """`cfg` with `precision.compute_dtype` resolved for `platform` (`auto` -> float32 on cpu, bfloat16 on an
+    accelerator; `jaxpar.config.precision.resolve_compute_dtype`); `cfg` itself when it names a dtype."""
+    dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
+    if dtype == cfg.precision.compute_dtype:
+        return cfg
+    return dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
+
+
+def _check_mesh(cfg: Config, mesh: Mesh) -> dict[str, int]:
+    """The config's mesh shape ({axis: size}), checked to be `mesh`'s.
+
+    Raises:
+      ConfigError: the mesh has other axes, or other sizes than the config resolves to on its device count.
+    """
+    if set(mesh.axis_names) != set(MESH_AXES):
+        raise ConfigError(
+            f"the mesh's axes are {mesh.axis_names}; build it with jaxpar.build_mesh(cfg), which names {MESH_AXES}"
+        )
+    given = ", ".join(f"{a}={mesh.shape[a]}" for a in MESH_AXES)
+    fix = "build it with jaxpar.build_mesh(cfg, devices)"
+    try:
+        wanted = resolve_mesh_shape(cfg, mesh.size)
+    except ConfigError as e:
+        raise ConfigError(f"the mesh ({given}) is not the config's: {e}; {fix}") from e
+    if any(wanted[a] != mesh.shape[a] for a in MESH_AXES):
+        raise ConfigError(
+            f"the mesh ({given}) is not the config's ({', '.join(f'mesh.{a}={wanted[a]}' for a in MESH_AXES)}); {fix}"
+        )
+    return wanted
+
+
+def _resolved_model(cfg: Config, mesh: Mesh, platform: str) -> ModelConfig:
+    """`cfg.model` with `model.attention` resolved for `platform` (`auto` -> cudnn on NVIDIA GPUs, xla elsewhere;
+    `jaxpar.config.attention`) at the resolved compute dtype, so the model never asks the default backend.
+    `model.moe.expert_axes` keeps the axes of size > 1, in mesh order (the order of the experts' shards and of
+    the all-to-all's ranks).
+
+    Raises:
+      ConfigError: `model.attention=cudnn` on devices or with a dtype or head width cuDNN does not take.
+    """
+    try:
+        attention = resolve_attention(cfg.model.attention, platform, cfg.precision.compute_dtype, cfg.model.head_width)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    moe = cfg.model.moe
+    experts = tuple(a for a in MESH_AXES if a in moe.expert_axes and mesh.shape[a] > 1)
+    return dataclasses.replace(
+        cfg.model, attention=attention, moe=dataclasses.replace(moe, expert_axes=experts if moe.enabled else ())
+    )
+
+
+def _optimizer(
+    cfg: Config,
+    logical: dict,
+    optimizer: optax.GradientTransformation | None,
+    learning_rate: optax.Schedule | float | None,
+) -> tuple[optax.GradientTransformation, optax.Schedule | float | None]:
+    """(the optimizer, what the `learning_rate` metric reports): the config's AdamW and its schedule, or the
+    caller's `optimizer` and `learning_rate` (a number made a float), checked as `build_plan` says.
+
+    Raises:
+      TypeError, ValueError: as `build_plan`.
+    """
+    if optimizer is None:
+        if learning_rate is not None:
+            raise ValueError(
+                "learning_rate is only for a caller's own optimizer; the default AdamW's schedule "
+                "comes from the optimizer.* config keys (optimizer.learning_rate, warmup_steps, decay)"
+            )
+        return build_optimizer(cfg.optimizer, logical, cfg.train.steps), learning_rate_schedule(
+            cfg.optimizer, cfg.train.steps
+        )
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"optimizer must be an optax.GradientTransformation (e.g. optax.lion(1e-4)), got {type(optimizer).__name__}"
+        )
+    if learning_rate is not None and not callable(learning_rate):
+        try:
+            learning_rate = float(learning_rate)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"learning_rate must be a schedule (count -> rate) or a number, got {learning_rate!r}"
+            ) from e
+    return optimizer, learning_rate
+
+
+def _state_specs(
+    cfg: Config,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule | float | None,
+    logical: dict,
+    specs: dict,
+    layout: PrecisionLayout,
+    mesh_shape: dict[str, int],
+) -> dict:
+    """The PartitionSpec tree of the train state {"step", "params", "opt_state"[, "master"]}, after checking
+    (abstractly, no device work) that the mesh divides every parameter and that the optimizer's state holds what
+    the step reads from it.
+
+    Raises:
+      ConfigError: from `_check_divisible`. ValueError: nested `skip_nonfinite` wrappers; a schedule with no or
+        several schedule counts in the state.
+    """
+    abstract_params = jax.eval_shape(lambda: init_params(cfg.model, 0))
+    _check_divisible(abstract_params, logical, specs, mesh_shape)
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    nonfinite_state(abstract_opt)  # raises on nested skip wrappers
+    if callable(schedule):
+        schedule_count(abstract_opt)  # raises unless the state holds exactly one schedule count
+    state_specs = {
+        "step": P(),
+        "params": specs["params"],
+        "opt_state": opt_state_specs(abstract_opt, abstract_params, specs["opt_state"]),
+    }
+    if layout.master:
+        state_specs["master"] = specs["opt_state"]
+    return state_specs
+
+
+def _check_divisible(abstract_params: dict, logical: dict, specs: dict, mesh_shape: dict[str, int]) -> None:
+    """Every parameter dimension splits evenly over the mesh axes its spec puts on it (a model of one's own may
+    have widths the config checks do not know of).
+
+    Raises:
+      ConfigError: naming the parameter, its logical axis, the size and the mesh axes, and the fix.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    for kind in ("params", "opt_state"):  # opt_state: the widest split (over data too from ZeRO-1)
+        for (path, leaf), spec, names in zip(
+            flat,
+            jax.tree.leaves(specs[kind], is_leaf=lambda x: isinstance(x, P)),
+            jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple)),
+        ):
+            for dim, (size, entry) in enumerate(zip(leaf.shape, tuple(spec) + (None,) * leaf.ndim)):
+                axes = dim_axes(entry)
+                split = math.prod(mesh_shape[a] for a in axes)
+                if split > 1 and size % split:
+                    where = "/".join(str(getattr(k, "key", k)) for k in path)
+                    raise ConfigError(
+                        f"parameter {where} has {size} entries along dimension {dim} (logical axis "
+                        f"{names[dim]!r}), which {' x '.join(f'{a}={mesh_shape[a]}' for a in axes)} = {split} "
+                        f"does not divide ({kind.replace('_', ' ')} sharding at optimizer.zero_stage); change the "
+                        f"model's width or the mesh"
+                    )

@@ -1,0 +1,149 @@
+"""Where a run starts: its run directory, checked writable before any device work (`check_run_dir`), and the state
+it starts from (`initial_state`): its own latest checkpoint (a resume, with the data position), else
+`checkpoint.restore_from`'s, else fresh (parameters from `model.init_from`, or initialised from the seed).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import jax
+
+from jaxpar.checkpoint.mismatch import CheckpointMismatchError
+from jaxpar.checkpoint.store import Checkpointer, restore_from_path
+from jaxpar.config import Config, ConfigError, save_config
+from jaxpar.config.resume import check_resume_config, keep_previous_config
+from jaxpar.training.hooks.base import log as _log
+from jaxpar.training.init_from import load_init_params
+from jaxpar.training.plan import StepPlan
+from jaxpar.training.state import abstract_state, init_state
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Checks that `train.run_dir` is, or can be created as, a directory this process can write in, and leaves
+    the file system as it found it (directories it creates to check are removed again) in a single-process
+    run. With several processes they are kept: the processes check at the same time, and one removing a
+    directory another is probing would fail that one's check.
+
+    Raises:
+      ConfigError: naming the path in the way (a file where a directory must be) or the OS error, and the fix.
+    """
+    fix = "give a directory you can write, e.g. train.run_dir=runs/tiny (it is created if missing)"
+    path = os.path.abspath(run_dir)
+    missing, probe = [], path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        what = "is a file" if probe == path else f"cannot be created: {probe} is a file, not a directory"
+        raise ConfigError(f"train.run_dir={run_dir!r} {what}; {fix}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=".jaxpar-write-check-", dir=path)
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise ConfigError(
+            f"train.run_dir={run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); {fix}"
+        ) from e
+    finally:
+        for created in missing if jax.process_count() == 1 else ():  # innermost first
+            try:
+                os.rmdir(created)
+            except OSError:
+                break
+
+
+def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_loader):
+    """The state to start from (the latest checkpoint's, with the data position set on `train_loader`, else
+    `checkpoint.restore_from`'s, else fresh: parameters from `model.init_from` or initialised from the seed),
+    after writing RUN_DIR/config.yaml (keeping a resumed run's previous one if settings changed).
+
+    Raises:
+      ConfigError: other data settings than the checkpoint's, a checkpoint that does not fit, or a run already
+        past `train.steps`. ValueError: a data position the data cannot take.
+    """
+    t, run_dir = cfg.train, cfg.train.run_dir
+    resuming = ckpt is not None and ckpt.latest_step() is not None
+    changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write
+    state, data_state = _restore(cfg, plan, ckpt)
+    if state is None and cfg.model.init_from:
+        state = init_state(plan, params=load_init_params(cfg.model))  # parameters only: fresh optimizer, step 0
+        _log(f"parameters from model.init_from={cfg.model.init_from} (a fresh optimizer state at step 0)")
+    elif state is None:
+        state = init_state(plan, t.seed)
+    else:
+        try:
+            train_loader.set_state(data_state)
+        except ValueError as e:
+            raise ValueError(
+                f"the checkpoint's data position does not fit this run's data ({e}); resume with the "
+                f"data the run was saved with (the built-in corpus, or the same iterator), or start "
+                f"a fresh run in another train.run_dir"
+            ) from e
+    start = int(state["step"])
+    if start > t.steps:
+        raise ConfigError(
+            f"the run in train.run_dir={run_dir!r} is already at step {start}, past train.steps="
+            f"{t.steps}; raise train.steps to train on, or give another train.run_dir"
+        )
+    if jax.process_index() == 0:  # only once the state fits: a failed restore leaves the old config.yaml
+        os.makedirs(run_dir, exist_ok=True)
+        if changes:
+            kept = keep_previous_config(run_dir, start)
+            _log(
+                f"resuming with changed settings ({'; '.join(f'{k}: {a!r} -> {b!r}' for k, (a, b) in changes.items())}"
+                f"); the previous config is kept as {kept}"
+            )
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    if start:
+        position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
+        if "taken" in data_state:  # a mixture (jaxpar.data.MixtureLoader)
+            position = f"batch {data_state.get('next_batch')}, rows per source {data_state['taken']}"
+        _log(f"resumed at step {start} (data position {position})")
+        if start == t.steps:
+            _log(
+                f"the run in train.run_dir={run_dir!r} has reached train.steps={t.steps}: nothing to train (it is "
+                f"evaluated); raise train.steps to train on, or give another train.run_dir for a new run"
+            )
+    return state
+
+
+def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
+    """Returns (state, data_state) from RUN_DIR's latest checkpoint, else from `checkpoint.restore_from`, else
+    (None, None). A run's own checkpoints come first, so rerunning a command that seeded the run from another
+    checkpoint resumes where it stopped.
+
+    Raises:
+      ConfigError: the path holds no complete checkpoint, or the checkpoint's arrays do not fit this config.
+    """
+    target = abstract_state(plan)
+    own = ckpt is not None and ckpt.latest_step() is not None
+    source = ckpt.directory if own else cfg.checkpoint.restore_from
+    try:
+        if own:  # the run's own progress wins over checkpoint.restore_from, which only seeds a fresh run
+            if cfg.checkpoint.restore_from:
+                _log(
+                    f"resuming from this run's own checkpoints in {ckpt.directory}; checkpoint.restore_from="
+                    f"{cfg.checkpoint.restore_from} only starts a run that has none"
+                )
+            state, data_state, _ = ckpt.restore(None, target)
+            return state, data_state
+        if cfg.checkpoint.restore_from:
+            state, data_state, _ = restore_from_path(cfg.checkpoint.restore_from, target)
+            _log(f"restored from {cfg.checkpoint.restore_from}")
+            return state, data_state
+    except FileNotFoundError as e:
+        raise ConfigError(
+            f"{e}; pass a run directory, its checkpoints/ directory or one of its step "
+            f"directories to --restore-from (checkpoint.restore_from)"
+        ) from e
+    except CheckpointMismatchError as e:
+        raise ConfigError(
+            f"the checkpoint in {source} does not fit this config ({e.summary()}); run with the config it was "
+            f"saved with (config.yaml beside it) and, if it "
+            f"was trained with an optimizer of your own, that optimizer, or start a fresh run in another "
+            f"train.run_dir"
+        ) from e
+    return None, None

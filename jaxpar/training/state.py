@@ -1,0 +1,82 @@
+"""The train state {"step", "params", "opt_state"[, "master"]}: created on the mesh (`init_state`) or described
+abstractly (`abstract_state`, a restore target), laid out as the plan says (`jaxpar.training.plan.StepPlan`).
+
+With the `16p` layout (`jaxpar.config.precision.LAYOUTS`) "master" holds the fp32 parameters the optimizer updates
+and "params" their bf16 cast, which the forward reads; with `fp32` "params" are the fp32 parameters themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.model import init_params
+from jaxpar.training.plan import StepPlan
+
+
+def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> dict:
+    """Creates the sharded train state {"step", "params", "opt_state"[, "master"]} directly on the mesh.
+
+    Args:
+      plan: the step plan.
+      seed: initialises the parameters (identical for every mesh layout, see `jaxpar.model.init_params`).
+      params: start from these parameters instead (fp32 or the parameter dtype, any sharding, e.g. a restored
+        run's: `jaxpar.restore`), with a fresh optimizer state of `plan.tx` at step 0: how a script continues a
+        run with another optimizer. Resharded onto the plan's layout; the seed is not used.
+
+    Raises:
+      ValueError: `params` is not shaped like the plan's model's parameters.
+    """
+    if params is None:
+        return jax.jit(_state_initializer(plan, seed), out_shardings=plan.state_shardings)()
+    want = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
+    _check_params_fit(params, want, plan.cfg.model.name)
+    fp32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return jax.jit(lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings)(fp32)
+
+
+def abstract_state(plan: StepPlan) -> dict:
+    """`init_state`'s output as ShapeDtypeStructs carrying their shardings (a restore target; no device work)."""
+    shapes = jax.eval_shape(_state_initializer(plan, 0))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, plan.state_shardings)
+
+
+def _check_params_fit(params, want: dict, model_name: str) -> None:
+    """`params` has `want`'s paths and shapes, with floating-point leaves; raises ValueError naming the first
+    difference."""
+
+    def flat(tree) -> dict:
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {"/".join(str(getattr(k, "key", k)) for k in path): x for path, x in leaves}
+
+    got, expected = flat(params), flat(want)
+    fix = "give the parameters of a run with the same model.* settings (e.g. jaxpar.restore(...).params)"
+    for path in sorted(set(got) | set(expected)):
+        if path not in got or path not in expected:
+            what = "missing" if path not in got else "not a parameter of the model"
+            raise ValueError(f"params do not fit model {model_name!r}: {path} is {what}; {fix}")
+        shape, dtype = tuple(np.shape(got[path])), getattr(got[path], "dtype", None)
+        if shape != expected[path].shape or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"params do not fit model {model_name!r}: {path} is {dtype} {shape}, the model's is floating-point "
+                f"{expected[path].shape}; {fix}"
+            )
+
+
+def _fill_state(plan: StepPlan, params: dict) -> dict:
+    """The train state at step 0 around fp32 `params`."""
+    state = {"step": jnp.zeros((), jnp.int32)}
+    if plan.has_master:
+        state["master"] = params
+        state["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), params)
+    else:
+        state["params"] = params
+    state["opt_state"] = plan.tx.init(params)
+    return state
+
+
+def _state_initializer(plan: StepPlan, seed: int) -> Callable[[], dict]:
+    return lambda: _fill_state(plan, init_params(plan.cfg.model, seed))
