@@ -4,18 +4,18 @@ and what to switch to once jax exposes it. Every other module imports these from
 breaks this file only, and tests/unit/test_jax_private.py says which name went.
 
   eval_jaxpr(jaxpr, consts, *args) -> list           jax._src.core.eval_jaxpr
-      Runs a jaxpr on arrays (or tracers). Used by `jaxpar.parallel.pipeline` to rebuild, in the backward tick
-      of 1F1B, the residuals computed from the weights alone. Public replacement, already there:
+      Runs a jaxpr on arrays (or tracers). Used by `jaxpar.parallel.pipeline_1f1b` to rebuild, in the backward
+      tick of 1F1B, the residuals computed from the weights alone. Public replacement, already there:
       `jax.extend.core.jaxpr_as_fun(jax.extend.core.ClosedJaxpr(jaxpr, consts))(*args)`, the same evaluation
       with jax's NaN checking (`jax_debug_nans`) turned off inside it.
   dce_jaxpr(jaxpr, used_outputs) -> (jaxpr, used_inputs)   jax._src.interpreters.partial_eval.dce_jaxpr
       Dead-code elimination of a jaxpr for the outputs asked for, returning which inputs the rest reads. Used by
-      `jaxpar.parallel.pipeline` to find which residuals depend on the weights only. jax also reaches it as
+      `jaxpar.parallel.pipeline_1f1b` to find which residuals depend on the weights only. jax also reaches it as
       `jax.interpreters.partial_eval.dce_jaxpr`, a compatibility module that is not public API; switch when
       `jax.extend` exposes dead-code elimination.
   convert_constvars_jaxpr(jaxpr) -> jaxpr            jax._src.interpreters.partial_eval.convert_constvars_jaxpr
       The same jaxpr with its constants turned into leading inputs, so `dce_jaxpr` reports whether an output
-      reads them. Used by `jaxpar.parallel.pipeline`. No public replacement; switch when `jax.extend` has one.
+      reads them. Used by `jaxpar.parallel.pipeline_1f1b`. No public replacement; switch when `jax.extend` has one.
   cudnn_attention() -> (dot_product_attention, MaskType)   jax._src.cudnn.fused_attention_stablehlo
       cuDNN's fused flash attention with per-segment offsets and lengths (`q_offsets`, `kv_offsets`), the packed
       document layout of `jaxpar.model.attention`. The public `jax.nn.dot_product_attention(implementation=

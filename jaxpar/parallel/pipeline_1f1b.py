@@ -39,10 +39,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as _core
-from jax._src.interpreters import partial_eval as _pe
 
 from jaxpar.parallel import schedule
+from jaxpar.parallel.jax_private import convert_constvars_jaxpr, dce_jaxpr, eval_jaxpr
 from jaxpar.parallel.pipeline import (
     AXIS,
     StageParts,
@@ -295,7 +294,8 @@ class _Residuals:
     output: an output whose dependencies include no stage input or microbatch array is weight-only); the tree
     structure is static, the same for every trace of the same function at the same shapes (`stash` checks).
 
-    Uses jax-internal `jax._src.interpreters.partial_eval.dce_jaxpr` and `jax._src.core.eval_jaxpr` (jax 0.10).
+    The trace is cut with jax's private `convert_constvars_jaxpr` and `dce_jaxpr` and the weight-only part rerun
+    with `eval_jaxpr`, all three through `jaxpar.parallel.jax_private` (why each, and its public replacement).
     """
 
     def __init__(self, parts: StageParts, layers, x, mb):
@@ -309,13 +309,13 @@ class _Residuals:
         closed = jax.make_jaxpr(arrays)(layers, x, mb)
         self.treedef, self.kinds = box["treedef"], box["kinds"]
         n_consts, n_weights = len(closed.consts), len(jax.tree.leaves(layers))
-        jaxpr = _pe.convert_constvars_jaxpr(closed.jaxpr)  # consts first, then weights, x, mb
+        jaxpr = convert_constvars_jaxpr(closed.jaxpr)  # consts first, then weights, x, mb
         n_out = len(jaxpr.outvars)
         varying = slice(n_consts + n_weights, None)
         self.from_weights = [
-            not any(_pe.dce_jaxpr(jaxpr, [k == i for k in range(n_out)])[1][varying]) for i in range(n_out)
+            not any(dce_jaxpr(jaxpr, [k == i for k in range(n_out)])[1][varying]) for i in range(n_out)
         ]
-        self._weights_jaxpr, used = _pe.dce_jaxpr(jaxpr, self.from_weights)
+        self._weights_jaxpr, used = dce_jaxpr(jaxpr, self.from_weights)
         self._consts = [c for c, u in zip(closed.consts, used[:n_consts]) if u]
         self._used_weights = used[n_consts : n_consts + n_weights]
         self.stash_avals = [
@@ -348,7 +348,7 @@ class _Residuals:
         `layers` made to depend on `after` (so their collectives, e.g. fsdp gathers, start after it)."""
         weights = jax.tree.leaves(layers)
         used = ordered_after([w for w, u in zip(weights, self._used_weights) if u], after)
-        from_weights = iter(_core.eval_jaxpr(self._weights_jaxpr, (), *self._consts, *used))
+        from_weights = iter(eval_jaxpr(self._weights_jaxpr, (), *self._consts, *used))
         stashed = iter(stashed)
         arrays = [next(from_weights) if w else next(stashed) for w in self.from_weights]
         arrays = iter(arrays)
