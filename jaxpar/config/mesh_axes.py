@@ -2,10 +2,10 @@
 jax's device count before jax starts (`jaxpar-plan`, `jaxpar-sweep`) import it too.
 
 Two orders of the same four names:
-  * `MESH_AXES`, the device mesh (`jaxpar.parallel.mesh.build_mesh`), outermost to innermost: `tensor` innermost because
-  its
-    collectives sit on every layer's critical path and need the fastest link, `data` outermost because its one
-    gradient reduction per step tolerates the slowest (cross-host) one. HLO replica groups follow this order.
+  * `MESH_AXES`, the device mesh (`jaxpar.parallel.mesh.build_mesh`), outermost to innermost: `tensor`
+    innermost because its collectives sit on every layer's critical path and need the fastest link, `data`
+    outermost because its one gradient reduction per step tolerates the slowest (cross-host) one. HLO replica
+    groups follow this order.
   * `CONFIG_AXES`, the `mesh:` section (`jaxpar.config.schema.MeshConfig`'s fields): the order a config, a
     sweep point and a report name the sizes in ("data x fsdp x tensor x pipeline").
 """

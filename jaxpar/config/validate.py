@@ -12,7 +12,7 @@ from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
 from jaxpar.config.choices import PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, WANDB_MODES
 from jaxpar.config.data_sources import check_data
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.mesh_axes import mesh_sizes
+from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR, mesh_sizes
 from jaxpar.config.moe import check_moe
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, LAYOUTS
 from jaxpar.config.schema import Config
@@ -153,8 +153,8 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
 
         num_devices = jax.device_count()
     shape = resolve_mesh_shape(cfg, num_devices)
-    _check_tensor(cfg, shape["tensor"])
-    _check_pipeline(cfg, shape["pipeline"])
+    _check_tensor(cfg, shape[TENSOR])
+    _check_pipeline(cfg, shape[PIPELINE])
     check_moe(cfg, shape)
     _check_state_and_batch(cfg, shape)
     return shape
@@ -296,14 +296,14 @@ def _check_state_and_batch(cfg: Config, shape: dict[str, int]) -> None:
     o, t = cfg.optimizer, cfg.train
     # Parameters, gradients and optimizer state are sharded along the embed dimension over fsdp, and over
     # data too for the ZeRO stages that partition something (jaxpar.parallel.sharding).
-    state_shards = shape["fsdp"] * (shape["data"] if o.zero_stage >= 1 else 1)
+    state_shards = shape[FSDP] * (shape[DATA] if o.zero_stage >= 1 else 1)
     if cfg.model.d_model % state_shards:
         what = "mesh.fsdp" if o.zero_stage == 0 else "mesh.fsdp * mesh.data"
         raise ConfigError(
             f"model.d_model={cfg.model.d_model} must be divisible by {what}={state_shards} (state is sharded along "
             f"the embed dimension); change the mesh, model.d_model or optimizer.zero_stage"
         )
-    replicas = shape["data"] * shape["fsdp"]
+    replicas = shape[DATA] * shape[FSDP]
     splits = replicas * t.grad_accum_steps * cfg.pipeline.microbatches
     if t.global_batch_size % splits:
         raise ConfigError(
@@ -327,7 +327,7 @@ def resolve_config(cfg: Config, num_devices: int) -> Config:
         cfg,
         mesh=dataclasses.replace(cfg.mesh, **shape),
         model=dataclasses.replace(m, n_kv_heads=m.kv_heads, head_dim=m.head_width),
-        tensor=dataclasses.replace(cfg.tensor, sequence_parallel=sequence_parallel(cfg, shape["tensor"])),
+        tensor=dataclasses.replace(cfg.tensor, sequence_parallel=sequence_parallel(cfg, shape[TENSOR])),
     )
 
 

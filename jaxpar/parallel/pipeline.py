@@ -36,7 +36,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-AXIS = "pipeline"
+from jaxpar.config.mesh_axes import PIPELINE
+
+AXIS = PIPELINE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.parallel.sharding import gathered_axes, spec_axes
-from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
 from jaxpar.training.plan import StepPlan
 
 
@@ -39,13 +38,13 @@ def reduce_replicated(plan: StepPlan, grads: dict) -> dict:
     shape = plan.mesh_shape
     axes = []
     if plan.tensor_parallel.sequence_parallel:
-        axes.append(TENSOR_AXIS)
-    if shape[pipeline_lib.AXIS] > 1:
-        axes.append(pipeline_lib.AXIS)
-    if shape["fsdp"] > 1:
-        axes.append("fsdp")
-    if shape["data"] > 1 and plan.cfg.optimizer.zero_stage >= 2:
-        axes.append("data")
+        axes.append(TENSOR)
+    if shape[PIPELINE] > 1:
+        axes.append(PIPELINE)
+    if shape[FSDP] > 1:
+        axes.append(FSDP)
+    if shape[DATA] > 1 and plan.cfg.optimizer.zero_stage >= 2:
+        axes.append(DATA)
     if not axes:
         return grads
 
@@ -61,7 +60,7 @@ def reduce_over_data(plan: StepPlan, grads: dict) -> dict:
     """The one data-parallel gradient reduction of the step (module docstring); `grads` unchanged with
     `mesh.data` = 1 or at ZeRO-3."""
     zero = plan.cfg.optimizer.zero_stage
-    if plan.mesh_shape["data"] == 1 or zero == 3:
+    if plan.mesh_shape[DATA] == 1 or zero == 3:
         return grads
     specs = jax.tree.leaves(plan.specs["grads"], is_leaf=lambda x: isinstance(x, P))
     names = jax.tree.leaves(plan.logical, is_leaf=lambda x: isinstance(x, tuple))
@@ -70,7 +69,7 @@ def reduce_over_data(plan: StepPlan, grads: dict) -> dict:
         # all-reduce over data: every replica keeps the whole (fsdp-sharded) gradient. Experts split over data
         # (expert parallelism) are not replicas: the all-to-all's transpose brought them every token's part.
         def all_reduce(g, spec):
-            return g if "data" in spec_axes(spec) else jax.lax.psum(g, "data")
+            return g if DATA in spec_axes(spec) else jax.lax.psum(g, DATA)
 
         return treedef.unflatten([all_reduce(g, s) for g, s in zip(leaves, specs, strict=True)])
 
@@ -78,7 +77,7 @@ def reduce_over_data(plan: StepPlan, grads: dict) -> dict:
     # optimizer state is partitioned on. A parameter with no such dimension was all-reduced by
     # `reduce_replicated` (or is an expert split over data: complete already).
     def scatter(g, spec, logical):
-        split = [d for d, a in gathered_axes(spec, logical) if "data" in a]
-        return jax.lax.psum_scatter(g, "data", scatter_dimension=split[0], tiled=True) if split else g
+        split = [d for d, a in gathered_axes(spec, logical) if DATA in a]
+        return jax.lax.psum_scatter(g, DATA, scatter_dimension=split[0], tiled=True) if split else g
 
     return treedef.unflatten([scatter(g, s, n) for g, s, n in zip(leaves, specs, names, strict=True)])
