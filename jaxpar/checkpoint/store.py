@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import warnings
 from typing import Any
 
 import jax
@@ -48,10 +47,33 @@ class _DropBenignOrbaxWarnings(logging.Filter):
 
 
 logging.getLogger("absl").addFilter(_DropBenignOrbaxWarnings())
+_LOGGER = logging.getLogger("jaxpar.checkpoint")
+# What TensorStore and Orbax append to a read error for the machine rather than the reader: TensorStore's whole
+# spec as JSON ("[tensorstore_spec='{...}']"), the repr of a TensorStore object or of a bound method of one.
+_MACHINE_DETAIL = re.compile(r"\s*(\[tensorstore_spec=|<bound method |TensorStore\()")
+# A TensorStore status code leading its message (absl's canonical codes), and the array a read was for.
+_STATUS = re.compile(r"^[A-Z][A-Z_]+: ")
+_ARRAY = re.compile(r'Error reading "([^"/]+)/')
 RUN_CHECKPOINT_DIR = "checkpoints"  # a run directory's checkpoint root: <run_dir>/checkpoints/<step>/
 _STEP_NAME = re.compile(r"0|[1-9][0-9]*")  # Orbax's default step directory name: no prefix, no padding
 _TMP_STEP = re.compile(r"(0|[1-9][0-9]*)\.orbax-checkpoint-tmp.*")  # a save interrupted or still in flight
 _COMMIT_MARKER = ocp.path.atomicity_types.COMMIT_SUCCESS_FILE  # "commit_success.txt"
+
+
+def _read_failure(error: BaseException) -> str:
+    """What went wrong reading a step, in one line of plain words: e.g. "its array files are damaged (reading
+    'step': Error decoding manifest: Encoded length (0) is less than minimum length (16))". The
+    library's own detail (TensorStore's spec, object reprs) is left out; the full error is logged at debug level.
+    """
+    lines = str(error).strip().splitlines()
+    text = _MACHINE_DETAIL.split(lines[0] if lines else "", maxsplit=1)[0].strip()
+    if _STATUS.match(text):  # TensorStore: "CODE: outer context: ...: innermost cause"; keep the cause
+        array = _ARRAY.search(text)
+        cause = ": ".join(text.split(": ")[-2:])
+        return f"its array files are damaged ({f'reading {array.group(1)!r}: ' if array else ''}{cause})"
+    if isinstance(error, json.JSONDecodeError):
+        return f"a metadata file of the step is not valid JSON ({text})"
+    return f"{text or 'no message'} ({type(error).__name__})"
 
 
 def _is_complete_step_dir(path: str) -> bool:
@@ -191,9 +213,10 @@ class Checkpointer:
         """Restore step `step` (None: the latest complete one) onto `abstract_state`'s shapes, dtypes and shardings.
 
         With `step=None`, a latest step that cannot be read (a corrupted file, a truncated array) is skipped and
-        the next older complete step is tried. Once an older step restores, each skipped one is reported with a
-        warning and, by a writable Checkpointer, renamed to `<step>.corrupt` (kept for inspection, never taken as a
-        checkpoint again, no longer blocking a new save of that step). If no step restores, nothing is renamed
+        the next older complete step is tried. Once an older step restores, each skipped one is reported in one
+        warning line (logger "jaxpar.checkpoint": the step and the cause in plain words, the full error at debug
+        level) and, by a writable Checkpointer, renamed to `<step>.corrupt` (kept for inspection, never taken as
+        a checkpoint again, no longer blocking a new save of that step). If no step restores, nothing is renamed
         and the latest step's error is raised.
 
         Args:
@@ -227,11 +250,15 @@ class Checkpointer:
                 unreadable.append((candidate, e))
                 continue
             for bad, e in unreadable:  # an older step fits the target, so these are damaged, not mismatched
-                warnings.warn(
-                    f"checkpoint step {bad} in {self.directory} cannot be read ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:300] if str(e) else ''}); fell back to step {candidate}",
-                    stacklevel=3,
+                _LOGGER.warning(
+                    "checkpoint step %d in %s cannot be read: %s; fell back to step %d%s",
+                    bad,
+                    self.directory,
+                    _read_failure(e),
+                    candidate,
+                    "" if self._read_only else f" (the damaged step is kept as {bad}.corrupt)",
                 )
+                _LOGGER.debug("checkpoint step %d: the read error in full", bad, exc_info=e)
                 self._set_aside(bad)
             return restored
         raise unreadable[0][1]

@@ -1,6 +1,8 @@
 """Checkpointer on 8 simulated CPU devices: round trip, resharding, retention, completeness, mismatches, async."""
 
+import logging
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +231,7 @@ def test_background_failure_surfaces_in_wait(tmp_path, mesh, monkeypatch):
 # Orbax's background reader may report its closed event loop after the failed read: noise, not a result.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("damage", ["truncate_arrays", "garble_metadata"])
-def test_corrupted_latest_falls_back_to_previous_with_warning(tmp_path, mesh, damage):
+def test_corrupted_latest_falls_back_to_previous_with_warning(tmp_path, mesh, damage, caplog):
     """A committed step whose files were damaged afterwards is skipped with a warning; the older step restores,
     the damaged directory is kept as <step>.corrupt, and the step can be saved again."""
     ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=False)
@@ -250,8 +252,13 @@ def test_corrupted_latest_falls_back_to_previous_with_warning(tmp_path, mesh, da
             with open(f, "wb") as fh:
                 fh.write(b"\x00garbage{")
     assert ckpt.latest_step() == 4  # committed, so it is listed: only reading finds the damage
-    with pytest.warns(UserWarning, match="step 4 .* cannot be read .*fell back to step 2"):
+    with caplog.at_level(logging.WARNING, logger="jaxpar"):
         restored, data, _ = ckpt.restore(None, _abstract(old, lambda x: x.sharding))
+    (record,) = [r for r in caplog.records if r.name == "jaxpar.checkpoint"]
+    message = record.getMessage()
+    assert record.levelname == "WARNING" and re.search("step 4 .* cannot be read: .*fell back to step 2", message)
+    # one line in plain words: no TensorStore spec, no object repr
+    assert "\n" not in message and not re.search("tensorstore_spec|<bound method|TensorStore\\(", message), message
     _assert_bitwise_equal(restored, old)
     assert data == {"next_sample": 2}
     assert sorted(os.listdir(tmp_path)) == ["2", "4.corrupt"]
