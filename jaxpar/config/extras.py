@@ -11,8 +11,9 @@ extra (pyproject.toml says why each dependency sits where it does):
                                                    results and says that plot.png was skipped)
   wandb  wandb                                     `metrics.wandb: true`
 
-(The `gpu-compile` extra, jax's CUDA plugin for compiling without GPUs, is checked by
-`jaxpar.analysis.gpu.deviceless`, which also checks the plugin's version.) A feature calls `require(module,
+(The `gpu-compile` extra, jax's CUDA plugin for compiling without GPUs, is in `PLUGIN_EXTRAS`: a jax plugin is
+found by its distribution, not imported, so `jaxpar.analysis.gpu.deviceless` checks it, and its version, itself and
+names it with `install_command`.) A feature calls `require(module,
 feature)` where it imports the module, and `check(module, feature)` (no import) where it can refuse early, before
 any device work. jax-free.
 """
@@ -29,6 +30,11 @@ EXTRAS = {
     "wandb": ("wandb",),
 }
 _EXTRA_OF = {module: extra for extra, modules in EXTRAS.items() for module in modules}
+# Extras of jax plugins, found by distribution and version rather than by import (module docstring).
+PLUGIN_EXTRAS = ("gpu-compile",)
+# The feature the wandb extra serves, as its missing-extra message names it: refused at load by the config's
+# checks, and at import by `jaxpar.training.trackers` for a tracker built by hand.
+WANDB_FEATURE = "metrics.wandb=true (Weights & Biases)"
 
 
 class MissingExtra(ImportError):
@@ -39,10 +45,10 @@ def install_command(extra: str) -> str:
     """The command that installs `extra`, e.g. "pip install 'jaxpar[data]'".
 
     Raises:
-      KeyError: an extra that is not in `EXTRAS`.
+      KeyError: an extra that is in neither `EXTRAS` nor `PLUGIN_EXTRAS`.
     """
-    if extra not in EXTRAS:
-        raise KeyError(f"no extra {extra!r}; the extras are {', '.join(EXTRAS)}")
+    if extra not in EXTRAS and extra not in PLUGIN_EXTRAS:
+        raise KeyError(f"no extra {extra!r}; the extras are {', '.join((*EXTRAS, *PLUGIN_EXTRAS))}")
     return f"pip install 'jaxpar[{extra}]'"
 
 

@@ -9,9 +9,10 @@ import dataclasses
 import os
 
 from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
-from jaxpar.config.choices import PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, WANDB_MODES
-from jaxpar.config.data_sources import check_data
+from jaxpar.config.choices import LR_DECAYS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, WANDB_MODES
+from jaxpar.config.data_sources import TOKEN_SOURCES, check_data
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.extras import WANDB_FEATURE, installed, missing_message
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR, mesh_sizes
 from jaxpar.config.moe import check_moe
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, LAYOUTS
@@ -108,18 +109,13 @@ def _wandb_api_key() -> bool:
 
 
 def _check_metrics(cfg: Config) -> None:
-    import importlib.util
-
     mc = cfg.metrics
     if mc.wandb_mode not in WANDB_MODES:
         raise ConfigError(
             f"metrics.wandb_mode={mc.wandb_mode!r} must be one of {', '.join(repr(m) for m in WANDB_MODES)}"
         )
-    if mc.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(
-            "metrics.wandb=true needs Weights & Biases, which is not installed: pip install 'jaxpar[wandb]' (or "
-            "set metrics.wandb=false)"
-        )
+    if mc.wandb and not installed("wandb"):
+        raise ConfigError(missing_message("wandb", WANDB_FEATURE, instead="set metrics.wandb=false"))
     if mc.wandb and _wandb_goes_online(mc.wandb_mode) and not _wandb_api_key():
         raise ConfigError(
             f"metrics.wandb=true with metrics.wandb_mode={mc.wandb_mode!r} streams to Weights & "
@@ -190,7 +186,7 @@ def _check_model(cfg: Config) -> None:
         )
     if m.head_width % 2:
         raise ConfigError(f"head width {m.head_width} must be even for rotary embeddings; set model.head_dim")
-    if cfg.data.source not in ("tokens", "shards") and m.vocab_size < BYTE_VOCAB:
+    if cfg.data.source not in TOKEN_SOURCES and m.vocab_size < BYTE_VOCAB:
         raise ConfigError(
             f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
             f"set model.vocab_size >= {BYTE_VOCAB}"
@@ -210,7 +206,7 @@ def _check_optimizer(cfg: Config) -> None:
     o = cfg.optimizer
     if o.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"optimizer.zero_stage={o.zero_stage} must be 0 (DDP), 1, 2 or 3")
-    _choice("optimizer.decay", o.decay, ("cosine", "linear", "constant"))
+    _choice("optimizer.decay", o.decay, LR_DECAYS)
     _positive("optimizer.learning_rate", o.learning_rate)
     _positive("optimizer.eps", o.eps)  # Adam's denominator term: 0 divides by zero where a moment is 0
     _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)

@@ -23,12 +23,11 @@ from typing import Any, Protocol, TextIO
 import numpy as np
 
 from jaxpar.config.choices import WANDB_MODES
-from jaxpar.config.extras import require
+from jaxpar.config.extras import WANDB_FEATURE, require
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
-WANDB_FEATURE = "metrics.wandb=true (Weights & Biases)"
 
 
 class Tracker(Protocol):

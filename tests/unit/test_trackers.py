@@ -126,8 +126,13 @@ def test_wandb_without_the_extra_is_a_config_error(monkeypatch):
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"metrics.wandb=true needs Weights & Biases.*pip install 'jaxpar\[wandb\]'"):
+    want = (
+        "metrics.wandb=true (Weights & Biases) needs wandb (the 'wandb' extra), which is not installed: "
+        "pip install 'jaxpar[wandb]' (or set metrics.wandb=false)"
+    )
+    with pytest.raises(ConfigError) as e:
         load_config(TINY, ["metrics.wandb=true"], num_devices=8)
+    assert str(e.value) == want
 
 
 def test_wandb_online_without_an_api_key_is_a_config_error(monkeypatch, tmp_path):
