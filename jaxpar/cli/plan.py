@@ -21,7 +21,7 @@ with the plan for --platform (gpu when --platform cpu) at the compute dtype comp
 --target KIND:NODESxGPUS (e.g. h100:8x8: 8 nodes of 8 H100s; kinds a100, b200, h100, h200; jaxpar.analysis.gpu.targets)
 plans for platform gpu on that many devices and states the target's memory; with --compile it compiles the real
 step for that cluster with XLA's GPU compiler on this machine, without GPUs (jaxpar.analysis.gpu.deviceless; needs the
-gpu-compile extra: pip install -e ".[gpu-compile]") and prints per-device argument, temporary and peak bytes,
+gpu-compile extra: pip install 'jaxpar[gpu-compile]') and prints per-device argument, temporary and peak bytes,
 the GPU HLO's collectives per mesh axis and kind beside the plan's, fused attention (cuDNN) and materialised
 attention scores, and whether the peak fits the GPU's memory (JSON "target", "gpu_compiled"). The device count
 follows from the cluster (--devices, if given, must equal it); --platform, --real-devices, --fast-compile and

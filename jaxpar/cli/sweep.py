@@ -9,11 +9,10 @@ Examples:
 Writes DIR/results.json (rewritten after every point), DIR/results.md (a table ranked by the sweep's objective)
 and DIR/plot.png (with matplotlib, the `plot` extra: pip install 'jaxpar[plot]'; without it the sweep says so and
 skips the plot). Run it again to resume: finished points are skipped. The sweep file format is documented in
-jaxpar/analysis/sweep/run.py. A sweep file with `target: KIND:NODESxGPUS` and `compile: true` compiles every point for
-that GPU
-cluster without its GPUs, which needs jax's CUDA plugin (pip install -e ".[gpu-compile]"); without it the sweep
-stops before the first point. Exit status: 0 done, 2 bad sweep file (the message names the key and the fix) or
-no CUDA plugin for a target, 130 interrupted.
+jaxpar/analysis/sweep/run.py. A sweep file with `target: KIND:NODESxGPUS` and `compile: true` compiles every
+point for that GPU cluster without its GPUs, which needs jax's CUDA plugin (pip install 'jaxpar[gpu-compile]');
+without it the sweep stops before the first point. Exit status: 0 done, 2 bad sweep file (the message names the
+key and the fix) or no CUDA plugin for a target, 130 interrupted.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from jaxpar.cli import plan as plan_cli
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
 TINY = [TINY_YAML, "mesh.fsdp=4"]  # data=2 x fsdp=4 x tensor=2 = 16 GPUs
-EXTRA = 'pip install -e ".[gpu-compile]"'
+EXTRA = "pip install 'jaxpar[gpu-compile]'"
 
 
 @pytest.mark.parametrize(

@@ -149,6 +149,8 @@ def test_every_extra_module_is_in_pyproject():
         assert declared[extra] == set(modules), extra  # each package's import name is its distribution name
     assert f"jaxpar[{','.join(sorted(EXTRAS))}]" in declared["test"]
     assert extras.install_command("data") == "pip install 'jaxpar[data]'"
+    assert set(extras.PLUGIN_EXTRAS) <= set(declared) - set(EXTRAS)
+    assert extras.install_command("gpu-compile") == "pip install 'jaxpar[gpu-compile]'"
 
 
 def test_a_missing_extra_is_named(without, tmp_path, capsys):

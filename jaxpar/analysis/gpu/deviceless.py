@@ -1,7 +1,7 @@
 """The real train step compiled for a GPU cluster on a machine without GPUs (deviceless ahead-of-time compilation).
 
-jax's CUDA plugin (`pip install -e ".[gpu-compile]"`) builds compile-only devices from a target description
-(`jaxpar.analysis.gpu.targets`) and a topology, without a GPU or a driver:
+jax's CUDA plugin (the gpu-compile extra, `pip install 'jaxpar[gpu-compile]'`) builds compile-only devices from a
+target description (`jaxpar.analysis.gpu.targets`) and a topology, without a GPU or a driver:
 
     devices = topologies.get_topology_desc(platform="cuda", target_config=text, topology="1x8x8").devices
 
@@ -29,9 +29,10 @@ import time
 
 from jaxpar.analysis.gpu.targets import Cluster
 from jaxpar.analysis.gpu.targets import cluster as make_cluster
+from jaxpar.config.extras import install_command
 from jaxpar.config.schema import Config
 
-EXTRA = 'pip install -e ".[gpu-compile]"'
+EXTRA = install_command("gpu-compile")
 # jax's CUDA PJRT plugin distributions; either provides the "cuda" platform's compile-only topology.
 CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # An HLO instruction whose result is one array and whose opcode is dot: (dtype, dims, the rest of the line).
