@@ -190,17 +190,21 @@ def recompute_flops_per_token(model, seq_len: int) -> float:
     d, h, g, k, f = model.d_model, model.n_heads, model.kv_heads, model.head_width, model.d_ff
     qkv, attention = 2 * d * (h * k + 2 * g * k), 2 * seq_len * h * k
     out, gate_up = 2 * h * k * d, 4 * d * f
+    # Per layer: (the recomputed FLOPs besides the MLP's gate/up projections, whether those are recomputed too).
+    # Which matmul outputs a policy keeps is its own matter, not `REMAT_KEEPING_EXITS_ONLY` (which collective
+    # outputs it keeps), though names and full happen to be in both.
     per_layer = {
-        "none": 0,
-        "dots": 2 * attention,
-        "names": qkv + attention + out + gate_up,
-        "full": qkv + 2 * attention + out + gate_up,
+        "none": (0, False),
+        "dots": (2 * attention, False),
+        "names": (qkv + attention + out, True),
+        "full": (qkv + 2 * attention + out, True),
     }
     if model.remat not in per_layer:
         raise ValueError(f"unknown remat policy {model.remat!r}; expected one of {sorted(per_layer)}")
-    total = model.n_layers * per_layer[model.remat]
+    rest, gate_up_recomputed = per_layer[model.remat]
+    total = model.n_layers * (rest + (gate_up if gate_up_recomputed else 0))
     moe = getattr(model, "moe", None)
-    if moe is not None and moe.enabled and model.remat in ("names", "full"):
+    if moe is not None and moe.enabled and gate_up_recomputed:
         f_e = moe.d_expert or f
         total += model.stack_depth * (
             4 * d * (moe.top_k + moe.shared_experts) * f_e + 2 * d * moe.num_experts - gate_up
