@@ -49,6 +49,7 @@ from jaxpar.analysis.planner.pipeline import bubble_fraction, stage_inputs_in_fl
 from jaxpar.config import Config, load_config, resolve_config
 from jaxpar.config.choices import PIPELINE_SCHEDULES
 from jaxpar.config.mesh_axes import DATA, FSDP, TENSOR
+from jaxpar.config.precision import LAYOUTS
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
@@ -473,7 +474,7 @@ def run_report(
         f"1 device, {cfg.model.n_layers}L d{cfg.model.d_model} {cfg.train.global_batch_size}x{cfg.data.seq_len}",
     )
     log(f"overhead done ({time.perf_counter() - start:.0f} s)")
-    for layout in ("fp32",) if quick else ("fp32", "16p"):
+    for layout in list(LAYOUTS)[:1] if quick else LAYOUTS:  # quick: fp32 only
         tables = zero_memory_tables(config, [*model, *batch, f"precision.layout={layout}"], d, compiler_options=options)
         rows += memory_rows(tables)
     log(f"memory done ({time.perf_counter() - start:.0f} s)")
