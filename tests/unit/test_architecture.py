@@ -14,22 +14,6 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(ROOT, "jaxpar")
-# Temporary: the files helper H1 is splitting (issue 23) keep their own spellings of mesh axis names and choice
-# lists until that work lands; the rules below skip them. Empty this set when it has been merged.
-_PENDING = {
-    os.path.join("jaxpar", *p.split("/"))
-    for p in (
-        "training/step.py",
-        "training/loop.py",
-        "parallel/pipeline.py",
-        "checkpoint/store.py",
-        "config/validate.py",
-        "config/precision.py",
-        "data/build.py",
-        "analysis/gpu/deviceless.py",
-        "model/flops.py",
-    )
-}
 
 
 def _modules(top: str) -> dict[str, str]:
@@ -166,13 +150,11 @@ ONE_SOURCE_ALSO = {
 def test_each_concept_is_spelled_out_in_one_module():
     found: dict[str, list[str]] = {name: [] for name in ONE_SOURCE}
     for module, path in _modules(PACKAGE).items():
-        pending = os.path.relpath(path, ROOT) in _PENDING
         for line, names in _literal_tuples(path):
-            for concept, (want, source) in ONE_SOURCE.items():
+            for concept, (want, _) in ONE_SOURCE.items():
                 if set(names) != want or len(names) != len(want) or (concept, module) in ONE_SOURCE_ALSO:
                     continue
-                if module == source or not pending:
-                    found[concept].append(f"{module}:{line}")
+                found[concept].append(f"{module}:{line}")
     for concept, (_, source) in ONE_SOURCE.items():
         assert [w.split(":")[0] for w in found[concept]] == [source], (concept, found[concept])
 
@@ -267,10 +249,6 @@ def test_byte_formatting_has_one_source():
 
 
 JAX_PRIVATE = os.path.join("jaxpar", "parallel", "jax_private.py")
-# Until the step split lands: pipeline.py is being rewritten on another branch; its three jax._src names
-# (eval_jaxpr, dce_jaxpr, convert_constvars_jaxpr) are in jaxpar.parallel.jax_private, to be imported from there
-# once the rewrite is merged, and this set emptied.
-_PENDING_JAX_PRIVATE = {os.path.join("jaxpar", "parallel", "pipeline.py")}
 
 
 def _jax_src_uses(source: str, path: str = "<source>") -> list[int]:
@@ -325,7 +303,7 @@ def test_jax_src_is_used_in_one_module():
                     rel = os.path.relpath(path, ROOT)
                     with open(path, encoding="utf-8") as fh:
                         lines = _jax_src_uses(fh.read(), path)
-                    if lines and rel != JAX_PRIVATE and rel not in _PENDING_JAX_PRIVATE:
+                    if lines and rel != JAX_PRIVATE:
                         found[rel] = lines
     assert found == {}, f"import these from jaxpar.parallel.jax_private (add a name there, with its reason): {found}"
     with open(os.path.join(ROOT, JAX_PRIVATE), encoding="utf-8") as fh:
@@ -341,13 +319,6 @@ _OUTSIDE_ALLOWED = {
     JAX_PRIVATE: "names each private jax module it imports, by design",
     os.path.join("tests", "unit", "test_architecture.py"): "this check's own patterns",
     os.path.join("tests", "system", "test_watchdog.py"): "a frame location inside jax, as the watchdog reports one",
-}
-# Until the step split lands: these files are being rewritten on another branch (their lines are listed for the
-# rewrite); the set goes once it is merged.
-_OUTSIDE_PENDING = {
-    os.path.join("jaxpar", "training", "loop.py"),
-    os.path.join("jaxpar", "parallel", "pipeline.py"),
-    os.path.join("jaxpar", "checkpoint", "store.py"),
 }
 
 
@@ -365,7 +336,7 @@ def test_comments_state_facts_instead_of_pointing_outside_the_repository():
                 rel = os.path.relpath(os.path.join(d, f), ROOT)
                 if not f.endswith((".py", ".yaml", ".json", ".txtpb", ".sh", ".sbatch", ".toml")):
                     continue
-                if rel in _OUTSIDE_ALLOWED or rel in _OUTSIDE_PENDING:
+                if rel in _OUTSIDE_ALLOWED:
                     continue
                 with open(os.path.join(d, f), encoding="utf-8") as fh:
                     found += [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(fh, 1) if _OUTSIDE.search(line)]
@@ -427,6 +398,7 @@ NOT_AXIS_NAMES = {
     "jaxpar/config/extras.py": ({"data": 1}, "the `data` extra of pyproject.toml"),
     "jaxpar/training/init_from.py": ({"data": 3}, "the `data` config section"),
     "jaxpar/checkpoint/info.py": ({"data": 4}, "a checkpoint's data position and the `data` config section"),
+    "jaxpar/checkpoint/store.py": ({"data": 1}, "a checkpoint step's `data` item, the data loader's position"),
     "jaxpar/analysis/planner/plan.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
     "jaxpar/analysis/planner/report.py": ({"pipeline": 2}, "the plan's `pipeline` section"),
     "jaxpar/analysis/sweep/run.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
@@ -459,7 +431,7 @@ def test_mesh_axes_are_named_through_constants():
     found, counted = [], {}
     for module, path in _modules(PACKAGE).items():
         rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
-        if module == "jaxpar.config.mesh_axes" or os.path.relpath(path, ROOT) in _PENDING:
+        if module == "jaxpar.config.mesh_axes":
             continue
         with open(path, encoding="utf-8") as f:
             hits = _axis_name_literals(f.read(), MESH_AXES)
@@ -526,7 +498,7 @@ def test_shape_letters_have_one_meaning():
     }
     wrong = []
     for module, path in _modules(PACKAGE).items():
-        if module == "jaxpar" or os.path.relpath(path, ROOT) in _PENDING:
+        if module == "jaxpar":
             continue
         doc = ast.get_docstring(ast.parse(open(path, encoding="utf-8").read())) or ""
         for letter, meaning in _letter_key(doc).items():
