@@ -211,7 +211,8 @@ def _route(tree, p: int, v: int, inverse: bool):
         return tree
     routes = chunk_routes(p, v)
     leaves, treedef = jax.tree.flatten(tree)
-    out, prev = [], []
+    out: list[jax.Array] = []
+    prev: list[jax.Array] = []  # the last permute, which the next one is ordered after
     for a in leaves:
         parts = a.reshape(v, a.shape[0] // v, *a.shape[1:])
         result: list = [None] * v

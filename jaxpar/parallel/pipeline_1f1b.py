@@ -37,6 +37,8 @@ them into chunk order once per step and `from_chunk_order` the gradients back.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -106,7 +108,8 @@ def one_f_one_b(
     )
     for start, stop, fwd, bwd in phases:
         if stop > start:
-            carry, _ = jax.lax.scan(lambda c, k, f=fwd, b=bwd: run.tick(c, k, f, b), carry, jnp.arange(start, stop))
+            body = functools.partial(run.tick, do_forward=fwd, do_backward=bwd)
+            carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
     _, _, _, g_layers, g_edge, loss, stats = carry
     if v > 1:
         g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layers)
@@ -349,9 +352,8 @@ class _Residuals:
         weights = jax.tree.leaves(layers)
         used = ordered_after([w for w, u in zip(weights, self._used_weights) if u], after)
         from_weights = iter(eval_jaxpr(self._weights_jaxpr, (), *self._consts, *used))
-        stashed = iter(stashed)
-        arrays = [next(from_weights) if w else next(stashed) for w in self.from_weights]
-        arrays = iter(arrays)
+        from_stash = iter(stashed)
+        arrays = iter([next(from_weights) if w else next(from_stash) for w in self.from_weights])
         leaves = [weights[k[1]] if k[0] == "weight" else next(arrays) if k[0] == "array" else k[1] for k in self.kinds]
         return jax.tree.unflatten(self.treedef, leaves)
 
