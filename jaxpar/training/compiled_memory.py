@@ -11,28 +11,47 @@ lower, since not every temporary is live at once; it is kept beside as `xla_peak
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypedDict
 
 
-def peak_bytes(memory: dict) -> int:
+class MemoryBytes(TypedDict):
+    """Per-device bytes of a compiled program (`memory_analysis_bytes`)."""
+
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    generated_code_bytes: int
+    peak_bytes: int  # arguments + outputs - aliased + temporaries (`peak_bytes`)
+    xla_peak_bytes: int | None  # XLA's heap-simulation peak; None where the backend gives none
+
+
+def peak_bytes(memory: Mapping[str, Any]) -> int:
     """arguments + outputs - aliased + temporaries of a `memory_analysis_bytes` dict (module docstring)."""
     return memory["argument_bytes"] + memory["output_bytes"] - memory["alias_bytes"] + memory["temp_bytes"]
 
 
-def memory_analysis_bytes(compiled: Any) -> dict[str, int | None] | None:
+def memory_analysis_bytes(compiled: Any) -> MemoryBytes | None:
     """Per-device bytes of a `jax.stages.Compiled`: {"argument_bytes", "output_bytes", "alias_bytes",
     "temp_bytes", "generated_code_bytes", "peak_bytes" (`peak_bytes`), "xla_peak_bytes" (XLA's heap-simulation
-    peak; None where the backend gives none)}, or None when the backend gives no memory analysis."""
+    peak; None where the backend gives none)} (`MemoryBytes`), or None when the backend gives no memory analysis."""
     stats = compiled.memory_analysis()
     if stats is None:
         return None
-    out: dict[str, int | None] = {
+    sizes = {
         "argument_bytes": int(stats.argument_size_in_bytes),
         "output_bytes": int(stats.output_size_in_bytes),
         "alias_bytes": int(stats.alias_size_in_bytes),
         "temp_bytes": int(stats.temp_size_in_bytes),
         "generated_code_bytes": int(stats.generated_code_size_in_bytes),
     }
-    out["peak_bytes"] = peak_bytes(out)
-    out["xla_peak_bytes"] = int(getattr(stats, "peak_memory_in_bytes", 0) or 0) or None
-    return out
+    return MemoryBytes(
+        argument_bytes=sizes["argument_bytes"],
+        output_bytes=sizes["output_bytes"],
+        alias_bytes=sizes["alias_bytes"],
+        temp_bytes=sizes["temp_bytes"],
+        generated_code_bytes=sizes["generated_code_bytes"],
+        peak_bytes=peak_bytes(sizes),
+        xla_peak_bytes=int(getattr(stats, "peak_memory_in_bytes", 0) or 0) or None,
+    )

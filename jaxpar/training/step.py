@@ -146,7 +146,7 @@ def _accumulated_grads(plan: StepPlan) -> Callable:
     return accumulate
 
 
-def make_train_step(plan: StepPlan) -> Callable:
+def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
     """Returns the jitted `train_step(state, batch) -> (state, metrics)`; the input state is donated.
 
     metrics: {"loss": token-mean loss (nats for the cross-entropy), "grad_norm": global L2 norm before clipping,
@@ -209,7 +209,7 @@ def _rate_metrics(plan: StepPlan, old_opt_state, opt_state) -> dict:
     return {"learning_rate": rate if skip is None else jnp.where(skip.last_finite, rate, 0.0)}
 
 
-def make_eval_step(plan: StepPlan) -> Callable:
+def make_eval_step(plan: StepPlan) -> jax.stages.Wrapped:
     """Returns jitted `eval_step(params, batch) -> (loss_sum, n_tokens)`: summed token loss (fp32 nats) and
     valid-token count of a global batch, for a token-mean over several batches. Always the cross-entropy,
     whatever the plan's training loss (`jaxpar.training.loss`).

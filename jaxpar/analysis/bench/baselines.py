@@ -71,7 +71,7 @@ def reference_step(cfg: Config, compute_dtype):
     return step, params, tx.init(params)
 
 
-def compiler_chosen_step(plan: StepPlan):
+def compiler_chosen_step(plan: StepPlan) -> jax.stages.Wrapped:
     """The same loss, gradient and optax update as `make_train_step(plan)`, jitted on global arrays: the
     partitioner inserts every collective from the parameter and batch shardings alone.
 

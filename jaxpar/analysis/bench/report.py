@@ -43,6 +43,7 @@ from jaxpar.analysis.bench.timing import (
 from jaxpar.analysis.hlo.collectives import collectives_by_axis
 from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo.flops import dot_flops_per_device
+from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.analysis.planner.comm import collective_terms
 from jaxpar.analysis.planner.memory import memory_table
 from jaxpar.analysis.planner.pipeline import bubble_fraction, stage_inputs_in_flight
@@ -53,6 +54,7 @@ from jaxpar.config.precision import LAYOUTS
 from jaxpar.data.batch import abstract_batch, random_batch
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
+from jaxpar.training.compiled_memory import memory_analysis_bytes
 from jaxpar.training.plan import StepPlan, build_plan
 from jaxpar.training.state import abstract_state, init_state
 from jaxpar.training.step import make_train_step
@@ -112,11 +114,10 @@ def measure_overhead(cfg: Config, steps: int, rounds: int) -> dict:
         plan.batch_sharding,
         masked_prefix=cfg.data.seq_len // 8,
     )
-    jp = {"state": init_state(plan, cfg.train.seed)}
+    jp: dict[str, Any] = {"state": init_state(plan, cfg.train.seed)}
     ref_step, params, opt_state = reference_step(cfg, plan.compute_dtype)
     ref = {"params": jax.device_put(params, devices[0]), "opt": jax.device_put(opt_state, devices[0])}
-    # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-    jp["step"] = make_train_step(plan).lower(jp["state"], batch).compile()  # type: ignore[attr-defined]
+    jp["step"] = make_train_step(plan).lower(jp["state"], batch).compile()
     ref_step = ref_step.lower(ref["params"], ref["opt"], batch).compile()
 
     def run_jaxpar():
@@ -263,10 +264,9 @@ def tensor_collective_rows(
             config, [*overrides, *mesh_axes, f"tensor.sequence_parallel={str(sp).lower()}"], num_devices=num_devices
         )
         plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:num_devices]))
-        # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-        lowered = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan))  # type: ignore[attr-defined]
+        lowered = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan))
         compiled = lowered.compile(compiler_options)
-        got = tensor_axis_bytes(collectives_by_axis(compiled.as_text(), plan.mesh))
+        got = tensor_axis_bytes(collectives_by_axis(compiled_hlo_text(compiled), plan.mesh))
         _, want = tensor_analytic(plan)
         case = f"tensor=2 fsdp={plan.mesh_shape[FSDP]} sp={'on' if sp else 'off'}"
         for kind in sorted(set(want) | set(got)):
@@ -305,11 +305,17 @@ def pipeline_overrides(p: int, pipelined: bool, schedule: str, m: int, rows: int
 
 
 def pipeline_temp_bytes(cfg: Config, devices: Sequence[jax.Device], compiler_options: dict | None = None) -> int:
-    """Temp bytes per device (`memory_analysis().temp_size_in_bytes`) of the compiled train step; nothing runs."""
+    """Temp bytes per device (`memory_analysis().temp_size_in_bytes`) of the compiled train step; nothing runs.
+
+    Raises:
+      RuntimeError: the backend gives no memory analysis.
+    """
     plan = build_plan(cfg, build_mesh(cfg, devices))
-    # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-    lowered = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan))  # type: ignore[attr-defined]
-    return int(lowered.compile(compiler_options).memory_analysis().temp_size_in_bytes)
+    lowered = make_train_step(plan).lower(abstract_state(plan), _abstract_batch(plan))
+    memory = memory_analysis_bytes(lowered.compile(compiler_options))
+    if memory is None:
+        raise RuntimeError(f"the {jax.default_backend()} backend gives no memory_analysis() for compiled code")
+    return memory["temp_bytes"]
 
 
 def pipeline_memory_rows(
@@ -396,13 +402,12 @@ def pipeline_schedule_rows(
         plan = build_plan(cfg, build_mesh(cfg, devices))
         batch = random_batch(m * micro_rows, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding)
         state = init_state(plan, cfg.train.seed)
-        # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-        step = make_train_step(plan).lower(state, batch).compile(compiler_options)  # type: ignore[attr-defined]
+        step = make_train_step(plan).lower(state, batch).compile(compiler_options)
         if v == 1:
-            flops[name] = sum(dot_flops_per_device(step.as_text())) / p
+            flops[name] = sum(dot_flops_per_device(compiled_hlo_text(step))) / p
         else:
             head = 6 * micro_rows * cfg.data.seq_len * cfg.model.d_model * cfg.model.vocab_size
-            flops[name] = (sum(dot_flops_per_device(step.as_text(), skip_conditionals=True)) + m * head) / p
+            flops[name] = (sum(dot_flops_per_device(compiled_hlo_text(step), skip_conditionals=True)) + m * head) / p
         box = {"state": state}
 
         def run(step=step, batch=batch, box=box):

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxpar.analysis.hlo.collectives import classify_groups, parse_collectives
+from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, TENSOR
 from jaxpar.log import human_bytes
 
@@ -99,10 +100,9 @@ def compile_steps(cfg, devices: Sequence) -> dict:
     batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
     out: dict[str, Any] = {"mesh": mesh}
     for name, step in (("explicit", make_train_step(plan)), ("compiler", compiler_chosen_step(plan))):
-        # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-        compiled = step.lower(state, batch).compile()  # type: ignore[union-attr]
+        compiled = step.lower(state, batch).compile()
         memory = memory_analysis_bytes(compiled)
-        out[name] = program_bytes(compiled.as_text(), mesh, memory["temp_bytes"] if memory else None)
+        out[name] = program_bytes(compiled_hlo_text(compiled), mesh, memory["temp_bytes"] if memory else None)
     return out
 
 

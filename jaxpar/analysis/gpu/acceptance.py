@@ -215,8 +215,7 @@ def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float |
         cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding, cfg.train.seed
     )
     t0 = time.perf_counter()
-    # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-    compiled = make_train_step(plan).lower(state, batch).compile()  # type: ignore[attr-defined]
+    compiled = make_train_step(plan).lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     model_flops, hardware_flops = flops_lib.model_flops(cfg, state["params"])
     for _ in range(warmup_steps):
@@ -231,8 +230,8 @@ def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float |
     del state
     step_s = float(np.median(times))
     tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / step_s
-    analysis = memory_analysis_bytes(compiled) or {}
-    compiled_peak = analysis.get("xla_peak_bytes") or analysis.get("peak_bytes")
+    analysis = memory_analysis_bytes(compiled)
+    compiled_peak = None if analysis is None else analysis["xla_peak_bytes"] or analysis["peak_bytes"]
     platform = jax.devices()[0].platform
     planned = planned_peak(cfg, "gpu" if platform == "gpu" else "cpu")
     record = {
@@ -241,7 +240,7 @@ def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float |
         "step_seconds": step_s,
         "tokens_per_s": tokens_per_s,
         "mfu": flops_lib.mfu(tokens_per_s, model_flops, 1, peak),
-        "hfu": flops_lib.mfu(tokens_per_s, hardware_flops, 1, peak),
+        "hfu": None if hardware_flops is None else flops_lib.mfu(tokens_per_s, hardware_flops, 1, peak),
         "model_flops_per_token": model_flops,
         "hardware_flops_per_token": hardware_flops,
         "compiled_peak_bytes": compiled_peak,

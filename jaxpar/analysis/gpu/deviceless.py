@@ -29,6 +29,7 @@ import time
 
 from jaxpar.analysis.gpu.targets import Cluster
 from jaxpar.analysis.gpu.targets import cluster as make_cluster
+from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.config.extras import install_command
 from jaxpar.config.schema import Config
 
@@ -220,7 +221,7 @@ def compile_for_gpu(
         k: analysis[k] for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes")
     }
     memory["peak_bytes"] = analysis["xla_peak_bytes"] or analysis["peak_bytes"]
-    hlo = compiled.as_text()
+    hlo = compiled_hlo_text(compiled)
     coll = hlo_collectives(hlo, mesh)
     analytic = analytic_plan(cfg, "gpu")
     planned = analytic["memory"]["peak_estimate"]

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from jaxpar.analysis.hlo.collectives import classify_groups, parse_collectives
 from jaxpar.analysis.hlo.compile_options import COMPILER_OPTIONS
+from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.analysis.planner.memory import persistent_state_bytes
 from jaxpar.analysis.planner.plan import plan as analytic_plan
 from jaxpar.config.mesh_axes import mesh_sizes
@@ -97,8 +98,7 @@ def compile_step(cfg: Config, compiler_options: dict | None = None) -> CompiledS
     with tempfile.TemporaryDirectory(prefix="jaxpar-hlo-") as dump:
         options.update(xla_dump_to=dump, xla_dump_hlo_pass_re=PARTITIONER_PASS, xla_dump_hlo_as_text=True)
         t0 = time.perf_counter()
-        # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-        executable = make_train_step(plan).lower(state, batch).compile(options)  # type: ignore[attr-defined]
+        executable = make_train_step(plan).lower(state, batch).compile(options)
         seconds = time.perf_counter() - t0
         partitioned = read_partitioned_hlo(dump)
     return CompiledStep(plan, state, batch, executable, seconds, partitioned)
@@ -242,7 +242,7 @@ def compiled_plan(
     planned_state = mem["params"] + mem["opt_state"]
     state_bytes = persistent["persistent"] - persistent["scalars"]
     planned_temp = mem["temp_estimate"]["total"]
-    coll = hlo_collectives(compiled.as_text(), plan.mesh)
+    coll = hlo_collectives(compiled_hlo_text(compiled), plan.mesh)
     return {
         "compile_seconds": seconds,
         "memory_analysis": memory,

@@ -43,7 +43,7 @@ from jaxpar.analysis.planner.dims import rank_params_split
 from jaxpar.config.mesh_axes import DATA, FSDP
 from jaxpar.config.precision import precision_layout
 from jaxpar.parallel.sharding import STATE_KINDS, partitioned_over_data
-from jaxpar.training.compiled_memory import memory_analysis_bytes
+from jaxpar.training.compiled_memory import MemoryBytes, memory_analysis_bytes
 from jaxpar.training.plan import StepPlan
 from jaxpar.training.step import make_grad_fn, make_train_step
 
@@ -147,7 +147,7 @@ def _scalar_bytes(tree: Any) -> int:
     return int(sum(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if len(x.shape) == 0))
 
 
-def _memory_analysis(compiled) -> dict:
+def _memory_analysis(compiled) -> MemoryBytes:
     memory = memory_analysis_bytes(compiled)
     if memory is None:
         raise RuntimeError(f"the {jax.default_backend()} backend returns no memory_analysis() for compiled code")
@@ -214,8 +214,7 @@ def measured_state_bytes(plan: StepPlan, state: dict, batch: dict, compiler_opti
     Raises:
       RuntimeError: the backend reports no memory analysis.
     """
-    # make_train_step is annotated Callable, so mypy does not know jax.jit's .lower
-    step = make_train_step(plan).lower(state, batch).compile(compiler_options)  # type: ignore[attr-defined]
+    step = make_train_step(plan).lower(state, batch).compile(compiler_options)
     out = persistent_state_bytes(plan, step, state, batch)
     grad_compiled = jax.jit(make_grad_fn(plan)).lower(state["params"], batch).compile(compiler_options)
     n_outputs = len(jax.tree.leaves(grad_compiled.out_info))
