@@ -249,16 +249,16 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - any read failure makes this step unusable
                 unreadable.append((candidate, e))
                 continue
-            for bad, e in unreadable:  # an older step fits the target, so these are damaged, not mismatched
+            for bad, error in unreadable:  # an older step fits the target, so these are damaged, not mismatched
                 _LOGGER.warning(
                     "checkpoint step %d in %s cannot be read: %s; fell back to step %d%s",
                     bad,
                     self.directory,
-                    _read_failure(e),
+                    _read_failure(error),
                     candidate,
                     "" if self._read_only else f" (the damaged step is kept as {bad}.corrupt)",
                 )
-                _LOGGER.debug("checkpoint step %d: the read error in full", bad, exc_info=e)
+                _LOGGER.debug("checkpoint step %d: the read error in full", bad, exc_info=error)
                 self._set_aside(bad)
             return restored
         raise unreadable[0][1]

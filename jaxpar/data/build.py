@@ -7,6 +7,7 @@ import jax
 from jaxpar.config import DataConfig
 from jaxpar.data.info import DataInfo
 from jaxpar.data.loader import DataLoader, EvalLoader, split_rows
+from jaxpar.data.mixture import MixtureEvalLoader, MixtureLoader
 from jaxpar.data.mixture_loaders import build_mixture_loaders
 from jaxpar.data.stats import unigram_entropy_of_counts
 
@@ -18,7 +19,7 @@ def build_loaders(
     vocab_size: int | None = None,
     eval_batches: int = 0,
     vocab_multiple: int = 1,
-) -> tuple[DataLoader, EvalLoader, DataInfo]:
+) -> tuple[DataLoader | MixtureLoader, EvalLoader | MixtureEvalLoader, DataInfo]:
     """Reads, splits and packs the corpus (or, for `data.source: shards`, opens the shard set to be read lazily,
     `jaxpar.data.stream`); returns (train_loader, val_loader, info). A mixture (`data.sources`) gives a
     `jaxpar.data.MixtureLoader` and `MixtureEvalLoader` instead (`jaxpar.data.mixture_loaders`).

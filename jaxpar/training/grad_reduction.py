@@ -71,7 +71,7 @@ def reduce_over_data(plan: StepPlan, grads: dict) -> dict:
         def all_reduce(g, spec):
             return g if DATA in spec_axes(spec) else jax.lax.psum(g, DATA)
 
-        return treedef.unflatten([all_reduce(g, s) for g, s in zip(leaves, specs, strict=True)])
+        return jax.tree.unflatten(treedef, [all_reduce(g, s) for g, s in zip(leaves, specs, strict=True)])
 
     # ZeRO-2, reduce-scatter over data: each replica keeps 1/data of the gradient, along the dimension its
     # optimizer state is partitioned on. A parameter with no such dimension was all-reduced by
@@ -80,4 +80,4 @@ def reduce_over_data(plan: StepPlan, grads: dict) -> dict:
         split = [d for d, a in gathered_axes(spec, logical) if DATA in a]
         return jax.lax.psum_scatter(g, DATA, scatter_dimension=split[0], tiled=True) if split else g
 
-    return treedef.unflatten([scatter(g, s, n) for g, s, n in zip(leaves, specs, names, strict=True)])
+    return jax.tree.unflatten(treedef, [scatter(g, s, n) for g, s, n in zip(leaves, specs, names, strict=True)])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +30,7 @@ import optax
 from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, Checkpointer
 from jaxpar.config import Config, ConfigError, resolve_config
 from jaxpar.data import IteratorLoader, build_loaders
+from jaxpar.data.iterator import StatefulIterator
 from jaxpar.data.loader import serves_segment_ids
 from jaxpar.model import flops as flops_lib
 from jaxpar.parallel import schedule as schedule_lib
@@ -98,7 +99,7 @@ def _checked_hooks(hooks: Sequence[Hook]) -> list[Hook]:
     return out
 
 
-def _loaders(cfg: Config, plan: StepPlan, data: Iterator | None):
+def _loaders(cfg: Config, plan: StepPlan, data: StatefulIterator | None):
     """(train loader, validation loader, their counts): the config's corpus, or the caller's `data` iterator
     for training.
 
@@ -347,7 +348,7 @@ def train(
     loss_fn: LossFn | None = None,
     optimizer: optax.GradientTransformation | None = None,
     learning_rate: optax.Schedule | float | None = None,
-    data: Iterator | None = None,
+    data: StatefulIterator | None = None,
     on_compiled: Sequence[CompiledHook] = (),
     hooks: Sequence[Hook] | None = None,
 ) -> TrainResult:

@@ -119,16 +119,16 @@ def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):
       ConfigError: the path holds no complete checkpoint, or the checkpoint's arrays do not fit this config.
     """
     target = abstract_state(plan)
-    own = ckpt is not None and ckpt.latest_step() is not None
-    source = ckpt.directory if own else cfg.checkpoint.restore_from
+    own = ckpt if ckpt is not None and ckpt.latest_step() is not None else None  # the run's own checkpoints
+    source = own.directory if own is not None else cfg.checkpoint.restore_from
     try:
-        if own:  # the run's own progress wins over checkpoint.restore_from, which only seeds a fresh run
+        if own is not None:  # the run's own progress wins over checkpoint.restore_from, which only seeds a fresh run
             if cfg.checkpoint.restore_from:
                 _log(
-                    f"resuming from this run's own checkpoints in {ckpt.directory}; checkpoint.restore_from="
+                    f"resuming from this run's own checkpoints in {own.directory}; checkpoint.restore_from="
                     f"{cfg.checkpoint.restore_from} only starts a run that has none"
                 )
-            state, data_state, _ = ckpt.restore(None, target)
+            state, data_state, _ = own.restore(None, target)
             return state, data_state
         if cfg.checkpoint.restore_from:
             state, data_state, _ = restore_from_path(cfg.checkpoint.restore_from, target)

@@ -8,6 +8,7 @@ and "params" their bf16 cast, which the forward reads; with `fp32` "params" are 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ def _check_params_fit(params, want: dict, model_name: str) -> None:
 
 def _fill_state(plan: StepPlan, params: dict) -> dict:
     """The train state at step 0 around fp32 `params`."""
-    state = {"step": jnp.zeros((), jnp.int32)}
+    state: dict[str, Any] = {"step": jnp.zeros((), jnp.int32)}
     if plan.has_master:
         state["master"] = params
         state["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), params)

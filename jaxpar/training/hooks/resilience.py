@@ -34,7 +34,7 @@ class PreemptionHook(Hook):
     step (`run.preempted_at`, `run.stop()`), which a `CheckpointHook` after it saves; the end of the run logs
     it and skips the final evaluation and sample."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._watch: PreemptionWatch | None = None
 
     def on_start(self, run: RunContext) -> None:
