@@ -5,8 +5,7 @@ and without sequence parallelism (`tensor.sequence_parallel`), at ZeRO stage 1 o
 relative against a single-device step of the same model: loss, grad norm, the gradients of `make_grad_fn`,
 Adam's moments, the updated parameters and the update itself (`step_helpers.assert_adam_step_close`). Clipping is
 active on the tensor=4 mesh. Adam runs with its default eps, without warmup. Grouped-query attention needs a key/value
-head per tensor rank,
-so the t = 2 meshes run n_heads = 4, n_kv_heads = 2 and the t = 4 mesh n_kv_heads = 4.
+head per tensor rank, so the t = 2 meshes run n_heads = 4, n_kv_heads = 2 and the t = 4 mesh n_kv_heads = 4.
 
 Each test first asserts that its layout differs from the reference's: attention heads and the vocabulary are
 split over `tensor` (the local `wq` shard holds H/t heads), and the grad fn's lowered HLO holds tensor-group

@@ -92,8 +92,7 @@ def test_the_plugin_accepts_every_shipped_target(name):
 def test_tiny_compiles_for_two_h100_nodes():
     """tiny.yaml (data=2, fsdp=4 here, tensor=2, ZeRO-1) on h100:2x8, compiled by XLA's GPU compiler (15-40 s
     on 2 shared cores, hence slow). The all-gathers and reduce-scatters of the GPU HLO carry exactly the plan's bytes
-    on the plan's
-    axes (measured ratio 1.0000); smaller all-reduces are combined differently by the GPU passes."""
+    on the plan's axes (measured ratio 1.0000); smaller all-reduces are combined differently by the GPU passes."""
     cfg = load_config(TINY_YAML, validate=False)
     out = plan_gpu.compile_for_gpu(cfg, "h100", 2, 8)
     assert out["cluster"] == "h100:2x8" and out["devices"] == 16 and out["device_kind"] == "NVIDIA H100 80GB HBM3"

@@ -137,8 +137,7 @@ def test_cpu_backend_widens_bf16_collectives(tmp_path):
     collective-permute each stay bf16 in the partitioned program (after the SPMD partitioner, before any backend
     pass) and are fp32 in the CPU executable (AllReducePromotion BF16 -> F32 for the first two, FloatNormalization
     for the others), the same ops in the same groups; fp32 ones are untouched. jaxpar.analysis.planner.plan's cpu
-    platform counts
-    collectives this way (`jaxpar.analysis.planner.dims.collective_bytes`)."""
+    platform counts collectives this way (`jaxpar.analysis.planner.dims.collective_bytes`)."""
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
     def body(a, b):

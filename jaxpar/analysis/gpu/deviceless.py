@@ -123,12 +123,11 @@ def _batch_dims(dot_operands: str) -> int:
 def attention_scores(hlo_text: str, seq_len: int) -> dict:
     """The attention score tensors the program materialises: arrays of rank >= 3 ending in [.., seq_len, seq_len]
     that are results of batched matmuls over batch and heads (`dot` with at least two batch dimensions; QK^T
-    and, in the backward, dO V^T: a projection's weight gradient [K, D, T] has one, and ends in [T, T] when D =
-    T) or of
-    instructions whose op_name is one of jax's XLA-attention einsums (with grouped key/value heads the logits
-    come out of a fusion, not a bare dot). XLA's attention path writes them to memory; a fused attention kernel
-    (cuDNN) keeps them on chip, so none appear. Shapes alone would not do: with seq_len == d_model (Llama 7B at
-    4096) the layer scan's stacked block inputs [L, b, T, D] end in [T, T] too.
+    and, in the backward, dO V^T: a projection's weight gradient [K, D, T] has one, and ends in [T, T] when
+    D = T) or of instructions whose op_name is one of jax's XLA-attention einsums (with grouped key/value heads
+    the logits come out of a fusion, not a bare dot). XLA's attention path writes them to memory; a fused
+    attention kernel (cuDNN) keeps them on chip, so none appear. Shapes alone would not do: with seq_len ==
+    d_model (Llama 7B at 4096) the layer scan's stacked block inputs [L, b, T, D] end in [T, T] too.
 
     Returns:
       {"materialised" (any found), "shapes" (sorted distinct "dtype[dims]"), "largest_bytes" (the biggest, per
@@ -173,17 +172,17 @@ def compile_for_gpu(
        "memory": {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
          "peak_bytes" (XLA's peak; arguments + outputs - aliased + temporaries where it gives none)},
        "memory_bytes" (the target's, per GPU), "usable_bytes" (the share a jax process may use,
-       `jaxpar.analysis.gpu.targets.MEMORY_FRACTION` of it), "fraction_of_memory" (peak / memory_bytes), "fits" (peak <=
-       usable_bytes),
+       `jaxpar.analysis.gpu.targets.MEMORY_FRACTION` of it), "fraction_of_memory" (peak / memory_bytes),
+       "fits" (peak <= usable_bytes),
        "collectives": {"axes kind": {"count", "bytes"}} of the optimized GPU HLO per step (ring bytes per device,
          `jaxpar.analysis.planner.compiled.hlo_collectives`, built on
          `jaxpar.analysis.hlo.collectives.collectives_by_axis`' accounting),
        "scalars": the 0-d collectives (see `hlo_collectives`),
        "fused_attention": sorted cuDNN fused-attention custom-call targets in the HLO (empty: XLA's attention),
        "attention_scores": `attention_scores(hlo, seq_len)`,
-       "planned": {"peak_bytes" (`jaxpar.analysis.planner.plan.plan(cfg, "gpu")` peak_estimate), "ratio" (compiled /
-       planned),
-         "collectives" (`jaxpar.analysis.planner.compiled.compare_collectives` rows: the GPU HLO's beside the plan's)}}.
+       "planned": {"peak_bytes" (`jaxpar.analysis.planner.plan.plan(cfg, "gpu")` peak_estimate),
+         "ratio" (compiled / planned), "collectives" (`jaxpar.analysis.planner.compiled.compare_collectives` rows:
+         the GPU HLO's beside the plan's)}}.
 
     Raises:
       GpuCompileUnavailable: the CUDA plugin is missing, mismatched or not registered (before any compile).

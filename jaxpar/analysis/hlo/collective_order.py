@@ -41,8 +41,7 @@ def _called(attrs: str) -> list[str]:
 def unordered_collectives(hlo_text: str) -> list[tuple[str, str, str, str]]:
     """(computation, loop, later collective user, its opcode) for each later collective user that does not
     consume a loop holding collectives scheduled before it in the same computation. Empty for a program every device
-    issues
-    in one order. The text must be a scheduled module (a compiled executable's `as_text()`)."""
+    issues in one order. The text must be a scheduled module (a compiled executable's `as_text()`)."""
     comps, _, _ = parse_module(hlo_text)
     holds: dict[str, bool] = {}
 

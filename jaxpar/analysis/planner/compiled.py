@@ -8,8 +8,7 @@ an SPMD program) and the optimized HLO, whose collectives `jaxpar.analysis.hlo.c
 Two programs are read. The executable's optimized HLO is what the compiling backend runs: on CPU, XLA:CPU has
 widened every bf16 collective to fp32 (`jaxpar.analysis.planner.plan`), so it is compared with the plan for cpu. The
 partitioned program -- the HLO right after XLA's SPMD partitioner (pass `spmd-partitioning`), dumped during the same
-compile
--- is the last program CPU and GPU compilers share: every collective of the step exists there (jaxpar's explicit
+compile -- is the last program CPU and GPU compilers share: every collective of the step exists there (jaxpar's explicit
 ones and those the partitioner inserts, e.g. ZeRO-1/2's gather of updated parameters) in the dtype the program
 gives it, and everything after it is a backend's own pipeline. It is compared with the plan for the target
 platform (gpu unless told otherwise) at the compute dtype the step was compiled with. For pipeline layouts it
@@ -212,8 +211,7 @@ def compiled_plan(
 ) -> dict:
     """Compiles the train step of resolved `cfg` on the first N jax devices (`compile_step`; or takes `step`,
     compiled earlier) and sets it beside `analytic` (`jaxpar.analysis.planner.plan.plan(cfg, platform="cpu")` for a CPU
-    compile),
-    and its partitioned program beside the plan for `target` (`partitioned_check`).
+    compile), and its partitioned program beside the plan for `target` (`partitioned_check`).
 
     Returns:
       {"compile_seconds",

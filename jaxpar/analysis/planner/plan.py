@@ -266,11 +266,10 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     larger of the two working sets), "layer_grads" (with fsdp/ZeRO-3 sharding, one layer's gradients at full size in
     the reduce dtype before their reduce-scatter), "grad_accumulators" (fp32, one per local parameter shard as
     stored over fsdp and, under ZeRO-3, data; 0 with a single microbatch), "grad_outputs" (the step's gradients in the
-    parameter dtype,
-    `state_bytes` grads), "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the peak: one
-    layer's and the largest of embedding and head, all-gathered, in the compute dtype), "chunk_order" (interleaved
-    1F1B, v > 1: the step's chunk-order copy of the stage's layer parameters, the local shard as stored over fsdp
-    and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
+    parameter dtype, `state_bytes` grads), "gathered_weights" (with fsdp/ZeRO-3 sharding, the weights in use at the
+    peak: one layer's and the largest of embedding and head, all-gathered, in the compute dtype), "chunk_order"
+    (interleaved 1F1B, v > 1: the step's chunk-order copy of the stage's layer parameters, the local shard as stored
+    over fsdp and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
     `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
     v = 1), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
     all-to-all, twice `jaxpar.analysis.planner.experts.all_to_all_elements` elements in the compute dtype; a lower

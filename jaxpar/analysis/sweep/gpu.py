@@ -119,8 +119,7 @@ def target_command(
 
 def gpu_summary(gpu: dict) -> dict:
     """One point's GPU compile (`jaxpar.analysis.gpu.deviceless.compile_for_gpu`'s result, JSON "gpu_compiled" of
-    jaxpar-plan
-    --target --compile) as the sweep records it. Bytes are per device.
+    jaxpar-plan --target --compile) as the sweep records it. Bytes are per device.
 
     Returns:
       {"cluster", "device_kind", "compute_dtype", "argument_bytes", "output_bytes", "alias_bytes", "temp_bytes",

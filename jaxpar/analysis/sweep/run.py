@@ -31,9 +31,8 @@ Target: `target: KIND:NODESxGPUS` (kinds: `jaxpar.analysis.gpu.targets`) plans e
 cluster's GPU count (`devices:` may be left out; another count, in `devices` or in a mesh of `meshes`, is refused)
 and, with `compile: true`, compiles it for that cluster with XLA's GPU compiler on this machine, without GPUs
 (`jaxpar.analysis.sweep.gpu`, `jaxpar.analysis.gpu.deviceless`; needs the gpu-compile extra, checked before the first
-point). The record
-keeps the GPU compiler's per-device bytes, whether the peak fits one GPU, fused attention and materialised
-attention scores, and the GPU program's collectives beside the plan for gpu ("gpu_compiled"); the memory
+point). The record keeps the GPU compiler's per-device bytes, whether the peak fits one GPU, fused attention and
+materialised attention scores, and the GPU program's collectives beside the plan for gpu ("gpu_compiled"); the memory
 objective ranks by the GPU-compiled peak, the budget is checked against it, and a point whose compiled peak does
 not fit the GPU is marked over budget too. Nothing runs: measure_steps, measured objectives, real_devices and
 fast_compile are refused with a target, and so is a platform other than gpu.
@@ -545,8 +544,7 @@ def run_sweep(
     Raises:
       SweepError: a foreign results.json or an out_dir that cannot be created.
       jaxpar.analysis.gpu.deviceless.GpuCompileUnavailable: a `target` with `compile: true` where jax's CUDA plugin is
-      missing
-        (the message names the extra to install); raised before any point, with out_dir untouched.
+      missing (the message names the extra to install); raised before any point, with out_dir untouched.
     """
     if sweep.target is not None and sweep.compile:
         reason = plugin_missing(sweep.target)

@@ -22,12 +22,11 @@ fails at `get_topology_desc` with "Failed to parse GpuTargetConfigProto"):
     block_dim_limit_y/z. They move the peak: llama_7b (data=8, fsdp=8, one 4096-token sequence per GPU) needs
     11.36 GB per H100 but 10.29 GB per H200, the same chip with more memory bandwidth.
   memory
-    device_memory_size         bytes per GPU, the compiler's memory budget; `fits` in `jaxpar.analysis.gpu.deviceless`
-    compares
-                               the compiled peak with `MEMORY_FRACTION` of it. The same 7B step compiled to the same
-                               peak with 80e9,
-                               85e9 and 141e9 here (far below all three). The files give the datasheet capacity
-                               in decimal GB, which is below what CUDA reports on these GPUs.
+    device_memory_size         bytes per GPU, the compiler's memory budget; `fits` in
+                               `jaxpar.analysis.gpu.deviceless` compares the compiled peak with `MEMORY_FRACTION`
+                               of it. The same 7B step compiled to the same peak with 80e9, 85e9 and 141e9 here
+                               (far below all three). The files give the datasheet capacity in decimal GB, which
+                               is below what CUDA reports on these GPUs.
   versions and identity
     runtime_version, dnn_version_info   CUDA runtime and cuDNN the compiler may assume (some cuDNN fusions are
                                gated on them); left out, the step compiled the same here, cuDNN attention included
