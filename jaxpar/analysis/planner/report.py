@@ -33,7 +33,7 @@ def _pipeline_shape(pipe: dict) -> str:
 
 
 def _expert_lines(experts: dict | None) -> list[str]:
-    """The MoE line of a plan (`jaxpar.analysis.planner.plan._expert_summary`); none for a dense model."""
+    """The MoE line of a plan (`jaxpar.analysis.planner.experts.expert_summary`); none for a dense model."""
     if not experts:
         return []
     axes = ",".join(experts["axes"]) or "none (every device holds every expert)"
