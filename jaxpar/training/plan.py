@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.mesh_axes import PIPELINE
 from jaxpar.config.moe import check_moe, without_expert_axes
 from jaxpar.config.precision import PrecisionLayout, precision_layout, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
@@ -145,7 +146,8 @@ def build_plan(
 
     Raises:
       ConfigError: a mesh that is not the config's; `model.attention=cudnn` where cuDNN cannot run; a parameter
-        width the mesh does not divide.
+        width the mesh does not divide; `mesh.pipeline > 1` on CPU with jax's persistent compilation cache on
+        (`_check_compilation_cache` says why).
       TypeError: `optimizer` is not an `optax.GradientTransformation`; `loss_fn` fails on abstract inputs or
         returns no real scalar (`jaxpar.training.loss.check_loss_fn`).
       ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
@@ -153,6 +155,7 @@ def build_plan(
     """
     check_moe(cfg, _check_mesh(cfg, mesh))
     platform = mesh.devices.flat[0].platform
+    _check_compilation_cache(mesh, platform)
     cfg = _resolved_precision(cfg, platform)
     mdef = model_def(_resolved_model(cfg, mesh, platform))
     logical = mdef.logical_axes()
@@ -184,6 +187,25 @@ def build_plan(
         batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")),
         loss_fn=loss_fn,
     )
+
+
+def _check_compilation_cache(mesh: Mesh, platform: str) -> None:
+    """Refuses a pipelined step on CPU while jax's persistent compilation cache is on: XLA:CPU runs a pipelined
+    train step that it loads back from that cache with its devices' collectives out of step, and the second step
+    never finishes (XLA aborts after its 40 s rendezvous timeout: "Termination timeout for all gather ... only 1
+    of them arrived"). Seen every time, in the process that wrote the entry and in a new one; a step without
+    `pipeline` loads from the cache and runs bitwise as compiled. Checked before any device work."""
+    stages = mesh.shape[PIPELINE]
+    if platform != "cpu" or stages == 1 or not jax.config.jax_enable_compilation_cache:
+        return
+    cache_dir = jax.config.jax_compilation_cache_dir
+    if cache_dir:
+        raise ConfigError(
+            f"mesh.pipeline={stages} on CPU with jax's persistent compilation cache on "
+            f"(jax_compilation_cache_dir={cache_dir!r}): XLA:CPU deadlocks in the collectives of a pipelined step "
+            "loaded from that cache; unset JAX_COMPILATION_CACHE_DIR (or set JAX_ENABLE_COMPILATION_CACHE=false) "
+            "for pipelined runs on CPU"
+        )
 
 
 def _resolved_precision(cfg: Config, platform: str) -> Config:

@@ -428,6 +428,25 @@ def _load(*overrides: str, num_devices: int):
     return load_config(CONFIG, [*TINY, *_overrides(*overrides)], num_devices=num_devices)
 
 
+def test_a_pipeline_on_cpu_with_the_persistent_compilation_cache_is_refused(tmp_path):
+    """XLA:CPU deadlocks in a pipelined step it loads from jax's persistent compilation cache, so the plan refuses
+    that combination before any device work, naming the setting; without pipeline stages the cache is fine."""
+    from jaxpar.parallel.mesh import build_mesh
+    from jaxpar.training.plan import build_plan
+
+    piped = _load("mesh.pipeline=2", "mesh.data=1", "pipeline.microbatches=2", num_devices=2)
+    plain = _load("mesh.data=2", num_devices=2)
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "cache"))
+    try:  # nothing compiles in here, so the process's cache stays as it was
+        with pytest.raises(ConfigError, match=r"mesh\.pipeline=2 on CPU with jax's persistent compilation cache on"):
+            build_plan(piped, build_mesh(piped, jax.devices()[:2]))
+        assert build_plan(plain, build_mesh(plain, jax.devices()[:2])).mesh_shape["data"] == 2
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert build_plan(piped, build_mesh(piped, jax.devices()[:2])).mesh_shape["pipeline"] == 2
+
+
 def test_config_errors_before_device_work(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"model\.n_layers=4 must be divisible by mesh\.pipeline=3"):
         _load("mesh.pipeline=3", num_devices=3)
