@@ -11,6 +11,8 @@ signals). `step_helpers.py` (models, meshes, batches, comparisons with their tol
 
 import json
 import os
+import shutil
+import tempfile
 import time
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -18,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after the device count is set)
 import pytest  # noqa: E402
-from step_helpers import quick_compile  # noqa: E402
+from step_helpers import COMPILE_CACHE_VAR, quick_compile  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,17 @@ def pytest_configure(config):
         "requires_gpu_compile: compiles for NVIDIA GPUs without one; skipped, naming what to install, when the "
         "gpu-compile extra (jax's CUDA plugin) is missing",
     )
+    # One jax persistent compilation cache for the subprocesses of this run that opt in (step_helpers.child_env):
+    # made by the first pytest process, inherited by its xdist workers, removed when it ends.
+    if not os.environ.get(COMPILE_CACHE_VAR):
+        os.environ[COMPILE_CACHE_VAR] = tempfile.mkdtemp(prefix="jaxpar-compile-cache-")
+        config._jaxpar_compile_cache = os.environ[COMPILE_CACHE_VAR]
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_jaxpar_compile_cache", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 _GPU_COMPILE: dict = {}

@@ -40,6 +40,23 @@ FP32 = ("precision.compute_dtype=float32", "precision.layout=fp32")
 VOCAB = 264
 
 
+COMPILE_CACHE_VAR = "JAXPAR_TEST_COMPILE_CACHE"  # the run's shared compilation cache directory (tests/conftest.py)
+
+
+def child_env(*, drop: Sequence[str] = (), compile_cache: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess a test starts: this process's without JAX_NUM_CPU_DEVICES (the command
+    sets its own device count) and the names in `drop`, plus `extra`.
+
+    compile_cache: point jax's persistent compilation cache at the test run's shared directory, so that processes
+    compiling the same step (every launch of a multi-process test compiles it in each process) compile it once.
+    Only for commands whose steps have no pipeline stages: XLA:CPU deadlocks in a pipelined step loaded from the
+    cache, and jaxpar refuses that combination (`jaxpar.training.plan.build_plan`)."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES" and k not in drop}
+    if compile_cache:
+        env["JAX_COMPILATION_CACHE_DIR"] = os.environ[COMPILE_CACHE_VAR]
+    return {**env, **extra}
+
+
 def make_plan(overrides: Sequence[str], devices: Sequence[jax.Device], **plan_kw) -> StepPlan:
     """The step plan of tiny.yaml + TINY + `overrides` on a mesh over `devices`; `plan_kw` go to `build_plan`
     (loss_fn=, optimizer=, learning_rate=)."""

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+from step_helpers import child_env
 
 from jaxpar.config import load_config
 from jaxpar.training.loop import TrainingDiverged, train
@@ -98,7 +99,7 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
         "train.steps=100000",
         "checkpoint.every_steps=1000",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env = child_env(compile_cache=True)  # no pipeline stages
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 200

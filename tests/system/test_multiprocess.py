@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from step_helpers import FP32_RTOL
+from step_helpers import FP32_RTOL, child_env
 
 from jaxpar.cli.launch import launch
 
@@ -41,7 +41,7 @@ def _losses(run_dir):
 def test_two_processes_train_like_one(tmp_path):
     """2 processes x 4 devices reproduce the 1 x 8 run's losses; both processes save the checkpoint."""
     train = [sys.executable, "-m", "jaxpar.cli.train", os.path.join(ROOT, "configs", "tiny.yaml")]
-    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env = child_env(compile_cache=True)  # no pipeline stages
     one = subprocess.run(
         [*train, "--cpu-devices", "8", f"train.run_dir={tmp_path / 'one'}", *RUN],
         env=env,

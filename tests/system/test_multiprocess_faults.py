@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from step_helpers import child_env
 
 from jaxpar.checkpoint.store import restore_from_path
 from jaxpar.cli.launch import free_port
@@ -54,8 +55,8 @@ LIMIT = 300  # seconds: hard timeout of every launch
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "JAXPAR_INJECT_FAULT")}
-    return {**env, **extra}
+    """Every launch here compiles the same non-pipelined steps in each process: they share the run's cache."""
+    return child_env(drop=("JAXPAR_INJECT_FAULT",), compile_cache=True, **extra)
 
 
 def _stream(cmd, env, timeout=LIMIT):

@@ -32,7 +32,7 @@ def test_without_the_plugin_the_error_names_the_extra(monkeypatch):
     exist. The error comes after the config and cluster checks and before any compile."""
     monkeypatch.setattr(plan_gpu, "CUDA_PLUGIN_DISTRIBUTIONS", ("jaxpar-no-such-plugin",))
     cfg = load_config(TINY_YAML, validate=False)
-    with pytest.raises(plan_gpu.GpuCompileUnavailable, match=r'not installed: pip install -e "\.\[gpu-compile\]"'):
+    with pytest.raises(plan_gpu.GpuCompileUnavailable, match=r"not installed: pip install 'jaxpar\[gpu-compile\]'"):
         plan_gpu.compile_for_gpu(cfg, "h100", 2, 8)
 
 

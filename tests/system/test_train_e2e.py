@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from step_helpers import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = [
@@ -55,9 +56,7 @@ def _cmd(run_dir, *overrides):
 
 
 def _env():
-    env = dict(os.environ)
-    env.pop("JAX_NUM_CPU_DEVICES", None)  # the CLI flag must set it
-    return env
+    return child_env(compile_cache=True)  # the CLI flag must set the device count; no pipeline stages
 
 
 def _losses(run_dir):
