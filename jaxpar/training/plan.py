@@ -196,9 +196,10 @@ def _check_compilation_cache(mesh: Mesh, platform: str) -> None:
     of them arrived"). Seen every time, in the process that wrote the entry and in a new one; a step without
     `pipeline` loads from the cache and runs bitwise as compiled. Checked before any device work."""
     stages = mesh.shape[PIPELINE]
-    if platform != "cpu" or stages == 1 or not jax.config.jax_enable_compilation_cache:
+    settings = jax.config.values
+    if platform != "cpu" or stages == 1 or not settings["jax_enable_compilation_cache"]:
         return
-    cache_dir = jax.config.jax_compilation_cache_dir
+    cache_dir = settings["jax_compilation_cache_dir"]
     if cache_dir:
         raise ConfigError(
             f"mesh.pipeline={stages} on CPU with jax's persistent compilation cache on "
