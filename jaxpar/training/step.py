@@ -76,12 +76,13 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         # psum over the batch-splitting axes: the global count of valid tokens normalises every microbatch.
         n_tokens = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
         denom = jnp.maximum(n_tokens, 1.0)
+        batch = pipeline_lib.ordered_after(batch, n_tokens)  # the accumulation loop after this psum
         # Interleaved 1F1B takes the stage's layers in chunk order, once per step (parameters stay in model
         # order: checkpoints do not depend on the schedule); the gradients go back after the accumulation loop.
         staged = params
         if virtual > 1:
             staged = {**params, STACK_ATTRIBUTE: pipeline_lib.to_chunk_order(params[STACK_ATTRIBUTE], stages, virtual)}
-        grads, loss, sums = accumulate(params, staged, batch, denom)
+        grads, loss, sums = _after_every_reduction(accumulate(params, staged, batch, denom))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
         if virtual > 1:
             layers, edge = split_stack(grads)
@@ -91,6 +92,7 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         grads = reduce_replicated(plan, grads)
         grads = reduce_over_data(plan, grads)
         grads = jax.tree.map(lambda g: g.astype(plan.param_dtype), grads)
+        grads = _after_every_reduction(grads)
         # psum over the batch-splitting axes (each device summed only its own rows) and over pipeline (only
         # the last stage computed a loss).
         loss = jax.lax.psum(loss, loss_axes)
@@ -108,6 +110,20 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         out_specs=(plan.specs["grads"], P(), P(), P()),
         check_vma=False,
     )
+
+
+def _after_every_reduction(tree):
+    """`tree` unchanged in value, each leaf computed after every leaf (`pipeline.ordered_after`): whatever reads
+    one of them starts after the collectives that made all of them.
+
+    Why: XLA may move a loop's last collectives out of the loop (the pipeline's embedding-gradient cond, with a
+    reduce-scatter over data), and the collectives that follow (the reductions of the other gradients, the
+    loss psum, the optimizer's compiler-inserted global norm) could then start while they run, in another order
+    on each device (`jaxpar.analysis.hlo.collective_order`). Across processes XLA:CPU's collectives then mixed
+    up the messages of the two: about one step in 40 of a 2-process data x tensor x pipeline step under load
+    updated some weights of a process by up to 8% of their size.
+    """
+    return pipeline_lib.ordered_after(tree, tree)
 
 
 def _accumulated_grads(plan: StepPlan) -> Callable:
@@ -169,6 +185,8 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grad_norm = optax.tree.norm(grads32)
         target = state["master"] if plan.has_master else state["params"]
+        # the optimizer's update (a cond with collectives under ZeRO) after the norm's and the loss's all-reduces
+        grads32 = pipeline_lib.ordered_after(grads32, (grad_norm, loss, n_tokens, sums))
         updates, opt_state = plan.tx.update(grads32, state["opt_state"], target)
         target = optax.apply_updates(target, updates)
         new = {"step": state["step"] + 1, "opt_state": opt_state}
