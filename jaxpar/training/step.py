@@ -185,10 +185,9 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grad_norm = optax.tree.norm(grads32)
         target = state["master"] if plan.has_master else state["params"]
-        # the optimizer's update (a cond with collectives under ZeRO) after the norm's and the loss's all-reduces,
-        # through its state: the gradients stay as they are, so the clipping's norm is the metric's
-        opt_state = pipeline_lib.ordered_after(state["opt_state"], (grad_norm, loss, n_tokens, sums))
-        updates, opt_state = plan.tx.update(grads32, opt_state, target)
+        # the optimizer's update (a cond with collectives under ZeRO) after the norm's and the loss's all-reduces
+        grads32 = pipeline_lib.ordered_after(grads32, (grad_norm, loss, n_tokens, sums))
+        updates, opt_state = plan.tx.update(grads32, state["opt_state"], target)
         target = optax.apply_updates(target, updates)
         new = {"step": state["step"] + 1, "opt_state": opt_state}
         if plan.has_master:
