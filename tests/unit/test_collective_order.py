@@ -8,8 +8,9 @@ compiled program, so it runs on 8 devices in seconds:
 * the pipelined step (1F1B at p = 2 and p = 4, GPipe, 1F1B with tensor parallelism, interleaved 1F1B with its
   permutes into and out of chunk order; with one layer per chunk, whose weights' fsdp gathers sit outside any
   layer loop, this check found 9 gathers unordered against the embedding's cond until the chunk's weights were
-  ordered after the stage input) and a data x fsdp x tensor
-  step with accumulation compile to programs with no such pair;
+  ordered after the stage input) and a data x fsdp x tensor step with accumulation compile to programs with no
+  collective free to start while a loop runs; examples/own_model.py's layout and three others also have no loop
+  free to start before an earlier collective ends (`BEFORE_LOOP_PAIRS_OPEN` names the layouts that still do);
 * with the data dependencies that order a 1F1B tick removed (`pipeline.ordered_after` made the identity), the same
   check finds the pairs: the forward's loop followed by the backward's collectives and the permutes;
 * the whole train step is compiled, optimizer included: XLA moves the last tick's embedding-gradient cond out of
@@ -133,5 +134,4 @@ def test_without_ordering_the_gradients_the_step_is_unordered(monkeypatch):
     against the embedding-gradient cond that XLA moved out of the loop, both before and after it."""
     monkeypatch.setattr(step, "_after_every_reduction", lambda tree: tree)
     pairs = unordered_collectives(_compiled_step_hlo(LAYOUTS["1f1b_p2_data2_tensor2_sp_zero3"]))
-    conds = {c for _, a, b, _ in pairs for c in (a, b) if c.startswith("conditional")}
-    assert conds and any(a.startswith("conditional") for _, a, _, _ in pairs), pairs
+    assert any(earlier.startswith("conditional") for _, earlier, _, _ in pairs), pairs
