@@ -357,13 +357,13 @@ class TrainConfig:
       global_batch_size: sequences per optimizer step, over all devices.
       grad_accum_steps: microbatches each device's batch is split into (gradient accumulation).
       seed: parameter-initialisation seed.
-      log_every: write metrics every N steps.
-      eval_every: validation loss every N steps (and at the end); 0 only at the end.
+      log_every: write metrics every N steps (and, without the progress bar, a log line).
+      eval_every: validation loss at step 0, every N steps and at the end; 0: only at the end.
       eval_batches: how much of the validation split each evaluation scores, in file order, every sequence
         once (never cycled): 0 the whole split; B > 0 its first min(B * global_batch_size, all) sequences.
         The last global batch is padded with masked rows; metrics report the tokens covered (`val_tokens`).
       peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
-      progress_bar: show a tqdm progress bar.
+      progress_bar: show a tqdm progress bar; false: a log line every log_every steps instead.
       sample_tokens: tokens to generate from the trained model at the end (0: none), decoded with the data's
         tokenizer; skipped, saying why, without one (a `tokens` file) or above
         `jaxpar.training.sample.MAX_SAMPLE_PARAMS` parameters (they are gathered onto every host).

@@ -185,7 +185,7 @@ def _start_run(
     flops_per_token, hardware_flops, peak = _model_flops(cfg, state)
     first_batch = train_loader.next_batch()
     compiled, memory = _compiled_step(plan, state, first_batch, on_compiled, caller_optimizer=optimizer is not None)
-    writer = _metrics_writer(cfg, stack)
+    writer = _metrics_writer(cfg, stack, first_step=int(state["step"]) + 1 if int(state["step"]) else 0)
     run = RunContext(
         cfg=cfg,
         plan=plan,
@@ -287,8 +287,9 @@ def _compiled_step(
     return compiled, memory
 
 
-def _metrics_writer(cfg: Config, stack: contextlib.ExitStack) -> MetricsWriter:
-    """The run's metrics writer (metrics.jsonl and the configured trackers, process 0 only), closed with `stack`."""
+def _metrics_writer(cfg: Config, stack: contextlib.ExitStack, *, first_step: int) -> MetricsWriter:
+    """The run's metrics writer (metrics.jsonl and the configured trackers, process 0 only), closed with `stack`;
+    rows an earlier attempt wrote at `first_step` and later are purged (this run writes them again)."""
     mc = cfg.metrics
     writer = MetricsWriter(
         cfg.train.run_dir,
@@ -301,6 +302,7 @@ def _metrics_writer(cfg: Config, stack: contextlib.ExitStack) -> MetricsWriter:
             wandb_mode=mc.wandb_mode,
             config=cfg.to_dict(),
         ),
+        first_step=first_step,
     )
     stack.callback(writer.close)
     return writer

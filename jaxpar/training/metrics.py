@@ -2,7 +2,9 @@
 TensorBoard and, optionally, Weights & Biases.
 
 Only process 0 should write: the caller passes `enabled=jax.process_index() == 0`; a disabled writer creates no
-files and its methods do nothing. Re-opening a run directory appends, so a resumed run continues the same file.
+files and its methods do nothing. Re-opening a run directory continues the same file; a writer opened with
+`first_step` supersedes the rows at that step and later (`jaxpar.training.trackers` says how each tracker does),
+so a resumed run holds each logged step once.
 """
 
 from __future__ import annotations
@@ -52,9 +54,19 @@ class MetricsWriter:
       enabled: False on every process but 0; then nothing is created or written.
       trackers: where records go; default `default_trackers(run_dir)` (metrics.jsonl and TensorBoard). Built
         only when enabled, so pass a callable `run_dir -> list[Tracker]` to build them on process 0 only.
+      first_step: the first step this writer will write, if the run directory may hold rows of an earlier
+        attempt: those at `first_step` and later are purged when it opens (`purge`). The training loop passes
+        the restored step + 1 on a resume and 0 on a fresh start. None: nothing is purged.
     """
 
-    def __init__(self, run_dir: str, *, enabled: bool = True, trackers: Sequence[Tracker] | Any | None = None):
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        enabled: bool = True,
+        trackers: Sequence[Tracker] | Any | None = None,
+        first_step: int | None = None,
+    ):
         self.enabled = enabled
         self.path = os.path.join(run_dir, METRICS_FILE)
         self.trackers: list[Tracker] = []
@@ -65,6 +77,8 @@ class MetricsWriter:
         elif callable(trackers):
             trackers = trackers(run_dir)
         self.trackers = list(trackers)
+        if first_step is not None:
+            self.purge(first_step)
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Write one record to every tracker. None stays JSON null (and is skipped by plotting trackers), as are
@@ -78,6 +92,20 @@ class MetricsWriter:
         record = {k: to_json_value(v) for k, v in metrics.items()}
         for tracker in self.trackers:
             tracker.log(int(step), record)
+
+    def purge(self, step: int) -> None:
+        """Supersedes the rows at `step` and later in every tracker that implements `purge` (a divergence
+        rollback calls it with the restored step + 1: the steps after it are run again)."""
+        for tracker in self.trackers:
+            if hasattr(tracker, "purge"):
+                tracker.purge(int(step))
+
+    def flush(self) -> None:
+        """Puts every row logged so far on disk, for the trackers that implement `flush` (after each checkpoint
+        save: a killed process then loses only rows that its resumed run writes again)."""
+        for tracker in self.trackers:
+            if hasattr(tracker, "flush"):
+                tracker.flush()
 
     def close(self) -> None:
         """Flush and close every tracker; safe to call twice."""

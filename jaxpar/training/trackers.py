@@ -1,7 +1,7 @@
 """Where per-step metrics go: trackers with one `log(step, metrics)` / `close()` interface.
 
 `MetricsWriter` (jaxpar.training.metrics) sends every record to its trackers. Shipped:
-  JsonlTracker        RUN_DIR/metrics.jsonl, one JSON object per line, appended on resume (always on).
+  JsonlTracker        RUN_DIR/metrics.jsonl, one JSON object per line (always on).
   TensorBoardTracker  RUN_DIR/tensorboard/ event files (tensorboardX); numeric finite scalars only.
   WandbTracker        Weights & Biases, the optional `wandb` extra (`pip install 'jaxpar[wandb]'`). Mode "offline"
                       writes the run under RUN_DIR/wandb/ with no network (`wandb sync` uploads it later);
@@ -9,15 +9,28 @@
                       run id is kept in RUN_DIR/wandb_run_id, so a resumed run continues the same W&B run.
 A script may pass its own: any object with `log(step: int, metrics: dict[str, int | float | bool | str | None])`
 and `close()`. Values arrive as Python scalars (`to_json_value`); None means "not measured".
+
+Exactly once across resumes. A resumed run replays the steps after its checkpoint, and a divergence rollback the
+steps after the checkpoint it restores; the rows the first attempt wrote for those steps are superseded, never kept
+beside the new ones. A tracker may implement two optional methods for it:
+  purge(step)   rows at `step` and later are superseded (called when the writer opens, with the first step the run
+                will write, and at a rollback). metrics.jsonl drops them from the file; TensorBoard writes a
+                purge_step marker (a SessionLog START at `step`), after which TensorBoard hides the earlier files'
+                events at `step` and later; W&B cannot rewind a run, so its tracker ignores rows at steps it
+                already holds (a replayed step is logged once, the first time).
+  flush()       everything logged so far is on disk (called after each checkpoint save): a killed process loses
+                at most the rows after its last checkpoint, which the resumed run writes again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
 import secrets
+import time
 from typing import Any, Protocol, TextIO
 
 import numpy as np
@@ -29,9 +42,11 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 
+_LOGGER = logging.getLogger("jaxpar.training")
+
 
 class Tracker(Protocol):
-    """A metrics destination."""
+    """A metrics destination (module docstring). `purge(step)` and `flush()` are optional."""
 
     def log(self, step: int, metrics: dict[str, Any]) -> None: ...
 
@@ -66,8 +81,22 @@ def numeric_scalars(metrics: dict[str, Any]) -> dict[str, float | int]:
     }
 
 
+def _row_step(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line that is not a JSON object with an integer "step" (e.g.
+    the torn last line of a process killed mid-write)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = row.get("step") if isinstance(row, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 class JsonlTracker:
-    """Appends `{"step": step, **metrics}` to `run_dir/metrics.jsonl` (created with the directory)."""
+    """Appends `{"step": step, **metrics}` to `run_dir/metrics.jsonl` (created with the directory), one line per
+    record, flushed at once. `purge(step)` rewrites the file without its rows at `step` and later, and without lines
+    that are not rows (a torn last line), atomically: a temporary file renamed over it, so a kill mid-purge leaves
+    the old file or the new one."""
 
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
@@ -80,6 +109,31 @@ class JsonlTracker:
         self._file.write(json.dumps({"step": int(step)} | metrics) + "\n")
         self._file.flush()
 
+    def purge(self, step: int) -> None:
+        if self._file is None:
+            raise ValueError(f"{self.path}: purge after close")
+        self._file.close()
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.readlines()
+        steps = [_row_step(line) for line in lines]
+        kept = [line for line, s in zip(lines, steps, strict=True) if s is not None and s < step]
+        if len(kept) != len(lines):
+            tmp = self.path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+            os.replace(tmp, self.path)
+            later, torn = sum(s is not None and s >= step for s in steps), steps.count(None)
+            _LOGGER.info(
+                f"{self.path}: dropped {later} rows of step {step} and later, which this run writes again"
+                + (f", and {torn} lines that are not metrics rows (a write cut short)" if torn else "")
+            )
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -87,16 +141,37 @@ class JsonlTracker:
 
 
 class TensorBoardTracker:
-    """Numeric finite scalars to TensorBoard event files under `run_dir/tensorboard`."""
+    """Numeric finite scalars to TensorBoard event files under `run_dir/tensorboard`.
+
+    `purge(step)` closes the event file and opens a new one with tensorboardX's `purge_step`: its first events are
+    a SessionLog START at `step`, on which TensorBoard drops what earlier files hold at `step` and later.
+    """
 
     def __init__(self, run_dir: str):
-        from tensorboardX import SummaryWriter
+        self._dir = os.path.join(run_dir, TENSORBOARD_DIR)
+        self._tb: Any = None  # opened at the first event, so a purge at the start leaves no empty file behind
+        self._purge_step: int | None = None
 
-        self._tb = SummaryWriter(os.path.join(run_dir, TENSORBOARD_DIR))
+    def _writer(self) -> Any:
+        if self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            # Event files are named by the second they open in; the nanoseconds after the host name keep two
+            # opened within one second (a purge soon after the start) apart, in the order TensorBoard reads them.
+            self._tb = SummaryWriter(self._dir, purge_step=self._purge_step, filename_suffix=f".{time.time_ns()}")
+        return self._tb
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         for key, value in numeric_scalars(metrics).items():
-            self._tb.add_scalar(key, value, global_step=int(step))
+            self._writer().add_scalar(key, value, global_step=int(step))
+
+    def purge(self, step: int) -> None:
+        self.close()
+        self._purge_step = int(step)
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:
@@ -137,6 +212,8 @@ class WandbTracker:
         )
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if step < self._run.step:  # a replayed step W&B already holds: its steps only increase
+            return
         self._run.log(numeric_scalars(metrics), step=int(step))
 
     def close(self) -> None:

@@ -80,6 +80,7 @@ def test_validation_scores_the_whole_split_once_and_says_how_many_tokens(tmp_pat
             f"data.validation_fraction={fraction}",
             "train.eval_batches=5",
             "train.steps=1",
+            "train.eval_every=1",  # at step 0 too (eval_every=0 evaluates only at the end)
             f"train.run_dir={tmp_path / 'run'}",
         ],
     )

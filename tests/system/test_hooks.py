@@ -6,7 +6,9 @@ checkpointer behind; entries that are not hooks are refused before any device wo
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import threading
 
@@ -65,18 +67,22 @@ class Recorder(Hook):
         self.events.append(("end", result.val_loss is not None))
 
 
-def test_a_hook_added_to_the_defaults_runs_every_n_steps_with_step_state_and_metrics(tmp_path):
+def test_a_hook_added_to_the_defaults_runs_every_n_steps_with_step_state_and_metrics(tmp_path, caplog):
     cfg = _cfg(tmp_path, "train.steps=5", "train.log_every=3", "train.eval_every=0", "checkpoint.every_steps=0")
     assert [type(h).__name__ for h in default_hooks(cfg)] == [
         "DivergenceHook",
         "EvalHook",
         "MetricsHook",
+        "ProgressLogHook",  # train.progress_bar=false: a log line instead of the bar
         "PreemptionHook",
         "CheckpointHook",
         "WatchdogHook",
     ]
     recorder = Recorder()
-    result = train(cfg, hooks=[*default_hooks(cfg), recorder])
+    with caplog.at_level(logging.INFO, logger="jaxpar"):
+        result = train(cfg, hooks=[*default_hooks(cfg), recorder])
+    assert re.findall(r"step (\d)/5: loss \d\.\d{4}, grad_norm", caplog.text) == ["3"]  # every train.log_every
+    assert result.initial_val_loss is None  # train.eval_every=0: no evaluation at step 0
 
     assert [(step, state_step) for step, state_step, _, _ in recorder.seen] == [(2, 2), (4, 4)]
     assert all({"loss", "grad_norm", "tokens"} <= set(keys) for _, _, keys, _ in recorder.seen)

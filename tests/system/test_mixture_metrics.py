@@ -62,7 +62,8 @@ def test_each_source_validation_is_in_the_metrics_and_the_log(tmp_path, caplog):
         result = train(cfg)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if r["val_loss"] is not None]
-    assert [r["step"] for r in evaluated] == [2, 4]
+    assert [r["step"] for r in evaluated] == [0, 2, 4]  # step 0: the fresh run's evaluation before it trains
+    assert rows[0]["val_loss"] == result.initial_val_loss and rows[0]["loss"] is None and rows[0]["tokens"] == 0
     assert all("val_loss/a" not in r for r in rows if r["val_loss"] is None)
     sharding = NamedSharding(build_mesh(cfg), activation_spec("batch", "seq"))
     info = build_loaders(cfg.data, 8, sharding, cfg.model.vocab_size, eval_batches=1)[2].sources

@@ -51,3 +51,37 @@ def test_non_scalar_rejected(tmp_path):
     with pytest.raises(TypeError, match="shape"):
         w.write(1, {"loss": np.zeros(3)})
     w.close()
+
+
+def test_first_step_purges_the_rows_a_resumed_run_writes_again(tmp_path):
+    """A writer opened with first_step drops metrics.jsonl's rows at that step and later, and a torn last line,
+    and opens TensorBoard with a purge step: each step once, the latest attempt's values."""
+    from tb_events import scalars
+
+    w = MetricsWriter(str(tmp_path), first_step=0)
+    for step in range(5):
+        w.write(step, {"loss": float(step)})
+    w.flush()
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a process killed mid-write
+    w = MetricsWriter(str(tmp_path), first_step=3)  # resumed from a checkpoint at step 2
+    for step in (3, 4, 5):
+        w.write(step, {"loss": 10.0 + step})
+    w.close()
+    assert [(r["step"], r["loss"]) for r in _lines(tmp_path)] == [(0, 0), (1, 1), (2, 2), (3, 13), (4, 14), (5, 15)]
+    shown, raw = scalars(str(tmp_path / "tensorboard"))
+    assert shown == {"loss": {0: 0, 1: 1, 2: 2, 3: 13, 4: 14, 5: 15}}
+    assert raw[0]["loss"] == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4}  # without the purge step they would be shown twice
+
+
+def test_purge_at_a_rollback_and_a_fresh_start(tmp_path):
+    w = MetricsWriter(str(tmp_path))
+    for step in (1, 2, 3):
+        w.write(step, {"loss": float(step)})
+    w.purge(2)  # a divergence rollback to step 1: steps 2 and 3 run again
+    w.write(2, {"loss": 20.0})
+    w.close()
+    assert [(r["step"], r["loss"]) for r in _lines(tmp_path)] == [(1, 1), (2, 20)]
+    MetricsWriter(str(tmp_path), first_step=0).close()  # a fresh start in a directory without checkpoints
+    assert _lines(tmp_path) == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 from jaxpar.training.hooks.base import Hook, RunContext, TrainResult
 from jaxpar.training.hooks.checkpointing import CheckpointHook
 from jaxpar.training.hooks.evaluation import EvalHook, evaluate, evaluate_sources
-from jaxpar.training.hooks.reporting import MetricsHook, ProgressBarHook, SampleHook
+from jaxpar.training.hooks.reporting import MetricsHook, ProgressBarHook, ProgressLogHook, SampleHook
 from jaxpar.training.hooks.resilience import DivergenceHook, PreemptionHook, TrainingDiverged, WatchdogHook
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "MetricsHook",
     "PreemptionHook",
     "ProgressBarHook",
+    "ProgressLogHook",
     "RunContext",
     "SampleHook",
     "TrainResult",
@@ -41,6 +42,7 @@ def default_hooks(cfg) -> list[Hook]:
     EvalHook(train.eval_every)                                        before the metrics row it fills
     MetricsHook(train.log_every)
     ProgressBarHook()                                                 with train.progress_bar
+    ProgressLogHook(train.log_every)                                  without it: a log line instead
     PreemptionHook()                                                  before the checkpoint it asks for
     CheckpointHook()
     WatchdogHook(train.watchdog_s)                                    entered last, closed first
@@ -52,8 +54,7 @@ def default_hooks(cfg) -> list[Hook]:
         EvalHook(t.eval_every),
         MetricsHook(t.log_every),
     ]
-    if t.progress_bar:
-        hooks.append(ProgressBarHook())
+    hooks.append(ProgressBarHook() if t.progress_bar else ProgressLogHook(t.log_every))
     hooks += [PreemptionHook(), CheckpointHook(), WatchdogHook(t.watchdog_s)]
     if t.sample_tokens > 0:
         hooks.append(SampleHook(t.sample_tokens, seed=t.seed))

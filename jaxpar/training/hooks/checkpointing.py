@@ -11,7 +11,9 @@ class CheckpointHook(Hook):
     at a step after which the run stops (a preemption's `run.stop()`, so it goes after `PreemptionHook`).
 
     A state whose update was skipped for non-finite gradients is never saved: resuming must not start from a
-    diverging state. Each save is a progress mark for the hang watchdog (`run.beat`).
+    diverging state. Each save is a progress mark for the hang watchdog (`run.beat`) and flushes the metrics
+    trackers (`run.writer.flush()`), so a killed process loses only rows after its last checkpoint, which the
+    resumed run writes again.
     """
 
     def on_start(self, run: RunContext) -> None:
@@ -37,4 +39,5 @@ class CheckpointHook(Hook):
             run.log(f"step {step}: no checkpoint saved, its update was skipped for non-finite gradients")
         else:
             ckpt.save(step, state, data_state=run.train_loader.get_state(), config=run.cfg.to_dict(), force=True)
+            run.writer.flush()
         run.beat(step)

@@ -59,14 +59,16 @@ def source_losses_text(losses: dict[str, float]) -> str:
 class EvalHook(Hook):
     """Validation loss (token-mean cross-entropy, nats) of the run's validation split.
 
-    Evaluates before the first step of a fresh run (`run.initial_val_loss`, logged as step 0), every `every`
-    steps and at the last step (`run.val_loss`, `run.val_tokens` and, for a mixture, `run.val_losses` with each
-    source's loss, for the hooks after it, e.g. `MetricsHook`),
-    and at the end sets `result.val_loss` and logs it against the unigram entropy of the same tokens (reusing
-    the last step's evaluation; skipped after a preemption). Evaluation time is not step time.
+    Evaluates before the first step of a fresh run (`run.initial_val_loss`, logged as step 0 and set as
+    `run.val_loss` until the first step, for `MetricsHook`'s step-0 row), every `every` steps and at the last
+    step (`run.val_loss`, `run.val_tokens` and, for a mixture, `run.val_losses` with each source's loss, for the
+    hooks after it, e.g. `MetricsHook`), and at the end sets `result.val_loss` and logs it against the unigram
+    entropy of the same tokens (reusing the last step's evaluation; skipped after a preemption). Evaluation time
+    is not step time.
 
     Args:
-      every: steps between evaluations (`train.eval_every`); 0: only at the last step.
+      every: steps between evaluations (`train.eval_every`); 0: no periodic evaluation and none at step 0, only
+        the final one at the last step.
     """
 
     def __init__(self, every: int):
@@ -76,11 +78,12 @@ class EvalHook(Hook):
         return super().due(run, step) or step == run.cfg.train.steps
 
     def on_start(self, run: RunContext) -> None:
-        if run.start_step == 0:
-            run.initial_val_loss, _, by_source = evaluate_sources(
+        if run.start_step == 0 and self.every > 0:
+            run.val_loss, run.val_tokens, run.val_losses = evaluate_sources(
                 run.eval_step, run.state["params"], run.val_loader, run.beat
             )
-            run.log(f"step 0: val_loss {run.initial_val_loss:.4f}{source_losses_text(by_source)} over {run.val_cover}")
+            run.initial_val_loss = run.val_loss
+            run.log(f"step 0: val_loss {run.val_loss:.4f}{source_losses_text(run.val_losses)} over {run.val_cover}")
 
     def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
         run.host_metrics(step, metrics)  # waits for the step first, so its time is measured without evaluation

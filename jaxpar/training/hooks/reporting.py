@@ -1,5 +1,5 @@
-"""What a run reports: `MetricsHook` (a metrics row every N steps), `ProgressBarHook` (tqdm) and `SampleHook`
-(generated text at the end)."""
+"""What a run reports: `MetricsHook` (a metrics row every N steps), `ProgressBarHook` (tqdm), `ProgressLogHook`
+(a log line every N steps, instead of the bar) and `SampleHook` (generated text at the end)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ class MetricsHook(Hook):
 
     and, for a data mixture (`data.sources`), `val_loss/<name>` for each source on the rows that evaluated; with
     `model.moe` also moe_aux_loss, moe_z_loss, moe_dropped_fraction, moe_load_max_mean
-    (`jaxpar.training.moe_loss.moe_metrics`). (docs/configuration.md, "The run directory", says what each means).
-    Fetching the metrics waits for the step, so other steps run ahead of the host.
+    (`jaxpar.training.moe_loss.moe_metrics`). A fresh run that evaluated before its first step also gets a
+    step-0 row: its validation figures, `tokens` 0, `rollbacks` 0 and the memory figures, the training ones null.
+    (docs/configuration.md, "The run directory", says what each means.) Fetching the metrics waits for the step,
+    so other steps run ahead of the host.
 
     Args:
       every: steps between rows (`train.log_every`).
@@ -33,40 +35,46 @@ class MetricsHook(Hook):
     def due(self, run: RunContext, step: int) -> bool:
         return super().due(run, step) or run.val_loss is not None
 
+    def on_start(self, run: RunContext) -> None:
+        if run.start_step == 0 and run.val_loss is not None:
+            run.writer.write(0, _row(run, None) | {"tokens": 0})
+
     def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
-        m = run.host_metrics(step, metrics)
-        skipped = int(m["skipped_steps"]) if "skipped_steps" in m else None
-        tokens_per_s = run.tokens_per_s  # measured by host_metrics
-        mfu = (
-            None
-            if tokens_per_s is None
-            else flops_lib.mfu(tokens_per_s, run.flops_per_token, run.mesh.size, run.peak_flops)
-        )
-        hfu = (
-            None
-            if run.hardware_flops_per_token is None or tokens_per_s is None
-            else flops_lib.mfu(tokens_per_s, run.hardware_flops_per_token, run.mesh.size, run.peak_flops)
-        )
-        run.writer.write(
-            step,
-            {
-                "loss": m["loss"],
-                "val_loss": run.val_loss,
-                "val_tokens": run.val_tokens,
-                "learning_rate": m.get("learning_rate"),
-                "grad_norm": m["grad_norm"],
-                "skipped_steps": skipped,
-                "rollbacks": run.rollbacks,
-                "tokens_per_s": run.tokens_per_s,
-                "step_time_s": run.step_time_s,
-                "tokens": m["tokens"],
-                "mfu": mfu,
-                "hfu": hfu,
-                **run.memory,
-                **{f"val_loss/{name}": value for name, value in (run.val_losses or {}).items()},
-                **{k: m[k] for k in MOE_METRICS if k in m},
-            },
-        )
+        run.writer.write(step, _row(run, run.host_metrics(step, metrics)))
+
+
+def _row(run: RunContext, m: dict[str, float] | None) -> dict:
+    """A metrics row from `run`'s shared values and this step's host metrics `m` (None: no step ran, the
+    step-0 row; its training figures are null)."""
+    m = m or {}
+    tokens_per_s = run.tokens_per_s if m else None  # measured by host_metrics
+    mfu = (
+        None
+        if tokens_per_s is None
+        else flops_lib.mfu(tokens_per_s, run.flops_per_token, run.mesh.size, run.peak_flops)
+    )
+    hfu = (
+        None
+        if run.hardware_flops_per_token is None or tokens_per_s is None
+        else flops_lib.mfu(tokens_per_s, run.hardware_flops_per_token, run.mesh.size, run.peak_flops)
+    )
+    return {
+        "loss": m.get("loss"),
+        "val_loss": run.val_loss,
+        "val_tokens": run.val_tokens,
+        "learning_rate": m.get("learning_rate"),
+        "grad_norm": m.get("grad_norm"),
+        "skipped_steps": int(m["skipped_steps"]) if "skipped_steps" in m else None,
+        "rollbacks": run.rollbacks,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": run.step_time_s if m else None,
+        "tokens": m.get("tokens"),
+        "mfu": mfu,
+        "hfu": hfu,
+        **run.memory,
+        **{f"val_loss/{name}": value for name, value in (run.val_losses or {}).items()},
+        **{k: m[k] for k in MOE_METRICS if k in m},
+    }
 
 
 class ProgressBarHook(Hook):
@@ -96,6 +104,30 @@ class ProgressBarHook(Hook):
                 **({"val": f"{run.val_loss:.3f}"} if run.val_loss is not None else {}),
             )
         self._bar.update(1)
+
+
+class ProgressLogHook(Hook):
+    """A log line every `every` steps, for runs without a progress bar (`train.progress_bar=false`, e.g. a batch
+    job's log file): "step 20/200: loss 2.4512, val_loss 2.4790, grad_norm 0.812, lr 3.0e-04, 41,233 tokens/s,
+    0.099 s/step" (val_loss only on steps that evaluated; lr only when the step reports it).
+
+    Args:
+      every: steps between lines (`train.log_every`).
+    """
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_step(self, run: RunContext, step: int, state: dict, metrics: dict) -> None:
+        m = run.host_metrics(step, metrics)
+        parts = [f"loss {m['loss']:.4f}"]
+        if run.val_loss is not None:
+            parts.append(f"val_loss {run.val_loss:.4f}")
+        parts.append(f"grad_norm {m['grad_norm']:.3f}")
+        if "learning_rate" in m:
+            parts.append(f"lr {m['learning_rate']:.2e}")
+        parts.append(f"{run.tokens_per_s:,.0f} tokens/s, {run.step_time_s:.3f} s/step")
+        run.log(f"step {step}/{run.cfg.train.steps}: {', '.join(parts)}")
 
 
 class SampleHook(Hook):

@@ -56,7 +56,8 @@ class DivergenceHook(Hook):
 
     After `max_bad_steps` skipped updates in a row it restores the last complete checkpoint's state, keeping
     the data position so the batches since are skipped (PaLM, Chowdhery et al. 2022, section 5.1), up to
-    `rollbacks` times (`run.rollbacks` counts them); then, or without a checkpoint, it raises
+    `rollbacks` times (`run.rollbacks` counts them), and purges the metrics rows after the restored step (the
+    steps run again, on other batches, and write new ones); then, or without a checkpoint, it raises
     `TrainingDiverged`. It reads the previous step's counter, so it never waits for the current step; put it
     first, so that no other hook acts on a step it undoes.
 
@@ -84,6 +85,7 @@ class DivergenceHook(Hook):
         run.rollbacks += 1
         ckpt.wait()
         restored, _, _ = ckpt.restore(None, abstract_state(run.plan))
+        run.writer.purge(int(restored["step"]) + 1)  # the steps after it run again: their rows are superseded
         self._previous = None
         run.log(
             f"diverged: {bad} consecutive updates up to step {step - 1} were skipped for NaN or inf "
