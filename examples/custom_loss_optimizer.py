@@ -41,10 +41,10 @@ from jaxpar.training.optimizer import skip_nonfinite
 
 CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs", "tiny.yaml")
 # Short and small, so that it runs in seconds: 1 MB of text, one validation batch, no checkpoints or sampling.
+# Validation at step 0 and at the last step only: train.eval_every is set to the step count in main().
 QUICK = [
     "data.max_bytes=1000000",
     "train.eval_batches=1",
-    "train.eval_every=0",
     "train.log_every=1",
     "train.sample_tokens=0",
     "train.progress_bar=false",
@@ -70,7 +70,16 @@ def main(argv: list[str] | None = None) -> dict:
         decay_steps=args.steps,
     )
     with tempfile.TemporaryDirectory(prefix="jaxpar-custom-") as run_dir:
-        cfg = load_config(CONFIG, [*QUICK, f"train.steps={args.steps}", f"train.run_dir={run_dir}", *args.overrides])
+        cfg = load_config(
+            CONFIG,
+            [
+                *QUICK,
+                f"train.steps={args.steps}",
+                f"train.eval_every={args.steps}",
+                f"train.run_dir={run_dir}",
+                *args.overrides,
+            ],
+        )
         result = train(
             cfg,
             loss_fn=cross_entropy_with_z_loss(args.z_loss),
@@ -78,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
             learning_rate=schedule,
         )
         with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f]
+            rows = [row for row in map(json.loads, f) if row["step"] > 0]  # step 0: validation only
     print("step  loss (CE + z-loss)  learning rate  skipped")
     for row in rows:
         print(f"{row['step']:4d}  {row['loss']:18.4f}  {row['learning_rate']:13.3e}  {row['skipped_steps']:7d}")

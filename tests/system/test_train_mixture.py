@@ -68,7 +68,7 @@ def test_a_mixture_trains_reports_each_source_and_resumes_exactly(sets, tmp_path
     whole = train(_cfg(sets, tmp_path / "whole", 12))
     rows = [json.loads(line) for line in open(tmp_path / "whole" / "metrics.jsonl")]
     evaluated = [r for r in rows if r.get("val_loss") is not None]
-    assert [r["step"] for r in evaluated] == [4, 8, 12]
+    assert [r["step"] for r in evaluated] == [0, 4, 8, 12]  # step 0: before the first step
     cfg = _cfg(sets, tmp_path / "whole", 12)
     sharding = NamedSharding(build_mesh(cfg), activation_spec("batch", "seq"))
     info = build_loaders(cfg.data, 8, sharding, cfg.model.vocab_size, eval_batches=1)[2].sources
@@ -77,8 +77,9 @@ def test_a_mixture_trains_reports_each_source_and_resumes_exactly(sets, tmp_path
         mean = sum(r[f"val_loss/{n}"] * tokens[n] for n in tokens) / sum(tokens.values())
         assert r["val_loss"] == pytest.approx(mean, rel=1e-6) and r["val_tokens"] == sum(tokens.values())
     assert whole.val_losses == {n: evaluated[-1][f"val_loss/{n}"] for n in ("web", "code")}
+    assert evaluated[0]["val_loss"] == whole.initial_val_loss and evaluated[0]["loss"] is None
     for n in ("web", "code"):
-        assert evaluated[-1][f"val_loss/{n}"] < evaluated[0][f"val_loss/{n}"] < whole.initial_val_loss
+        assert evaluated[-1][f"val_loss/{n}"] < evaluated[1][f"val_loss/{n}"] < evaluated[0][f"val_loss/{n}"]
     losses = [whole.losses[s] for s in sorted(whole.losses)]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5
 
