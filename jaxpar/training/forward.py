@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import jax
 
-from jaxpar.model.interface import takes_segment_ids
+from jaxpar.model.interface import STACK_ATTRIBUTE, takes_segment_ids
 from jaxpar.parallel.gather import module_gatherer
-from jaxpar.parallel.sharding import partitioned_over_data
+from jaxpar.parallel.pipeline import ordered_after
+from jaxpar.parallel.sharding import partitioned_over_data, storage_axes
 from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.training.loss import cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
@@ -32,6 +33,17 @@ def gatherer(plan: StepPlan):
     )
 
 
+def edge_gathered(plan: StepPlan) -> bool:
+    """Whether the edge parameters (embedding, final norm, head) are stored sharded over a mesh axis of size > 1,
+    so that embedding and head all-gather them (`gatherer`) and reduce-scatter their gradients."""
+    return any(plan.mesh_shape[a] > 1 for a in storage_axes("params", plan.cfg.optimizer.zero_stage))
+
+
+def split_stack(params: dict) -> tuple[dict, dict]:
+    """(the layer stack `params["blocks"]`, every other top-level entry: the edge parameters)."""
+    return params[STACK_ATTRIBUTE], {k: v for k, v in params.items() if k != STACK_ATTRIBUTE}
+
+
 def split_microbatches(batch: dict, n: int) -> dict:
     """`batch` (leaves [B, ...]) as `n` microbatches (leaves [n, B/n, ...]), in row order."""
     return {k: v.reshape(n, v.shape[0] // n, *v.shape[1:]) for k, v in batch.items()}
@@ -46,6 +58,7 @@ def loss_body(plan: StepPlan, train: bool = True) -> Callable:
     gather = gatherer(plan)
     tp = plan.tensor_parallel
     moe = plan.cfg.model.moe
+    order_head = edge_gathered(plan)
 
     def loss_sum(params: dict, mb: dict):
         model = plan.mdef.bind(params)
@@ -54,6 +67,13 @@ def loss_body(plan: StepPlan, train: bool = True) -> Callable:
             h, stats = run_blocks(model, x, mb, gather, tp, with_stats=True)
         else:
             h, stats = run_blocks(model, x, mb, gather, tp), None
+        if order_head:
+            # The head's weight all-gathers after the layer loop, and (transposed) their gradients'
+            # reduce-scatters before the backward's layer loop, which reads them through the added zero: nothing
+            # else would order them against the loop's collectives, and XLA:CPU may then issue them in another
+            # order on each device (`jaxpar.parallel.pipeline.ordered_after`).
+            layers, edge = split_stack(params)
+            model = plan.mdef.bind({**ordered_after(edge, h), STACK_ATTRIBUTE: layers})
         logits = model.logits(h, gather, tp)
         if not train:
             return summed_loss(cross_entropy, logits, mb, tp)

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.pipeline_1f1b import one_f_one_b
-from jaxpar.parallel.sharding import storage_axes
-from jaxpar.training.forward import gatherer, run_blocks, split_microbatches
+from jaxpar.training.forward import edge_gathered, gatherer, run_blocks, split_microbatches, split_stack
 from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
 from jaxpar.training.plan import StepPlan
@@ -49,19 +48,13 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
         sums = moe_sums(stats, mb["loss_mask"])
         return h, moe_loss_terms(sums, moe), sums
 
-    storage = storage_axes("params", plan.cfg.optimizer.zero_stage)
     return pipeline_lib.StageParts(
         embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
         blocks=blocks,
         head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
-        edge_gathered=any(plan.mesh_shape[a] > 1 for a in storage),
+        edge_gathered=edge_gathered(plan),
         blocks_loss=with_moe,
     )
-
-
-def split_stack(params: dict) -> tuple[dict, dict]:
-    """(the layer stack `params["blocks"]`, every other top-level entry: the edge parameters)."""
-    return params[STACK_ATTRIBUTE], {k: v for k, v in params.items() if k != STACK_ATTRIBUTE}
 
 
 def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[int, ...]]:

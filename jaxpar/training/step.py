@@ -37,11 +37,11 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.mesh import DATA_PARALLEL_AXES
-from jaxpar.training.forward import loss_body, split_microbatches
+from jaxpar.training.forward import loss_body, split_microbatches, split_stack
 from jaxpar.training.grad_reduction import reduce_over_data, reduce_replicated
 from jaxpar.training.moe_loss import MEAN_KEYS, moe_metrics, zero_sums
 from jaxpar.training.optimizer import applied_learning_rate, nonfinite_state
-from jaxpar.training.pipelined import pipeline_grads, pipelined_eval_loss, split_stack
+from jaxpar.training.pipelined import pipeline_grads, pipelined_eval_loss
 from jaxpar.training.plan import StepPlan
 
 

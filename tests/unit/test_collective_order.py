@@ -24,7 +24,7 @@ from step_helpers import FP32, compile_fast, device_batch, host_batch, make_plan
 
 from jaxpar.analysis.hlo.collective_order import unordered_collectives
 from jaxpar.parallel import pipeline, pipeline_1f1b
-from jaxpar.training import step
+from jaxpar.training import forward, step
 from jaxpar.training.state import abstract_state
 from jaxpar.training.step import make_train_step
 
@@ -62,6 +62,8 @@ LAYOUTS = {
         "pipeline.microbatches=2",
         "pipeline.schedule=gpipe",
     ),
+    # tiny.yaml's layout (the README's runs, one and two processes) with accumulation: its head's fsdp gathers and
+    # their reduce-scatters were free against the layer loops until the head's weights were ordered after them
     "data2_fsdp2_tensor2_accum2": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"),
     # examples/own_model.py's layout, which tests/parity/test_own_model.py runs as 2 processes
     "1f1b_p2_data2_tensor2_sp_zero3": (
@@ -73,14 +75,13 @@ LAYOUTS = {
     ),
 }
 # Layouts whose programs still hold pairs of the other kind (a loop scheduled after a collective it does not
-# consume, inside a 1F1B tick or a microbatch's backward: 19 pairs at p = 4, 1 in the interleaved tick at p = 2,
-# 2 in the backward of data x fsdp x tensor): checked for collectives after loops only, until those are ordered.
+# consume, inside a 1F1B tick: 19 pairs at p = 4, 1 in the interleaved tick at p = 2): checked for collectives
+# after loops only, until those are ordered.
 BEFORE_LOOP_PAIRS_OPEN = {
     "1f1b_p4_fsdp2",
     "1f1b_v2_p2_data2_fsdp2_tensor2_sp",
     "1f1b_v2_p4_fsdp2",
     "1f1b_v2_p4_fsdp2_recompute",
-    "data2_fsdp2_tensor2_accum2",
 }
 
 
@@ -135,3 +136,13 @@ def test_without_ordering_the_gradients_the_step_is_unordered(monkeypatch):
     monkeypatch.setattr(step, "_after_every_reduction", lambda tree: tree)
     pairs = unordered_collectives(_compiled_step_hlo(LAYOUTS["1f1b_p2_data2_tensor2_sp_zero3"]))
     assert any(earlier.startswith("conditional") for _, earlier, _, _ in pairs), pairs
+
+
+def test_without_ordering_the_head_the_plain_step_is_unordered(monkeypatch):
+    """Without the head's weights ordered after the layer loop (`jaxpar.training.forward.loss_body`), the step of
+    tiny.yaml's layout leaves its head's fsdp gradient reduce-scatters free against the backward's layer loop
+    (without accumulation, the head's all-gathers against the forward's too)."""
+    monkeypatch.setattr(forward, "ordered_after", lambda tree, deps: tree)
+    pairs = unordered_collectives(_compiled_step_hlo(LAYOUTS["data2_fsdp2_tensor2_accum2"]))
+    earlier = {name.split(".")[0] for _, name, _, _ in pairs}
+    assert "reduce_scatter" in earlier and {opcode for *_, opcode in pairs} == {"while"}, pairs
