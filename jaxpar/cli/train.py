@@ -134,7 +134,37 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    except Exception:
+        if not _multi_process():
+            raise
+        _exit_now()
     return 0
+
+
+def _multi_process() -> bool:
+    import jax
+
+    return jax.process_count() > 1
+
+
+def _exit_now() -> None:
+    """Prints the error being handled and ends this process at once with status 1, without Python's exit.
+
+    Why: in a multi-process run the other processes may be blocked in a collective with this one, and Python's
+    exit runs jax.distributed's shutdown, which waits for every process: the failed process would then never
+    end, and neither would its launcher (`jaxpar-launch` stops the others once one has exited) or the job."""
+    import traceback
+
+    import jax
+
+    traceback.print_exc()
+    print(
+        f"jaxpar-train: process {jax.process_index()} failed; exiting without waiting for the other processes",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -110,3 +110,30 @@ def test_resolve_config_docstring_commands_use_the_venv_python():
     """A bare `python` need not have jaxpar installed; the docs run tools with .venv/bin/python."""
     commands = [line.strip() for line in _resolve_tool().__doc__.splitlines() if "tools/resolve_config.py" in line]
     assert commands and all(c.startswith(".venv/bin/python tools/resolve_config.py ") for c in commands), commands
+
+
+def test_a_failed_process_of_a_multi_process_run_exits_at_once(monkeypatch, capsys, tmp_path):
+    """An unexpected error in one process of several ends it with status 1 through os._exit: Python's exit would
+    wait in jax.distributed's shutdown for the other processes, which may be blocked in a collective with it."""
+    from jaxpar.training import loop
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a collective timed out")
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(status):
+        raise Exited(status)
+
+    monkeypatch.setattr(loop, "train", fail)
+    monkeypatch.setattr(train_cli.os, "_exit", exit_now)
+    argv = [os.path.join(ROOT, "configs", "tiny.yaml"), f"train.run_dir={tmp_path}"]
+    with pytest.raises(RuntimeError, match="timed out"):  # one process: the error propagates as usual
+        train_cli.main(argv)
+    monkeypatch.setattr(train_cli, "_multi_process", lambda: True)
+    with pytest.raises(Exited) as exited:
+        train_cli.main(argv)
+    assert exited.value.args == (1,)
+    err = capsys.readouterr().err
+    assert "RuntimeError: a collective timed out" in err and "exiting without waiting for the other processes" in err
