@@ -187,7 +187,8 @@ def test_seed_exercise_numbers():
     assert 1.5 * GB < acts["jaxpar_activations"] < 2.5 * GB
     # model.attention auto is cuDNN's fused kernel on a GPU: no scores in memory. XLA's path would hold fp32
     # logits + grad and bf16 probabilities + grad of one layer.
-    assert acts["attention_working_at_smallest"] == 0
+    assert acts["attention_working_at_smallest"] == 0 and acts["attention"] == "cudnn"
+    assert acts["attention_working_xla_at_smallest"] == 12 * a * s * s
     xla = exercise_activations(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla")), ex)
     assert xla["attention_working_at_smallest"] == 12 * a * s * s
     assert xla["fit_temp"] > acts["fit_temp"]
@@ -208,6 +209,8 @@ def test_cli_exercise(capsys):
         "N = 9 (23.11 GB per device)",
         "no recomputation",
         "Smallest N for model state + jaxpar activations <= 24 GB: 10",
+        "the backward keeps no attention scores; on XLA's attention path (model.attention xla) each layer's "
+        "backward would also hold them, 12 bytes per score element: 8.053 GB",
     ):
         assert needle in out, needle
     assert plan_cli.main(["--exercise-13b", "--json"]) == 0

@@ -486,8 +486,9 @@ def smallest_fitting_devices(
 def exercise_activations(cfg: Config, exercise: dict, platform: str = "gpu") -> dict:
     """What activations add to the seed exercise (`zero_exercise`) for the model shape of `cfg`, with one
     sequence of `data.seq_len` tokens per device: Korthikanti et al. 2022 (Table 2, 16-bit) without and with full
-    recomputation, jaxpar's own count for `model.remat`, and the smallest N that fits the exercise's budget
-    (`smallest_fitting_devices`). Bytes per device."""
+    recomputation, jaxpar's own count for `model.remat`, the attention scores one layer's backward holds with the
+    config's attention (0 with cuDNN's fused kernel) and on XLA's path, and the smallest N that fits the exercise's
+    budget (`smallest_fitting_devices`). Bytes per device."""
     n, budget = exercise["smallest_devices_zero3"], exercise["budget_bytes"]
     mdl, s = cfg.model, cfg.data.seq_len
     one_layer = s * mdl.d_model * (34 + 5 * mdl.n_heads * s / mdl.d_model)
@@ -504,6 +505,10 @@ def exercise_activations(cfg: Config, exercise: dict, platform: str = "gpu") -> 
         "one_layer": one_layer,
         "jaxpar_activations": activation_bytes(at_n, platform)["total"],
         "attention_working_at_smallest": temp_bytes(at_n, platform)["attention_working"],
+        "attention": attention_implementation(at_n, platform),
+        "attention_working_xla_at_smallest": attention_working_bytes(
+            dataclasses.replace(at_n, model=dataclasses.replace(at_n.model, attention="xla")), platform
+        ),
         "fit_state_acts": smallest_fitting_devices(cfg, budget, False, False, platform),
         "fit_temp": smallest_fitting_devices(cfg, budget, True, False, platform),
         "fit_temp_shardable": smallest_fitting_devices(cfg, budget, True, True, platform),

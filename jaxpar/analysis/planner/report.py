@@ -357,9 +357,16 @@ def format_exercise(ex: dict, acts: dict) -> str:
         ),
         (
             f"  jaxpar, remat=full (block inputs, embedding output, logits): "
-            f"{human_bytes(acts['jaxpar_activations'])}; the backward of each layer also holds its attention "
-            f"scores on XLA's attention path, 12 bytes per score element: "
-            f"{human_bytes(acts['attention_working_at_smallest'])}"
+            f"{human_bytes(acts['jaxpar_activations'])}; "
+            + (
+                f"with cuDNN's fused attention (model.attention auto or cudnn on a GPU) the backward "
+                f"keeps no attention scores; on XLA's attention path (model.attention xla) each layer's "
+                f"backward would also hold them, 12 bytes per score element: "
+                f"{human_bytes(acts['attention_working_xla_at_smallest'])}"
+                if acts["attention"] == "cudnn"
+                else f"the backward of each layer also holds its attention scores on XLA's attention path, 12 "
+                f"bytes per score element: {human_bytes(acts['attention_working_at_smallest'])}"
+            )
         ),
         (
             f"  At N = {ex['smallest_devices_zero3']} the model state leaves "
