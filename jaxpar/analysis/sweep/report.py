@@ -209,9 +209,11 @@ def write_markdown(path: str, header: dict, records: list[dict]) -> None:
 
 def write_plot(path: str, header: dict, records: list[dict], max_points: int = 32) -> None:
     """plot.png (matplotlib, Agg): per point (the `max_points` best by the objective), throughput (tokens/s
-    when measured, else communication bytes per step) on top and memory per device (planned and compiled
-    peak, budget line) below. With a GPU `target` (header "target") the compiled bars are the GPU compiler's for
-    that cluster, and a line marks one GPU's memory.
+    when measured, else communication bytes per step, planned beside compiled, both for the platform the point was
+    compiled on: results.md's planned column is for the sweep's platform, which the title then names) on top and
+    memory per device (planned and compiled peak, budget line) below; the bars of points over budget or failed
+    are hatched. With a GPU `target` (header "target") the compiled bars are the GPU compiler's for that cluster,
+    and a line marks one GPU's memory.
 
     Raises:
       jaxpar.config.extras.MissingExtra: matplotlib (the `plot` extra) is not installed.
@@ -225,7 +227,6 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
     recs = recs[:max_points]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(min(24.0, max(7.0, 0.6 * len(recs) + 2)), 8), sharex=True)
     x = list(range(len(recs)))
-    colors = ["tab:blue" if r["status"] == "ok" else "tab:gray" for r in recs]
     gpu_target = header.get("target")
     compiled_key = "gpu_compiled" if gpu_target else "compiled"
     by = f"XLA GPU compiler, {gpu_target['cluster']}" if gpu_target else "XLA"
@@ -235,37 +236,60 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
         scale = 1e9 if max(values, default=0) >= 1e9 else 1e6
         return scale, "GB" if scale == 1e9 else "MB"
 
+    def mark_not_ok(bars):
+        """Hatches the bars of the points that are over budget or failed."""
+        for bar, r in zip(bars, recs):
+            if r["status"] != "ok":
+                bar.set_hatch("//")
+
+    comm_note = ""
     if any(r.get("measured") for r in recs):
-        top.bar(x, [(r.get("measured") or {}).get("tokens_per_s") or 0 for r in recs], color=colors)
+        mark_not_ok(top.bar(x, [(r.get("measured") or {}).get("tokens_per_s") or 0 for r in recs]))
         top.set_ylabel("tokens/s (measured)")
     else:
-        planned = [r["planned"]["comm_bytes"] for r in recs]
+        # The plan for the platform the compiled bars come from, so each pair compares like with like:
+        # results.md's "comm/step planned" column is the plan for the sweep's platform.
+        plan_key = "target_comm_bytes" if gpu_target else "comm_bytes"
+        platform = "gpu" if gpu_target else (recs[0]["planned"].get("platform", "cpu") if recs else "cpu")
+        planned = [r["planned"][plan_key] for r in recs]
         compiled = [(r.get(compiled_key) or {}).get("comm_bytes", 0) for r in recs]
         scale, name = unit(planned + compiled)
-        top.bar([i - 0.2 for i in x], [v / scale for v in planned], 0.4, label="planned")
-        top.bar(
-            [i + 0.2 for i in x], [v / scale for v in compiled], 0.4, label="GPU HLO" if gpu_target else "compiled HLO"
+        mark_not_ok(top.bar([i - 0.2 for i in x], [v / scale for v in planned], 0.4, label=f"planned for {platform}"))
+        mark_not_ok(
+            top.bar(
+                [i + 0.2 for i in x],
+                [v / scale for v in compiled],
+                0.4,
+                label="GPU HLO" if gpu_target else f"compiled HLO ({platform})",
+            )
         )
         top.set_ylabel(f"communication per step per device ({name})")
         top.legend()
+        if not gpu_target and header.get("platform") != platform:
+            comm_note = f"; results.md's planned comm is the plan for {header.get('platform')}"
     where = (
         f"compiled for {gpu_target['cluster']} ({gpu_target['devices']} x {gpu_target['device_kind']}) by "
         f"XLA's GPU compiler, without GPUs\n"
         if gpu_target
         else ""
     )
+    hatched = "hatched: over budget or failed" if any(r["status"] != "ok" for r in recs) else ""
     top.set_title(
         f"{os.path.basename(header['sweep'])}: {shown}, ranked by {header['objective']}\n"
-        f"{where}(grey bars: over budget or failed)",
+        f"{where}{'; '.join(t for t in (hatched, comm_note.removeprefix('; ')) if t)}",
         fontsize=10,
     )
     planned = [r["planned"]["peak_estimate"] for r in recs]
     compiled = [(r.get(compiled_key) or {}).get("peak_bytes", 0) for r in recs]
     memory = gpu_target["memory_bytes"] if gpu_target else 0
     scale, name = unit(planned + compiled + [header["budget_bytes"] or 0, memory])
-    bottom.bar([i - 0.2 for i in x], [v / scale for v in planned], 0.4, label="planned peak", color="tab:orange")
-    bottom.bar(
-        [i + 0.2 for i in x], [v / scale for v in compiled], 0.4, label=f"compiled peak ({by})", color="tab:green"
+    mark_not_ok(
+        bottom.bar([i - 0.2 for i in x], [v / scale for v in planned], 0.4, label="planned peak", color="tab:orange")
+    )
+    mark_not_ok(
+        bottom.bar(
+            [i + 0.2 for i in x], [v / scale for v in compiled], 0.4, label=f"compiled peak ({by})", color="tab:green"
+        )
     )
     if header["budget_bytes"]:
         bottom.axhline(header["budget_bytes"] / scale, color="tab:red", linestyle="--", label="budget")
