@@ -34,6 +34,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxpar.checkpoint.mismatch import CheckpointMismatchError, check_target
+from jaxpar.config.paths import directory_problem
 
 _STATE, _DATA, _CONFIG = "state", "data", "config"
 # Orbax's notes on reading a checkpoint read-only, which say nothing wrong with it: the directory is read-only (we
@@ -328,8 +329,12 @@ def resolve_checkpoint_path(path: str) -> tuple[str, int | None]:
         (an unfinished save, never a checkpoint; the message names its parent).
     """
     path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint path {path} does not exist or is not a directory")
+    problem = directory_problem(path)
+    if problem is not None:
+        raise FileNotFoundError(
+            f"checkpoint path {path} {problem}; pass a run directory (holding {RUN_CHECKPOINT_DIR}/), its "
+            f"{RUN_CHECKPOINT_DIR}/ directory or one of its step directories"
+        )
     name = os.path.basename(path)
     if _TMP_STEP.fullmatch(name):
         raise FileNotFoundError(

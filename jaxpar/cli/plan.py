@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--measure-steps must be >= 0, got {args.measure_steps}")
     from jaxpar.config import (  # no jax import here
         ConfigError,
-        load_config,
+        load_config_with_sources,
         resolve_config,
     )
     from jaxpar.config.attention import resolve_attention
@@ -243,15 +243,18 @@ def main(argv: list[str] | None = None) -> int:
 
     compiles_here = (args.compile or args.measure_steps > 0) and not args.real_devices and clu is None
     try:
-        cfg = load_config(args.config, args.overrides, validate=False)
+        cfg, sources = load_config_with_sources(args.config, args.overrides)
+    except ConfigError as e:
+        return _fail(f"config error: {e}")
+    try:
         n = _devices(args, cfg, clu)
         cfg = resolve_config(cfg, n)
         # model.attention for the machine planned for (a GPU cluster, or this CPU when compiling here)
         where = "gpu" if clu is not None else "cpu" if compiles_here else args.platform
         dtype = resolve_compute_dtype(cfg.precision.compute_dtype, where)
         resolve_attention(cfg.model.attention, where, dtype, cfg.model.head_width)
-    except (ConfigError, ValueError) as e:
-        return _fail(f"config error: {e}")
+    except ValueError as e:  # a ConfigError, or resolve_attention's; named with the file or override of each key
+        return _fail(f"config error: {sources.explain(e if isinstance(e, ConfigError) else ConfigError(str(e)))}")
     if clu is not None:
         return _gpu_target(args, cfg, clu)
     compile_ = args.compile or args.measure_steps > 0

@@ -13,6 +13,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -88,13 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     from jaxpar.parallel import distributed  # jax is imported only after the device count is set
 
     configure_logging()
-    from jaxpar.config import ConfigError, load_config, validate_config
-    from jaxpar.training.loop import TrainingDiverged, train
-
-    overrides = list(args.overrides)
-    if args.restore_from:
-        overrides.append(f"checkpoint.restore_from={args.restore_from}")
+    from jaxpar.config import ConfigError, load_config_with_sources, validate_config
     from jaxpar.training import faults
+    from jaxpar.training.loop import TrainingDiverged, train
 
     try:
         faults.parse(os.environ.get(faults.ENV, ""))
@@ -108,11 +105,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxpar-train: --import {spec}: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     try:
-        cfg = load_config(args.config, overrides, validate=False)
-        distributed.initialize(cfg.distributed)  # before anything asks jax for devices
-        validate_config(cfg)
+        cfg, sources = load_config_with_sources(args.config, args.overrides)
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
+        return 2
+    if args.restore_from:  # the path as given (an override would read it as YAML); messages name --restore-from
+        cfg = cfg.replace(checkpoint=dataclasses.replace(cfg.checkpoint, restore_from=args.restore_from))
+    try:
+        distributed.initialize(cfg.distributed)  # before anything asks jax for devices
+        validate_config(cfg)
+    except ConfigError as e:  # named with the file or override that set each key
+        print(f"jaxpar-train: config error: {sources.explain(e)}", file=sys.stderr)
         return 2
     from jaxpar.analysis.planner.memory import state_memory_report
     from jaxpar.data.errors import DataError
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, on_compiled=(state_memory_report,))
     except ConfigError as e:
-        print(f"jaxpar-train: config error: {e}", file=sys.stderr)
+        print(f"jaxpar-train: config error: {sources.explain(e)}", file=sys.stderr)
         return 2
     except DataError as e:  # a shard set damaged after it was opened (the checks at start passed)
         print(f"jaxpar-train: data error: {e}", file=sys.stderr)

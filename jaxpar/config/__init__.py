@@ -1,7 +1,8 @@
 """Typed, validated run configuration loaded from YAML with dotted overrides."""
 
+from jaxpar.config.decode import config_from_dict
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.load import check_unique_overrides, config_from_dict, load_config, save_config
+from jaxpar.config.load import check_unique_overrides, load_config, load_config_with_sources, save_config
 from jaxpar.config.schema import (
     CheckpointConfig,
     Config,
@@ -35,6 +36,7 @@ __all__ = [
     "check_unique_overrides",
     "config_from_dict",
     "load_config",
+    "load_config_with_sources",
     "resolve_config",
     "save_config",
     "validate_config",

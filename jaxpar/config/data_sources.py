@@ -11,7 +11,9 @@ import dataclasses
 import math
 import re
 
+from jaxpar.config.checks import check_choice, check_not_empty, check_positive
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.keys import example
 from jaxpar.config.schema import DataConfig
 
 TEXT_SOURCES = ("stdlib", "text", "jsonl")  # data.source: text read and tokenised as the run loads it
@@ -37,13 +39,12 @@ def check_source(d: DataConfig, key: str = "data") -> None:
     """Checks one source's settings (`key` prefixes the keys named in errors: "data" or "data.sources[i]").
 
     Raises:
-      ConfigError: an unknown source or token dtype, a missing path, validation_path on a non-shards source,
-        or a validation_fraction or max_bytes out of range.
+      ConfigError: an unknown source or token dtype, a missing path, validation_path on a non-shards source, an
+        empty text_field, or a validation_fraction or max_bytes out of range.
     """
-    if d.source not in SOURCE_KINDS:
-        raise ConfigError(f"{key}.source={d.source!r} is not one of {', '.join(SOURCE_KINDS)}")
-    if d.token_dtype not in TOKEN_DTYPES:
-        raise ConfigError(f"{key}.token_dtype={d.token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    check_choice(f"{key}.source", d.source, SOURCE_KINDS)
+    check_choice(f"{key}.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    check_not_empty(f"{key}.text_field", d.text_field, "the JSONL key or Parquet column that holds the text")
     if d.source != "stdlib" and not d.path:
         what = (
             "the shard set directory (jaxpar-data tokenize --out DIR)"
@@ -56,10 +57,12 @@ def check_source(d: DataConfig, key: str = "data") -> None:
             f"{key}.validation_path applies to {key}.source=shards, not {d.source}; drop it ({key}.validation_fraction "
             f"sets the held-out share)"
         )
-    if d.max_bytes != d.max_bytes or d.max_bytes < 0:
-        raise ConfigError(f"{key}.max_bytes={d.max_bytes} must be >= 0")
+    check_positive(f"{key}.max_bytes", d.max_bytes, allow_zero=True)
     if not 0.0 < d.validation_fraction < 1.0:
-        raise ConfigError(f"{key}.validation_fraction={d.validation_fraction} must lie strictly between 0 and 1")
+        raise ConfigError(
+            f"{key}.validation_fraction={d.validation_fraction} must lie strictly between 0 and 1; "
+            f"{example(f'{key}.validation_fraction')}"
+        )
 
 
 def check_data(d: DataConfig) -> None:
@@ -79,7 +82,7 @@ def check_data(d: DataConfig) -> None:
         if not s.name or not _NAME.fullmatch(s.name):
             raise ConfigError(
                 f"{key}.name={s.name!r}: every source needs a name of letters, digits, '_', '-' or '.' (it names "
-                f"the source's metrics, val_loss/<name>), e.g. name: web"
+                f"the source's metrics, val_loss/<name>), {example(f'{key}.name', 'web')}"
             )
         if s.name in seen:
             raise ConfigError(
@@ -89,7 +92,7 @@ def check_data(d: DataConfig) -> None:
         if not math.isfinite(s.weight) or s.weight <= 0:
             raise ConfigError(
                 f"{key}.weight={s.weight} must be a finite number > 0 (weights are normalised to sum to 1; drop "
-                f"a source to leave it out)"
+                f"a source to leave it out), {example(f'{key}.weight')}"
             )
     resolved = source_configs(d)
     for i, (_, _, sd) in enumerate(resolved):

@@ -7,23 +7,25 @@ merge key by key. Files are read with `yaml.safe_load` semantics, except that a 
 (`jaxpar.config.strict_yaml`) and a file that names no settings at all are refused. Among overrides the last
 value of a key wins (so a script or test can append to a shared list, and so can a command line); a sweep
 file refuses a repeated key (`check_unique_overrides`). Unknown keys and values of the wrong type raise `ConfigError`
-naming the dotted key and the fix. Cross-field checks run afterwards (`validate_config`).
+naming the dotted key and the fix (`jaxpar.config.decode`). Cross-field checks run afterwards (`validate_config`).
+Every error names where the keys it names were set: the file of the `base:` chain, or the override
+(`jaxpar.config.sources`).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
-import types
-import typing
 from collections.abc import Sequence
 from typing import Any
 
 import yaml
 
+from jaxpar.config.decode import config_from_dict
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.paths import write_atomic
 from jaxpar.config.schema import Config
+from jaxpar.config.sources import ConfigSources, file_origin, override_origin
 from jaxpar.config.strict_yaml import DuplicateKeyError, strict_safe_load
 
 _MAX_BASE_DEPTH = 8
@@ -75,8 +77,9 @@ def pop_base(document: Any, path: str, keys: str = "sections (model:, mesh:, ...
     return mapping, os.path.normpath(base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base))
 
 
-def _read_yaml(path: str, depth: int = 0) -> dict:
-    """Reads `path`, resolving its `base:` chain; returns the merged mapping (without `base`)."""
+def _read_yaml(path: str, depth: int = 0) -> tuple[dict, ConfigSources]:
+    """Reads `path`, resolving its `base:` chain; returns the merged mapping (without `base`) and where each key
+    it states comes from (the last file of the chain that states it)."""
     if depth > _MAX_BASE_DEPTH:
         raise ConfigError(f"{path}: `base` chain deeper than {_MAX_BASE_DEPTH}; is there a cycle?")
     raw = read_yaml(path)
@@ -87,8 +90,12 @@ def _read_yaml(path: str, depth: int = 0) -> dict:
         )
     values, base_path = pop_base(raw, path)
     if base_path is None:
-        return values
-    return _merge(_read_yaml(base_path, depth + 1), values)
+        merged, sources = values, ConfigSources()
+    else:
+        base_values, sources = _read_yaml(base_path, depth + 1)
+        merged = _merge(base_values, values)
+    sources.stated(values, file_origin(path))
+    return merged, sources
 
 
 def read_config_file(path: str) -> dict:
@@ -97,7 +104,7 @@ def read_config_file(path: str) -> dict:
     Raises:
       ConfigError: a missing, empty or unreadable file in the chain, a duplicate key, or a `base` cycle.
     """
-    return _read_yaml(path)
+    return _read_yaml(path)[0]
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -143,112 +150,52 @@ def check_unique_overrides(overrides: Sequence[str]) -> None:
         seen[dotted] = text
 
 
-def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in the YAML file or the override") -> Any:
-    """`value` as read from YAML, checked against type `hint` (int, float, bool, str, a Union/Optional of
-    them, or a tuple of one of them from a YAML list) for the dotted `key`: ints are accepted for floats, and
-    so are numeric strings (YAML 1.1 reads 3e-4, without a dot, as a string); a bool is never an int.
+def load_config_with_sources(
+    path: str | dict | None,
+    overrides: Sequence[str] = (),
+    *,
+    overrides_are: str = "the command-line override",
+) -> tuple[Config, ConfigSources]:
+    """Loads `path` (or the defaults when None) and applies dotted overrides, without cross-field validation;
+    returns the config and where each key it states came from (`jaxpar.config.sources`), for the caller to
+    name in the errors of later checks (`ConfigSources.explain`).
+
+    Args:
+      path: YAML file, which may name a `base` file it extends; or the nested values themselves (e.g. a
+        checkpoint's saved config, `Config.to_dict()`), copied, not changed, whose keys have no origin.
+      overrides: strings like `mesh.fsdp=4`; a key given twice takes the last value.
+      overrides_are: what the overrides are, as errors name them ("the command-line override `mesh.fsdp=4`").
 
     Raises:
-      ConfigError: naming `key`, the expected type, the value and `fix`.
+      ConfigError: a file that cannot be read, an unknown key (naming the closest valid one) or a value of the
+        wrong type; the message names the key, where it was set and the fix.
     """
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # a list of scalars, e.g. [data, fsdp]
-        if value is None:
-            return ()
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(
-                f"{key}: expected a list of {getattr(args[0], '__name__', args[0])}, got {value!r} "
-                f"({type(value).__name__}); write it as a YAML list, e.g. [a, b] (on the command line {key}=[a,b])"
-            )
-        return tuple(decode_value(v, args[0], f"{key}[{i}]", fix) for i, v in enumerate(value))
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return decode_value(value, arg, key, fix)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: expected {hint}, got {value!r} ({type(value).__name__})")
-    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is str and isinstance(value, str):
-        return value
-    raise ConfigError(
-        f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r} ({type(value).__name__}); {fix}"
-    )
-
-
-def _build(cls: type, values: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        raise ConfigError(
-            f"unknown config key {where}{unknown[0]}; valid keys in {prefix or 'the top level'}: "
-            f"{', '.join(sorted(names))}"
-        )
-    kwargs = {}
-    for name, value in values.items():
-        key = f"{prefix}.{name}" if prefix else name
-        hint = hints[name]
-        entry = _entry_class(hint)
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{key}: must be a mapping of keys, got {value!r}")
-            kwargs[name] = _build(hint, value, key)
-        elif entry is not None:
-            kwargs[name] = _build_entries(entry, value, key)
-        else:
-            kwargs[name] = decode_value(value, hint, key)
-    return cls(**kwargs)
-
-
-def _entry_class(hint: Any) -> type | None:
-    """The dataclass of a `tuple[SomeConfig, ...]` field (a list of entries, e.g. `data.sources`), else None."""
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return args[0] if isinstance(args[0], type) and dataclasses.is_dataclass(args[0]) else None
-    return None
-
-
-def _build_entries(cls: type, value: Any, key: str) -> tuple:
-    """A tuple of `cls` from a YAML list of mappings (None or [] gives ()); entries are named `key[i]` in errors."""
-    if value is None:
-        return ()
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(
-            f"{key}: must be a list of mappings (YAML `- {{...}}` lines, or on the command line "
-            f"{key}='[{{...}}, {{...}}]'), got {value!r}"
-        )
-    out = []
-    for i, item in enumerate(value):
-        if not isinstance(item, dict):
-            raise ConfigError(f"{key}[{i}]: must be a mapping of keys, got {item!r}")
-        out.append(_build(cls, item, f"{key}[{i}]"))
-    return tuple(out)
-
-
-def config_from_dict(values: dict) -> Config:
-    """Builds a `Config` from nested mappings (no cross-field validation). Raises ConfigError."""
-    return _build(Config, values, "")
+    if isinstance(path, dict):
+        values, sources = copy.deepcopy(path), ConfigSources()
+    else:
+        values, sources = _read_yaml(path) if path else ({}, ConfigSources())
+    for text in overrides:
+        parts, value = parse_override(text)
+        sec = values
+        for depth, name in enumerate(parts[:-1]):
+            sec = sec.setdefault(name, {})
+            if not isinstance(sec, dict):
+                raise sources.explain(ConfigError(f"{'.'.join(parts[: depth + 1])}: must be a mapping of keys"))
+        sec[parts[-1]] = value
+        sources.overridden(parts, value, override_origin(text, overrides_are))
+    try:
+        return config_from_dict(values), sources
+    except ConfigError as e:
+        raise sources.explain(e) from e
 
 
 def load_config(
-    path: str | dict | None, overrides: Sequence[str] = (), *, validate: bool = True, num_devices: int | None = None
+    path: str | dict | None,
+    overrides: Sequence[str] = (),
+    *,
+    validate: bool = True,
+    num_devices: int | None = None,
+    overrides_are: str = "the command-line override",
 ) -> Config:
     """Loads `path` (or the defaults when None), applies dotted overrides, validates.
 
@@ -258,32 +205,25 @@ def load_config(
       overrides: strings like `mesh.fsdp=4`.
       validate: run `validate_config` (divisibility, ranges, mesh against device count).
       num_devices: devices the mesh must cover; None means `jax.device_count()` at validation.
+      overrides_are: what the overrides are, as errors name them (`load_config_with_sources`).
 
     Raises:
-      ConfigError: unknown key, wrong type, or an impossible combination; the message names the key and the fix.
-        A key given twice in `overrides` takes the last value.
+      ConfigError: unknown key, wrong type, or an impossible combination; the message names the key, the file or
+        override that set it (`jaxpar.config.sources`) and the fix. A key given twice in `overrides` takes the
+        last value.
     """
-    if isinstance(path, dict):
-        values = copy.deepcopy(path)
-    else:
-        values = _read_yaml(path) if path else {}
-    for text in overrides:
-        parts, value = parse_override(text)
-        sec = values
-        for depth, name in enumerate(parts[:-1]):
-            sec = sec.setdefault(name, {})
-            if not isinstance(sec, dict):
-                raise ConfigError(f"{'.'.join(parts[: depth + 1])}: must be a mapping of keys")
-        sec[parts[-1]] = value
-    cfg = config_from_dict(values)
+    cfg, sources = load_config_with_sources(path, overrides, overrides_are=overrides_are)
     if validate:
         from jaxpar.config.validate import validate_config
 
-        validate_config(cfg, num_devices=num_devices)
+        try:
+            validate_config(cfg, num_devices=num_devices)
+        except ConfigError as e:
+            raise sources.explain(e) from e
     return cfg
 
 
 def save_config(cfg: Config, path: str) -> None:
-    """Writes the resolved config as YAML (every field, no `base`), loadable by `load_config`."""
-    with open(path, "w", encoding="utf-8") as f:
-        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    """Writes the resolved config as YAML (every field, no `base`), loadable by `load_config`; atomically
+    (`jaxpar.config.paths.write_atomic`), so a kill mid-write leaves the previous file, never half of this one."""
+    write_atomic(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

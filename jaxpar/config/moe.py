@@ -7,9 +7,11 @@ import dataclasses
 import logging
 import math
 
+from jaxpar.config.checks import check_choice, check_positive
 from jaxpar.config.errors import ConfigError
+from jaxpar.config.keys import example
 from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, PIPELINE, TENSOR
-from jaxpar.config.schema import Config, ModelConfig
+from jaxpar.config.schema import Config, ModelConfig, MoEConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,23 @@ def check_expert_axes(expert_axes: tuple[str, ...], num_experts: int, shape: dic
         )
 
 
+def _check_ranges(moe: MoEConfig) -> None:
+    """The `model.moe` keys' own ranges and choices."""
+    if moe.num_experts < 0 or moe.num_experts == 1:
+        raise ConfigError(
+            f"model.moe.num_experts={moe.num_experts} must be 0 (dense model) or at least 2; "
+            f"{example('model.moe.num_experts')} (dense) or model.moe.num_experts=8"
+        )
+    check_positive("model.moe.top_k", moe.top_k)
+    check_positive("model.moe.d_expert", moe.d_expert, allow_zero=True)  # 0: model.d_ff
+    check_positive("model.moe.shared_experts", moe.shared_experts, allow_zero=True)
+    check_positive("model.moe.every", moe.every)
+    check_choice("model.moe.routing", moe.routing, ROUTINGS)
+    check_positive("model.moe.capacity_factor", moe.capacity_factor)
+    check_positive("model.moe.aux_loss_weight", moe.aux_loss_weight, allow_zero=True)
+    check_positive("model.moe.z_loss_weight", moe.z_loss_weight, allow_zero=True)
+
+
 def check_moe(cfg: Config, shape: dict[str, int]) -> None:
     """Ranges of the `model.moe` keys and how they fit the mesh.
 
@@ -70,6 +89,7 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
         MoE support is refused when its model is built: `jaxpar.model.interface.check_model`.)
     """
     moe, m = cfg.model.moe, cfg.model
+    _check_ranges(moe)  # also for a dense model: a value out of range is never meant
     check_expert_axes(moe.expert_axes, moe.num_experts, shape)
     if moe.num_experts == 0:
         if moe.expert_axes:
@@ -78,26 +98,16 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
                 list(moe.expert_axes),
             )
         return
-    if moe.num_experts < 2:
-        raise ConfigError(f"model.moe.num_experts={moe.num_experts} must be 0 (dense model) or at least 2; change it")
-    if not 1 <= moe.top_k <= moe.num_experts:
-        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}")
-    for key in ("d_expert", "shared_experts"):
-        if getattr(moe, key) < 0:
-            raise ConfigError(f"model.moe.{key}={getattr(moe, key)} must be >= 0")
-    if moe.every < 1 or m.n_layers % moe.every:
+    if moe.top_k > moe.num_experts:
         raise ConfigError(
-            f"model.moe.every={moe.every} must be >= 1 and divide model.n_layers={m.n_layers} (the layer stack's "
-            f"unit is a group of `every` blocks whose last one is MoE); change one of them"
+            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}; lower "
+            f"model.moe.top_k or raise model.moe.num_experts"
         )
-    if moe.routing not in ROUTINGS:
-        raise ConfigError(f"model.moe.routing={moe.routing!r} is not one of {', '.join(ROUTINGS)}")
-    for key in ("capacity_factor", "aux_loss_weight", "z_loss_weight"):
-        value = getattr(moe, key)
-        if value != value or value in (float("inf"), float("-inf")) or value < 0:
-            raise ConfigError(f"model.moe.{key}={value} must be a finite number >= 0")
-    if moe.capacity_factor == 0:
-        raise ConfigError("model.moe.capacity_factor must be > 0 (1.25 is common)")
+    if m.n_layers % moe.every:
+        raise ConfigError(
+            f"model.moe.every={moe.every} must divide model.n_layers={m.n_layers} (the layer stack's unit is a "
+            f"group of `every` blocks whose last one is MoE); change one of them"
+        )
     stages, v = shape[PIPELINE], cfg.pipeline.virtual_stages
     units = m.n_layers // moe.every
     if stages > 1 and units % (stages * v):

@@ -1,8 +1,8 @@
 """Typed configuration tree of a jaxpar run.
 
 One frozen dataclass per section. Every field has a default, so a YAML file names only what it changes.
-Loading, dotted overrides and type checking live in `jaxpar.config.load`; checks that need several fields
-(divisibility, mesh size against device count) live in `jaxpar.config.validate`.
+Loading and dotted overrides live in `jaxpar.config.load`, type checking in `jaxpar.config.decode`; checks that
+need several fields (divisibility, mesh size against device count) live in `jaxpar.config.validate`.
 """
 
 from __future__ import annotations

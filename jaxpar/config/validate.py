@@ -6,40 +6,23 @@ Each failure raises `ConfigError` with the dotted key at fault and how to fix it
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
-from jaxpar.config.choices import LR_DECAYS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS, WANDB_MODES
+from jaxpar.config.checks import check_between, check_choice, check_not_empty, check_positive
+from jaxpar.config.choices import LR_DECAYS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS
 from jaxpar.config.data_sources import TOKEN_SOURCES, check_data
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.extras import WANDB_FEATURE, installed, missing_message
-from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR, mesh_sizes
+from jaxpar.config.keys import example
+from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe
+from jaxpar.config.paths import directory_problem
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, LAYOUTS
 from jaxpar.config.schema import Config
+from jaxpar.config.services import check_distributed, check_metrics
 
 BYTE_VOCAB = 259  # 256 byte values + PAD, BOS, EOS (jaxpar.data.tokenizer)
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-
-
-def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value != value or value in (float("inf"), float("-inf")):  # NaN compares false with everything
-        raise ConfigError(f"{key}={value} must be a finite number")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
-
-
-def _cpu_hint(num_devices: int) -> str:
-    if num_devices != 1:
-        return ""
-    return (
-        "; on a machine without accelerators, simulate devices with --cpu-devices N (JAX_NUM_CPU_DEVICES=N) "
-        "or use --devices N with jaxpar-plan"
-    )
+SEED_RANGE = (-(2**63), 2**63)  # train.seed: a 64-bit integer, as jax's PRNG keys take it
 
 
 def sequence_parallel(cfg: Config, tensor_size: int) -> bool:
@@ -47,83 +30,6 @@ def sequence_parallel(cfg: Config, tensor_size: int) -> bool:
     if cfg.tensor.sequence_parallel is None:
         return tensor_size > 1
     return cfg.tensor.sequence_parallel and tensor_size > 1
-
-
-def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
-    """Returns {axis: size} for data, fsdp, tensor, pipeline with any -1 filled in.
-
-    Raises:
-      ConfigError: a device count below 1, more than one -1, a size below -1 or 0, or a product that does not
-        equal `num_devices`.
-    """
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ConfigError(
-            f"device count {num_devices!r}: a mesh needs at least 1 device; give a positive device "
-            f"count (e.g. --devices 8)"
-        )
-    sizes = mesh_sizes(cfg.mesh)
-    fill = [a for a, s in sizes.items() if s == -1]
-    for axis, size in sizes.items():
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis}={size}: a mesh axis size is a positive integer, or -1 to fill")
-    if len(fill) > 1:
-        raise ConfigError(f"mesh: only one axis may be -1, got {', '.join('mesh.' + a for a in fill)}")
-    fixed = 1
-    for size in sizes.values():
-        if size != -1:
-            fixed *= size
-    if fill:
-        if num_devices % fixed:
-            raise ConfigError(
-                f"mesh.{fill[0]}=-1 cannot fill {num_devices} devices: the other axes multiply to {fixed}, "
-                f"which does not divide {num_devices}; change the other mesh sizes{_cpu_hint(num_devices)}"
-            )
-        sizes[fill[0]] = num_devices // fixed
-    elif fixed != num_devices:
-        raise ConfigError(
-            f"mesh: data*fsdp*tensor*pipeline = {' * '.join(str(v) for v in sizes.values())} = {fixed} but "
-            f"there are {num_devices} devices; make the product equal the device count (or set "
-            f"one axis to -1 and the others so that they divide it, e.g. mesh.fsdp=-1){_cpu_hint(num_devices)}"
-        )
-    return sizes
-
-
-def _wandb_goes_online(mode: str) -> bool:
-    """Whether a W&B run in `mode` streams: "online", or "" with WANDB_MODE unset or online."""
-    if mode == "":
-        mode = os.environ.get("WANDB_MODE", "online")
-    return mode in ("online", "run")
-
-
-def _wandb_api_key() -> bool:
-    """Whether W&B has an API key here: WANDB_API_KEY, or an api.wandb.ai entry in the netrc file that `wandb
-    login` writes (NETRC or ~/.netrc)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    import netrc
-
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators("api.wandb.ai") is not None
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        return False
-
-
-def _check_metrics(cfg: Config) -> None:
-    mc = cfg.metrics
-    if mc.wandb_mode not in WANDB_MODES:
-        raise ConfigError(
-            f"metrics.wandb_mode={mc.wandb_mode!r} must be one of {', '.join(repr(m) for m in WANDB_MODES)}"
-        )
-    if mc.wandb and not installed("wandb"):
-        raise ConfigError(missing_message("wandb", WANDB_FEATURE, instead="set metrics.wandb=false"))
-    if mc.wandb and _wandb_goes_online(mc.wandb_mode) and not _wandb_api_key():
-        raise ConfigError(
-            f"metrics.wandb=true with metrics.wandb_mode={mc.wandb_mode!r} streams to Weights & "
-            "Biases, but no API key is configured (WANDB_API_KEY, or `wandb login`); log in, or set "
-            "metrics.wandb_mode=offline (upload later with `wandb sync`)"
-        )
-    if mc.wandb and not mc.wandb_project.strip():
-        raise ConfigError("metrics.wandb_project is empty; name the W&B project, e.g. metrics.wandb_project=jaxpar")
 
 
 def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, int]:
@@ -141,9 +47,10 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     _check_precision(cfg)
     _check_optimizer(cfg)
     check_data(cfg.data)
-    _positive("data.seq_len", cfg.data.seq_len)
+    check_positive("data.seq_len", cfg.data.seq_len)
     _check_checkpoint_and_train(cfg)
-    _check_metrics(cfg)
+    check_metrics(cfg.metrics)
+    check_distributed(cfg.distributed)
     if num_devices is None:
         import jax
 
@@ -159,27 +66,38 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
 def _check_model(cfg: Config) -> None:
     """The `model:` section's ranges, choices and shapes (rotary scaling, heads, head width, vocabulary)."""
     m = cfg.model
+    if not m.name.isidentifier():  # whether a family has the name is found when the model is built
+        raise ConfigError(
+            f"model.name={m.name!r} is not a model family's name, an identifier such as gpt2 (a script registers "
+            f"its own with jaxpar.register_model); {example('model.name')}"
+        )
     for key in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
-        _positive(f"model.{key}", getattr(m, key))
-    _positive("model.rope_theta", m.rope_theta)
-    _choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
-    if m.rope_scaling != "none":
-        _positive("model.rope_scaling_factor", m.rope_scaling_factor)
+        check_positive(f"model.{key}", getattr(m, key))
+    check_positive("model.rope_theta", m.rope_theta)
+    check_choice("model.rope_scaling", m.rope_scaling, ROPE_SCALINGS)
+    for key in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position"):
+        check_positive(f"model.{key}", getattr(m, key))  # also where unused: no scaling has a factor <= 0
     if m.rope_scaling == "llama3":
-        _positive("model.rope_low_freq_factor", m.rope_low_freq_factor)
-        _positive("model.rope_original_max_position", m.rope_original_max_position)
         if m.rope_high_freq_factor <= m.rope_low_freq_factor:
             raise ConfigError(
                 f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed model.rope_low_freq_factor="
                 f"{m.rope_low_freq_factor} for llama3 rotary scaling (Llama 3.x: 4 and 1)"
             )
-    _positive("model.norm_eps", m.norm_eps)
-    _positive("model.init_std", m.init_std)
-    _choice("model.remat", m.remat, REMAT_POLICIES)
-    _choice("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
-    _positive("model.max_segments", m.max_segments)
+    check_positive("model.norm_eps", m.norm_eps)
+    check_positive("model.init_std", m.init_std)
+    check_choice("model.remat", m.remat, REMAT_POLICIES)
+    check_choice("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
+    check_positive("model.max_segments", m.max_segments)
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+        raise ConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}, or be null (as many as "
+            f"model.n_heads); {example('model.n_kv_heads')}"
+        )
+    if m.head_dim is not None and m.head_dim <= 0:
+        raise ConfigError(
+            f"model.head_dim={m.head_dim} must be > 0, or null (model.d_model / model.n_heads); "
+            f"{example('model.head_dim')}"
+        )
     if m.head_dim is None and m.d_model % m.n_heads:
         raise ConfigError(
             f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}; change one or set model.head_dim"
@@ -196,52 +114,52 @@ def _check_model(cfg: Config) -> None:
 def _check_precision(cfg: Config) -> None:
     """The `precision:` section's choices (`jaxpar.config.precision`)."""
     p = cfg.precision
-    _choice("precision.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
-    _choice("precision.layout", p.layout, tuple(LAYOUTS))
-    _choice("precision.reduce_dtype", p.reduce_dtype, FLOAT_DTYPES)
+    check_choice("precision.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
+    check_choice("precision.layout", p.layout, tuple(LAYOUTS))
+    check_choice("precision.reduce_dtype", p.reduce_dtype, FLOAT_DTYPES)
 
 
 def _check_optimizer(cfg: Config) -> None:
     """The `optimizer:` section's stage, schedule and ranges."""
     o = cfg.optimizer
     if o.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"optimizer.zero_stage={o.zero_stage} must be 0 (DDP), 1, 2 or 3")
-    _choice("optimizer.decay", o.decay, LR_DECAYS)
-    _positive("optimizer.learning_rate", o.learning_rate)
-    _positive("optimizer.eps", o.eps)  # Adam's denominator term: 0 divides by zero where a moment is 0
-    _positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
-    _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
-    _positive("optimizer.grad_clip_norm", o.grad_clip_norm, allow_zero=True)
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        raise ConfigError(f"optimizer.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1]")
-    for key, value in (("optimizer.b1", o.b1), ("optimizer.b2", o.b2)):
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{key}={value} must lie in [0, 1)")
+        raise ConfigError(
+            f"optimizer.zero_stage={o.zero_stage} must be 0 (DDP), 1, 2 or 3; {example('optimizer.zero_stage')}"
+        )
+    check_choice("optimizer.decay", o.decay, LR_DECAYS)
+    check_positive("optimizer.learning_rate", o.learning_rate)
+    check_positive("optimizer.eps", o.eps)  # Adam's denominator term: 0 divides by zero where a moment is 0
+    check_positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
+    check_positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    check_positive("optimizer.grad_clip_norm", o.grad_clip_norm, allow_zero=True)
+    check_between("optimizer.min_lr_ratio", o.min_lr_ratio, 0, 1)
+    check_between("optimizer.b1", o.b1, 0, 1, high_open=True)
+    check_between("optimizer.b2", o.b2, 0, 1, high_open=True)
 
 
 def _check_checkpoint_and_train(cfg: Config) -> None:
     """The `checkpoint:` and `train:` sections: the restore path exists, counts and intervals in range."""
     c, t = cfg.checkpoint, cfg.train
-    if c.restore_from and not os.path.isdir(c.restore_from):
+    problem = directory_problem(c.restore_from) if c.restore_from else None
+    if problem is not None:
         raise ConfigError(
-            f"checkpoint.restore_from={c.restore_from!r} (--restore-from) is not a directory; give a "
-            f"run directory, its checkpoints/ directory or one of its step directories"
+            f"checkpoint.restore_from={c.restore_from!r} (--restore-from) {problem}; give a run directory, its "
+            f"checkpoints/ directory or one of its step directories, or leave it empty to start fresh, "
+            f"{example('checkpoint.restore_from')}"
         )
-    _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
-    _positive("checkpoint.keep", c.keep)
-    if not t.run_dir.strip():
-        raise ConfigError(
-            "train.run_dir is empty; name the directory for the run's config, metrics and "
-            "checkpoints, e.g. train.run_dir=runs/tiny"
-        )
+    check_positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
+    check_positive("checkpoint.keep", c.keep)
+    check_not_empty("train.run_dir", t.run_dir, "the directory for the run's config, metrics and checkpoints")
+    if not SEED_RANGE[0] <= t.seed < SEED_RANGE[1]:
+        raise ConfigError(f"train.seed={t.seed} must be a 64-bit integer, in [-2**63, 2**63); {example('train.seed')}")
     for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "max_bad_steps"):
-        _positive(f"train.{key}", getattr(t, key))
-    _positive("train.eval_batches", t.eval_batches, allow_zero=True)  # 0: the whole validation split
-    _positive("train.eval_every", t.eval_every, allow_zero=True)
-    _positive("train.peak_flops_per_device", t.peak_flops_per_device, allow_zero=True)
-    _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
-    _positive("train.divergence_rollbacks", t.divergence_rollbacks, allow_zero=True)
-    _positive("train.watchdog_s", t.watchdog_s, allow_zero=True)
+        check_positive(f"train.{key}", getattr(t, key))
+    check_positive("train.eval_batches", t.eval_batches, allow_zero=True)  # 0: the whole validation split
+    check_positive("train.eval_every", t.eval_every, allow_zero=True)
+    check_positive("train.peak_flops_per_device", t.peak_flops_per_device, allow_zero=True)
+    check_positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
+    check_positive("train.divergence_rollbacks", t.divergence_rollbacks, allow_zero=True)
+    check_positive("train.watchdog_s", t.watchdog_s, allow_zero=True)
 
 
 def _check_tensor(cfg: Config, tp: int) -> None:
@@ -276,8 +194,8 @@ def _check_tensor(cfg: Config, tp: int) -> None:
 def _check_pipeline(cfg: Config, stages: int) -> None:
     """The `pipeline:` section on `stages` = mesh.pipeline stages: the schedule, equal-depth stages, and
     interleaving's constraints (`_virtual_stages`)."""
-    _choice("pipeline.schedule", cfg.pipeline.schedule, PIPELINE_SCHEDULES)
-    _positive("pipeline.microbatches", cfg.pipeline.microbatches)
+    check_choice("pipeline.schedule", cfg.pipeline.schedule, PIPELINE_SCHEDULES)
+    check_positive("pipeline.microbatches", cfg.pipeline.microbatches)
     if cfg.model.n_layers % stages:
         raise ConfigError(
             f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
@@ -330,7 +248,7 @@ def resolve_config(cfg: Config, num_devices: int) -> Config:
 def _virtual_stages(cfg: Config, stages: int) -> None:
     """pipeline.virtual_stages: interleaved 1F1B's constraints (`jaxpar.parallel.schedule`)."""
     v, pipe = cfg.pipeline.virtual_stages, cfg.pipeline
-    _positive("pipeline.virtual_stages", v)
+    check_positive("pipeline.virtual_stages", v)
     if v == 1:
         return
     if stages == 1:

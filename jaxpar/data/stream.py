@@ -36,6 +36,7 @@ import os
 import numpy as np
 
 from jaxpar.config import ConfigError, DataConfig
+from jaxpar.config.paths import directory_problem
 from jaxpar.data.batch import BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.errors import DataError
 from jaxpar.data.shards import ShardSet
@@ -251,9 +252,10 @@ def _open_set(path: str, key: str) -> ShardSet:
         manifest says (a cheap check of headers and sizes; `ShardSet.verify` compares every byte's checksum).
     """
     directory = os.path.expanduser(path)
-    if not os.path.isdir(directory):
+    problem = directory_problem(directory)
+    if problem is not None:
         raise ConfigError(
-            f"{key}={path!r} is not a directory; data.source=shards needs a shard set made by "
+            f"{key}={path!r} {problem}; data.source=shards needs a shard set made by "
             f"`jaxpar-data tokenize INPUT --tokenizer TOKENIZER --out DIR` (then {key}=DIR)"
         )
     try:

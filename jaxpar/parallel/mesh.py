@@ -16,8 +16,8 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, MESH_AXES
+from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.schema import Config
-from jaxpar.config.validate import resolve_mesh_shape
 
 __all__ = ["DATA_PARALLEL_AXES", "MESH_AXES", "build_mesh", "describe"]
 

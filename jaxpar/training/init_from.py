@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from jaxpar.config import ConfigError, load_config
+from jaxpar.config.paths import directory_problem
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama import HFConfigError, check_hf_llama, is_hf_directory, load_hf_llama
 from jaxpar.model.hf_llama.config import model_differences
@@ -60,10 +61,11 @@ def check_init_from(model: ModelConfig) -> None:
     path = model.init_from
     if not path:
         return
-    if not os.path.isdir(path):
+    problem = directory_problem(path)
+    if problem is not None:
         raise ConfigError(
-            f"model.init_from={path!r} is not a directory; give a Hugging Face Llama directory (config.json + "
-            f"*.safetensors) or a jaxpar run or checkpoint directory"
+            f"model.init_from={path!r} {problem}; give a Hugging Face Llama directory (config.json + "
+            f"*.safetensors) or a jaxpar run or checkpoint directory, or leave it empty to initialise from train.seed"
         )
     if is_hf_directory(path):
         try:

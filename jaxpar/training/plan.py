@@ -26,10 +26,11 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import PIPELINE
+from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe, without_expert_axes
 from jaxpar.config.precision import PrecisionLayout, precision_layout, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
-from jaxpar.config.validate import resolve_mesh_shape, sequence_parallel
+from jaxpar.config.validate import sequence_parallel
 from jaxpar.model import ModelDef, init_params, model_def
 from jaxpar.parallel.mesh import MESH_AXES
 from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs

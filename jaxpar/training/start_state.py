@@ -6,13 +6,13 @@ it starts from (`initial_state`): its own latest checkpoint (a resume, with the 
 from __future__ import annotations
 
 import os
-import tempfile
 
 import jax
 
 from jaxpar.checkpoint.mismatch import CheckpointMismatchError
 from jaxpar.checkpoint.store import Checkpointer, restore_from_path
 from jaxpar.config import Config, ConfigError, save_config
+from jaxpar.config.paths import output_dir_problem
 from jaxpar.config.resume import check_resume_config, keep_previous_config
 from jaxpar.training.hooks.base import log as _log
 from jaxpar.training.init_from import load_init_params
@@ -21,38 +21,21 @@ from jaxpar.training.state import abstract_state, init_state
 
 
 def check_run_dir(run_dir: str) -> None:
-    """Checks that `train.run_dir` is, or can be created as, a directory this process can write in, and leaves
-    the file system as it found it (directories it creates to check are removed again) in a single-process
-    run. With several processes they are kept: the processes check at the same time, and one removing a
-    directory another is probing would fail that one's check.
+    """Checks that `train.run_dir` is, or can be created as, a directory this process can write in
+    (`jaxpar.config.paths.output_dir_problem`), and leaves the file system as it found it (directories it creates to
+    check are removed again) in a single-process run. With several processes they are kept: the processes check
+    at the same time, and one removing a directory another is probing would fail that one's check.
 
     Raises:
-      ConfigError: naming the path in the way (a file where a directory must be) or the OS error, and the fix.
+      ConfigError: naming the path, what is in the way (a file where a directory must be, no permission to write,
+        the OS error) and the fix.
     """
-    fix = "give a directory you can write, e.g. train.run_dir=runs/tiny (it is created if missing)"
-    path = os.path.abspath(run_dir)
-    missing, probe = [], path
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        missing.append(probe)
-        probe = os.path.dirname(probe)
-    if os.path.exists(probe) and not os.path.isdir(probe):
-        what = "is a file" if probe == path else f"cannot be created: {probe} is a file, not a directory"
-        raise ConfigError(f"train.run_dir={run_dir!r} {what}; {fix}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=".jaxpar-write-check-", dir=path)
-        os.close(fd)
-        os.remove(name)
-    except OSError as e:
+    problem = output_dir_problem(run_dir, keep_created=jax.process_count() > 1)
+    if problem is not None:
         raise ConfigError(
-            f"train.run_dir={run_dir!r} cannot be created or written ({e.strerror}: {e.filename}); {fix}"
-        ) from e
-    finally:
-        for created in missing if jax.process_count() == 1 else ():  # innermost first
-            try:
-                os.rmdir(created)
-            except OSError:
-                break
+            f"train.run_dir={run_dir!r} {problem}; give a directory you can write, e.g. train.run_dir=runs/tiny "
+            f"(it is created if missing)"
+        )
 
 
 def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_loader):

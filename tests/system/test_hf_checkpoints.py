@@ -155,7 +155,10 @@ def test_init_from_that_does_not_fit_is_refused_before_device_work(tmp_path):
         (["model.d_model=64", f"model.init_from={UNTIED}"], r"model.d_model: config 64, Hugging Face directory 32"),
         ([f"model.init_from={TIED}"], r"model.n_kv_heads: config 2, Hugging Face directory 1; .*model.tie_embeddings"),
         ([f"model.init_from={tmp_path}"], r"holds neither config.json .* nor a complete jaxpar checkpoint"),
-        (["model.init_from=/no/such/dir"], r"model.init_from='/no/such/dir' is not a directory"),
+        (
+            ["model.init_from=/no/such/dir"],
+            r"model.init_from='/no/such/dir' does not exist; give a Hugging Face Llama directory",
+        ),
     ]
     for overrides, message in cases:
         cfg = load_config(os.path.join(ROOT, "configs", "tiny_hf.yaml"), [*base, *overrides])

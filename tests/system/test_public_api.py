@@ -170,7 +170,7 @@ def test_a_mesh_other_than_the_configs_is_refused():
     cfg = jaxpar.load_config(CONFIG, num_devices=8)  # data=2 x fsdp=2 x tensor=2
     one = jaxpar.build_mesh(jaxpar.load_config(CONFIG, ONE_DEVICE, num_devices=1), jax.devices()[:1])
     with pytest.raises(
-        jaxpar.ConfigError, match=r"the mesh \(data=1, .*\) is not the config's: mesh.fsdp=-1 cannot fill 1 devices"
+        jaxpar.ConfigError, match=r"the mesh \(data=1, .*\) is not the config's: mesh.fsdp=-1 cannot fill 1 device:"
     ):
         jaxpar.build_plan(cfg, one)
     data8 = jaxpar.build_mesh(jaxpar.load_config(CONFIG, ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]))

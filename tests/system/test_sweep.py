@@ -103,11 +103,11 @@ def test_points_are_the_cartesian_product(tmp_path):
         ("base: {tiny}\nmeshes: [[8, 1]]\n", "meshes[0]: must be a mapping"),
         ("base: {tiny}\nmeshes: [{data: 4, expert: 2}]\n", "meshes[0]: unknown mesh axis 'expert'"),
         ("base: {tiny}\nmeshes: [{data: 8}, {data: 0}]\n", "meshes[1].data: must be a positive integer"),
-        ("base: {tiny}\ndevices: eight\n", "devices: expected int"),
+        ("base: {tiny}\ndevices: eight\n", "devices: expected an integer"),
         ("base: {tiny}\ndevices: 8\nconstraints: {max_expert: 2}\n", "unknown constraint constraints.max_expert"),
         ("base: {tiny}\ndevices: 8\nconstraints: {max_tensor: 0, max_data: 0}\n", "no factorisation of 8"),
         ("base: {tiny}\ndevices: 8\nvary: {model.hidden: [1]}\n", "unknown config key model.hidden"),
-        ("base: {tiny}\ndevices: 8\nvary: {model.remat: [1]}\n", "model.remat: expected str"),
+        ("base: {tiny}\ndevices: 8\nvary: {model.remat: [1]}\n", "model.remat: expected a string"),
         (
             "base: {tiny}\ndevices: 8\nvary: {optimizer.zero_stage: 3}\n",
             "vary.optimizer.zero_stage: must be a non-empty",
@@ -149,7 +149,9 @@ def test_sweep_files_are_read_and_typed_by_the_config_loader(tmp_path):
     path = _write(tmp_path, "base: {tiny}\ndevices: 8\nmemory_budget_bytes: 2e9\ntimeout_s: 60\ncompile: false\n")
     sweep = load_sweep(path)
     assert sweep.budget_bytes == 2e9 and sweep.timeout_s == 60.0
-    with pytest.raises(SweepError, match="compile: expected bool, got 'yes please' .*fix the value in the sweep file"):
+    with pytest.raises(
+        SweepError, match="compile: expected true or false, got 'yes please' .*fix the value in the sweep file"
+    ):
         load_sweep(_write(tmp_path, "base: {tiny}\ndevices: 8\ncompile: yes please\n"))
 
 

@@ -109,7 +109,7 @@ def test_config_changes_ignore_the_seed_checkpoint_and_process_settings():
 
 
 def test_restore_from_bad_paths_fail_at_load_or_before_steps(tmp_path):
-    with pytest.raises(ConfigError, match="is not a directory"):
+    with pytest.raises(ConfigError, match="restore_from=.*missing' .*does not exist; give a run directory"):
         _cfg(tmp_path / "run", f"checkpoint.restore_from={tmp_path / 'missing'}")
     empty = tmp_path / "not_a_checkpoint"
     empty.mkdir()

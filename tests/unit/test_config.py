@@ -11,7 +11,7 @@ import yaml
 from jaxpar.config import Config, ConfigError, check_unique_overrides, load_config, resolve_config, save_config
 from jaxpar.config.load import pop_base, read_config_file
 from jaxpar.config.mesh_axes import mesh_sizes
-from jaxpar.config.validate import resolve_mesh_shape
+from jaxpar.config.mesh_shape import resolve_mesh_shape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -82,10 +82,10 @@ def test_resolved_config_round_trips(tmp_path):
     [
         (["model.hidden=3"], "unknown config key model.hidden"),
         (["trainer.steps=3"], "unknown config key trainer"),
-        (["train.steps=ten"], "train.steps: expected int"),
-        (["optimizer.eps=tiny"], "optimizer.eps: expected float"),
-        (["model.tie_embeddings=3"], "model.tie_embeddings: expected bool"),
-        (["mesh.fsdp=3"], "make the product equal the device count"),
+        (["train.steps=ten"], "train.steps: expected an integer"),
+        (["optimizer.eps=tiny"], "optimizer.eps: expected a number"),
+        (["model.tie_embeddings=3"], "model.tie_embeddings: expected true or false"),
+        (["mesh.fsdp=3"], "or change one axis: mesh.fsdp=2 (or mesh.fsdp=-1)"),
         (["mesh.fsdp=-1", "mesh.data=-1"], "only one axis may be -1"),
         (["mesh.data=3", "mesh.fsdp=-1"], "cannot fill 8 devices"),
         (["mesh.data=0"], "mesh.data=0"),
@@ -121,8 +121,8 @@ def test_resolved_config_round_trips(tmp_path):
         (["optimizer.b1=-0.1"], "optimizer.b1=-0.1 must lie in [0, 1)"),
         (["train.run_dir="], "train.run_dir is empty; name the directory"),
         (["train.run_dir=' '"], "train.run_dir is empty; name the directory"),
-        (["model.moe.expert_axes=fsdp"], "model.moe.expert_axes: expected a list of str, got 'fsdp'"),
-        (["model.moe.expert_axes=[1]"], "model.moe.expert_axes[0]: expected str, got 1"),
+        (["model.moe.expert_axes=fsdp"], "model.moe.expert_axes: expected a list of strings, got 'fsdp'"),
+        (["model.moe.expert_axes=[1]"], "model.moe.expert_axes[0]: expected a string, got 1"),
         (
             ["model.moe.num_experts=8", "model.moe.expert_axes=[tensor]"],
             "names 'tensor'; experts are split over the axes that split the batch, data and fsdp",
@@ -176,7 +176,7 @@ def test_bad_override_syntax_and_files(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00model")
     with pytest.raises(ConfigError, match="not a UTF-8 text file"):
         load_config(str(binary), num_devices=8)
-    with pytest.raises(ConfigError, match="simulate devices with --cpu-devices N"):
+    with pytest.raises(ConfigError, match="jaxpar-train --cpu-devices 4, or JAX_NUM_CPU_DEVICES=4, simulates them"):
         load_config(TINY, num_devices=1)
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [1, 2\n")

@@ -224,7 +224,7 @@ def test_cli_exercise(capsys):
         ([TINY_YAML, "model.hidden=3"], "unknown config key model.hidden"),
         (
             [TINY_YAML, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "--devices", "16"],
-            "make the product equal the device count",
+            "= 8 but there are 16 devices; run on 8 devices (jaxpar-plan --devices 8",
         ),
         ([TINY_YAML, "mesh.data=1", "mesh.tensor=8"], "must be divisible by mesh.tensor=8"),
         (["configs/missing.yaml"], "does not exist"),

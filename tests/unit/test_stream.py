@@ -164,7 +164,9 @@ def test_model_vocabulary_smaller_than_the_tokenizer_is_refused_with_the_size(se
 def test_unfinished_or_missing_set_is_refused(sets, tmp_path):
     import shutil
 
-    with pytest.raises(ConfigError, match="is not a directory.*jaxpar-data tokenize"):
+    with pytest.raises(
+        ConfigError, match="does not exist; data.source=shards needs a shard set made by `jaxpar-data tokenize"
+    ):
         shard_splits(DataConfig(source="shards", path=str(tmp_path / "nowhere")))
     broken = tmp_path / "unfinished"
     shutil.copytree(sets["byte"], broken)

@@ -115,7 +115,10 @@ def test_wandb_offline_logs_numbers_and_resumes_the_same_run(tmp_path, monkeypat
 def test_wandb_mode_is_checked(tmp_path):
     with pytest.raises(ValueError, match="W&B mode 'offlne' is not one of"):
         WandbTracker(str(tmp_path), "jaxpar", "offlne")
-    with pytest.raises(ConfigError, match=r"metrics.wandb_mode='offlne' must be one of"):
+    with pytest.raises(
+        ConfigError,
+        match=r"metrics.wandb_mode='offlne' is not one of '', offline, online, disabled; did you mean metrics.wandb_mode=offline\?",
+    ):
         load_config(TINY, ["metrics.wandb_mode=offlne"], num_devices=8)
     with pytest.raises(ConfigError, match="metrics.wandb_project is empty"):
         load_config(TINY, ["metrics.wandb=true", "metrics.wandb_project= "], num_devices=8)
@@ -128,7 +131,8 @@ def test_wandb_without_the_extra_is_a_config_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     want = (
         "metrics.wandb=true (Weights & Biases) needs wandb (the 'wandb' extra), which is not installed: "
-        "pip install 'jaxpar[wandb]' (or set metrics.wandb=false)"
+        "pip install 'jaxpar[wandb]' (or set metrics.wandb=false) (set by the command-line override "
+        "`metrics.wandb=true`)"
     )
     with pytest.raises(ConfigError) as e:
         load_config(TINY, ["metrics.wandb=true"], num_devices=8)

@@ -1,8 +1,8 @@
 """Mesh sweeps: plan (and optionally compile and time) every point of a grid of mesh shapes and config overrides.
 
 A sweep file (YAML, read, its `base:` found and its values typed by the config loader, `jaxpar.config.load.read_yaml`,
-`pop_base` and `decode_value`: like `yaml.safe_load` but refusing duplicate keys; relative paths are relative to
-the file, as a config's `base:` is):
+`pop_base` and `jaxpar.config.decode.decode_value`: like `yaml.safe_load` but refusing duplicate keys; relative paths
+are relative to the file, as a config's `base:` is):
 
     base: ../tiny.yaml                  # required: the config every point starts from
     overrides: [model.n_layers=2]       # optional: dotted overrides applied to every point
@@ -65,8 +65,9 @@ from typing import Any
 from jaxpar.analysis.sweep.gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
 from jaxpar.analysis.sweep.report import MEASURED_OBJECTIVES, OBJECTIVES, PLOT_FEATURE, write_markdown, write_plot
 from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
+from jaxpar.config.decode import decode_value
 from jaxpar.config.extras import installed, missing_message
-from jaxpar.config.load import decode_value, pop_base, read_yaml
+from jaxpar.config.load import pop_base, read_yaml
 from jaxpar.config.mesh_axes import CONFIG_AXES, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import PLATFORMS
 from jaxpar.log import GB
@@ -144,7 +145,7 @@ def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int)
 
 
 def _check_type(key: str, value: Any, kind: type) -> Any:
-    """`value` decoded as a config value of type `kind` (`jaxpar.config.load.decode_value`); SweepError if it is not
+    """`value` decoded as a config value of type `kind` (`jaxpar.config.decode.decode_value`); SweepError if it is not
     one."""
     try:
         return decode_value(value, kind, key, fix="fix the value in the sweep file")

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 
+from jaxpar.config.paths import directory_problem
 from jaxpar.config.schema import ModelConfig
 
 CONFIG_FILE = "config.json"
@@ -49,10 +50,9 @@ def read_hf_config(hf_dir: str) -> dict:
       HFConfigError: `hf_dir` is not a directory or has no readable config.json.
     """
     path = os.path.join(hf_dir, CONFIG_FILE)
-    if not os.path.isdir(hf_dir):
-        raise HFConfigError(
-            f"{hf_dir!r} is not a directory; pass a Hugging Face model directory (config.json + *.safetensors)"
-        )
+    problem = directory_problem(hf_dir)
+    if problem is not None:
+        raise HFConfigError(f"{hf_dir!r} {problem}; pass a Hugging Face model directory (config.json + *.safetensors)")
     if not os.path.isfile(path):
         raise HFConfigError(f"{hf_dir!r} has no {CONFIG_FILE}; pass a Hugging Face model directory")
     try:
