@@ -54,8 +54,8 @@ def check_source(d: DataConfig, key: str = "data") -> None:
         raise ConfigError(f"{key}.path is required for {key}.source={d.source}; give {what}")
     if d.validation_path and d.source != "shards":
         raise ConfigError(
-            f"{key}.validation_path applies to {key}.source=shards, not {d.source}; drop it ({key}.validation_fraction "
-            f"sets the held-out share)"
+            f"{key}.validation_path applies to {key}.source=shards, not {d.source}; drop it, "
+            f"{example(f'{key}.validation_path', '')} ({key}.validation_fraction sets the held-out share)"
         )
     check_positive(f"{key}.max_bytes", d.max_bytes, allow_zero=True)
     if not 0.0 < d.validation_fraction < 1.0:

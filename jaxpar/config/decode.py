@@ -2,7 +2,7 @@
 
 Every value is checked against its field's type (`decode_value`), every key against the fields of its section;
 an unknown key is refused with the closest valid one ("did you mean optimizer.learning_rate?"), a value of the
-wrong type or an empty one with an example of the right type (the key's default). Cross-field checks are
+wrong type or an empty one with an example of the right type (`jaxpar.config.keys.example`). Cross-field checks are
 `jaxpar.config.validate`'s.
 """
 
@@ -84,10 +84,10 @@ def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in t
     raise _refuse(value, hint, key, fix)
 
 
-def _type_fix(key: str, hint: Any, default: Any) -> str:
-    """The fix a type error of field `key` names: an example of its type, the field's default."""
+def _type_fix(key: str, hint: Any) -> str:
+    """The fix a type error of field `key` names: an example of its type (`jaxpar.config.keys.example`)."""
     quoted = "quoted if YAML would read it as a number or a boolean, " if hint is str else ""
-    return f"{quoted}{example(key, default)}"
+    return f"{quoted}{example(key)}"
 
 
 def _unknown(name: str, prefix: str, cls: type) -> ConfigError:
@@ -128,9 +128,7 @@ def _build(cls: type, values: dict, prefix: str) -> Any:
         elif entry is not None:
             kwargs[name] = _build_entries(entry, value, key)
         else:
-            f = fields[name]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            kwargs[name] = decode_value(value, hint, key, _type_fix(key, hint, default))
+            kwargs[name] = decode_value(value, hint, key, _type_fix(key, hint))
     return cls(**kwargs)
 
 

@@ -30,11 +30,13 @@ class KeySpec:
       key: the dotted name, entries of a list written `[]` (`data.sources[].weight`).
       hint: the field's type annotation (int, float, bool, str, `int | None`, `tuple[str, ...]`).
       default: the field's default value.
+      example: a valid value to show in messages: the field's `example` metadata, else its default.
     """
 
     key: str
     hint: Any
     default: Any
+    example: Any
 
 
 def entry_class(hint: Any) -> type | None:
@@ -57,7 +59,7 @@ def _walk(cls: type, prefix: str) -> list[KeySpec]:
             out += _walk(entry, f"{key}[].")
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            out.append(KeySpec(key, hint, default))
+            out.append(KeySpec(key, hint, default, f.metadata.get("example", default)))
     return out
 
 
@@ -96,10 +98,11 @@ def yaml_value(value: Any) -> str:
 
 
 def example(key: str, value: Any = dataclasses.MISSING) -> str:
-    """ "e.g. KEY=VALUE" naming a valid setting of `key` (a message's fix): `value`, or the key's default."""
+    """ "e.g. KEY=VALUE" naming a valid setting of `key` (a message's fix): `value`, or the key's example (its
+    default, unless the schema names another: `KeySpec.example`)."""
     if value is dataclasses.MISSING:
         spec = key_spec(key)
-        value = None if spec is None else spec.default
+        value = None if spec is None else spec.example
     return f"e.g. {key}={yaml_value(value)}"
 
 

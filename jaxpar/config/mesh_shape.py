@@ -101,7 +101,7 @@ def resolve_mesh_shape(cfg: Config, num_devices: int) -> dict[str, int]:
         sizes[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ConfigError(
-            f"mesh: data*fsdp*tensor*pipeline = {' * '.join(str(v) for v in sizes.values())} = {fixed} but "
+            f"{' * '.join(f'mesh.{a}' for a in sizes)} = {' * '.join(str(v) for v in sizes.values())} = {fixed} but "
             f"there {'are' if num_devices > 1 else 'is'} {num_devices} device{'s' if num_devices > 1 else ''}; "
             f"{mesh_advice(sizes, num_devices)}"
         )

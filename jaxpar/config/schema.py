@@ -260,7 +260,7 @@ class DataSourceConfig:
       source, path, validation_path, text_field, token_dtype, validation_fraction, max_bytes: as in `data`.
     """
 
-    name: str = ""
+    name: str = field(default="", metadata={"example": "web"})  # required: the default is no name
     weight: float = 1.0
     source: str | None = None
     path: str | None = None

@@ -46,6 +46,16 @@ class ConfigSources:
         for k in [k for k in self.origins if k.startswith((f"{key}.", f"{key}["))]:
             del self.origins[k]
 
+    def _record(self, key: str, value: Any, origin: str) -> None:
+        """`key` = `value` (a scalar, a list, or a list's mapping entries key by key) comes from `origin`."""
+        self._drop_below(key)
+        self.origins[key] = origin
+        if isinstance(value, list):  # entries of a list of mappings (data.sources): each stated key, by index
+            for i, item in enumerate(value):
+                if isinstance(item, dict):
+                    for name, v in item.items():
+                        self._record(f"{key}[{i}].{name}", v, origin)
+
     def stated(self, tree: dict, origin: str, prefix: str = "") -> None:
         """Records the keys of the nested mapping `tree` (a YAML file's, merged into what earlier files stated,
         key by key) as coming from `origin`."""
@@ -55,8 +65,7 @@ class ConfigSources:
             if isinstance(value, dict):
                 self.stated(value, origin, f"{key}.")
             else:
-                self._drop_below(key)
-                self.origins[key] = origin
+                self._record(key, value, origin)
 
     def overridden(self, parts: list[str], value: Any, origin: str) -> None:
         """Records an override of the dotted key `parts`, which replaces the whole value there (a mapping given as
@@ -69,18 +78,21 @@ class ConfigSources:
         if isinstance(value, dict):
             self.stated(value, origin, f"{key}.")
         else:
-            self.origins[key] = origin
+            self._record(key, value, origin)
 
     def origin(self, key: str) -> str | None:
-        """Where `key`'s value came from: its own origin, else that of the value holding it (a list such as
-        `data.sources` for `data.sources[0].weight`), else, for a section, that of the keys stated in it (the
-        first); None for a value left to the schema default."""
+        """Where `key`'s value came from: its own origin, else that of the value holding it (a list for an item of
+        it, `model.moe.expert_axes[0]`), else, for a section, that of the keys stated in it (the first); None for a
+        value nothing stated: the schema default, or for a key of a list's entry (`data.sources[0].path`) the
+        section's value it takes."""
         probe = key
         while probe:
             if probe in self.origins:
                 return self.origins[probe]
             parent = _LAST.sub("", probe)
-            probe = parent if parent != probe else ""
+            if parent == probe or parent.endswith("]"):  # an entry's own keys are recorded: this one was not stated
+                break
+            probe = parent
         return next((o for k, o in self.origins.items() if k.startswith((f"{key}.", f"{key}["))), None)
 
     def explain(self, error: ConfigError) -> ConfigError:

@@ -4,6 +4,7 @@ import dataclasses
 import glob
 import math
 import os
+import re
 
 import pytest
 import yaml
@@ -257,3 +258,30 @@ def test_repeated_resumes_at_one_step_keep_every_previous_config(tmp_path):
         kept.append(keep_previous_config(str(tmp_path), 2))
     assert [os.path.basename(k) for k in kept] == ["config.step2.yaml", "config.step2.1.yaml", "config.step2.2.yaml"]
     assert [(tmp_path / os.path.basename(k)).read_text() for k in kept] == ["b1: 0.8\n", "b1: 0.7\n", "b1: 0.6\n"]
+
+
+@pytest.mark.parametrize(
+    "config, overrides, devices, needed, refused, fill",
+    [
+        ("llama_7b.yaml", [], 1, "a multiple of 8", "mesh.fsdp=-1 cannot fill", []),  # data=8, fsdp=-1 on 1 device
+        ("llama_7b.yaml", [], 12, "a multiple of 8", "mesh.fsdp=-1 cannot fill", []),
+        ("mixtral_8x7b.yaml", [], 8, "64", "= 64 but there are 8 devices", ["data"]),  # every axis set: 8x2x1x4
+        ("tiny.yaml", ["mesh.data=3", "mesh.fsdp=3", "mesh.tensor=1"], 8, "9", "= 9 but there are 8 devices", []),
+    ],
+    ids=["fill-1", "fill-12", "fixed-cluster", "fixed-no-single-axis"],
+)
+def test_mesh_advice_names_what_fits(config, overrides, devices, needed, refused, fill):
+    """A mesh that does not cover the devices: the message names the device count the config's mesh needs and
+    axis sizes that fit these devices, each of which does fit; -1 alone is offered only for an axis (`fill`) whose
+    others divide the device count (never where an axis is -1 already)."""
+    cfg = load_config(os.path.join(ROOT, "configs", config), overrides, validate=False)
+    with pytest.raises(ConfigError) as err:
+        resolve_mesh_shape(cfg, devices)
+    message = str(err.value)
+    assert refused in message and f"run on {needed} devices (jaxpar-plan --devices {needed.split()[-1]}" in message
+    fixes = re.findall(r"(?:e\.g\.|one axis:|or) ((?:mesh\.\w+=-?\d+ ?)+)", message)
+    assert fixes, message
+    for fix in fixes:
+        fixed = load_config(os.path.join(ROOT, "configs", config), [*overrides, *fix.split()], validate=False)
+        assert math.prod(resolve_mesh_shape(fixed, devices).values()) == devices, (fix, message)
+    assert re.findall(r"\(or mesh\.(\w+)=-1\)", message) == fill, message

@@ -117,7 +117,8 @@ def test_wandb_mode_is_checked(tmp_path):
         WandbTracker(str(tmp_path), "jaxpar", "offlne")
     with pytest.raises(
         ConfigError,
-        match=r"metrics.wandb_mode='offlne' is not one of '', offline, online, disabled; did you mean metrics.wandb_mode=offline\?",
+        match=r"metrics.wandb_mode='offlne' is not one of '', offline, online, disabled; did you mean "
+        r"metrics.wandb_mode=offline\?",
     ):
         load_config(TINY, ["metrics.wandb_mode=offlne"], num_devices=8)
     with pytest.raises(ConfigError, match="metrics.wandb_project is empty"):
