@@ -7,6 +7,10 @@ process fails, the others are terminated (SIGTERM, then SIGKILL after `--grace` 
 with the failed process's status; SIGINT/SIGTERM to the launcher are forwarded to every process.
 
     jaxpar-launch -n 2 --devices-per-process 4 -- jaxpar-train configs/tiny.yaml train.steps=20
+
+Exit status: 0 when every process succeeds, else the failed process's; 2 for bad arguments; as a shell, 127 when
+COMMAND is not found and 126 when it is not executable (a directory, a file without the execute bit), before any
+process starts.
 """
 
 from __future__ import annotations
@@ -140,10 +144,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_processes < 1 or (args.devices_per_process is not None and args.devices_per_process < 1):
         print("jaxpar-launch: -n and --devices-per-process must be >= 1", file=sys.stderr)
         return 2
-    if shutil.which(command[0]) is None:
-        print(f"jaxpar-launch: command {command[0]!r} not found (not on PATH, or not executable)", file=sys.stderr)
-        return 127
+    problem = _command_problem(command[0])
+    if problem is not None:
+        message, status = problem
+        print(f"jaxpar-launch: command {command[0]!r} {message}", file=sys.stderr)
+        return status
     return launch(command, args.num_processes, args.devices_per_process, args.grace, args.port)
+
+
+def _command_problem(name: str) -> tuple[str, int] | None:
+    """Why `name` cannot be started, with the shell's status for it (127 not found, 126 found but not
+    executable), or None."""
+    if shutil.which(name) is not None:
+        return None
+    if os.sep not in name:
+        return "is not on PATH; give its path, e.g. .venv/bin/jaxpar-train", 127
+    if not os.path.exists(name):
+        return "does not exist; give the path of an executable, e.g. .venv/bin/jaxpar-train", 127
+    if os.path.isdir(name):
+        return "is a directory, not a program; give the path of an executable, e.g. .venv/bin/jaxpar-train", 126
+    return "is not executable; chmod +x it, or run it through its interpreter (e.g. .venv/bin/python FILE)", 126
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.config.paths import output_dir_problem
 from jaxpar.data import corpus_files, shards
 from jaxpar.data.errors import DataError
 from jaxpar.data.shards import file_sha256
@@ -377,17 +378,15 @@ def tokenize_corpus(opts: TokenizeOptions) -> TokenizeResult:
         without the field, a null Parquet cell); the shards finished until then are kept.
       KeyboardInterrupt: after stopping the workers; the finished shards are kept and a rerun continues.
     """
-    spec, corpus, identity, config, workers = _resolve(opts)
     out = os.path.abspath(opts.out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise DataError(f"--out {opts.out} is a file; give a directory for the shard set")
     if os.path.isdir(out):
         _check_not_foreign(out)
+    problem = output_dir_problem(out)  # a file in the way, no permission, a read-only file system
+    if problem is not None:
+        raise DataError(f"--out {opts.out!r} {problem}; give a directory you can write for the shard set")
+    spec, corpus, identity, config, workers = _resolve(opts)
     t0 = time.perf_counter()
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as e:
-        raise DataError(f"--out {opts.out} cannot be created ({e.strerror}); give a directory you can write") from None
+    os.makedirs(out, exist_ok=True)
     with shards.exclusive(out):
         complete, entries = _prepare_output(out, identity)
         kept = len(entries)

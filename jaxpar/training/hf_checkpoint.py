@@ -22,7 +22,8 @@ import os
 from collections.abc import Sequence
 
 from jaxpar.config import ConfigError, load_config, save_config
-from jaxpar.model.hf_llama import HFConfigError, load_hf_llama, save_hf_llama
+from jaxpar.config.paths import output_dir_problem, write_atomic
+from jaxpar.model.hf_llama import check_export_dir, load_hf_llama, save_hf_llama
 
 _LOGGER = logging.getLogger("jaxpar.training.hf_checkpoint")
 HF_CONFIG_COPY = "hf_config.json"  # the imported directory's config.json, beside config.yaml
@@ -42,7 +43,8 @@ def import_hf(hf_dir: str, run_dir: str, overrides: Sequence[str] = ()) -> dict:
 
     Raises:
       HFConfigError: the directory is not a Llama jaxpar can read (the message names the key or tensor).
-      ConfigError: `run_dir` already holds checkpoints, or an override is invalid or changes the model's shape.
+      ConfigError: `run_dir` cannot be written (a file in the way, no permission) or already holds checkpoints,
+        or an override is invalid or changes the model's shape.
     """
     import jax  # device work only from here on
 
@@ -51,9 +53,20 @@ def import_hf(hf_dir: str, run_dir: str, overrides: Sequence[str] = ()) -> dict:
     from jaxpar.training.plan import build_plan
     from jaxpar.training.state import init_state
 
+    problem = output_dir_problem(run_dir)
+    if problem is not None:
+        raise ConfigError(f"--out {run_dir!r} {problem}; import into a new run directory you can write")
     ckpt_dir = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
     if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-        raise ConfigError(f"{ckpt_dir} already holds checkpoints; import into a new run directory")
+        cut_short = (
+            ""
+            if os.path.isfile(os.path.join(run_dir, "config.yaml"))
+            else (" but no config.yaml (written after the checkpoint: an import cut short?)")
+        )
+        raise ConfigError(
+            f"{ckpt_dir} already holds checkpoints{cut_short}; import into a new run directory"
+            + (f", or delete {ckpt_dir} if it is that import's" if cut_short else "")
+        )
     hf = load_hf_llama(hf_dir)
     values = {"model": dataclasses.asdict(hf.cfg), "train": {"run_dir": run_dir}}
     cfg = load_config(values, overrides, validate=False)
@@ -76,10 +89,8 @@ def import_hf(hf_dir: str, run_dir: str, overrides: Sequence[str] = ()) -> dict:
         ckpt.wait()
     finally:
         ckpt.close()
-    save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    with open(os.path.join(run_dir, HF_CONFIG_COPY), "w", encoding="utf-8") as f:
-        json.dump(hf.hf_config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    save_config(cfg, os.path.join(run_dir, "config.yaml"))  # after the checkpoint: a run dir with it is whole
+    write_atomic(os.path.join(run_dir, HF_CONFIG_COPY), json.dumps(hf.hf_config, indent=2, sort_keys=True) + "\n")
     count = sum(int(x.size) for x in jax.tree.leaves(hf.params))
     _LOGGER.info("imported %s (%d parameters, %s) into %s", hf_dir, count, hf.dtype, run_dir)
     return {"run_dir": run_dir, "step": 0, "parameters": count, "dtype": hf.dtype, "model": dataclasses.asdict(hf.cfg)}
@@ -112,12 +123,12 @@ def export_hf(
 
     Raises:
       FileNotFoundError: no complete checkpoint at `path`. HFConfigError: not the llama family, an unknown
-        dtype, parameters that do not fit the saved config, or `out_dir` already holds model files.
+        dtype, parameters that do not fit the saved config, or `out_dir` cannot take the export
+        (`jaxpar.model.hf_llama.check_export_dir`).
     """
     from jaxpar.checkpoint.params import restore_params
 
-    if os.path.isfile(os.path.join(out_dir, "config.json")):
-        raise HFConfigError(f"{out_dir} already holds config.json; export into a new or empty directory")
+    check_export_dir(out_dir)  # before reading the checkpoint
     params, cfg, chosen = restore_params(path, step)
     files = save_hf_llama(
         params, cfg.model, out_dir, dtype=dtype, base_config=_hf_config_beside(path), max_shard_bytes=max_shard_bytes

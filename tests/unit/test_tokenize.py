@@ -335,7 +335,7 @@ def test_output_directory_that_is_not_a_shard_set_is_refused(env, tmp_path):
     with pytest.raises(DataError, match="not a jaxpar token shard set .*notes.txt"):
         _tokenize(env, tmp_path / "out")
     assert os.listdir(tmp_path / "out") == ["notes.txt"]  # nothing added
-    with pytest.raises(DataError, match=r"--out .*notes.txt/sub cannot be created \(Not a directory\)"):
+    with pytest.raises(DataError, match=r"--out .*notes.txt/sub' cannot be created: .*notes.txt is a file, not a dir"):
         _tokenize(env, tmp_path / "out" / "notes.txt" / "sub")
 
 

@@ -7,11 +7,13 @@ devices; else the plan's peak estimate (params + optimizer state + temp estimate
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 
 from jaxpar.config.extras import require
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.paths import write_atomic
 from jaxpar.log import human_bytes
 
 # What a sweep can rank its points by, and whether lower or higher is better; the measured ones need timed steps.
@@ -203,8 +205,7 @@ def write_markdown(path: str, header: dict, records: list[dict]) -> None:
             notes.append(f"- `{' '.join(r['overrides'])}` ({r['status']}): {r['error'].splitlines()[-1]}")
     if notes:
         lines += ["", "Points not ranked:", *notes]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
+    write_atomic(path, "\n".join(lines) + "\n")  # a kill mid-write leaves the previous results.md
 
 
 def write_plot(path: str, header: dict, records: list[dict], max_points: int = 32) -> None:
@@ -302,5 +303,7 @@ def write_plot(path: str, header: dict, records: list[dict], max_points: int = 3
     bottom.set_xticklabels([label(r) for r in recs], fontsize=7, rotation=90 if len(recs) > 12 else 0)
     bottom.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
+    write_atomic(path, png.getvalue())

@@ -69,6 +69,7 @@ from jaxpar.config.decode import decode_value
 from jaxpar.config.extras import installed, missing_message
 from jaxpar.config.load import pop_base, read_yaml
 from jaxpar.config.mesh_axes import CONFIG_AXES, DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.paths import output_dir_problem, write_atomic
 from jaxpar.config.precision import PLATFORMS
 from jaxpar.log import GB
 
@@ -476,10 +477,7 @@ def run_point(sweep: Sweep, point: dict, runner: Callable[[Sweep, dict], tuple[i
 
 
 def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)  # atomic: an interrupted sweep never leaves half a results.json
+    write_atomic(path, json.dumps(data, indent=1))  # an interrupted sweep never leaves half a results.json
 
 
 def load_results(path: str, sweep: Sweep) -> dict[str, dict]:
@@ -557,12 +555,9 @@ def run_sweep(
     plot = installed("matplotlib")
     if not plot:
         log(f"plot.png is skipped: {missing_message('matplotlib', PLOT_FEATURE)}")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:  # a file in the way, a read-only parent, ...
-        raise SweepError(
-            f"--out {out_dir!r} cannot be created as a directory ({e.strerror}: {e.filename}); pick another --out"
-        ) from e
+    problem = output_dir_problem(out_dir, keep_created=True)  # a file in the way, a read-only parent, ...
+    if problem is not None:
+        raise SweepError(f"--out {out_dir!r} {problem}; pick another --out, a directory you can write")
     path = os.path.join(out_dir, "results.json")
     records = load_results(path, sweep)
     todo = points(sweep)

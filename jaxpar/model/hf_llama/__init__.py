@@ -16,6 +16,7 @@ import dataclasses
 import json
 import os
 
+from jaxpar.config.paths import output_dir_problem, write_atomic
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama.config import (
     CONFIG_FILE,
@@ -27,7 +28,7 @@ from jaxpar.model.hf_llama.config import (
 )
 from jaxpar.model.hf_llama.weights import (
     INDEX_FILE,
-    SINGLE_FILE,
+    PARTIAL,
     check_hf_tensors,
     hf_tensors,
     read_hf_params,
@@ -37,6 +38,7 @@ from jaxpar.model.hf_llama.weights import (
 __all__ = [
     "HFConfigError",
     "HFLlama",
+    "check_export_dir",
     "check_hf_llama",
     "hf_config_from_model",
     "hf_tensors",
@@ -118,18 +120,37 @@ def save_hf_llama(
     and safetensors of `dtype` (sharded with an index above `max_shard_bytes` per file). Returns the file names.
 
     Raises:
-      HFConfigError: `out_dir` is a file or already holds model files, an unknown dtype, or parameters shaped
+      HFConfigError: `out_dir` cannot take the export (`check_export_dir`), an unknown dtype, or parameters shaped
         unlike `cfg`.
     """
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise HFConfigError(f"{out_dir} is a file; export into a new or empty directory")
-    existing = [n for n in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE) if os.path.exists(os.path.join(out_dir, n))]
-    if existing:
-        raise HFConfigError(f"{out_dir} already holds {existing}; export into a new or empty directory")
+    check_export_dir(out_dir)
     tensors = hf_tensors(params, cfg, dtype)
     hf = hf_config_from_model(cfg, dtype, base_config)
-    files = write_hf_tensors(tensors, out_dir, max_shard_bytes)
-    with open(os.path.join(out_dir, CONFIG_FILE), "w", encoding="utf-8") as f:
-        json.dump(hf, f, indent=2, sort_keys=True)
-        f.write("\n")
+    files = write_hf_tensors(tensors, out_dir, max_shard_bytes)  # each file whole or not at all
+    write_atomic(os.path.join(out_dir, CONFIG_FILE), json.dumps(hf, indent=2, sort_keys=True) + "\n")  # last
     return [CONFIG_FILE, *files]
+
+
+def check_export_dir(out_dir: str) -> None:
+    """Refuses an `out_dir` that an export cannot write into: a file in the way, no permission to write
+    (`jaxpar.config.paths.output_dir_problem`), model files already there, or the files of an export that was
+    cut short (safetensors without config.json, which is written last, or a `.partial` file).
+
+    Raises:
+      HFConfigError: naming the directory, the problem and the fix.
+    """
+    problem = output_dir_problem(out_dir)
+    if problem is not None:
+        raise HFConfigError(f"{out_dir!r} {problem}; export into a new or empty directory you can write")
+    names = os.listdir(out_dir) if os.path.isdir(out_dir) else []
+    model = [n for n in names if n in (CONFIG_FILE, INDEX_FILE) or n.endswith((".safetensors", PARTIAL))]
+    if model and CONFIG_FILE not in model:
+        raise HFConfigError(
+            f"{out_dir} holds {', '.join(sorted(model))} but no {CONFIG_FILE} (written last): an export that was "
+            f"cut short; delete those files and export again, or export into a new directory"
+        )
+    if model:
+        raise HFConfigError(
+            f"{out_dir} already holds {', '.join([CONFIG_FILE, *sorted(set(model) - {CONFIG_FILE})])}; export into "
+            f"a new or empty directory"
+        )

@@ -33,6 +33,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from jaxpar.config.paths import write_atomic
 from jaxpar.config.precision import DTYPE_BYTES
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf_llama.config import HFConfigError
@@ -57,13 +58,24 @@ _LAYER = {
 }
 
 
+PARTIAL = ".partial"  # a safetensors file being written: renamed to its name once whole
+
+
 def _save(tensors: dict[str, np.ndarray], path: str) -> None:
-    """Writes a safetensors file with the mode of any new file (0666 less the umask: safetensors makes it 0600,
-    which other users of a shared cluster could not read)."""
-    save_file(tensors, path, metadata={"format": "pt"})
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    """Writes a safetensors file whole or not at all (written as PATH.partial, then renamed), with the mode of any
+    new file (0666 less the umask: safetensors makes it 0600, which other users of a shared cluster could not
+    read)."""
+    partial = path + PARTIAL
+    try:
+        save_file(tensors, partial, metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(partial, 0o666 & ~umask)
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
 
 
 def _open(path: str):
@@ -275,7 +287,5 @@ def write_hf_tensors(tensors: dict[str, np.ndarray], out_dir: str, max_shard_byt
         _save(shard, os.path.join(out_dir, file))
         weight_map.update({name: file for name in shard})
     index = {"metadata": {"total_size": sum(w.nbytes for w in tensors.values())}, "weight_map": weight_map}
-    with open(os.path.join(out_dir, INDEX_FILE), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-        f.write("\n")
+    write_atomic(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2, sort_keys=True) + "\n")
     return [*names, INDEX_FILE]
