@@ -12,6 +12,7 @@ import sys
 import yaml
 
 from jaxpar.config import ConfigError, load_config, resolve_config
+from jaxpar.config.sources import COMMAND_LINE
 
 
 def main(argv=None) -> int:
@@ -23,7 +24,8 @@ def main(argv=None) -> int:
     if args.config is None:  # a required positional before nargs="*" would name `overrides` as missing too
         p.error("a config path is required, e.g. configs/tiny.yaml")
     try:
-        cfg = resolve_config(load_config(args.config, args.overrides, num_devices=args.devices), args.devices)
+        cfg = load_config(args.config, args.overrides, num_devices=args.devices, overrides_are=COMMAND_LINE)
+        cfg = resolve_config(cfg, args.devices)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

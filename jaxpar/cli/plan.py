@@ -240,10 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     from jaxpar.config.attention import resolve_attention
     from jaxpar.config.precision import resolve_compute_dtype
+    from jaxpar.config.sources import COMMAND_LINE
 
     compiles_here = (args.compile or args.measure_steps > 0) and not args.real_devices and clu is None
     try:
-        cfg, sources = load_config_with_sources(args.config, args.overrides)
+        cfg, sources = load_config_with_sources(args.config, args.overrides, overrides_are=COMMAND_LINE)
     except ConfigError as e:
         return _fail(f"config error: {e}")
     try:

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging()
     from jaxpar.config import ConfigError, load_config_with_sources, validate_config
+    from jaxpar.config.sources import COMMAND_LINE
     from jaxpar.training import faults
     from jaxpar.training.loop import TrainingDiverged, train
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"jaxpar-train: --import {spec}: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
     try:
-        cfg, sources = load_config_with_sources(args.config, args.overrides)
+        cfg, sources = load_config_with_sources(args.config, args.overrides, overrides_are=COMMAND_LINE)
     except ConfigError as e:
         print(f"jaxpar-train: config error: {e}", file=sys.stderr)
         return 2

@@ -123,7 +123,7 @@ def _build(cls: type, values: dict, prefix: str) -> Any:
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 first = dataclasses.fields(hint)[0].name
-                raise ConfigError(f"{key}: must be a mapping of keys (such as {key}.{first}), got {value!r}")
+                raise ConfigError(f"{key}: must be a mapping of keys (such as {key}.{first}), got {value!r}", key=key)
             kwargs[name] = _build(hint, value, key)
         elif entry is not None:
             kwargs[name] = _build_entries(entry, value, key)

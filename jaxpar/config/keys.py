@@ -58,7 +58,8 @@ def _walk(cls: type, prefix: str) -> list[KeySpec]:
         elif entry is not None:
             out += _walk(entry, f"{key}[].")
         else:
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            factory = f.default_factory  # every field of the tree has a default or a default factory
+            default = f.default if f.default is not dataclasses.MISSING else factory() if callable(factory) else None
             out.append(KeySpec(key, hint, default, f.metadata.get("example", default)))
     return out
 

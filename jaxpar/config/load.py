@@ -154,7 +154,7 @@ def load_config_with_sources(
     path: str | dict | None,
     overrides: Sequence[str] = (),
     *,
-    overrides_are: str = "the command-line override",
+    overrides_are: str = "the override",
 ) -> tuple[Config, ConfigSources]:
     """Loads `path` (or the defaults when None) and applies dotted overrides, without cross-field validation;
     returns the config and where each key it states came from (`jaxpar.config.sources`), for the caller to
@@ -164,7 +164,8 @@ def load_config_with_sources(
       path: YAML file, which may name a `base` file it extends; or the nested values themselves (e.g. a
         checkpoint's saved config, `Config.to_dict()`), copied, not changed, whose keys have no origin.
       overrides: strings like `mesh.fsdp=4`; a key given twice takes the last value.
-      overrides_are: what the overrides are, as errors name them ("the command-line override `mesh.fsdp=4`").
+      overrides_are: what the overrides are, as errors name them: "the override `mesh.fsdp=4`", or a command's
+        `jaxpar.config.sources.COMMAND_LINE` ("the command-line override `mesh.fsdp=4`").
 
     Raises:
       ConfigError: a file that cannot be read, an unknown key (naming the closest valid one) or a value of the
@@ -180,7 +181,8 @@ def load_config_with_sources(
         for depth, name in enumerate(parts[:-1]):
             sec = sec.setdefault(name, {})
             if not isinstance(sec, dict):
-                raise sources.explain(ConfigError(f"{'.'.join(parts[: depth + 1])}: must be a mapping of keys"))
+                where = ".".join(parts[: depth + 1])
+                raise sources.explain(ConfigError(f"{where}: must be a mapping of keys, not {sec!r}", key=where))
         sec[parts[-1]] = value
         sources.overridden(parts, value, override_origin(text, overrides_are))
     try:
@@ -195,7 +197,7 @@ def load_config(
     *,
     validate: bool = True,
     num_devices: int | None = None,
-    overrides_are: str = "the command-line override",
+    overrides_are: str = "the override",
 ) -> Config:
     """Loads `path` (or the defaults when None), applies dotted overrides, validates.
 

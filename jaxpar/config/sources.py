@@ -24,19 +24,22 @@ _KEY = re.compile(r"(?<![\w./\-\[])[A-Za-z_]\w*(?:\[\d+\])?(?:\.[A-Za-z_]\w*(?:\
 _LAST = re.compile(r"(?:\.[^.\[\]]+|\[\d+\])$")
 
 
+COMMAND_LINE = "the command-line override"  # what a command's overrides are (`override_origin`'s `what`)
+
+
 def file_origin(path: str) -> str:
     """The origin of a key a YAML file states: "in PATH"."""
     return f"in {path}"
 
 
-def override_origin(text: str, what: str = "the command-line override") -> str:
-    """The origin of a key an override sets: "by the command-line override `mesh.fsdp=4`" (`what` names another
-    kind, e.g. a sweep file's overrides)."""
+def override_origin(text: str, what: str = "the override") -> str:
+    """The origin of a key an override sets: "by the override `mesh.fsdp=4`", or with `what` saying whose, e.g.
+    "by the command-line override `mesh.fsdp=4`" (`COMMAND_LINE`)."""
     return f"by {what} `{text.strip()}`"
 
 
 class ConfigSources:
-    """Dotted key -> origin ("in FILE" or "by the command-line override `k=v`") of every key a config's files and
+    """Dotted key -> origin ("in FILE" or "by the override `k=v`") of every key a config's files and
     overrides state; a key of the schema's default is absent."""
 
     def __init__(self, origins: dict[str, str] | None = None):

@@ -132,7 +132,7 @@ def test_wandb_without_the_extra_is_a_config_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     want = (
         "metrics.wandb=true (Weights & Biases) needs wandb (the 'wandb' extra), which is not installed: "
-        "pip install 'jaxpar[wandb]' (or set metrics.wandb=false) (set by the command-line override "
+        "pip install 'jaxpar[wandb]' (or set metrics.wandb=false) (set by the override "
         "`metrics.wandb=true`)"
     )
     with pytest.raises(ConfigError) as e:

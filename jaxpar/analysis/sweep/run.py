@@ -64,7 +64,7 @@ from typing import Any
 
 from jaxpar.analysis.sweep.gpu import SweepTargetError, gpu_summary, parse_target, plugin_missing, target_command
 from jaxpar.analysis.sweep.report import MEASURED_OBJECTIVES, OBJECTIVES, PLOT_FEATURE, write_markdown, write_plot
-from jaxpar.config import ConfigError, check_unique_overrides, load_config, resolve_config
+from jaxpar.config import ConfigError, check_unique_overrides, load_config, load_config_with_sources, resolve_config
 from jaxpar.config.decode import decode_value
 from jaxpar.config.extras import installed, missing_message
 from jaxpar.config.load import pop_base, read_yaml
@@ -423,10 +423,14 @@ def run_point(sweep: Sweep, point: dict, runner: Callable[[Sweep, dict], tuple[i
         "measured": None,
         "gpu_compiled": None,
     }
-    try:
-        cfg = resolve_config(
-            load_config(sweep.base, [*sweep.overrides, *point["overrides"]], validate=False), point["devices"]
+    try:  # errors name the base config's file or the sweep's override that set each key
+        cfg, sources = load_config_with_sources(
+            sweep.base, [*sweep.overrides, *point["overrides"]], overrides_are="the sweep's override"
         )
+        try:
+            cfg = resolve_config(cfg, point["devices"])
+        except ConfigError as e:
+            raise sources.explain(e) from e
     except ConfigError as e:
         return {**rec, "status": "invalid", "error": str(e), "seconds": time.perf_counter() - t0}
     run = sweep.compile or sweep.measure_steps > 0
