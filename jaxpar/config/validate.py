@@ -220,13 +220,9 @@ def _check_optimizer(cfg: Config) -> None:
 
 
 def _check_checkpoint_and_train(cfg: Config) -> None:
-    """The `checkpoint:` and `train:` sections: the restore path exists, counts and intervals in range."""
+    """The `checkpoint:` and `train:` sections: counts and intervals in range. (`checkpoint.restore_from` is
+    checked by the run before any device work, where it seeds one: `jaxpar.training.start_state`.)"""
     c, t = cfg.checkpoint, cfg.train
-    if c.restore_from and not os.path.isdir(c.restore_from):
-        raise ConfigError(
-            f"checkpoint.restore_from={c.restore_from!r} (--restore-from) is not a directory; give a "
-            f"run directory, its checkpoints/ directory or one of its step directories"
-        )
     _positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     _positive("checkpoint.keep", c.keep)
     if not t.run_dir.strip():
