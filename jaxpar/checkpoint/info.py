@@ -24,6 +24,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxpar.checkpoint.format import (
+    FORMAT_ITEM,
+    JAXPAR_VERSION,
+    READ_VERSIONS,
+    UNRECORDED_VERSION,
+    CheckpointFormatError,
+    reads,
+)
 from jaxpar.checkpoint.store import (
     _COMMIT_MARKER,
     _CONFIG,
@@ -33,6 +41,7 @@ from jaxpar.checkpoint.store import (
     _TMP_STEP,
     RUN_CHECKPOINT_DIR,
     _is_complete_step_dir,
+    read_json_item,
     resolve_checkpoint_path,
 )
 from jaxpar.config.mesh_axes import CONFIG_AXES
@@ -70,14 +79,6 @@ def list_step_dirs(root: str) -> tuple[list[int], list[dict]]:
                 {"name": name, "step": int(m.group(1)), "reason": "set aside by a restore that could not read it"}
             )
     return sorted(complete), sorted(incomplete, key=lambda e: (e["step"], e["name"]))
-
-
-def read_json_item(step_dir: str, item: str) -> dict | None:
-    """A JSON item of a step (`data` or `config`), or None when the step has none."""
-    directory = os.path.join(step_dir, item)
-    if not os.path.isdir(directory):
-        return None
-    return dict(ocp.JsonCheckpointHandler().restore(epath.Path(directory)))
 
 
 def _spec_text(sharding: Any) -> str:
@@ -137,6 +138,33 @@ def read_arrays(state_dir: str) -> tuple[list[dict], dict[str, int] | None]:
     return arrays, mesh
 
 
+def format_info(step_dir: str) -> dict:
+    """The step's format (`jaxpar.checkpoint.format`): {"format_version", "jaxpar_version" (None if not recorded),
+    "recorded" (False: a step written before versions were recorded, read as version 1), "readable" (whether
+    this jaxpar restores that version)}."""
+    record = read_json_item(step_dir, FORMAT_ITEM)
+    version = UNRECORDED_VERSION if record is None else record.get("format_version")
+    return {
+        "format_version": version,
+        "jaxpar_version": None if record is None else record.get("jaxpar_version"),
+        "recorded": record is not None,
+        "readable": reads(version),
+    }
+
+
+def _format_line(fmt: dict) -> str:
+    """One line of `format_checkpoint_info`: the step's format version, who wrote it, whether it restores here."""
+    version = fmt["format_version"]
+    if not fmt["recorded"]:
+        by = " (not recorded: written before jaxpar recorded versions)"
+    else:
+        by = f", written by jaxpar {_fmt(fmt['jaxpar_version'])}"
+    reads = ", ".join(map(str, READ_VERSIONS))
+    if fmt["readable"]:
+        return f"  format version {version}{by}"
+    return f"  format version {version}{by}: this jaxpar ({JAXPAR_VERSION}) reads {reads} and cannot restore it"
+
+
 def summarize_config(config: dict | None) -> dict:
     """Mesh sizes, ZeRO stage, precision layout, batch and model dims of a saved config dict (`Config.to_dict`).
 
@@ -170,7 +198,8 @@ def checkpoint_info(path: str, step: int | None = None) -> dict:
 
     Returns:
       {"root", "steps" (complete, ascending), "incomplete" (see `list_step_dirs`), "step", "step_dir",
-      "config" (the saved config dict or None), "summary" (`summarize_config`), "data" (data-iterator position,
+      "format" (`format_info`), "config" (the saved config dict or None), "summary" (`summarize_config`), "data"
+      (data-iterator position,
       e.g. {"next_sample": 128}, or None), "arrays" (see `read_arrays`), "saved_mesh" (mesh of the saved
       arrays' shardings or None), "num_arrays", "total_bytes" (all arrays, unsharded), "num_params" (elements of
       arrays under `params.`)}.
@@ -199,10 +228,14 @@ def checkpoint_info(path: str, step: int | None = None) -> dict:
             f"no complete checkpoint for step {step} in {root}{why} (complete steps: {', '.join(map(str, steps))})"
         )
     step_dir = os.path.join(root, str(step))
+    fmt = None
     try:
+        fmt = format_info(step_dir)
         config, data = read_json_item(step_dir, _CONFIG), read_json_item(step_dir, _DATA)
         arrays, saved_mesh = read_arrays(os.path.join(step_dir, _STATE))
-    except (OSError, ValueError) as e:  # a damaged step: name it, keep Orbax's reason
+    except (OSError, ValueError) as e:  # a damaged step, or one of a format this jaxpar does not read: say which
+        if fmt is not None and not fmt["readable"]:
+            raise CheckpointFormatError(step_dir, fmt["format_version"], fmt["jaxpar_version"]) from e
         raise ValueError(f"cannot read the metadata of step {step} in {step_dir}: {e}") from e
     return {
         "root": root,
@@ -210,6 +243,7 @@ def checkpoint_info(path: str, step: int | None = None) -> dict:
         "incomplete": incomplete,
         "step": step,
         "step_dir": step_dir,
+        "format": fmt,
         "config": config,
         "summary": summarize_config(config),
         "data": data,
@@ -235,6 +269,7 @@ def format_checkpoint_info(info: dict) -> str:
     for e in info["incomplete"]:
         lines.append(f"  incomplete: {e['name']} (step {e['step']}; {e['reason']}; never restored)")
     lines.append(f"step {info['step']}: {info['step_dir']}")
+    lines.append(_format_line(info["format"]))
     if info["config"] is None:
         lines.append("  config: not saved")
     else:

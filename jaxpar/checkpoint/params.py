@@ -13,8 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxpar.checkpoint.info import read_json_item
-from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
+from jaxpar.checkpoint.saved import saved_config, select_step
 from jaxpar.config import Config, load_config
 
 
@@ -23,25 +22,13 @@ def restore_params(path: str, step: int | None = None) -> tuple[dict, Config, in
     one step dir; `step` None: the step dir given, else the latest complete one.
 
     Raises:
-      FileNotFoundError: no complete checkpoint at `path` (or no step `step`), or a step without a saved config.
+      FileNotFoundError: no complete checkpoint at `path` (or no step `step`: the message lists the steps there
+        are), or a step without a saved config.
+      CheckpointFormatError (a ConfigError): a format version this jaxpar does not read.
     """
-    root, given = resolve_checkpoint_path(path)
-    reader = Checkpointer.read_only(root)
-    try:
-        steps = reader.all_steps()
-    finally:
-        reader.close()
-    chosen = step if step is not None else given if given is not None else (steps[-1] if steps else None)
-    if chosen is None or chosen not in steps:
-        raise FileNotFoundError(
-            f"no complete checkpoint{'' if chosen is None else f' for step {chosen}'} in {root} (complete steps: "
-            f"{steps})"
-        )
+    root, chosen = select_step(path, step)
+    cfg = load_config(saved_config(root, chosen), validate=False)
     step_dir = os.path.join(root, str(chosen))
-    saved = read_json_item(step_dir, "config")
-    if saved is None:
-        raise FileNotFoundError(f"checkpoint step {chosen} in {root} holds no config")
-    cfg = load_config(saved, validate=False)
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     state_dir = os.path.join(step_dir, "state")
     metadata = checkpointer.metadata(state_dir)

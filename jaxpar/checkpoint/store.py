@@ -5,6 +5,8 @@ A checkpoint directory holds one sub-directory per step, written by `orbax.check
     <directory>/<step>/state/    the state pytree (jax Arrays, optax states, int32 step), OCDBT/Zarr
     <directory>/<step>/data/     JSON: the data iterator position, e.g. {"next_sample": 123}
     <directory>/<step>/config/   JSON: the run config as a plain dict
+    <directory>/<step>/format/   JSON: the format version and the jaxpar version that wrote it
+                                 (`jaxpar.checkpoint.format`; a restore checks it before anything else)
 
 Completeness. On a local or POSIX filesystem Orbax writes a step into `<step>.orbax-checkpoint-tmp`, writes
 `commit_success.txt` into it, then renames it to `<step>` (Orbax's `AtomicRenameTemporaryPath`). By default Orbax's
@@ -32,7 +34,9 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
+from jaxpar.checkpoint.format import FORMAT_ITEM, CheckpointFormatError, check_format, format_record
 from jaxpar.checkpoint.mismatch import CheckpointMismatchError, check_target
 from jaxpar.config.paths import directory_problem
 
@@ -83,6 +87,13 @@ def _is_complete_step_dir(path: str) -> bool:
     if _STEP_NAME.fullmatch(name) is None or not os.path.isdir(path):
         return False
     return os.path.isfile(os.path.join(path, _COMMIT_MARKER))
+
+
+def complete_steps(root: str) -> list[int]:
+    """Steps with a complete (committed) checkpoint in checkpoint root `root`, ascending; [] if it is missing."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(n) for n in os.listdir(root) if _is_complete_step_dir(os.path.join(root, n)))
 
 
 def _manager_options(every_steps: int, keep: int, async_save: bool, read_only: bool) -> ocp.CheckpointManagerOptions:
@@ -148,6 +159,7 @@ class Checkpointer:
                 _STATE: ocp.StandardCheckpointHandler(),
                 _DATA: ocp.JsonCheckpointHandler(),
                 _CONFIG: ocp.JsonCheckpointHandler(),
+                FORMAT_ITEM: ocp.JsonCheckpointHandler(),
             },
             options=_manager_options(every_steps, keep, async_save, read_only),
         )
@@ -162,10 +174,7 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         """Steps with a complete (committed) checkpoint on disk, ascending; [] if the directory is missing."""
-        if not os.path.isdir(self.directory):
-            return []
-        names = os.listdir(self.directory)
-        return sorted(int(n) for n in names if _is_complete_step_dir(os.path.join(self.directory, n)))
+        return complete_steps(self.directory)
 
     def latest_step(self) -> int | None:
         """Latest complete checkpoint step on disk, or None. An in-flight async save is not counted until it commits."""
@@ -201,6 +210,7 @@ class Checkpointer:
                 _STATE: ocp.args.StandardSave(state),
                 _DATA: ocp.args.JsonSave(data_state),
                 _CONFIG: ocp.args.JsonSave(config),
+                FORMAT_ITEM: ocp.args.JsonSave(format_record()),
             }
         )
         if not self._read_only:  # every process (a shared directory): exist_ok makes concurrent creation safe
@@ -226,6 +236,8 @@ class Checkpointer:
           (state, data_state, config): the state's arrays carry exactly the target shardings.
         Raises:
           FileNotFoundError: no complete checkpoint (for `step`) in the directory.
+          CheckpointFormatError (a ConfigError): the step's format version is one this jaxpar does not read
+            (checked before its arrays; with `step=None` the newest step decides, nothing is set aside).
           CheckpointMismatchError (a ValueError): structure, shape or dtype mismatch (`.differences` names the
             keys, `.path` and `.step` the checkpoint).
           ValueError: leaves without sharding.
@@ -245,7 +257,7 @@ class Checkpointer:
         for candidate in reversed(steps):
             try:
                 restored = self._restore_step(candidate, abstract_state)
-            except CheckpointMismatchError:
+            except (CheckpointMismatchError, CheckpointFormatError):  # readable, but not by this target or jaxpar
                 raise
             except Exception as e:  # noqa: BLE001 - any read failure makes this step unusable
                 unreadable.append((candidate, e))
@@ -267,9 +279,8 @@ class Checkpointer:
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[Any, dict, dict]:
         step_dir = os.path.join(self.directory, str(step))
         if not _is_complete_step_dir(step_dir):
-            raise FileNotFoundError(
-                f"no complete checkpoint for step {step} in {self.directory} (complete steps: {self.all_steps()})"
-            )
+            raise FileNotFoundError(missing_step_message(self.directory, step, self.all_steps()))
+        check_step_format(step_dir)
         saved = self._manager.item_metadata(step)[_STATE]
         check_target(
             saved.tree if hasattr(saved, "tree") else saved, abstract_state, os.path.join(step_dir, _STATE), step
@@ -318,6 +329,35 @@ class Checkpointer:
         self._manager.close()
 
 
+def read_json_item(step_dir: str, item: str) -> dict | None:
+    """A JSON item of a step (`data`, `config` or `format`), or None when the step has none."""
+    directory = os.path.join(step_dir, item)
+    if not os.path.isdir(directory):
+        return None
+    return dict(ocp.JsonCheckpointHandler().restore(epath.Path(directory)))
+
+
+def check_step_format(step_dir: str) -> int:
+    """The format version of the step at `step_dir` (`jaxpar.checkpoint.format`): what every restore checks
+    before it reads the step's config or arrays.
+
+    Raises:
+      CheckpointFormatError: a version this jaxpar does not read, naming it and the versions it reads.
+    """
+    return check_format(read_json_item(step_dir, FORMAT_ITEM), step_dir)
+
+
+def missing_step_message(root: str, step: int | None, steps: list[int]) -> str:
+    """Why checkpoint root `root` gives no step `step` (None: any step), naming its complete `steps` and how to
+    pick one."""
+    if not steps:
+        return f"no complete checkpoint in {root}"
+    return (
+        f"no complete checkpoint for step {step} in {root}; its complete steps are {', '.join(map(str, steps))}: "
+        f"give one step's directory (e.g. {os.path.join(root, str(steps[-1]))}) or {root} itself for the latest"
+    )
+
+
 def resolve_checkpoint_path(path: str) -> tuple[str, int | None]:
     """Maps a run dir, a checkpoint root or one step dir to (absolute checkpoint root, step or None).
 
@@ -357,7 +397,7 @@ def restore_from_path(path: str, abstract_state: Any) -> tuple[Any, dict, dict]:
 
     Raises:
       FileNotFoundError: `path` does not exist, is an unfinished save, or holds no complete checkpoint.
-      CheckpointMismatchError, ValueError: as `Checkpointer.restore`.
+      CheckpointFormatError, CheckpointMismatchError, ValueError: as `Checkpointer.restore`.
     """
     root, step = resolve_checkpoint_path(path)
     ckpt = Checkpointer.read_only(root)

@@ -4,9 +4,10 @@
 
 PATH is a run directory (holding `checkpoints/`), its `checkpoints/` directory, or one step directory. Prints the
 complete steps, any incomplete step directories (never restored), and for the chosen step (default: the
-step PATH names, else the latest complete one) the saved mesh (data/fsdp/tensor/pipeline), zero_stage, model
-dims, data position and every array's dotted name, shape, dtype and saved sharding. Only metadata is read:
-no array data, no accelerator (jax runs on CPU).
+step PATH names, else the latest complete one) its format version and the jaxpar version that wrote it (and
+whether this jaxpar restores it: `jaxpar.checkpoint.format`), the saved mesh (data/fsdp/tensor/pipeline),
+zero_stage, model dims, data position and every array's dotted name, shape, dtype and saved sharding. Only
+metadata is read: no array data, no accelerator (jax runs on CPU).
 
 Examples:
   jaxpar-checkpoints runs/tiny
@@ -21,7 +22,8 @@ and RUN_DIR/hf_config.json; export-hf writes config.json and safetensors (`jaxpa
 the host CPU.
 
 Exit status: 0, or 2 for a missing path, no complete checkpoint, a step that is not complete, or (import-hf,
-export-hf) a directory or config that cannot be converted (the message says why).
+export-hf) a directory or config that cannot be converted, or a step of a format version this jaxpar does not
+read (the message says why).
 """
 
 from __future__ import annotations

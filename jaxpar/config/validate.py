@@ -16,7 +16,6 @@ from jaxpar.config.keys import example
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe
-from jaxpar.config.paths import directory_problem
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, LAYOUTS
 from jaxpar.config.schema import Config
 from jaxpar.config.services import check_distributed, check_metrics
@@ -138,15 +137,9 @@ def _check_optimizer(cfg: Config) -> None:
 
 
 def _check_checkpoint_and_train(cfg: Config) -> None:
-    """The `checkpoint:` and `train:` sections: the restore path exists, counts and intervals in range."""
+    """The `checkpoint:` and `train:` sections: counts and intervals in range. (`checkpoint.restore_from` is
+    checked by the run before any device work, where it seeds one: `jaxpar.training.start_state`.)"""
     c, t = cfg.checkpoint, cfg.train
-    problem = directory_problem(c.restore_from) if c.restore_from else None
-    if problem is not None:
-        raise ConfigError(
-            f"checkpoint.restore_from={c.restore_from!r} (--restore-from) {problem}; give a run directory, its "
-            f"checkpoints/ directory or one of its step directories, or leave it empty to start fresh, "
-            f"{example('checkpoint.restore_from')}"
-        )
     check_positive("checkpoint.every_steps", c.every_steps, allow_zero=True)
     check_positive("checkpoint.keep", c.keep)
     check_not_empty("train.run_dir", t.run_dir, "the directory for the run's config, metrics and checkpoints")

@@ -19,36 +19,17 @@ from jaxpar.model.hf_llama.config import model_differences
 
 def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
     """(the model config saved with the checkpoint at `path`, its root, its step), reading metadata only."""
-    from jaxpar.checkpoint.info import read_json_item
-    from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
+    from jaxpar.checkpoint.saved import saved_config, select_step
 
-    root, step = resolve_checkpoint_path(path)
-    reader = Checkpointer.read_only(root)
-    try:
-        steps = reader.all_steps()
-    finally:
-        reader.close()
-    step = step if step is not None else (steps[-1] if steps else None)
-    if step is None or step not in steps:
-        raise FileNotFoundError(f"no complete checkpoint in {root}")
-    saved = read_json_item(os.path.join(root, str(step)), "config")
-    if saved is None:
-        raise FileNotFoundError(f"checkpoint step {step} in {root} holds no config")
-    return load_config(saved, validate=False).model, root, step
+    root, step = select_step(path)
+    return load_config(saved_config(root, step), validate=False).model, root, step
 
 
 def resumes(run_dir: str) -> bool:
     """True if `run_dir` holds a complete checkpoint of its own (the run resumes from it; init_from is unused)."""
-    from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, Checkpointer
+    from jaxpar.checkpoint.store import RUN_CHECKPOINT_DIR, complete_steps
 
-    directory = os.path.join(run_dir, RUN_CHECKPOINT_DIR)
-    if not os.path.isdir(directory):
-        return False
-    reader = Checkpointer.read_only(directory)
-    try:
-        return reader.latest_step() is not None
-    finally:
-        reader.close()
+    return bool(complete_steps(os.path.join(run_dir, RUN_CHECKPOINT_DIR)))
 
 
 def check_init_from(model: ModelConfig) -> None:

@@ -45,7 +45,7 @@ from jaxpar.training.loss import LossFn
 from jaxpar.training.metrics import MetricsWriter, default_trackers
 from jaxpar.training.optimizer import nonfinite_state
 from jaxpar.training.plan import StepPlan, build_plan
-from jaxpar.training.start_state import check_run_dir, initial_state
+from jaxpar.training.start_state import check_restore_from, check_run_dir, initial_state
 from jaxpar.training.state import abstract_state
 from jaxpar.training.step import make_eval_step, make_train_step
 
@@ -210,10 +210,12 @@ def _start_run(
 
 def _check_before_device_work(cfg: Config, optimizer) -> None:
     """What a run can refuse or warn about before any device work: a warm-up longer than the run (the default
-    optimizer), and `model.init_from` weights that do not fit (read from config files and headers only).
+    optimizer), `model.init_from` weights that do not fit (read from config files and headers only), and a
+    `checkpoint.restore_from` that cannot seed the run.
 
     Raises:
-      ConfigError: from `jaxpar.training.init_from.check_init_from` / `check_init_from_tokenizer`.
+      ConfigError: from `jaxpar.training.init_from.check_init_from` / `check_init_from_tokenizer`, and
+        `jaxpar.training.start_state.check_restore_from`.
     """
     t = cfg.train
     if optimizer is None and cfg.optimizer.warmup_steps > t.steps:
@@ -225,6 +227,7 @@ def _check_before_device_work(cfg: Config, optimizer) -> None:
     if cfg.model.init_from and not resumes(t.run_dir):  # reads only config files and headers: before device work
         check_init_from(cfg.model)
         check_init_from_tokenizer(cfg)
+    check_restore_from(cfg)  # reads the checkpoint's format and config items only
 
 
 def _log_setup(plan: StepPlan, *, caller_optimizer: bool) -> None:

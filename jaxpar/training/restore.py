@@ -9,7 +9,8 @@
 
 The run's config comes from the checkpoint itself (saved with every step), so the model is rebuilt exactly as
 trained; `overrides` change what a restore may change: the mesh, the ZeRO stage, precision of compute, the
-tensor-parallel settings. Arrays come back directly in the new layout (Orbax reads each device's shard).
+tensor-parallel settings, and how the model is computed (`jaxpar.config.resume.RESTORE_MAY_CHANGE`). Arrays come
+back directly in the new layout (Orbax reads each device's shard).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from collections.abc import Sequence
 import jax
 import optax
 
-from jaxpar.checkpoint.info import read_json_item
 from jaxpar.checkpoint.mismatch import CheckpointMismatchError
-from jaxpar.checkpoint.store import Checkpointer, resolve_checkpoint_path
+from jaxpar.checkpoint.saved import saved_config, select_step
+from jaxpar.checkpoint.store import Checkpointer
 from jaxpar.config import Config, ConfigError, load_config
-from jaxpar.config.moe import without_expert_axes
+from jaxpar.config.resume import check_restored_model
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.loss import LossFn
 from jaxpar.training.plan import StepPlan, build_plan
@@ -78,36 +79,20 @@ def restore(
         and start a new state from `Restored.params` (`init_state(plan, params=...)`).
 
     Raises:
-      FileNotFoundError: no complete checkpoint at `path` (or no step `step`).
+      FileNotFoundError: no complete checkpoint at `path` (or no step `step`: the message lists the steps).
+      CheckpointFormatError (a ConfigError): the step's format version is one this jaxpar does not read.
       ConfigError: the saved config with `overrides` does not fit `devices` (the message names the key);
-        `overrides` change `model.*` (other than `model.moe.expert_axes`, a placement on the mesh); the arrays
+        `overrides` change the model (`jaxpar.config.resume.check_restored_model`, as every restore); the arrays
         do not fit (an optimizer other than the run's: the message summarises the differences,
         `jaxpar.checkpoint.mismatch.CheckpointMismatchError` is its cause).
     """
-    root, given = resolve_checkpoint_path(path)
+    root, chosen = select_step(path, step)
+    saved = saved_config(root, chosen)  # the format version checked first
+    devices = list(devices) if devices is not None else jax.devices()
+    cfg = load_config(saved, overrides, num_devices=len(devices))
+    check_restored_model(saved, cfg.model, os.path.join(root, str(chosen)), "leave those keys out of the overrides")
     reader = Checkpointer.read_only(root)
     try:
-        steps = reader.all_steps()
-        chosen = step if step is not None else given if given is not None else (steps[-1] if steps else None)
-        if chosen is None or chosen not in steps:
-            raise FileNotFoundError(
-                f"no complete checkpoint{'' if chosen is None else f' for step {chosen}'} in "
-                f"{root} (complete steps: {steps})"
-            )
-        saved = read_json_item(os.path.join(root, str(chosen)), "config")
-        if saved is None:
-            raise FileNotFoundError(f"checkpoint step {chosen} in {root} holds no config")
-        devices = list(devices) if devices is not None else jax.devices()
-        cfg = load_config(saved, overrides, num_devices=len(devices))
-        # model.moe.expert_axes places the experts on the mesh, like the mesh itself: it may change
-        trained = without_expert_axes(load_config(saved, validate=False).model)
-        model = without_expert_axes(cfg.model)
-        if model != trained:
-            changed = [f"{key}: {a!r} -> {b!r}" for key, a, b in _differences(trained, model, "model")]
-            raise ConfigError(
-                f"restore cannot change the model the checkpoint holds ({'; '.join(changed)}); leave model.* out "
-                f"of the overrides (the mesh, model.moe.expert_axes, ZeRO stage and precision may change)"
-            )
         plan = build_plan(
             cfg, build_mesh(cfg, devices), optimizer=optimizer, learning_rate=learning_rate, loss_fn=loss_fn
         )
@@ -121,18 +106,3 @@ def restore(
     finally:
         reader.close()
     return Restored(cfg=cfg, plan=plan, state=state, step=chosen, data_state=data_state)
-
-
-def _differences(old, new, prefix: str) -> list[tuple[str, object, object]]:
-    """(dotted key, old value, new value) of every field that differs between two config dataclasses, nested
-    sections (e.g. model.moe) key by key."""
-    out = []
-    for f in dataclasses.fields(old):
-        a, b = getattr(old, f.name), getattr(new, f.name)
-        if a == b:
-            continue
-        if dataclasses.is_dataclass(a):
-            out += _differences(a, b, f"{prefix}.{f.name}")
-        else:
-            out.append((f"{prefix}.{f.name}", a, b))
-    return out

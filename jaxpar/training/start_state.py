@@ -1,6 +1,7 @@
 """Where a run starts: its run directory, checked writable before any device work (`check_run_dir`), and the state
 it starts from (`initial_state`): its own latest checkpoint (a resume, with the data position), else
-`checkpoint.restore_from`'s, else fresh (parameters from `model.init_from`, or initialised from the seed).
+`checkpoint.restore_from`'s (checked before any device work: `check_restore_from`), else fresh (parameters from
+`model.init_from`, or initialised from the seed).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import os
 import jax
 
 from jaxpar.checkpoint.mismatch import CheckpointMismatchError
+from jaxpar.checkpoint.saved import saved_config, select_step
 from jaxpar.checkpoint.store import Checkpointer, restore_from_path
 from jaxpar.config import Config, ConfigError, save_config
 from jaxpar.config.paths import output_dir_problem
-from jaxpar.config.resume import check_resume_config, keep_previous_config
+from jaxpar.config.resume import check_restored_model, check_resume_config, keep_previous_config
 from jaxpar.training.hooks.base import log as _log
-from jaxpar.training.init_from import load_init_params
+from jaxpar.training.init_from import load_init_params, resumes
 from jaxpar.training.plan import StepPlan
 from jaxpar.training.state import abstract_state, init_state
 
@@ -36,6 +38,34 @@ def check_run_dir(run_dir: str) -> None:
             f"train.run_dir={run_dir!r} {problem}; give a directory you can write, e.g. train.run_dir=runs/tiny "
             f"(it is created if missing)"
         )
+
+
+def check_restore_from(cfg: Config) -> None:
+    """Checks `checkpoint.restore_from` where it seeds the run (a run without checkpoints of its own), before any
+    device work, reading only the step's format and config items: a complete step there, of a format version
+    this jaxpar reads, holding the model `cfg` names (`jaxpar.config.resume.check_restored_model`: the check of
+    every restore).
+
+    Raises:
+      ConfigError: the path holds no complete checkpoint (for the step it names: the message lists the steps
+        there are and how to pick one), the step's format version is unknown here (`CheckpointFormatError`), or
+        its model differs (every key).
+    """
+    source = cfg.checkpoint.restore_from
+    if not source or resumes(cfg.train.run_dir):
+        return
+    try:
+        root, step = select_step(source)
+        saved = saved_config(root, step)
+    except FileNotFoundError as e:
+        raise ConfigError(f"checkpoint.restore_from={source!r} (--restore-from): {e}") from e
+    check_restored_model(
+        saved,
+        cfg.model,
+        os.path.join(root, str(step)),
+        "set those keys to the checkpoint's (its run's config.yaml), or take its parameters alone with "
+        "model.init_from (a fresh optimizer at step 0)",
+    )
 
 
 def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_loader):

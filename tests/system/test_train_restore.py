@@ -1,11 +1,12 @@
-"""In-process runs of `train`: restoring a checkpoint that does not fit the config, or from a path that holds
-none, or resuming with other data settings, fails with a ConfigError before any step, leaves the run directory's
-config.yaml as it was and creates nothing that was not there; the saved config is fully resolved; a resume with
-other settings keeps the previous config.yaml as config.step<N>.yaml."""
+"""In-process runs of `train`: restoring a checkpoint of another model or whose arrays do not fit, or from a path
+that holds none, or resuming with other data settings, fails with a ConfigError before any step, leaves the run
+directory's config.yaml as it was and creates nothing that was not there; the saved config is fully resolved; a
+resume with other settings keeps the previous config.yaml as config.step<N>.yaml."""
 
 import logging
 import os
 
+import optax
 import pytest
 import yaml
 
@@ -43,12 +44,14 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path, caplog
     assert resolved["model"]["head_dim"] == 32 and resolved["tensor"]["sequence_parallel"] is True
     assert resolved["precision"]["compute_dtype"] == "float32"
 
-    mismatch = (
-        r"does not fit this config \(36 arrays differ, e\.g\. params\.blocks\.attn\.wk: checkpoint shape "
-        r"\(2, 128, 2, 32\) != target shape \(2, 64, 2, 16\).*train\.run_dir"
-    )
-    with pytest.raises(ConfigError, match=mismatch):
+    # Another model is refused by its config before any array is compared (the check of every restore) ...
+    other_model = r"cannot change the model .* \(model\.d_model: 128 -> 64; model\.head_dim: 32 -> 16\)"
+    with pytest.raises(ConfigError, match=other_model):
         train(_cfg(tmp_path, "model.d_model=64", "train.steps=4"))
+    # ... and arrays that do not fit (another optimizer's state) by the arrays, every difference counted.
+    mismatch = r"does not fit this config \(\d+ arrays differ, e\.g\. opt_state\..*train\.run_dir"
+    with pytest.raises(ConfigError, match=mismatch):
+        train(_cfg(tmp_path, "train.steps=4"), optimizer=optax.sgd(1e-3))
     assert (tmp_path / "config.yaml").read_text() == saved
 
     resumed = train(_cfg(tmp_path, "mesh.data=1", "mesh.tensor=1", "optimizer.zero_stage=3", "train.steps=3"))
@@ -86,7 +89,7 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path, caplog
     fresh, existing = tmp_path / "fresh" / "run", tmp_path / "existing"
     existing.mkdir()
     for run_dir in (fresh, existing):
-        with pytest.raises(ConfigError, match="does not fit this config"):
+        with pytest.raises(ConfigError, match="cannot change the model"):
             train(_cfg(run_dir, "model.d_model=64", f"checkpoint.restore_from={tmp_path}"))
     assert not (tmp_path / "fresh").exists() and list(existing.iterdir()) == []
 
@@ -108,14 +111,16 @@ def test_config_changes_ignore_the_seed_checkpoint_and_process_settings():
     assert config_changes(saved, new) == {"optimizer.learning_rate": (3e-3, 0.5)}
 
 
-def test_restore_from_bad_paths_fail_at_load_or_before_steps(tmp_path):
-    with pytest.raises(ConfigError, match="restore_from=.*missing' .*does not exist; give a run directory"):
-        _cfg(tmp_path / "run", f"checkpoint.restore_from={tmp_path / 'missing'}")
+def test_restore_from_bad_paths_fail_before_device_work(tmp_path):
     empty = tmp_path / "not_a_checkpoint"
     empty.mkdir()
     (empty / "notes.txt").write_text("hello")
-    for source in (empty, tmp_path / "empty_dir"):
-        source.mkdir(exist_ok=True)
-        with pytest.raises(ConfigError, match="no complete checkpoint"):
+    (tmp_path / "empty_dir").mkdir()
+    for source, message in (
+        (tmp_path / "missing", "does not exist; pass a run directory"),
+        (empty, "no complete checkpoint"),
+        (tmp_path / "empty_dir", "no complete checkpoint"),
+    ):
+        with pytest.raises(ConfigError, match=rf"checkpoint.restore_from=.* \(--restore-from\): .*{message}"):
             train(_cfg(tmp_path / "run", f"checkpoint.restore_from={source}"))
         assert not (tmp_path / "run").exists()  # no run directory, no empty checkpoints/ in it

@@ -114,7 +114,7 @@ CASES = {
         train.main,
         [TINY, RUN, "--restore-from", "{missing}"],
         2,
-        "does not exist; give a run dir",
+        "does not exist; pass a run directory",
     ),
     "train-restore-is-a-file": (train.main, [TINY, RUN, "--restore-from", "{file}"], 2, "is a file, not a directory"),
     "train-init-from-is-a-file": (

@@ -114,7 +114,11 @@ OUT_OF_RANGE = {
     "checkpoint.every_steps": -1,
     "checkpoint.keep": 0,
     "checkpoint.async_save": BOOL,
-    "checkpoint.restore_from": "/no/such/checkpoint",
+    "checkpoint.restore_from": Accepts(
+        "any path: checked where it seeds a run (a resume does not read it), before any device work "
+        "(test_train_restore.py)",
+        ("/no/such/checkpoint",),
+    ),
     "train.run_dir": Accepts(
         "any non-empty path: whether it can be written is checked when the run starts (test_cli_paths.py)",
         ("runs/x", "/no/such/dir"),
