@@ -100,7 +100,7 @@ def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_
     if start:
         position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
         if "taken" in data_state:  # a mixture (jaxpar.data.MixtureLoader)
-            position = f"batch {data_state.get('next_batch')}, rows per source {data_state['taken']}"
+            position = f"rows per source {data_state['taken']}"
         _log(f"resumed at step {start} (data position {position})")
         if start == t.steps:
             _log(
