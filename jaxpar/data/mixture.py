@@ -14,8 +14,9 @@ source with fewer sequences than its rows in one batch repeats some within the b
 {"taken": {name: C_s}}: Q integers, none of which depends on the number of processes or on the batch size, so a
 run resumes exactly on any process count, and with another `train.global_batch_size` each source's stream goes
 on where it stopped and the shares stay within one row of the weights (a state saved by an earlier jaxpar also
-holds "next_batch", which is not needed). Each process reads only the rows its devices hold, each from its own
-source.
+holds "next_batch", which is not needed). The state also records, as "shard_set_sha256": {name: digest}, the
+shard sets the sources are read from, checked on resume (`jaxpar.data.stream.check_shard_set`). Each process
+reads only the rows its devices hold, each from its own source.
 
 Validation (`MixtureEvalLoader`): one `EvalLoader` per source; a pass scores every source's split in turn, so a
 token-mean over the whole pass (`val_loss`) is the mean over all sources' valid tokens (each source weighted by
@@ -34,6 +35,7 @@ from jaxpar.config import ConfigError
 from jaxpar.data.batch import BATCH_DTYPES
 from jaxpar.data.loader import EvalLoader, RowSource, SampleOrder, _process_rows, global_arrays
 from jaxpar.data.mixture_plan import batch_counts, normalised, row_sources
+from jaxpar.data.stream import SHARD_SET_KEY, check_shard_set
 
 
 def source_seed(seed: int, index: int) -> int:
@@ -112,9 +114,18 @@ class MixtureLoader:
         self._taken += counts
         return global_arrays(self._sharding, local, self._global_shape)
 
+    def _shard_sets(self) -> dict:
+        """{name: `jaxpar.data.shards.ShardSet`} of the sources read from shard sets."""
+        sets = {n: getattr(rows, "shard_set", None) for n, rows in zip(self.names, self._sources)}
+        return {n: s for n, s in sets.items() if s is not None}
+
     def get_state(self) -> dict:
-        """{"taken": {name: rows source name gave to the batches so far}} (JSON-safe)."""
-        return {"taken": {n: int(t) for n, t in zip(self.names, self._taken)}}
+        """{"taken": {name: rows source name gave to the batches so far}}, and "shard_set_sha256": {name: digest}
+        for the sources read from shard sets (JSON-safe)."""
+        state: dict = {"taken": {n: int(t) for n, t in zip(self.names, self._taken)}}
+        if sets := self._shard_sets():
+            state[SHARD_SET_KEY] = {n: s.digest for n, s in sets.items()}
+        return state
 
     def set_state(self, state: dict) -> None:
         """Resumes from a `get_state` dict, saved with this or another global batch size: the following
@@ -122,6 +133,8 @@ class MixtureLoader:
         equals the batch the saver would have served).
 
         Raises:
+          ConfigError: a source's shard set is another than the one the state was saved over
+            (`jaxpar.data.stream.check_shard_set`).
           ValueError: `state` is not a mixture state of these sources (e.g. a single-source loader's
             {"next_sample": ...}), or a count is negative.
         """
@@ -135,6 +148,11 @@ class MixtureLoader:
                 f"data loader state must be {{'taken': {{name: int >= 0}}}} for the sources {self.names}, got "
                 f"{state!r:.200}"
             )
+        recorded, sets = state.get(SHARD_SET_KEY, {}), self._shard_sets()
+        if not isinstance(recorded, dict):
+            raise ValueError(f"data loader state: {SHARD_SET_KEY} must be {{name: digest}}, got {recorded!r:.200}")
+        for i, name in enumerate(self.names):
+            check_shard_set(recorded.get(name), sets.get(name), f"data.sources[{i}] ({name}) path")
         self._taken = np.array([taken[n] for n in self.names], dtype=np.int64)
 
 

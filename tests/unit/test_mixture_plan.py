@@ -17,7 +17,7 @@ def realised_counts(weights, global_batch_size: int, num_batches: int) -> np.nda
     """Rows each source gets over batches [0, num_batches) from the start: int64 [sources]."""
     w = normalised(weights)
     taken = np.zeros(w.size, np.int64)
-    for k in range(num_batches):
+    for _ in range(num_batches):
         taken += batch_counts(w, global_batch_size, taken)
     return taken
 
