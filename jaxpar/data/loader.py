@@ -16,9 +16,10 @@ row holds which sequence, or padding, depends on the row's global index alone, s
 
 Each process gathers only the rows its addressable devices hold and assembles the global array with
 `jax.make_array_from_process_local_data`. Rows come from a row source: packed arrays in RAM (`PackedRows`, the
-`stdlib`, `text`, `jsonl` and `tokens` sources, which every process reads and packs whole), or a token shard set
+`stdlib`, `text`, `jsonl` and `tokens` sources, which every process reads and packs whole), a token shard set
 packed lazily row by row (`jaxpar.data.stream.ShardRows`, `data.source: shards`), from which a process reads only
-the rows of its own batch slice.
+the rows of its own batch slice, or generated rows (`jaxpar.data.synthetic.SyntheticRows`, `data.source:
+synthetic`), of which a process makes only those.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from jaxpar.data.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
 from jaxpar.data.stream import SHARD_SET_KEY, check_shard_set, shard_splits
+from jaxpar.data.synthetic import synthetic_splits
 from jaxpar.data.tokenizer import BOS_ID, PAD_ID
 
 
@@ -340,8 +342,9 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
 
 def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multiple: int = 1) -> tuple:
     """(train rows, validation rows, train tokens, validation tokens, shard set) of a single-source `DataConfig`:
-    the packed arrays of a text or tokens source (shard set None), or a shard set's lazily packed `ShardRows` and
-    its `jaxpar.data.shards.ShardSet`.
+    the packed arrays of a text or tokens source (shard set None), a shard set's lazily packed `ShardRows` and
+    its `jaxpar.data.shards.ShardSet`, or the generated `jaxpar.data.synthetic.SyntheticRows` (shard set None;
+    tokens: rows x T).
 
     Raises:
       ConfigError: as `build_loaders`.
@@ -352,6 +355,9 @@ def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multip
     if data_cfg.source == "shards":
         train, val, shard_set = shard_splits(data_cfg, vocab_size, vocab_multiple)
         train_len, val_len = train.num_tokens, val.num_tokens
+    elif data_cfg.source == "synthetic":
+        train, val = synthetic_splits(data_cfg, vocab_size)
+        train_len, val_len = train.num_sequences * train.seq_len, val.num_sequences * val.seq_len
     else:
         train_tokens, val_tokens = load_tokens(data_cfg)
         if vocab_size is not None:

@@ -73,9 +73,10 @@ def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_
         does not fit, or a run already past `train.steps`. ValueError: a data position the data cannot take.
     """
     t, run_dir = cfg.train, cfg.train.run_dir
-    resuming = ckpt is not None and ckpt.latest_step() is not None
+    own = ckpt if ckpt is not None and ckpt.latest_step() is not None else None  # the run's own checkpoints
+    resuming = own is not None
     changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write
-    if resuming and (saved := _latest_data_state(ckpt)) is not None:
+    if own is not None and (saved := _latest_data_state(own)) is not None:
         _set_data_position(train_loader, saved)  # before the arrays: a resume that cannot go on stops here
     state, data_state = _restore(cfg, plan, ckpt)
     if state is None and cfg.model.init_from:
