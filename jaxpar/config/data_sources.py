@@ -18,7 +18,8 @@ from jaxpar.config.schema import DataConfig
 
 TEXT_SOURCES = ("stdlib", "text", "jsonl")  # data.source: text read and tokenised as the run loads it
 TOKEN_SOURCES = ("tokens", "shards")  # data.source: ids tokenised before the run (a token file, a shard set)
-SOURCE_KINDS = TEXT_SOURCES + TOKEN_SOURCES
+GENERATED_SOURCES = ("synthetic",)  # data.source: ids generated from data.seed, nothing read (jaxpar.data.synthetic)
+SOURCE_KINDS = TEXT_SOURCES + TOKEN_SOURCES + GENERATED_SOURCES
 TOKEN_DTYPES = ("uint16", "uint32")  # data.token_dtype, and the id dtypes of a shard set (`jaxpar.data.shards`)
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _INHERITED = ("source", "path", "validation_path", "text_field", "token_dtype", "validation_fraction", "max_bytes")
@@ -39,13 +40,19 @@ def check_source(d: DataConfig, key: str = "data") -> None:
     """Checks one source's settings (`key` prefixes the keys named in errors: "data" or "data.sources[i]").
 
     Raises:
-      ConfigError: an unknown source or token dtype, a missing path, validation_path on a non-shards source, an
-        empty text_field, or a validation_fraction or max_bytes out of range.
+      ConfigError: an unknown source or token dtype, a missing path, a path for a generated source,
+        validation_path on a non-shards source, an empty text_field, or a validation_fraction or max_bytes out of range.
     """
     check_choice(f"{key}.source", d.source, SOURCE_KINDS)
     check_choice(f"{key}.token_dtype", d.token_dtype, TOKEN_DTYPES)
     check_not_empty(f"{key}.text_field", d.text_field, "the JSONL key or Parquet column that holds the text")
-    if d.source != "stdlib" and not d.path:
+    if d.source in GENERATED_SOURCES and d.path:
+        inherited = " (a mixture entry without a path takes data.path: give it path: '')" if "[" in key else ""
+        raise ConfigError(
+            f"{key}.path={d.path!r} does not apply to {key}.source={d.source}, which reads nothing (its ids are "
+            f"generated from data.seed); drop {key}.path{inherited}, or set {key}.source to the kind of file it is"
+        )
+    if d.source not in ("stdlib",) + GENERATED_SOURCES and not d.path:
         what = (
             "the shard set directory (jaxpar-data tokenize --out DIR)"
             if d.source == "shards"

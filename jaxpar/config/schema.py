@@ -277,26 +277,31 @@ class DataConfig:
 
     Attributes:
       source: `stdlib` (the running interpreter's standard-library .py files), `text` (a directory or glob of
-        text files), `jsonl` (JSON lines with a text field), `tokens` (flat binary file of token ids) or `shards`
-        (a token shard set made by `jaxpar-data tokenize`, read and packed lazily, row by row: `jaxpar.data.stream`).
+        text files), `jsonl` (JSON lines with a text field), `tokens` (flat binary file of token ids), `shards`
+        (a token shard set made by `jaxpar-data tokenize`, read and packed lazily, row by row: `jaxpar.data.stream`)
+        or `synthetic` (ids below model.vocab_size generated from `seed`, nothing read: `jaxpar.data.synthetic`).
       path: directory, glob or file for `text`, `jsonl`, `tokens`; the shard set directory for `shards`; ignored
-        for `stdlib`.
+        for `stdlib`; refused for `synthetic`.
       validation_path: `shards` only: a second shard set to validate on (same tokenizer); empty holds out the
         last whole documents of `path` that make up `validation_fraction` of its tokens.
       text_field: JSONL key holding the text.
       token_dtype: `uint16` or `uint32` for `tokens`.
       seq_len: tokens per packed training sequence T.
       validation_fraction: share of files (of tokens for `tokens`; of tokens, in whole documents at the end of the
-        set, for `shards`) held out for validation.
+        set, for `shards`; of the rows for `synthetic`) held out for validation.
       max_bytes: stop reading text after this many bytes (0: no limit); keeps CPU runs quick.
-      seed: shuffle seed.
+      seed: shuffle seed; for `synthetic` also the seed the ids are generated from.
       document_masking: packed text documents stay apart: attention never crosses a document boundary, rotary
         positions restart at each document, and a document's first token is not predicted from the previous
-        document (`jaxpar.data.pack`). A flat `tokens` file has no document index and is packed without it.
+        document (`jaxpar.data.pack`). A flat `tokens` file has no document index and is packed without it;
+        `synthetic` rows then hold several documents each, else one.
+      synthetic_branching: `synthetic` only (all such sources of a mixture): each id is followed by one of this
+        many successors, uniformly, so a model that learns the chain reaches a loss of log(synthetic_branching)
+        nats; 0: uniform independent ids (loss log(model.vocab_size)). Below model.vocab_size.
       sources: a mixture (`DataSourceConfig` entries, `jaxpar.data.mixture`): each global batch's rows are shared
         out among the sources by weight, and each source's validation split is scored separately; empty (default)
-        trains on the single source above. With sources, seq_len, seed and document_masking apply to all, and
-        the other keys above are the defaults of the entries' null keys.
+        trains on the single source above. With sources, seq_len, seed, document_masking and synthetic_branching
+        apply to all, and the other keys above are the defaults of the entries' null keys.
     """
 
     source: str = "stdlib"
@@ -309,6 +314,7 @@ class DataConfig:
     max_bytes: int = 0
     seed: int = 0
     document_masking: bool = True
+    synthetic_branching: int = 4
     sources: tuple[DataSourceConfig, ...] = ()
 
 

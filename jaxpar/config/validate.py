@@ -10,7 +10,7 @@ import dataclasses
 from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
 from jaxpar.config.checks import check_between, check_choice, check_not_empty, check_positive
 from jaxpar.config.choices import LR_DECAYS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS
-from jaxpar.config.data_sources import TOKEN_SOURCES, check_data
+from jaxpar.config.data_sources import TEXT_SOURCES, check_data
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.keys import example
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
@@ -47,6 +47,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     _check_optimizer(cfg)
     check_data(cfg.data)
     check_positive("data.seq_len", cfg.data.seq_len)
+    _check_synthetic(cfg)
     _check_checkpoint_and_train(cfg)
     check_metrics(cfg.metrics)
     check_distributed(cfg.distributed)
@@ -60,6 +61,16 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     check_moe(cfg, shape)
     _check_state_and_batch(cfg, shape)
     return shape
+
+
+def _check_synthetic(cfg: Config) -> None:
+    """`data.synthetic_branching` against the model's vocabulary (checked whatever the source, as every key)."""
+    k, v = cfg.data.synthetic_branching, cfg.model.vocab_size
+    if not 0 <= k < v:
+        raise ConfigError(
+            f"data.synthetic_branching={k} must lie in [0, model.vocab_size={v}): the number of ids that may follow "
+            f"each id of the synthetic data (0: uniform independent ids); {example('data.synthetic_branching')}"
+        )
 
 
 def _check_model(cfg: Config) -> None:
@@ -103,7 +114,7 @@ def _check_model(cfg: Config) -> None:
         )
     if m.head_width % 2:
         raise ConfigError(f"head width {m.head_width} must be even for rotary embeddings; set model.head_dim")
-    if cfg.data.source not in TOKEN_SOURCES and m.vocab_size < BYTE_VOCAB:
+    if cfg.data.source in TEXT_SOURCES and m.vocab_size < BYTE_VOCAB:
         raise ConfigError(
             f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB} tokens; "
             f"set model.vocab_size >= {BYTE_VOCAB}"

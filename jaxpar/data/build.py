@@ -27,19 +27,22 @@ def build_loaders(
     `vocab_multiple` (mesh.tensor) is what model.vocab_size must be a multiple of; the fix an out-of-vocabulary
     token error suggests is the smallest size that holds every id and is such a multiple.
 
-    The train loader shuffles with `data.seed`; the validation loader is an `EvalLoader` over the first
-    `eval_batches` global batches' worth of validation sequences in file order (0: all of them). info: the
-    splits' counts and what each evaluation covers (`jaxpar.data.info.DataInfo`).
+    The train loader shuffles with `data.seed` (`synthetic` rows, independent draws, are served in row order);
+    the validation loader is an `EvalLoader` over the first `eval_batches` global batches' worth of validation
+    sequences in file order (0: all of them). info: the splits' counts and what each evaluation covers
+    (`jaxpar.data.info.DataInfo`).
 
     Raises:
-      ConfigError: from `load_tokens` or `jaxpar.data.stream.shard_splits`, a train split with fewer than
+      ConfigError: from `load_tokens`, `jaxpar.data.stream.shard_splits` or
+        `jaxpar.data.synthetic.synthetic_splits`, a train split with fewer than
         `global_batch_size` sequences, an empty validation split, or a token id >= `vocab_size` (when given; for
         shards, a tokenizer with more ids than `vocab_size`).
     """
     if data_cfg.sources:
         return build_mixture_loaders(data_cfg, global_batch_size, sharding, vocab_size, eval_batches, vocab_multiple)
     train, val, train_len, val_len, shard_set = split_rows(data_cfg, vocab_size, vocab_multiple)
-    train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=True, split="train")
+    shuffle = data_cfg.source != "synthetic"  # synthetic rows are independent draws: served in row order
+    train_loader = DataLoader(train, global_batch_size, sharding, data_cfg.seed, shuffle=shuffle, split="train")
     val_loader = EvalLoader(val, global_batch_size, sharding, max_batches=eval_batches)
     scored_tokens, counts = val_loader.target_stats()
     info = DataInfo(

@@ -7,7 +7,8 @@ The sample order is a Grain `MapDataset`: the N sequence ids, shuffled, repeated
 each epoch (Grain folds the epoch into the seed). Global batch i reads B consecutive positions of that stream;
 a batch never straddles an epoch boundary (the last N mod B positions of each epoch are skipped), so no
 sequence appears twice in one batch. The state is one integer, the next stream position, so a run resumes
-exactly and the order does not depend on the number of processes.
+exactly and the order does not depend on the number of processes; over a shard set it also records the set's
+digest, and a resume over a set that changed since is refused (`jaxpar.data.stream.check_shard_set`).
 
 Validation is served by `EvalLoader` instead: one pass over the split (or its first sequences) in file order,
 every sequence exactly once, the last global batch filled with padding rows of loss_mask 0. Which global batch
@@ -15,9 +16,10 @@ row holds which sequence, or padding, depends on the row's global index alone, s
 
 Each process gathers only the rows its addressable devices hold and assembles the global array with
 `jax.make_array_from_process_local_data`. Rows come from a row source: packed arrays in RAM (`PackedRows`, the
-`stdlib`, `text`, `jsonl` and `tokens` sources, which every process reads and packs whole), or a token shard set
+`stdlib`, `text`, `jsonl` and `tokens` sources, which every process reads and packs whole), a token shard set
 packed lazily row by row (`jaxpar.data.stream.ShardRows`, `data.source: shards`), from which a process reads only
-the rows of its own batch slice.
+the rows of its own batch slice, or generated rows (`jaxpar.data.synthetic.SyntheticRows`, `data.source:
+synthetic`), of which a process makes only those.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from jaxpar.config import ConfigError, DataConfig
 from jaxpar.data.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
 from jaxpar.data.packing import pack
 from jaxpar.data.sources import load_tokens
+from jaxpar.data.stream import SHARD_SET_KEY, check_shard_set, shard_splits
+from jaxpar.data.synthetic import synthetic_splits
 from jaxpar.data.tokenizer import BOS_ID, PAD_ID
 
 
@@ -74,6 +78,8 @@ class RowSource(Protocol):
     Attributes:
       num_sequences: N rows. seq_len: T. keys: the batch keys `rows` gives ("inputs", "targets", "loss_mask",
         and "segment_ids" with document masking). pad_id: the id of padded positions.
+      shard_set (optional): the `jaxpar.data.shards.ShardSet` the rows are read from, whose digest a loader's
+        state records (`jaxpar.data.stream.ShardRows`); absent or None for rows of no shard set.
     """
 
     num_sequences: int
@@ -199,18 +205,27 @@ class DataLoader:
         return global_arrays(self._sharding, local, self._global_shape)
 
     def get_state(self) -> dict:
-        """Returns {"next_sample": int}, the next position in the shuffled, repeated sample stream (JSON-safe)."""
-        return {"next_sample": int(self._next_sample)}
+        """Returns {"next_sample": int}, the next position in the shuffled, repeated sample stream, and for rows
+        of a shard set "shard_set_sha256": its digest (`jaxpar.data.shards.shard_set_digest`) (JSON-safe)."""
+        state: dict = {"next_sample": int(self._next_sample)}
+        shard_set = getattr(self._rows, "shard_set", None)
+        if shard_set is not None:
+            state[SHARD_SET_KEY] = shard_set.digest
+        return state
 
     def set_state(self, state: dict) -> None:
         """Resumes from a `get_state` dict; the following `next_batch` equals the one the saver would have served.
 
         Raises:
-          ValueError: `state` lacks a non-negative integer "next_sample".
+          ConfigError: the state was saved over another shard set than the one read now
+            (`jaxpar.data.stream.check_shard_set`).
+          ValueError: `state` lacks a non-negative integer "next_sample", or names a shard set while the rows
+            are of none.
         """
         value = state.get("next_sample") if isinstance(state, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"data loader state must be {{'next_sample': int >= 0}}, got {state!r}")
+        check_shard_set(state.get(SHARD_SET_KEY), getattr(self._rows, "shard_set", None), "data.path")
         self._next_sample = int(value)
 
 
@@ -327,8 +342,9 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
 
 def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multiple: int = 1) -> tuple:
     """(train rows, validation rows, train tokens, validation tokens, shard set) of a single-source `DataConfig`:
-    the packed arrays of a text or tokens source (shard set None), or a shard set's lazily packed `ShardRows` and
-    its `jaxpar.data.shards.ShardSet`.
+    the packed arrays of a text or tokens source (shard set None), a shard set's lazily packed `ShardRows` and
+    its `jaxpar.data.shards.ShardSet`, or the generated `jaxpar.data.synthetic.SyntheticRows` (shard set None;
+    tokens: rows x T).
 
     Raises:
       ConfigError: as `build_loaders`.
@@ -337,10 +353,11 @@ def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multip
     train: RowSource | dict[str, np.ndarray]
     val: RowSource | dict[str, np.ndarray]
     if data_cfg.source == "shards":
-        from jaxpar.data.stream import shard_splits
-
         train, val, shard_set = shard_splits(data_cfg, vocab_size, vocab_multiple)
         train_len, val_len = train.num_tokens, val.num_tokens
+    elif data_cfg.source == "synthetic":
+        train, val = synthetic_splits(data_cfg, vocab_size)
+        train_len, val_len = train.num_sequences * train.seq_len, val.num_sequences * val.seq_len
     else:
         train_tokens, val_tokens = load_tokens(data_cfg)
         if vocab_size is not None:

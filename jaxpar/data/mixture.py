@@ -3,16 +3,20 @@ by weight, exactly resumable, and each source's validation split scored separate
 
 Shape letters as in the `jaxpar` glossary; Q: the mixture's sources, B: the rows of a global batch.
 
-Training (`MixtureLoader`): global batch i takes c_s(i) rows from source s, placed in the batch as
+Training (`MixtureLoader`): each global batch takes c_s rows from source s, placed in the batch as
 `jaxpar.data.mixture_plan` says (largest-remainder counts carried over from batch to batch, so each source's
-running total stays within one row of i*B*w_s; rows interleaved by stride scheduling). Each source has its own
-sample stream (`jaxpar.data.loader.SampleOrder`: its N_s sequences shuffled with a seed derived from `data.seed`
-and the source's index, a fresh shuffle each epoch) read at consecutive positions: source s's rows of batch i
-are positions C_s(i) .. C_s(i) + c_s(i) - 1 of its stream, C_s(i) the rows it gave to batches [0, i). Unlike a
-single-source `DataLoader`, a batch may straddle a source's epoch boundary (so a source with fewer sequences than
-its rows in one batch repeats some within the batch). The state is {"next_batch": i, "taken": {name: C_s(i)}}:
-Q + 1 integers, none of which depends on the number of processes, so a run resumes exactly on any process
-count. Each process reads only the rows its devices hold, each from its own source.
+running total stays within one row of its weight's share of all rows so far; rows interleaved by stride
+scheduling). Each source has its own sample stream (`jaxpar.data.loader.SampleOrder`: its N_s sequences shuffled
+with a seed derived from `data.seed` and the source's index, a fresh shuffle each epoch) read at consecutive
+positions: source s's rows of a batch are positions C_s .. C_s + c_s - 1 of its stream, C_s the rows it gave to
+the batches before. Unlike a single-source `DataLoader`, a batch may straddle a source's epoch boundary (so a
+source with fewer sequences than its rows in one batch repeats some within the batch). The state is
+{"taken": {name: C_s}}: Q integers, none of which depends on the number of processes or on the batch size, so a
+run resumes exactly on any process count, and with another `train.global_batch_size` each source's stream goes
+on where it stopped and the shares stay within one row of the weights (a state saved by an earlier jaxpar also
+holds "next_batch", which is not needed). The state also records, as "shard_set_sha256": {name: digest}, the
+shard sets the sources are read from, checked on resume (`jaxpar.data.stream.check_shard_set`). Each process
+reads only the rows its devices hold, each from its own source.
 
 Validation (`MixtureEvalLoader`): one `EvalLoader` per source; a pass scores every source's split in turn, so a
 token-mean over the whole pass (`val_loss`) is the mean over all sources' valid tokens (each source weighted by
@@ -31,6 +35,7 @@ from jaxpar.config import ConfigError
 from jaxpar.data.batch import BATCH_DTYPES
 from jaxpar.data.loader import EvalLoader, RowSource, SampleOrder, _process_rows, global_arrays
 from jaxpar.data.mixture_plan import batch_counts, normalised, row_sources
+from jaxpar.data.stream import SHARD_SET_KEY, check_shard_set
 
 
 def source_seed(seed: int, index: int) -> int:
@@ -84,13 +89,12 @@ class MixtureLoader:
         self._sharding = sharding
         self._global_shape = (global_batch_size, self.seq_len)
         self._local_rows = _process_rows(sharding, self._global_shape)
-        self._next_batch = 0
         self._taken = np.zeros(len(self.names), np.int64)
 
     def plan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The next batch's layout: (rows per source: int64 [Q], source of each batch row: int64 [B], stream
         position of each batch row in its source's stream: int64 [B])."""
-        counts = batch_counts(self.weights, self.global_batch_size, self._next_batch, self._taken)
+        counts = batch_counts(self.weights, self.global_batch_size, self._taken)
         source, within = row_sources(counts)
         return counts, source, self._taken[source] + within
 
@@ -108,40 +112,48 @@ class MixtureLoader:
                 for k in self.keys:
                     local[k][mine] = part[k]
         self._taken += counts
-        self._next_batch += 1
         return global_arrays(self._sharding, local, self._global_shape)
 
+    def _shard_sets(self) -> dict:
+        """{name: `jaxpar.data.shards.ShardSet`} of the sources read from shard sets."""
+        sets = {n: getattr(rows, "shard_set", None) for n, rows in zip(self.names, self._sources)}
+        return {n: s for n, s in sets.items() if s is not None}
+
     def get_state(self) -> dict:
-        """{"next_batch": i, "taken": {name: rows source name gave to batches [0, i)}} (JSON-safe)."""
-        return {"next_batch": self._next_batch, "taken": {n: int(t) for n, t in zip(self.names, self._taken)}}
+        """{"taken": {name: rows source name gave to the batches so far}}, and "shard_set_sha256": {name: digest}
+        for the sources read from shard sets (JSON-safe)."""
+        state: dict = {"taken": {n: int(t) for n, t in zip(self.names, self._taken)}}
+        if sets := self._shard_sets():
+            state[SHARD_SET_KEY] = {n: s.digest for n, s in sets.items()}
+        return state
 
     def set_state(self, state: dict) -> None:
-        """Resumes from a `get_state` dict; the following `next_batch` equals the one the saver would have served.
+        """Resumes from a `get_state` dict, saved with this or another global batch size: the following
+        `next_batch` continues each source's stream where the saver stopped (with the saver's batch size, it
+        equals the batch the saver would have served).
 
         Raises:
+          ConfigError: a source's shard set is another than the one the state was saved over
+            (`jaxpar.data.stream.check_shard_set`).
           ValueError: `state` is not a mixture state of these sources (e.g. a single-source loader's
-            {"next_sample": ...}), or its counts do not add up to next_batch * B.
+            {"next_sample": ...}), or a count is negative.
         """
-        k = state.get("next_batch") if isinstance(state, dict) else None
         taken = state.get("taken") if isinstance(state, dict) else None
         if (
-            isinstance(k, bool)
-            or not isinstance(k, int)
-            or k < 0
-            or not isinstance(taken, dict)
+            not isinstance(taken, dict)
             or set(taken) != set(self.names)
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in taken.values())
         ):
             raise ValueError(
-                f"data loader state must be {{'next_batch': int >= 0, 'taken': {{name: int}}}} for the sources "
-                f"{self.names}, got {state!r:.200}"
+                f"data loader state must be {{'taken': {{name: int >= 0}}}} for the sources {self.names}, got "
+                f"{state!r:.200}"
             )
-        values = np.array([taken[n] for n in self.names], dtype=np.int64)
-        if np.any(values < 0) or int(values.sum()) != k * self.global_batch_size:
-            raise ValueError(
-                f"data loader state {state!r:.200}: the sources' rows sum to {int(values.sum())}, not next_batch * "
-                f"global batch size = {k * self.global_batch_size}"
-            )
-        self._next_batch, self._taken = k, values
+        recorded, sets = state.get(SHARD_SET_KEY, {}), self._shard_sets()
+        if not isinstance(recorded, dict):
+            raise ValueError(f"data loader state: {SHARD_SET_KEY} must be {{name: digest}}, got {recorded!r:.200}")
+        for i, name in enumerate(self.names):
+            check_shard_set(recorded.get(name), sets.get(name), f"data.sources[{i}] ({name}) path")
+        self._taken = np.array([taken[n] for n in self.names], dtype=np.int64)
 
 
 class MixtureEvalLoader:

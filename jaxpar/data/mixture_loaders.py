@@ -19,8 +19,8 @@ def tokenizer_identity(source: str, shard_set=None) -> dict | None:
     """What must agree between the sources of one mixture: for a shard set its manifest's tokenizer (kind, file
     checksum, tiktoken pattern, vocab_size, BOS and EOS ids) and whether documents got BOS / EOS; {"kind": "byte"}
     for the text sources (stdlib, text, jsonl: the byte tokenizer) and for byte-tokenized shard sets; None for a
-    `tokens` file, which records no tokenizer."""
-    if source == "tokens":
+    `tokens` file, which records no tokenizer, and for `synthetic` ids, which have none."""
+    if source in ("tokens", "synthetic"):
         return None
     if shard_set is None or shard_set.manifest["tokenizer"]["kind"] == "byte":
         return {"kind": "byte"}

@@ -2,14 +2,17 @@
 
 Shape letters as in the `jaxpar` glossary; Q: the mixture's sources, B: the rows of a global batch.
 
-Counts (`batch_counts`): batch i gives source s the rows that bring its running total closest to its share of
-all rows so far. With C_s(i) the rows source s has had in batches [0, i) (so sum_s C_s(i) = i*B) and w_s its
-normalised weight, the demand of batch i is d_s = (i + 1)*B*w_s - C_s(i), which sums to B; source s gets
-floor(d_s) rows (0 when d_s < 0), and the rows left over go one each to the sources with the largest remainders
-d_s - floor(d_s) (ties to the lower index): the largest-remainder (Hamilton) apportionment of B rows, carried over
-from batch to batch. Then |C_s(i) - i*B*w_s| < 1 for every i and s whenever B*w_s >= 1 for all s, so over n
-batches a source's realised share misses its weight by less than 1/(n*B) (tests/unit/test_mixture_plan.py
-measures it over 10,000 batches).
+Counts (`batch_counts`): each batch gives source s the rows that bring its running total closest to its share of
+all rows so far. With C_s the rows source s has had so far, R = sum_s C_s all rows so far (i*B after i batches of
+B rows) and w_s its normalised weight, the demand of the next batch of B rows is d_s = (R + B)*w_s - C_s, which
+sums to B; source s gets floor(d_s) rows (0 when d_s < 0), and the rows left over go one each to the sources with
+the largest remainders d_s - floor(d_s) (ties to the lower index): the largest-remainder (Hamilton) apportionment
+of B rows, carried over from batch to batch. Then |C_s - R*w_s| < 1 after every batch whenever B*w_s >= 1 for
+all s (by induction: the error before a batch lies in (-1, 1), so d_s > 0 and the error after it, the count
+minus d_s, lies in (-1, 1) again), so over n batches a source's realised share misses its weight by less than
+1/(n*B) (tests/unit/test_mixture_plan.py measures it over 10,000 batches). The counts depend on the rows served
+so far, not on how many batches served them, so B may change between batches (a run resumed with another
+`train.global_batch_size`) and the bound still holds.
 
 Placement (`row_sources`): within a batch the sources' rows are interleaved, not blocked, so that each process's
 slice of the batch holds every source in about its share: source s's j-th row (0 <= j < c_s) sits at key
@@ -33,17 +36,17 @@ def normalised(weights) -> np.ndarray:
     return w / w.sum()
 
 
-def batch_counts(weights: np.ndarray, global_batch_size: int, batch: int, taken: np.ndarray) -> np.ndarray:
-    """Rows of global batch `batch` (i) per source: int64 [Q] summing to B (module docstring).
+def batch_counts(weights: np.ndarray, global_batch_size: int, taken: np.ndarray) -> np.ndarray:
+    """Rows of the next global batch per source: int64 [Q] summing to B (module docstring).
 
     Args:
       weights: normalised weights, float64 [Q] (`normalised`).
-      global_batch_size: B.
-      batch: i >= 0.
-      taken: C(i), int [Q]: each source's rows in batches [0, i); sums to i*B.
+      global_batch_size: B, the next batch's rows.
+      taken: C, int [Q]: each source's rows in the batches so far (of any sizes).
     """
     g = global_batch_size
-    demand = (batch + 1) * g * weights - np.asarray(taken, dtype=np.float64)
+    taken = np.asarray(taken, dtype=np.int64)
+    demand = (int(taken.sum()) + g) * weights - taken.astype(np.float64)
     counts = np.maximum(np.floor(demand), 0).astype(np.int64)
     left = g - int(counts.sum())
     if left > 0:

@@ -35,6 +35,9 @@ manifest.json (JSON, `format_version` 1):
                              empty_documents, invalid_utf8_documents, end}] with end = {file, record,
                             input_bytes}: the input position after the shard's last document (file index, line
                             or row within it) and the input bytes read up to there, from which a rerun continues
+
+What identifies a set's data (`shard_set_digest`, recorded with a run's data position in its checkpoints) is the
+SHA-256 of its shards' file checksums: the same digest means the same token files and document indexes.
 """
 
 from __future__ import annotations
@@ -151,6 +154,14 @@ def read_manifest(directory: str) -> dict:
     return manifest
 
 
+def shard_set_digest(manifest: dict) -> str:
+    """Hex SHA-256 of the UTF-8 text holding one line "TOKENS_SHA256 OFFSETS_SHA256\\n" per shard of `manifest`, in
+    shard order: it identifies the token stream and document index a set holds (any other tokenizer, input, order
+    or shard size gives other files) from the manifest alone, without reading the shards."""
+    lines = "".join(f"{s['tokens_sha256']} {s['offsets_sha256']}\n" for s in manifest["shards"])
+    return hashlib.sha256(lines.encode("utf-8")).hexdigest()
+
+
 def file_sha256(path: str) -> str:
     """Hex SHA-256 of a file's bytes, read in 8 MiB blocks."""
     h = hashlib.sha256()
@@ -199,6 +210,7 @@ class ShardSet:
       directory, manifest: the set and its manifest.
       token_dtype: uint16 or uint32. vocab_size: the tokenizer's.
       num_shards, num_tokens, num_documents: totals.
+      digest: what identifies its data (`shard_set_digest`).
 
     Raises:
       DataError: the directory is not a shard set, or its tokenization was not finished (rerun the command).
@@ -219,6 +231,7 @@ class ShardSet:
         self.num_tokens = int(self.manifest["tokens"])
         self.num_documents = int(self.manifest["documents"])
         self._first_doc = np.cumsum([0] + [s["documents"] for s in self._shards])
+        self.digest = shard_set_digest(self.manifest)
 
     def _load(self, name: str, dtype: np.dtype, size: int) -> np.ndarray:
         path = os.path.join(self.directory, name)

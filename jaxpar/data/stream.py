@@ -31,6 +31,7 @@ shard (at most `MAX_OPEN_SHARDS`, two file descriptors each) every `INDEX_STRIDE
 from __future__ import annotations
 
 import collections
+import logging
 import os
 
 import numpy as np
@@ -42,6 +43,8 @@ from jaxpar.data.errors import DataError
 from jaxpar.data.shards import ShardSet
 from jaxpar.data.tokenizer import PAD_ID
 
+_log = logging.getLogger("jaxpar.data")
+SHARD_SET_KEY = "shard_set_sha256"  # a loader state's record of the shard set(s) it indexes (`check_shard_set`)
 MAX_OPEN_SHARDS = 64  # shards kept open at once (two file descriptors each); others are reopened on demand
 INDEX_STRIDE = 1024  # every INDEX_STRIDE-th document offset of an open shard is kept in RAM
 
@@ -194,6 +197,7 @@ class ShardRows:
       num_sequences: N = ceil((num_tokens - 1) / T) rows. seq_len: T. num_tokens: the split's tokens. keys: the
         batch keys `rows` gives.
       pad_id: the id of padded positions (loss_mask 0, segment id 0).
+      shard_set: the `ShardSet` read (its `digest` goes into a loader's state: `check_shard_set`).
 
     Args:
       shards: the opened shard set (`_Shards`), shared by the splits of one set.
@@ -205,6 +209,7 @@ class ShardRows:
 
     def __init__(self, shards: _Shards, doc_start: int, doc_stop: int, seq_len: int, document_masking: bool, pad_id):
         self._shards = shards
+        self.shard_set = shards.set
         self.doc_start, self.doc_stop = doc_start, doc_stop
         self._token_start = shards.token_position(doc_start)
         self.num_tokens = shards.token_position(doc_stop) - self._token_start
@@ -242,6 +247,39 @@ class ShardRows:
             segments = (doc[:, :-1] - doc[:, :1] + 1).astype(np.int32)
             out[SEGMENT_IDS] = np.where(real[:, :-1] > 0, segments, 0).astype(np.int32)
         return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def check_shard_set(recorded: str | None, shard_set: ShardSet | None, key: str) -> None:
+    """Checks that a loader state saved over a shard set whose `digest` was `recorded` resumes over that same set
+    (`key`: the config key naming the set's directory, e.g. "data.path"). A state saved by an earlier jaxpar
+    records none: the set cannot be checked, which is logged (warning, logger "jaxpar.data"), and the resume goes
+    on (the next checkpoint records it).
+
+    Raises:
+      ConfigError: the set now holds other shards (re-tokenized or replaced since), naming its directory and the
+        fix.
+      ValueError: the state names a shard set but this loader reads none.
+    """
+    if recorded is None:
+        if shard_set is not None:
+            _log.warning(
+                "the checkpoint's data position records no shard-set digest (saved by an earlier jaxpar): cannot "
+                "check that %s=%s still holds the shard set the run was trained on",
+                key,
+                shard_set.directory,
+            )
+        return
+    if shard_set is None:
+        raise ValueError(f"the data position indexes a shard set ({SHARD_SET_KEY} {recorded}), but {key} reads none")
+    if recorded != shard_set.digest:
+        raise ConfigError(
+            f"{key}={shard_set.directory!r} holds another shard set than the one the checkpoint's data position "
+            f"indexes (digest of its shard checksums {shard_set.digest[:16]}..., the checkpoint's "
+            f"{recorded[:16]}...): it was re-tokenized or replaced since, so resuming would serve other batches; "
+            f"put the shard set the run was trained on back in {shard_set.directory} (tokenize new data into "
+            f"another directory), or train on this one in a new run: another train.run_dir, with --restore-from "
+            f"naming this run's to carry its parameters and optimizer state over"
+        )
 
 
 def _open_set(path: str, key: str) -> ShardSet:

@@ -31,14 +31,14 @@ def run_tokenizer(data_cfg):
     one tokenizer) the first source's that records one.
 
     Raises:
-      SamplingUnavailable: a `tokens` file (it records no tokenizer), or a shard set whose tokenizer cannot be
-        rebuilt (naming why).
+      SamplingUnavailable: a `tokens` file (it records no tokenizer), `synthetic` ids (no text), or a shard set
+        whose tokenizer cannot be rebuilt (naming why).
     """
     if data_cfg.sources:
         from jaxpar.config.data_sources import source_configs
 
         resolved = [sd for _, _, sd in source_configs(data_cfg)]
-        data_cfg = next((sd for sd in resolved if sd.source != "tokens"), resolved[0])
+        data_cfg = next((sd for sd in resolved if sd.source in (*TEXT_SOURCES, "shards")), resolved[0])
     if data_cfg.source in TEXT_SOURCES:
         return ByteTokenizer()
     if data_cfg.source == "shards":
@@ -51,6 +51,8 @@ def run_tokenizer(data_cfg):
             return tokenizer_from_manifest(os.path.expanduser(data_cfg.path))
         except (DataError, OSError, ImportError) as e:
             raise SamplingUnavailable(f"the tokenizer of data.path={data_cfg.path!r} cannot be rebuilt: {e}") from None
+    if data_cfg.source == "synthetic":
+        raise SamplingUnavailable("data.source=synthetic ids stand for no text, so a sample of them cannot be decoded")
     raise SamplingUnavailable(
         f"data.source={data_cfg.source} records no tokenizer, so sampled ids cannot be decoded; tokenize the corpus "
         f"with jaxpar-data tokenize (data.source=shards), or pass tokenizer= to sample_text / SampleHook"

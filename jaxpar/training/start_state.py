@@ -10,12 +10,14 @@ import os
 
 import jax
 
+from jaxpar.checkpoint.info import read_json_item
 from jaxpar.checkpoint.mismatch import CheckpointMismatchError
 from jaxpar.checkpoint.saved import saved_config, select_step
 from jaxpar.checkpoint.store import Checkpointer, restore_from_path
 from jaxpar.config import Config, ConfigError, save_config
 from jaxpar.config.paths import output_dir_problem
 from jaxpar.config.resume import check_restored_model, check_resume_config, keep_previous_config
+from jaxpar.data.stream import SHARD_SET_KEY
 from jaxpar.training.hooks.base import log as _log
 from jaxpar.training.init_from import load_init_params, resumes
 from jaxpar.training.plan import StepPlan
@@ -73,13 +75,22 @@ def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_
     `checkpoint.restore_from`'s, else fresh: parameters from `model.init_from` or initialised from the seed),
     after writing RUN_DIR/config.yaml (keeping a resumed run's previous one if settings changed).
 
+    A resume sets the data position of its latest checkpoint (read from that step's JSON alone) before any array
+    is restored, so a position the data cannot take, or a shard set that changed since
+    (`jaxpar.data.stream.check_shard_set`), is refused first. `checkpoint.restore_from` seeds a new run, which
+    may train on other data (its `data.*` settings are not compared either): the shard sets the position was
+    saved over are not checked.
+
     Raises:
-      ConfigError: other data settings than the checkpoint's, a checkpoint that does not fit, or a run already
-        past `train.steps`. ValueError: a data position the data cannot take.
+      ConfigError: other data settings than the checkpoint's, a shard set that changed since, a checkpoint that
+        does not fit, or a run already past `train.steps`. ValueError: a data position the data cannot take.
     """
     t, run_dir = cfg.train, cfg.train.run_dir
-    resuming = ckpt is not None and ckpt.latest_step() is not None
+    own = ckpt if ckpt is not None and ckpt.latest_step() is not None else None  # the run's own checkpoints
+    resuming = own is not None
     changes = check_resume_config(run_dir, cfg) if resuming else {}  # refuses other data before any write
+    if own is not None and (saved := _latest_data_state(own)) is not None:
+        _set_data_position(train_loader, saved)  # before the arrays: a resume that cannot go on stops here
     state, data_state = _restore(cfg, plan, ckpt)
     if state is None and cfg.model.init_from:
         state = init_state(plan, params=load_init_params(cfg.model))  # parameters only: fresh optimizer, step 0
@@ -87,14 +98,9 @@ def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_
     elif state is None:
         state = init_state(plan, t.seed)
     else:
-        try:
-            train_loader.set_state(data_state)
-        except ValueError as e:
-            raise ValueError(
-                f"the checkpoint's data position does not fit this run's data ({e}); resume with the "
-                f"data the run was saved with (the built-in corpus, or the same iterator), or start "
-                f"a fresh run in another train.run_dir"
-            ) from e
+        if not resuming:  # checkpoint.restore_from: a new run, whose data may differ
+            data_state = {k: v for k, v in data_state.items() if k != SHARD_SET_KEY}
+        _set_data_position(train_loader, data_state)  # again: the restore may have fallen back to an older step
     start = int(state["step"])
     if start > t.steps:
         raise ConfigError(
@@ -113,7 +119,7 @@ def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_
     if start:
         position = data_state.get("next_sample", "the caller's iterator state")  # as restored, no re-gather
         if "taken" in data_state:  # a mixture (jaxpar.data.MixtureLoader)
-            position = f"batch {data_state.get('next_batch')}, rows per source {data_state['taken']}"
+            position = f"rows per source {data_state['taken']}"
         _log(f"resumed at step {start} (data position {position})")
         if start == t.steps:
             _log(
@@ -121,6 +127,34 @@ def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_
                 f"evaluated); raise train.steps to train on, or give another train.run_dir for a new run"
             )
     return state
+
+
+def _latest_data_state(ckpt: Checkpointer) -> dict | None:
+    """The data position saved with `ckpt`'s latest complete step (its JSON item only), or None when it cannot be
+    read (the restore then names what is wrong, or falls back to an older step)."""
+    try:
+        return read_json_item(os.path.join(ckpt.directory, str(ckpt.latest_step())), "data")
+    except Exception:  # noqa: BLE001 - any read failure is the restore's to report
+        return None
+
+
+def _set_data_position(train_loader, data_state: dict) -> None:
+    """`train_loader.set_state(data_state)`.
+
+    Raises:
+      ConfigError: what `set_state` raises as one (a shard set that changed since).
+      ValueError: any other refusal, with the fix.
+    """
+    try:
+        train_loader.set_state(data_state)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ValueError(
+            f"the checkpoint's data position does not fit this run's data ({e}); resume with the "
+            f"data the run was saved with (the built-in corpus, or the same iterator), or start "
+            f"a fresh run in another train.run_dir"
+        ) from e
 
 
 def _restore(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None):

@@ -102,6 +102,7 @@ OUT_OF_RANGE = {
     "data.max_bytes": -1,
     "data.seed": Accepts("every integer (taken modulo 2**32)", (-1, 2**70)),
     "data.document_masking": BOOL,
+    "data.synthetic_branching": -1,
     "data.sources[].name": "web text",
     "data.sources[].weight": 0,
     "data.sources[].source": "web",

@@ -71,7 +71,7 @@ def test_rows_come_from_each_source_in_its_share_and_its_own_stream(sharding):
         seen["b"] += (rows[from_b] - 1000).tolist()
     for name in ("a", "b"):  # each source's rows are consecutive positions of its own shuffled stream
         assert seen[name] == orders[name].ids(range(len(seen[name]))).tolist()
-    assert loader.get_state() == {"next_batch": 20, "taken": {"a": 120, "b": 40}}  # shares 0.75 and 0.25
+    assert loader.get_state() == {"taken": {"a": 120, "b": 40}}  # shares 0.75 and 0.25
 
 
 def test_resume_from_the_json_state_serves_the_same_batches(sharding):
@@ -88,13 +88,33 @@ def test_resume_from_the_json_state_serves_the_same_batches(sharding):
     for want in batches[5:]:
         np.testing.assert_array_equal(np.asarray(resumed.next_batch()["inputs"]), want)
     assert resumed.get_state() == first.get_state()
+    earlier = make()  # a state saved by an earlier jaxpar also holds the batch index
+    earlier.set_state({"next_batch": 5, **states[4]})
+    np.testing.assert_array_equal(np.asarray(earlier.next_batch()["inputs"]), batches[5])
     for bad in (
         {"next_sample": 8},
-        {"next_batch": 2, "taken": {"web": 16}},
-        {"next_batch": 2, "taken": {"web": 9, "code": 9}},
+        {"taken": {"web": 16}},
+        {"taken": {"web": 9, "code": -1}},
     ):
         with pytest.raises(ValueError, match="data loader state"):
             make().set_state(bad)
+
+
+def test_resuming_with_another_global_batch_size_continues_each_source_stream(sharding):
+    """8 rows per batch, resumed at 16: every source goes on at the next position of its own stream, and the
+    shares stay within one row of 0.7 / 0.3 of all rows served."""
+    sources = {"web": _rows(0, 30), "code": _rows(500, 20)}
+    weights = {"web": 0.7, "code": 0.3}
+    small = MixtureLoader(sources, weights, G, sharding, seed=1)
+    served = [np.asarray(small.next_batch()["inputs"])[:, 0] for _ in range(5)]
+    big = MixtureLoader(sources, weights, 2 * G, sharding, seed=1)
+    big.set_state(json.loads(json.dumps(small.get_state())))
+    served += [np.asarray(big.next_batch()["inputs"])[:, 0] for _ in range(3)]
+    rows = np.concatenate(served)
+    orders = {"web": SampleOrder(30, source_seed(1, 0)), "code": SampleOrder(20, source_seed(1, 1))}
+    for name, first, got in (("web", 0, rows[rows < 500]), ("code", 500, rows[rows >= 500])):
+        assert (got - first).tolist() == orders[name].ids(range(got.size)).tolist()
+    assert big.get_state() == {"taken": {"web": 62, "code": 26}}  # 88 rows: 61.6 and 26.4
 
 
 def test_shard_mixture_validates_each_source_as_it_would_alone(sets, sharding):

@@ -17,8 +17,8 @@ def realised_counts(weights, global_batch_size: int, num_batches: int) -> np.nda
     """Rows each source gets over batches [0, num_batches) from the start: int64 [sources]."""
     w = normalised(weights)
     taken = np.zeros(w.size, np.int64)
-    for k in range(num_batches):
-        taken += batch_counts(w, global_batch_size, k, taken)
+    for _ in range(num_batches):
+        taken += batch_counts(w, global_batch_size, taken)
     return taken
 
 
@@ -31,7 +31,7 @@ def test_shares_over_10000_batches_track_the_weights(weights, g):
     taken = np.zeros(w.size, np.int64)
     worst = 0.0
     for k in range(BATCHES):
-        counts = batch_counts(w, g, k, taken)
+        counts = batch_counts(w, g, taken)
         assert counts.sum() == g and (counts >= 0).all()
         taken += counts
         worst = max(worst, float(np.abs(taken - (k + 1) * g * w).max()))
@@ -39,6 +39,19 @@ def test_shares_over_10000_batches_track_the_weights(weights, g):
     assert np.abs(shares - w).max() <= 0.005, (shares, w)
     assert worst < 1.0  # every source within one row of its quota after every batch
     np.testing.assert_array_equal(taken, realised_counts(weights, g, BATCHES))
+
+
+def test_another_batch_size_midway_keeps_every_source_within_one_row_of_its_quota():
+    """A run resumed with another train.global_batch_size: 8 rows per batch, then 16, then 4; the counts depend on
+    the rows served so far only, so the quotas hold over all rows whatever batch served them."""
+    w = normalised([0.7, 0.3])
+    taken = np.zeros(2, np.int64)
+    for g in [8] * 50 + [16] * 50 + [4] * 50:
+        counts = batch_counts(w, g, taken)
+        assert counts.sum() == g and (counts >= 0).all()
+        taken += counts
+        assert np.abs(taken - taken.sum() * w).max() < 1.0
+    assert taken.tolist() == [980, 420]  # of 1,400 rows: 0.7 and 0.3
 
 
 def test_a_source_below_one_row_per_batch_still_gets_its_share():

@@ -233,3 +233,59 @@ def test_config_validation_of_the_source():
         validate_config(Config(data=DataConfig(source="text", path="x", validation_path="y")), num_devices=1)
     # a tokenizer's vocabulary may be smaller than the byte tokenizer's: checked against the manifest instead
     validate_config(Config(data=DataConfig(source="shards", path="x"), model=ModelConfig(vocab_size=128)), 1)
+
+
+def test_a_resume_over_a_re_tokenized_shard_set_is_refused_before_any_array_is_restored(
+    sets, sharding, tmp_path, monkeypatch, caplog
+):
+    """The data position records the digest of the set's shard checksums; the same directory holding other shards
+    (here: replaced by a set of another tokenizer) is refused by a single source and by a mixture, naming the
+    directory; a state without a digest (an earlier jaxpar) resumes with a warning. A run's resume refuses it from
+    the latest checkpoint's JSON, before its arrays are restored; a new run seeded by checkpoint.restore_from
+    takes the position without the check (its data may differ)."""
+    import dataclasses
+    import shutil
+
+    from jaxpar.checkpoint.store import Checkpointer
+    from jaxpar.config import Config
+    from jaxpar.data import MixtureLoader
+    from jaxpar.data.shards import shard_set_digest
+    from jaxpar.training import start_state
+
+    here = tmp_path / "set"
+    shutil.copytree(sets["byte"], here)
+    cfg = DataConfig(source="shards", path=str(here), seq_len=T)
+    single = DataLoader(shard_splits(cfg)[0], G, sharding, seed=0)
+    mixture = MixtureLoader({"web": shard_splits(cfg)[0]}, {"web": 1.0}, G, sharding, seed=0)
+    digest = shard_set_digest(read_manifest(str(here)))
+    states = [single.get_state(), mixture.get_state()]
+    assert states[0] == {"next_sample": 0, "shard_set_sha256": digest}
+    assert states[1] == {"taken": {"web": 0}, "shard_set_sha256": {"web": digest}}
+    shutil.rmtree(here)
+    shutil.copytree(sets["hf"], here)  # re-tokenized into the same directory
+    again = shard_splits(cfg)[0]
+    fix = rf"data.path='{here}' holds another shard set .* re-tokenized or replaced .*another train.run_dir"
+    with pytest.raises(ConfigError, match=fix):
+        DataLoader(again, G, sharding, seed=0).set_state(states[0])
+    with pytest.raises(ConfigError, match=r"data.sources\[0\] \(web\) path=.* holds another shard set"):
+        MixtureLoader({"web": again}, {"web": 1.0}, G, sharding, seed=0).set_state(states[1])
+    with caplog.at_level("WARNING", logger="jaxpar.data"):
+        DataLoader(again, G, sharding, seed=0).set_state({"next_sample": 8})
+    assert "records no shard-set digest" in caplog.text and str(here) in caplog.text
+
+    ckpt = Checkpointer(str(tmp_path / "run" / "checkpoints"), every_steps=1, keep=1, async_save=False)
+    ckpt.save(1, {"step": np.int32(1)}, data_state=states[0], config={}, force=True)
+    monkeypatch.setattr(start_state, "_restore", lambda *a: pytest.fail("arrays restored before the data check"))
+    run = dataclasses.replace(Config(), train=dataclasses.replace(Config().train, run_dir=str(tmp_path / "run")))
+    with pytest.raises(ConfigError, match=fix):
+        start_state.initial_state(run, None, ckpt, DataLoader(again, G, sharding, seed=0))
+    ckpt.close()
+    seeded = DataLoader(again, G, sharding, seed=0)  # checkpoint.restore_from seeds a new run: not checked
+    monkeypatch.setattr(start_state, "_restore", lambda *a: ({"step": np.int32(0)}, {**states[0], "next_sample": 8}))
+    start_state.initial_state(
+        dataclasses.replace(run, train=dataclasses.replace(run.train, run_dir=str(tmp_path / "new"))),
+        None,
+        None,
+        seeded,
+    )
+    assert seeded.get_state() == {"next_sample": 8, "shard_set_sha256": again.shard_set.digest}
