@@ -17,6 +17,15 @@ import time
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every compile of the suite, in this process and its subprocesses, with XLA:CPU's fast code generation
+# (jaxpar.analysis.hlo.compile_options.FAST_COMPILER_OPTIONS: every HLO pass kept, machine code less optimised),
+# appended to the caller's XLA_FLAGS (CI's instruction-set phases set --xla_cpu_max_isa). Compiling is most of the
+# suite's time; this cuts the default suite by about a fifth. JAXPAR_TEST_XLA_FAST=0 compiles as users do.
+if os.environ.get("JAXPAR_TEST_XLA_FAST", "1") != "0":
+    from jaxpar.analysis.hlo.compile_options import xla_flags  # no jax
+
+    if xla_flags() not in os.environ.get("XLA_FLAGS", ""):  # xdist workers inherit it from the controller
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags()}".strip()
 
 import jax  # noqa: E402  (after the device count is set)
 import pytest  # noqa: E402

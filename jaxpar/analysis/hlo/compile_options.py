@@ -19,3 +19,12 @@ FAST_COMPILER_OPTIONS = {
     "xla_cpu_use_fusion_emitters": False,
     "xla_llvm_disable_expensive_passes": True,
 }
+
+
+def xla_flags(options: dict[str, int | bool] | None = None) -> str:
+    """`options` (default `FAST_COMPILER_OPTIONS`) as `XLA_FLAGS` text, e.g. "--xla_backend_optimization_level=0
+    ...": the same options for every compile of a process (and of its subprocesses, which inherit the variable),
+    where per-compile options cannot be passed (jit calls inside the library, other programs). Set before jax
+    starts its backend."""
+    items = (FAST_COMPILER_OPTIONS if options is None else options).items()
+    return " ".join(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in items)
