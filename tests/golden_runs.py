@@ -133,9 +133,10 @@ def run(
     """Trains each golden config of `names` for `steps` steps in this process; returns {name: the training loss
     of steps 1..steps (token-mean cross-entropy in nats, the fp32 metric as a float)}.
 
-    `root` is the checkout whose configs/ are read; `workdir` (an existing directory) takes the token file and the
-    run directories; `extra` overrides go after a config's own (a perturbed run). Every compile skips LLVM
-    optimisation (`jax_disable_most_optimizations`, as `step_helpers.quick_compile`: the program's HLO passes all
+    `steps` is also `train.steps`, over which the learning rate decays: fewer steps are not the first steps of a
+    longer run. `root` is the checkout whose configs/ are read; `workdir` (an existing directory) takes the token
+    file and the run directories; `extra` overrides go after a config's own (a perturbed run). Every compile skips
+    LLVM optimisation (`jax_disable_most_optimizations`, as `step_helpers.quick_compile`: the program's HLO passes all
     run, only its machine code is less optimised), the mode the table was made in. Needs 8 jax devices
     (JAX_NUM_CPU_DEVICES=8 set before jax starts).
 

@@ -8,8 +8,9 @@ Checks out each commit (HEAD: the current HEAD) into a temporary `git worktree`,
 in a process of this Python (tools/golden_losses.py run, with the worktree first on PYTHONPATH), and prints per
 config: bitwise equal, or the first step whose fp32 loss differs and the largest relative difference. Both runs
 use this checkout's golden configs and token stream, so a commit from before they existed can be compared too.
-About 30 s per commit on 2 cores. Exit status: 0 when every config is bitwise equal, 1 otherwise (also when a
-commit's run fails), 2 when a commit is not found.
+--steps N trains N steps (the learning rate decays over train.steps, so they are not the first N of a longer
+run). About 30 s per commit on 2 cores. Exit status: 0 when every config is bitwise equal, 1 otherwise (also when
+a commit's run fails), 2 when a commit is not found.
 """
 
 from __future__ import annotations
