@@ -80,6 +80,10 @@ ELSEWHERE = {
     "tools/compare_losses.py": "tests/system/test_golden_losses.py::test_compare_losses_finds_head_equal_to_itself",
     # its `run`, through compare_losses.py; `write` (about 2 minutes) made the table that test_golden_table checks
     "tools/golden_losses.py": "tests/system/test_golden_losses.py::test_compare_losses_finds_head_equal_to_itself",
+    # a few minutes per instruction set: the test runs it on a stand-in for jaxpar-train
+    "tools/loss_range.py": (
+        "tests/unit/test_loss_range.py::test_each_instruction_set_is_one_run_and_the_range_is_printed"
+    ),
     "tools/resolve_config.py": "tests/unit/test_cli_args.py::test_resolve_config_refuses_device_counts_below_one",
     "tools/test_times.py": (
         "tests/unit/test_test_times.py::test_rows_per_file_with_compile_seconds_and_the_files_over_budget"
