@@ -380,9 +380,11 @@ class TrainConfig:
       sample_tokens: tokens to generate from the trained model at the end (0: none), decoded with the data's
         tokenizer; skipped, saying why, without one (a `tokens` file) or above
         `jaxpar.training.sample.MAX_SAMPLE_PARAMS` parameters (they are gathered onto every host).
-      max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient.
-      divergence_rollbacks: how many times a run that hits `max_bad_steps` restores its last good checkpoint
-        and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0: stop at once.
+      max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient. A run
+        never ends diverged: a NaN or inf loss, gradients or parameters at the last step stop it too, with fewer.
+      divergence_rollbacks: how many times a run that hits `max_bad_steps`, or ends diverged, restores its last
+        good checkpoint and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0:
+        stop at once (jaxpar-train exits 1, naming the step the loss became non-finite).
       watchdog_s: seconds without progress (a step, a validation batch or a checkpoint save) after which every
         process exits with status 124, naming the processes that are missing (`jaxpar.training.watchdog`);
         0 disables it. Must exceed the slowest checkpoint save and validation batch.
