@@ -43,6 +43,7 @@ SETTINGS = [
     "model.name=gpt2",
     "model.n_kv_heads=null",
     "model.tie_embeddings=true",
+    "optimizer.weight_decay_exclude=['*.scale','*.b*']",  # no decay for GPT-2's norm scales and biases
     "model.d_model=128",
     "model.n_layers=4",
     "model.n_heads=4",

@@ -288,7 +288,7 @@ def adam_step_args(plan: StepPlan, metrics: dict) -> dict:
     return {
         "opt": plan.cfg.optimizer,
         "lr": float(metrics["learning_rate"]),
-        "decayed": weight_decay_mask(plan.logical),
+        "decayed": weight_decay_mask(plan.logical, plan.cfg.optimizer.weight_decay_exclude),
     }
 
 

@@ -11,8 +11,9 @@ and DIR/plot.png (with matplotlib, the `plot` extra: pip install 'jaxpar[plot]';
 skips the plot). Run it again to resume: finished points are skipped. The sweep file format is documented in
 jaxpar/analysis/sweep/run.py. A sweep file with `target: KIND:NODESxGPUS` and `compile: true` compiles every
 point for that GPU cluster without its GPUs, which needs jax's CUDA plugin (pip install 'jaxpar[gpu-compile]');
-without it the sweep stops before the first point. Exit status: 0 done, 2 bad sweep file (the message names the
-key and the fix) or no CUDA plugin for a target, 130 interrupted.
+without it the sweep stops before the first point. Exit status: 0 done (some point valid: ok or over budget), 1
+no point ran and some failed, 2 bad sweep file (the message names the key and the fix), no CUDA plugin for a
+target, or every point refused by config validation, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -67,7 +68,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{PROG}: {len(records)} points ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))}); "
         f"results in {out}/results.json, results.md{', plot.png' if installed('matplotlib') else ''}"
     )
-    return 0
+    return _none_ran(counts)
+
+
+def _none_ran(counts: dict[str, int]) -> int:
+    """The exit status from the points' status counts: 0 when some point is valid (ok, or over budget: planned,
+    not run); else, with a line saying none ran, 2 when every point was refused as an invalid config, 1 when
+    some failed."""
+    if not counts or counts.get("ok", 0) + counts.get("over_budget", 0):
+        return 0
+    invalid, failed = counts.get("invalid", 0), counts.get("failed", 0)
+    print(
+        f"{PROG}: none of the {invalid + failed} points ran: {invalid} refused as invalid configs, {failed} failed; "
+        f"each point's error is in results.md (fix the sweep's base, overrides or meshes)",
+        file=sys.stderr,
+    )
+    return 2 if not failed else 1
 
 
 if __name__ == "__main__":

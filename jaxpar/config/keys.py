@@ -93,7 +93,10 @@ def yaml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(yaml_value(v) for v in value) + "]"
     if isinstance(value, str):
-        plain = value and " " not in value and yaml.safe_load(value) == value
+        try:
+            plain = value and " " not in value and yaml.safe_load(value) == value
+        except yaml.YAMLError:  # e.g. '*.scale', which YAML reads as an alias
+            plain = False
         return value if plain else "'" + value.replace("'", "''") + "'"
     return repr(value)
 

@@ -235,6 +235,12 @@ class OptimizerConfig:
       min_lr_ratio: the rate the decay reaches after the last update (`train.steps`), as a fraction of
         `learning_rate`.
       grad_clip_norm: clip by global L2 norm; 0 disables clipping.
+      weight_decay: decoupled weight decay (AdamW's lambda; the update subtracts learning rate * lambda * w).
+      weight_decay_exclude: fnmatch patterns over parameter names (the dotted path in the parameter tree, e.g.
+        `embed.table`, `blocks.attn_norm.scale`; `*` matches dots too): a parameter matching any gets no weight
+        decay. The default leaves out the built-in family's norm scales (its only parameters of fewer than two
+        non-layer dimensions); add `embed.*` to spare the embeddings. Each pattern must match a parameter of the
+        model (checked when the step is planned, before any device work; `jaxpar.training.optimizer`).
     """
 
     learning_rate: float = 3e-3
@@ -242,6 +248,7 @@ class OptimizerConfig:
     decay: str = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
+    weight_decay_exclude: tuple[str, ...] = ("*.scale",)
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8
@@ -373,9 +380,11 @@ class TrainConfig:
       sample_tokens: tokens to generate from the trained model at the end (0: none), decoded with the data's
         tokenizer; skipped, saying why, without one (a `tokens` file) or above
         `jaxpar.training.sample.MAX_SAMPLE_PARAMS` parameters (they are gathered onto every host).
-      max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient.
-      divergence_rollbacks: how many times a run that hits `max_bad_steps` restores its last good checkpoint
-        and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0: stop at once.
+      max_bad_steps: stop the run after this many consecutive updates skipped for a NaN or inf gradient. A run
+        never ends diverged: a NaN or inf loss, gradients or parameters at the last step stop it too, with fewer.
+      divergence_rollbacks: how many times a run that hits `max_bad_steps`, or ends diverged, restores its last
+        good checkpoint and continues, skipping the batches since (PaLM, Chowdhery et al. 2022, section 5.1); 0:
+        stop at once (jaxpar-train exits 1, naming the step the loss became non-finite).
       watchdog_s: seconds without progress (a step, a validation batch or a checkpoint save) after which every
         process exits with status 124, naming the processes that are missing (`jaxpar.training.watchdog`);
         0 disables it. Must exceed the slowest checkpoint save and validation batch.

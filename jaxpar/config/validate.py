@@ -141,6 +141,12 @@ def _check_optimizer(cfg: Config) -> None:
     check_positive("optimizer.eps", o.eps)  # Adam's denominator term: 0 divides by zero where a moment is 0
     check_positive("optimizer.warmup_steps", o.warmup_steps, allow_zero=True)
     check_positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+    for i, pattern in enumerate(o.weight_decay_exclude):  # what each matches is checked against the model's names
+        if not pattern.strip():
+            raise ConfigError(
+                f"optimizer.weight_decay_exclude[{i}] is empty; give fnmatch patterns of parameter names, "
+                f"{example('optimizer.weight_decay_exclude')}"
+            )
     check_positive("optimizer.grad_clip_norm", o.grad_clip_norm, allow_zero=True)
     check_between("optimizer.min_lr_ratio", o.min_lr_ratio, 0, 1)
     check_between("optimizer.b1", o.b1, 0, 1, high_open=True)

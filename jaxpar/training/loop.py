@@ -383,7 +383,7 @@ def train(
       TypeError / ValueError: a `hooks` entry that is not a `Hook` instance or has a bad `every` (before any
         device work); a `loss_fn`, `optimizer` or `learning_rate` that `build_plan` refuses.
       ValueError / FileNotFoundError: a checkpoint that does not match the model, or a missing restore path.
-      TrainingDiverged: too many non-finite updates in a row (`DivergenceHook`).
+      TrainingDiverged: too many non-finite updates in a row, or a run about to end diverged (`DivergenceHook`).
     """
     hooks = None if hooks is None else _checked_hooks(hooks)
     cfg = resolve_config(cfg, jax.device_count())  # the mesh sizes; the plan resolves the precision

@@ -1,8 +1,10 @@
 """The default optimizer (AdamW with warmup + decay, global-norm clipping and a weight-decay mask, optax), the
 non-finite skip that any optimizer can be wrapped in, and the readers the train step's metrics use.
 
-Decoupled weight decay (Loshchilov & Hutter 2019) applies to weight matrices and embeddings only, never to
-norm scales or biases (parameters with one non-layer dimension).
+Decoupled weight decay (Loshchilov & Hutter 2019) applies to every parameter except those whose name matches a
+pattern of `optimizer.weight_decay_exclude` (fnmatch over the dotted names `parameter_names` gives, e.g.
+`blocks.attn_norm.scale`); the default, `*.scale`, leaves out the built-in family's norm scales, its only
+parameters with fewer than two non-layer dimensions.
 
 A caller's own `optax.GradientTransformation` replaces the default through `jaxpar.training.plan.build_plan(...,
 optimizer=tx)`; wrap it in `skip_nonfinite` to get the default's NaN/inf handling and its step metrics.
@@ -10,14 +12,21 @@ optimizer=tx)`; wrap it in `skip_nonfinite` to get the default's NaN/inf handlin
 
 from __future__ import annotations
 
+import fnmatch
+import logging
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from jaxpar.config.choices import LR_DECAYS
+from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import OptimizerConfig
+from jaxpar.model.interface import LAYERS_AXIS
+
+_LOGGER = logging.getLogger("jaxpar.training")
 
 # optimizer.decay -> the decayed rate at decay progress t in [0, 1] (fp32 array) from `peak` to `end` (floats).
 DECAYS = {
@@ -67,16 +76,62 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Sche
     return schedule
 
 
-def weight_decay_mask(logical: dict) -> dict:
-    """True for leaves with at least two non-`layers` dimensions (matrices, embeddings)."""
-    return jax.tree.map(
-        lambda names: len([n for n in names if n != "layers"]) >= 2, logical, is_leaf=lambda x: isinstance(x, tuple)
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple)
+
+
+def parameter_names(logical: dict) -> dict:
+    """The tree of `logical` (a parameter's logical axes per leaf, `jaxpar.model.ModelDef.logical_axes`) with each
+    leaf replaced by the parameter's name: its dotted path in the parameter tree, e.g. `embed.table`,
+    `blocks.attn_norm.scale` (stacked blocks under `blocks`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: ".".join(str(getattr(k, "key", k)) for k in path), logical, is_leaf=_is_axes
     )
 
 
+def weight_decay_mask(logical: dict, exclude: Sequence[str]) -> dict:
+    """True for the parameters weight decay applies to: those whose name (`parameter_names`) matches none of the
+    fnmatch patterns `exclude` (`optimizer.weight_decay_exclude`; `fnmatch.fnmatchcase`, so `*` also matches
+    dots)."""
+    return jax.tree.map(lambda name: not any(fnmatch.fnmatchcase(name, p) for p in exclude), parameter_names(logical))
+
+
+def check_weight_decay_exclude(cfg: OptimizerConfig, logical: dict) -> None:
+    """Checks `optimizer.weight_decay_exclude` against the model's parameter names, before any device work
+    (`jaxpar.training.plan.build_plan` calls it for the default optimizer); logs a warning when weight decay
+    applies to a parameter with fewer than two non-`layers` dimensions (a bias or norm scale, which decay
+    usually leaves alone: Loshchilov & Hutter 2019 decay weight matrices).
+
+    Raises:
+      ConfigError: a pattern that matches no parameter name (a typo would otherwise decay what it meant to spare);
+        the message lists the model's names.
+    """
+    names = jax.tree.leaves(parameter_names(logical))
+    for pattern in cfg.weight_decay_exclude:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            raise ConfigError(
+                f"optimizer.weight_decay_exclude: the pattern {pattern!r} matches no parameter of this model; "
+                f"its parameters are {', '.join(names)}; fix or remove the pattern (fnmatch: * matches any "
+                f"characters, dots included)"
+            )
+    if cfg.weight_decay == 0:
+        return
+    decayed = jax.tree.leaves(weight_decay_mask(logical, cfg.weight_decay_exclude))
+    axes = jax.tree.leaves(logical, is_leaf=_is_axes)
+    vectors = [
+        n for n, d, a in zip(names, decayed, axes, strict=True) if d and len([x for x in a if x != LAYERS_AXIS]) < 2
+    ]
+    if vectors:
+        _LOGGER.warning(
+            f"optimizer: weight decay applies to {len(vectors)} parameters of fewer than two dimensions (biases "
+            f"or norm scales): {', '.join(vectors)}; add patterns for them to optimizer.weight_decay_exclude "
+            f"to leave them undecayed"
+        )
+
+
 def build_optimizer(cfg: OptimizerConfig, logical: dict, total_steps: int) -> optax.GradientTransformation:
-    """optax chain: clip by global norm (when `grad_clip_norm` > 0), then AdamW with the schedule and mask,
-    skipped as a whole on non-finite gradients (`skip_nonfinite`).
+    """optax chain: clip by global norm (when `grad_clip_norm` > 0), then AdamW with the schedule and the mask of
+    `weight_decay_exclude` (`weight_decay_mask`), skipped as a whole on non-finite gradients (`skip_nonfinite`).
 
     Clipping runs on global arrays outside `shard_map`, so a replicated leaf is counted once and a sharded
     leaf's shards are summed: the norm equals the single-device norm whatever the layout.
@@ -90,7 +145,7 @@ def build_optimizer(cfg: OptimizerConfig, logical: dict, total_steps: int) -> op
         b2=cfg.b2,
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        mask=weight_decay_mask(logical),
+        mask=weight_decay_mask(logical, cfg.weight_decay_exclude),
     )
     tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adamw) if cfg.grad_clip_norm > 0 else adamw
     return skip_nonfinite(tx)

@@ -37,7 +37,13 @@ from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
 from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy
-from jaxpar.training.optimizer import build_optimizer, learning_rate_schedule, nonfinite_state, schedule_count
+from jaxpar.training.optimizer import (
+    build_optimizer,
+    check_weight_decay_exclude,
+    learning_rate_schedule,
+    nonfinite_state,
+    schedule_count,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +154,8 @@ def build_plan(
     Raises:
       ConfigError: a mesh that is not the config's; `model.attention=cudnn` where cuDNN cannot run; a parameter
         width the mesh does not divide; `mesh.pipeline > 1` on CPU with jax's persistent compilation cache on
-        (`_check_compilation_cache` says why).
+        (`_check_compilation_cache` says why); with the default optimizer, an `optimizer.weight_decay_exclude`
+        pattern that matches no parameter name (`jaxpar.training.optimizer.check_weight_decay_exclude`).
       TypeError: `optimizer` is not an `optax.GradientTransformation`; `loss_fn` fails on abstract inputs or
         returns no real scalar (`jaxpar.training.loss.check_loss_fn`).
       ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
@@ -280,6 +287,7 @@ def _optimizer(
                 "learning_rate is only for a caller's own optimizer; the default AdamW's schedule "
                 "comes from the optimizer.* config keys (optimizer.learning_rate, warmup_steps, decay)"
             )
+        check_weight_decay_exclude(cfg.optimizer, logical)  # against the model's parameter names
         return build_optimizer(cfg.optimizer, logical, cfg.train.steps), learning_rate_schedule(
             cfg.optimizer, cfg.train.steps
         )

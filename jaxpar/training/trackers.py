@@ -6,7 +6,8 @@
   WandbTracker        Weights & Biases, the optional `wandb` extra (`pip install 'jaxpar[wandb]'`). Mode "offline"
                       writes the run under RUN_DIR/wandb/ with no network (`wandb sync` uploads it later);
                       "online" streams; "" leaves the choice to wandb (its WANDB_MODE environment variable). The
-                      run id is kept in RUN_DIR/wandb_run_id, so a resumed run continues the same W&B run.
+                      run id is kept in RUN_DIR/wandb_run_id (and the last step it was given in
+                      RUN_DIR/wandb_last_step), so a resumed run continues the same W&B run.
 A script may pass its own: any object with `log(step: int, metrics: dict[str, int | float | bool | str | None])`
 and `close()`. Values arrive as Python scalars (`to_json_value`); None means "not measured".
 
@@ -16,8 +17,8 @@ beside the new ones. A tracker may implement two optional methods for it:
   purge(step)   rows at `step` and later are superseded (called when the writer opens, with the first step the run
                 will write, and at a rollback). metrics.jsonl drops them from the file; TensorBoard writes a
                 purge_step marker (a SessionLog START at `step`), after which TensorBoard hides the earlier files'
-                events at `step` and later; W&B cannot rewind a run, so its tracker ignores rows at steps it
-                already holds (a replayed step is logged once, the first time).
+                events at `step` and later; W&B online rewinds its run to `step`, offline it drops the rows at
+                steps it already holds (a replayed step is logged once, the first time; `WandbTracker`).
   flush()       everything logged so far is on disk (called after each checkpoint save): a killed process loses
                 at most the rows after its last checkpoint, which the resumed run writes again.
 """
@@ -41,6 +42,7 @@ from jaxpar.config.extras import WANDB_FEATURE, require
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
+WANDB_STEP_FILE = "wandb_last_step"  # the highest step logged to the W&B run
 
 _LOGGER = logging.getLogger("jaxpar.training")
 
@@ -182,8 +184,22 @@ class TensorBoardTracker:
 class WandbTracker:
     """Numeric finite scalars to a Weights & Biases run (module docstring).
 
+    The run id is kept in run_dir/wandb_run_id and the highest step W&B was given in run_dir/wandb_last_step, so
+    a resumed run (a new process) continues the same W&B run and knows which steps W&B holds. `purge(step)`
+    supersedes the rows at `step` and later that W&B holds:
+
+      online   the run is rewound: `wandb.init(resume_from=f"{run_id}?_step={step}")` truncates its history to
+               the steps before `step` (W&B's "rewind a run", a preview feature of W&B's service; where the
+               service refuses it, a warning says so and the replayed steps are dropped as offline);
+      offline  (and "" resolving to offline) an offline run cannot be rewound: rows at steps W&B already holds
+               are dropped, so each step is logged once, the first time. After a resume these are bitwise the
+               rows the replay computes (a resume is exact); after a divergence rollback W&B keeps the first
+               attempt's rows of the steps run again (metrics.jsonl and TensorBoard hold the new ones).
+
+    The W&B run starts at the first `purge` or `log`.
+
     Args:
-      run_dir: the run directory (W&B's files go under run_dir/wandb; the run id in run_dir/wandb_run_id).
+      run_dir: the run directory (W&B's files go under run_dir/wandb).
       project: W&B project name.
       mode: one of `WANDB_MODES`.
       config: the run's settings, shown by W&B (e.g. `Config.to_dict()`).
@@ -196,8 +212,9 @@ class WandbTracker:
     def __init__(self, run_dir: str, project: str, mode: str = "offline", config: dict | None = None):
         if mode not in WANDB_MODES:
             raise ValueError(f"W&B mode {mode!r} is not one of {', '.join(repr(m) for m in WANDB_MODES)}")
-        wandb = require("wandb", WANDB_FEATURE)
+        self._wandb = require("wandb", WANDB_FEATURE)
         os.makedirs(run_dir, exist_ok=True)
+        self._project, self._dir, self._mode, self._config = project, run_dir, mode, config or {}
         id_path = os.path.join(run_dir, WANDB_ID_FILE)
         if os.path.exists(id_path):
             with open(id_path, encoding="utf-8") as f:
@@ -207,16 +224,64 @@ class WandbTracker:
             with open(id_path, "w", encoding="utf-8") as f:
                 f.write(run_id + "\n")
         self.run_id = run_id
-        self._run = wandb.init(
-            project=project, dir=run_dir, id=run_id, resume="allow", config=config or {}, mode=mode or None
-        )
+        self._step_path = os.path.join(run_dir, WANDB_STEP_FILE)
+        self.held_step = _read_step(self._step_path)  # the highest step W&B holds (None: no row)
+        self._run: Any = None
+
+    @property
+    def online(self) -> bool:
+        """Whether the run streams to W&B's service (mode "online", or "" with WANDB_MODE unset or online)."""
+        return (self._mode or os.environ.get("WANDB_MODE", "online")) in ("online", "run")
+
+    def _start(self, rewind_to: int | None = None) -> None:
+        """Starts (resumes) the W&B run; with `rewind_to`, rewinds it to that step (online only)."""
+        common = dict(project=self._project, dir=self._dir, config=self._config, mode=self._mode or None)
+        if rewind_to is not None:
+            try:
+                self._run = self._wandb.init(resume_from=f"{self.run_id}?_step={rewind_to}", **common)
+                self.held_step = rewind_to - 1
+                return
+            except self._wandb.Error as e:
+                _LOGGER.warning(
+                    f"W&B refused to rewind run {self.run_id} to step {rewind_to} ({e}); its rows of steps "
+                    f"{rewind_to}-{self.held_step} are kept and the replayed ones dropped"
+                )
+        self._run = self._wandb.init(id=self.run_id, resume="allow", **common)
+
+    def purge(self, step: int) -> None:
+        if self._run is None and (self.held_step is None or self.held_step < step or not self.online):
+            self._start()  # nothing to rewind, or offline: steps up to held_step are dropped in `log`
+        elif self.online and self.held_step is not None and self.held_step >= step:
+            self.close()
+            self._start(rewind_to=int(step))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        if step < self._run.step:  # a replayed step W&B already holds: its steps only increase
+        if self._run is None:
+            self._start()
+        if self.held_step is not None and step <= self.held_step:  # W&B holds this step (module docstring)
             return
         self._run.log(numeric_scalars(metrics), step=int(step))
+        self.held_step = int(step)
+        _write_step(self._step_path, self.held_step)
 
     def close(self) -> None:
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+
+def _read_step(path: str) -> int | None:
+    """The step in `path` (`WANDB_STEP_FILE`), or None when there is none or it is unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_step(path: str, step: int) -> None:
+    """Writes `step` to `path` atomically (a temporary file renamed over it)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{step}\n")
+    os.replace(tmp, path)

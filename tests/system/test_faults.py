@@ -91,6 +91,45 @@ def test_divergence_rolls_back_to_the_last_good_checkpoint(tmp_path, monkeypatch
         )
 
 
+@pytest.mark.slow  # one compile of a one-layer model (about 5 s on 2 cores)
+def test_a_run_ending_diverged_exits_1_naming_the_step_and_the_fix(tmp_path, capsys):
+    """A learning rate of 1e30: update 1 applies (finite gradients), then every gradient is NaN and the updates
+    are skipped; the run ends before train.max_bad_steps (10) is reached. jaxpar-train exits 1 with one line naming
+    the step it went wrong and the fixes, and no checkpoint of a skipped step is saved."""
+    from jaxpar.cli import train as train_cli
+
+    argv = [
+        os.path.join(ROOT, "configs", "tiny.yaml"),
+        "--cpu-devices",
+        "8",
+        *SMALL,
+        "mesh.data=8",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.n_kv_heads=2",
+        "model.d_ff=64",
+        "data.seq_len=16",
+        "train.steps=3",
+        "optimizer.warmup_steps=0",
+        "optimizer.learning_rate=1e30",
+        "checkpoint.every_steps=1",
+        "checkpoint.async_save=false",
+        f"train.run_dir={tmp_path}",
+    ]
+    assert train_cli.main(argv) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("jaxpar-train")]
+    assert len(err) == 1, err
+    assert err[0].startswith(
+        "jaxpar-train: stopped: the run reached its last step, 3, diverged: its gradients have been NaN or inf "
+        "(updates skipped) since step 2 (train.max_bad_steps=10 skipped updates in a row not reached)"
+    ), err[0]
+    assert f"the last good checkpoint is step 1 in {tmp_path}" in err[0] and "Lower optimizer.learning_rate" in err[0]
+    assert os.listdir(tmp_path / "checkpoints") == ["1"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):

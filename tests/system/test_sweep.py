@@ -175,6 +175,37 @@ def test_cli_refuses_an_out_that_cannot_be_a_directory(tmp_path, capsys):
     assert afile.read_text() == "x"
 
 
+def test_cli_exits_2_when_every_point_is_refused_by_config_validation(tmp_path, capsys):
+    """Both points split 4 heads over tensor=8: refused at validation, nothing planned or compiled."""
+    path = _write(
+        tmp_path,
+        "base: {tiny}\noverrides: {small}\nmeshes: [{data: 1, tensor: 8}]\n"
+        "vary: {optimizer.zero_stage: [1, 3]}\ncompile: false\n",
+    )
+    assert sweep_cli.main([path, "--out", str(tmp_path / "out")]) == 2
+    captured = capsys.readouterr()
+    assert "2 points (2 invalid)" in captured.out
+    assert captured.err.strip() == (
+        "jaxpar-sweep: none of the 2 points ran: 2 refused as invalid configs, 0 failed; each point's error is in "
+        "results.md (fix the sweep's base, overrides or meshes)"
+    )
+
+
+@pytest.mark.parametrize(
+    "counts, status",
+    [
+        ({"invalid": 2}, 2),
+        ({"invalid": 1, "failed": 1}, 1),
+        ({"failed": 2}, 1),
+        ({"invalid": 1, "ok": 1}, 0),
+        ({"failed": 1, "over_budget": 1}, 0),  # over budget: a valid point, planned and not run
+    ],
+)
+def test_exit_status_when_no_point_ran(counts, status, capsys):
+    assert sweep_cli._none_ran(counts) == status
+    assert ("none of the" in capsys.readouterr().err) == (status != 0)
+
+
 def _peak(overrides, devices=8) -> float:
     cfg = resolve_config(load_config(TINY_YAML, [*SMALL, *overrides], validate=False), devices)
     return plan(cfg)["memory"]["peak_estimate"]

@@ -84,6 +84,7 @@ OUT_OF_RANGE = {
     "optimizer.decay": "cosin",
     "optimizer.min_lr_ratio": 1.5,
     "optimizer.weight_decay": -0.1,
+    "optimizer.weight_decay_exclude": [""],  # what a pattern matches is checked against the model's parameter names
     "optimizer.b1": 1.0,
     "optimizer.b2": -0.5,
     "optimizer.eps": 0,

@@ -8,7 +8,9 @@
 Shape letters: G global batch, T sequence length.
 """
 
+import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -23,6 +25,8 @@ from jaxpar.training.step import make_train_step
 pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
 
 T, G = 8, 4
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_YAML = os.path.join(ROOT, "configs", "tiny.yaml")
 SEED = 3
 
 
@@ -109,3 +113,52 @@ def test_logged_rate_is_the_applied_rate_after_a_skipped_update():
     assert int(state["step"]) == 4 and int(clean["step"]) == 3
     for a, b in zip(jax.tree.leaves(to_host(state["params"])), jax.tree.leaves(to_host(clean["params"]))):
         np.testing.assert_array_equal(a, b)  # the skipped update changed nothing: the same computation follows
+
+
+def _rank_rule(logical: dict) -> dict:
+    """The weight-decay mask before optimizer.weight_decay_exclude: decay leaves of two or more non-layer dims."""
+    return jax.tree.map(
+        lambda axes: len([a for a in axes if a != "layers"]) >= 2, logical, is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
+def test_weight_decay_exclude_default_is_the_rank_rule_and_patterns_are_checked_against_the_model(caplog):
+    """The default patterns give the mask the fixed rule gave (every parameter of two or more non-layer dimensions
+    decayed: the losses stay as they were), for the dense and the MoE model; `embed.*` spares the embedding; a
+    pattern matching no parameter is a ConfigError naming the key, the pattern and the names. Abstract model
+    only: nothing is compiled."""
+    from jaxpar.config import ConfigError, load_config
+    from jaxpar.model import logical_axes
+    from jaxpar.training.optimizer import check_weight_decay_exclude, parameter_names, weight_decay_mask
+
+    for path in (os.path.join(ROOT, "configs", "tiny_moe.yaml"), TINY_YAML):
+        cfg = load_config(path, validate=False)
+        logical = logical_axes(cfg.model)
+        assert weight_decay_mask(logical, cfg.optimizer.weight_decay_exclude) == _rank_rule(logical)
+        check_weight_decay_exclude(cfg.optimizer, logical)
+    assert not [r for r in caplog.records if "weight decay applies" in r.getMessage()]
+
+    # the override as a user writes it (quoted: YAML reads a bare *... as an alias); the dense model's names
+    cfg = load_config(TINY_YAML, ["optimizer.weight_decay_exclude=['*.scale','embed.*']"], validate=False)
+    logical = logical_axes(cfg.model)
+    names, mask = parameter_names(logical), weight_decay_mask(logical, cfg.optimizer.weight_decay_exclude)
+    assert (
+        names["embed"]["table"] == "embed.table" and names["blocks"]["attn_norm"]["scale"] == "blocks.attn_norm.scale"
+    )
+    assert (
+        mask["embed"]["table"] is False and mask["lm_head"]["kernel"] is True and mask["final_norm"]["scale"] is False
+    )
+
+    typo = dataclasses.replace(cfg.optimizer, weight_decay_exclude=("*.scale", "embedding.*"))
+    with pytest.raises(
+        ConfigError,
+        match=r"optimizer.weight_decay_exclude: the pattern 'embedding.\*' matches no "
+        r"parameter of this model; its parameters are .*embed.table",
+    ):
+        check_weight_decay_exclude(typo, logical)
+
+    check_weight_decay_exclude(dataclasses.replace(cfg.optimizer, weight_decay_exclude=("embed.*",)), logical)
+    assert (
+        "weight decay applies to 3 parameters of fewer than two dimensions (biases or norm scales): "
+        "blocks.attn_norm.scale, blocks.mlp_norm.scale, final_norm.scale; add patterns" in caplog.text
+    )

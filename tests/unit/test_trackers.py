@@ -7,6 +7,8 @@ import glob
 import json
 import os
 import struct
+import sys
+import types
 
 import pytest
 
@@ -110,6 +112,75 @@ def test_wandb_offline_logs_numbers_and_resumes_the_same_run(tmp_path, monkeypat
     assert len(runs) == 2 and all(run_id in os.path.basename(r) for r in runs)  # one W&B run, two sessions
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3]
+
+
+class FakeWandb(types.ModuleType):
+    """A `wandb` module with no network: `init` records its arguments; each run id's history (the rows W&B holds)
+    is kept across sessions, and `resume_from="ID?_step=S"` truncates it to the steps before S, as W&B's rewind
+    does. With `refuse_rewind`, init with `resume_from` raises (a W&B service without the rewind feature)."""
+
+    class Error(Exception):
+        pass
+
+    def __init__(self, refuse_rewind: bool = False):
+        super().__init__("wandb")
+        self.inits: list[dict] = []
+        self.history: dict[str, list[int]] = {}
+        self.refuse_rewind = refuse_rewind
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        if "resume_from" in kwargs:
+            if self.refuse_rewind:
+                raise self.Error("rewind is not enabled for this project")
+            run_id, _, step = kwargs["resume_from"].partition("?_step=")
+            self.history[run_id] = [s for s in self.history.get(run_id, []) if s < int(step)]
+        else:
+            run_id = kwargs["id"]
+        rows = self.history.setdefault(run_id, [])
+        return types.SimpleNamespace(log=lambda data, step: rows.append(step), finish=lambda: None)
+
+
+@pytest.mark.parametrize(
+    "mode, refuse_rewind, resumed_init",
+    [
+        ("online", False, {"resume_from": "{id}?_step=5"}),
+        ("offline", False, {"id": "{id}", "resume": "allow"}),
+        ("online", True, {"id": "{id}", "resume": "allow"}),  # after the refused rewind: replayed steps dropped
+    ],
+    ids=["online-rewinds", "offline-drops", "online-refused-drops"],
+)
+def test_wandb_resume_at_step_n_logs_each_step_once(tmp_path, monkeypatch, caplog, mode, refuse_rewind, resumed_init):
+    """A first attempt logs steps 1-7 and dies; the run resumes from its checkpoint of step 4 (the writer purges
+    step 5 and later) and logs 5-8. W&B ends up holding each step once: online by rewinding to step 5, offline
+    (or where the rewind is refused) by dropping 5-7, which W&B holds already."""
+    fake = FakeWandb(refuse_rewind)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run_dir = str(tmp_path / "run")
+
+    def writer(first_step):
+        return MetricsWriter(
+            run_dir,
+            trackers=lambda d: default_trackers(d, tensorboard=False, wandb=True, wandb_mode=mode, config={"a": 1}),
+            first_step=first_step,
+        )
+
+    w = writer(0)
+    for step in range(1, 8):
+        w.write(step, {"loss": 1.0 / step})
+    w.close()
+    run_id = open(os.path.join(run_dir, WANDB_ID_FILE)).read().strip()
+    assert fake.inits == [dict(id=run_id, resume="allow", project="jaxpar", dir=run_dir, config={"a": 1}, mode=mode)]
+
+    w = writer(5)  # resumed from step 4
+    for step in range(5, 9):
+        w.write(step, {"loss": 1.0 / step})
+    w.close()
+    want = {k: v.format(id=run_id) for k, v in resumed_init.items()}
+    assert fake.inits[-1] == dict(want, project="jaxpar", dir=run_dir, config={"a": 1}, mode=mode)
+    assert fake.history[run_id] == list(range(1, 9))  # every step once
+    assert len(fake.inits) == (3 if refuse_rewind else 2)
+    assert ("W&B refused to rewind run" in caplog.text) == refuse_rewind
 
 
 def test_wandb_mode_is_checked(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jaxpar.training.hooks.base import Hook, RunContext
+from jaxpar.training.hooks.resilience import all_finite
 
 
 class CheckpointHook(Hook):
@@ -10,8 +11,9 @@ class CheckpointHook(Hook):
     `checkpoint.every_steps=0`) at the checkpointer's steps (`checkpoint.every_steps`), at the last step and
     at a step after which the run stops (a preemption's `run.stop()`, so it goes after `PreemptionHook`).
 
-    A state whose update was skipped for non-finite gradients is never saved: resuming must not start from a
-    diverging state. Each save is a progress mark for the hang watchdog (`run.beat`) and flushes the metrics
+    A state whose update was skipped for non-finite gradients, or whose parameters hold a NaN or inf (an update
+    that overflowed), is never saved: resuming, or a divergence rollback, must not start from a diverging state.
+    Each save is a progress mark for the hang watchdog (`run.beat`) and flushes the metrics
     trackers (`run.writer.flush()`), so a killed process loses only rows after its last checkpoint, which the
     resumed run writes again.
     """
@@ -37,6 +39,8 @@ class CheckpointHook(Hook):
         self._saved = step
         if int(metrics.get("bad_steps_in_a_row", 0)):
             run.log(f"step {step}: no checkpoint saved, its update was skipped for non-finite gradients")
+        elif not bool(all_finite(state["params"])):
+            run.log(f"step {step}: no checkpoint saved, its parameters are NaN or inf (an update overflowed)")
         else:
             ckpt.save(step, state, data_state=run.train_loader.get_state(), config=run.cfg.to_dict(), force=True)
             run.writer.flush()
