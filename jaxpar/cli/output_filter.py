@@ -3,15 +3,16 @@ and everything unknown are kept.
 
 Three libraries under jax print to the process's stdout/stderr by themselves, outside Python's `logging`:
 
-* Gloo (jax.distributed's CPU collectives) prints one connection line per peer mesh it builds, about 30 for a
-  two-process run, from several threads at once, so lines arrive interleaved and split mid-line;
+* Gloo (jax.distributed's CPU collectives) prints one connection line per peer mesh it builds, about 40 for a
+  two-process run of configs/tiny.yaml, from several threads at once, so lines arrive interleaved and split;
 * absl, the C++ logging of jaxlib/XLA, prints `I`/`W`/`E`/`F` lines with its own prefix (INFO lines only when
   TF_CPP_MIN_LOG_LEVEL=0: jax sets it to 1 unless the user set it);
 * XLA's slow-compile alarm prints a multi-line banner at ERROR severity when a compile passes 2 minutes, which
   under load on CPU says nothing about a bug.
 
-`OutputFilter` keeps one process's state (a banner's body lines, Gloo's stray newlines follow their first line);
-`RULES` is the table every line meets, first match wins. Unknown lines are kept.
+`RULES` is the table every line meets, first match wins; lines no rule matches are kept, absl WARNING lines among
+them. `OutputFilter` applies it to one process's lines, with the state that spans lines (a banner's `*****` lines,
+the newlines Gloo's split lines leave behind).
 """
 
 from __future__ import annotations
@@ -21,9 +22,15 @@ from dataclasses import dataclass
 
 KEEP, DROP = "keep", "drop"
 
-# absl's log prefix, `I1204 00:19:27.239434    7550 coordination_service.h:482] ` (severity, MMDD, time, thread,
-# file:line; absl/log/internal/log_format.cc). Before absl is initialised the date and time read `0000 00:00:<unix s>`.
-ABSL_PREFIX = re.compile(r"([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ ([^ :\]]+):\d+\] ?")
+
+# absl's log prefix after its severity letter, `I1204 00:19:27.239434    7550 coordination_service.h:482] ` (MMDD,
+# time, thread, file:line; absl/log/internal/log_format.cc). Before absl is initialised the date and time read
+# `0000 00:00:<unix seconds>`.
+def _absl(severities: str, file: str = r"[^ :\]]+") -> str:
+    return rf"[{severities}]\d{{4}} \d\d:\d\d:\d+\.\d+ +\d+ {file}:\d+\]"
+
+
+ABSL_PREFIX = re.compile(_absl("IWEF"))
 
 # gloo/transport/tcp/context.cc, Context::printConnectivityInfo: std::cout << "[Gloo] Rank " << rank << " is connected
 # to " << n << " peer ranks. " << "Expected number of connected peer ranks is : " << size - 1 << std::endl, printed
@@ -55,17 +62,17 @@ RULES: tuple[Rule, ...] = (
         "XLA's SlowCompilationAlarm (xla/service/slow_operation_alarm.cc): LOG(ERROR) after 2 min of compiling, "
         "a `*****` / `[Compiling module M] Very slow compile? If you want to file a bug, ...` / `*****` block, "
         "and `The operation took ...` when the compile ends",
-        re.compile(r"^[EW]\d{4} [^\]]* slow_operation_alarm\.cc:\d+\]|Very slow compile\? If you want to file a bug"),
+        re.compile("^" + _absl("EW", r"slow_operation_alarm\.cc") + r"|Very slow compile\? If you want to file a bug"),
     ),
     Rule(
         "absl-info",
         DROP,
         "absl INFO lines (coordination service, PjRt client), by their severity even where they name an error "
         "(`Polling for error from coordination service`)",
-        re.compile(r"^I\d{4} \d\d:\d\d:"),
+        re.compile("^" + _absl("I")),
     ),
     Rule("error", KEEP, "any line that names an error or a traceback", re.compile(r"error|Traceback", re.IGNORECASE)),
-    Rule("absl-error", KEEP, "absl ERROR and FATAL lines", re.compile(r"^[EF]\d{4} \d\d:\d\d:")),
+    Rule("absl-error", KEEP, "absl ERROR and FATAL lines", re.compile("^" + _absl("EF"))),
     Rule(
         "absl-preinit",
         DROP,
@@ -106,10 +113,9 @@ class OutputFilter:
 
     def _one(self, piece: str) -> str | None:
         text = GLOO_CONNECTED.sub("", piece)
-        if not text.strip():
-            if text != piece:
-                self._after_gloo = True
-            return None if text != piece or self._after_gloo or self._in_banner else text
+        if not text.strip():  # a blank line, or nothing but whole Gloo lines
+            self._after_gloo |= text != piece
+            return None if self._after_gloo or self._in_banner else text
         if self._in_banner and not text.strip().strip("*"):
             return None
         rule = rule_for(text)
