@@ -24,7 +24,7 @@ KEEP, DROP = "keep", "drop"
 
 
 # absl's log prefix after its severity letter, `I1204 00:19:27.239434    7550 coordination_service.h:482] ` (MMDD,
-# time, thread, file:line; absl/log/internal/log_format.cc). Before absl is initialised the date and time read
+# time, thread, file:line of the C++ source). Before absl is initialised the date and time read
 # `0000 00:00:<unix seconds>`.
 def _absl(severities: str, file: str = r"[^ :\]]+") -> str:
     return rf"[{severities}]\d{{4}} \d\d:\d\d:\d+\.\d+ +\d+ {file}:\d+\]"
@@ -32,7 +32,7 @@ def _absl(severities: str, file: str = r"[^ :\]]+") -> str:
 
 ABSL_PREFIX = re.compile(_absl("IWEF"))
 
-# gloo/transport/tcp/context.cc, Context::printConnectivityInfo: std::cout << "[Gloo] Rank " << rank << " is connected
+# Gloo's TCP transport, tcp::Context::printConnectivityInfo: std::cout << "[Gloo] Rank " << rank << " is connected
 # to " << n << " peer ranks. " << "Expected number of connected peer ranks is : " << size - 1 << std::endl, printed
 # unconditionally (no setting turns it off). Each `<<` is its own write, so lines of concurrent threads interleave.
 GLOO_CONNECTED = re.compile(
@@ -59,7 +59,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "xla-slow-compile",
         DROP,
-        "XLA's SlowCompilationAlarm (xla/service/slow_operation_alarm.cc): LOG(ERROR) after 2 min of compiling, "
+        "XLA's SlowCompilationAlarm (logged from slow_operation_alarm.cc): LOG(ERROR) after 2 min of compiling, "
         "a `*****` / `[Compiling module M] Very slow compile? If you want to file a bug, ...` / `*****` block, "
         "and `The operation took ...` when the compile ends",
         re.compile("^" + _absl("EW", r"slow_operation_alarm\.cc") + r"|Very slow compile\? If you want to file a bug"),

@@ -13,7 +13,7 @@ from jaxpar.cli.output_filter import OutputFilter
 GLOO_1 = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
 GLOO_3 = "[Gloo] Rank 3 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3"
 BAR = "\rtrain:  50%|█████     | 2/4 [00:00<00:00,  2.65step/s]"
-# XLA's slow-compile alarm as xla/service/slow_operation_alarm.cc formats it (a compile of over 2 minutes; not
+# The banner as XLA's SlowCompilationAlarm formats it (a compile of over 2 minutes; not
 # reproduced here): LOG(ERROR) << "\n" + 32 stars + "\n[Compiling module M] Very slow compile? ..." + "\n" + 32 stars.
 STARS = "*" * 32
 SLOW = (
