@@ -2,7 +2,9 @@
 
 Starts COMMAND K times with the coordinator on 127.0.0.1 at a free port, passing each process its index through
 JAXPAR_COORDINATOR_ADDRESS / JAXPAR_NUM_PROCESSES / JAXPAR_PROCESS_ID (read by `jaxpar.parallel.distributed`) and, with
-`--devices-per-process`, its CPU device count (JAX_NUM_CPU_DEVICES). Output lines are prefixed `[i]`. When a
+`--devices-per-process`, its CPU device count (JAX_NUM_CPU_DEVICES). Output lines are prefixed `[i]`; the
+libraries' own chatter (Gloo's connection lines, absl INFO lines, XLA's slow-compile banner) is left out, errors and
+anything unknown are shown (jaxpar/cli/output_filter.py), and `--verbose` shows every line as printed. When a
 process fails, the others are terminated (SIGTERM, then SIGKILL after `--grace` seconds) and the launcher exits
 with the failed process's status; SIGINT/SIGTERM to the launcher are forwarded to every process.
 
@@ -25,6 +27,8 @@ import sys
 import threading
 import time
 
+from jaxpar.cli.output_filter import OutputFilter
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -33,10 +37,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(index: int, stream, out) -> None:
-    for line in iter(stream.readline, b""):
-        out.write(f"[{index}] {line.decode(errors='replace')}")
-        out.flush()
+def _pump(index: int, stream, out, verbose: bool = False) -> None:
+    """Copies one process's output to `out` line by line, each line prefixed `[index] `; without `verbose`
+    through an `OutputFilter` of its own."""
+    keep = None if verbose else OutputFilter()
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        shown = [line] if keep is None else [f"{text}\n" for text in keep(line)]
+        if shown:
+            out.write("".join(f"[{index}] {text}" for text in shown))
+            out.flush()
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
@@ -58,9 +68,11 @@ def launch(
     devices_per_process: int | None = None,
     grace: float = 10.0,
     port: int | None = None,
+    verbose: bool = False,
 ) -> int:
     """Runs `command` as `num_processes` local processes; returns 0, or the first failing process's status
-    (128 + signal number for a process killed by a signal)."""
+    (128 + signal number for a process killed by a signal). Their output goes to stdout, filtered unless
+    `verbose` (`_pump`)."""
     address = f"127.0.0.1:{port or free_port()}"
     procs: list[subprocess.Popen] = []
     pumps = []
@@ -75,7 +87,7 @@ def launch(
             env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(proc)
-        pumps.append(threading.Thread(target=_pump, args=(i, proc.stdout, sys.stdout), daemon=True))
+        pumps.append(threading.Thread(target=_pump, args=(i, proc.stdout, sys.stdout, verbose), daemon=True))
         pumps[-1].start()
 
     def forward(signum, _frame):
@@ -132,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices-per-process", type=int, default=None, help="CPU devices simulated per process")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL on failure")
     p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--verbose", action="store_true", help="show every output line, the libraries' chatter too")
     args = p.parse_args(argv[:split])  # exits 0 for --help, 2 for bad flags (with the `--` hint, _Parser)
     command = argv[split + 1 :]
     if not command:
@@ -149,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         message, status = problem
         print(f"jaxpar-launch: command {command[0]!r} {message}", file=sys.stderr)
         return status
-    return launch(command, args.num_processes, args.devices_per_process, args.grace, args.port)
+    return launch(command, args.num_processes, args.devices_per_process, args.grace, args.port, args.verbose)
 
 
 def _command_problem(name: str) -> tuple[str, int] | None:
