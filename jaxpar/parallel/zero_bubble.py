@@ -38,7 +38,8 @@ Bubble per device in the lockstep model (`schedule_table` module docstring), eve
     figure) and 2(p - 1)/(3m + 2(p - 1)) for ZB-V (ZB-H1's at v = 1, not zero): in lockstep the V loses to the
     ring, since its middle device waits 2(p - 1) chunk ticks.
 
-In flight (chunk-microbatches a device holds, `schedule_table.in_flight`), per device s, any m:
+In flight (chunk-microbatches a device holds, `schedule_table.in_flight`), per device s: at most these, which
+every m >= 2p reaches (each table's `in_flight_bound`):
   * 1F1B: (v + 1)p - 1 - 2s. At v = 1 device 0 holds 2p - 1 (asynchronous 1F1B holds p): in lockstep it starts
     a forward every tick until its first backward in tick 2p - 2. The step's stash ring has 2pv - 1 slots.
   * ZB-H1: (v + 1)p - 1 - s: device 0 holds 1F1B's peak, the others more than under 1F1B but never more than
@@ -46,8 +47,8 @@ In flight (chunk-microbatches a device holds, `schedule_table.in_flight`), per d
   * ZB-V: 2p + floor(p/2) on every device, half a stage each: p + floor(p/2)/2 stages' worth, at most 1F1B's
     2p - 1 for p >= 2 (2405.15362 section 4 has exactly 1F1B's p stages, asynchronously).
 
-Microbatches allowed: any m >= 1, except m a multiple of p with v > 1 (interleaved 1F1B and ZB-H1 run them in
-groups of p, `jaxpar.parallel.schedule.check`); ZB-V takes any m >= 1.
+Microbatches allowed: any m >= 1; with v > 1 on the ring (interleaved 1F1B, ZB-H1) only multiples of p, which run
+in groups of p (`jaxpar.parallel.schedule.check`); ZB-V takes any m >= 1.
 """
 
 from __future__ import annotations

@@ -156,3 +156,14 @@ def test_grid_reads_the_table():
     assert grid[0] == [{"F": (0, 0), "B": None, "W": None}, {"F": None, "B": None, "W": None}]
     assert grid[3][0] == {"F": (0, 3), "B": (0, 3), "W": None}  # the last chunk turns around on device 0
     assert Op("W", 6, 0, 0, 0) in zero_bubble.build("zb-v", 2, 1, 2).ops
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_v_holds_at_most_1f1b_stages_and_zb_h1_its_peak(p):
+    """In stage-microbatches (a ZB-V chunk is half a stage): ZB-V's peak is at most lockstep 1F1B's 2p - 1 and
+    ZB-H1's equals it, on device 0."""
+    m = 4 * p
+    one_f_one_b = max(schedule_table.in_flight(zero_bubble.build("1f1b", p, m)))
+    assert one_f_one_b == 2 * p - 1
+    assert schedule_table.in_flight(zero_bubble.build("zb-h1", p, m))[0] == one_f_one_b
+    assert max(schedule_table.in_flight(zero_bubble.build("zb-v", p, m, 2))) / 2 <= one_f_one_b
