@@ -102,12 +102,15 @@ def check_weight_decay_exclude(cfg: OptimizerConfig, logical: dict) -> None:
     applies to a parameter with fewer than two non-`layers` dimensions (a bias or norm scale, which decay
     usually leaves alone: Loshchilov & Hutter 2019 decay weight matrices).
 
+    The default patterns are a convention, not checked: a model without norm scales (`*.scale`) keeps it.
+
     Raises:
-      ConfigError: a pattern that matches no parameter name (a typo would otherwise decay what it meant to spare);
-        the message lists the model's names.
+      ConfigError: a pattern set by the user that matches no parameter name (a typo would otherwise decay what it
+        meant to spare); the message lists the model's names.
     """
     names = jax.tree.leaves(parameter_names(logical))
-    for pattern in cfg.weight_decay_exclude:
+    default = tuple(cfg.weight_decay_exclude) == OptimizerConfig().weight_decay_exclude
+    for pattern in () if default else cfg.weight_decay_exclude:
         if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
             raise ConfigError(
                 f"optimizer.weight_decay_exclude: the pattern {pattern!r} matches no parameter of this model; "

@@ -282,7 +282,7 @@ def test_config_errors_before_device_work():
         (  # fewer microbatches than stages: one suggestion, not "use 2 or 2"
             ("mesh.pipeline=2", "pipeline.microbatches=1", "pipeline.virtual_stages=2"),
             2,
-            r"microbatches=1 must be a multiple of mesh\.pipeline=2 .*; use 2$",
+            r"microbatches=1 must be a multiple of mesh\.pipeline=2 .*; use 2 \(",  # then where each key was set
         ),
         (
             ("mesh.pipeline=2", "pipeline.schedule=gpipe", "pipeline.virtual_stages=2", "pipeline.microbatches=2"),

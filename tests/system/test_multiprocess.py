@@ -105,7 +105,7 @@ def test_launcher_rejects_bad_arguments_with_a_message(capsys):
     assert main(["-n", "2", "--devices-per-process", "0", "--", "true"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
     assert main(["-n", "1", "--", "/nonexistent/command"]) == 127
-    assert "'/nonexistent/command' not found" in capsys.readouterr().err
+    assert "'/nonexistent/command' does not exist; give the path of an executable" in capsys.readouterr().err
     with pytest.raises(SystemExit) as help_exit:
         main(["--help"])
     assert help_exit.value.code == 0 and "--devices-per-process" in capsys.readouterr().out

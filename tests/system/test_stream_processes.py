@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from jaxpar.config.schema import DataConfig
-from jaxpar.data.stream import shard_splits
+from jaxpar.data.shards import read_manifest, shard_set_digest
+from jaxpar.data.stream import SHARD_SET_KEY, shard_splits
 from jaxpar.data.tokenize_corpus import TokenizeOptions, tokenize_corpus
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/
@@ -96,7 +97,8 @@ def test_each_process_reads_only_its_rows_and_another_process_count_resumes_the_
     the 2-process state after 2 batches and serves batches 2 and 3."""
     two = _run(shard_set, tmp_path / "two", processes=2, devices=2, batches=BATCHES)
     want = _global_batches(shard_set, two)
-    assert two[0]["states"] == two[1]["states"] == [{"next_sample": (b + 1) * G} for b in range(BATCHES)]
+    digest = {SHARD_SET_KEY: shard_set_digest(read_manifest(str(shard_set)))}  # the set the position indexes
+    assert two[0]["states"] == two[1]["states"] == [{"next_sample": (b + 1) * G, **digest} for b in range(BATCHES)]
     one = _run(shard_set, tmp_path / "one", processes=1, devices=4, batches=BATCHES)
     assert _global_batches(shard_set, one) == want
     resumed = _run(shard_set, tmp_path / "resumed", 1, 2, batches=2, resume_state=two[0]["states"][1])

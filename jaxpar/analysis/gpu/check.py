@@ -20,7 +20,7 @@ import re
 
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import resolve_compute_dtype
-from jaxpar.config.schema import Config, ModelConfig
+from jaxpar.config.schema import Config, ModelConfig, OptimizerConfig
 from jaxpar.log import GB
 
 CLUSTER_LINE = re.compile(r"^# cluster: (\S+)\s*$", re.MULTILINE)
@@ -56,9 +56,10 @@ def fingerprint(cfg: Config) -> str:
     config. A record whose fingerprint differs from the config's was checked on other settings.
     `pipeline.recompute` counts only with mesh.pipeline > 1 (it decides nothing else), `pipeline.virtual_stages`
     only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`,
-    `model.moe` only with experts, and `model.init_from` (where the weights come from) never; records made before
-    those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it (`auto` is
-    bfloat16 there: `jaxpar.config.precision.resolve_compute_dtype`)."""
+    `model.moe` only with experts, `optimizer.weight_decay_exclude` only when not the default (whose mask the
+    built-in families had before the key), and `model.init_from` (where the weights come from) never; records made
+    before those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it
+    (`auto` is bfloat16 there: `jaxpar.config.precision.resolve_compute_dtype`)."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
     # the dtype the GPU step computes in: `auto` and bfloat16 compile the same step there
@@ -66,6 +67,8 @@ def fingerprint(cfg: Config) -> str:
     rope_scaling = ROPE_SCALING_KEYS if cfg.model.rope_scaling == "none" else ()
     moe_off = ("moe",) if cfg.model.moe.num_experts == 0 else ()
     keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off)}
+    if tuple(cfg.optimizer.weight_decay_exclude) == OptimizerConfig().weight_decay_exclude:  # the mask of before
+        keep["optimizer"] = {k: v for k, v in keep["optimizer"].items() if k != "weight_decay_exclude"}
     if cfg.mesh.pipeline == 1:
         keep["pipeline"] = {k: v for k, v in keep["pipeline"].items() if k != "recompute"}
     if cfg.pipeline.virtual_stages == 1:
