@@ -1,0 +1,145 @@
+"""The split backward (`jaxpar.parallel.split_backward`): B (input gradient) then W (weight gradients) from B's
+boundary equals the unsplit backward of a stage's blocks, per layer kind, inside the step's shard_map; and the
+boundary's size per microbatch (what W's deferral keeps alive) follows the stated formula.
+
+Layer kinds, each a whole tiny model's layer stack (model.n_layers=2) as one stage, in fp32:
+  * dense with its weights gathered over fsdp=2 (each layer's weights all-gathered before use, their gradients
+    reduce-scattered: the reduce-scatter lands in W);
+  * tensor-parallel over tensor=2, with and without sequence parallelism (column / row parallel projections
+    with their psum or all-gather / reduce-scatter in the input gradient's path);
+  * mixture of experts (every=1, E=4, top-2, a shared expert) with its auxiliary losses in the blocks
+    (`StageParts.blocks_loss`: the cotangent is (d_h, loss scale)), experts over fsdp=2.
+
+Bound: the split runs the same equations on the same values in two groups; XLA may fuse the groups differently,
+so the gradients agree bitwise or within fp32 reordering. Asserted: |split - unsplit| <= 2^-20 max|unsplit| per
+leaf (a few ulp of the leaf's largest element), and the split really ran in two parts (W's boundary is not
+empty and B's input gradient does not depend on W).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from step_helpers import FP32, device_batch, host_batch, make_plan
+
+from jaxpar.parallel.pipeline import blocks_cotangent, blocks_vjp
+from jaxpar.parallel.pipeline_zb import split_stage_backward
+from jaxpar.parallel.split_backward import SplitBackward, boundary_bytes
+from jaxpar.training.forward import split_stack
+from jaxpar.training.pipelined import stage_parts
+from jaxpar.training.state import abstract_state, init_state
+
+pytestmark = pytest.mark.usefixtures("fast_compile")  # tests/conftest.py
+
+T = 8
+REL = 2.0**-20
+MOE = (
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.every=1",
+    "model.moe.shared_experts=1",
+    "model.moe.aux_loss_weight=0.1",
+    "model.moe.z_loss_weight=0.01",
+)
+CASES = {
+    "dense-fsdp": ("mesh.data=1", "mesh.fsdp=2"),
+    "tensor": ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=2", "tensor.sequence_parallel=false"),
+    "tensor-sp": ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=2", "tensor.sequence_parallel=true"),
+    "moe": ("mesh.data=1", "mesh.fsdp=2", "model.moe.expert_axes=[fsdp]", *MOE),
+}
+
+
+def _split_vs_unsplit(overrides):
+    """(max |split - unsplit| / max |unsplit| per gradient leaf, input gradient included; boundary bytes) of the
+    plan's layer stack as one stage, computed inside the step's shard_map on each device."""
+    plan = make_plan([*FP32, "model.n_layers=2", f"data.seq_len={T}", *overrides], jax.devices()[:2])
+    state = init_state(plan, seed=1)
+    batch = device_batch(plan, host_batch([T] * 4, T, seed=2))
+    out = {}
+
+    def body(params, mb):
+        parts = stage_parts(plan, params, plan.loss_fn)
+        layers, edge = split_stack(params)
+        x = parts.embed(edge, mb).astype(jnp.float32)
+        ct_h = jnp.sin(x * 3.0)  # any cotangent that differs per element
+        ct = blocks_cotangent(parts, ct_h, jnp.float32(0.5))
+
+        def backward(w, x_, ct_):
+            d_w, d_x = blocks_vjp(parts, w, x_, mb)[3](ct_)
+            return d_x, d_w
+
+        split = SplitBackward(backward, layers, x, ct)
+        out["bytes"] = boundary_bytes(split)
+        d_x, bound = split.b(layers, x, ct)
+        d_w = split.w(bound)
+        ref_x, ref_w = backward(layers, x, ct)
+        errs = [
+            jnp.max(jnp.abs(a - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30)
+            for a, r in zip(jax.tree.leaves((d_x, d_w)), jax.tree.leaves((ref_x, ref_w)))
+        ]
+        return jax.lax.pmax(jnp.stack(errs), tuple(plan.mesh.axis_names))
+
+    run = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=plan.mesh,
+            in_specs=(plan.specs["params"], plan.batch_sharding.spec),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    return np.asarray(run(state["params"], batch)), out["bytes"], plan
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_b_then_w_equals_backward(case):
+    errs, n_bytes, plan = _split_vs_unsplit(CASES[case])
+    assert n_bytes > 0  # W reads a boundary: the two passes really are two
+    assert errs.max() <= REL, (case, errs)
+    if case.startswith("tensor"):
+        assert plan.mesh_shape["tensor"] == 2 and plan.tensor_parallel.sequence_parallel == (case == "tensor-sp")
+    else:
+        assert plan.mesh_shape["fsdp"] == 2
+
+
+def _dense_boundary_bytes(remat: str, d: int, f: int, heads: int, kv_heads: int, rows: int) -> int:
+    """The formula per layer (`jaxpar.parallel.split_backward` module docstring) in fp32 bytes."""
+    d_kv = d // heads * kv_heads
+    if remat == "none":
+        return 4 * (rows * (8 * d + 2 * d_kv + 4 * f + 2) + 2 * d)
+    return 4 * rows * (10 * d + 2 * d_kv + 4 * f)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("shape", [(64, 128, 4, 2), (32, 96, 4, 4)])
+def test_boundary_formula(remat, shape):
+    """The boundary of a dense stack of 2 layers as the schedule splits it (from the stash: residuals, or the
+    chunk input with pipeline.recompute) against the stated per-layer formula."""
+    d, f, heads, kv = shape
+    plan = make_plan(
+        [
+            *FP32,
+            "mesh.data=1",
+            "mesh.fsdp=1",
+            "model.n_layers=2",
+            f"model.d_model={d}",
+            f"model.d_ff={f}",
+            f"model.n_heads={heads}",
+            f"model.n_kv_heads={kv}",
+            f"model.remat={remat}",
+        ],
+        jax.devices()[:1],
+    )
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_state(plan)["params"])
+    parts = stage_parts(plan, params, plan.loss_fn)
+    layers, _ = split_stack(params)
+    b = 2
+    mb = {
+        "inputs": jnp.zeros((b, T), jnp.int32),
+        "targets": jnp.zeros((b, T), jnp.int32),
+        "loss_mask": jnp.ones((b, T)),
+    }
+    for recompute in (False, True):
+        _, split = split_stage_backward(parts, layers, jnp.zeros((b, T, d)), mb, recompute)
+        assert boundary_bytes(split) == 2 * _dense_boundary_bytes(remat, d, f, heads, kv, b * T)
