@@ -175,27 +175,35 @@ class PipelineConfig:
 
     Attributes:
       schedule: `1f1b` (one forward, one backward per clock tick after warm-up; PipeDream-Flush, Narayanan et
-        al. 2021) or `gpipe` (all forwards, then all backwards; Huang et al. 2019).
+        al. 2021), `gpipe` (all forwards, then all backwards; Huang et al. 2019), or a zero-bubble schedule
+        with the backward split into an input-gradient pass B and a weight-gradient pass W that fills the
+        bubble: `zb-h1` (Qi et al. 2023, arXiv 2401.10241, section 2.1: 1F1B's memory, about a third of its
+        bubble; interleaved with virtual_stages > 1) or `zb-v` (the V of arXiv 2405.15362 sections 3-4: two
+        chunks per device, so virtual_stages: 2, near-zero bubble at 1F1B's activation memory, twice its
+        permutes). The zero-bubble schedules run a static table slot by slot, each device its own op
+        (`jaxpar.parallel.pipeline_zb`), and keep B's boundary values per microbatch until its W
+        (`jaxpar.parallel.split_backward`).
       microbatches: M, microbatches each device's batch (per accumulation step) is split into for the pipeline.
         With mesh.pipeline == 1 they simply add to gradient accumulation.
-      recompute: 1F1B only: `true` keeps each in-flight microbatch's stage input and rebuilds the stage forward
-        before its backward (one more forward: 4/3 of the blocks' FLOPs); `false` keeps the forward's residuals
-        instead (no FLOPs repeated; hfu == mfu with model.remat=none). Either stash is a ring of 2p - 1
-        microbatches per stage, flat in M: stage inputs, or the residuals `model.remat` keeps for the stage's
-        layers (`jaxpar.parallel.pipeline_1f1b`). Default false, by measurement (2 simulated CPU devices, p = 2,
-        m = 8, d_model 256, 4 layers, vocabulary 32,000, 16 x 128 tokens, benchmarks/pipeline.py): matmul
-        FLOPs per device 1.037x data parallelism's without recompute against 1.147x with (the tick ratio is
-        1.125), step time 1.17-1.19x against 1.16-1.23x over two runs (a draw on CPU, where memory traffic
-        weighs as much as FLOPs; a compute-bound accelerator pays the FLOPs), temp memory 217 MB against 212 MB
-        per device (the logits dominate); with a small head (d_model 64, p = 4) the residual ring doubles the
-        temporaries (2.3 MB against 1.1 MB). Set true when the 2p - 1 microbatches' residuals do not fit.
+      recompute: 1F1B and the zero-bubble schedules: `true` keeps each in-flight microbatch's stage input and
+        rebuilds the stage forward before its backward (one more forward: 4/3 of the blocks' FLOPs); `false` keeps
+        the forward's residuals instead (no FLOPs repeated; hfu == mfu with model.remat=none). Either stash is a
+        ring of 2p - 1 microbatches per stage (1F1B), flat in M: stage inputs, or the residuals `model.remat` keeps
+        for the stage's layers (`jaxpar.parallel.pipeline_1f1b`). Default false, by measurement (2 simulated CPU
+        devices, p = 2, m = 8, d_model 256, 4 layers, vocabulary 32,000, 16 x 128 tokens, benchmarks/pipeline.py):
+        matmul FLOPs per device 1.037x data parallelism's without recompute against 1.147x with (the tick ratio is
+        1.125), step time 1.17-1.19x against 1.16-1.23x over two runs (a draw on CPU, where memory traffic weighs as
+        much as FLOPs; a compute-bound accelerator pays the FLOPs), temp memory 217 MB against 212 MB per device
+        (the logits dominate); with a small head (d_model 64, p = 4) the residual ring doubles the temporaries (2.3
+        MB against 1.1 MB). Set true when the 2p - 1 microbatches' residuals do not fit.
       virtual_stages: v, model chunks per device for interleaved 1F1B (Narayanan et al. 2021, section 2.2.2):
         the layers split into p*v chunks, chunk c on device c mod p, so each device holds v non-adjacent chunks.
         The bubble shrinks from (p - 1)/(M + p - 1) to (p - 1)/(v*M + p - 1); the price is v times the
         activation permutes and a stash of 2pv - 1 chunk-microbatches (about 2p stages' worth, against
         2p - 1), plus one permute of the stage's layers into chunk order and of their gradients back per step
-        (`jaxpar.parallel.schedule`, `jaxpar.parallel.pipeline`). Needs schedule 1f1b, mesh.pipeline > 1,
-        model.n_layers divisible by mesh.pipeline * v and M divisible by mesh.pipeline. 1 = plain 1F1B.
+        (`jaxpar.parallel.schedule`, `jaxpar.parallel.pipeline`). Needs schedule 1f1b or zb-h1, mesh.pipeline > 1,
+        model.n_layers divisible by mesh.pipeline * v and M divisible by mesh.pipeline. 1 = plain 1F1B. zb-v
+        needs exactly 2 (its V) and takes any M.
     """
 
     schedule: str = "1f1b"

@@ -256,9 +256,15 @@ def resolve_config(cfg: Config, num_devices: int) -> Config:
 
 
 def _virtual_stages(cfg: Config, stages: int) -> None:
-    """pipeline.virtual_stages: interleaved 1F1B's constraints (`jaxpar.parallel.schedule`)."""
+    """pipeline.virtual_stages: interleaving's constraints (`jaxpar.parallel.schedule`) and the V's of zb-v
+    (`jaxpar.parallel.zero_bubble`)."""
     v, pipe = cfg.pipeline.virtual_stages, cfg.pipeline
     check_positive("pipeline.virtual_stages", v)
+    if pipe.schedule == "zb-v" and (stages == 1 or v != 2):
+        raise ConfigError(
+            f"pipeline.schedule=zb-v runs two model chunks per device in a V: it needs mesh.pipeline > 1 (got "
+            f"{stages}) and pipeline.virtual_stages=2 (got {v}); set them, or pipeline.schedule=zb-h1"
+        )
     if v == 1:
         return
     if stages == 1:
@@ -266,9 +272,9 @@ def _virtual_stages(cfg: Config, stages: int) -> None:
             f"pipeline.virtual_stages={v} needs a pipeline (mesh.pipeline > 1); set mesh.pipeline or "
             f"pipeline.virtual_stages=1"
         )
-    if pipe.schedule != "1f1b":
+    if pipe.schedule == "gpipe":
         raise ConfigError(
-            f"pipeline.virtual_stages={v} interleaves the 1f1b schedule, not {pipe.schedule}; set "
+            f"pipeline.virtual_stages={v} interleaves the 1f1b, zb-h1 and zb-v schedules, not {pipe.schedule}; set "
             f"pipeline.schedule=1f1b or pipeline.virtual_stages=1"
         )
     chunks = stages * v
@@ -278,11 +284,11 @@ def _virtual_stages(cfg: Config, stages: int) -> None:
             f"{stages} * {v} = {chunks} (model chunks of equal depth); change model.n_layers, mesh.pipeline or "
             f"pipeline.virtual_stages"
         )
-    if pipe.microbatches % stages:
+    if pipe.microbatches % stages and pipe.schedule != "zb-v":
         m = pipe.microbatches
         below, above = m - m % stages, m - m % stages + stages
         raise ConfigError(
             f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={stages} with "
-            f"pipeline.virtual_stages={v} (interleaved 1F1B runs microbatches in groups of one per stage); use "
-            + (f"{below} or {above}" if below else f"{above}")
+            f"pipeline.virtual_stages={v} and pipeline.schedule={pipe.schedule} (interleaving runs microbatches "
+            "in groups of one per stage); use " + (f"{below} or {above}" if below else f"{above}")
         )

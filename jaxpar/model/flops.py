@@ -65,10 +65,10 @@ def hardware_flops_per_token(
 
 
 def stage_recompute(cfg) -> bool:
-    """Whether the step rebuilds each pipeline stage's forward before its backward: 1F1B on more than one stage
-    with `pipeline.recompute: true` (GPipe and 1F1B without recompute keep the forward's residuals). `cfg`: a
-    `jaxpar.config.schema.Config`."""
-    return cfg.mesh.pipeline > 1 and cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute
+    """Whether the step rebuilds each pipeline stage's forward before its backward: 1F1B or a zero-bubble schedule
+    (zb-h1, zb-v) on more than one stage with `pipeline.recompute: true` (GPipe, and the others without
+    recompute, keep the forward's residuals). `cfg`: a `jaxpar.config.schema.Config`."""
+    return cfg.mesh.pipeline > 1 and cfg.pipeline.schedule != "gpipe" and cfg.pipeline.recompute
 
 
 def param_count(params) -> int:

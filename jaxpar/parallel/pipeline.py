@@ -120,15 +120,19 @@ def add_stats(acc, stats, j, valid):
     return jax.tree.map(one, acc, stats)
 
 
-def chunk_rows_in_model_order(rows: jax.Array, p: int) -> jax.Array:
-    """Per-chunk rows of one stage, [v, n, ...] in chunk order (row j: model chunk j*p + s of stage s, e.g. one
-    row per layer of the chunk), placed at their model positions in a zero array [p*v*n, ...]: the sum over
-    `pipeline` (psum) of the stages' results is every layer's rows in model order. Inside the shard_map."""
+def chunk_rows_in_model_order(rows: jax.Array, p: int, placement: tuple[int, ...] | None = None) -> jax.Array:
+    """Per-chunk rows of one stage, [v, n, ...] in chunk order (row j: this device's j-th chunk, model chunk
+    j*p + s of stage s on the interleaved ring, or as `placement` puts them, `chunk_routes`; e.g. one row per
+    layer of the chunk), placed at their model positions in a zero array [p*v*n, ...]: the sum over `pipeline`
+    (psum) of the stages' results is every layer's rows in model order. Inside the shard_map."""
     s = jax.lax.axis_index(AXIS)
     v, n = rows.shape[:2]
+    placement = tuple(c % p for c in range(p * v)) if placement is None else tuple(placement)
+    model_chunk = [[c for c in range(p * v) if placement[c] == d] for d in range(p)]  # [p][v]: chunk of (s, j)
+    table = jnp.asarray(model_chunk, jnp.int32)
     out = jnp.zeros((p * v * n, *rows.shape[2:]), rows.dtype)
     for j in range(v):
-        out = jax.lax.dynamic_update_slice_in_dim(out, rows[j], (j * p + s) * n, axis=0)
+        out = jax.lax.dynamic_update_slice_in_dim(out, rows[j], table[s, j] * n, axis=0)
     return out
 
 
@@ -178,38 +182,43 @@ def add32(acc, g):
     return jax.tree.map(lambda a, x: a + x.astype(jnp.float32), acc, g)
 
 
-def chunk_routes(p: int, v: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+def chunk_routes(
+    p: int, v: int, placement: tuple[int, ...] | None = None
+) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """{(b, j): [(source device, destination device)]}: model chunk c (c = 0 .. pv - 1, L/(pv) layers each) sits
-    on device c // v at local position b = c mod v in model order, and goes to device c mod p, slot j = c // p, in
-    chunk order. For a fixed (b, j) the sources differ and so do the destinations: one `ppermute` each."""
+    on device c // v at local position b = c mod v in model order, and goes to device `placement[c]` (default
+    c mod p, the interleaved ring), slot j = its rank among the chunks placed on that device (c // p on the
+    ring). For a fixed (b, j) the sources differ and so do the destinations: one `ppermute` each."""
+    placement = tuple(c % p for c in range(p * v)) if placement is None else tuple(placement)
     routes: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for c in range(p * v):
-        routes.setdefault((c % v, c // p), []).append((c // v, c % p))
+        j = sum(1 for k in range(c) if placement[k] == placement[c])
+        routes.setdefault((c % v, j), []).append((c // v, placement[c]))
     return routes
 
 
-def to_chunk_order(layers, p: int, v: int):
+def to_chunk_order(layers, p: int, v: int, placement: tuple[int, ...] | None = None):
     """This device's layer stack in model order (leaves [L/p, ...]: layers s*L/p .. (s+1)*L/p - 1) -> in chunk
-    order (model chunks s, p + s, .., (v-1)p + s of L/(pv) layers each), as
-    `jaxpar.parallel.pipeline_1f1b.one_f_one_b` with v virtual stages takes it; identity for v = 1. Inside the
-    shard_map.
+    order (model chunks s, p + s, .., (v-1)p + s of L/(pv) layers each; with a `placement` (`chunk_routes`) the
+    chunks placed on the device, in model order), as `jaxpar.parallel.pipeline_1f1b.one_f_one_b` with v virtual
+    stages takes it; identity for v = 1. Inside the shard_map.
 
     Cost: every layer leaf crosses the pipeline axis once, as v^2 `ppermute`s of one chunk each (a chunk that
     stays on its device is a permute to itself), run one after the other (`ordered_after`: a fixed collective order).
     Storing the parameters in model order keeps checkpoints independent of v and p; this is the price.
     """
-    return _route(layers, p, v, inverse=False)
+    return _route(layers, p, v, inverse=False, placement=placement)
 
 
-def from_chunk_order(grads, p: int, v: int):
+def from_chunk_order(grads, p: int, v: int, placement: tuple[int, ...] | None = None):
     """The inverse of `to_chunk_order` (for the gradients)."""
-    return _route(grads, p, v, inverse=True)
+    return _route(grads, p, v, inverse=True, placement=placement)
 
 
-def _route(tree, p: int, v: int, inverse: bool):
+def _route(tree, p: int, v: int, inverse: bool, placement: tuple[int, ...] | None = None):
     if v == 1:
         return tree
-    routes = chunk_routes(p, v)
+    routes = chunk_routes(p, v, placement)
     leaves, treedef = jax.tree.flatten(tree)
     out: list[jax.Array] = []
     prev: list[jax.Array] = []  # the last permute, which the next one is ordered after

@@ -123,7 +123,7 @@ class _Lockstep:
 
     In a forward tick stage s runs microbatch i's chunk j (`jaxpar.parallel.schedule.forward_at`), in a backward
     tick microbatch i_b's chunk j_b (`backward_at`); the stash holds, per forward tick, what that backward needs
-    (the chunk input with `recompute`, else the blocks' microbatch-dependent residuals, `_Residuals`). The methods'
+    (the chunk input with `recompute`, else the blocks' microbatch-dependent residuals, `Residuals`). The methods'
     `k` is the tick."""
 
     def __init__(self, parts, layers, edge, mbs, p, m, v, act_shape, act_dtype, loss_scale, recompute):
@@ -139,7 +139,7 @@ class _Lockstep:
         if recompute:
             self.template, self.stash_shapes = None, [jax.ShapeDtypeStruct(act_shape, act_dtype)]
         else:
-            self.template = _Residuals(parts, self.chunk(jnp.int32(0)), self.zeros_act, self.mb0)
+            self.template = Residuals(parts, self.chunk(jnp.int32(0)), self.zeros_act, self.mb0)
             self.stash_shapes = self.template.stash_avals
 
     def chunk(self, j):
@@ -284,7 +284,7 @@ class _Lockstep:
         return jax.tree.map(one, g_layers, d_layers)
 
 
-class _Residuals:
+class Residuals:
     """What the backward of the blocks needs from their forward (`jax.vjp`'s returned pytree), split by where it
     comes from, for `one_f_one_b(recompute=False)`.
 
@@ -360,6 +360,6 @@ class _Residuals:
 
 def residual_bytes(parts: StageParts, layers, x, mb) -> int:
     """Bytes of the blocks' residuals of one stage-microbatch that `one_f_one_b(recompute=False)` stashes (the
-    weight-only ones excluded, `_Residuals`); (2p - 1) times this is the stash. Call inside the shard_map
+    weight-only ones excluded, `Residuals`); (2p - 1) times this is the stash. Call inside the shard_map
     (abstract values are enough: it traces, no device work)."""
-    return int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in _Residuals(parts, layers, x, mb).stash_avals))
+    return int(sum(a.size * jnp.dtype(a.dtype).itemsize for a in Residuals(parts, layers, x, mb).stash_avals))

@@ -33,7 +33,7 @@ from jaxpar.data import IteratorLoader, build_loaders
 from jaxpar.data.iterator import StatefulIterator
 from jaxpar.data.loader import serves_segment_ids
 from jaxpar.model import flops as flops_lib
-from jaxpar.parallel import schedule as schedule_lib
+from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.distributed import describe_process
 from jaxpar.parallel.mesh import build_mesh, describe
 from jaxpar.training.compiled_memory import memory_analysis_bytes
@@ -244,7 +244,7 @@ def _log_setup(plan: StepPlan, *, caller_optimizer: bool) -> None:
         pipe = cfg.pipeline
         _log(
             "pipeline: "
-            + schedule_lib.describe(
+            + zero_bubble.describe(
                 pipe.schedule, cfg.mesh.pipeline, pipe.virtual_stages, pipe.microbatches, pipe.recompute
             )
         )

@@ -8,6 +8,7 @@ model's MoE blocks (`jaxpar.training.moe_loss`); p stages, v virtual stages per 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.pipeline_1f1b import one_f_one_b
+from jaxpar.parallel.pipeline_zb import zero_bubble_pipeline
 from jaxpar.training.forward import edge_gathered, gatherer, run_blocks, split_microbatches, split_stack
 from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
@@ -57,6 +60,17 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
     )
 
 
+def chunk_placement(plan: StepPlan) -> tuple[int, ...] | None:
+    """The device of each model chunk under the configured schedule (`jaxpar.parallel.pipeline.chunk_routes`):
+    the V of zb-v (`jaxpar.parallel.zero_bubble`), None for the interleaved ring (chunk c on device c mod p)."""
+    pipe = plan.cfg.pipeline
+    if pipe.schedule != "zb-v":
+        return None
+    return zero_bubble.build(
+        pipe.schedule, plan.mesh_shape[pipeline_lib.AXIS], pipe.microbatches, pipe.virtual_stages
+    ).placement
+
+
 def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[int, ...]]:
     """(microbatches, each leaf [m, b, ...], and the activation shape [b, T', D] passed between stages)."""
     tp = plan.tensor_parallel
@@ -75,7 +89,10 @@ def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Ar
     whole model's."""
     m = plan.cfg.pipeline.microbatches
     mbs, act_shape = _pipeline_shapes(plan, batch, m)
-    schedule = one_f_one_b if plan.cfg.pipeline.schedule == "1f1b" else pipeline_lib.gpipe
+    name = plan.cfg.pipeline.schedule
+    schedule = {"1f1b": one_f_one_b, "gpipe": pipeline_lib.gpipe}.get(name)
+    if schedule is None:  # a zero-bubble table (`jaxpar.parallel.pipeline_zb`)
+        schedule = functools.partial(zero_bubble_pipeline, schedule=name)
     layers, edge = split_stack(params)
     (g_layers, g_edge), loss, stats = schedule(
         stage_parts(plan, params, plan.loss_fn),
@@ -94,7 +111,9 @@ def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Ar
     # [v, U/(pv), E] go to their units' rows in model order.
     sums = {k: jnp.sum(a, axis=0) for k, a in stats.items() if k != "load"}
     if "load" in stats:
-        sums["load"] = pipeline_lib.chunk_rows_in_model_order(stats["load"], plan.mesh_shape[pipeline_lib.AXIS])
+        sums["load"] = pipeline_lib.chunk_rows_in_model_order(
+            stats["load"], plan.mesh_shape[pipeline_lib.AXIS], chunk_placement(plan)
+        )
     return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss, sums
 
 

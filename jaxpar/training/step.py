@@ -41,7 +41,7 @@ from jaxpar.training.forward import loss_body, split_microbatches, split_stack
 from jaxpar.training.grad_reduction import reduce_over_data, reduce_replicated
 from jaxpar.training.moe_loss import MEAN_KEYS, moe_metrics, zero_sums
 from jaxpar.training.optimizer import applied_learning_rate, nonfinite_state
-from jaxpar.training.pipelined import pipeline_grads, pipelined_eval_loss
+from jaxpar.training.pipelined import chunk_placement, pipeline_grads, pipelined_eval_loss
 from jaxpar.training.plan import StepPlan
 
 
@@ -81,12 +81,16 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         # order: checkpoints do not depend on the schedule); the gradients go back after the accumulation loop.
         staged = params
         if virtual > 1:
-            staged = {**params, STACK_ATTRIBUTE: pipeline_lib.to_chunk_order(params[STACK_ATTRIBUTE], stages, virtual)}
+            placement = chunk_placement(plan)
+            staged = {
+                **params,
+                STACK_ATTRIBUTE: pipeline_lib.to_chunk_order(params[STACK_ATTRIBUTE], stages, virtual, placement),
+            }
         grads, loss, sums = _after_every_reduction(accumulate(params, staged, batch, denom))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
         if virtual > 1:
             layers, edge = split_stack(grads)
-            layers = pipeline_lib.from_chunk_order(layers, stages, virtual)
+            layers = pipeline_lib.from_chunk_order(layers, stages, virtual, placement)
             # the edge gradients' reductions after the permutes (one collective order on every device)
             grads = {**pipeline_lib.ordered_after(edge, layers), STACK_ATTRIBUTE: layers}
         grads = reduce_replicated(plan, grads)

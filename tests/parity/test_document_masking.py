@@ -10,7 +10,7 @@ predict the next document's BOS from this one's EOS is masked.
 
 * Loss and gradients of `make_grad_fn` on the packed batch equal the one-by-one batch within 1e-5 relative
   (fp32, sums in another order: step_helpers.FP32_RTOL), on one device, with data x fsdp x tensor (sequence
-  parallel) and with the 1F1B pipeline (p = 2).
+  parallel), with the 1F1B pipeline (p = 2) and with zb-h1 on pipeline 2 x tensor 2 (sequence parallel).
 * The check can fail: the packed batch without its segment ids (attention across documents) differs by far
   more than the tolerance.
 
@@ -82,6 +82,10 @@ MESHES = {
     "one_device": ((), 1),
     "data2_fsdp2_tensor2_sp": (("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"), 8),
     "pipeline2_1f1b_fsdp2": (("mesh.pipeline=2", "mesh.fsdp=2", "pipeline.microbatches=2"), 4),
+    "pipeline2_zbh1_tensor2_sp": (
+        ("mesh.pipeline=2", "mesh.tensor=2", "pipeline.schedule=zb-h1", "pipeline.microbatches=2"),
+        4,
+    ),
 }
 
 

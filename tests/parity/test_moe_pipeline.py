@@ -2,9 +2,10 @@
 
 Model: tiny (step_helpers.TINY) with 4 blocks as U = 2 MoE units (model.moe.every=2: a dense block, then an MoE
 block of E=4 experts, top-2, one shared expert), so each of the 2 stages holds one MoE unit; the interleaved case
-has U = 4 units (every=1) over 2 stages x 2 virtual stages, one unit per model chunk. Each stage's blocks return
-their units' router statistics; the weighted auxiliary losses enter the loss on the stage that computed them and
-are differentiated through that stage's routers and input (`jaxpar.parallel.pipeline.StageParts.blocks_loss`).
+has U = 4 units (every=1) over 2 stages x 2 virtual stages, one unit per model chunk; so does the zb-v case. Each
+stage's blocks return their units' router statistics; the weighted auxiliary losses enter the loss on the stage that
+computed them and are differentiated through that stage's routers and input
+(`jaxpar.parallel.pipeline.StageParts.blocks_loss`).
 
 Compared in fp32 at step_helpers.FP32_RTOL, as tests/parity/test_moe_parity.py does: the loss (cross-entropy
 plus the weighted auxiliary losses), the MoE metrics, the gradients (router included), Adam's moments and the
@@ -12,11 +13,13 @@ updated parameters; and the step's expert loads per unit [U, E] exactly (whole a
 order (the reference's rows differ between units, so a unit mapped to the wrong row fails). The evaluation
 (cross-entropy only, `make_eval_step` through `forward_loss`) equals the single device's.
 
-Cases: 1F1B with data=2 x fsdp=2 x pipeline=2 (ZeRO-1), dropless, in the default suite; under `-m slow`
+Cases: 1F1B with data=2 x fsdp=2 x pipeline=2 (ZeRO-1), dropless, and zb-v on the same mesh with experts over
+data x fsdp, in the default suite; under `-m slow`
 capacity routing on the same layout, GPipe on data=2 x pipeline=2 with ZeRO-3 over fsdp=2, 1F1B with the
 stage forward recomputed inside gradient accumulation (capacity routing, ZeRO-2, 2 x 2 microbatches), 1F1B on
 fsdp=2 x tensor=2 x pipeline=2 (experts' hidden width over tensor), and
-interleaved 1F1B with virtual_stages=2 (U = 4).
+interleaved 1F1B with virtual_stages=2 (U = 4), and zb-h1 on fsdp=2 x tensor=2 (sequence parallel) x pipeline=2
+with capacity routing.
 
 `test_chunk_rows_in_model_order` checks the placement of each stage's per-unit rows (chunk order -> model order)
 alone, for interleaved layouts too, in the default suite.
@@ -144,8 +147,36 @@ CASES = {
             "model.moe.expert_axes=[fsdp]",
         ),
     ),
+    # Zero-bubble schedules (`jaxpar.parallel.pipeline_zb`): the blocks' auxiliary losses go through B, the
+    # routers' gradients through W.
+    "data2_fsdp2_pipeline2_zbv_ep4_dropless": (
+        "dropless",
+        1,
+        (
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.pipeline=2",
+            "pipeline.microbatches=2",
+            "pipeline.schedule=zb-v",
+            "pipeline.virtual_stages=2",
+            "model.moe.expert_axes=[data,fsdp]",
+        ),
+    ),
+    "fsdp2_tensor2_sp_pipeline2_zbh1_capacity": (
+        "capacity",
+        2,
+        (
+            "mesh.data=1",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "mesh.pipeline=2",
+            "tensor.sequence_parallel=true",
+            "pipeline.microbatches=2",
+            "pipeline.schedule=zb-h1",
+        ),
+    ),
 }
-DEFAULT_CASES = ("data2_fsdp2_pipeline2_1f1b_ep4_dropless",)
+DEFAULT_CASES = ("data2_fsdp2_pipeline2_1f1b_ep4_dropless", "data2_fsdp2_pipeline2_zbv_ep4_dropless")
 
 
 def _overrides(routing: str, every: int, extra=()) -> list[str]:

@@ -287,7 +287,7 @@ def test_config_errors_before_device_work():
         (
             ("mesh.pipeline=2", "pipeline.schedule=gpipe", "pipeline.virtual_stages=2", "pipeline.microbatches=2"),
             2,
-            r"interleaves the 1f1b schedule, not gpipe",
+            r"interleaves the 1f1b, zb-h1 and zb-v schedules, not gpipe",
         ),
         (("pipeline.virtual_stages=2",), 1, r"needs a pipeline \(mesh\.pipeline > 1\)"),
         (
@@ -312,8 +312,8 @@ def test_the_check_can_fail_without_the_chunk_order(monkeypatch, need_devices):
     gradients move by more than 100 times it, so the parity tests above can fail."""
     need_devices(2)
     ref = _reference(4)
-    monkeypatch.setattr(pipeline, "to_chunk_order", lambda layers, p, v: layers)
-    monkeypatch.setattr(pipeline, "from_chunk_order", lambda grads, p, v: grads)
+    monkeypatch.setattr(pipeline, "to_chunk_order", lambda layers, *_: layers)
+    monkeypatch.setattr(pipeline, "from_chunk_order", lambda grads, *_: grads)
     plan = make_plan(
         _overrides(4, "mesh.pipeline=2", "pipeline.microbatches=2", "pipeline.virtual_stages=2"), jax.devices()[:2]
     )

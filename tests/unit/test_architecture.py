@@ -131,7 +131,7 @@ ONE_SOURCE = {
     "float dtypes": ({"float32", "bfloat16"}, "jaxpar.config.precision"),
     "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.data.batch"),
     "remat policies": ({"none", "dots", "names", "full"}, "jaxpar.config.choices"),
-    "pipeline schedules": ({"1f1b", "gpipe"}, "jaxpar.config.choices"),
+    "pipeline schedules": ({"1f1b", "gpipe", "zb-h1", "zb-v"}, "jaxpar.config.choices"),
     "rotary scalings": ({"none", "linear", "llama3"}, "jaxpar.config.choices"),
     "learning-rate decays": ({"cosine", "linear", "constant"}, "jaxpar.config.choices"),
     "text sources": ({"stdlib", "text", "jsonl"}, "jaxpar.config.data_sources"),

@@ -1,0 +1,277 @@
+"""Zero-bubble pipeline schedules (ZB-H1, ZB-V) inside one SPMD program over the `pipeline` mesh axis (inside
+shard_map): a static table run slot by slot, every device its own op.
+
+Shape letters: b rows of one microbatch on a device, T' the activations' sequence length, D the model width; p
+stages, v model chunks per device, m microbatches; i a microbatch, j a chunk's position on its device.
+
+The schedule is a table built in Python at trace time (`jaxpar.parallel.zero_bubble`), lowered to per-slot
+instructions with ring-buffer indices (`jaxpar.parallel.slot_program`). The step runs the slots as one
+`jax.lax.scan`; in each slot every device reads its own row of the instructions (by `axis_index`) and runs one
+branch of a `jax.lax.switch`:
+
+  * F: chunk j's forward of microbatch i, from the embedding (model chunk 0) or a received activation; it
+    stashes what its backward needs (the chunk input with `pipeline.recompute`, else the residuals, as 1F1B's
+    `jaxpar.parallel.pipeline_1f1b.Residuals`). On the model's last chunk it also runs the head and loss and
+    their gradient, which seeds the chunk's B.
+  * B: the input gradient (`jaxpar.parallel.split_backward.SplitBackward.b`) from the stash and the received
+    (or seeded) output gradient; it keeps B's boundary for W; on model chunk 0 the embedding's gradient.
+  * W: the chunk's weight gradients from the kept boundary (`SplitBackward.w`), added to the fp32 sums.
+  * idle.
+
+Only the taken branch runs on a device: an idle slot costs nothing but the wait, unlike the lockstep ticks of
+`jaxpar.parallel.pipeline_1f1b`, where every device runs every tick's work (masked where invalid). A branch's
+collectives (fsdp gathers, tensor psums) are over axes whose members share the stage, so they take the same
+branch. After the branch, two ring `ppermute`s over `pipeline` (to s + 1 and to s - 1, one after the other) carry
+this slot's output, and each device files what it received into its rings as the instructions say.
+
+Memory per device: the rings' slots (`slot_program`), each sized by the most values live at once in the table:
+stash (what F keeps for B), W (B's boundary kept for W, `split_backward.boundary_bytes` each), received
+activations and gradients, head seeds, each [b, T', D] or the residuals'/boundary's shapes, plus one scratch slot
+that writes of an op that has nothing to write go to. Flat in m.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.parallel import slot_program as slot_program_lib
+from jaxpar.parallel import zero_bubble
+from jaxpar.parallel.pipeline import (
+    AXIS,
+    StageParts,
+    add32,
+    add_stats,
+    blocks_cotangent,
+    blocks_forward,
+    blocks_vjp,
+    microbatch,
+    ordered_after,
+    zero_stats,
+)
+from jaxpar.parallel.pipeline_1f1b import Residuals
+from jaxpar.parallel.split_backward import SplitBackward
+
+# The instruction fields the slot reads (all of `slot_program.FIELDS` but "send": every slot sends both ways).
+_FIELDS = tuple(f for f in slot_program_lib.FIELDS if f != "send")
+_RINGS = {  # ring -> the fields that index it
+    "act": ("act_read", "local_act_write"),
+    "grad": ("grad_read", "local_grad_write"),
+    "stash": ("stash_read", "stash_write"),
+    "seed": ("seed_read", "seed_write"),
+    "w": ("w_read", "w_write"),
+}
+
+
+def zero_bubble_pipeline(
+    parts: StageParts,
+    layers: dict,
+    edge: dict,
+    mbs: dict,
+    *,
+    schedule: str,
+    p: int,
+    m: int,
+    act_shape: tuple[int, ...],
+    act_dtype,
+    loss_scale: jax.Array,
+    recompute: bool,
+    virtual_stages: int = 1,
+) -> tuple[tuple[dict, dict], jax.Array, dict]:
+    """Runs `schedule` ("zb-h1" or "zb-v", or "1f1b" for its split-backward table); same arguments and results
+    as `jaxpar.parallel.pipeline_1f1b.one_f_one_b`: ((fp32 gradient sums of `layers` in chunk order, of `edge`),
+    this stage's summed scaled loss, the blocks' stats summed per chunk, leaves [v, ...]).
+
+    `layers` are in the schedule's chunk order (`jaxpar.parallel.pipeline.to_chunk_order` with the table's
+    placement): rows j*L/(pv) .. (j+1)*L/(pv) - 1 are this device's j-th chunk.
+
+    Raises:
+      ValueError: from `jaxpar.parallel.zero_bubble.check_sizes` (m or v not allowed by the schedule).
+    """
+    table = zero_bubble.build(schedule, p, m, virtual_stages)
+    program = slot_program_lib.program(table)
+    run = _Slots(parts, layers, edge, mbs, program, virtual_stages, m, act_shape, act_dtype, loss_scale, recompute)
+    carry, _ = jax.lax.scan(run.slot, run.initial_carry(), jnp.arange(program.kind.shape[0]))
+    g_layers, g_edge, loss, stats = carry[-4:]
+    g_layers = jax.tree.map(lambda g, a: g.reshape(a.shape), g_layers, layers)
+    return (g_layers, g_edge), loss, stats
+
+
+def split_stage_backward(parts: StageParts, w, x, mb, recompute: bool) -> tuple[Residuals | None, SplitBackward]:
+    """(the stash template, None with `recompute`; the split of a chunk's backward from its stash), as the
+    schedule runs it: B from the stash (the chunk input, whose forward B recomputes, or the residuals) and the
+    output cotangent (`jaxpar.parallel.pipeline.blocks_cotangent`), W from B's boundary. `w` one chunk's layers,
+    x [b, T', D], mb one microbatch: example values of the shapes the schedule passes (inside the shard_map)."""
+    template = None if recompute else Residuals(parts, w, x, mb)
+
+    def backward(kept, w_, mb_, ct):
+        if recompute:
+            vjp_fn = blocks_vjp(parts, w_, kept[0], mb_)[3]
+        else:
+            vjp_fn = template.rebuild(kept, w_, jax.tree.leaves(ct)[0])
+        d_w, d_x = vjp_fn(ct)
+        return d_x, d_w
+
+    kept = [x] if recompute else [jnp.zeros(a.shape, a.dtype) for a in template.stash_avals]
+    ct = blocks_cotangent(parts, x, jnp.zeros((), jnp.float32))
+    return template, SplitBackward(backward, kept, w, mb, ct)
+
+
+def _instructions(program) -> tuple[jnp.ndarray, dict[str, int]]:
+    """The program's fields stacked into one int32 array [slots, p, fields], with -1 (nothing to read or write)
+    mapped to each ring's scratch slot (its last), and the rings' sizes including that slot."""
+    sizes = {ring: int(getattr(program, f"{ring}_slots")) + 1 for ring in _RINGS}
+    cols = []
+    for name in _FIELDS:
+        a = np.asarray(getattr(program, name), np.int32)
+        ring = next((r for r, fields in _RINGS.items() if name in fields), None)
+        if ring is not None:
+            a = np.where(a < 0, sizes[ring] - 1, a)
+        elif name in ("recv_up_slot", "recv_down_slot"):
+            a = np.where(a < 0, 0, a)  # a slot of the ring the kind names; the kind 0 writes to scratch instead
+        cols.append(a)
+    return jnp.asarray(np.stack(cols, axis=-1)), sizes
+
+
+class _Slots:
+    """One stage's run of `zero_bubble_pipeline` (inside the shard_map): the static context and one slot's work.
+    The carry is (activation ring, gradient ring, stash rings, seed ring, W rings, the layers' fp32 gradient
+    sums [v, ...], the edge's, the loss sum, the blocks' stats sums)."""
+
+    def __init__(self, parts, layers, edge, mbs, program, v, m, act_shape, act_dtype, loss_scale, recompute):
+        self.parts, self.edge, self.mbs, self.m, self.v = parts, edge, mbs, m, v
+        self.act_dtype, self.loss_scale, self.recompute = act_dtype, loss_scale, recompute
+        self.p = program.kind.shape[1]
+        self.code, self.sizes = _instructions(program)
+        self.s = jax.lax.axis_index(AXIS)
+        self.zeros_act = jnp.zeros(act_shape, act_dtype)
+        self.chunks = jax.tree.map(lambda a: a.reshape(v, a.shape[0] // v, *a.shape[1:]), layers)
+        self.mb0 = microbatch(mbs, jnp.int32(0), m)
+        w0 = self.chunk(jnp.int32(0))
+        self.template, self.split = split_stage_backward(parts, w0, self.zeros_act, self.mb0, recompute)
+        self.stash_shapes = [jax.ShapeDtypeStruct(act_shape, act_dtype)] if recompute else self.template.stash_avals
+        self.w_shapes = self.split.boundary_avals
+
+    def chunk(self, j):
+        """The layers of this device's chunk j."""
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), self.chunks)
+
+    def initial_carry(self) -> tuple:
+        zeros32 = lambda tree: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)  # noqa: E731
+        ring = lambda n, shape, dtype: jnp.zeros((self.sizes[n], *shape), dtype)  # noqa: E731
+        return (
+            ring("act", self.zeros_act.shape, self.act_dtype),
+            ring("grad", self.zeros_act.shape, self.act_dtype),
+            [ring("stash", a.shape, a.dtype) for a in self.stash_shapes],
+            ring("seed", self.zeros_act.shape, self.act_dtype),
+            [ring("w", a.shape, a.dtype) for a in self.w_shapes],
+            zeros32(self.chunks),
+            zeros32(self.edge),
+            jnp.zeros((), jnp.float32),
+            zero_stats(self.parts, self.chunk(jnp.int32(0)), self.zeros_act, self.mb0, self.v),
+        )
+
+    def slot(self, carry, t):
+        """Slot t: this device's op (a `jax.lax.switch` branch), then the two permutes and the ring writes."""
+        act, grad, stash, seed, wring, g_layers, g_edge, loss, stats = carry
+        op = dict(zip(_FIELDS, self.code[t, self.s]))
+        take = lambda ring, k: jax.lax.dynamic_index_in_dim(ring, k, keepdims=False)  # noqa: E731
+        inputs = (
+            take(act, op["act_read"]),
+            jnp.where(op["is_last"] > 0, take(seed, op["seed_read"]), take(grad, op["grad_read"])),
+            [take(r, op["stash_read"]) for r in stash],
+            [take(r, op["w_read"]) for r in wring],
+        )
+        zero_out = (
+            self.zeros_act,  # the value sent: F's activation or B's input gradient
+            [jnp.zeros(a.shape, a.dtype) for a in self.stash_shapes],
+            self.zeros_act,  # the head's gradient (F of the last chunk)
+            [jnp.zeros(a.shape, a.dtype) for a in self.w_shapes],
+        )
+        branches = [
+            lambda ins, acc: (zero_out, acc),
+            lambda ins, acc: self.forward(op, ins, acc, zero_out),
+            lambda ins, acc: self.backward(op, ins, acc, zero_out),
+            lambda ins, acc: self.weights(op, ins, acc, zero_out),
+        ]
+        (send, keep, d_head, bound), (g_layers, g_edge, loss, stats) = jax.lax.switch(
+            op["kind"], branches, inputs, (g_layers, g_edge, loss, stats)
+        )
+        put = lambda ring, x, k: jax.lax.dynamic_update_index_in_dim(ring, x, k, 0)  # noqa: E731
+        stash = [put(r, x, op["stash_write"]) for r, x in zip(stash, keep)]
+        seed = put(seed, d_head, op["seed_write"])
+        wring = [put(r, x, op["w_write"]) for r, x in zip(wring, bound)]
+        # A chunk whose next (previous) chunk sits on the same device hands its output over locally.
+        act = put(act, send, op["local_act_write"])
+        grad = put(grad, send, op["local_grad_write"])
+        # The two permutes, one after the other (a fixed collective order: `ordered_after`).
+        p = self.p
+        from_below = jax.lax.ppermute(send, AXIS, [(k, (k + 1) % p) for k in range(p)])
+        from_above = jax.lax.ppermute(ordered_after(send, from_below), AXIS, [(k, (k - 1) % p) for k in range(p)])
+        for got, kind, k in (
+            (from_below, op["recv_up_kind"], op["recv_up_slot"]),
+            (from_above, op["recv_down_kind"], op["recv_down_slot"]),
+        ):
+            act = put(act, got, jnp.where(kind == 1, k, self.sizes["act"] - 1))
+            grad = put(grad, got, jnp.where(kind == 2, k, self.sizes["grad"] - 1))
+        return (act, grad, stash, seed, wring, g_layers, g_edge, loss, stats), None
+
+    def forward(self, op, ins, acc, zero_out):
+        """F of (microbatch, chunk) `op`: its output, stash, and on the last chunk the head's loss and gradient."""
+        g_layers, g_edge, loss, stats = acc
+        recv, _, _, _ = ins
+        i, j = op["microbatch"], op["chunk_local"]
+        mb = microbatch(self.mbs, i, self.m)
+        x = jax.lax.cond(
+            op["is_first"] > 0, lambda: self.parts.embed(self.edge, mb).astype(self.act_dtype), lambda: recv
+        )
+        w = self.chunk(j)
+        if self.recompute:
+            h, b_loss, b_stats = blocks_forward(self.parts, w, x, mb)
+            keep = [x]
+        else:
+            h, b_loss, b_stats, vjp_fn = blocks_vjp(self.parts, w, x, mb)
+            keep = self.template.stash(vjp_fn, w)
+        if self.parts.blocks_loss:
+            loss = loss + b_loss * self.loss_scale
+            stats = add_stats(stats, b_stats, j, True)
+
+        def head():
+            value, (d_edge, d_h) = jax.value_and_grad(
+                lambda e, y: self.parts.head(e, y, mb).astype(jnp.float32) * self.loss_scale, argnums=(0, 1)
+            )(self.edge, h)
+            return value, d_h.astype(self.act_dtype), add32(g_edge, d_edge)
+
+        value, d_head, g_edge = jax.lax.cond(
+            op["is_last"] > 0, head, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge)
+        )
+        out = (h, keep, d_head, zero_out[3])
+        return out, (g_layers, g_edge, loss + value, stats)
+
+    def backward(self, op, ins, acc, zero_out):
+        """B of `op`: the input gradient (sent on), B's boundary for W, and on chunk 0 the embedding's gradient."""
+        g_layers, g_edge, loss, stats = acc
+        _, d_h, kept, _ = ins
+        i, j = op["microbatch"], op["chunk_local"]
+        mb = microbatch(self.mbs, i, self.m)
+        ct = blocks_cotangent(self.parts, d_h, jnp.asarray(self.loss_scale, jnp.float32))
+        d_x, bound = self.split.b(kept, self.chunk(j), mb, ct)
+
+        def embed_grad():
+            _, vjp_fn = jax.vjp(lambda e: self.parts.embed(e, mb).astype(self.act_dtype), self.edge)
+            return add32(g_edge, vjp_fn(d_x)[0])
+
+        g_edge = jax.lax.cond(op["is_first"] > 0, embed_grad, lambda: g_edge)
+        return (d_x, zero_out[1], zero_out[2], bound), (g_layers, g_edge, loss, stats)
+
+    def weights(self, op, ins, acc, zero_out):
+        """W of `op`: the chunk's weight gradients from B's boundary, added to chunk j's rows of the sums."""
+        g_layers, g_edge, loss, stats = acc
+        d_w = self.split.w(ins[3])
+        j = op["chunk_local"]
+
+        def one(a, d):
+            return jax.lax.dynamic_update_index_in_dim(a, a[j] + d.astype(jnp.float32), j, 0)
+
+        return zero_out, (jax.tree.map(one, g_layers, d_w), g_edge, loss, stats)
