@@ -1,6 +1,6 @@
-"""Pipeline schedules (1F1B keeping residuals, 1F1B recomputing the stage forward, GPipe) against data
-parallelism on the same devices: compiled temp memory, activations in flight, clock ticks, bubble, matmul FLOPs
-and step time.
+"""Pipeline schedules (1F1B keeping residuals, 1F1B recomputing the stage forward, interleaved 1F1B, the zero-bubble
+ZB-H1 and ZB-V, GPipe) against data parallelism on the same devices: compiled temp memory, activations in flight,
+clock ticks, bubble, matmul FLOPs and step time.
 
     python benchmarks/pipeline.py [--config configs/tiny.yaml] [--stages 2 4] [--microbatches 4 8 16 32]
         [--steps 5] [--rounds 3] [--micro-rows 2] [--optimized] [key=value ...]
@@ -8,7 +8,8 @@ and step time.
 For each p (stages) and m (microbatches) the microbatch size is fixed (global batch = m * micro_rows), and
 four train steps run on the same p simulated CPU devices, interleaved and timed in one run:
   * 1F1B (pipeline.recompute=false, "1f1b"; true, "1f1b-rc"), interleaved 1F1B (pipeline.virtual_stages=2,
-    "1f1b-v2"; skipped where the layers or m do not divide) and GPipe on mesh pipeline=p
+    "1f1b-v2"; skipped where the layers or m do not divide), zb-h1, zb-v (2 chunks per device) and GPipe on
+    mesh pipeline=p
     (data=fsdp=tensor=1), pipeline.microbatches=m;
   * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
@@ -16,8 +17,10 @@ four train steps run on the same p simulated CPU devices, interleaved and timed 
 `jaxpar.analysis.planner.pipeline.ideal_time_ratio`. "FLOPs/dp" is the matmul FLOPs per device (mean over the
 devices) of the compiled step over the baseline's, counted with loop trip counts and each device's own branch of
 the stage conds (`jaxpar.analysis.hlo.flops`; for 1f1b-v2 the blocks' FLOPs plus the heads' formula, since its
-conds select on the tick too), next to the tick ratio (vm + p - 1)/(vm); "1-dp/FLOPs" and "1-dp/t" are the
-measured bubbles, next to the formula (p - 1)/(vm + p - 1). Row formulas live in
+conds select on the tick too; for zb-h1 and zb-v the slot switch's branches weighted by the table's counts of
+F, B, W and idle slots per device), next to 1/(1 - bubble); "max FLOPs/dp" the busiest device's; "1-dp/FLOPs"
+and "1-dp/t" are the measured bubbles, next to the formula (p - 1)/(vm + p - 1), or the table's idle share for
+zb-h1 and zb-v (`jaxpar.parallel.zero_bubble`). Row formulas live in
 `jaxpar.analysis.planner.pipeline`; the model (`PIPELINE_MODEL`) and mesh overrides in
 `jaxpar.analysis.bench.report`, which benchmarks/all.py also uses for its 1F1B / GPipe memory rows; the
 fast XLA:CPU compile options (`FAST_COMPILER_OPTIONS`: temp bytes within a few percent of an optimised build, step
@@ -41,21 +44,26 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.analysis.bench.report import PIPELINE_MODEL, pipeline_overrides
 from jaxpar.analysis.bench.timing import interleaved_step_times, median_seconds
 from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo.flops import dot_flops_per_device
-from jaxpar.analysis.planner.pipeline import format_table, report_row
+from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, format_table, report_row
 from jaxpar.config import ConfigError, load_config
 from jaxpar.data.batch import BATCH_KEYS, random_batch
 from jaxpar.log import human_bytes
+from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.mesh import build_mesh
+from jaxpar.parallel.slot_program import branch_shares
+from jaxpar.parallel.slot_program import program as slot_program
 from jaxpar.training.plan import build_plan
 from jaxpar.training.state import init_state
 from jaxpar.training.step import make_train_step
 
-SCHEDULES = ("1f1b", "1f1b-rc", "1f1b-v2", "gpipe")  # -rc: pipeline.recompute=true; -v2: pipeline.virtual_stages=2
+# -rc: pipeline.recompute=true; -v2: pipeline.virtual_stages=2 (zb-v always runs 2 chunks per device)
+SCHEDULES = ("1f1b", "1f1b-rc", "1f1b-v2", "zb-h1", "zb-v", "gpipe")
 
 
 class Contender:
@@ -75,15 +83,37 @@ class Contender:
         self.step = make_train_step(self.plan).lower(self.state, self.batch).compile(compiler_options=compiler_options)
         self.compile_s = time.perf_counter() - t0
         self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)
-        if cfg.pipeline.virtual_stages == 1:
-            self.flops = sum(dot_flops_per_device(self.step.as_text())) / len(devices)  # mean per device
+        pipe = cfg.pipeline
+        if cfg.mesh.pipeline > 1 and pipe.schedule in ZERO_BUBBLE:
+            # The slot switch selects on the slot too: its branches weighted by the table's counts per device.
+            per_device = dot_flops_per_device(self.step.as_text(), branch_weights=self._zb_weights(cfg))
+            self.flops, self.busiest = sum(per_device) / len(devices), max(per_device)
+        elif pipe.virtual_stages == 1:
+            per_device = dot_flops_per_device(self.step.as_text())
+            self.flops, self.busiest = sum(per_device) / len(devices), max(per_device)  # mean and busiest
         else:
             # The edge conds select on the tick too, which the FLOPs reader cannot evaluate: the blocks' FLOPs
             # without the conds, plus the m heads' 6 b T D V each (jaxpar.analysis.bench.report does the same).
             mdl, m = cfg.model, cfg.pipeline.microbatches
             heads = m * 6 * rows * cfg.data.seq_len * mdl.d_model * mdl.vocab_size
-            blocks = sum(dot_flops_per_device(self.step.as_text(), skip_conditionals=True))
-            self.flops = (blocks + heads) / len(devices)
+            blocks = dot_flops_per_device(self.step.as_text(), skip_conditionals=True)
+            self.flops = (sum(blocks) + heads) / len(devices)
+            self.busiest = max(blocks) + heads  # the heads all run on the last stage
+
+    def _zb_weights(self, cfg):
+        """branch_weights for `dot_flops_per_device`: partition -> its stage's shares of the slot switch's
+        branches ([idle, F, B, W]) and of the head's cond inside F ([no head, head])."""
+        pipe, p = cfg.pipeline, cfg.mesh.pipeline
+        prog = slot_program(zero_bubble.build(pipe.schedule, p, pipe.microbatches, pipe.virtual_stages))
+        stage_of = self.plan.mesh.devices.shape, list(self.plan.mesh.axis_names).index("pipeline")
+        shares = [branch_shares(prog, s) for s in range(p)]
+
+        def weights(pid: int, n: int):
+            s = int(np.unravel_index(pid, stage_of[0])[stage_of[1]])
+            kinds, head = shares[s]
+            return kinds if n == 4 else [1 - head, head] if n == 2 else None
+
+        return weights
 
     def __call__(self):
         self.state, metrics = self.step(self.state, self.batch)
@@ -112,9 +142,9 @@ def main() -> None:
             def load(pipelined: bool, sched: str = "1f1b", p=p, m=m):
                 flags = [
                     f"pipeline.recompute={str(sched == '1f1b-rc').lower()}",
-                    f"pipeline.virtual_stages={2 if sched == '1f1b-v2' else 1}",
+                    f"pipeline.virtual_stages={2 if sched in ('1f1b-v2', 'zb-v') else 1}",
                 ]
-                base = sched.split("-")[0]
+                base = sched if sched in ZERO_BUBBLE else sched.split("-")[0]
                 overrides = pipeline_overrides(p, pipelined, base, m, rows) + flags
                 return load_config(args.config, PIPELINE_MODEL + args.overrides + overrides, num_devices=p)
 
@@ -134,7 +164,7 @@ def main() -> None:
             plan = contenders["1f1b"].plan
             for sched in (s for s in SCHEDULES if s in contenders):
                 row = report_row(
-                    sched.split("-")[0],
+                    sched if sched in ZERO_BUBBLE else sched.split("-")[0],
                     p,
                     m,
                     rows,
@@ -142,12 +172,13 @@ def main() -> None:
                     cfg.model.d_model,
                     jnp.dtype(plan.compute_dtype).itemsize,
                     recompute=sched == "1f1b-rc",
-                    v=2 if sched == "1f1b-v2" else 1,
+                    v=2 if sched in ("1f1b-v2", "zb-v") else 1,
                 )
                 row.update(
                     temp_bytes=contenders[sched].temp_bytes,
                     time_ratio=med[sched] / med["dp"],
                     flops_ratio=contenders[sched].flops / contenders["dp"].flops,
+                    busiest_ratio=contenders[sched].busiest / contenders["dp"].flops,
                 )
                 all_rows.append(row)
             print(

@@ -26,8 +26,10 @@ this slot's output, and each device files what it received into its rings as the
 
 Memory per device: the rings' slots (`slot_program`), each sized by the most values live at once in the table:
 stash (what F keeps for B), W (B's boundary kept for W, `split_backward.boundary_bytes` each), received
-activations and gradients, head seeds, each [b, T', D] or the residuals'/boundary's shapes, plus one scratch slot
-that writes of an op that has nothing to write go to. Flat in m.
+activations and gradients, head seeds, each [b, T', D] or the residuals'/boundary's shapes (an op with nothing to
+write rewrites a slot with its own value: no scratch slot). Flat in m. Besides the rings, the switch's outputs
+(the sent value, a stash entry, a head seed and a boundary, zeros from the branches that make none) hold one of
+each per slot.
 """
 
 from __future__ import annotations
@@ -106,32 +108,33 @@ def split_stage_backward(parts: StageParts, w, x, mb, recompute: bool) -> tuple[
     template = None if recompute else Residuals(parts, w, x, mb)
 
     def backward(kept, w_, mb_, ct):
-        if recompute:
+        if template is None:
             vjp_fn = blocks_vjp(parts, w_, kept[0], mb_)[3]
         else:
             vjp_fn = template.rebuild(kept, w_, jax.tree.leaves(ct)[0])
         d_w, d_x = vjp_fn(ct)
         return d_x, d_w
 
-    kept = [x] if recompute else [jnp.zeros(a.shape, a.dtype) for a in template.stash_avals]
+    kept = [x] if template is None else [jnp.zeros(a.shape, a.dtype) for a in template.stash_avals]
     ct = blocks_cotangent(parts, x, jnp.zeros((), jnp.float32))
     return template, SplitBackward(backward, kept, w, mb, ct)
 
 
 def _instructions(program) -> tuple[jnp.ndarray, dict[str, int]]:
-    """The program's fields stacked into one int32 array [slots, p, fields], with -1 (nothing to read or write)
-    mapped to each ring's scratch slot (its last), and the rings' sizes including that slot."""
-    sizes = {ring: int(getattr(program, f"{ring}_slots")) + 1 for ring in _RINGS}
-    cols = []
-    for name in _FIELDS:
-        a = np.asarray(getattr(program, name), np.int32)
-        ring = next((r for r, fields in _RINGS.items() if name in fields), None)
-        if ring is not None:
-            a = np.where(a < 0, sizes[ring] - 1, a)
-        elif name in ("recv_up_slot", "recv_down_slot"):
-            a = np.where(a < 0, 0, a)  # a slot of the ring the kind names; the kind 0 writes to scratch instead
-        cols.append(a)
+    """The program's fields stacked into one int32 array [slots, p, fields] (-1: nothing to read or write),
+    and the rings' sizes."""
+    sizes = {ring: int(getattr(program, f"{ring}_slots")) for ring in _RINGS}
+    cols = [np.asarray(getattr(program, name), np.int32) for name in _FIELDS]
     return jnp.asarray(np.stack(cols, axis=-1)), sizes
+
+
+def _put(ring: jax.Array, x: jax.Array, k: jax.Array, write: jax.Array | None = None) -> jax.Array:
+    """`ring` with `x` in slot k when `write` (default: k >= 0), else unchanged: the slot is rewritten with its
+    own value, so no ring needs a scratch slot for the ops that write nothing."""
+    write = k >= 0 if write is None else write
+    k = jnp.maximum(k, 0)
+    old = jax.lax.dynamic_index_in_dim(ring, k, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(ring, jnp.where(write, x, old), k, 0)
 
 
 class _Slots:
@@ -150,7 +153,9 @@ class _Slots:
         self.mb0 = microbatch(mbs, jnp.int32(0), m)
         w0 = self.chunk(jnp.int32(0))
         self.template, self.split = split_stage_backward(parts, w0, self.zeros_act, self.mb0, recompute)
-        self.stash_shapes = [jax.ShapeDtypeStruct(act_shape, act_dtype)] if recompute else self.template.stash_avals
+        self.stash_shapes = (
+            [jax.ShapeDtypeStruct(act_shape, act_dtype)] if self.template is None else self.template.stash_avals
+        )
         self.w_shapes = self.split.boundary_avals
 
     def chunk(self, j):
@@ -176,7 +181,7 @@ class _Slots:
         """Slot t: this device's op (a `jax.lax.switch` branch), then the two permutes and the ring writes."""
         act, grad, stash, seed, wring, g_layers, g_edge, loss, stats = carry
         op = dict(zip(_FIELDS, self.code[t, self.s]))
-        take = lambda ring, k: jax.lax.dynamic_index_in_dim(ring, k, keepdims=False)  # noqa: E731
+        take = lambda ring, k: jax.lax.dynamic_index_in_dim(ring, jnp.maximum(k, 0), keepdims=False)  # noqa: E731
         inputs = (
             take(act, op["act_read"]),
             jnp.where(op["is_last"] > 0, take(seed, op["seed_read"]), take(grad, op["grad_read"])),
@@ -198,13 +203,12 @@ class _Slots:
         (send, keep, d_head, bound), (g_layers, g_edge, loss, stats) = jax.lax.switch(
             op["kind"], branches, inputs, (g_layers, g_edge, loss, stats)
         )
-        put = lambda ring, x, k: jax.lax.dynamic_update_index_in_dim(ring, x, k, 0)  # noqa: E731
-        stash = [put(r, x, op["stash_write"]) for r, x in zip(stash, keep)]
-        seed = put(seed, d_head, op["seed_write"])
-        wring = [put(r, x, op["w_write"]) for r, x in zip(wring, bound)]
+        stash = [_put(r, x, op["stash_write"]) for r, x in zip(stash, keep)]
+        seed = _put(seed, d_head, op["seed_write"])
+        wring = [_put(r, x, op["w_write"]) for r, x in zip(wring, bound)]
         # A chunk whose next (previous) chunk sits on the same device hands its output over locally.
-        act = put(act, send, op["local_act_write"])
-        grad = put(grad, send, op["local_grad_write"])
+        act = _put(act, send, op["local_act_write"])
+        grad = _put(grad, send, op["local_grad_write"])
         # The two permutes, one after the other (a fixed collective order: `ordered_after`).
         p = self.p
         from_below = jax.lax.ppermute(send, AXIS, [(k, (k + 1) % p) for k in range(p)])
@@ -213,8 +217,8 @@ class _Slots:
             (from_below, op["recv_up_kind"], op["recv_up_slot"]),
             (from_above, op["recv_down_kind"], op["recv_down_slot"]),
         ):
-            act = put(act, got, jnp.where(kind == 1, k, self.sizes["act"] - 1))
-            grad = put(grad, got, jnp.where(kind == 2, k, self.sizes["grad"] - 1))
+            act = _put(act, got, k, kind == 1)
+            grad = _put(grad, got, k, kind == 2)
         return (act, grad, stash, seed, wring, g_layers, g_edge, loss, stats), None
 
     def forward(self, op, ins, acc, zero_out):
@@ -227,7 +231,7 @@ class _Slots:
             op["is_first"] > 0, lambda: self.parts.embed(self.edge, mb).astype(self.act_dtype), lambda: recv
         )
         w = self.chunk(j)
-        if self.recompute:
+        if self.template is None:  # pipeline.recompute
             h, b_loss, b_stats = blocks_forward(self.parts, w, x, mb)
             keep = [x]
         else:

@@ -249,3 +249,14 @@ _INDEX_FIELDS = tuple(f for f in FIELDS if f.endswith(("_read", "_write")))
 
 def _fail(table: Table, t: int, s: int, why: str):
     raise AssertionError(f"{table.name} slot {t} device {s}: {why}")
+
+
+def branch_shares(prog: SlotProgram, s: int) -> tuple[list[float], float]:
+    """Device s's share of slots of each kind ([idle, F, B, W], summing to 1) and the share of its F slots that
+    run the model's last chunk (and so the head): the weights the compiled program's FLOPs reader gives the slot
+    switch's branches and the head's cond inside F (`jaxpar.analysis.hlo.flops.dot_flops_per_device`)."""
+    kinds = prog.kind[:, s]
+    shares = [float(np.mean(kinds == k)) for k in (IDLE, F, B, W)]
+    forwards = kinds == F
+    head = float(np.mean(prog.is_last[forwards, s] > 0)) if forwards.any() else 0.0
+    return shares, head

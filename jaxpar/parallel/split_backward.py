@@ -224,11 +224,11 @@ class _Part:
             split = _ScanSplit(op, outputs, set())
             self.scans[id(op)] = split
             return [op.ins[k] for k in sorted(split.b_inputs)]
-        split = self.scans.get(id(op))
-        if split is None:  # a scan B never touches: all of it is W's
-            split = self.scans[id(op)] = _ScanSplit(op, set(), set())
-        split.add_w(outputs)
-        return [op.ins[k] for k in sorted(split.w_inputs)]
+        found = self.scans.get(id(op))
+        if found is None:  # a scan B never touches: all of it is W's
+            found = self.scans[id(op)] = _ScanSplit(op, set(), set())
+        found.add_w(outputs)
+        return [op.ins[k] for k in sorted(found.w_inputs)]
 
 
 class _ScanSplit:
@@ -397,10 +397,9 @@ class SplitBackward:
 
     def __init__(self, backward: Callable, *args):
         closed, out_shape = jax.make_jaxpr(backward, return_shape=True)(*args)
-        self._in_tree = jax.tree.structure(args)
         x_tree, w_tree = out_shape
         self._x_tree, self._w_tree = jax.tree.structure(x_tree), jax.tree.structure(w_tree)
-        n_x = self._x_tree.num_leaves
+        n_x = len(jax.tree.leaves(x_tree))
         jaxpr = closed.jaxpr
         sub = dict(zip(jaxpr.constvars, map(_Const, closed.consts)))
         self._invars = _fresh(jaxpr.invars, sub)

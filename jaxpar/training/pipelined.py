@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,9 +91,9 @@ def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Ar
     m = plan.cfg.pipeline.microbatches
     mbs, act_shape = _pipeline_shapes(plan, batch, m)
     name = plan.cfg.pipeline.schedule
-    schedule = {"1f1b": one_f_one_b, "gpipe": pipeline_lib.gpipe}.get(name)
-    if schedule is None:  # a zero-bubble table (`jaxpar.parallel.pipeline_zb`)
-        schedule = functools.partial(zero_bubble_pipeline, schedule=name)
+    schedules: dict[str, Callable] = {"1f1b": one_f_one_b, "gpipe": pipeline_lib.gpipe}
+    # a zero-bubble schedule runs its table (`jaxpar.parallel.pipeline_zb`)
+    schedule = schedules.get(name, functools.partial(zero_bubble_pipeline, schedule=name))
     layers, edge = split_stack(params)
     (g_layers, g_edge), loss, stats = schedule(
         stage_parts(plan, params, plan.loss_fn),

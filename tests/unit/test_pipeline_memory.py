@@ -242,3 +242,49 @@ def test_interleaved_residual_stash_bound(interleaved_temp):
     expected = (2 * P_INTERLEAVED * V_STAGES - 1) * (residual - stage_input)
     measured = interleaved_temp["1f1b", 4] - interleaved_temp["1f1b-recompute", 4]
     assert measured == pytest.approx(expected, rel=0.1), (measured, expected, residual)
+
+
+# Zero-bubble schedules (`jaxpar.parallel.pipeline_zb`): W's deferral keeps B's boundary per chunk-microbatch
+# (`jaxpar.parallel.split_backward`, remat none: b T (8 D + 2 D_kv + 4 F + 2) + 2 D elements per layer) in a ring
+# of `w_slots`, beside the stash ring of `stash_slots` residuals; both sizes come from the table. Measured (bytes
+# per device, one layer per stage, fixed b = 2, M = 8): zb-h1 p = 2: 2,856,432 (rings 2 + 2); p = 4: 3,773,552
+# (rings 4 + 4); 1F1B p = 2: 1,225,768, p = 4: 1,914,344. Flat in M: see `test_zero_bubble_temp_is_flat_in_m`.
+
+
+def _boundary_bytes_per_layer() -> int:
+    """The split_backward formula (remat none) for this file's model, fp32: D 64, F 128, 4 heads, 2 kv heads."""
+    d, f, d_kv, rows = 64, 128, 32, B * T
+    return 4 * (rows * (8 * d + 2 * d_kv + 4 * f + 2) + 2 * d)
+
+
+@pytest.fixture(scope="module")
+def zb_temp() -> dict:
+    """{(schedule, p, M): temporary bytes per device}, one layer per stage, fixed microbatch size."""
+    return _CompiledOnUse(lambda schedule, p, m: _temp_bytes(schedule, m, B * m, p=p, layers=p))
+
+
+@pytest.mark.timeout(300)
+def test_w_deferral_memory(zb_temp, need_devices):
+    """Going from p = 2 to p = 4 stages of one layer each, zb-h1's rings grow by the table's extra slots: the
+    temporaries grow by (extra stash slots) x the residual bytes + (extra W slots) x the boundary bytes, within
+    5% (the per-slot working set is the same one-layer chunk at both p)."""
+    from jaxpar.parallel import zero_bubble
+    from jaxpar.parallel.slot_program import program
+
+    need_devices(4)
+    rings = {p: program(zero_bubble.build("zb-h1", p, 8)) for p in (2, 4)}
+    residual, _ = _residual_bytes(2, 2)  # one layer's residuals
+    d_stash = rings[4].stash_slots - rings[2].stash_slots
+    d_w = rings[4].w_slots - rings[2].w_slots
+    assert d_w > 0 and d_stash > 0
+    expected = d_stash * residual + d_w * _boundary_bytes_per_layer()
+    measured = zb_temp["zb-h1", 4, 8] - zb_temp["zb-h1", 2, 8]
+    assert measured == pytest.approx(expected, rel=0.05), (measured, expected)
+
+
+@pytest.mark.timeout(300)
+def test_zero_bubble_temp_is_flat_in_m(need_devices):
+    """zb-v's temporaries do not grow with the number of microbatches (rings sized by the table's peaks)."""
+    need_devices(2)
+    values = [_temp_bytes("zb-v", m, B * m, p=2, layers=4, v=2) for m in (4, 16)]
+    assert max(values) <= 1.01 * min(values), values

@@ -78,9 +78,10 @@ class _Frame:
 
 
 class _Module:
-    def __init__(self, text: str, cost, skip_conditionals: bool = False):
+    def __init__(self, text: str, cost, skip_conditionals: bool = False, branch_weights=None):
         self.cost = cost  # (module, computation, instruction) -> cost of one execution of the instruction
         self.skip_conditionals = skip_conditionals
+        self.branch_weights = branch_weights
         self.comps, self.entry, self.num_partitions = parse_module(text)
         self.by_name = {c: {i.name: i for i in instrs} for c, instrs in self.comps.items()}
         self._static: dict[str, float] = {}  # cost of computations without conditionals
@@ -203,10 +204,13 @@ class _Module:
         except ValueError:
             # A data-dependent selector (e.g. the optimizer's skip of a non-finite update): fine if every branch
             # costs the same.
-            costs = {self.total(b, (*frames, _Frame(comp, i, k)), pid) for k, b in enumerate(branches)}
-            if len(costs) == 1:
-                return costs.pop()
-            raise
+            each = [self.total(b, (*frames, _Frame(comp, i, k)), pid) for k, b in enumerate(branches)]
+            if len(set(each)) == 1:
+                return each[0]
+            weights = self.branch_weights(pid, len(branches)) if self.branch_weights else None
+            if weights is None:
+                raise
+            return float(sum(w * c for w, c in zip(weights, each, strict=True)))
         if pred:
             taken = 0 if selector else 1
         else:  # an index selector; out of range runs the last branch (HLO semantics)
@@ -270,24 +274,38 @@ def _cast(v, type_str: str):
     return v
 
 
-def dot_flops_per_device(hlo_text: str, skip_conditionals: bool = False) -> list[float]:
+def dot_flops_per_device(
+    hlo_text: str, skip_conditionals: bool = False, branch_weights: BranchWeights | None = None
+) -> list[float]:
     """Matmul FLOPs of one run of the program on each partition (index = partition id, i.e. position in
     `mesh.devices.flat`); module docstring. With `skip_conditionals` the branches of every conditional count
     nothing: the FLOPs every tick runs whatever its branch (e.g. interleaved 1F1B's blocks, whose embedding and
     head conds select on the tick as well as the stage, a selector this module cannot evaluate).
 
+    `branch_weights(pid, n)`: for a conditional of n branches whose selector this module cannot evaluate and
+    whose branches cost differently, the share of its executions on partition `pid` that take each branch (a
+    list of n, summing to 1; None: raise as without it); its cost is then the weighted mean of its branches'.
+    Exact for a conditional inside a loop when the shares are counted over the loop's iterations: the zero-bubble
+    schedules' slot switch, whose per-device counts of F, B, W and idle come from the schedule's table
+    (`jaxpar.parallel.pipeline_zb`).
+
     Raises:
       ValueError: a while loop without a readable trip count, a conditional selector this module cannot
         evaluate, or a convolution.
     """
-    return per_device_cost(hlo_text, _dot_flops, skip_conditionals)
+    return per_device_cost(hlo_text, _dot_flops, skip_conditionals, branch_weights)
 
 
-def per_device_cost(hlo_text: str, cost, skip_conditionals: bool = False) -> list[float]:
+BranchWeights = Callable[[int, int], "list[float] | None"]
+
+
+def per_device_cost(
+    hlo_text: str, cost, skip_conditionals: bool = False, branch_weights: BranchWeights | None = None
+) -> list[float]:
     """Sum of `cost(module, computation, instruction)` over the instructions each partition executes in one
     run, each times its executions (loop trip counts; only the branch of a conditional the partition takes).
     `dot_flops_per_device` is this with the matmul FLOPs; a test can count e.g. gathers of a given shape.
 
     Raises: as `dot_flops_per_device`."""
-    module = _Module(hlo_text, cost, skip_conditionals)
+    module = _Module(hlo_text, cost, skip_conditionals, branch_weights)
     return [module.total(module.entry, (), pid) for pid in range(module.num_partitions)]

@@ -16,6 +16,10 @@ from __future__ import annotations
 from jaxpar.config.choices import PIPELINE_SCHEDULES
 from jaxpar.log import human_bytes
 from jaxpar.parallel import schedule as _schedule
+from jaxpar.parallel import schedule_table, zero_bubble
+from jaxpar.parallel.slot_program import program as slot_program
+
+ZERO_BUBBLE = ("zb-h1", "zb-v")  # the schedules run as a slot table (`jaxpar.parallel.pipeline_zb`)
 
 
 def _check(schedule: str, p: int, m: int) -> None:
@@ -35,6 +39,15 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return _schedule.bubble_fraction(p, v, m)
 
 
+def schedule_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The bubble of any schedule: `bubble_fraction` for 1f1b and gpipe, the table's idle share at unit times
+    for zb-h1 and zb-v (`jaxpar.parallel.zero_bubble.bubble_fraction`: ZB-H1 (p - 1)/(3vm + p - 1), ZB-V
+    (p - 1)/(6m + p - 1) for m >= p)."""
+    if schedule in ZERO_BUBBLE:
+        return zero_bubble.bubble_fraction(schedule, p, m, v)
+    return bubble_fraction(p, m, v)
+
+
 def tick_counts(schedule: str, p: int, m: int, v: int = 1) -> dict[str, float]:
     """Clock ticks of one step of the lockstep loop.
 
@@ -46,9 +59,16 @@ def tick_counts(schedule: str, p: int, m: int, v: int = 1) -> dict[str, float]:
         and v*p - 1 backward-only; a chunk tick is 1/v of a stage tick, so the step is worth m + (p - 1)/v.
       GPipe: m + p - 1 forward ticks, then m + p - 1 backward ticks (autodiff of the forward loop); counted as
         2(m + p - 1) half ticks = m + p - 1 full ticks.
+      zb-h1, zb-v: the table's slots (`jaxpar.parallel.zero_bubble`), one chunk's F, B or W per device each, so
+        3v slots are one stage's F + B + W: the step is worth slots / 3v; none is a half tick (an idle device
+        skips its slot).
     Raises ValueError for an unknown schedule, p, m < 1, or v > 1 with GPipe or with m not a multiple of p.
     """
     _check(schedule, p, m)
+    if schedule in ZERO_BUBBLE:
+        table = zero_bubble.build(schedule, p, m, v)
+        full = table.slots / (3 * v)
+        return {"ticks": table.slots, "half_ticks": 0, "full_equivalent": full, "formula": full}
     if v > 1:
         if schedule != "1f1b":
             raise ValueError(f"virtual stages interleave 1F1B, not {schedule}")
@@ -73,9 +93,15 @@ def stage_inputs_in_flight(schedule: str, p: int, m: int, v: int = 1) -> dict[st
         chunk j*p's input 2(pv - 1 - j*p) ticks, starting one forward per tick, so up to min(m*v, 2pv - 1) live.
       GPipe: autodiff of the forward scan saves every tick's stage input (m + p - 1 buffers, m of them real
         microbatches) plus each tick's layer residuals, which this count leaves out.
+      zb-h1, zb-v: chunk-microbatches whose F has run and whose W has not, on the device that holds the most
+        (`jaxpar.parallel.schedule_table.in_flight`), against the stash ring's slots (`slot_program`); B's
+        boundary for W has its own ring.
     Raises ValueError for an unknown schedule or p, m < 1, or as `tick_counts` for v > 1.
     """
     _check(schedule, p, m)
+    if schedule in ZERO_BUBBLE:
+        table = zero_bubble.build(schedule, p, m, v)
+        return {"allocated": slot_program(table).stash_slots, "live": max(schedule_table.in_flight(table))}
     if v > 1:
         tick_counts(schedule, p, m, v)  # the checks
         slots = _schedule.stash_slots(p, v)
@@ -103,9 +129,10 @@ def ideal_time_ratio(schedule: str, p: int, m: int, recompute: bool = False, v: 
         = 1 / (1 - bubble).
       Interleaved 1F1B (v > 1): the same in chunk ticks, a chunk being 1/v of a stage: (v m + p - 1)/(v m), times
         4/3 with recompute.
+      zb-h1, zb-v: slots / 3vm (an idle slot costs its wait, nothing more), times 4/3 with recompute.
     """
     full = tick_counts(schedule, p, m, v)["full_equivalent"]
-    units = 4 * full if (schedule == "1f1b" and recompute) else 3 * full
+    units = 4 * full if (schedule != "gpipe" and recompute) else 3 * full
     return units / (3 * m)
 
 
@@ -127,7 +154,11 @@ def report_row(
     ticks = tick_counts(schedule, p, m, v)
     flight = stage_inputs_in_flight(schedule, p, m, v)
     one = activation_bytes(b, seq, d_model, dtype_bytes)
-    name = schedule + (f"-v{v}" if v > 1 else "") + ("-rc" if recompute and schedule == "1f1b" else "")
+    name = (
+        schedule
+        + (f"-v{v}" if v > 1 and schedule != "zb-v" else "")
+        + ("-rc" if recompute and schedule != "gpipe" else "")
+    )
     return {
         "schedule": name,
         "p": p,
@@ -136,9 +167,9 @@ def report_row(
         "in_flight": flight["live"],
         "in_flight_alloc": flight["allocated"],
         "in_flight_bytes": flight["live"] * one,
-        "bubble": bubble_fraction(p, m, v),
+        "bubble": schedule_bubble(schedule, p, m, v),
         "ideal_ratio": ideal_time_ratio(schedule, p, m, recompute, v),
-        "tick_ratio": (v * m + p - 1) / (v * m),
+        "tick_ratio": 1 / (1 - schedule_bubble(schedule, p, m, v)),
     }
 
 
@@ -154,8 +185,9 @@ COLUMNS = (
     ("bubble", "bubble", "{:.3f}"),
     ("bubble_flops", "1-dp/FLOPs", "{:.3f}"),
     ("bubble_time", "1-dp/t", "{:.3f}"),
-    ("tick_ratio", "(vm+p-1)/vm", "{:.3f}"),
+    ("tick_ratio", "1/(1-bubble)", "{:.3f}"),
     ("flops_ratio", "FLOPs/dp", "{:.3f}"),
+    ("busiest_ratio", "max FLOPs/dp", "{:.3f}"),
     ("ideal_ratio", "ideal t/dp", "{:.2f}"),
     ("time_ratio", "meas t/dp", "{:.2f}"),
 )
