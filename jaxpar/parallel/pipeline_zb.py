@@ -26,10 +26,12 @@ this slot's output, and each device files what it received into its rings as the
 
 Memory per device: the rings' slots (`slot_program`), each sized by the most values live at once in the table:
 stash (what F keeps for B), W (B's boundary kept for W, `split_backward.boundary_bytes` each), received
-activations and gradients, head seeds, each [b, T', D] or the residuals'/boundary's shapes (an op with nothing to
-write rewrites a slot with its own value: no scratch slot). Flat in m. Besides the rings, the switch's outputs
-(the sent value, a stash entry, a head seed and a boundary, zeros from the branches that make none) hold one of
-each per slot.
+activations and gradients and head seeds ([b, T', D] each). Flat in m. The stash and W rings pass through the
+switch, so the branch that reads or writes one does it in place and no other branch touches it (written outside
+the switch, a masked write per slot cost 1.3x the step time at the 32k-vocabulary benchmark shape on CPU);
+XLA:CPU then holds each of the two rings twice, as the switch's operand and its result
+(tests/unit/test_pipeline_memory.py). The edge's gradient sums stay outside the switch: the head (after F of the
+last chunk) and the embedding's gradient (after B of chunk 0) run in conds of their own.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from jaxpar.parallel.pipeline import (
     zero_stats,
 )
 from jaxpar.parallel.pipeline_1f1b import Residuals
+from jaxpar.parallel.slot_program import B, F
 from jaxpar.parallel.split_backward import SplitBackward
 
 # The instruction fields the slot reads (all of `slot_program.FIELDS` but "send": every slot sends both ways).
@@ -178,39 +181,38 @@ class _Slots:
         )
 
     def slot(self, carry, t):
-        """Slot t: this device's op (a `jax.lax.switch` branch), then the two permutes and the ring writes."""
+        """Slot t: this device's op (a `jax.lax.switch` branch), the head (after F of the model's last chunk) or
+        the embedding's gradient (after B of chunk 0) in conds outside the switch, so that the switch never
+        carries the edge's gradient sums; then the two permutes and the ring writes."""
         act, grad, stash, seed, wring, g_layers, g_edge, loss, stats = carry
         op = dict(zip(_FIELDS, self.code[t, self.s]))
         take = lambda ring, k: jax.lax.dynamic_index_in_dim(ring, jnp.maximum(k, 0), keepdims=False)  # noqa: E731
+        mb = microbatch(self.mbs, op["microbatch"], self.m)
         inputs = (
             take(act, op["act_read"]),
             jnp.where(op["is_last"] > 0, take(seed, op["seed_read"]), take(grad, op["grad_read"])),
-            [take(r, op["stash_read"]) for r in stash],
-            [take(r, op["w_read"]) for r in wring],
         )
-        zero_out = (
-            self.zeros_act,  # the value sent: F's activation or B's input gradient
-            [jnp.zeros(a.shape, a.dtype) for a in self.stash_shapes],
-            self.zeros_act,  # the head's gradient (F of the last chunk)
-            [jnp.zeros(a.shape, a.dtype) for a in self.w_shapes],
-        )
+        # The stash and W rings go through the switch: the branch that reads or writes one does so in place, and
+        # no other branch touches them (a write outside the switch would copy a ring per slot).
         branches = [
-            lambda ins, acc: (zero_out, acc),
-            lambda ins, acc: self.forward(op, ins, acc, zero_out),
-            lambda ins, acc: self.backward(op, ins, acc, zero_out),
-            lambda ins, acc: self.weights(op, ins, acc, zero_out),
+            lambda ins, acc: (self.zeros_act, acc),
+            lambda ins, acc: self.forward(op, mb, ins, acc),
+            lambda ins, acc: self.backward(op, mb, ins, acc),
+            lambda ins, acc: self.weights(op, ins, acc),
         ]
-        (send, keep, d_head, bound), (g_layers, g_edge, loss, stats) = jax.lax.switch(
-            op["kind"], branches, inputs, (g_layers, g_edge, loss, stats)
+        send, (g_layers, loss, stats, stash, wring) = jax.lax.switch(
+            op["kind"], branches, inputs, (g_layers, loss, stats, stash, wring)
         )
-        stash = [_put(r, x, op["stash_write"]) for r, x in zip(stash, keep)]
+        value, d_head, g_edge = self.head((op["kind"] == F) & (op["is_last"] > 0), send, mb, g_edge)
+        g_edge = self.embed_grad((op["kind"] == B) & (op["is_first"] > 0), send, mb, g_edge)
+        loss = loss + value
         seed = _put(seed, d_head, op["seed_write"])
-        wring = [_put(r, x, op["w_write"]) for r, x in zip(wring, bound)]
         # A chunk whose next (previous) chunk sits on the same device hands its output over locally.
         act = _put(act, send, op["local_act_write"])
         grad = _put(grad, send, op["local_grad_write"])
-        # The two permutes, one after the other (a fixed collective order: `ordered_after`).
+        # The two permutes, after the edge conds and one after the other (a fixed collective order: `ordered_after`).
         p = self.p
+        send = ordered_after(send, (value, g_edge))
         from_below = jax.lax.ppermute(send, AXIS, [(k, (k + 1) % p) for k in range(p)])
         from_above = jax.lax.ppermute(ordered_after(send, from_below), AXIS, [(k, (k - 1) % p) for k in range(p)])
         for got, kind, k in (
@@ -221,16 +223,20 @@ class _Slots:
             grad = _put(grad, got, k, kind == 2)
         return (act, grad, stash, seed, wring, g_layers, g_edge, loss, stats), None
 
-    def forward(self, op, ins, acc, zero_out):
-        """F of (microbatch, chunk) `op`: its output, stash, and on the last chunk the head's loss and gradient."""
-        g_layers, g_edge, loss, stats = acc
-        recv, _, _, _ = ins
-        i, j = op["microbatch"], op["chunk_local"]
-        mb = microbatch(self.mbs, i, self.m)
+    def forward(self, op, mb, ins, acc):
+        """F of (microbatch, chunk) `op`: its output, and what its backward needs into the stash ring (the head
+        runs after the switch, `head`)."""
+        g_layers, loss, stats, stash, wring = acc
+        recv, _ = ins
+        j = op["chunk_local"]
         x = jax.lax.cond(
             op["is_first"] > 0, lambda: self.parts.embed(self.edge, mb).astype(self.act_dtype), lambda: recv
         )
         w = self.chunk(j)
+        if self.parts.edge_gathered:
+            # The chunk's weight gathers (over fsdp) depend on the weights alone: order them after the embedding's
+            # cond and its gathers, one collective order on every device (`ordered_after`).
+            w = ordered_after(w, x)
         if self.template is None:  # pipeline.recompute
             h, b_loss, b_stats = blocks_forward(self.parts, w, x, mb)
             keep = [x]
@@ -240,42 +246,52 @@ class _Slots:
         if self.parts.blocks_loss:
             loss = loss + b_loss * self.loss_scale
             stats = add_stats(stats, b_stats, j, True)
+        k = op["stash_write"]
+        stash = [jax.lax.dynamic_update_index_in_dim(r, x_, k, 0) for r, x_ in zip(stash, keep)]
+        return h, (g_layers, loss, stats, stash, wring)
+
+    def head(self, run, h, mb, g_edge):
+        """After F of the model's last chunk (`run`): the head's scaled loss, its gradient with respect to h (the
+        seed of the chunk's B) and the edge's gradient added to `g_edge`; else (0, zeros, g_edge)."""
+        edge = ordered_after(self.edge, h) if self.parts.edge_gathered else self.edge
 
         def head():
             value, (d_edge, d_h) = jax.value_and_grad(
                 lambda e, y: self.parts.head(e, y, mb).astype(jnp.float32) * self.loss_scale, argnums=(0, 1)
-            )(self.edge, h)
+            )(edge, h)
             return value, d_h.astype(self.act_dtype), add32(g_edge, d_edge)
 
-        value, d_head, g_edge = jax.lax.cond(
-            op["is_last"] > 0, head, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge)
-        )
-        out = (h, keep, d_head, zero_out[3])
-        return out, (g_layers, g_edge, loss + value, stats)
+        return jax.lax.cond(run, head, lambda: (jnp.zeros((), jnp.float32), jnp.zeros_like(h), g_edge))
 
-    def backward(self, op, ins, acc, zero_out):
-        """B of `op`: the input gradient (sent on), B's boundary for W, and on chunk 0 the embedding's gradient."""
-        g_layers, g_edge, loss, stats = acc
-        _, d_h, kept, _ = ins
-        i, j = op["microbatch"], op["chunk_local"]
-        mb = microbatch(self.mbs, i, self.m)
-        ct = blocks_cotangent(self.parts, d_h, jnp.asarray(self.loss_scale, jnp.float32))
-        d_x, bound = self.split.b(kept, self.chunk(j), mb, ct)
+    def embed_grad(self, run, d_x, mb, g_edge):
+        """After B of chunk 0 (`run`): the embedding's gradient from the blocks' input gradient d_x, added."""
 
-        def embed_grad():
-            _, vjp_fn = jax.vjp(lambda e: self.parts.embed(e, mb).astype(self.act_dtype), self.edge)
+        def grad():
+            mb_ = ordered_after(mb, d_x)
+            _, vjp_fn = jax.vjp(lambda e: self.parts.embed(e, mb_).astype(self.act_dtype), self.edge)
             return add32(g_edge, vjp_fn(d_x)[0])
 
-        g_edge = jax.lax.cond(op["is_first"] > 0, embed_grad, lambda: g_edge)
-        return (d_x, zero_out[1], zero_out[2], bound), (g_layers, g_edge, loss, stats)
+        return jax.lax.cond(run, grad, lambda: g_edge)
 
-    def weights(self, op, ins, acc, zero_out):
-        """W of `op`: the chunk's weight gradients from B's boundary, added to chunk j's rows of the sums."""
-        g_layers, g_edge, loss, stats = acc
-        d_w = self.split.w(ins[3])
+    def backward(self, op, mb, ins, acc):
+        """B of `op`: the input gradient (sent on), from the stash ring, and B's boundary into the W ring."""
+        g_layers, loss, stats, stash, wring = acc
+        _, d_h = ins
+        kept = [jax.lax.dynamic_index_in_dim(r, op["stash_read"], keepdims=False) for r in stash]
+        ct = blocks_cotangent(self.parts, d_h, jnp.asarray(self.loss_scale, jnp.float32))
+        d_x, bound = self.split.b(kept, self.chunk(op["chunk_local"]), mb, ct)
+        k = op["w_write"]
+        wring = [jax.lax.dynamic_update_index_in_dim(r, x_, k, 0) for r, x_ in zip(wring, bound)]
+        return d_x, (g_layers, loss, stats, stash, wring)
+
+    def weights(self, op, ins, acc):
+        """W of `op`: the chunk's weight gradients from B's boundary (the W ring), added to chunk j's rows of the
+        sums."""
+        g_layers, loss, stats, stash, wring = acc
+        d_w = self.split.w([jax.lax.dynamic_index_in_dim(r, op["w_read"], keepdims=False) for r in wring])
         j = op["chunk_local"]
 
         def one(a, d):
             return jax.lax.dynamic_update_index_in_dim(a, a[j] + d.astype(jnp.float32), j, 0)
 
-        return zero_out, (jax.tree.map(one, g_layers, d_w), g_edge, loss, stats)
+        return self.zeros_act, (jax.tree.map(one, g_layers, d_w), loss, stats, stash, wring)

@@ -62,6 +62,22 @@ LAYOUTS = {
         "pipeline.microbatches=2",
         "pipeline.schedule=gpipe",
     ),
+    # the zero-bubble slot loop: collectives inside the switch's branches, the two permutes after it
+    "zbh1_p2_data2_fsdp2_tensor2_sp": (
+        "mesh.pipeline=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "pipeline.microbatches=2",
+        "pipeline.schedule=zb-h1",
+    ),
+    "zbv_p4_fsdp2": (
+        "mesh.pipeline=4",
+        "mesh.fsdp=2",
+        "pipeline.microbatches=4",
+        "pipeline.schedule=zb-v",
+        "pipeline.virtual_stages=2",
+        "model.n_layers=8",
+    ),
     # tiny.yaml's layout (the README's runs, one and two processes) with accumulation: its head's fsdp gathers and
     # their reduce-scatters were free against the layer loops until the head's weights were ordered after them
     "data2_fsdp2_tensor2_accum2": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"),
@@ -112,7 +128,7 @@ SLOW_LAYOUTS = {"1f1b_p2_data2_fsdp2", "1f1b_p4_fsdp2", "1f1b_v2_p4_fsdp2"}
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW_LAYOUTS)) for n in LAYOUTS])
 def test_every_device_issues_collectives_in_one_order(name):
     hlo = _compiled_step_hlo(LAYOUTS[name])
-    assert "while(" in hlo and ("collective-permute" in hlo) == name.startswith(("1f1b", "gpipe"))
+    assert "while(" in hlo and ("collective-permute" in hlo) == name.startswith(("1f1b", "gpipe", "zb"))
     assert unordered_collectives(hlo, after_loops_only=name in BEFORE_LOOP_PAIRS_OPEN) == []
 
 

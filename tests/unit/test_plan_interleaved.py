@@ -159,6 +159,10 @@ COMPILED = {  # name -> (overrides, devices); about 3 s each
         ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", *V2, "pipeline.recompute=true", "model.remat=full"],
         8,
     ),
+    # Zero-bubble schedules: a static reading counts every branch of the slot switch in every slot (the plan's
+    # "evaluated" terms); the permutes, two per slot, exactly.
+    "zbh1_fsdp2": (["mesh.data=1", "mesh.fsdp=2", "pipeline.schedule=zb-h1"], 4),
+    "zbv_fsdp2": (["mesh.data=1", "mesh.fsdp=2", "pipeline.schedule=zb-v", *V2], 4),
 }
 _RESULTS: dict = {}
 

@@ -76,10 +76,11 @@ import math
 from jaxpar.analysis.hlo.ring import ring_bytes
 from jaxpar.analysis.planner.dims import dims, local_size, param_leaves
 from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_elements
+from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.schema import Config
-from jaxpar.parallel import schedule
+from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
 from jaxpar.parallel.sharding import storage_axes
 
@@ -142,6 +143,8 @@ def _passes(cfg: Config, d, branches: str = "taken") -> dict[str, int]:
     "embed_scatters", "head_scatters"). `branches`: the edge conds' runs as the stages take them ("taken") or as
     a static HLO reading counts them ("evaluated", `_edge_ticks`)."""
     p, a, m, per_stage, v = d.shape[PIPELINE], d.accum, d.m, d.layers_per_stage, d.virtual
+    if p > 1 and cfg.pipeline.schedule in ZERO_BUBBLE:
+        return _zero_bubble_passes(cfg, d, branches)
     # Forward (and as many backward) ticks of one pipeline loop: m*v + p - 1 (jaxpar.parallel.schedule: v*p - 1
     # forward-only warm-up ticks, then the steady ones), m + p - 1 for v = 1 (GPipe's too).
     ticks = schedule.ticks(p, v, m) - schedule.warmup_ticks(p, v)
@@ -188,6 +191,37 @@ def _passes(cfg: Config, d, branches: str = "taken") -> dict[str, int]:
         out["gathers"] = 1
     out["layers"] = d.layers_per_chunk
     return out
+
+
+def _zero_bubble_passes(cfg: Config, d, branches: str) -> dict[str, int]:
+    """`_passes` of zb-h1 and zb-v (`jaxpar.parallel.pipeline_zb`): a device runs only its own ops, m*v each of
+    F, B and W per accumulation step (an idle slot runs nothing), its chunk of L/(pv) layers each; the first
+    stage embeds m times (F of chunk 0) and back-propagates into the table m times (B of chunk 0), the last runs
+    the head m times (F of the last chunk, gradient included). Gathers per chunk op: F's, B's (the forward it
+    rebuilds with pipeline.recompute gathers again) and W's none (dW = x^T dy reads no weight); the weight
+    gradients' reduce-scatters run in W, one per backward pass. `branches` "evaluated" (a static reading of the
+    HLO, which cannot tell which branch of the slot switch a slot takes): every branch in every slot, the
+    table's slot count in place of m*v and m."""
+    a, n = d.accum, d.accum * d.m * d.virtual
+    recompute = cfg.pipeline.recompute
+    edge = a * d.m
+    if branches == "evaluated":
+        n = edge = a * zero_bubble.build(cfg.pipeline.schedule, d.shape[PIPELINE], d.m, d.virtual).slots
+    return {
+        "fwd": n * (2 if recompute else 1),
+        "bwd": n,
+        "embed_fwd": edge,
+        "embed_bwd": edge,
+        "head_fwd": edge,
+        "head_bwd": edge,
+        "embed_gathers": edge,
+        "head_gathers": edge,
+        "embed_scatters": edge,
+        "head_scatters": edge,
+        "gathers": (3 if recompute else 2) * n,
+        "rebuilt_merged": 0,
+        "layers": d.layers_per_chunk,
+    }
 
 
 def _edge_leaves(cfg: Config, part: str) -> list:
@@ -326,7 +360,10 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     shape, p = d.shape, d.shape[PIPELINE]
     if p == 1:
         return
-    if d.virtual == 1:
+    zb = cfg.pipeline.schedule in ZERO_BUBBLE
+    if zb:  # two permutes (to s + 1 and to s - 1) after every slot of the table
+        shifts = 2 * zero_bubble.build(cfg.pipeline.schedule, p, d.m, d.virtual).slots
+    elif d.virtual == 1:
         shifts = 2 * (d.m + p - 1)
         if cfg.pipeline.schedule == "1f1b":
             shifts -= (1 if d.m == 1 else 0) + (1 if p == 2 else 0)
@@ -336,7 +373,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     _term(
         out,
         shape,
-        "stage activations and their gradients" + (" (ring)" if d.virtual > 1 else ""),
+        "stage activations and their gradients" + (" (ring)" if d.virtual > 1 or zb else ""),
         (PIPELINE,),
         "collective-permute",
         d.accum * shifts,

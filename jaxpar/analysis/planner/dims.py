@@ -160,7 +160,7 @@ def dims(cfg: Config, platform: str) -> Dims:
         reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
         param_bytes=precision_layout(cfg.precision.layout).param_bytes,
         platform=platform,
-        virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule == "1f1b" else 1,
+        virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule != "gpipe" else 1,
         expert_axes=expert_axes(cfg),
     )
 

@@ -80,6 +80,7 @@ from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_lea
 from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
 from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
+from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, schedule_bubble
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.errors import ConfigError
@@ -87,8 +88,9 @@ from jaxpar.config.mesh_axes import PIPELINE, TENSOR, mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.log import GB
-from jaxpar.parallel import schedule
+from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.sharding import storage_axes
+from jaxpar.parallel.slot_program import program as slot_program
 
 # How each platform's compiler leaves the partitioned program's collectives (module docstring).
 COLLECTIVE_DTYPES = {
@@ -137,6 +139,18 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
         return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def _boundary_bytes(cfg: Config, d: Dims) -> int:
+    """Bytes of B's boundary that a zero-bubble schedule keeps for W, per layer and microbatch
+    (`jaxpar.parallel.split_backward`, counted from the dense Llama block's trace): b T' (8 D + 2 D_kv + 4 F + 2)
+    + 2 D elements with model.remat none, b T' (10 D + 2 D_kv + 4 F) otherwise (the full-remat count, the most
+    W can need), with the heads' and the MLP's widths over tensor, in the compute dtype."""
+    mdl, t = cfg.model, d.shape[TENSOR]
+    dm, d_kv, f = mdl.d_model, mdl.kv_heads * mdl.head_width // t, mdl.d_ff // t
+    if mdl.remat == "none":
+        return (d.b * d.s_act * (8 * dm + 2 * d_kv + 4 * f + 2) + 2 * dm) * d.compute_bytes
+    return d.b * d.s_act * (10 * dm + 2 * d_kv + 4 * f) * d.compute_bytes
 
 
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
@@ -205,8 +219,21 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
     depth = f"L/p={d.layers_per_stage}" if v == 1 else f"L/(pv)={d.layers_per_chunk}"
     in_flight: float  # microbatches (or, interleaved, stages' worth of chunk-microbatches) whose layers are held
+    w_ring = 0
     if p == 1:
         in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
+    elif cfg.pipeline.schedule in ZERO_BUBBLE:
+        prog = slot_program(zero_bubble.build(cfg.pipeline.schedule, p, d.m, v))
+        w_ring = prog.w_slots * d.layers_per_chunk * _boundary_bytes(cfg, d)
+        if cfg.pipeline.recompute:
+            in_flight, stash = 1 / v, prog.stash_slots * stage_input
+        else:
+            in_flight, stash = prog.stash_slots / v, 0
+        formula_flight = (
+            f"{cfg.pipeline.schedule}: a stash ring of {prog.stash_slots} chunk-microbatches' "
+            + ("inputs (forward recomputed)" if cfg.pipeline.recompute else "layers")
+            + f" and a W ring of {prog.w_slots} chunk-microbatches' B boundaries (the table's peaks)"
+        )
     elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute and v == 1:
         in_flight, stash = 1, (2 * p - 1) * stage_input
         formula_flight = f"1F1B recomputing: 1 microbatch's layers + a ring of 2p-1={2 * p - 1} stage inputs"
@@ -230,8 +257,13 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         outside *= in_flight
         formula_flight = f"GPipe: every tick's layers and stage input, m+p-1={d.m + p - 1}"
     # Layer-microbatches held: L/p per microbatch in flight, or L/(pv) per chunk-microbatch (an integer).
-    held = d.layers_per_stage * in_flight if v == 1 else d.layers_per_chunk * (1 if cfg.pipeline.recompute else slots)
-    layers = per_layer * held
+    if cfg.pipeline.schedule in ZERO_BUBBLE and p > 1:
+        held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else prog.stash_slots)
+    elif v == 1:
+        held = d.layers_per_stage * in_flight
+    else:
+        held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else slots)
+    layers = per_layer * held + w_ring
     # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
     sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
     ref: float
@@ -248,6 +280,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "per_layer": per_layer,
         "layers": layers,
         "stage_inputs": stash,
+        "w_boundaries": w_ring,
         "outside": outside,
         "total": layers + stash + outside,
         "in_flight": in_flight,
@@ -351,8 +384,10 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     embedding = sum(leaf.size for leaf in leaves if leaf.path.startswith(("embed/", "lm_head/")))
     terms = collective_terms(cfg, platform)
     # What a static reading of the compiled HLO counts (jaxpar.analysis.planner.comm.collective_terms, branches):
-    # under interleaved 1F1B the edge conds' collectives in every tick that evaluates them.
-    static = collective_terms(cfg, platform, "evaluated") if d.virtual > 1 else terms
+    # under interleaved 1F1B the edge conds' collectives in every tick that evaluates them, under a zero-bubble
+    # schedule every branch of the slot switch in every slot.
+    evaluated = d.virtual > 1 or (d.shape[PIPELINE] > 1 and cfg.pipeline.schedule in ZERO_BUBBLE)
+    static = collective_terms(cfg, platform, "evaluated") if evaluated else terms
     model_state = state["total"]
     temp = temp_bytes(cfg, platform)
     return {
@@ -371,8 +406,9 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "stages": d.shape[PIPELINE],
             "recompute": cfg.pipeline.recompute,
             "virtual_stages": d.virtual,
-            # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule)
-            "bubble": schedule.bubble_fraction(d.shape[PIPELINE], d.virtual, d.m),
+            # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule); the table's
+            # idle share for zb-h1 and zb-v (jaxpar.parallel.zero_bubble)
+            "bubble": schedule_bubble(cfg.pipeline.schedule, d.shape[PIPELINE], d.m, d.virtual),
         },
         "sequence_parallel": d.sp,
         "batch": {

@@ -28,8 +28,10 @@ def _pipeline_shape(pipe: dict) -> str:
     if pipe["stages"] == 1:
         return ""
     v = pipe.get("virtual_stages", 1)
-    shape = f" virtual stages v={v} (interleaved)" if v > 1 else ""
-    return f"{shape}, bubble (p-1)/(v*m+p-1) = {pipe['bubble']:.3f}" if "bubble" in pipe else shape
+    zb = pipe.get("schedule") in ("zb-h1", "zb-v")
+    shape = f" {v} chunks per device" if v > 1 and zb else f" virtual stages v={v} (interleaved)" if v > 1 else ""
+    formula = "the table's idle share" if zb else "(p-1)/(v*m+p-1)"
+    return f"{shape}, bubble {formula} = {pipe['bubble']:.3f}" if "bubble" in pipe else shape
 
 
 def _expert_lines(experts: dict | None) -> list[str]:

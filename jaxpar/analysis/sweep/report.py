@@ -162,7 +162,7 @@ def _explanation(header: dict) -> str:
         )
     return (
         "Bubble: the pipeline's idle share of each device's step, (p - 1)/(v*m + p - 1) with v virtual stages "
-        "(`pipeline.virtual_stages`; 0 without a pipeline), planned. "
+        "(`pipeline.virtual_stages`; 0 without a pipeline), or the schedule table's for zb-h1 and zb-v, planned. "
         "Bytes per device. Peak: XLA's arguments + outputs - aliased + temp when compiled, else the plan's "
         "estimate. State ratio: compiled / planned params + optimizer state. Comm: bytes sent per device per "
         "step (ring formulas) planned for the sweep's platform; comm ratio: the compiled executable's / the "
