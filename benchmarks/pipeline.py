@@ -102,7 +102,8 @@ class Contender:
 
     def _zb_weights(self, cfg):
         """branch_weights for `dot_flops_per_device`: partition -> its stage's shares of the slot switch's
-        branches ([idle, F, B, W]) and of the head's cond inside F ([no head, head])."""
+        branches ([idle, F, B, W]) and of the head's cond after it ([no head, head]; the embedding's gradient,
+        the other cond after the switch, has no matmul, so its branches cost the same and need no weights)."""
         pipe, p = cfg.pipeline, cfg.mesh.pipeline
         prog = slot_program(zero_bubble.build(pipe.schedule, p, pipe.microbatches, pipe.virtual_stages))
         stage_of = self.plan.mesh.devices.shape, list(self.plan.mesh.axis_names).index("pipeline")

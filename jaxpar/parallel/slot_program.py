@@ -22,12 +22,15 @@ them, as `pipeline_zb` does.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NoReturn
 
 import numpy as np
 
 from jaxpar.parallel.schedule_table import Table, check
 
 IDLE, F, B, W = 0, 1, 2, 3
+Name = tuple[str, int] | tuple[str, int, int]  # a value: (ring, microbatch[, chunk])
+Value = tuple[int, int, int, Name]  # (device, written in slot, read in slot, name)
 ACT, GRAD = 1, 2  # recv_*_kind
 RINGS = ("act", "grad", "stash", "seed", "w")
 FIELDS = (
@@ -99,7 +102,7 @@ def program(table: Table) -> SlotProgram:
     p, n, place = table.p, table.n, table.placement
     at = {(op.kind, op.microbatch, op.chunk): op.slot for op in table.ops}
     # Every value: (device, written in slot, read in slot, its name: (ring, microbatch[, chunk])).
-    values = []
+    values: list[Value] = []
     for i in range(table.m):
         values.append((place[n - 1], at["F", i, n - 1], at["B", i, n - 1], ("seed", i)))
         for c in range(n):
@@ -149,13 +152,14 @@ def program(table: Table) -> SlotProgram:
         row["send"][s] = step
         row[f"recv_{way}_kind"][place[dst]] = kind
         row[f"recv_{way}_slot"][place[dst]] = index[ring, i, c]
-    return SlotProgram(**out, **{f"{ring}_slots": sizes[ring] for ring in RINGS})
+    fields: dict[str, Any] = {**out, **{f"{ring}_slots": sizes[ring] for ring in RINGS}}
+    return SlotProgram(**fields)
 
 
-def _colour(values: list) -> tuple[dict, dict[str, int]]:
+def _colour(values: list[Value]) -> tuple[dict[Name, int], dict[str, int]]:
     """Interval colouring per ring and device: ({name: ring slot}, {ring: entries, at least 1}). A value holds
     its slot from its write (the end of slot `start`) until its read (in slot `stop` > start)."""
-    index: dict = {}
+    index: dict[Name, int] = {}
     read_in: dict[tuple[str, int], list[int]] = {}  # per ring and device, per ring slot: when its value is read
     for device, start, stop, name in sorted(values, key=lambda v: v[1:3]):
         busy = read_in.setdefault((name[0], device), [])
@@ -177,11 +181,15 @@ def simulate(prog: SlotProgram, table: Table) -> dict[str, int]:
     p, n, place = table.p, table.n, table.placement
     grid = table.grid()
     chunk_of = {(place[c], sum(1 for k in range(c) if place[k] == place[c])): c for c in range(n)}
-    rings = [{r: [None] * getattr(prog, f"{r}_slots") for r in RINGS} for _ in range(p)]
+    rings: list[dict[str, list[Name | None]]] = [
+        {r: [None] * getattr(prog, f"{r}_slots") for r in RINGS} for _ in range(p)
+    ]
     peak = dict.fromkeys(RINGS, 0)
     for t in range(prog.kind.shape[0]):
         row = {name: [int(x) for x in getattr(prog, name)[t]] for name in FIELDS}
-        reads, writes, sent = [], [], {}  # (device, field, ring, value)
+        reads: list[tuple[int, str, Name]] = []  # (device, field, value)
+        writes: list[tuple[int, str, Name]] = []
+        sent: dict[tuple[int, str], Name] = {}  # (receiving device, way): value
         for s in range(p):
             op, kind = grid[t][s], row["kind"][s]
             i, c = row["microbatch"][s], chunk_of.get((s, row["chunk_local"][s]))
@@ -193,7 +201,9 @@ def simulate(prog: SlotProgram, table: Table) -> dict[str, int]:
                 continue
             if (row["is_first"][s], row["is_last"][s]) != (c == 0, c == n - 1):
                 _fail(table, t, s, "is_first / is_last do not match the chunk")
-            out, dst = None, -1
+            assert c is not None  # the op matches the table's, whose chunk is set
+            out: Name | None = None
+            dst = -1
             if kind == F:
                 reads += [(s, "act_read", ("act", i, c - 1))] if c > 0 else []
                 writes += [(s, "stash_write", ("stash", i, c))]
@@ -206,14 +216,15 @@ def simulate(prog: SlotProgram, table: Table) -> dict[str, int]:
                 out, dst = ("grad", i, c), c - 1
             else:
                 reads += [(s, "w_read", ("w", i, c))]
-            if 0 <= dst < n and place[dst] == s:
+            if out is None or not 0 <= dst < n:  # W (no output), or F / B of a chunk whose neighbour is none
+                if row["send"][s]:
+                    _fail(table, t, s, f"sends {out}, which no chunk needs")
+            elif place[dst] == s:
                 writes.append((s, f"local_{out[0]}_write", out))
-            elif 0 <= dst < n:
+            else:
                 if (s + row["send"][s]) % p != place[dst] or row["send"][s] == 0:
                     _fail(table, t, s, f"sends {out} {row['send'][s]:+d}, but chunk {dst} is on device {place[dst]}")
                 sent[(place[dst], "up" if row["send"][s] == 1 else "down")] = out
-            elif row["send"][s]:
-                _fail(table, t, s, f"sends {out}, which no chunk needs")
             used = {field for d, field, _ in reads + writes if d == s}
             if any(row[f][s] != -1 for f in _INDEX_FIELDS if f not in used):
                 _fail(table, t, s, f"has an index in a field {'_FBW'[kind]} does not use (the executor writes it)")
@@ -247,16 +258,15 @@ def simulate(prog: SlotProgram, table: Table) -> dict[str, int]:
 _INDEX_FIELDS = tuple(f for f in FIELDS if f.endswith(("_read", "_write")))
 
 
-def _fail(table: Table, t: int, s: int, why: str):
+def _fail(table: Table, t: int, s: int, why: str) -> NoReturn:
     raise AssertionError(f"{table.name} slot {t} device {s}: {why}")
 
 
 def branch_shares(prog: SlotProgram, s: int) -> tuple[list[float], float]:
-    """Device s's share of slots of each kind ([idle, F, B, W], summing to 1) and the share of its F slots that
-    run the model's last chunk (and so the head): the weights the compiled program's FLOPs reader gives the slot
-    switch's branches and the head's cond inside F (`jaxpar.analysis.hlo.flops.dot_flops_per_device`)."""
+    """Device s's share of slots of each kind ([idle, F, B, W], summing to 1), and of slots whose op is F of the
+    model's last chunk, after which the head's cond runs its true branch: the weights the compiled program's
+    FLOPs reader gives the slot switch's branches and the head's cond (`jaxpar.analysis.hlo.flops.
+    dot_flops_per_device`, `jaxpar.parallel.pipeline_zb`)."""
     kinds = prog.kind[:, s]
     shares = [float(np.mean(kinds == k)) for k in (IDLE, F, B, W)]
-    forwards = kinds == F
-    head = float(np.mean(prog.is_last[forwards, s] > 0)) if forwards.any() else 0.0
-    return shares, head
+    return shares, float(np.mean((kinds == F) & (prog.is_last[:, s] > 0)))

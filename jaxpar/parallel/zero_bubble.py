@@ -247,7 +247,7 @@ def _run(p: int, m: int, v: int, placement: tuple[int, ...], pick: Pick, unsplit
     while len(ops) < 3 * m * n:
         if t > 6 * m * n + 4 * n:
             raise RuntimeError(f"the list schedule stalls at slot {t} (p={p}, m={m}, v={v})")
-        chosen = []
+        chosen: list[Op] = []
         for s in range(p):
             fs = [(next_f[c], c) for c in mine[s] if next_f[c] < m and (c == 0 or ("F", next_f[c], c - 1) in ran)]
             bs = [
@@ -257,9 +257,9 @@ def _run(p: int, m: int, v: int, placement: tuple[int, ...], pick: Pick, unsplit
                 and ("F", next_b[c], c) in ran
                 and (c == n - 1 or ("W" if unsplit else "B", next_b[c], c + 1) in ran)
             ]
-            op = pick(s, fs, bs, pending[s], held[s])
-            if op is not None:
-                chosen.append(Op(op[0], t, s, op[1], op[2]))
+            choice = pick(s, fs, bs, pending[s], held[s])
+            if choice is not None:
+                chosen.append(Op(choice[0], t, s, choice[1], choice[2]))
         for op in chosen:
             ran.add((op.kind, op.microbatch, op.chunk))
             if op.kind == "F":

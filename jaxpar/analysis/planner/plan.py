@@ -257,6 +257,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         outside *= in_flight
         formula_flight = f"GPipe: every tick's layers and stage input, m+p-1={d.m + p - 1}"
     # Layer-microbatches held: L/p per microbatch in flight, or L/(pv) per chunk-microbatch (an integer).
+    held: float
     if cfg.pipeline.schedule in ZERO_BUBBLE and p > 1:
         held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else prog.stash_slots)
     elif v == 1:
