@@ -1,6 +1,7 @@
 """One-command acceptance run on one NVIDIA GPU: attention parity cuDNN vs XLA, tokens/s, MFU and HFU of a ~1B
-Llama at sequence 4096 for the best of a short list of remat policies, its peak memory beside the planner's, and
-the loss falling over 100 steps of real text (`jaxpar.analysis.gpu.acceptance` says what each part does).
+Llama at sequence 4096 for the best of a short list of remat policies, its peak memory beside the planner's, the
+loss falling over 100 steps of real text, and on a machine of 2 or more GPUs the step time of the ZB-V pipeline
+schedule against interleaved 1F1B (`jaxpar.analysis.gpu.acceptance` says what each part does).
 
     python benchmarks/gpu_acceptance.py [--out runs/gpu_acceptance.json] [--config configs/llama_1b.yaml]
     python benchmarks/gpu_acceptance.py --cpu-smoke      # the same code on CPU with tiny shapes, in seconds

@@ -14,6 +14,9 @@ command, in a few minutes including compilation.
    (`jaxpar.analysis.planner.plan`). The fastest policy is the one kept.
 4. Learning (`train_on_text`): the kept step for `train_steps` steps on real text (the standard library's Python
    sources, byte-tokenised and packed, `jaxpar.data`), loss per step; it must fall.
+5. Pipeline schedules (`pipeline_schedules`, 2 or more devices): the step time of ZB-V against interleaved 1F1B,
+   both with 2 chunks per device, on mesh pipeline = every device (up to 8). On a GPU the bubble is idle time,
+   which ZB-V's table removes; on CPU the simulated devices share cores and it is not (docs/parallelism.md).
 
 `--cpu-smoke` runs the same code on CPU with tiny shapes (the test suite runs it); cuDNN is then reported as not
 run. Bytes are per device, FLOP/s per device, times in seconds.
@@ -286,6 +289,55 @@ def train_on_text(cfg: Config, steps: int) -> dict:
     return {"losses": losses, "first10": first, "last10": last, "falls": last < first - 0.5, "seconds": seconds}
 
 
+# The pipeline schedules the acceptance run times against each other on every device of the machine: interleaved
+# 1F1B and ZB-V, both with 2 chunks per device (`jaxpar.parallel.pipeline_zb`).
+PIPELINE_SCHEDULES = (("interleaved 1F1B", "1f1b"), ("ZB-V", "zb-v"))
+
+
+def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
+    """Step time of ZB-V against interleaved 1F1B (2 chunks per device each) on mesh pipeline = p, p the largest
+    power of 2 up to 8 devices (m = 2p microbatches, 4p layers, the settings' model otherwise), median of the
+    timed steps: {"p", "m", "layers", <schedule>: {"compile_seconds", "step_seconds"}, "zb_v_over_interleaved"}; or
+    {"skipped": why} on one device (a pipeline needs two)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < 2:
+        return {"skipped": f"{len(devices)} device: a pipeline needs 2 or more"}
+    p = 2 ** min(3, int(np.log2(len(devices))))
+    m, layers = 2 * p, 4 * p
+    out: dict = {"p": p, "m": m, "layers": layers}
+    for _, schedule in PIPELINE_SCHEDULES:
+        extra = [f"model.n_layers={layers}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", f"mesh.pipeline={p}"]
+        extra += [f"pipeline.schedule={schedule}", "pipeline.virtual_stages=2", f"pipeline.microbatches={m}"]
+        extra += [f"train.global_batch_size={m * max(1, settings_rows(settings))}", "train.grad_accum_steps=1"]
+        cfg = resolve_config(load_config(settings.config, [*settings.overrides, *extra], validate=False), p)
+        plan = build_plan(cfg, build_mesh(cfg, devices[:p]))
+        state = init_state(plan, cfg.train.seed)
+        batch = random_batch(
+            cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding, cfg.train.seed
+        )
+        t0 = time.perf_counter()
+        compiled = make_train_step(plan).lower(state, batch).compile()
+        compile_s = time.perf_counter() - t0
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(state)
+        times = []
+        for _ in range(settings.timed_steps):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, batch)
+            jax.block_until_ready((state, metrics))
+            times.append(time.perf_counter() - t0)
+        del state
+        out[schedule] = {"compile_seconds": compile_s, "step_seconds": float(np.median(times))}
+    out["zb_v_over_interleaved"] = out["zb-v"]["step_seconds"] / out["1f1b"]["step_seconds"]
+    return out
+
+
+def settings_rows(settings: Settings) -> int:
+    """Sequences per microbatch of the pipeline comparison: the settings' global batch over 8 (at least 1)."""
+    rows = [o for o in settings.overrides if o.startswith("train.global_batch_size=")]
+    return max(1, int(rows[-1].split("=")[1]) // 8) if rows else 1
+
+
 def _section(report: dict, name: str, fn):
     """Runs one part; a failure is recorded (type, message, traceback) and the run goes on."""
     t0 = time.perf_counter()
@@ -329,6 +381,7 @@ def run(settings: Settings) -> dict:
         extra = [f"model.remat={best['remat']}", f"optimizer.learning_rate={settings.learning_rate}"]
         extra += [f"optimizer.warmup_steps={settings.warmup}", f"train.steps={settings.train_steps}"]
         _section(report, "learning", lambda: train_on_text(resolved(settings, extra), settings.train_steps))
+    _section(report, "pipeline", lambda: pipeline_schedules(settings))
     stats = jax.devices()[0].memory_stats() or {}
     report["allocator_peak_bytes"] = stats.get("peak_bytes_in_use")
     report["total_seconds"] = time.perf_counter() - t_start
@@ -417,6 +470,16 @@ def format_report(report: dict) -> str:
                 f"learning: {n} steps of real text in {learning['seconds']:.0f} s, loss {learning['losses'][0]:.3f} "
                 f"-> {learning['losses'][-1]:.3f} (mean of first 10 {learning['first10']:.3f}, last 10 "
                 f"{learning['last10']:.3f})"
+            )
+    pipe = report.get("pipeline")
+    if pipe is not None:
+        if "error" in pipe or "skipped" in pipe:
+            lines.append(f"pipeline schedules: {pipe.get('error') or pipe.get('skipped')}")
+        else:
+            lines.append(
+                f"pipeline schedules (p={pipe['p']}, m={pipe['m']}, {pipe['layers']} layers, 2 chunks per device): "
+                f"step s interleaved 1F1B {pipe['1f1b']['step_seconds']:.3f}, ZB-V {pipe['zb-v']['step_seconds']:.3f}, "
+                f"ZB-V / interleaved {pipe['zb_v_over_interleaved']:.3f}"
             )
     lines.append(f"passed: {report['passed']}")
     return "\n".join(lines)
