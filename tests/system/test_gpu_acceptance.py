@@ -41,7 +41,7 @@ def test_cpu_smoke_runs_every_part_and_the_loss_falls(tmp_path):
     assert report["passed"] == {"attention": None, "learning": True, "mfu_at_least_50": None}
     assert "not run: no NVIDIA GPU" in proc.stdout and "passed:" in proc.stdout
     # ZB-V against interleaved 1F1B on the simulated devices (skipped on one)
-    pipe = report["pipeline"]
+    pipe = report["pipeline_schedules"]
     assert "skipped" in pipe or (pipe["zb-v"]["step_seconds"] > 0 and pipe["zb_v_over_interleaved"] > 0), pipe
 
 

@@ -381,7 +381,7 @@ def run(settings: Settings) -> dict:
         extra = [f"model.remat={best['remat']}", f"optimizer.learning_rate={settings.learning_rate}"]
         extra += [f"optimizer.warmup_steps={settings.warmup}", f"train.steps={settings.train_steps}"]
         _section(report, "learning", lambda: train_on_text(resolved(settings, extra), settings.train_steps))
-    _section(report, "pipeline", lambda: pipeline_schedules(settings))
+    _section(report, "pipeline_schedules", lambda: pipeline_schedules(settings))
     stats = jax.devices()[0].memory_stats() or {}
     report["allocator_peak_bytes"] = stats.get("peak_bytes_in_use")
     report["total_seconds"] = time.perf_counter() - t_start
@@ -471,7 +471,7 @@ def format_report(report: dict) -> str:
                 f"-> {learning['losses'][-1]:.3f} (mean of first 10 {learning['first10']:.3f}, last 10 "
                 f"{learning['last10']:.3f})"
             )
-    pipe = report.get("pipeline")
+    pipe = report.get("pipeline_schedules")
     if pipe is not None:
         if "error" in pipe or "skipped" in pipe:
             lines.append(f"pipeline schedules: {pipe.get('error') or pipe.get('skipped')}")
