@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print(
-            "jaxpar-train: interrupted; the run resumes from its latest complete checkpoint when started again",
+            "jaxpar-train: interrupted; started again, the run resumes from its latest complete checkpoint (or from "
+            "the start, if none was saved yet)",
             file=sys.stderr,
         )
         return 130

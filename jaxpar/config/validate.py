@@ -261,9 +261,12 @@ def _virtual_stages(cfg: Config, stages: int) -> None:
     v, pipe = cfg.pipeline.virtual_stages, cfg.pipeline
     check_positive("pipeline.virtual_stages", v)
     if pipe.schedule == "zb-v" and (stages == 1 or v != 2):
+        missing = ([f"mesh.pipeline > 1 (got {stages})"] if stages == 1 else []) + (
+            [f"pipeline.virtual_stages=2 (got {v})"] if v != 2 else []
+        )
         raise ConfigError(
-            f"pipeline.schedule=zb-v runs two model chunks per device in a V: it needs mesh.pipeline > 1 (got "
-            f"{stages}) and pipeline.virtual_stages=2 (got {v}); set them, or pipeline.schedule=zb-h1"
+            f"pipeline.schedule=zb-v runs two model chunks per device in a V: it needs {' and '.join(missing)}; "
+            f"set {'them' if len(missing) > 1 else 'it'}, or pipeline.schedule=zb-h1"
         )
     if v == 1:
         return

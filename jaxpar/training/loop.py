@@ -127,7 +127,7 @@ def _loaders(cfg: Config, plan: StepPlan, data: StatefulIterator | None):
     if data is not None:
         train_loader = IteratorLoader(data, t.global_batch_size, cfg.data.seq_len, plan.batch_sharding)
         _log(
-            f"data: training batches from the caller's {type(data).__name__} ({train_loader.local_rows} rows of "
+            f"data: training batches from the caller's {_public_name(data)} ({train_loader.local_rows} rows of "
             f"{cfg.data.seq_len} tokens per process per step); validation from {what}"
         )
     _log(
@@ -418,3 +418,10 @@ def train(
     for hook in hooks:
         hook.on_end(run, result)
     return result
+
+
+def _public_name(obj) -> str:
+    """`obj`'s class name for a log line, or "iterator" where the class is private to its library (a leading
+    underscore, e.g. grain's dataset iterators)."""
+    name = type(obj).__name__
+    return "iterator" if name.startswith("_") else name

@@ -45,7 +45,7 @@ from jaxpar.model.attention import dot_product_attention
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.training.compiled_memory import memory_analysis_bytes
 from jaxpar.training.plan import build_plan
-from jaxpar.training.state import init_state
+from jaxpar.training.state import abstract_state, init_state
 from jaxpar.training.step import make_train_step
 
 _LOGGER = logging.getLogger("jaxpar.analysis.gpu.acceptance")
@@ -203,16 +203,10 @@ def planned_peak(cfg: Config, platform: str) -> int:
     return int(analytic_plan(cfg, platform)["memory"]["peak_estimate"])
 
 
-def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float | None) -> tuple[dict, object]:
-    """Compiles and times the train step of `cfg` on one device with a random batch.
-
-    Returns:
-      (record, compiled step): record {"remat", "compile_seconds", "step_seconds" (median of the timed steps),
-      "tokens_per_s", "mfu", "hfu" (None without a known peak), "model_flops_per_token",
-      "hardware_flops_per_token", "compiled_peak_bytes" (XLA's), "planned_peak_bytes", "planned_ratio" (compiled /
-      planned)}.
-    """
-    plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+def _timed_step(plan, warmup_steps: int, timed_steps: int) -> tuple[object, float, float]:
+    """(the compiled train step of `plan`, its compile seconds, the median seconds of `timed_steps` steps after
+    `warmup_steps` untimed ones) on a random batch and a fresh state (freed before returning)."""
+    cfg = plan.cfg
     state = init_state(plan, cfg.train.seed)
     batch = random_batch(
         cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding, cfg.train.seed
@@ -220,7 +214,6 @@ def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float |
     t0 = time.perf_counter()
     compiled = make_train_step(plan).lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
-    model_flops, hardware_flops = flops_lib.model_flops(cfg, state["params"])
     for _ in range(warmup_steps):
         state, metrics = compiled(state, batch)
     jax.block_until_ready(state)
@@ -231,7 +224,21 @@ def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float |
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
     del state
-    step_s = float(np.median(times))
+    return compiled, compile_s, float(np.median(times))
+
+
+def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float | None) -> tuple[dict, object]:
+    """Compiles and times the train step of `cfg` on one device with a random batch.
+
+    Returns:
+      (record, compiled step): record {"remat", "compile_seconds", "step_seconds" (median of the timed steps),
+      "tokens_per_s", "mfu", "hfu" (None without a known peak), "model_flops_per_token",
+      "hardware_flops_per_token", "compiled_peak_bytes" (XLA's), "planned_peak_bytes", "planned_ratio" (compiled /
+      planned)}.
+    """
+    plan = build_plan(cfg, build_mesh(cfg, jax.devices()[:1]))
+    model_flops, hardware_flops = flops_lib.model_flops(cfg, abstract_state(plan)["params"])
+    compiled, compile_s, step_s = _timed_step(plan, warmup_steps, timed_steps)
     tokens_per_s = cfg.train.global_batch_size * cfg.data.seq_len / step_s
     analysis = memory_analysis_bytes(compiled)
     compiled_peak = None if analysis is None else analysis["xla_peak_bytes"] or analysis["peak_bytes"]
@@ -311,23 +318,8 @@ def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
         extra += [f"train.global_batch_size={m * max(1, settings_rows(settings))}", "train.grad_accum_steps=1"]
         cfg = resolve_config(load_config(settings.config, [*settings.overrides, *extra], validate=False), p)
         plan = build_plan(cfg, build_mesh(cfg, devices[:p]))
-        state = init_state(plan, cfg.train.seed)
-        batch = random_batch(
-            cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding, cfg.train.seed
-        )
-        t0 = time.perf_counter()
-        compiled = make_train_step(plan).lower(state, batch).compile()
-        compile_s = time.perf_counter() - t0
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(state)
-        times = []
-        for _ in range(settings.timed_steps):
-            t0 = time.perf_counter()
-            state, metrics = compiled(state, batch)
-            jax.block_until_ready((state, metrics))
-            times.append(time.perf_counter() - t0)
-        del state
-        out[schedule] = {"compile_seconds": compile_s, "step_seconds": float(np.median(times))}
+        _, compile_s, step_s = _timed_step(plan, 1, settings.timed_steps)
+        out[schedule] = {"compile_seconds": compile_s, "step_seconds": step_s}
     out["zb_v_over_interleaved"] = out["zb-v"]["step_seconds"] / out["1f1b"]["step_seconds"]
     return out
 
