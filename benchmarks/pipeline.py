@@ -44,9 +44,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpar.analysis.bench.report import PIPELINE_MODEL, pipeline_overrides
+from jaxpar.analysis.bench.report import PIPELINE_MODEL, pipeline_overrides, zero_bubble_branch_weights
 from jaxpar.analysis.bench.timing import interleaved_step_times, median_seconds
 from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo.flops import dot_flops_per_device
@@ -54,10 +53,7 @@ from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, format_table, report_r
 from jaxpar.config import ConfigError, load_config
 from jaxpar.data.batch import BATCH_KEYS, random_batch
 from jaxpar.log import human_bytes
-from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.mesh import build_mesh
-from jaxpar.parallel.slot_program import branch_shares
-from jaxpar.parallel.slot_program import program as slot_program
 from jaxpar.training.plan import build_plan
 from jaxpar.training.state import init_state
 from jaxpar.training.step import make_train_step
@@ -86,7 +82,7 @@ class Contender:
         pipe = cfg.pipeline
         if cfg.mesh.pipeline > 1 and pipe.schedule in ZERO_BUBBLE:
             # The slot switch selects on the slot too: its branches weighted by the table's counts per device.
-            per_device = dot_flops_per_device(self.step.as_text(), branch_weights=self._zb_weights(cfg))
+            per_device = dot_flops_per_device(self.step.as_text(), branch_weights=zero_bubble_branch_weights(self.plan))
             self.flops, self.busiest = sum(per_device) / len(devices), max(per_device)
         elif pipe.virtual_stages == 1:
             per_device = dot_flops_per_device(self.step.as_text())
@@ -99,22 +95,6 @@ class Contender:
             blocks = dot_flops_per_device(self.step.as_text(), skip_conditionals=True)
             self.flops = (sum(blocks) + heads) / len(devices)
             self.busiest = max(blocks) + heads  # the heads all run on the last stage
-
-    def _zb_weights(self, cfg):
-        """branch_weights for `dot_flops_per_device`: partition -> its stage's shares of the slot switch's
-        branches ([idle, F, B, W]) and of the head's cond after it ([no head, head]; the embedding's gradient,
-        the other cond after the switch, has no matmul, so its branches cost the same and need no weights)."""
-        pipe, p = cfg.pipeline, cfg.mesh.pipeline
-        prog = slot_program(zero_bubble.build(pipe.schedule, p, pipe.microbatches, pipe.virtual_stages))
-        stage_of = self.plan.mesh.devices.shape, list(self.plan.mesh.axis_names).index("pipeline")
-        shares = [branch_shares(prog, s) for s in range(p)]
-
-        def weights(pid: int, n: int):
-            s = int(np.unravel_index(pid, stage_of[0])[stage_of[1]])
-            kinds, head = shares[s]
-            return kinds if n == 4 else [1 - head, head] if n == 2 else None
-
-        return weights
 
     def __call__(self):
         self.state, metrics = self.step(self.state, self.batch)

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpar.analysis.bench.baselines import reference_step
 from jaxpar.analysis.bench.timing import (
@@ -46,14 +47,16 @@ from jaxpar.analysis.hlo.flops import dot_flops_per_device
 from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.analysis.planner.comm import collective_terms
 from jaxpar.analysis.planner.memory import memory_table
-from jaxpar.analysis.planner.pipeline import bubble_fraction, stage_inputs_in_flight
+from jaxpar.analysis.planner.pipeline import schedule_bubble, stage_inputs_in_flight
 from jaxpar.config import Config, load_config, resolve_config
-from jaxpar.config.choices import PIPELINE_SCHEDULES
-from jaxpar.config.mesh_axes import DATA, FSDP, TENSOR
+from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import LAYOUTS
 from jaxpar.data.batch import abstract_batch, random_batch
+from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
+from jaxpar.parallel.slot_program import branch_shares
+from jaxpar.parallel.slot_program import program as slot_program
 from jaxpar.training.compiled_memory import memory_analysis_bytes
 from jaxpar.training.plan import StepPlan, build_plan
 from jaxpar.training.state import abstract_state, init_state
@@ -318,6 +321,11 @@ def pipeline_temp_bytes(cfg: Config, devices: Sequence[jax.Device], compiler_opt
     return memory["temp_bytes"]
 
 
+# The memory rows compare the stash of 1F1B with GPipe's autodiff of the whole forward (benchmarks/pipeline.py has
+# every schedule, the zero-bubble ones included).
+MEMORY_ROW_SCHEDULES = ("1f1b", "gpipe")
+
+
 def pipeline_memory_rows(
     config: str,
     overrides: Sequence[str],
@@ -331,14 +339,14 @@ def pipeline_memory_rows(
     for p in stages:
         for m in microbatches:
             temp = {}
-            for sched in PIPELINE_SCHEDULES:
+            for sched in MEMORY_ROW_SCHEDULES:
                 cfg = load_config(
                     config,
                     [*PIPELINE_MODEL, *overrides, *pipeline_overrides(p, True, sched, m, micro_rows)],
                     num_devices=p,
                 )
                 temp[sched] = pipeline_temp_bytes(cfg, jax.devices()[:p], compiler_options)
-            live = {s: stage_inputs_in_flight(s, p, m)["live"] for s in PIPELINE_SCHEDULES}
+            live = {s: stage_inputs_in_flight(s, p, m)["live"] for s in MEMORY_ROW_SCHEDULES}
             out.append(
                 row(
                     "pipeline",
@@ -360,8 +368,27 @@ PIPELINE_VARIANTS = (
     ("1F1B", "1f1b", False, 1),
     ("1F1B recompute", "1f1b", True, 1),
     ("interleaved 1F1B v=2", "1f1b", False, 2),
+    ("ZB-H1", "zb-h1", False, 1),
+    ("ZB-V", "zb-v", False, 2),
     ("GPipe", "gpipe", False, 1),
 )
+
+
+def zero_bubble_branch_weights(plan: StepPlan):
+    """`branch_weights` for `jaxpar.analysis.hlo.flops.dot_flops_per_device` of a zb-h1 or zb-v step: partition
+    -> its stage's shares of the slot switch's branches ([idle, F, B, W], `jaxpar.parallel.slot_program.
+    branch_shares`) and of the head's cond after it ([no head, head]; the embedding's gradient, the other cond
+    after the switch, has no matmul, so its branches cost the same and need no weights)."""
+    pipe, p = plan.cfg.pipeline, plan.mesh_shape[PIPELINE]
+    prog = slot_program(zero_bubble.build(pipe.schedule, p, pipe.microbatches, pipe.virtual_stages))
+    axis = list(plan.mesh.axis_names).index(PIPELINE)
+    shares = [branch_shares(prog, s) for s in range(p)]
+
+    def weights(pid: int, n: int) -> list[float] | None:
+        kinds, head = shares[int(np.unravel_index(pid, plan.mesh.devices.shape)[axis])]
+        return kinds if n == 4 else [1 - head, head] if n == 2 else None
+
+    return weights
 
 
 def pipeline_schedule_rows(
@@ -374,15 +401,17 @@ def pipeline_schedule_rows(
     micro_rows: int = 2,
     compiler_options: dict | None = None,
 ) -> list[dict]:
-    """Each variant of PIPELINE_VARIANTS on mesh pipeline=p against data parallelism on mesh data=p, same
-    devices and global batch m * micro_rows, PIPELINE_MODEL + `overrides`: matmul FLOPs per device (mean over
-    the devices, `jaxpar.analysis.hlo.flops`) over data parallelism's, with the tick ratio (v m + p - 1)/(v m) as
-    reference (target <= 1.03 x it, except with recompute: the stage forward twice, about 4/3 of the blocks);
-    median step time over data parallelism's (steps interleaved in one run); and the measured bubbles
-    1 - 1/ratio of both next to (p - 1)/(v m + p - 1) (`jaxpar.analysis.planner.pipeline.bubble_fraction`; v = 1
-    except for interleaved 1F1B). Interleaved 1F1B's embedding and head conds select on the tick as well as the
-    stage, which the FLOPs reader cannot evaluate: its blocks' FLOPs are read with the conds left out and its
-    heads' added from the formula, 6 b T D V per microbatch on the last stage (b = micro_rows)."""
+    """Each variant of PIPELINE_VARIANTS on mesh pipeline=p against data parallelism on mesh data=p, same devices and
+    global batch m * micro_rows, PIPELINE_MODEL + `overrides`: matmul FLOPs per device (mean over the devices,
+    `jaxpar.analysis.hlo.flops`) over data parallelism's, with 1/(1 - bubble) as reference ((v m + p - 1)/(v m) for
+    1F1B and GPipe; target <= 1.03 x it, except with recompute: the stage forward twice, about 4/3 of the blocks);
+    median step time over data parallelism's (steps interleaved in one run); and the measured bubbles 1 - 1/ratio of
+    both next to the bubble (`jaxpar.analysis.planner.pipeline.schedule_bubble`: (p - 1)/(v m + p - 1), or the
+    table's for zb-h1 and zb-v, whose slot switch is read with its branches weighted by the table's counts,
+    `zero_bubble_branch_weights`; v = 1 except for interleaved 1F1B and ZB-V). Interleaved 1F1B's embedding and head
+    conds select on the tick as well as the stage, which the FLOPs reader cannot evaluate: its blocks' FLOPs are
+    read with the conds left out and its heads' added from the formula, 6 b T D V per microbatch on the last stage
+    (b = micro_rows)."""
     devices = jax.devices()[:p]
     runs: dict[str, Callable[[], Any]] = {}
     flops: dict[str, float] = {}
@@ -403,7 +432,10 @@ def pipeline_schedule_rows(
         batch = random_batch(m * micro_rows, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding)
         state = init_state(plan, cfg.train.seed)
         step = make_train_step(plan).lower(state, batch).compile(compiler_options)
-        if v == 1:
+        if sched in ("zb-h1", "zb-v"):  # the slot switch's branches by the table's counts
+            weights = zero_bubble_branch_weights(plan)
+            flops[name] = sum(dot_flops_per_device(compiled_hlo_text(step), branch_weights=weights)) / p
+        elif v == 1:
             flops[name] = sum(dot_flops_per_device(compiled_hlo_text(step))) / p
         else:
             head = 6 * micro_rows * cfg.data.seq_len * cfg.model.d_model * cfg.model.vocab_size
@@ -418,11 +450,12 @@ def pipeline_schedule_rows(
     times = {name: median_seconds(t) for name, t in interleaved_step_times(runs, steps, rounds).items()}
     case = f"p={p} m={m} b={micro_rows}"
     out = []
-    for name, _, recompute, v in PIPELINE_VARIANTS:
-        ticks, bubble = (v * m + p - 1) / (v * m), bubble_fraction(p, m, v)
+    for name, sched, recompute, v in PIPELINE_VARIANTS:
+        bubble = schedule_bubble(sched, p, m, v)
+        ticks = 1 / (1 - bubble)
         f_ratio, t_ratio = flops[name] / flops["data parallel"], times[name] / times["data parallel"]
         bound = "~4/3 of the blocks' share" if recompute else "<= 1.03"
-        tick_name = "(m+p-1)/m" if v == 1 else "(vm+p-1)/(vm)"
+        tick_name = "1/(1-bubble)"
         out += [
             row("pipeline", case, f"{name} FLOPs/dp over {tick_name}", f_ratio, ticks, "FLOPs", bound),
             row("pipeline", case, f"{name} step time/dp", times[name], times["data parallel"], "s", "-"),
