@@ -60,13 +60,6 @@ from jaxpar.parallel.split_backward import SplitBackward
 
 # The instruction fields the slot reads (all of `slot_program.FIELDS` but "send": every slot sends both ways).
 _FIELDS = tuple(f for f in slot_program_lib.FIELDS if f != "send")
-_RINGS = {  # ring -> the fields that index it
-    "act": ("act_read", "local_act_write"),
-    "grad": ("grad_read", "local_grad_write"),
-    "stash": ("stash_read", "stash_write"),
-    "seed": ("seed_read", "seed_write"),
-    "w": ("w_read", "w_write"),
-}
 
 
 def zero_bubble_pipeline(
@@ -126,7 +119,7 @@ def split_stage_backward(parts: StageParts, w, x, mb, recompute: bool) -> tuple[
 def _instructions(program) -> tuple[jnp.ndarray, dict[str, int]]:
     """The program's fields stacked into one int32 array [slots, p, fields] (-1: nothing to read or write),
     and the rings' sizes."""
-    sizes = {ring: int(getattr(program, f"{ring}_slots")) for ring in _RINGS}
+    sizes = {ring: int(getattr(program, f"{ring}_slots")) for ring in slot_program_lib.RINGS}
     cols = [np.asarray(getattr(program, name), np.int32) for name in _FIELDS]
     return jnp.asarray(np.stack(cols, axis=-1)), sizes
 

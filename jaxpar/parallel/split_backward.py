@@ -292,11 +292,8 @@ class _ScanSplit:
 
 
 def _read(env: dict, atom):
-    if isinstance(atom, _Const):
-        return atom.val
-    if isinstance(atom, Literal):
-        return atom.val
-    return env[id(atom)]
+    """The value of an atom of the flattened backward (literals became `_Const`s in `_flatten`)."""
+    return atom.val if isinstance(atom, _Const) else env[id(atom)]
 
 
 def _run_eqn(op: _Eqn, env: dict) -> None:
@@ -315,73 +312,58 @@ def _run_b(part: _Part, env: dict, extra: dict) -> None:
         if isinstance(op, _Eqn):
             _run_eqn(op, env)
         else:
-            _run_scan_b(part.scans[id(op)], env, extra)
+            _run_scan(part.scans[id(op)], env, extra, "B")
 
 
 def _run_w(part: _Part, env: dict, extra: dict) -> None:
+    """W's ops of `part` on `env`; a split scan reads its per-iteration boundary from `extra[id(op)]`."""
     for op in part.w_ops:
         if isinstance(op, _Eqn):
             _run_eqn(op, env)
         else:
-            _run_scan_w(part.scans[id(op)], env, extra)
+            _run_scan(part.scans[id(op)], env, extra, "W")
 
 
-def _run_scan_b(split: _ScanSplit, env: dict, extra: dict) -> None:
+def _run_scan(split: _ScanSplit, env: dict, extra: dict, side: str) -> None:
+    """One side of a split scan as a `jax.lax.scan`: B's (`side` "B": its outputs, and per iteration the boundary
+    W's body reads, stacked into `extra[id(op)]`) or W's (`side` "W": its outputs, reading that boundary as xs)."""
     op, nc, nk = split.op, split.op.num_consts, split.op.num_carry
     ins = op.body_ins
-    carry_ks = sorted(k for k in split.b_outputs if k < nk)
-    y_ks = sorted(k for k in split.b_outputs if k >= nk)
+    part: _Part | None
+    if side == "B":
+        outputs, inputs, part, run = split.b_outputs, split.b_inputs, split.b_body, _run_b
+    else:
+        outputs, inputs, part, run = split.w_outputs, split.w_inputs, split.w_body, _run_w
+    assert part is not None  # a scan W runs has a W body (`_ScanSplit.add_w`)
+    carry_ks = sorted(k for k in outputs if k < nk)
+    y_ks = sorted(k for k in outputs if k >= nk)
     per_iter = split.per_iteration_boundary()
-    consts = {id(ins[k]): _read(env, op.ins[k]) for k in range(nc) if k in split.b_inputs}
-    xs_ks = [k for k in range(nc + nk, len(ins)) if k in split.b_inputs]
-    xs = [_read(env, op.ins[k]) for k in xs_ks]
-    init = [_read(env, op.ins[nc + k]) for k in carry_ks]
-
-    def body(carry, x):
-        benv = dict(consts)
-        benv.update({id(ins[nc + k]): c for k, c in zip(carry_ks, carry)})
-        benv.update({id(ins[k]): a for k, a in zip(xs_ks, x)})
-        _run_b(split.b_body, benv, {})
-        new = [_read(benv, op.body_outs[k]) for k in carry_ks]
-        ys = [_read(benv, op.body_outs[k]) for k in y_ks]
-        return new, (ys, [_read(benv, v) for v in per_iter])
-
-    carry, (ys, bound) = jax.lax.scan(body, init, xs, length=op.eqn.params["length"], reverse=op.eqn.params["reverse"])
-    for k, c in zip(carry_ks, carry):
-        env[id(op.outs[k])] = c
-    for k, y in zip(y_ks, ys):
-        env[id(op.outs[k])] = y
-    extra[id(op)] = bound
-
-
-def _run_scan_w(split: _ScanSplit, env: dict, extra: dict) -> None:
-    op, nc, nk = split.op, split.op.num_consts, split.op.num_carry
-    ins = op.body_ins
-    carry_ks = sorted(k for k in split.w_outputs if k < nk)
-    y_ks = sorted(k for k in split.w_outputs if k >= nk)
-    per_iter = split.per_iteration_boundary()
-    consts = {id(ins[k]): _read(env, op.ins[k]) for k in range(nc) if k in split.w_inputs}
-    xs_ks = [k for k in range(nc + nk, len(ins)) if k in split.w_inputs]
+    consts = {id(ins[k]): _read(env, op.ins[k]) for k in range(nc) if k in inputs}
+    xs_ks = [k for k in range(nc + nk, len(ins)) if k in inputs]
     xs = [_read(env, op.ins[k]) for k in xs_ks]
     init = [_read(env, op.ins[nc + k]) for k in carry_ks]
 
     def body(carry, x):
         outer_xs, bound = x
-        wenv = dict(consts)
-        wenv.update({id(ins[nc + k]): c for k, c in zip(carry_ks, carry)})
-        wenv.update({id(ins[k]): a for k, a in zip(xs_ks, outer_xs)})
-        wenv.update({id(v): a for v, a in zip(per_iter, bound)})
-        _run_w(split.w_body, wenv, {})
-        new = [_read(wenv, op.body_outs[k]) for k in carry_ks]
-        return new, [_read(wenv, op.body_outs[k]) for k in y_ks]
+        benv = dict(consts)
+        benv.update({id(ins[nc + k]): c for k, c in zip(carry_ks, carry)})
+        benv.update({id(ins[k]): a for k, a in zip(xs_ks, outer_xs)})
+        benv.update({id(v): a for v, a in zip(per_iter, bound)})  # W only: B's is empty
+        run(part, benv, {})
+        new = [_read(benv, op.body_outs[k]) for k in carry_ks]
+        ys = [_read(benv, op.body_outs[k]) for k in y_ks]
+        return new, (ys, [_read(benv, v) for v in per_iter] if side == "B" else [])
 
-    carry, ys = jax.lax.scan(
-        body, init, (xs, extra.get(id(op), [])), length=op.eqn.params["length"], reverse=op.eqn.params["reverse"]
+    bound_in = extra.get(id(op), []) if side == "W" else []
+    carry, (ys, bound_out) = jax.lax.scan(
+        body, init, (xs, bound_in), length=op.eqn.params["length"], reverse=op.eqn.params["reverse"]
     )
     for k, c in zip(carry_ks, carry):
         env[id(op.outs[k])] = c
     for k, y in zip(y_ks, ys):
         env[id(op.outs[k])] = y
+    if side == "B":
+        extra[id(op)] = bound_out
 
 
 class SplitBackward:

@@ -64,12 +64,9 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
 def chunk_placement(plan: StepPlan) -> tuple[int, ...] | None:
     """The device of each model chunk under the configured schedule (`jaxpar.parallel.pipeline.chunk_routes`):
     the V of zb-v (`jaxpar.parallel.zero_bubble`), None for the interleaved ring (chunk c on device c mod p)."""
-    pipe = plan.cfg.pipeline
-    if pipe.schedule != "zb-v":
+    if plan.cfg.pipeline.schedule != "zb-v":
         return None
-    return zero_bubble.build(
-        pipe.schedule, plan.mesh_shape[pipeline_lib.AXIS], pipe.microbatches, pipe.virtual_stages
-    ).placement
+    return zero_bubble.v_shape(plan.mesh_shape[pipeline_lib.AXIS])
 
 
 def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[int, ...]]:

@@ -315,7 +315,7 @@ def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
     for _, schedule in PIPELINE_SCHEDULES:
         extra = [f"model.n_layers={layers}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", f"mesh.pipeline={p}"]
         extra += [f"pipeline.schedule={schedule}", "pipeline.virtual_stages=2", f"pipeline.microbatches={m}"]
-        extra += [f"train.global_batch_size={m * max(1, settings_rows(settings))}", "train.grad_accum_steps=1"]
+        extra += [f"train.global_batch_size={m * max(1, _microbatch_rows(settings))}", "train.grad_accum_steps=1"]
         cfg = resolve_config(load_config(settings.config, [*settings.overrides, *extra], validate=False), p)
         plan = build_plan(cfg, build_mesh(cfg, devices[:p]))
         _, compile_s, step_s = _timed_step(plan, 1, settings.timed_steps)
@@ -324,7 +324,7 @@ def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
     return out
 
 
-def settings_rows(settings: Settings) -> int:
+def _microbatch_rows(settings: Settings) -> int:
     """Sequences per microbatch of the pipeline comparison: the settings' global batch over 8 (at least 1)."""
     rows = [o for o in settings.overrides if o.startswith("train.global_batch_size=")]
     return max(1, int(rows[-1].split("=")[1]) // 8) if rows else 1
