@@ -63,6 +63,10 @@ class StageParts:
         is (d_h, loss_scale)); and `stats`, a pytree of fp32 arrays (not differentiated) that the schedules
         sum over the stage's valid microbatches, one sum per model chunk (leaves [v, ...], chunk order as
         the layers). False: the schedules run exactly the blocks' forward and backward, nothing more.
+      order_collectives: whether the schedules fix one order of their collectives by data dependencies
+        (`ordered_after`; `needs_collective_order` of the mesh's platform). False on GPUs, which issue
+        collectives in schedule order: there the forward permute of a tick is free to run under the tick's
+        backward.
     """
 
     embed: Callable
@@ -70,6 +74,25 @@ class StageParts:
     head: Callable
     edge_gathered: bool = True
     blocks_loss: bool = False
+    order_collectives: bool = True
+
+    def after(self, tree, deps):
+        """`ordered_after(tree, deps)` where the platform needs one collective order (`order_collectives`),
+        else `tree` itself."""
+        return ordered_after(tree, deps) if self.order_collectives else tree
+
+
+def needs_collective_order(platform: str) -> bool:
+    """Whether a pipeline schedule on devices of `platform` ("cpu", "gpu", "tpu") must order its collectives
+    by data dependencies (`ordered_after`).
+
+    XLA:CPU runs a device's program as a dataflow graph and starts independent collectives in whatever order
+    their operands become ready, which differs between devices and deadlocks (module docstring of
+    `jaxpar.analysis.hlo.collective_order`). GPUs and TPUs issue each device's collectives in the order of the
+    compiled schedule, the same on every device, so the dependencies would only serialise the permutes behind
+    the compute that XLA's latency-hiding scheduler could run under them.
+    """
+    return platform == "cpu"
 
 
 def blocks_forward(parts: StageParts, w, x, mb):
@@ -263,27 +286,27 @@ def forward_loss(
         # tick), so that no part of a cond (e.g. autodiff's weight-only half of the embedding: the fsdp gather
         # of the table) is loop-invariant and hoisted out of the tick order. (A predicate made to depend on the
         # activations would do it for free, but then no HLO reader can tell which stage takes which branch.)
-        mb = ordered_after(microbatch(mbs, k - s, m), recv)
-        edge_e = ordered_after(edge, recv) if parts.edge_gathered else edge
+        mb = parts.after(microbatch(mbs, k - s, m), recv)
+        edge_e = parts.after(edge, recv) if parts.edge_gathered else edge
         x = jax.lax.cond(is_first, lambda: parts.embed(edge_e, mb).astype(act_dtype), lambda: recv)
         # Warm-up ticks (p - 1, few enough that XLA may unroll them) also order the blocks' weight-only work
         # after the embedding: autodiff splits it out of the layer scan, and the weight gathers over fsdp in it
         # would otherwise be free to start before or after the embedding's cond. (In the head ticks' loop
         # that work is loop-invariant and XLA hoists it out, once per step.)
-        h, b_loss, b_stats = blocks_forward(parts, layers if head else ordered_after(layers, x), x, mb)
+        h, b_loss, b_stats = blocks_forward(parts, layers if head else parts.after(layers, x), x, mb)
         if parts.blocks_loss:  # stage s runs microbatch k - s: valid for 0 <= k - s < m
             valid = (k >= s) & (k - s < m)
             loss_acc = loss_acc + jnp.where(valid, b_loss * loss_scale, 0.0)
             stats_acc = add_stats(stats_acc, b_stats, 0, valid)
         if head:  # the last stage's microbatch k - (p - 1) is valid in exactly these ticks
-            edge_h = ordered_after(edge, h) if parts.edge_gathered else edge
+            edge_h = parts.after(edge, h) if parts.edge_gathered else edge
             loss = jax.lax.cond(
                 is_last,
                 lambda: parts.head(edge_h, h, mb).astype(jnp.float32) * loss_scale,
                 lambda: jnp.zeros((), jnp.float32),
             )
             loss_acc = loss_acc + loss
-            h = ordered_after(h, loss)
+            h = parts.after(h, loss)
         return (shift(h, p, forward=True), loss_acc, stats_acc), None
 
     zeros_act = jnp.zeros(act_shape, act_dtype)
@@ -295,7 +318,7 @@ def forward_loss(
         carry, _ = jax.lax.scan(lambda c, k: tick(c, k, False, layers), carry, jnp.arange(0, p - 1))
     # The head ticks' weight-only work (the fsdp gathers of the stage's layers), which XLA hoists out of their
     # loop, after the warm-up ticks, whose embedding cond it would otherwise not depend on.
-    head_layers = ordered_after(layers, carry[0]) if p > 1 else layers
+    head_layers = parts.after(layers, carry[0]) if p > 1 else layers
     carry, _ = jax.lax.scan(lambda c, k: tick(c, k, True, head_layers), carry, jnp.arange(p - 1, m + p - 1))
     return carry[1], carry[2]
 

@@ -118,8 +118,9 @@ def one_f_one_b(
 
 class _Lockstep:
     """One stage's run of `one_f_one_b` (inside the shard_map): the static context of its clock ticks and the
-    parts of one tick. A tick's carry is (received activation [b, T', D], received gradient [b, T', D], the
-    stash rings, the layers' and the edge's fp32 gradient sums, the loss sum, the blocks' stats sums).
+    parts of one tick. A tick's carry is (received activation [b, T', D], the input gradient that the next
+    tick sends [b, T', D], the stash rings, the layers' and the edge's fp32 gradient sums, the loss sum, the
+    blocks' stats sums).
 
     In a forward tick stage s runs microbatch i's chunk j (`jaxpar.parallel.schedule.forward_at`), in a backward
     tick microbatch i_b's chunk j_b (`backward_at`); the stash holds, per forward tick, what that backward needs
@@ -162,24 +163,38 @@ class _Lockstep:
         )
 
     def tick(self, carry, k, do_forward: bool, do_backward: bool):
-        """One clock tick: this stage's forward (`do_forward`), backward (`do_backward`), then the permutes of
-        their outputs to the neighbouring stages (in a fixed order, `ordered_after`)."""
-        recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc = carry
-        send_f = send_b = self.zeros_act
+        """One clock tick: with `do_backward`, the permute of the previous tick's input gradient to the previous
+        stage; with `do_forward`, this stage's forward and the permute of its output to the next stage; with
+        `do_backward`, its backward, whose input gradient the next tick sends.
+
+        Each permute has compute to hide under on a GPU (XLA's latency-hiding scheduler starts it when its
+        operand is ready and waits for it where its result is needed): the backward permute at the top of the
+        tick is needed by the backward and runs under the forward; the forward permute is needed by the next
+        tick and runs under the backward. One permute is in flight at a time, in that order, on every platform
+        (`ordered_after`: the forward permute's operand waits for the backward permute). The sums of the
+        backward's weight gradient wait for the forward permute: the work after the backward's blocks is then
+        no place to finish it, and the GPU scheduler, which starts a collective no earlier than its cost model
+        needs to hide it, starts it right after the forward; the same dependency keeps XLA's
+        collective-permute-motion pass from moving the permute to the next tick's top, where the forward would
+        wait for it. Where the platform needs
+        one collective order (`StageParts.order_collectives`, XLA:CPU) the forward's and the backward's own
+        collectives keep that order too: backward permute, forward, forward permute, backward."""
+        recv_f, pending_b, stash, g_layers, g_edge, loss_acc, stats_acc = carry
+        recv_b = shift(pending_b, self.p, forward=False, ring=self.v > 1) if do_backward else None
+        fwd = None
         if do_forward:
-            fwd, stash, loss_acc, stats_acc = self.forward(recv_f, stash, loss_acc, stats_acc, k)
-            send_f = fwd["h"]
+            x_in = recv_f if recv_b is None else self.parts.after(recv_f, recv_b)
+            fwd, stash, loss_acc, stats_acc = self.forward(x_in, stash, loss_acc, stats_acc, k)
+            send_f = fwd["h"] if recv_b is None else ordered_after(fwd["h"], recv_b)
+            recv_f = shift(send_f, self.p, forward=True, ring=self.v > 1)
         if do_backward:
-            send_b, d_layers, g_layers, g_edge, loss_acc = self.backward(
-                recv_b, stash, g_layers, g_edge, loss_acc, k, fwd if do_forward else None
+            if fwd is not None:
+                recv_b, head_in = self.parts.after((recv_b, fwd["h"]), recv_f)
+                fwd = {**fwd, "h": head_in}
+            pending_b, g_layers, g_edge, loss_acc = self.backward(
+                recv_b, stash, g_layers, g_edge, loss_acc, k, fwd, recv_f if fwd is not None else None
             )
-        if do_forward and do_backward:  # the permutes after the backward, one after the other
-            send_f = ordered_after(send_f, (send_b, d_layers, g_edge))
-        recv_f = shift(send_f, self.p, forward=True, ring=self.v > 1) if do_forward else recv_f
-        if do_forward and do_backward:
-            send_b = ordered_after(send_b, recv_f)
-        recv_b = shift(send_b, self.p, forward=False, ring=self.v > 1) if do_backward else recv_b
-        return (recv_f, recv_b, stash, g_layers, g_edge, loss_acc, stats_acc), None
+        return (recv_f, pending_b, stash, g_layers, g_edge, loss_acc, stats_acc), None
 
     def forward(self, recv_f, stash, loss_acc, stats_acc, k):
         """Tick k's forward of one chunk-microbatch: ({"h": the chunk's output, "mb", "last": whether the chunk
@@ -196,7 +211,7 @@ class _Lockstep:
         if v > 1 and parts.edge_gathered:
             # A chunk of one layer runs outside any layer loop, so its weights' fsdp gathers would not depend
             # on the embedding's cond (and its gathers) before them: order them after it.
-            w = ordered_after(w, x)
+            w = parts.after(w, x)
         if self.recompute:
             h, b_loss, b_stats = blocks_forward(parts, w, x, mb)
             keep = [x]
@@ -213,11 +228,11 @@ class _Lockstep:
         stash = [jax.lax.dynamic_update_index_in_dim(r, x_, slot, 0) for r, x_ in zip(stash, keep)]
         return {"h": h, "mb": mb, "last": last_f}, stash, loss_acc, stats_acc
 
-    def backward(self, recv_b, stash, g_layers, g_edge, loss_acc, k, fwd: dict | None):
+    def backward(self, recv_b, stash, g_layers, g_edge, loss_acc, k, fwd: dict | None, sums_after=None):
         """Tick k's backward of one chunk-microbatch, seeded by the received gradient or, for the model's last
         chunk, by the head's gradient of this tick's forward `fwd` (None in a backward-only tick): (the gradient
-        to send to the previous stage, the chunk's weight gradient, the updated gradient sums, the loss sum
-        with the head's loss)."""
+        to send to the previous stage, the updated gradient sums, the loss sum with the head's loss). The chunk's
+        weight gradient is added to the sums after `sums_after` is ready (`ordered_after`), where given."""
         p, v, scale = self.p, self.v, self.loss_scale
         i_b, j_b, valid = schedule.backward_at(k, self.s, p, v, self.m)
         mb_b = microbatch(self.mbs, i_b, self.m)
@@ -237,17 +252,19 @@ class _Lockstep:
         kept = [jax.lax.dynamic_index_in_dim(r, slot_b, keepdims=False) for r in stash]
         w_b = self.chunk(j_b)
         if v > 1 and self.parts.edge_gathered:
-            w_b = ordered_after(w_b, d_h)  # as in the forward: the backward's regathers after the head's cond
+            w_b = self.parts.after(w_b, d_h)  # as in the forward: the backward's regathers after the head's cond
         if self.recompute:
-            x_b, mb_b = ordered_after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
+            x_b, mb_b = self.parts.after((kept[0], mb_b), d_h)  # the recomputed forward's collectives too
             vjp_fn = blocks_vjp(self.parts, w_b, x_b, mb_b)[3]
         else:
             vjp_fn = self.template.rebuild(kept, w_b, d_h)
         d_layers, d_x = vjp_fn(blocks_cotangent(self.parts, d_h, jnp.where(valid, scale, 0.0)))
+        if sums_after is not None:
+            d_layers = ordered_after(d_layers, sums_after)
         g_layers = self.add_chunk(g_layers, d_layers, j_b)
         first_b = self.is_first if v == 1 else self.is_first & (j_b == 0)
-        g_edge = self.embed_grad(d_x, ordered_after(mb_b, d_x), g_edge, first_b)
-        return d_x, d_layers, g_layers, g_edge, loss_acc
+        g_edge = self.embed_grad(d_x, self.parts.after(mb_b, (d_x, d_layers)), g_edge, first_b)
+        return d_x, g_layers, g_edge, loss_acc
 
     def stage_input(self, x_in, mb, first):
         """The chunk's input: the embedding of `mb` on the model's first chunk, else the received activation."""
@@ -302,6 +319,7 @@ class Residuals:
     """
 
     def __init__(self, parts: StageParts, layers, x, mb):
+        self.parts = parts
         box = {}
 
         def arrays(lay, xx, mbb):
@@ -350,7 +368,7 @@ class Residuals:
         """The vjp function from the stashed arrays and the weights; the weight-only arrays are recomputed from
         `layers` made to depend on `after` (so their collectives, e.g. fsdp gathers, start after it)."""
         weights = jax.tree.leaves(layers)
-        used = ordered_after([w for w, u in zip(weights, self._used_weights) if u], after)
+        used = self.parts.after([w for w, u in zip(weights, self._used_weights) if u], after)
         from_weights = iter(eval_jaxpr(self._weights_jaxpr, (), *self._consts, *used))
         from_stash = iter(stashed)
         arrays = iter([next(from_weights) if w else next(from_stash) for w in self.from_weights])

@@ -51,7 +51,6 @@ from jaxpar.parallel.pipeline import (
     blocks_forward,
     blocks_vjp,
     microbatch,
-    ordered_after,
     zero_stats,
 )
 from jaxpar.parallel.pipeline_1f1b import Residuals
@@ -205,9 +204,9 @@ class _Slots:
         grad = _put(grad, send, op["local_grad_write"])
         # The two permutes, after the edge conds and one after the other (a fixed collective order: `ordered_after`).
         p = self.p
-        send = ordered_after(send, (value, g_edge))
+        send = self.parts.after(send, (value, g_edge))
         from_below = jax.lax.ppermute(send, AXIS, [(k, (k + 1) % p) for k in range(p)])
-        from_above = jax.lax.ppermute(ordered_after(send, from_below), AXIS, [(k, (k - 1) % p) for k in range(p)])
+        from_above = jax.lax.ppermute(self.parts.after(send, from_below), AXIS, [(k, (k - 1) % p) for k in range(p)])
         for got, kind, k in (
             (from_below, op["recv_up_kind"], op["recv_up_slot"]),
             (from_above, op["recv_down_kind"], op["recv_down_slot"]),
@@ -229,7 +228,7 @@ class _Slots:
         if self.parts.edge_gathered:
             # The chunk's weight gathers (over fsdp) depend on the weights alone: order them after the embedding's
             # cond and its gathers, one collective order on every device (`ordered_after`).
-            w = ordered_after(w, x)
+            w = self.parts.after(w, x)
         if self.template is None:  # pipeline.recompute
             h, b_loss, b_stats = blocks_forward(self.parts, w, x, mb)
             keep = [x]
@@ -246,7 +245,7 @@ class _Slots:
     def head(self, run, h, mb, g_edge):
         """After F of the model's last chunk (`run`): the head's scaled loss, its gradient with respect to h (the
         seed of the chunk's B) and the edge's gradient added to `g_edge`; else (0, zeros, g_edge)."""
-        edge = ordered_after(self.edge, h) if self.parts.edge_gathered else self.edge
+        edge = self.parts.after(self.edge, h) if self.parts.edge_gathered else self.edge
 
         def head():
             value, (d_edge, d_h) = jax.value_and_grad(
@@ -260,7 +259,7 @@ class _Slots:
         """After B of chunk 0 (`run`): the embedding's gradient from the blocks' input gradient d_x, added."""
 
         def grad():
-            mb_ = ordered_after(mb, d_x)
+            mb_ = self.parts.after(mb, d_x)
             _, vjp_fn = jax.vjp(lambda e: self.parts.embed(e, mb_).astype(self.act_dtype), self.edge)
             return add32(g_edge, vjp_fn(d_x)[0])
 

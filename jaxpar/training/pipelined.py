@@ -58,6 +58,7 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
         head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
         edge_gathered=edge_gathered(plan),
         blocks_loss=with_moe,
+        order_collectives=pipeline_lib.needs_collective_order(plan.platform),
     )
 
 
