@@ -169,3 +169,21 @@ def test_attention_scores_of_grouped_kv_heads_come_out_of_a_fusion():
         "shapes": ["bf16[1,8,4,1024,1024]", "f32[8,4,1024,1024]"],
         "largest_bytes": 8 * 4 * 1024 * 1024 * 4,
     }
+
+
+@pytest.mark.requires_gpu_compile
+def test_pipeline_permutes_run_under_compute_on_gpu():
+    """Llama 1B's shape in 1F1B over pipeline 4 x data 2 (ZeRO-1, 8 microbatches of 2 sequences of 4096 tokens)
+    compiled for 8 H100s (about 7 s): in the steady ticks' loop the backward permute (to the previous stage)
+    runs under the forward's layers and the head, and the forward permute under the backward's layers: each has
+    GEMMs between its start and done (measured 23 kernels, 2 with GEMMs; 9, 1). Before the ticks ordered their
+    permutes for the GPU (the forward permute after the backward, on every platform) neither had any GEMM
+    under it: 8 and 3 small kernels."""
+    overrides = ["mesh.data=2", "mesh.fsdp=1", "mesh.pipeline=4", "pipeline.microbatches=8"]
+    overrides += ["train.grad_accum_steps=1", "train.global_batch_size=32", "optimizer.zero_stage=1"]
+    cfg = load_config(os.path.join(ROOT, "configs", "llama_1b.yaml"), overrides, validate=False)
+    out = plan_gpu.compile_for_gpu(cfg, "h100", 1, 8)
+    ticks = out["overlap"]["pipeline_permutes"]
+    assert sorted(r["trips"] for r in ticks) == [3, 3, 8, 8], ticks  # warm-up, steady (m), cool-down
+    steady = {r["direction"]: r for r in ticks if r["trips"] == 8}
+    assert set(steady) == {"up", "down"} and all(r["gemms"] >= 1 for r in steady.values()), steady

@@ -116,6 +116,14 @@ def _canned(fits: bool = True) -> dict:
             if fits
             else {"materialised": False, "shapes": [], "largest_bytes": 0}
         ),
+        "overlap": {
+            "by_kind": {"all-gather": {"count": 8, "overlapped": 7, "under_gemm": 5}},
+            "pipeline_permutes": (
+                []
+                if fits
+                else [{"trips": 8, "direction": "up", "name": "collective-permute-start.2", "compute": 9, "gemms": 1}]
+            ),
+        },
         "planned": {
             "peak_bytes": 5_062_656,
             "ratio": peak / 5_062_656,
@@ -174,6 +182,10 @@ def test_compiled_report_through_the_cli(capsys, monkeypatch):
             "largest 524.3 kB per device (f32[8,128,128])"
         ),
         "+ scalar all-reduces, not planned: 2 ops, 14 B over data,fsdp",
+        (
+            "asynchronous collectives with kernels between start and done (scheduled GPU HLO): all-gather 7 of 8 "
+            "(5 under a GEMM)"
+        ),
     ):
         assert needle in text, needle
     rows = [line.split() for line in text.splitlines()]
@@ -198,6 +210,10 @@ def test_report_of_a_run_that_does_not_fit():
     assert (
         "fused attention (cuDNN): yes, __cudnn$fmhaSoftmax, __cudnn$fmhaSoftmaxBackward; attention scores "
         "materialised: no" in text
+    )
+    assert (
+        "pipeline tick loop of 8 trips: collective-permute-start.2 (to the next stage) under 9 kernels, 1 with GEMMs"
+        in text
     )
     assert "--compile compiles" in format_gpu_target(target)
 

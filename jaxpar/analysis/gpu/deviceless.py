@@ -29,6 +29,7 @@ import time
 
 from jaxpar.analysis.gpu.targets import Cluster
 from jaxpar.analysis.gpu.targets import cluster as make_cluster
+from jaxpar.analysis.hlo import overlap
 from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.config.extras import install_command
 from jaxpar.config.schema import Config
@@ -146,6 +147,20 @@ def attention_scores(hlo_text: str, seq_len: int) -> dict:
     return {"materialised": bool(shapes), "shapes": sorted(shapes), "largest_bytes": largest}
 
 
+def overlap_report(hlo_text: str) -> dict:
+    """Which collectives of the scheduled GPU HLO run under compute (`jaxpar.analysis.hlo.overlap`):
+    {"by_kind": {kind: {"count", "overlapped", "under_gemm"}}, "pipeline_permutes": [{"trips", "direction",
+    "name", "compute", "gemms"}, ...] (the permutes of the pipeline's tick loops, in schedule order)}."""
+    rows = overlap.async_collectives(hlo_text)
+    return {
+        "by_kind": overlap.summary(rows),
+        "pipeline_permutes": [
+            {"trips": r.trips, "direction": r.direction, "name": r.name, "compute": r.compute, "gemms": r.gemms}
+            for r in overlap.pipeline_permutes(rows)
+        ],
+    }
+
+
 def compile_for_gpu(
     cfg: Config,
     target: str,
@@ -180,6 +195,7 @@ def compile_for_gpu(
        "scalars": the 0-d collectives (see `hlo_collectives`),
        "fused_attention": sorted cuDNN fused-attention custom-call targets in the HLO (empty: XLA's attention),
        "attention_scores": `attention_scores(hlo, seq_len)`,
+       "overlap": `overlap_report(hlo)`: which asynchronous collectives run under compute,
        "planned": {"peak_bytes" (`jaxpar.analysis.planner.plan.plan(cfg, "gpu")` peak_estimate),
          "ratio" (compiled / planned), "collectives" (`jaxpar.analysis.planner.compiled.compare_collectives` rows:
          the GPU HLO's beside the plan's)}}.
@@ -241,6 +257,7 @@ def compile_for_gpu(
         "scalars": coll["scalars"],
         "fused_attention": sorted({c for c in _CUSTOM_CALL.findall(hlo) if "fmha" in c.lower()}),
         "attention_scores": attention_scores(hlo, t),
+        "overlap": overlap_report(hlo),
         "planned": {
             "peak_bytes": planned,
             "ratio": memory["peak_bytes"] / planned if planned else math.nan,

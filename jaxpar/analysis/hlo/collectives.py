@@ -63,7 +63,7 @@ _DTYPE_BYTES = {
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_CALLED = re.compile(r"\b(body|condition|calls|to_apply)=%?([\w.\-]+)")
+_CALLED = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 
 
@@ -282,7 +282,8 @@ def _op_name(attrs: str) -> str:
 
 
 def called_computations(attrs: str) -> list[tuple[str, str]]:
-    """(role, computation) pairs an instruction's attributes call: body, condition, calls, to_apply, branch."""
+    """(role, computation) pairs an instruction's attributes call: body, condition, calls, to_apply, a
+    conditional's true_computation and false_computation (a predicate) or branch (an index)."""
     called = [(role, name) for role, name in _CALLED.findall(attrs)]
     return called + [("branch", b.strip().lstrip("%")) for m in _BRANCHES.findall(attrs) for b in m.split(",")]
 

@@ -301,6 +301,7 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
             else "no"
         )
     )
+    lines += _overlap_lines(gpu.get("overlap"))
     lines += [
         "  collectives per step of the GPU HLO (bytes sent per device, ring formulas) beside the plan for gpu",
         (
@@ -321,6 +322,26 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
         f"  + scalar all-reduces, not planned: {s['count']} ops, {s['bytes']:,.0f} B over {', '.join(s['axes']) or '-'}"
     )
     return "\n".join(lines)
+
+
+_DIRECTION = {"up": "to the next stage", "down": "to the previous stage"}
+
+
+def _overlap_lines(overlap: dict | None) -> list[str]:
+    """The GPU schedule's collectives under compute (`jaxpar.analysis.gpu.deviceless.overlap_report`)."""
+    if not overlap or not overlap["by_kind"]:
+        return []
+    kinds = ", ".join(
+        f"{kind} {d['overlapped']} of {d['count']} ({d['under_gemm']} under a GEMM)"
+        for kind, d in sorted(overlap["by_kind"].items())
+    )
+    lines = [f"  asynchronous collectives with kernels between start and done (scheduled GPU HLO): {kinds}"]
+    for r in overlap["pipeline_permutes"]:
+        lines.append(
+            f"    pipeline tick loop of {r['trips']} trips: {r['name']} ({_DIRECTION.get(r['direction'], '?')}) "
+            f"under {r['compute']} kernels, {r['gemms']} with GEMMs"
+        )
+    return lines
 
 
 def format_exercise(ex: dict, acts: dict) -> str:
