@@ -26,12 +26,14 @@ this slot's output, and each device files what it received into its rings as the
 
 Memory per device: the rings' slots (`slot_program`), each sized by the most values live at once in the table:
 stash (what F keeps for B), W (B's boundary kept for W, `split_backward.boundary_bytes` each), received
-activations and gradients and head seeds ([b, T', D] each). Flat in m. The stash and W rings pass through the
-switch, so the branch that reads or writes one does it in place and no other branch touches it (written outside
-the switch, a masked write per slot cost 1.3x the step time at the 32k-vocabulary benchmark shape on CPU);
-XLA:CPU then holds each of the two rings twice, as the switch's operand and its result
-(tests/unit/test_pipeline_memory.py). The edge's gradient sums stay outside the switch: the head (after F of the
-last chunk) and the embedding's gradient (after B of chunk 0) run in conds of their own.
+activations and gradients and head seeds ([b, T', D] each). Flat in m. The stash and W rings enter the switch
+read-only: a branch returns the rows it writes (zeros where it writes none), and they are written after the
+switch (`_put`). A ring passed through the switch would be held twice, as its operand and its result (XLA on CPU
+and GPU alike: Llama 1B's shape at p = 4 peaked 1.78x the plan on the GPU compiler). The rings then cost their
+slots plus one row each, the switch's result. The layers' fp32 gradient sums pass through the switch (the W
+branch adds into them in place; outside it every slot would read and write a chunk's sums) and are held twice.
+The edge's gradient sums stay outside the switch: the head (after F of the last chunk) and the embedding's
+gradient (after B of chunk 0) run in conds of their own.
 """
 
 from __future__ import annotations
@@ -184,17 +186,20 @@ class _Slots:
             take(act, op["act_read"]),
             jnp.where(op["is_last"] > 0, take(seed, op["seed_read"]), take(grad, op["grad_read"])),
         )
-        # The stash and W rings go through the switch: the branch that reads or writes one does so in place, and
-        # no other branch touches them (a write outside the switch would copy a ring per slot).
+        # The stash and W rings enter the switch read-only; the branch returns the rows it writes (zeros where it
+        # writes none) and they are written after it (a slot without a write rewrites a row with its own value):
+        # a ring passed through a switch (or a cond) is held twice, as its operand and its result.
         branches = [
-            lambda ins, acc: (self.zeros_act, acc),
+            lambda ins, acc: (self.zeros_act, acc, self.no_rows(self.stash_shapes), self.no_rows(self.w_shapes)),
             lambda ins, acc: self.forward(op, mb, ins, acc),
-            lambda ins, acc: self.backward(op, mb, ins, acc),
-            lambda ins, acc: self.weights(op, ins, acc),
+            lambda ins, acc: self.backward(op, mb, ins, acc, stash),
+            lambda ins, acc: self.weights(op, ins, acc, wring),
         ]
-        send, (g_layers, loss, stats, stash, wring) = jax.lax.switch(
-            op["kind"], branches, inputs, (g_layers, loss, stats, stash, wring)
+        send, (g_layers, loss, stats), stash_rows, w_rows = jax.lax.switch(
+            op["kind"], branches, inputs, (g_layers, loss, stats)
         )
+        stash = [_put(r, x, op["stash_write"], op["kind"] == F) for r, x in zip(stash, stash_rows)]
+        wring = [_put(r, x, op["w_write"], op["kind"] == B) for r, x in zip(wring, w_rows)]
         value, d_head, g_edge = self.head((op["kind"] == F) & (op["is_last"] > 0), send, mb, g_edge)
         g_edge = self.embed_grad((op["kind"] == B) & (op["is_first"] > 0), send, mb, g_edge)
         loss = loss + value
@@ -215,10 +220,15 @@ class _Slots:
             grad = _put(grad, got, k, kind == 2)
         return (act, grad, stash, seed, wring, g_layers, g_edge, loss, stats), None
 
+    @staticmethod
+    def no_rows(shapes) -> list[jax.Array]:
+        """Zero rows for the rings of `shapes`: what a branch that writes none of them returns."""
+        return [jnp.zeros(a.shape, a.dtype) for a in shapes]
+
     def forward(self, op, mb, ins, acc):
-        """F of (microbatch, chunk) `op`: its output, and what its backward needs into the stash ring (the head
-        runs after the switch, `head`)."""
-        g_layers, loss, stats, stash, wring = acc
+        """F of (microbatch, chunk) `op`: (its output, the sums, the stash rows: what its backward needs, no W
+        rows). The head runs after the switch (`head`)."""
+        g_layers, loss, stats = acc
         recv, _ = ins
         j = op["chunk_local"]
         x = jax.lax.cond(
@@ -238,9 +248,7 @@ class _Slots:
         if self.parts.blocks_loss:
             loss = loss + b_loss * self.loss_scale
             stats = add_stats(stats, b_stats, j, True)
-        k = op["stash_write"]
-        stash = [jax.lax.dynamic_update_index_in_dim(r, x_, k, 0) for r, x_ in zip(stash, keep)]
-        return h, (g_layers, loss, stats, stash, wring)
+        return h, (g_layers, loss, stats), keep, self.no_rows(self.w_shapes)
 
     def head(self, run, h, mb, g_edge):
         """After F of the model's last chunk (`run`): the head's scaled loss, its gradient with respect to h (the
@@ -265,25 +273,25 @@ class _Slots:
 
         return jax.lax.cond(run, grad, lambda: g_edge)
 
-    def backward(self, op, mb, ins, acc):
-        """B of `op`: the input gradient (sent on), from the stash ring, and B's boundary into the W ring."""
-        g_layers, loss, stats, stash, wring = acc
+    def backward(self, op, mb, ins, acc, stash):
+        """B of `op`: (the input gradient, sent on, from the stash ring's row; the sums; no stash rows; B's
+        boundary as the W rows)."""
         _, d_h = ins
         kept = [jax.lax.dynamic_index_in_dim(r, op["stash_read"], keepdims=False) for r in stash]
         ct = blocks_cotangent(self.parts, d_h, jnp.asarray(self.loss_scale, jnp.float32))
         d_x, bound = self.split.b(kept, self.chunk(op["chunk_local"]), mb, ct)
-        k = op["w_write"]
-        wring = [jax.lax.dynamic_update_index_in_dim(r, x_, k, 0) for r, x_ in zip(wring, bound)]
-        return d_x, (g_layers, loss, stats, stash, wring)
+        return d_x, acc, self.no_rows(self.stash_shapes), bound
 
-    def weights(self, op, ins, acc):
-        """W of `op`: the chunk's weight gradients from B's boundary (the W ring), added to chunk j's rows of the
-        sums."""
-        g_layers, loss, stats, stash, wring = acc
+    def weights(self, op, ins, acc, wring):
+        """W of `op`: the chunk's weight gradients from B's boundary (the W ring's row), added to chunk j's rows
+        of the sums, which pass through the switch (held twice, as its operand and result: adding outside it
+        would read and write a chunk's fp32 sums in every slot)."""
+        g_layers, loss, stats = acc
         d_w = self.split.w([jax.lax.dynamic_index_in_dim(r, op["w_read"], keepdims=False) for r in wring])
         j = op["chunk_local"]
 
         def one(a, d):
             return jax.lax.dynamic_update_index_in_dim(a, a[j] + d.astype(jnp.float32), j, 0)
 
-        return self.zeros_act, (jax.tree.map(one, g_layers, d_w), loss, stats, stash, wring)
+        sums = (jax.tree.map(one, g_layers, d_w), loss, stats)
+        return self.zeros_act, sums, self.no_rows(self.stash_shapes), self.no_rows(self.w_shapes)

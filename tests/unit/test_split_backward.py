@@ -16,6 +16,8 @@ leaf (a few ulp of the leaf's largest element), and the split really ran in two 
 empty and B's input gradient does not depend on W).
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,43 +105,55 @@ def test_b_then_w_equals_backward(case):
         assert plan.mesh_shape["fsdp"] == 2
 
 
-def _dense_boundary_bytes(remat: str, d: int, f: int, heads: int, kv_heads: int, rows: int) -> int:
-    """The formula per layer (`jaxpar.parallel.split_backward` module docstring) in fp32 bytes."""
-    d_kv = d // heads * kv_heads
-    if remat == "none":
-        return 4 * (rows * (8 * d + 2 * d_kv + 4 * f + 2) + 2 * d)
-    return 4 * rows * (10 * d + 2 * d_kv + 4 * f)
+BOUNDARY_LAYOUTS = {  # name: (devices on tensor, overrides)
+    "tensor1": (1, ("mesh.tensor=1",)),
+    "tensor2": (2, ("mesh.tensor=2", "tensor.sequence_parallel=false")),
+    "tensor2-sp": (2, ("mesh.tensor=2", "tensor.sequence_parallel=true")),
+}
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-@pytest.mark.parametrize("shape", [(64, 128, 4, 2), (32, 96, 4, 4)])
-def test_boundary_formula(remat, shape):
-    """The boundary of a dense stack of 2 layers as the schedule splits it (from the stash: residuals, or the
-    chunk input with pipeline.recompute) against the stated per-layer formula."""
-    d, f, heads, kv = shape
+def _traced_boundary_bytes(overrides, t: int, seq: int, b: int = 2) -> tuple[int, object]:
+    """(bytes of the boundary of the plan's 2-layer stack as the schedule splits it, from the stash of residuals
+    and from the chunk input with pipeline.recompute, which must agree; the plan), traced inside the step's
+    shard_map (no compile)."""
     plan = make_plan(
-        [
-            *FP32,
-            "mesh.data=1",
-            "mesh.fsdp=1",
-            "model.n_layers=2",
-            f"model.d_model={d}",
-            f"model.d_ff={f}",
-            f"model.n_heads={heads}",
-            f"model.n_kv_heads={kv}",
-            f"model.remat={remat}",
-        ],
-        jax.devices()[:1],
+        [*FP32, "mesh.data=1", "mesh.fsdp=1", "model.n_layers=2", f"data.seq_len={seq}", *overrides], jax.devices()[:t]
     )
-    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract_state(plan)["params"])
-    parts = stage_parts(plan, params, plan.loss_fn)
-    layers, _ = split_stack(params)
-    b = 2
-    mb = {
-        "inputs": jnp.zeros((b, T), jnp.int32),
-        "targets": jnp.zeros((b, T), jnp.int32),
-        "loss_mask": jnp.ones((b, T)),
-    }
-    for recompute in (False, True):
-        _, split = split_stage_backward(parts, layers, jnp.zeros((b, T, d)), mb, recompute)
-        assert boundary_bytes(split) == 2 * _dense_boundary_bytes(remat, d, f, heads, kv, b * T)
+    sizes = []
+
+    def body(params, mb):
+        parts = stage_parts(plan, params, plan.loss_fn)
+        layers, _ = split_stack(params)
+        rows = seq // t if plan.tensor_parallel.sequence_parallel else seq
+        x = jnp.zeros((b, rows, plan.cfg.model.d_model))
+        sizes.extend(boundary_bytes(split_stage_backward(parts, layers, x, mb, r)[1]) for r in (False, True))
+        return jnp.zeros(())
+
+    batch = device_batch(plan, host_batch([seq] * b, seq, seed=0))
+    run = jax.shard_map(
+        body,
+        mesh=plan.mesh,
+        in_specs=(plan.specs["params"], plan.batch_sharding.spec),
+        out_specs=P(),
+        check_vma=False,
+    )
+    jax.eval_shape(run, abstract_state(plan)["params"], batch)
+    assert sizes[0] == sizes[1], sizes
+    return sizes[0], plan
+
+
+@pytest.mark.parametrize("remat", ["none", "dots", "full"])
+def test_boundary_formula(remat):
+    """The boundary of a dense stack of 2 layers (D 64, F 192, 4 heads, 2 KV heads, 2 sequences of 8 and of 32
+    tokens: the attention probabilities grow as s^2) against the planner's per-layer formula
+    (`jaxpar.analysis.planner.plan._boundary_bytes`), at tensor 1 and 2, with and without sequence parallelism:
+    equal to the byte."""
+    from jaxpar.analysis.planner.dims import dims
+    from jaxpar.analysis.planner.plan import _boundary_bytes
+
+    shape = ("model.d_model=64", "model.d_ff=192", "model.n_heads=4", "model.n_kv_heads=2", f"model.remat={remat}")
+    for (name, (t, layout)), seq in itertools.product(BOUNDARY_LAYOUTS.items(), (8, 32)):
+        traced, plan = _traced_boundary_bytes([*shape, "train.global_batch_size=2", *layout], t, seq)
+        d = dims(plan.cfg, "cpu")
+        assert (d.b, d.s) == (2, seq) and d.sp == name.endswith("sp")
+        assert traced == 2 * _boundary_bytes(plan.cfg, d), (name, seq, traced)

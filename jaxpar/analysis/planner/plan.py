@@ -142,15 +142,34 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
 
 
 def _boundary_bytes(cfg: Config, d: Dims) -> int:
-    """Bytes of B's boundary that a zero-bubble schedule keeps for W, per layer and microbatch
-    (`jaxpar.parallel.split_backward`, counted from the dense Llama block's trace): b T' (8 D + 2 D_kv + 4 F + 2)
-    + 2 D elements with model.remat none, b T' (10 D + 2 D_kv + 4 F) otherwise (the full-remat count, the most
-    W can need), with the heads' and the MLP's widths over tensor, in the compute dtype."""
-    mdl, t = cfg.model, d.shape[TENSOR]
-    dm, d_kv, f = mdl.d_model, mdl.kv_heads * mdl.head_width // t, mdl.d_ff // t
-    if mdl.remat == "none":
-        return (d.b * d.s_act * (8 * dm + 2 * d_kv + 4 * f + 2) + 2 * dm) * d.compute_bytes
-    return d.b * d.s_act * (10 * dm + 2 * d_kv + 4 * f) * d.compute_bytes
+    """Bytes of B's boundary that a zero-bubble schedule keeps for W, per layer and microbatch, as
+    `jaxpar.parallel.split_backward` splits the dense Llama block (counted from its trace at tensor 1 and 2, with
+    and without sequence parallelism, and two sequence lengths; `tests/unit/test_split_backward.py`).
+
+    With R = b*s rows of the full sequence, R' = b*s' rows of the activations (s' = s/t under sequence
+    parallelism), D_t and D_kv/t the query and key-value widths and F_t the MLP width on one device:
+      R (q D_t + k D_kv/t + 4 F_t)   the projections' inputs and output cotangents that W multiplies (q = 2,
+                                     k = 2 under model.remat none, else q = 1, k = 3),
+      + R 4D                         (R 2D + 2D under none or dots without sequence parallelism),
+      + R' 4D (+ 2 R' unless full)   the norms' terms, in fp32,
+      + the attention's (not under none): b (H/t) s^2 probabilities on XLA's path (`score_elements`), or
+        R (2 D_t + D_kv/t) on cuDNN's (read from the GPU compiler's buffers at Llama 1B's shape),
+    in the compute dtype but where named. model.remat full at tensor 1 traces differently: R (6D + 2 D_kv + 4F)
+    + the norms' R 4D, i.e. R (10D + 2D_kv + 4F) elements, no attention term. (model.remat names counts as
+    dots.)"""
+    mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
+    dm, rows, rows_act = mdl.d_model, d.b * d.s, d.b * d.s_act
+    d_t, d_kv, f_t = mdl.n_heads * mdl.head_width // t, mdl.kv_heads * mdl.head_width // t, mdl.d_ff // t
+    none, full = mdl.remat == "none", mdl.remat == "full"
+    fp32 = rows_act * 4 * dm + (0 if full else 2 * rows_act)
+    if full and t == 1:
+        return rows * (6 * dm + 2 * d_kv + 4 * f_t) * bc + fp32 * 4
+    compute = rows * ((2 if none else 1) * d_t + (2 if none else 3) * d_kv + 4 * f_t)
+    compute += rows * 4 * dm if full or d.sp else rows * 2 * dm + 2 * dm
+    if not none:
+        cudnn = attention_implementation(cfg, d.platform) == "cudnn"
+        compute += rows * (2 * d_t + d_kv) if cudnn else score_elements(cfg, d)
+    return compute * bc + fp32 * 4
 
 
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
@@ -224,15 +243,19 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         in_flight, stash, formula_flight = 1, 0, "1 microbatch (accumulation runs them in turn)"
     elif cfg.pipeline.schedule in ZERO_BUBBLE:
         prog = slot_program(zero_bubble.build(cfg.pipeline.schedule, p, d.m, v))
-        w_ring = prog.w_slots * d.layers_per_chunk * _boundary_bytes(cfg, d)
+        # Each ring's slots (the table's peak) and one more row: what the slot's switch returns to be written
+        # (`jaxpar.parallel.pipeline_zb`).
+        stash_rows, w_rows = prog.stash_slots + 1, prog.w_slots + 1
+        w_ring = w_rows * d.layers_per_chunk * _boundary_bytes(cfg, d)
         if cfg.pipeline.recompute:
-            in_flight, stash = 1 / v, prog.stash_slots * stage_input
+            in_flight, stash = 1 / v, stash_rows * stage_input
         else:
-            in_flight, stash = prog.stash_slots / v, 0
+            in_flight, stash = stash_rows / v, 0
         formula_flight = (
             f"{cfg.pipeline.schedule}: a stash ring of {prog.stash_slots} chunk-microbatches' "
             + ("inputs (forward recomputed)" if cfg.pipeline.recompute else "layers")
-            + f" and a W ring of {prog.w_slots} chunk-microbatches' B boundaries (the table's peaks)"
+            + f" and a W ring of {prog.w_slots} chunk-microbatches' B boundaries (the table's peaks), each with one "
+            "more row (the slot switch's result)"
         )
     elif cfg.pipeline.schedule == "1f1b" and cfg.pipeline.recompute and v == 1:
         in_flight, stash = 1, (2 * p - 1) * stage_input
@@ -259,7 +282,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     # Layer-microbatches held: L/p per microbatch in flight, or L/(pv) per chunk-microbatch (an integer).
     held: float
     if cfg.pipeline.schedule in ZERO_BUBBLE and p > 1:
-        held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else prog.stash_slots)
+        held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else prog.stash_slots + 1)
     elif v == 1:
         held = d.layers_per_stage * in_flight
     else:
