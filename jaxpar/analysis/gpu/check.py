@@ -108,9 +108,10 @@ def planned_peak(cfg: Config) -> int:
 def check_config(path: str, name: str | None = None) -> dict:
     """Compiles the config at `path` for its documented cluster (module docstring) and returns its record:
     {"config" (`name`, default the file name), "cluster", "mesh" (axis -> size), "rows_per_microbatch" (per
-    device), "grad_accum_steps", "remat", "fingerprint", "argument_bytes", "temp_bytes", "peak_bytes" (per
-    device, the GPU compiler's), "planned_peak_bytes", "ratio" (compiled / planned), "usable_bytes", "fits",
-    "fused_attention", "attention_scores_materialised", "jax_version", "compile_seconds"}.
+    device), "microbatches" (`pipeline.microbatches`, per accumulation step), "grad_accum_steps", "remat",
+    "fingerprint", "argument_bytes", "temp_bytes", "peak_bytes" (per device, the GPU compiler's),
+    "planned_peak_bytes", "ratio" (compiled / planned), "usable_bytes", "fits", "fused_attention",
+    "attention_scores_materialised", "jax_version", "compile_seconds"}.
 
     Raises:
       GpuCompileUnavailable: no CUDA plugin (install the gpu-compile extra); ValueError, ConfigError as
@@ -126,10 +127,7 @@ def check_config(path: str, name: str | None = None) -> dict:
     out = compile_for_gpu(cfg, clu.target.name, clu.nodes, clu.gpus_per_node)
     shape = out["mesh"]
     rows = cfg.train.global_batch_size // (
-        shape[DATA]
-        * shape[FSDP]
-        * cfg.train.grad_accum_steps
-        * (cfg.pipeline.microbatches if shape[PIPELINE] == 1 else 1)
+        shape[DATA] * shape[FSDP] * cfg.train.grad_accum_steps * cfg.pipeline.microbatches
     )
     planned = planned_peak(cfg)
     m = out["memory"]
@@ -138,6 +136,7 @@ def check_config(path: str, name: str | None = None) -> dict:
         "cluster": cluster,
         "mesh": shape,
         "rows_per_microbatch": rows,
+        "microbatches": cfg.pipeline.microbatches,
         "grad_accum_steps": cfg.train.grad_accum_steps,
         "remat": cfg.model.remat,
         "fingerprint": fingerprint(cfg),
@@ -178,6 +177,12 @@ def problems(record: dict, path: str) -> list[str]:
     return out
 
 
+def _pipelined(record: dict) -> str:
+    """The table's note on a pipelined record's microbatches per accumulation step ("" without a pipeline)."""
+    m = record.get("microbatches", 1)
+    return f" ({m} microbatches in the pipeline)" if record["mesh"][PIPELINE] > 1 else ""
+
+
 def format_table(records: list[dict], planned: dict[str, int] | None = None) -> str:
     """Markdown table of records: config, cluster, mesh, rows per microbatch x accumulation, remat,
     GPU-compiled peak, planned peak (`planned` overrides the recorded one, by config name), ratio, share of
@@ -196,7 +201,7 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
         memory = r["usable_bytes"] / _memory_fraction()
         lines.append(
             f"| `{r['config']}` | {r['cluster']} | {m[DATA]} x {m[FSDP]} x {m[TENSOR]} x "
-            f"{m[PIPELINE]} | {r['rows_per_microbatch']} x {r['grad_accum_steps']} | {r['remat']} | "
+            f"{m[PIPELINE]} | {r['rows_per_microbatch']} x {r['grad_accum_steps']}{_pipelined(r)} | {r['remat']} | "
             f"{r['peak_bytes'] / GB:.1f} GB | {plan_peak / GB:.1f} GB | "
             f"{r['peak_bytes'] / plan_peak:.2f} | {r['peak_bytes'] / memory:.0%} |"
         )
