@@ -24,17 +24,21 @@ the groups differently, so results agree bitwise or within fp32 reordering.
 
 Memory W's deferral keeps alive: `boundary_bytes`, per stage-microbatch, held from B until W. W of a linear
 layer y = x A needs its input x and its output gradient dy (dA = x^T dy), of an RMSNorm scale the norm's input
-and output gradient; which of those B already holds, and which W recomputes elementwise from what B holds,
-depends on the rematerialisation policy. Counted from the trace of the dense Llama block (one stage from its
-stash, as `jaxpar.parallel.pipeline_zb` runs it, with or without `pipeline.recompute`; D model width, D_kv the
-key/value projections' width, F the MLP's hidden width), per layer, in elements of the compute dtype:
+and output gradient; which of those B already holds, and which W recomputes from what B holds, depends on the
+rematerialisation policy. W recomputes an all-gather rather than keep its result (`_REDO_IN_W`: under sequence
+parallelism the block inputs and output gradients, gathered from s/t rows to s), and a conversion, reshape or
+transpose whose input is no larger. Counted from the trace of the dense Llama block at tensor 1 (one stage from
+its stash, as `jaxpar.parallel.pipeline_zb` runs it, with or without `pipeline.recompute`; D model width, D_kv
+the key/value projections' width, F the MLP's hidden width), per layer, in elements of the compute dtype:
 
     model.remat none:  b T' (8 D + 2 D_kv + 4 F + 2) + 2 D
+    model.remat dots:  b T' (8 D + 3 D_kv + 4 F + 2) + 2 D + the attention's
     model.remat full:  b T' (10 D + 2 D_kv + 4 F)
 
 e.g. 4F: the gate's and up projection's outputs, from which W forms the down projection's input, and their
-gradients; 2 D_kv: the key and value projections' output gradients. The tests check both formulas on two shapes
-and compare the figure with the compiled program's temporaries.
+gradients; 2 D_kv: the key and value projections' output gradients. The general count (tensor parallelism,
+sequence parallelism, the attention's term) is `jaxpar.analysis.planner.plan`'s; the tests check it to the byte
+against this split and compare the figure with the compiled program's temporaries.
 """
 
 from __future__ import annotations
@@ -156,6 +160,38 @@ def _is_var(atom) -> bool:
     return isinstance(atom, _V)
 
 
+# Equations whose results W computes again from their inputs rather than keeping them from B. An all-gather's
+# result is (devices on its axis) times its input, so keeping the input and gathering it again in W (one more
+# collective per use, over the axis the forward gathered on) shrinks the boundary: under sequence parallelism
+# these are the block inputs and output gradients the weight gradients multiply, gathered from s/t rows to s.
+# A reshape, transpose or dtype conversion of one input no larger than its result is redone too (so W also
+# reaches an all-gather behind it, and keeps a bf16 value rather than its fp32 conversion), and so is the
+# identity `name` that a rematerialisation policy tags values with (`jax.ad_checkpoint.checkpoint_name`).
+_REDO_IN_W = frozenset({"all_gather"})
+_REDO_IF_NOT_SMALLER = frozenset(
+    {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "name"}
+)
+
+
+def _nbytes(aval) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+
+
+def _redone_in_w(op) -> bool:
+    if not isinstance(op, _Eqn):
+        return False
+    name = op.eqn.primitive.name
+    if name in _REDO_IN_W:
+        return True
+    ins = [a for a in op.ins if _is_var(a)]
+    return (
+        name in _REDO_IF_NOT_SMALLER
+        and len(ins) == 1
+        and len(op.outs) == 1
+        and _nbytes(ins[0].aval) <= _nbytes(op.outs[0].aval)
+    )
+
+
 class _Part:
     """The split of one flattened level (the top, or a scan body) into B and W (module docstring).
 
@@ -183,6 +219,11 @@ class _Part:
         while stack:
             v = stack.pop()
             op = producer.get(id(v))
+            if id(v) in b_vars and _redone_in_w(op):
+                if id(op) not in self.w_need:
+                    self.w_need[id(op)] = set(range(len(op.outs)))
+                    stack += [a for a in op.ins if _is_var(a)]
+                continue
             if op is None or id(v) in b_vars:
                 if id(v) not in seen_boundary:
                     seen_boundary.add(id(v))

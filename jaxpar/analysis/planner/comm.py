@@ -199,7 +199,8 @@ def _zero_bubble_passes(cfg: Config, d, branches: str) -> dict[str, int]:
     stage embeds m times (F of chunk 0) and back-propagates into the table m times (B of chunk 0), the last runs
     the head m times (F of the last chunk, gradient included). Gathers per chunk op: F's, B's (the forward it
     rebuilds with pipeline.recompute gathers again) and W's none (dW = x^T dy reads no weight); the weight
-    gradients' reduce-scatters run in W, one per backward pass. `branches` "evaluated" (a static reading of the
+    gradients' reduce-scatters run in W, one per backward pass. "w" counts the W ops (their sequence-parallel
+    all-gathers: `_tensor_terms`). `branches` "evaluated" (a static reading of the
     HLO, which cannot tell which branch of the slot switch a slot takes): every branch in every slot, the
     table's slot count in place of m*v and m."""
     a, n = d.accum, d.accum * d.m * d.virtual
@@ -221,6 +222,7 @@ def _zero_bubble_passes(cfg: Config, d, branches: str) -> dict[str, int]:
         "gathers": (3 if recompute else 2) * n,
         "rebuilt_merged": 0,
         "layers": d.layers_per_chunk,
+        "w": n,
     }
 
 
@@ -334,6 +336,10 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     if d.sp:
         ag = fwd * 2 * layers + head_fwd + bwd * (2 * layers + (2 * layers if regather else 0)) + embed_bwd
         ag -= merged if cfg.model.remat == "full" else 0
+        # A zero-bubble W gathers again what it multiplies rather than keep it gathered since B
+        # (`jaxpar.parallel.split_backward._REDO_IN_W`): both block inputs and both exits' output gradients, or
+        # under none and dots, which stash the gathered inputs, the two output gradients.
+        ag += passes.get("w", 0) * layers * (4 if regather else 2)
         _term(
             out,
             shape,
@@ -363,11 +369,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     zb = cfg.pipeline.schedule in ZERO_BUBBLE
     if zb:  # two permutes (to s + 1 and to s - 1) after every slot of the table
         shifts = 2 * zero_bubble.build(cfg.pipeline.schedule, p, d.m, d.virtual).slots
-    elif d.virtual == 1:
-        shifts = 2 * (d.m + p - 1)
-        if cfg.pipeline.schedule == "1f1b":
-            shifts -= (1 if d.m == 1 else 0) + (1 if p == 2 else 0)
-    else:  # every forward and every backward chunk tick (no loop of them is one tick long, so none is unrolled)
+    else:  # every forward and every backward (chunk) tick: m*v + p - 1 of each (1F1B's, GPipe's)
         shifts = 2 * (schedule.ticks(p, d.virtual, d.m) - schedule.warmup_ticks(p, d.virtual))
     act = d.b * d.s_act * cfg.model.d_model * d.wire(d.compute_bytes)
     _term(

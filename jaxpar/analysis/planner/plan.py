@@ -150,8 +150,10 @@ def _boundary_bytes(cfg: Config, d: Dims) -> int:
     parallelism), D_t and D_kv/t the query and key-value widths and F_t the MLP width on one device:
       R (q D_t + k D_kv/t + 4 F_t)   the projections' inputs and output cotangents that W multiplies (q = 2,
                                      k = 2 under model.remat none, else q = 1, k = 3),
-      + R 4D                         (R 2D + 2D under none or dots without sequence parallelism),
-      + R' 4D (+ 2 R' unless full)   the norms' terms, in fp32,
+      + R 4D                         (R 2D + 2D under none or dots) without sequence parallelism; with it,
+                                     R' 4D under full and (R + R') 2D under none or dots (W gathers the
+                                     block inputs and output gradients again from their s/t rows),
+      + R' 4D (+ 2 R' in fp32 unless full)   the norms' terms (W converts them to fp32 again),
       + the attention's (not under none): b (H/t) s^2 probabilities on XLA's path (`score_elements`), or
         R (2 D_t + D_kv/t) on cuDNN's (read from the GPU compiler's buffers at Llama 1B's shape),
     in the compute dtype but where named. model.remat full at tensor 1 traces differently: R (6D + 2 D_kv + 4F)
@@ -161,11 +163,14 @@ def _boundary_bytes(cfg: Config, d: Dims) -> int:
     dm, rows, rows_act = mdl.d_model, d.b * d.s, d.b * d.s_act
     d_t, d_kv, f_t = mdl.n_heads * mdl.head_width // t, mdl.kv_heads * mdl.head_width // t, mdl.d_ff // t
     none, full = mdl.remat == "none", mdl.remat == "full"
-    fp32 = rows_act * 4 * dm + (0 if full else 2 * rows_act)
+    norms, fp32 = rows_act * 4 * dm, 0 if full else 2 * rows_act
     if full and t == 1:
-        return rows * (6 * dm + 2 * d_kv + 4 * f_t) * bc + fp32 * 4
-    compute = rows * ((2 if none else 1) * d_t + (2 if none else 3) * d_kv + 4 * f_t)
-    compute += rows * 4 * dm if full or d.sp else rows * 2 * dm + 2 * dm
+        return (rows * (6 * dm + 2 * d_kv + 4 * f_t) + norms) * bc
+    compute = norms + rows * ((2 if none else 1) * d_t + (2 if none else 3) * d_kv + 4 * f_t)
+    if d.sp:  # W gathers the block inputs again (`split_backward._REDO_IN_W`); none and dots stash two gathered
+        compute += rows_act * 4 * dm if full else (rows + rows_act) * 2 * dm
+    else:
+        compute += rows * 4 * dm if full else rows * 2 * dm + 2 * dm
     if not none:
         cudnn = attention_implementation(cfg, d.platform) == "cudnn"
         compute += rows * (2 * d_t + d_kv) if cudnn else score_elements(cfg, d)
