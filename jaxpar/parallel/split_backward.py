@@ -219,7 +219,7 @@ class _Part:
         while stack:
             v = stack.pop()
             op = producer.get(id(v))
-            if id(v) in b_vars and _redone_in_w(op):
+            if op is not None and id(v) in b_vars and _redone_in_w(op):
                 if id(op) not in self.w_need:
                     self.w_need[id(op)] = set(range(len(op.outs)))
                     stack += [a for a in op.ins if _is_var(a)]

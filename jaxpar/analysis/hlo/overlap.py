@@ -73,7 +73,8 @@ class AsyncCollective:
 
 
 def _direction(attrs: str) -> str:
-    pairs = [(int(a), int(b)) for a, b in _PAIRS.findall(attrs)]
+    found = _SOURCE_TARGET.search(attrs)
+    pairs = [(int(a), int(b)) for a, b in _PAIRS.findall(found.group(1))] if found else []
     up = sum(b > a for a, b in pairs) - sum(b < a for a, b in pairs)
     return "up" if up > 0 else "down" if up < 0 else ""
 
@@ -154,9 +155,7 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
                     compute=sum(is_compute(i) for i in between),
                     gemms=sum(is_gemm(i) for i in between),
                     trips=trips.get(comp),
-                    direction=_direction(_SOURCE_TARGET.search(ins.attrs).group(1))
-                    if kind == "collective-permute" and _SOURCE_TARGET.search(ins.attrs)
-                    else "",
+                    direction=_direction(ins.attrs) if kind == "collective-permute" else "",
                 )
             )
     return rows
