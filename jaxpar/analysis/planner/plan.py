@@ -80,7 +80,7 @@ from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_lea
 from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
 from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
-from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, schedule_bubble
+from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, balanced_split, schedule_bubble, stage_flops
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.errors import ConfigError
@@ -139,6 +139,34 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
         return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+
+
+def stage_balance(cfg: Config, d: Dims, non_embedding: int) -> dict | None:
+    """Training FLOPs per token of the pipeline's stages (`jaxpar.analysis.planner.pipeline.stage_flops`): a
+    layer 6P/L + 12*D*T, the head 6*D*V on the last stage (PaLM, Chowdhery et al. 2022, appendix B; the
+    embedding is a gather), under the even split the step runs and under the whole-layer split that balances
+    them (`balanced_split`): {"layer_flops", "head_flops", "head_in_layers", "even" (busiest / mean stage),
+    "balanced_split", "balanced" (its busiest / mean)}. None without a pipeline, and for mixture-of-experts
+    models (a layer's active parameters are not P/L)."""
+    p, mdl = d.shape[PIPELINE], cfg.model
+    if p == 1 or mdl.moe.enabled:
+        return None
+    layer = 6 * non_embedding / mdl.n_layers + 12 * mdl.d_model * d.s
+    head = 6 * mdl.d_model * mdl.vocab_size
+    split = balanced_split(mdl.n_layers, p, layer, head)
+
+    def busiest(counts: tuple[int, ...]) -> float:
+        loads = stage_flops(counts, layer, head)
+        return max(loads) / (sum(loads) / p)
+
+    return {
+        "layer_flops": layer,
+        "head_flops": head,
+        "head_in_layers": head / layer,
+        "even": busiest((mdl.n_layers // p,) * p),
+        "balanced_split": list(split),
+        "balanced": busiest(split),
+    }
 
 
 def _boundary_bytes(cfg: Config, d: Dims) -> int:
@@ -438,6 +466,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule); the table's
             # idle share for zb-h1 and zb-v (jaxpar.parallel.zero_bubble)
             "bubble": schedule_bubble(cfg.pipeline.schedule, d.shape[PIPELINE], d.m, d.virtual),
+            "stage_balance": stage_balance(cfg, d, total_params - embedding),
         },
         "sequence_parallel": d.sp,
         "batch": {

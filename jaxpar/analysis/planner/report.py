@@ -34,6 +34,20 @@ def _pipeline_shape(pipe: dict) -> str:
     return f"{shape}, bubble {formula} = {pipe['bubble']:.3f}" if "bubble" in pipe else shape
 
 
+def _balance_lines(balance: dict | None) -> list[str]:
+    """The pipeline's stage FLOPs line (`jaxpar.analysis.planner.plan.stage_balance`); none without one."""
+    if not balance:
+        return []
+    split = ", ".join(str(c) for c in balance["balanced_split"])
+    return [
+        (
+            f"  stage FLOPs (6P/L + 12DT per layer, 6DV for the head on the last stage): the head costs "
+            f"{balance['head_in_layers']:.2f} layers; busiest stage / mean {balance['even']:.3f} with the even "
+            f"split, {balance['balanced']:.3f} with whole layers ({split}) per stage"
+        )
+    ]
+
+
 def _expert_lines(experts: dict | None) -> list[str]:
     """The MoE line of a plan (`jaxpar.analysis.planner.experts.expert_summary`); none for a dense model."""
     if not experts:
@@ -74,6 +88,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"P per tensor/pipeline rank {p['params']['per_rank']:,}"
         ),
         *_expert_lines(p.get("experts")),
+        *_balance_lines(pipe.get("stage_balance")),
         "",
     ]
     state = (compiled or {}).get("state", {})
