@@ -176,9 +176,9 @@ class _Lockstep:
         no place to finish it, and the GPU scheduler, which starts a collective no earlier than its cost model
         needs to hide it, starts it right after the forward; the same dependency keeps XLA's
         collective-permute-motion pass from moving the permute to the next tick's top, where the forward would
-        wait for it. Where the platform needs
-        one collective order (`StageParts.order_collectives`, XLA:CPU) the forward's and the backward's own
-        collectives keep that order too: backward permute, forward, forward permute, backward."""
+        wait for it. Where the platform needs one collective order (`StageParts.order_collectives`, XLA:CPU) the
+        forward's and the backward's own collectives keep that order too: backward permute, forward, forward
+        permute, backward. (The first backward tick's permute sends zeros: no stage has an input gradient yet.)"""
         recv_f, pending_b, stash, g_layers, g_edge, loss_acc, stats_acc = carry
         recv_b = shift(pending_b, self.p, forward=False, ring=self.v > 1) if do_backward else None
         fwd = None
