@@ -138,7 +138,13 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
-    p = _Parser(prog="jaxpar-launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="jaxpar-launch",
+        usage="%(prog)s [-h] -n NUM_PROCESSES [--devices-per-process D] [--grace S] [--port PORT] [--verbose] "
+        "-- COMMAND ...",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.double_dash = split < len(argv)
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--devices-per-process", type=int, default=None, help="CPU devices simulated per process")

@@ -82,8 +82,13 @@ RULES: tuple[Rule, ...] = (
     Rule(
         "gloo-partial-mesh",
         KEEP,
-        "Gloo's connection line when fewer peers than expected connected (followed by `is NOT connected to: [...]`)",
-        re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is"),
+        "Gloo's connection line when fewer peers than expected connected (followed by `is NOT connected to: [...]`, "
+        "which no rule drops): the expected count is there and differs from the connected one. A line whose count "
+        "another thread's write split off is a fragment",
+        re.compile(
+            r"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. Expected number of connected peer ranks is : "
+            r"(?!\1(?!\d))\d+"
+        ),
     ),
     Rule("gloo-fragment", DROP, "pieces of Gloo's connection lines split by other threads' writes", GLOO_FRAGMENTS),
 )
@@ -117,6 +122,8 @@ class OutputFilter:
             self._after_gloo |= text != piece
             return None if self._after_gloo or self._in_banner else text
         if self._in_banner and not text.strip().strip("*"):
+            return None
+        if self._after_gloo and text.strip().isdigit():  # a count split off a Gloo line by another thread's write
             return None
         rule = rule_for(text)
         self._in_banner = rule is not None and rule.name == "xla-slow-compile"

@@ -37,6 +37,17 @@ CASES = {
         ],
         [5, 6],
     ),
+    # Seen from jaxpar-launch: the expected count split off onto a line of its own by another thread's write.
+    "gloo-split-count": (
+        [
+            "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : [Gloo] Rank ",
+            "1",
+            "[Gloo] Rank 2 is connected to 3 peer ranks. Expected number of connected peer ranks is : ",
+            "3",
+            "step 0: loss 5.6",
+        ],
+        [4],
+    ),
     "gloo-partial-mesh": (
         [
             "[Gloo] Rank 0 is connected to 2 peer ranks. Expected number of connected peer ranks is : 3",

@@ -141,7 +141,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"{t['gathered_weights']:,}"
             + (
                 f" + chunk-order copies of the stage's layers and their gradients {t['chunk_order']:,} "
-                f"(interleaved 1F1B)"
+                f"(virtual stages: interleaved 1F1B, zb-v)"
                 if t.get("chunk_order")
                 else ""
             )
