@@ -21,7 +21,7 @@ Across processes (jax.distributed on CPU) XLA:CPU's collectives also mixed up th
 
 from __future__ import annotations
 
-from jaxpar.analysis.hlo.collectives import called_computations, parse_module
+from jaxpar.analysis.hlo.collectives import NESTING_OPCODES, parse_module, through_calls
 
 _COLLECTIVE_OPCODES = {
     "all-reduce",
@@ -34,11 +34,6 @@ _COLLECTIVE_OPCODES = {
     "all-gather-start",
     "collective-permute-start",
 }
-_NESTING_OPCODES = {"while", "call", "conditional"}
-
-
-def _called(attrs: str) -> list[str]:
-    return [name for _, name in called_computations(attrs)]
 
 
 def unordered_collectives(hlo_text: str, *, after_loops_only: bool = False) -> list[tuple[str, str, str, str]]:
@@ -48,16 +43,7 @@ def unordered_collectives(hlo_text: str, *, after_loops_only: bool = False) -> l
     be a scheduled module (a compiled executable's `as_text()`). With `after_loops_only` only the pairs whose
     earlier member is a loop (a collective free to start while a loop runs; the deadlock on 16 devices)."""
     comps, _, _ = parse_module(hlo_text)
-    holds: dict[str, bool] = {}
-
-    def holds_collective(comp: str) -> bool:
-        if comp not in holds:
-            holds[comp] = False  # no recursion through a cycle
-            holds[comp] = any(
-                ins.opcode in _COLLECTIVE_OPCODES or any(holds_collective(c) for c in _called(ins.attrs) if c in comps)
-                for ins in comps.get(comp, [])
-            )
-        return holds[comp]
+    uses_collectives = through_calls(comps, lambda ins: ins.opcode in _COLLECTIVE_OPCODES)
 
     out: list[tuple[str, str, str, str]] = []
     for comp, instrs in comps.items():
@@ -77,7 +63,7 @@ def unordered_collectives(hlo_text: str, *, after_loops_only: bool = False) -> l
 
         users: list[tuple[str, bool]] = []  # (name, is a loop) of the collective users scheduled so far
         for ins in instrs:
-            nested = ins.opcode in _NESTING_OPCODES and any(holds_collective(c) for c in _called(ins.attrs))
+            nested = ins.opcode in NESTING_OPCODES and uses_collectives(ins)
             if ins.opcode in _COLLECTIVE_OPCODES or nested:
                 out.extend(
                     (comp, earlier, ins.name, ins.opcode)

@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import math
 import re
+from collections.abc import Callable
 
 import numpy as np
 from jax.sharding import Mesh
@@ -272,13 +273,36 @@ def while_loops(hlo_text: str) -> list[WhileLoop]:
             if i.opcode == "while":
                 body = hlo_attr(r"body=%?([\w.\-]+)", i.attrs)
                 cond = hlo_attr(r"condition=%?([\w.\-]+)", i.attrs)
-                out.append(WhileLoop(i.name, comp, body, cond, _trip_count(i, comps), _op_name(i.attrs)))
+                out.append(WhileLoop(i.name, comp, body, cond, _trip_count(i, comps), op_name(i.attrs)))
     return out
 
 
-def _op_name(attrs: str) -> str:
+def op_name(attrs: str) -> str:
+    """The jax operation an instruction came from (its metadata's op_name), "" where it names none."""
     m = re.search(r'op_name="([^"]*)"', attrs)
     return m.group(1) if m else ""
+
+
+# Instructions that run other computations as a whole: a loop, a call, a conditional.
+NESTING_OPCODES = frozenset({"while", "call", "conditional"})
+
+
+def through_calls(comps: dict[str, list[_Instr]], test: Callable[[_Instr], bool]) -> Callable[[_Instr], bool]:
+    """`test` extended through the computations an instruction calls (`called_computations`, transitively): the
+    returned predicate holds for an instruction when `test` does or when a computation it calls holds an
+    instruction for which it does. Memoised per computation; a call cycle counts as holding none."""
+    holds: dict[str, bool] = {}
+
+    def comp_holds(comp: str) -> bool:
+        if comp not in holds:
+            holds[comp] = False  # no recursion through a cycle
+            holds[comp] = any(passes(ins) for ins in comps.get(comp, []))
+        return holds[comp]
+
+    def passes(ins: _Instr) -> bool:
+        return test(ins) or any(comp_holds(c) for _, c in called_computations(ins.attrs) if c in comps)
+
+    return passes
 
 
 def called_computations(attrs: str) -> list[tuple[str, str]]:
@@ -352,7 +376,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                     ring_bytes(kind, size, n),
                     times,
                     known,
-                    _op_name(i.attrs),
+                    op_name(i.attrs),
                 )
             )
     return out

@@ -25,14 +25,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxpar.analysis.hlo.collectives import called_computations, parse_module, while_loops
+from jaxpar.analysis.hlo.collectives import called_computations, op_name, parse_module, through_calls, while_loops
 
 KINDS = ("collective-permute", "all-gather", "reduce-scatter", "all-reduce", "all-to-all")
 _COMPUTE_OPCODES = {"fusion", "custom-call", "dot", "convolution"}
-_NESTING_OPCODES = {"while", "call", "conditional"}
 _GEMM_TARGET = re.compile(r'custom_call_target="(__cublas[^"]*|__cudnn\$[^"]*)"')
 _GEMM_FUSION = re.compile(r"calls=%?[\w.\-]*gemm|__triton_gemm|__cublas|__cudnn")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _SOURCE_TARGET = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _PAIRS = re.compile(r"\{(\d+),(\d+)\}")
 
@@ -95,38 +93,17 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
     """Every collective of the scheduled module `hlo_text` (a compiled executable's `as_text()`), in schedule
     order per computation, with the kernels scheduled between its start and done (module docstring)."""
     comps, _, _ = parse_module(hlo_text)
-    runs_kernels: dict[str, bool] = {}
-    has_gemm: dict[str, bool] = {}
 
-    def is_gemm(ins) -> bool:
+    def gemm_kernel(ins) -> bool:
         if ins.opcode == "custom-call":
             return bool(_GEMM_TARGET.search(ins.attrs))
         if ins.opcode == "fusion":
-            return bool(_GEMM_FUSION.search(ins.attrs)) or any(
-                nested_gemm(c) for _, c in called_computations(ins.attrs) if c in comps
-            )
-        if ins.opcode in _NESTING_OPCODES:
-            return any(nested_gemm(c) for _, c in called_computations(ins.attrs) if c in comps)
+            return bool(_GEMM_FUSION.search(ins.attrs))
         return ins.opcode in ("dot", "convolution")
 
-    def nested_gemm(comp: str) -> bool:
-        if comp not in has_gemm:
-            has_gemm[comp] = False  # no recursion through a cycle
-            has_gemm[comp] = any(is_gemm(i) for i in comps[comp])
-        return has_gemm[comp]
-
-    def is_compute(ins) -> bool:
-        if ins.opcode in _COMPUTE_OPCODES:
-            return True
-        return ins.opcode in _NESTING_OPCODES and any(
-            nested_compute(c) for _, c in called_computations(ins.attrs) if c in comps
-        )
-
-    def nested_compute(comp: str) -> bool:
-        if comp not in runs_kernels:
-            runs_kernels[comp] = False
-            runs_kernels[comp] = any(is_compute(i) for i in comps[comp])
-        return runs_kernels[comp]
+    # A fusion, loop, call or conditional counts by what it runs (GEMM fusions, a layer loop's matmuls).
+    is_gemm = through_calls(comps, gemm_kernel)
+    is_compute = through_calls(comps, lambda ins: ins.opcode in _COMPUTE_OPCODES)
 
     trips = {w.body: w.trip_count for w in while_loops(hlo_text)}
     rows: list[AsyncCollective] = []
@@ -144,13 +121,12 @@ def async_collectives(hlo_text: str) -> list[AsyncCollective]:
                     if later.opcode.endswith("-done") and ins.name in later.operands:
                         break
                     between.append(later)
-            m = _OP_NAME.search(ins.attrs)
             rows.append(
                 AsyncCollective(
                     computation=comp,
                     kind=kind,
                     name=ins.name,
-                    op_name=m.group(1) if m else "",
+                    op_name=op_name(ins.attrs),
                     asynchronous=asynchronous,
                     compute=sum(is_compute(i) for i in between),
                     gemms=sum(is_gemm(i) for i in between),
