@@ -45,7 +45,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxpar.analysis.bench.report import PIPELINE_MODEL, pipeline_overrides, zero_bubble_branch_weights
+from jaxpar.analysis.bench.report import PIPELINE_MODEL, pipeline_branch_weights, pipeline_overrides
 from jaxpar.analysis.bench.timing import interleaved_step_times, median_seconds
 from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
 from jaxpar.analysis.hlo.flops import dot_flops_per_device
@@ -80,9 +80,10 @@ class Contender:
         self.compile_s = time.perf_counter() - t0
         self.temp_bytes = int(self.step.memory_analysis().temp_size_in_bytes)
         pipe = cfg.pipeline
-        if cfg.mesh.pipeline > 1 and pipe.schedule in ZERO_BUBBLE:
-            # The slot switch selects on the slot too: its branches weighted by the table's counts per device.
-            per_device = dot_flops_per_device(self.step.as_text(), branch_weights=zero_bubble_branch_weights(self.plan))
+        if cfg.mesh.pipeline > 1 and (pipe.schedule in ZERO_BUBBLE or pipe.stage_layers or pipe.balance_stages):
+            # The slot switch selects on the slot too, and an uneven split's skip conds on the row: their branches
+            # weighted by the table's counts per device and by the device's share of rows holding a layer.
+            per_device = dot_flops_per_device(self.step.as_text(), branch_weights=pipeline_branch_weights(self.plan))
             self.flops, self.busiest = sum(per_device) / len(devices), max(per_device)
         elif pipe.virtual_stages == 1:
             per_device = dot_flops_per_device(self.step.as_text())

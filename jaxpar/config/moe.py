@@ -110,6 +110,8 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
         )
     stages, v = shape[PIPELINE], cfg.pipeline.virtual_stages
     units = m.n_layers // moe.every
+    if cfg.pipeline.stage_layers or cfg.pipeline.balance_stages:
+        v = 1  # an uneven split stores the units evenly over the stages; the chunks' own counts are checked there
     if stages > 1 and units % (stages * v):
         raise ConfigError(
             f"model.n_layers / model.moe.every = {m.n_layers} / {moe.every} = {units} MoE units (the layer "

@@ -204,12 +204,26 @@ class PipelineConfig:
         (`jaxpar.parallel.schedule`, `jaxpar.parallel.pipeline`). Needs schedule 1f1b or zb-h1, mesh.pipeline > 1,
         model.n_layers divisible by mesh.pipeline * v and M divisible by mesh.pipeline. 1 = plain 1F1B. zb-v
         needs exactly 2 (its V) and takes any M.
+      stage_layers: layers of each model chunk in model order: mesh.pipeline entries, or mesh.pipeline *
+        virtual_stages with virtual stages (chunk c runs on device c mod p, on the V with zb-v), each at least 0
+        and summing to model.n_layers (with model.moe, each a multiple of model.moe.every). [] (the default): the
+        even split. The first stage also runs the embedding and the last the head and loss; in a lockstep
+        pipeline the busiest stage sets every tick's pace, so giving the last stage fewer layers speeds the step
+        (Megatron-LM's first/last-stage layer counts do the same). Every schedule runs it; the parameters stay
+        stored evenly over `pipeline` in model order (checkpoints do not depend on the split), so model.n_layers
+        must still divide by mesh.pipeline, and one permute per step moves the layers that change stage
+        (`jaxpar.parallel.layer_split`). Evaluation runs the even split.
+      balance_stages: `true` picks stage_layers itself: the whole-layer split that balances the model chunks'
+        training FLOPs, the head's 6*D*V per token included (`jaxpar.parallel.layer_split.balanced_split`;
+        `jaxpar-plan` prints it). Not together with stage_layers.
     """
 
     schedule: str = "1f1b"
     microbatches: int = 1
     recompute: bool = False
     virtual_stages: int = 1
+    stage_layers: tuple[int, ...] = ()
+    balance_stages: bool = False
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,54 @@ def _check_pipeline(cfg: Config, stages: int) -> None:
             f"equal depth); change model.n_layers or mesh.pipeline"
         )
     _virtual_stages(cfg, stages)
+    _stage_layers(cfg, stages)
+
+
+def uneven_split(cfg: Config) -> bool:
+    """Whether the config asks for a split other than the even one (`pipeline.stage_layers` or
+    `pipeline.balance_stages`)."""
+    return bool(cfg.pipeline.stage_layers) or cfg.pipeline.balance_stages
+
+
+def _stage_layers(cfg: Config, stages: int) -> None:
+    """pipeline.stage_layers and pipeline.balance_stages: one count per model chunk, adding up to the model."""
+    pipe, n = cfg.pipeline, cfg.model.n_layers
+    if not uneven_split(cfg):
+        return
+    key = "pipeline.stage_layers" if pipe.stage_layers else "pipeline.balance_stages"
+    if stages == 1:
+        raise ConfigError(f"{key} splits the layers over pipeline stages: it needs mesh.pipeline > 1; unset it")
+    if pipe.stage_layers and pipe.balance_stages:
+        raise ConfigError(
+            "pipeline.stage_layers and pipeline.balance_stages both choose the split; set one (balance_stages "
+            "picks the counts itself)"
+        )
+    chunks = stages * pipe.virtual_stages
+    if n < chunks and pipe.balance_stages:
+        raise ConfigError(
+            f"pipeline.balance_stages gives each of the {chunks} model chunks at least one layer, and "
+            f"model.n_layers={n} is fewer; set pipeline.stage_layers or lower mesh.pipeline"
+        )
+    if not pipe.stage_layers:
+        return
+    counts = pipe.stage_layers
+    every = cfg.model.moe.every if cfg.model.moe.enabled else 1
+    even = [n // chunks] * chunks if n % chunks == 0 else None
+    hint = f" (the even split is {even})" if even else ""
+    if len(counts) != chunks:
+        what = f"mesh.pipeline={stages}" + (
+            f" * pipeline.virtual_stages={pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""
+        )
+        raise ConfigError(
+            f"pipeline.stage_layers={list(counts)} has {len(counts)} entries; it needs one per model chunk, "
+            f"{what} = {chunks}{hint}"
+        )
+    if any(c < 0 or c % every for c in counts) or sum(counts) != n:
+        unit = f", each a multiple of model.moe.every={every}" if every > 1 else ""
+        raise ConfigError(
+            f"pipeline.stage_layers={list(counts)} must be counts of at least 0{unit} adding up to "
+            f"model.n_layers={n} (they add up to {sum(counts)}){hint}"
+        )
 
 
 def _check_state_and_batch(cfg: Config, shape: dict[str, int]) -> None:
@@ -281,11 +329,11 @@ def _virtual_stages(cfg: Config, stages: int) -> None:
             f"pipeline.schedule=1f1b or pipeline.virtual_stages=1"
         )
     chunks = stages * v
-    if cfg.model.n_layers % chunks:
+    if cfg.model.n_layers % chunks and not uneven_split(cfg):
         raise ConfigError(
             f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline * pipeline.virtual_stages = "
             f"{stages} * {v} = {chunks} (model chunks of equal depth); change model.n_layers, mesh.pipeline or "
-            f"pipeline.virtual_stages"
+            f"pipeline.virtual_stages, or give the chunks' depths in pipeline.stage_layers"
         )
     if pipe.microbatches % stages and pipe.schedule != "zb-v":
         m = pipe.microbatches

@@ -13,10 +13,13 @@ weights (`jaxpar.parallel.gather`), and its transpose reduce-scatters their grad
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Literal, overload
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY, REMAT_POLICIES
@@ -116,6 +119,28 @@ def stack_layers(n_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], rn
     return make(rngs)
 
 
+ACTIVE_ROWS_SCOPE = "active_rows"  # the name scope of `active_rows`' skip conds
+# The stage layout's mask of an uneven pipeline split (`active_rows`): [mask, whether a scan read it].
+_ACTIVE_ROWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_active_rows", default=None)
+
+
+@contextlib.contextmanager
+def active_rows(mask: jax.Array) -> Iterator[list]:
+    """Within the block, `scan_layers` runs only the rows of the stack where `mask` (fp32 [rows of the stack])
+    is nonzero; at the others the layer is the identity (its aux zeros), skipped in a `jax.lax.cond`, so a
+    skipped row costs no FLOPs (forward or backward). The pipeline's uneven split pads each stage's stack to a
+    common depth with such rows (`jaxpar.parallel.layer_split`).
+
+    Yields a list whose element 0 is the mask and element 1 turns True once a scan has read it (so that a
+    caller can tell a model whose blocks do not run through `scan_layers`, which would ignore the mask)."""
+    state = [mask, False]
+    token = _ACTIVE_ROWS.set(state)
+    try:
+        yield state
+    finally:
+        _ACTIVE_ROWS.reset(token)
+
+
 @overload
 def scan_layers(
     layers: nnx.Module,
@@ -157,8 +182,11 @@ def scan_layers(
     With `with_aux` each layer returns (x, aux), a pytree of arrays (e.g. a mixture-of-experts block's router
     statistics, `jaxpar.model.moe`), and the result is (x, aux stacked on a leading dimension of size L).
 
+    Inside `active_rows(mask)` the rows where the mask is 0 are skipped (the identity, aux zeros).
+
     Raises:
       KeyError: `remat` is not one of `jaxpar.config.choices.REMAT_POLICIES`.
+      ValueError: inside `active_rows`, a mask whose length is not the stack's depth.
     """
     graphdef, stacked = nnx.split(layers)
 
@@ -170,5 +198,24 @@ def scan_layers(
         return out if with_aux else (out, None)
 
     body = jax.checkpoint(body, policy=CHECKPOINT_POLICIES[remat], prevent_cse=False)
-    x_BTD, aux = jax.lax.scan(body, x_BTD, stacked)
+    active = _ACTIVE_ROWS.get()
+    if active is None:
+        x_BTD, aux = jax.lax.scan(body, x_BTD, stacked)
+        return (x_BTD, aux) if with_aux else x_BTD
+    mask, depth = active[0], jax.tree.leaves(stacked)[0].shape[0]
+    if mask.shape != (depth,):
+        raise ValueError(f"active_rows: a mask of shape {mask.shape} for a stack of {depth} rows")
+    active[1] = True
+    first = jax.tree.map(lambda a: a[0], stacked)
+    aux_shape = jax.eval_shape(body, x_BTD, first)[1]
+
+    def skip(x, layer_state):
+        return x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
+
+    def masked(x, row):
+        layer_state, keep = row
+        with jax.named_scope(ACTIVE_ROWS_SCOPE):  # how readers of the compiled program find these conds
+            return jax.lax.cond(keep > 0, body, skip, x, layer_state)
+
+    x_BTD, aux = jax.lax.scan(masked, x_BTD, (stacked, mask))
     return (x_BTD, aux) if with_aux else x_BTD

@@ -43,11 +43,13 @@ against this split and compare the figure with the compiled program's temporarie
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
@@ -105,6 +107,37 @@ class _Scan:
     num_carry: int
 
 
+@dataclasses.dataclass
+class _Branch:
+    """One branch of a `cond` equation, flattened: its ops, invars (one per operand) and output atoms."""
+
+    ops: list
+    ins: list
+    outs: list
+
+
+@dataclasses.dataclass
+class _Cond:
+    """A `cond` equation with its branches flattened; ins[0] is the branch index, ins[1:] the operands.
+
+    `extras` are the values W reads that a branch's B computes (`_CondSplit.add_w`): the B cond returns them as
+    extra outputs (zeros from the other branches) and the W cond takes them as operands. Keyed by (branch,
+    id(value inside the branch)) -> (that value, its outer value); kept on the op so that every split of the
+    enclosing level names the same outer values."""
+
+    eqn: Any
+    ins: list
+    outs: list
+    branches: list  # of _Branch
+    extras: dict = dataclasses.field(default_factory=dict)
+
+    def extra(self, k: int, inner) -> _V:
+        key = (k, id(inner))
+        if key not in self.extras:
+            self.extras[key] = (inner, _V(inner.aval))
+        return self.extras[key][1]
+
+
 def _resolve(atom, sub: dict):
     if isinstance(atom, Literal):
         return _Const(atom.val)
@@ -151,6 +184,16 @@ def _flatten(jaxpr: Jaxpr, sub: dict) -> list:
                     eqn.params["num_carry"],
                 )
             )
+            continue
+        if name == "cond":
+            branches = []
+            for closed in eqn.params["branches"]:
+                branch_sub = dict(zip(closed.jaxpr.constvars, map(_Const, closed.consts)))
+                branch_ins = _fresh(closed.jaxpr.invars, branch_sub)
+                branch_ops = _flatten(closed.jaxpr, branch_sub)
+                outs = [_resolve(v, branch_sub) for v in closed.jaxpr.outvars]
+                branches.append(_Branch(branch_ops, branch_ins, outs))
+            ops.append(_Cond(eqn, ins, _fresh(eqn.outvars, sub), branches))
             continue
         ops.append(_Eqn(eqn, ins, _fresh(eqn.outvars, sub)))
     return ops
@@ -207,6 +250,7 @@ class _Part:
         # B: every op (for a scan, which of its outputs) the B outputs depend on.
         self.b_need: dict[int, set[int]] = {}  # id(op) -> indices of its outputs B computes
         self.scans: dict[int, _ScanSplit] = {}
+        self.conds: dict[int, _CondSplit] = {}
         self._demand(b_outs, self.b_need, side="B")
         b_vars = {
             id(v) for op in ops if id(op) in self.b_need for k, v in enumerate(op.outs) if self._computed_by_b(op, k)
@@ -241,6 +285,8 @@ class _Part:
     def _computed_by_b(self, op, k: int) -> bool:
         if isinstance(op, _Scan):
             return k in self.scans[id(op)].b_outputs
+        if isinstance(op, _Cond):
+            return k in self.conds[id(op)].b_outputs
         return True
 
     def _demand(self, outs: Sequence, need: dict, side: str) -> None:
@@ -258,7 +304,17 @@ class _Part:
             stack += [a for a in self._inputs_for(op, got, side) if _is_var(a)]
 
     def _inputs_for(self, op, outputs: set[int], side: str) -> list:
-        """The inputs `op` reads to produce `outputs` (all of them for a kept-whole op)."""
+        """The inputs `op` reads to produce `outputs` (all of them for a kept-whole op; for a split cond's W
+        side also the values its B side returns for W, `_Cond.extras`)."""
+        if isinstance(op, _Cond):
+            if side == "B":
+                split = self.conds[id(op)] = _CondSplit(op, outputs)
+                return [op.ins[0]] + [op.ins[1 + i] for i in sorted(split.b_operands)]
+            cond = self.conds.get(id(op))
+            if cond is None:  # a cond B never touches: all of it is W's
+                cond = self.conds[id(op)] = _CondSplit(op, set())
+            cond.add_w(outputs)
+            return [op.ins[0]] + [op.ins[1 + i] for i in sorted(cond.w_operands)] + cond.extra_outer()
         if not isinstance(op, _Scan):
             return op.ins
         if side == "B":
@@ -332,6 +388,118 @@ class _ScanSplit:
         return [v for v in self.w_body.boundary if id(v) not in outside]
 
 
+class _CondSplit:
+    """A cond's B cond (the outputs `b_outputs`, each branch running its own B part, plus the values each
+    branch's W part reads from its B part as extra outputs, zeros from the other branches) and W cond (the other
+    outputs W asks for, each branch running its W part on those values and the operands it reads).
+
+    Used for the skip of an uneven pipeline split's padding rows (`jaxpar.model.stack.active_rows`): inside the
+    layer scan, one branch is the layer's backward and the other the identity, so the boundary per row is the
+    layer's (the identity's branch adds nothing)."""
+
+    def __init__(self, op: _Cond, b_outputs: set[int]):
+        self.op = op
+        self.b_outputs = set(b_outputs)
+        self.b_parts = [_Part(br.ops, [br.outs[k] for k in sorted(self.b_outputs)], []) for br in op.branches]
+        self.b_operands = set()
+        for br, part in zip(op.branches, self.b_parts):
+            read = _ScanSplit._invars_read(part.b_ops, [br.outs[k] for k in sorted(self.b_outputs)])
+            self.b_operands |= {i for i, v in enumerate(br.ins) if id(v) in read}
+        self.w_outputs: set[int] = set()
+        self.w_operands: set[int] = set()
+        self.w_parts: list[_Part] = []
+        self.w_extras: list[tuple[int, Any]] = []  # (branch, value inside it) that W reads from B
+
+    def add_w(self, outputs: set[int]) -> None:
+        want = (set(outputs) | self.w_outputs) - self.b_outputs
+        if not want or want == self.w_outputs:
+            return
+        self.w_outputs = want
+        b_outs = sorted(self.b_outputs)
+        self.w_parts, self.w_operands, self.w_extras = [], set(), []
+        for k, br in enumerate(self.op.branches):
+            part = _Part(br.ops, [br.outs[j] for j in b_outs], [br.outs[j] for j in sorted(want)])
+            if any(isinstance(o, (_Scan, _Cond)) for o in part.w_ops if id(o) in part.b_need):
+                raise ValueError("a scan or cond split into B and W inside a cond's branch is not supported")
+            position = {id(v): i for i, v in enumerate(br.ins)}
+            for v in part.boundary:
+                if id(v) in position:
+                    self.w_operands.add(position[id(v)])
+                else:
+                    self.w_extras.append((k, v))
+                    self.op.extra(k, v)
+            self.w_parts.append(part)
+
+    def extra_outer(self) -> list:
+        """The outer values of `w_extras`, in their order."""
+        return [self.op.extra(k, v) for k, v in self.w_extras]
+
+
+def _run_cond(split: _CondSplit, env: dict, side: str) -> None:
+    """One side of a split cond as a `jax.lax.switch`: B's (its outputs and every value `_Cond.extras` names)
+    or W's (its outputs, from the operands it reads and B's extra values)."""
+    op = split.op
+    # the cond's innermost name scope (e.g. `jaxpar.model.stack`'s "active_rows") on the switch too: readers of
+    # the compiled program tell the conds apart by it (`jaxpar.analysis.bench.report.skipped_rows_weights`)
+    scope = str(op.eqn.source_info.name_stack).rsplit("/", 1)[-1]
+    with jax.named_scope(scope) if scope else contextlib.nullcontext():
+        _run_cond_side(split, env, side)
+
+
+def _run_cond_side(split: _CondSplit, env: dict, side: str) -> None:
+    op = split.op
+    index = _read(env, op.ins[0])
+    if side == "B":
+        # every split of the enclosing level registers its extras on the op; the B cond returns them all (W reads
+        # those of the last split; XLA drops the rest)
+        extras = list(op.extras.items())
+        operands = sorted(split.b_operands)
+        outputs = sorted(split.b_outputs)
+
+        def b_branch(k: int):
+            br, part = op.branches[k], split.b_parts[k]
+
+            def run(*xs):
+                benv = {id(br.ins[i]): x for i, x in zip(operands, xs)}
+                _run_b(part, benv, {})
+                zero = lambda v: jnp.zeros(v.aval.shape, v.aval.dtype)  # noqa: E731
+                mine = [
+                    _read(benv, inner) if kk == k and id(inner) in benv else zero(inner)
+                    for (kk, _), (inner, _) in extras
+                ]
+                return [_read(benv, br.outs[j]) for j in outputs], mine
+
+            return run
+
+        outs, extra_vals = jax.lax.switch(
+            index, [b_branch(k) for k in range(len(op.branches))], *[_read(env, op.ins[1 + i]) for i in operands]
+        )
+        for j, x in zip(outputs, outs):
+            env[id(op.outs[j])] = x
+        for (_, (_, outer)), x in zip(extras, extra_vals):
+            env[id(outer)] = x
+        return
+    operands = sorted(split.w_operands)
+    outputs = sorted(split.w_outputs)
+    outer = split.extra_outer()
+
+    def w_branch(k: int):
+        br, part = op.branches[k], split.w_parts[k]
+
+        def run(*xs):
+            benv = {id(br.ins[i]): x for i, x in zip(operands, xs[: len(operands)])}
+            benv.update({id(v): x for (kk, v), x in zip(split.w_extras, xs[len(operands) :]) if kk == k})
+            _run_w(part, benv, {})
+            return [_read(benv, br.outs[j]) for j in outputs]
+
+        return run
+
+    args = [_read(env, op.ins[1 + i]) for i in operands] + [_read(env, v) for v in outer]
+    outs = jax.lax.switch(index, [w_branch(k) for k in range(len(op.branches))], *args)
+    for j, x in zip(outputs, outs):
+        env[id(op.outs[j])] = x
+
+
 def _read(env: dict, atom):
     """The value of an atom of the flattened backward (literals became `_Const`s in `_flatten`)."""
     return atom.val if isinstance(atom, _Const) else env[id(atom)]
@@ -352,6 +520,8 @@ def _run_b(part: _Part, env: dict, extra: dict) -> None:
     for op in part.b_ops:
         if isinstance(op, _Eqn):
             _run_eqn(op, env)
+        elif isinstance(op, _Cond):
+            _run_cond(part.conds[id(op)], env, "B")
         else:
             _run_scan(part.scans[id(op)], env, extra, "B")
 
@@ -361,6 +531,8 @@ def _run_w(part: _Part, env: dict, extra: dict) -> None:
     for op in part.w_ops:
         if isinstance(op, _Eqn):
             _run_eqn(op, env)
+        elif isinstance(op, _Cond):
+            _run_cond(part.conds[id(op)], env, "W")
         else:
             _run_scan(part.scans[id(op)], env, extra, "W")
 

@@ -9,21 +9,28 @@ model's MoE blocks (`jaxpar.training.moe_loss`); p stages, v virtual stages per 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
+from jaxpar.config.validate import uneven_split
+from jaxpar.model.flops import model_flops
 from jaxpar.model.interface import STACK_ATTRIBUTE
+from jaxpar.model.stack import active_rows
+from jaxpar.parallel import layer_split, zero_bubble
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.pipeline_1f1b import one_f_one_b
 from jaxpar.parallel.pipeline_zb import zero_bubble_pipeline
 from jaxpar.training.forward import edge_gathered, gatherer, run_blocks, split_microbatches, split_stack
 from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
 from jaxpar.training.plan import StepPlan
+
+_LOGGER = logging.getLogger("jaxpar.training")
 
 
 def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = True) -> pipeline_lib.StageParts:
@@ -38,6 +45,7 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
     gather = gatherer(plan)
     tp = plan.tensor_parallel
     layers, edge = split_stack(params)
+    layers = without_mask(layers)
 
     def bind(edge_params: dict, layer_params: dict):
         return plan.mdef.bind({**edge_params, STACK_ATTRIBUTE: layer_params})
@@ -45,12 +53,27 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
     moe = plan.cfg.model.moe
     with_moe = train and moe.enabled
 
-    def blocks(layer_params, x, mb):
+    def run(layer_params, x, mb):
         if not with_moe:
             return run_blocks(bind(edge, layer_params), x, mb, gather, tp)
         h, stats = run_blocks(bind(edge, layer_params), x, mb, gather, tp, with_stats=True)
         sums = moe_sums(stats, mb["loss_mask"])
         return h, moe_loss_terms(sums, moe), sums
+
+    def blocks(layer_params, x, mb):
+        if layer_split.ACTIVE not in layer_params:
+            return run(layer_params, x, mb)
+        # an uneven split's stage layout: skip the padding rows (`jaxpar.parallel.layer_split`)
+        weights = {k: a for k, a in layer_params.items() if k != layer_split.ACTIVE}
+        with active_rows(layer_params[layer_split.ACTIVE]) as read:
+            out = run(weights, x, mb)
+        if not read[1]:
+            raise ValueError(
+                f"pipeline.stage_layers needs the model's blocks to run through jaxpar.model.scan_layers (which "
+                f"skips the padding rows of an uneven split); {type(plan.mdef.bind(params)).__name__}.run_blocks "
+                f"does not: run it with the even split (unset pipeline.stage_layers and pipeline.balance_stages)"
+            )
+        return out
 
     return pipeline_lib.StageParts(
         embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
@@ -68,6 +91,39 @@ def chunk_placement(plan: StepPlan) -> tuple[int, ...] | None:
     if plan.cfg.pipeline.schedule != "zb-v":
         return None
     return zero_bubble.v_shape(plan.mesh_shape[pipeline_lib.AXIS])
+
+
+def stage_layout(plan: StepPlan) -> layer_split.StageLayout | None:
+    """The stage layout of the configured uneven split (`pipeline.stage_layers`, or the FLOP-balanced split of
+    `pipeline.balance_stages`: a layer's share of `jaxpar.model.flops.model_flops` per token against the head's
+    6*D*V, PaLM's counts, Chowdhery et al. 2022, appendix B), in stack rows per model chunk; None for the even
+    split, also when the counts given are the even ones."""
+    cfg, p = plan.cfg, plan.mesh_shape[pipeline_lib.AXIS]
+    if p == 1 or not uneven_split(cfg):
+        return None
+    v, model = cfg.pipeline.virtual_stages, cfg.model
+    every = model.moe.every if model.moe.enabled else 1
+    if cfg.pipeline.stage_layers:
+        counts = tuple(c // every for c in cfg.pipeline.stage_layers)
+    else:
+        per_token, _ = model_flops(cfg, nnx.to_pure_dict(plan.mdef.abstract_state))
+        row = per_token / model.stack_depth
+        counts = layer_split.balanced_split(model.stack_depth, p * v, row, 6 * model.d_model * model.vocab_size)
+        _log_split(tuple(c * every for c in counts))
+    if len(set(counts)) == 1:
+        return None
+    placement = chunk_placement(plan) or tuple(c % p for c in range(p * v))
+    return layer_split.StageLayout(counts, p, placement)
+
+
+@functools.cache
+def _log_split(counts: tuple[int, ...]) -> None:
+    _LOGGER.info("pipeline.balance_stages: %s layers per model chunk", list(counts))
+
+
+def without_mask(layers: dict) -> dict:
+    """The layer stack's tree without the stage layout's mask leaf (`jaxpar.parallel.layer_split.ACTIVE`)."""
+    return {k: a for k, a in layers.items() if k != layer_split.ACTIVE}
 
 
 def _pipeline_shapes(plan: StepPlan, batch: dict, m: int) -> tuple[dict, tuple[int, ...]]:
@@ -110,10 +166,14 @@ def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Ar
     # [v, U/(pv), E] go to their units' rows in model order.
     sums = {k: jnp.sum(a, axis=0) for k, a in stats.items() if k != "load"}
     if "load" in stats:
-        sums["load"] = pipeline_lib.chunk_rows_in_model_order(
-            stats["load"], plan.mesh_shape[pipeline_lib.AXIS], chunk_placement(plan)
-        )
-    return {**g_edge, STACK_ATTRIBUTE: g_layers}, loss, sums
+        layout = stage_layout(plan)
+        if layout is not None:
+            sums["load"] = layer_split.rows_in_model_order(stats["load"], layout)
+        else:
+            sums["load"] = pipeline_lib.chunk_rows_in_model_order(
+                stats["load"], plan.mesh_shape[pipeline_lib.AXIS], chunk_placement(plan)
+            )
+    return {**g_edge, STACK_ATTRIBUTE: without_mask(g_layers)}, loss, sums
 
 
 def pipelined_eval_loss(plan: StepPlan, params: dict, batch: dict) -> jax.Array:
@@ -123,7 +183,7 @@ def pipelined_eval_loss(plan: StepPlan, params: dict, batch: dict) -> jax.Array:
     rows = batch["inputs"].shape[0]
     m = math.gcd(rows, plan.cfg.pipeline.microbatches)
     mbs, act_shape = _pipeline_shapes(plan, batch, m)
-    layers, edge = split_stack(params)
+    layers, edge = split_stack(params)  # storage order: evaluation runs the even split
     loss, _ = pipeline_lib.forward_loss(
         stage_parts(plan, params, cross_entropy, train=False),
         layers,

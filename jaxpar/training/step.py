@@ -35,13 +35,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.interface import STACK_ATTRIBUTE
+from jaxpar.parallel import layer_split
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.mesh import DATA_PARALLEL_AXES
 from jaxpar.training.forward import loss_body, split_microbatches, split_stack
 from jaxpar.training.grad_reduction import reduce_over_data, reduce_replicated
 from jaxpar.training.moe_loss import MEAN_KEYS, moe_metrics, zero_sums
 from jaxpar.training.optimizer import applied_learning_rate, nonfinite_state
-from jaxpar.training.pipelined import chunk_placement, pipeline_grads, pipelined_eval_loss
+from jaxpar.training.pipelined import (
+    chunk_placement,
+    pipeline_grads,
+    pipelined_eval_loss,
+    stage_layout,
+    without_mask,
+)
 from jaxpar.training.plan import StepPlan
 
 
@@ -80,7 +87,10 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         # Interleaved 1F1B takes the stage's layers in chunk order, once per step (parameters stay in model
         # order: checkpoints do not depend on the schedule); the gradients go back after the accumulation loop.
         staged = params
-        if virtual > 1:
+        layout = stage_layout(plan) if stages > 1 else None
+        if layout is not None:  # an uneven split: the stage layout (`jaxpar.parallel.layer_split`)
+            staged = {**params, STACK_ATTRIBUTE: layer_split.to_stage_layout(params[STACK_ATTRIBUTE], layout)}
+        elif virtual > 1:
             placement = chunk_placement(plan)
             staged = {
                 **params,
@@ -88,9 +98,12 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
             }
         grads, loss, sums = _after_every_reduction(accumulate(params, staged, batch, denom))
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
-        if virtual > 1:
+        if layout is not None or virtual > 1:
             layers, edge = split_stack(grads)
-            layers = pipeline_lib.from_chunk_order(layers, stages, virtual, placement)
+            if layout is not None:
+                layers = layer_split.from_stage_layout(layers, layout)
+            else:
+                layers = pipeline_lib.from_chunk_order(layers, stages, virtual, placement)
             # the edge gradients' reductions after the permutes (one collective order on every device)
             grads = {**pipeline_lib.ordered_after(edge, layers), STACK_ATTRIBUTE: layers}
         grads = reduce_replicated(plan, grads)
@@ -157,7 +170,9 @@ def _accumulated_grads(plan: StepPlan) -> Callable:
             s_acc = jax.tree.map(lambda a, b: a + b, s_acc, sums)
             return (g_acc, l_acc + loss, s_acc), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        # the gradients' shapes: the layers' as the schedule runs them (an uneven split's stage layout)
+        shaped = {**staged, STACK_ATTRIBUTE: without_mask(staged[STACK_ATTRIBUTE])} if stages > 1 else params
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), shaped)
         sums0 = zero_sums(plan.cfg.model.stack_depth, moe.num_experts) if moe.enabled else {}
         carry0 = (zeros, jnp.zeros((), jnp.float32), sums0)
         (grads, loss, sums), _ = jax.lax.scan(micro, carry0, split_microbatches(batch, accum))

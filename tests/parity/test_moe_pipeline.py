@@ -19,7 +19,8 @@ capacity routing on the same layout, GPipe on data=2 x pipeline=2 with ZeRO-3 ov
 stage forward recomputed inside gradient accumulation (capacity routing, ZeRO-2, 2 x 2 microbatches), 1F1B on
 fsdp=2 x tensor=2 x pipeline=2 (experts' hidden width over tensor), and
 interleaved 1F1B with virtual_stages=2 (U = 4), and zb-h1 on fsdp=2 x tensor=2 (sequence parallel) x pipeline=2
-with capacity routing.
+with capacity routing. In the default suite too: zb-h1 with the uneven split pipeline.stage_layers=[3, 1] (U = 4,
+experts over data x fsdp).
 
 `test_chunk_rows_in_model_order` checks the placement of each stage's per-unit rows (chunk order -> model order)
 alone, for interleaved layouts too, in the default suite.
@@ -175,8 +176,27 @@ CASES = {
             "pipeline.schedule=zb-h1",
         ),
     ),
+    # An uneven split (`jaxpar.parallel.layer_split`): 3 units on stage 0, 1 on stage 1 (padded to 3, skipped);
+    # the all-to-alls inside the skip's cond, the units' loads back to model order from the stage layout.
+    "data2_fsdp2_pipeline2_zbh1_uneven_ep4_dropless": (
+        "dropless",
+        1,
+        (
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.pipeline=2",
+            "pipeline.microbatches=2",
+            "pipeline.schedule=zb-h1",
+            "pipeline.stage_layers=[3,1]",
+            "model.moe.expert_axes=[data,fsdp]",
+        ),
+    ),
 }
-DEFAULT_CASES = ("data2_fsdp2_pipeline2_1f1b_ep4_dropless", "data2_fsdp2_pipeline2_zbv_ep4_dropless")
+DEFAULT_CASES = (
+    "data2_fsdp2_pipeline2_1f1b_ep4_dropless",
+    "data2_fsdp2_pipeline2_zbv_ep4_dropless",
+    "data2_fsdp2_pipeline2_zbh1_uneven_ep4_dropless",
+)
 
 
 def _overrides(routing: str, every: int, extra=()) -> list[str]:

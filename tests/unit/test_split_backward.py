@@ -157,3 +157,46 @@ def test_boundary_formula(remat):
         d = dims(plan.cfg, "cpu")
         assert (d.b, d.s) == (2, seq) and d.sp == name.endswith("sp")
         assert traced == 2 * _boundary_bytes(plan.cfg, d), (name, seq, traced)
+
+
+def test_skipped_rows_split_like_the_layers():
+    """A layer scan whose rows sit in a `lax.cond` (the padding skip of an uneven pipeline split,
+    `jaxpar.model.stack.active_rows`) splits through the cond: W computes the weight gradients from the same
+    boundary as the scan without the cond (per row, the layer branch's; the skipped branch adds nothing), and the
+    skipped row's gradients are zero. Pure jax on one device; both sides run the same equations, so bitwise."""
+
+    def layer(x, w):
+        return jnp.tanh(x @ w["a"]) @ w["b"] + x
+
+    body = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+
+    def skipping(ws, x, mask):
+        def row(x, xs):
+            w, keep = xs
+            return jax.lax.cond(keep > 0, body, lambda x, w: x, x, w), None
+
+        return jax.lax.scan(row, x, (ws, mask))[0]
+
+    def plain(ws, x):
+        return jax.lax.scan(lambda x, w: (body(x, w), None), x, ws)[0]
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    ws = {"a": jax.random.normal(keys[0], (3, 4, 5)), "b": jax.random.normal(keys[1], (3, 5, 4))}
+    x = jax.random.normal(keys[2], (2, 4))
+    d = jnp.ones((2, 4))
+
+    def split_of(fn):
+        _, vjp_fn = jax.vjp(fn, ws, x)
+        return SplitBackward(lambda d_: vjp_fn(d_)[::-1], d), lambda d_: vjp_fn(d_)[::-1]
+
+    split, backward = split_of(lambda w, y: skipping(w, y, jnp.array([1.0, 0.0, 1.0])))
+    d_x, bound = split.b(d)
+    d_w = split.w(bound)
+    want_x, want_w = backward(d)
+    np.testing.assert_array_equal(d_x, want_x)
+    for k in ("a", "b"):
+        np.testing.assert_array_equal(d_w[k], want_w[k])
+        assert np.all(np.asarray(d_w[k][1]) == 0) and np.any(np.asarray(d_w[k][0]) != 0)
+    assert all(a.shape[1:] != (4, 5) and a.shape[1:] != (5, 4) for a in split.boundary_avals), "W must compute"
+    unsplit_cond, _ = split_of(plain)
+    assert boundary_bytes(split) == boundary_bytes(unsplit_cond) > 0

@@ -1,5 +1,5 @@
-"""Stage FLOPs of a pipeline and the whole-layer split that balances them (`jaxpar.analysis.planner.pipeline`
-`stage_flops` and `balanced_split`, reported by `jaxpar-plan` through `jaxpar.analysis.planner.plan.stage_balance`).
+"""Stage FLOPs of a pipeline and the whole-layer split that balances them (`jaxpar.parallel.layer_split.stage_flops`
+and `balanced_split`, reported by `jaxpar-plan` through `jaxpar.analysis.planner.plan.stage_balance`).
 Pure arithmetic: the split is checked against every composition of small layer counts."""
 
 import itertools
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from jaxpar.analysis.planner.pipeline import balanced_split, stage_flops
 from jaxpar.analysis.planner.plan import plan
 from jaxpar.config import load_config
+from jaxpar.parallel.layer_split import balanced_split, stage_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

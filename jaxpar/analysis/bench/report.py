@@ -43,21 +43,23 @@ from jaxpar.analysis.bench.timing import (
 )
 from jaxpar.analysis.hlo.collectives import collectives_by_axis
 from jaxpar.analysis.hlo.compile_options import FAST_COMPILER_OPTIONS
-from jaxpar.analysis.hlo.flops import dot_flops_per_device
+from jaxpar.analysis.hlo.flops import BranchWeights, dot_flops_per_device
 from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.analysis.planner.comm import collective_terms
 from jaxpar.analysis.planner.memory import memory_table
-from jaxpar.analysis.planner.pipeline import schedule_bubble, stage_inputs_in_flight
+from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, schedule_bubble, stage_inputs_in_flight
 from jaxpar.config import Config, load_config, resolve_config
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import LAYOUTS
 from jaxpar.data.batch import abstract_batch, random_batch
+from jaxpar.model.stack import ACTIVE_ROWS_SCOPE
 from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
 from jaxpar.parallel.slot_program import branch_shares
 from jaxpar.parallel.slot_program import program as slot_program
 from jaxpar.training.compiled_memory import memory_analysis_bytes
+from jaxpar.training.pipelined import stage_layout
 from jaxpar.training.plan import StepPlan, build_plan
 from jaxpar.training.state import abstract_state, init_state
 from jaxpar.training.step import make_train_step
@@ -374,18 +376,37 @@ PIPELINE_VARIANTS = (
 )
 
 
-def zero_bubble_branch_weights(plan: StepPlan):
-    """`branch_weights` for `jaxpar.analysis.hlo.flops.dot_flops_per_device` of a zb-h1 or zb-v step: partition
-    -> its stage's shares of the slot switch's branches ([idle, F, B, W], `jaxpar.parallel.slot_program.
-    branch_shares`) and of the head's cond after it ([no head, head]; the embedding's gradient, the other cond
-    after the switch, has no matmul, so its branches cost the same and need no weights)."""
+def pipeline_branch_weights(plan: StepPlan) -> BranchWeights | None:
+    """`branch_weights` for `jaxpar.analysis.hlo.flops.dot_flops_per_device` of a pipelined step whose conds
+    select on more than the stage (None where it needs none: 1F1B and GPipe with the even split). Partition ->
+      * zb-h1, zb-v: its stage's shares of the slot switch's branches ([idle, F, B, W], `jaxpar.parallel.
+        slot_program.branch_shares`) and of the head's cond after it ([no head, head]; the embedding's gradient,
+        the other cond after the switch, has no matmul, so its branches cost the same and need no weights);
+      * an uneven split (`jaxpar.training.pipelined.stage_layout`): the skip conds of the stage layout's rows
+        (name scope `jaxpar.model.stack.ACTIVE_ROWS_SCOPE`), [skipped, run] in the share of the device's rows that
+        hold a layer: exact where every slot of the device runs equally often, as in the zero-bubble tables and at
+        v = 1.
+    Interleaved 1F1B's edge conds select on the tick and have no weights here (read it with skip_conditionals)."""
     pipe, p = plan.cfg.pipeline, plan.mesh_shape[PIPELINE]
-    prog = slot_program(zero_bubble.build(pipe.schedule, p, pipe.microbatches, pipe.virtual_stages))
+    layout = stage_layout(plan)
+    zb = p > 1 and pipe.schedule in ZERO_BUBBLE
+    if not zb and layout is None:
+        return None
     axis = list(plan.mesh.axis_names).index(PIPELINE)
-    shares = [branch_shares(prog, s) for s in range(p)]
+    stage = lambda pid: int(np.unravel_index(pid, plan.mesh.devices.shape)[axis])  # noqa: E731
+    shares = []
+    if zb:
+        prog = slot_program(zero_bubble.build(pipe.schedule, p, pipe.microbatches, pipe.virtual_stages))
+        shares = [branch_shares(prog, s) for s in range(p)]
+    run = [] if layout is None else [r / (layout.v * layout.n_max) for r in layout.device_rows()]
 
-    def weights(pid: int, n: int) -> list[float] | None:
-        kinds, head = shares[int(np.unravel_index(pid, plan.mesh.devices.shape)[axis])]
+    def weights(pid: int, n: int, op_name: str) -> list[float] | None:
+        s = stage(pid)
+        if run and n == 2 and f"/{ACTIVE_ROWS_SCOPE}/" in op_name:
+            return [1 - run[s], run[s]]
+        if not shares:
+            return None
+        kinds, head = shares[s]
         return kinds if n == 4 else [1 - head, head] if n == 2 else None
 
     return weights
@@ -408,7 +429,7 @@ def pipeline_schedule_rows(
     median step time over data parallelism's (steps interleaved in one run); and the measured bubbles 1 - 1/ratio of
     both next to the bubble (`jaxpar.analysis.planner.pipeline.schedule_bubble`: (p - 1)/(v m + p - 1), or the
     table's for zb-h1 and zb-v, whose slot switch is read with its branches weighted by the table's counts,
-    `zero_bubble_branch_weights`; v = 1 except for interleaved 1F1B and ZB-V). Interleaved 1F1B's embedding and head
+    `pipeline_branch_weights`; v = 1 except for interleaved 1F1B and ZB-V). Interleaved 1F1B's embedding and head
     conds select on the tick as well as the stage, which the FLOPs reader cannot evaluate: its blocks' FLOPs are
     read with the conds left out and its heads' added from the formula, 6 b T D V per microbatch on the last stage
     (b = micro_rows)."""
@@ -433,7 +454,7 @@ def pipeline_schedule_rows(
         state = init_state(plan, cfg.train.seed)
         step = make_train_step(plan).lower(state, batch).compile(compiler_options)
         if sched in ("zb-h1", "zb-v"):  # the slot switch's branches by the table's counts
-            weights = zero_bubble_branch_weights(plan)
+            weights = pipeline_branch_weights(plan)
             flops[name] = sum(dot_flops_per_device(compiled_hlo_text(step), branch_weights=weights)) / p
         elif v == 1:
             flops[name] = sum(dot_flops_per_device(compiled_hlo_text(step))) / p

@@ -207,7 +207,9 @@ class _Module:
             each = [self.total(b, (*frames, _Frame(comp, i, k)), pid) for k, b in enumerate(branches)]
             if len(set(each)) == 1:
                 return each[0]
-            weights = self.branch_weights(pid, len(branches)) if self.branch_weights else None
+            found = re.search(r'op_name="([^"]*)"', i.attrs)
+            op_name = found.group(1) if found else ""
+            weights = self.branch_weights(pid, len(branches), op_name) if self.branch_weights else None
             if weights is None:
                 raise
             return float(sum(w * c for w, c in zip(weights, each, strict=True)))
@@ -282,12 +284,14 @@ def dot_flops_per_device(
     nothing: the FLOPs every tick runs whatever its branch (e.g. interleaved 1F1B's blocks, whose embedding and
     head conds select on the tick as well as the stage, a selector this module cannot evaluate).
 
-    `branch_weights(pid, n)`: for a conditional of n branches whose selector this module cannot evaluate and
-    whose branches cost differently, the share of its executions on partition `pid` that take each branch (a
-    list of n, summing to 1; None: raise as without it); its cost is then the weighted mean of its branches'.
-    Exact for a conditional inside a loop when the shares are counted over the loop's iterations: the zero-bubble
+    `branch_weights(pid, n, op_name)`: for a conditional of n branches whose selector this module cannot
+    evaluate and whose branches cost differently, the share of its executions on partition `pid` that take each
+    branch (a list of n, summing to 1; None: raise as without it), given the conditional's `op_name` metadata
+    (jax's name stack, e.g. ".../active_rows/cond"); its cost is then the weighted mean of its branches'. Exact
+    for a conditional inside a loop when the shares are counted over the loop's iterations: the zero-bubble
     schedules' slot switch, whose per-device counts of F, B, W and idle come from the schedule's table
-    (`jaxpar.parallel.pipeline_zb`).
+    (`jaxpar.parallel.pipeline_zb`), or an uneven pipeline split's skip of its padding rows
+    (`jaxpar.model.stack.active_rows`).
 
     Raises:
       ValueError: a while loop without a readable trip count, a conditional selector this module cannot
@@ -296,7 +300,7 @@ def dot_flops_per_device(
     return per_device_cost(hlo_text, _dot_flops, skip_conditionals, branch_weights)
 
 
-BranchWeights = Callable[[int, int], "list[float] | None"]
+BranchWeights = Callable[[int, int, str], "list[float] | None"]
 
 
 def per_device_cost(

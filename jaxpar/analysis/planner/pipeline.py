@@ -13,8 +13,6 @@ All functions are pure integer/float arithmetic (no jax), so they are cheap to t
 
 from __future__ import annotations
 
-import math
-
 from jaxpar.config.choices import PIPELINE_SCHEDULES
 from jaxpar.log import human_bytes
 from jaxpar.parallel import schedule as _schedule
@@ -216,62 +214,3 @@ def format_table(rows: list[dict]) -> str:
     table = [[head for _, head, _ in COLUMNS]] + [[cell(r, k, f) for k, _, f in COLUMNS] for r in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in table)
-
-
-def stage_flops(
-    counts: tuple[int, ...], layer_flops: float, head_flops: float, embed_flops: float = 0.0
-) -> list[float]:
-    """Training FLOPs per token of each pipeline stage when stage s runs `counts[s]` layers of `layer_flops`
-    each; the first stage adds the embedding's `embed_flops`, the last the head's `head_flops` (FLOPs per token,
-    forward + backward, e.g. PaLM's 6P + 12*D*T per layer and 6*D*V for the head; Chowdhery et al. 2022,
-    appendix B).
-
-    Raises:
-      ValueError: an empty `counts`.
-    """
-    if not counts:
-        raise ValueError("counts needs one entry per stage")
-    loads = [c * layer_flops for c in counts]
-    loads[0] += embed_flops
-    loads[-1] += head_flops
-    return loads
-
-
-def balanced_split(
-    n_layers: int, p: int, layer_flops: float, head_flops: float, embed_flops: float = 0.0
-) -> tuple[int, ...]:
-    """Whole layers per stage, each stage at least one and all `n_layers` in model order, that minimise the
-    busiest stage's FLOPs (`stage_flops`): the last stage gives up layers to pay for the head. The smallest
-    bound B (a candidate busiest load, c * layer_flops + a stage's extra) at which every stage fits
-    floor((B - extra) / layer_flops) >= 1 layers adding up to at least n_layers; the surplus then comes off the
-    stages furthest above n_layers / p. Unless the head costs a whole number of layers, a whole-layer split
-    leaves the busiest stage above the mean (llama3_8b at p = 4, the head 2.4 layers: (8, 9, 9, 6), the busiest
-    1.046x the mean).
-
-    Raises:
-      ValueError: p < 1 or n_layers < p (a stage without layers).
-    """
-    if p < 1 or n_layers < p:
-        raise ValueError(f"need 1 <= p <= n_layers, got p={p} n_layers={n_layers}")
-    if p == 1:
-        return (n_layers,)
-    extra = [embed_flops] + [0.0] * (p - 2) + [head_flops]
-    best: tuple[int, ...] | None = None
-    # The busiest stage's load is c * layer + extra for some stage and count: try each as the bound.
-    bounds = sorted({c * layer_flops + e for c in range(1, n_layers + 1) for e in set(extra)})
-    for bound in bounds:
-        caps = [int((bound - e) // layer_flops) if layer_flops > 0 else n_layers for e in extra]
-        if any(c < 1 for c in caps) or sum(caps) < n_layers:
-            continue
-        # Fill to n_layers, taking from the most even stages first: start from the caps and remove the surplus
-        # from the stages furthest above n_layers / p.
-        counts = list(caps)
-        surplus = sum(counts) - n_layers
-        while surplus > 0:
-            s = max(range(p), key=lambda k: (counts[k] - n_layers / p if counts[k] > 1 else -math.inf, -k))
-            counts[s] -= 1
-            surplus -= 1
-        best = tuple(counts)
-        break
-    assert best is not None  # the largest bound admits every split
-    return best

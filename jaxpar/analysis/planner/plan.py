@@ -80,7 +80,7 @@ from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_lea
 from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
 from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
-from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, balanced_split, schedule_bubble, stage_flops
+from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, schedule_bubble
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.errors import ConfigError
@@ -89,6 +89,7 @@ from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.log import GB
 from jaxpar.parallel import schedule, zero_bubble
+from jaxpar.parallel.layer_split import balanced_split, stage_flops
 from jaxpar.parallel.sharding import storage_axes
 from jaxpar.parallel.slot_program import program as slot_program
 
@@ -142,7 +143,7 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
 
 
 def stage_balance(cfg: Config, d: Dims, non_embedding: int) -> dict | None:
-    """Training FLOPs per token of the pipeline's stages (`jaxpar.analysis.planner.pipeline.stage_flops`): a
+    """Training FLOPs per token of the pipeline's stages (`jaxpar.parallel.layer_split.stage_flops`): a
     layer 6P/L + 12*D*T, the head 6*D*V on the last stage (PaLM, Chowdhery et al. 2022, appendix B; the
     embedding is a gather), under the even split the step runs and under the whole-layer split that balances
     them (`balanced_split`): {"layer_flops", "head_flops", "head_in_layers", "even" (busiest / mean stage),
