@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.config.mesh_axes import PIPELINE
+from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.pipeline import ordered_after
 
 ACTIVE = "active_rows"  # the stage layout's mask leaf, beside the layer parameters in the stack's tree
@@ -88,6 +89,31 @@ def balanced_split(
             surplus -= 1
         return tuple(counts)
     raise AssertionError("the largest bound admits every split")
+
+
+def chunk_counts(cfg, p: int, model_flops_per_token: float) -> tuple[int, ...] | None:
+    """Stack rows of each model chunk (model order, p*v entries) under `cfg`'s split on p stages:
+    `pipeline.stage_layers` (given in layers: divided by `model.moe.every` for a mixture-of-experts stack), or
+    with `pipeline.balance_stages` the `balanced_split` of the chunks' training FLOPs per token, a row costing
+    its share of `model_flops_per_token` (6P + 12*L*D*T, `jaxpar.model.flops.model_flops`) and the head 6*D*V
+    (PaLM, Chowdhery et al. 2022, appendix B). None for the even split, also when the counts are the even ones.
+    `cfg` is a validated `jaxpar.config.Config`."""
+    pipe, model = cfg.pipeline, cfg.model
+    if p == 1 or not (pipe.stage_layers or pipe.balance_stages):
+        return None
+    every = model.moe.every if model.moe.enabled else 1
+    if pipe.stage_layers:
+        counts = tuple(c // every for c in pipe.stage_layers)
+    else:
+        row = model_flops_per_token / model.stack_depth
+        counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row, 6 * model.d_model * model.vocab_size)
+    return None if len(set(counts)) == 1 else counts
+
+
+def placement(schedule: str, p: int, v: int) -> tuple[int, ...]:
+    """The device of each model chunk: the V of zb-v (`jaxpar.parallel.zero_bubble.v_shape`: chunk c on device
+    c for c < p, on 2p - 1 - c after), else the interleaved ring (c mod p)."""
+    return zero_bubble.v_shape(p) if schedule == "zb-v" else tuple(c % p for c in range(p * v))
 
 
 @dataclasses.dataclass(frozen=True)

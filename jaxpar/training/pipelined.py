@@ -94,26 +94,20 @@ def chunk_placement(plan: StepPlan) -> tuple[int, ...] | None:
 
 
 def stage_layout(plan: StepPlan) -> layer_split.StageLayout | None:
-    """The stage layout of the configured uneven split (`pipeline.stage_layers`, or the FLOP-balanced split of
-    `pipeline.balance_stages`: a layer's share of `jaxpar.model.flops.model_flops` per token against the head's
-    6*D*V, PaLM's counts, Chowdhery et al. 2022, appendix B), in stack rows per model chunk; None for the even
-    split, also when the counts given are the even ones."""
+    """The stage layout of the configured uneven split (`jaxpar.parallel.layer_split.chunk_counts`: the rows of
+    `pipeline.stage_layers`, or the FLOP-balanced split of `pipeline.balance_stages`), None for the even split."""
     cfg, p = plan.cfg, plan.mesh_shape[pipeline_lib.AXIS]
     if p == 1 or not uneven_split(cfg):
         return None
-    v, model = cfg.pipeline.virtual_stages, cfg.model
-    every = model.moe.every if model.moe.enabled else 1
-    if cfg.pipeline.stage_layers:
-        counts = tuple(c // every for c in cfg.pipeline.stage_layers)
-    else:
-        per_token, _ = model_flops(cfg, nnx.to_pure_dict(plan.mdef.abstract_state))
-        row = per_token / model.stack_depth
-        counts = layer_split.balanced_split(model.stack_depth, p * v, row, 6 * model.d_model * model.vocab_size)
-        _log_split(tuple(c * every for c in counts))
-    if len(set(counts)) == 1:
+    per_token, _ = model_flops(cfg, nnx.to_pure_dict(plan.mdef.abstract_state))
+    counts = layer_split.chunk_counts(cfg, p, per_token)
+    if counts is None:
         return None
-    placement = chunk_placement(plan) or tuple(c % p for c in range(p * v))
-    return layer_split.StageLayout(counts, p, placement)
+    if cfg.pipeline.balance_stages:
+        every = cfg.model.moe.every if cfg.model.moe.enabled else 1
+        _log_split(tuple(c * every for c in counts))
+    v = cfg.pipeline.virtual_stages
+    return layer_split.StageLayout(counts, p, layer_split.placement(cfg.pipeline.schedule, p, v))
 
 
 @functools.cache

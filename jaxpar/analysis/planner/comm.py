@@ -382,7 +382,21 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         d.accum * shifts * act,
     )
     storage = storage_axes("params", d.zero)
-    if d.virtual > 1:
+    if d.layout is not None:
+        # An uneven split's moves into the stage layout and of the gradients back (`jaxpar.parallel.layer_split.
+        # to_stage_layout`): per layer leaf one ppermute per round of moves, in which a device sends at most one
+        # row of its local shard.
+        rounds = len(d.layout.moves[2])
+        blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
+        row = sum(local_size(x, shape, storage, d.expert_axes) for x in blocks) // d.layers_per_stage
+        for what, width in (
+            ("layer parameters into the stage layout", d.param_bytes),
+            ("layer gradients back from it", d.reduce_bytes),
+        ):
+            _term(
+                out, shape, what, (PIPELINE,), "collective-permute", rounds * len(blocks), rounds * row * d.wire(width)
+            )
+    elif d.virtual > 1:
         # The step's permutes of the stage's layers into chunk order and of their gradients back
         # (`jaxpar.parallel.pipeline.to_chunk_order`): per layer leaf one ppermute per route, each one chunk of the
         # local shard. A route whose chunks all stay on their device moves nothing (a group of one in the HLO,

@@ -23,7 +23,9 @@ from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.precision import DTYPE_BYTES, check_platform, precision_layout, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.model import init_params, logical_axes
+from jaxpar.model.flops import model_flops
 from jaxpar.model.moe import EXPERTS_AXIS
+from jaxpar.parallel.layer_split import StageLayout, chunk_counts, placement
 from jaxpar.parallel.sharding import PARAM_RULES
 
 
@@ -115,6 +117,7 @@ class Dims:
     platform: str
     virtual: int = 1  # v: model chunks per device (interleaved 1F1B, pipeline.virtual_stages); 1 without
     expert_axes: tuple[str, ...] = ()  # model.moe.expert_axes (() for a dense model)
+    layout: StageLayout | None = None  # an uneven split's stage layout (`jaxpar.parallel.layer_split`)
 
     @property
     def ep(self) -> int:
@@ -123,7 +126,10 @@ class Dims:
 
     @property
     def layers_per_chunk(self) -> int:
-        """L/(pv): the layers of one model chunk, what one 1F1B tick runs forward or backward (L/p when v = 1)."""
+        """L/(pv): the layers of one model chunk, what one 1F1B tick runs forward or backward (L/p when v = 1);
+        with an uneven split the stage layout's slot depth n_max (its padding rows skipped, but held)."""
+        if self.layout is not None:
+            return self.layout.n_max
         return self.layers_per_stage // self.virtual
 
     def wire(self, dtype_bytes: int) -> int:
@@ -162,7 +168,20 @@ def dims(cfg: Config, platform: str) -> Dims:
         platform=platform,
         virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule != "gpipe" else 1,
         expert_axes=expert_axes(cfg),
+        layout=stage_layout(cfg, p),
     )
+
+
+def stage_layout(cfg: Config, p: int) -> StageLayout | None:
+    """The stage layout of `cfg`'s uneven split on p stages (`jaxpar.parallel.layer_split.chunk_counts`, rows
+    costed by `jaxpar.model.flops.model_flops` of the model's parameter shapes), None for the even split."""
+    if p == 1 or not (cfg.pipeline.stage_layers or cfg.pipeline.balance_stages):
+        return None
+    shapes = jax.eval_shape(lambda: init_params(cfg.model, 0))
+    counts = chunk_counts(cfg, p, model_flops(cfg, shapes)[0])
+    if counts is None:
+        return None
+    return StageLayout(counts, p, placement(cfg.pipeline.schedule, p, cfg.pipeline.virtual_stages))
 
 
 def expert_axes(cfg: Config) -> tuple[str, ...]:

@@ -143,30 +143,39 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
 
 
 def stage_balance(cfg: Config, d: Dims, non_embedding: int) -> dict | None:
-    """Training FLOPs per token of the pipeline's stages (`jaxpar.parallel.layer_split.stage_flops`): a
-    layer 6P/L + 12*D*T, the head 6*D*V on the last stage (PaLM, Chowdhery et al. 2022, appendix B; the
-    embedding is a gather), under the even split the step runs and under the whole-layer split that balances
-    them (`balanced_split`): {"layer_flops", "head_flops", "head_in_layers", "even" (busiest / mean stage),
-    "balanced_split", "balanced" (its busiest / mean)}. None without a pipeline, and for mixture-of-experts
-    models (a layer's active parameters are not P/L)."""
+    """Training FLOPs per token of the pipeline's model chunks (the stages, or with v virtual stages the p*v chunks
+    one tick each runs; `jaxpar.parallel.layer_split.stage_flops`): a layer 6P/L + 12*D*T, the head 6*D*V on the
+    last (PaLM, Chowdhery et al. 2022, appendix B; the embedding is a gather), under the even split, under the
+    whole-layer split that balances them (`balanced_split`, what pipeline.balance_stages runs) and under the
+    configured one: {"layer_flops", "head_flops", "head_in_layers", "even" (busiest / mean chunk),
+    "balanced_split" (layers per chunk), "balanced" (its busiest / mean), "split" (the configured layers per
+    chunk), "configured" (its busiest / mean)}. None without a pipeline, and for mixture-of-experts models (a
+    layer's active parameters are not P/L)."""
     p, mdl = d.shape[PIPELINE], cfg.model
     if p == 1 or mdl.moe.enabled:
         return None
+    chunks = p * d.virtual
     layer = 6 * non_embedding / mdl.n_layers + 12 * mdl.d_model * d.s
     head = 6 * mdl.d_model * mdl.vocab_size
-    split = balanced_split(mdl.n_layers, p, layer, head)
+    balanced = balanced_split(mdl.n_layers, chunks, layer, head)
+    even = (mdl.n_layers // chunks,) * chunks if mdl.n_layers % chunks == 0 else None
+    split = d.layout.counts if d.layout is not None else even
 
-    def busiest(counts: tuple[int, ...]) -> float:
+    def busiest(counts: tuple[int, ...] | None) -> float | None:
+        if counts is None:
+            return None
         loads = stage_flops(counts, layer, head)
-        return max(loads) / (sum(loads) / p)
+        return max(loads) / (sum(loads) / chunks)
 
     return {
         "layer_flops": layer,
         "head_flops": head,
         "head_in_layers": head / layer,
-        "even": busiest((mdl.n_layers // p,) * p),
-        "balanced_split": list(split),
-        "balanced": busiest(split),
+        "even": busiest(even),
+        "balanced_split": list(balanced),
+        "balanced": busiest(balanced),
+        "split": None if split is None else list(split),
+        "configured": busiest(split),
     }
 
 
@@ -270,7 +279,10 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     stage_input = d.b * d.s_act * mdl.d_model * bc
     outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
-    depth = f"L/p={d.layers_per_stage}" if v == 1 else f"L/(pv)={d.layers_per_chunk}"
+    if d.layout is not None:
+        depth = f"n_max={d.layers_per_chunk} (the uneven split's deepest model chunk; padding rows held, skipped)"
+    else:
+        depth = f"L/p={d.layers_per_stage}" if v == 1 else f"L/(pv)={d.layers_per_chunk}"
     in_flight: float  # microbatches (or, interleaved, stages' worth of chunk-microbatches) whose layers are held
     w_ring = 0
     if p == 1:
@@ -318,7 +330,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     if cfg.pipeline.schedule in ZERO_BUBBLE and p > 1:
         held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else prog.stash_slots + 1)
     elif v == 1:
-        held = d.layers_per_stage * in_flight
+        held = d.layers_per_chunk * in_flight
     else:
         held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else slots)
     layers = per_layer * held + w_ring
@@ -361,8 +373,9 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     peak: one layer's and the largest of embedding and head, all-gathered, in the compute dtype), "chunk_order"
     (interleaved 1F1B, v > 1: the step's chunk-order copy of the stage's layer parameters, the local shard as stored
     over fsdp and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
-    `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; 0 for
-    v = 1), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
+    `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; with
+    an uneven split the stage layout's v*n_max rows instead, `jaxpar.parallel.layer_split`; 0 for v = 1 and the
+    even split), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
     all-to-all, twice `jaxpar.analysis.planner.experts.all_to_all_elements` elements in the compute dtype; a lower
     bound of what an MoE block holds, 0 without expert axes), "total"}.
 
@@ -375,6 +388,9 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     summed = d.accum * d.m > 1  # microbatches whose gradients add up (pipeline microbatches included)
     ea = d.expert_axes
     accum = 4 * sum(local_size(x, d.shape, storage, ea) for x in leaves) if summed else 0
+    if summed and d.layout is not None:  # the layers' accumulators in the stage layout: v*n_max rows, not L/p
+        blocks = 4 * sum(local_size(x, d.shape, storage, ea) for x in leaves if x.in_blocks)
+        accum += blocks * d.virtual * d.layout.n_max // d.layers_per_stage - blocks
     gathered = layer_grads = 0
     if math.prod(d.shape[a] for a in storage) > 1:
         w_out = max(local_size(x, d.shape) for x in leaves if not x.in_blocks)
@@ -387,8 +403,10 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         gathered = (w_out + w_layer) * d.compute_bytes
         layer_grads = w_layer * d.reduce_bytes
     chunk_order = 0
-    if d.virtual > 1:
+    if d.virtual > 1 or d.layout is not None:
         stage_layers = sum(local_size(x, d.shape, storage, ea) for x in leaves if x.in_blocks)
+        if d.layout is not None:  # the stage layout holds v*n_max rows against the L/p stored
+            stage_layers = stage_layers * d.virtual * d.layout.n_max // d.layers_per_stage
         chunk_order = stage_layers * (d.param_bytes + d.reduce_bytes)
     out = {
         "activations": activation_bytes(cfg, platform)["total"],

@@ -35,17 +35,19 @@ def _pipeline_shape(pipe: dict) -> str:
 
 
 def _balance_lines(balance: dict | None) -> list[str]:
-    """The pipeline's stage FLOPs line (`jaxpar.analysis.planner.plan.stage_balance`); none without one."""
+    """The pipeline's chunk FLOPs line (`jaxpar.analysis.planner.plan.stage_balance`); none without one."""
     if not balance:
         return []
-    split = ", ".join(str(c) for c in balance["balanced_split"])
-    return [
-        (
-            f"  stage FLOPs (6P/L + 12DT per layer, 6DV for the head on the last stage): the head costs "
-            f"{balance['head_in_layers']:.2f} layers; busiest stage / mean {balance['even']:.3f} with the even "
-            f"split, {balance['balanced']:.3f} with whole layers ({split}) per stage"
-        )
-    ]
+    listed = lambda counts: ", ".join(str(c) for c in counts)  # noqa: E731
+    even = "" if balance["even"] is None else f"{balance['even']:.3f} with the even split, "
+    line = (
+        f"  stage FLOPs (6P/L + 12DT per layer, 6DV for the head on the last model chunk): the head costs "
+        f"{balance['head_in_layers']:.2f} layers; busiest chunk / mean {even}{balance['balanced']:.3f} with "
+        f"whole layers ({listed(balance['balanced_split'])}) per chunk (pipeline.balance_stages)"
+    )
+    if balance["split"] is not None and balance["configured"] not in (balance["even"], None):
+        line += f"; this run's ({listed(balance['split'])}): {balance['configured']:.3f}"
+    return [line]
 
 
 def _expert_lines(experts: dict | None) -> list[str]:
@@ -141,7 +143,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"{t['gathered_weights']:,}"
             + (
                 f" + chunk-order copies of the stage's layers and their gradients {t['chunk_order']:,} "
-                f"(virtual stages: interleaved 1F1B, zb-v)"
+                f"(virtual stages: interleaved 1F1B, zb-v; or an uneven split's stage layout)"
                 if t.get("chunk_order")
                 else ""
             )
