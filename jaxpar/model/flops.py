@@ -125,6 +125,15 @@ def model_flops(cfg, params) -> tuple[float, float | None]:
     return per_token, hardware_flops_per_token(per_token, recomputed, stage_recompute=stage_recompute(cfg))
 
 
+def row_flops_per_token(cfg, params) -> float:
+    """Training FLOPs per token of one row of the layer stack (a layer, or a group of `model.moe.every` blocks)
+    as the hardware runs it: `model_flops`' hardware count (the remat policy's and the pipeline's recomputed
+    forwards included; the model count where the family registered none) over `model.stack_depth`. What a
+    pipeline stage's layers cost against its head's 6*D*V (`jaxpar.parallel.layer_split.chunk_counts`)."""
+    model, hardware = model_flops(cfg, params)
+    return (hardware if hardware is not None else model) / cfg.model.stack_depth
+
+
 def peak_flops(device_kind: str, override: float = 0.0) -> float | None:
     """Dense bf16 peak FLOP/s of one device: `override` if > 0, else `PEAK_FLOPS`, else None (e.g. "cpu")."""
     if override > 0:

@@ -91,13 +91,13 @@ def balanced_split(
     raise AssertionError("the largest bound admits every split")
 
 
-def chunk_counts(cfg, p: int, model_flops_per_token: float) -> tuple[int, ...] | None:
+def chunk_counts(cfg, p: int, row_flops: float) -> tuple[int, ...] | None:
     """Stack rows of each model chunk (model order, p*v entries) under `cfg`'s split on p stages:
     `pipeline.stage_layers` (given in layers: divided by `model.moe.every` for a mixture-of-experts stack), or
     with `pipeline.balance_stages` the `balanced_split` of the chunks' training FLOPs per token, a row costing
-    its share of `model_flops_per_token` (6P + 12*L*D*T, `jaxpar.model.flops.model_flops`) and the head 6*D*V
-    (PaLM, Chowdhery et al. 2022, appendix B). None for the even split, also when the counts are the even ones.
-    `cfg` is a validated `jaxpar.config.Config`."""
+    `row_flops` (`jaxpar.model.flops.row_flops_per_token`: 6P/L + 12*D*T plus what remat recomputes) and the
+    head 6*D*V (PaLM, Chowdhery et al. 2022, appendix B). None for the even split, also when the counts are the
+    even ones. `cfg` is a validated `jaxpar.config.Config`."""
     pipe, model = cfg.pipeline, cfg.model
     if p == 1 or not (pipe.stage_layers or pipe.balance_stages):
         return None
@@ -105,8 +105,8 @@ def chunk_counts(cfg, p: int, model_flops_per_token: float) -> tuple[int, ...] |
     if pipe.stage_layers:
         counts = tuple(c // every for c in pipe.stage_layers)
     else:
-        row = model_flops_per_token / model.stack_depth
-        counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row, 6 * model.d_model * model.vocab_size)
+        head = 6 * model.d_model * model.vocab_size
+        counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row_flops, head)
     return None if len(set(counts)) == 1 else counts
 
 

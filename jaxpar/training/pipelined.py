@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config.validate import uneven_split
-from jaxpar.model.flops import model_flops
+from jaxpar.model.flops import row_flops_per_token
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.model.stack import active_rows
 from jaxpar.parallel import layer_split, zero_bubble
@@ -99,8 +99,7 @@ def stage_layout(plan: StepPlan) -> layer_split.StageLayout | None:
     cfg, p = plan.cfg, plan.mesh_shape[pipeline_lib.AXIS]
     if p == 1 or not uneven_split(cfg):
         return None
-    per_token, _ = model_flops(cfg, nnx.to_pure_dict(plan.mdef.abstract_state))
-    counts = layer_split.chunk_counts(cfg, p, per_token)
+    counts = layer_split.chunk_counts(cfg, p, row_flops_per_token(cfg, nnx.to_pure_dict(plan.mdef.abstract_state)))
     if counts is None:
         return None
     if cfg.pipeline.balance_stages:

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpar.analysis.bench.baselines import reference_step
 from jaxpar.analysis.bench.timing import (
@@ -52,8 +53,10 @@ from jaxpar.config import Config, load_config, resolve_config
 from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import LAYOUTS
 from jaxpar.data.batch import abstract_batch, random_batch
+from jaxpar.model.flops import row_flops_per_token
 from jaxpar.model.stack import ACTIVE_ROWS_SCOPE
-from jaxpar.parallel import zero_bubble
+from jaxpar.parallel import layer_split, zero_bubble
+from jaxpar.parallel.layer_split import stage_flops
 from jaxpar.parallel.mesh import build_mesh
 from jaxpar.parallel.sharding import STATE_KINDS
 from jaxpar.parallel.slot_program import branch_shares
@@ -410,6 +413,24 @@ def pipeline_branch_weights(plan: StepPlan) -> BranchWeights | None:
         return kinds if n == 4 else [1 - head, head] if n == 2 else None
 
     return weights
+
+
+def busiest_device_formula(plan: StepPlan) -> float:
+    """The busiest device's training FLOPs over the mean device's, by formula: each model chunk's layers at
+    `jaxpar.model.flops.row_flops_per_token` (6P/L + 12*D*T and what remat recomputes) and the head's 6*D*V on
+    the last chunk (PaLM, Chowdhery et al. 2022, appendix B;
+    `jaxpar.parallel.layer_split.stage_flops`), summed over the chunks each device holds, under the step's split
+    (`jaxpar.training.pipelined.stage_layout`, else the even one). Pipelined over data parallelism on the same
+    devices, this is the busiest device's FLOPs over data parallelism's when no idle tick computes."""
+    cfg, p = plan.cfg, plan.mesh_shape[PIPELINE]
+    v = cfg.pipeline.virtual_stages
+    layout = stage_layout(plan)
+    counts = layout.counts if layout is not None else (cfg.model.stack_depth // (p * v),) * (p * v)
+    row = row_flops_per_token(cfg, nnx.to_pure_dict(plan.mdef.abstract_state))
+    loads = stage_flops(counts, row, 6 * cfg.model.d_model * cfg.model.vocab_size)
+    where = layer_split.placement(cfg.pipeline.schedule, p, v)
+    per_device = [sum(load for c, load in enumerate(loads) if where[c] == d) for d in range(p)]
+    return max(per_device) / (sum(per_device) / p)
 
 
 def pipeline_schedule_rows(

@@ -188,6 +188,7 @@ COLUMNS = (
     ("tick_ratio", "1/(1-bubble)", "{:.3f}"),
     ("flops_ratio", "FLOPs/dp", "{:.3f}"),
     ("busiest_ratio", "max FLOPs/dp", "{:.3f}"),
+    ("busiest_formula", "max/mean formula", "{:.3f}"),
     ("ideal_ratio", "ideal t/dp", "{:.2f}"),
     ("time_ratio", "meas t/dp", "{:.2f}"),
 )

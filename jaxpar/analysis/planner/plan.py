@@ -76,6 +76,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_leaf
 from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
@@ -88,6 +90,8 @@ from jaxpar.config.mesh_axes import PIPELINE, TENSOR, mesh_sizes
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.log import GB
+from jaxpar.model import init_params
+from jaxpar.model.flops import row_flops_per_token
 from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.layer_split import balanced_split, stage_flops
 from jaxpar.parallel.sharding import storage_axes
@@ -142,10 +146,11 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
         raise ConfigError(str(e)) from e
 
 
-def stage_balance(cfg: Config, d: Dims, non_embedding: int) -> dict | None:
+def stage_balance(cfg: Config, d: Dims) -> dict | None:
     """Training FLOPs per token of the pipeline's model chunks (the stages, or with v virtual stages the p*v chunks
-    one tick each runs; `jaxpar.parallel.layer_split.stage_flops`): a layer 6P/L + 12*D*T, the head 6*D*V on the
-    last (PaLM, Chowdhery et al. 2022, appendix B; the embedding is a gather), under the even split, under the
+    one tick each runs; `jaxpar.parallel.layer_split.stage_flops`): a layer 6P/L + 12*D*T plus what remat
+    recomputes (`jaxpar.model.flops.row_flops_per_token`), the head 6*D*V on the last (PaLM, Chowdhery et al.
+    2022, appendix B; the embedding is a gather), under the even split, under the
     whole-layer split that balances them (`balanced_split`, what pipeline.balance_stages runs) and under the
     configured one: {"layer_flops", "head_flops", "head_in_layers", "even" (busiest / mean chunk),
     "balanced_split" (layers per chunk), "balanced" (its busiest / mean), "split" (the configured layers per
@@ -155,7 +160,7 @@ def stage_balance(cfg: Config, d: Dims, non_embedding: int) -> dict | None:
     if p == 1 or mdl.moe.enabled:
         return None
     chunks = p * d.virtual
-    layer = 6 * non_embedding / mdl.n_layers + 12 * mdl.d_model * d.s
+    layer = row_flops_per_token(cfg, jax.eval_shape(lambda: init_params(mdl, 0)))
     head = 6 * mdl.d_model * mdl.vocab_size
     balanced = balanced_split(mdl.n_layers, chunks, layer, head)
     even = (mdl.n_layers // chunks,) * chunks if mdl.n_layers % chunks == 0 else None
@@ -485,7 +490,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             # (p - 1)/(v*m + p - 1), GPipe and 1F1B alike for v = 1 (jaxpar.parallel.schedule); the table's
             # idle share for zb-h1 and zb-v (jaxpar.parallel.zero_bubble)
             "bubble": schedule_bubble(cfg.pipeline.schedule, d.shape[PIPELINE], d.m, d.virtual),
-            "stage_balance": stage_balance(cfg, d, total_params - embedding),
+            "stage_balance": stage_balance(cfg, d),
         },
         "sequence_parallel": d.sp,
         "batch": {

@@ -41,7 +41,7 @@ def _balance_lines(balance: dict | None) -> list[str]:
     listed = lambda counts: ", ".join(str(c) for c in counts)  # noqa: E731
     even = "" if balance["even"] is None else f"{balance['even']:.3f} with the even split, "
     line = (
-        f"  stage FLOPs (6P/L + 12DT per layer, 6DV for the head on the last model chunk): the head costs "
+        f"  stage FLOPs (6P/L + 12DT per layer and what remat recomputes, 6DV for the head on the last model chunk): the head costs "
         f"{balance['head_in_layers']:.2f} layers; busiest chunk / mean {even}{balance['balanced']:.3f} with "
         f"whole layers ({listed(balance['balanced_split'])}) per chunk (pipeline.balance_stages)"
     )
