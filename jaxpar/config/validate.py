@@ -228,7 +228,10 @@ def _stage_layers(cfg: Config, stages: int) -> None:
         return
     key = "pipeline.stage_layers" if pipe.stage_layers else "pipeline.balance_stages"
     if stages == 1:
-        raise ConfigError(f"{key} splits the layers over pipeline stages: it needs mesh.pipeline > 1; unset it")
+        raise ConfigError(
+            f"{key} splits the layers over pipeline stages: it needs mesh.pipeline > 1; set mesh.pipeline or unset "
+            f"it, {example(key)}"
+        )
     if pipe.stage_layers and pipe.balance_stages:
         raise ConfigError(
             "pipeline.stage_layers and pipeline.balance_stages both choose the split; set one (balance_stages "

@@ -308,8 +308,8 @@ class _Part:
         side also the values its B side returns for W, `_Cond.extras`)."""
         if isinstance(op, _Cond):
             if side == "B":
-                split = self.conds[id(op)] = _CondSplit(op, outputs)
-                return [op.ins[0]] + [op.ins[1 + i] for i in sorted(split.b_operands)]
+                cond_b = self.conds[id(op)] = _CondSplit(op, outputs)
+                return [op.ins[0]] + [op.ins[1 + i] for i in sorted(cond_b.b_operands)]
             cond = self.conds.get(id(op))
             if cond is None:  # a cond B never touches: all of it is W's
                 cond = self.conds[id(op)] = _CondSplit(op, set())

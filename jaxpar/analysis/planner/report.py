@@ -41,9 +41,10 @@ def _balance_lines(balance: dict | None) -> list[str]:
     listed = lambda counts: ", ".join(str(c) for c in counts)  # noqa: E731
     even = "" if balance["even"] is None else f"{balance['even']:.3f} with the even split, "
     line = (
-        f"  stage FLOPs (6P/L + 12DT per layer and what remat recomputes, 6DV for the head on the last model chunk): the head costs "
-        f"{balance['head_in_layers']:.2f} layers; busiest chunk / mean {even}{balance['balanced']:.3f} with "
-        f"whole layers ({listed(balance['balanced_split'])}) per chunk (pipeline.balance_stages)"
+        f"  stage FLOPs (6P/L + 12DT per layer and what remat recomputes, 6DV for the head on the last model "
+        f"chunk): the head costs {balance['head_in_layers']:.2f} layers; busiest chunk / mean "
+        f"{even}{balance['balanced']:.3f} with whole layers ({listed(balance['balanced_split'])}) per chunk "
+        "(pipeline.balance_stages)"
     )
     if balance["split"] is not None and balance["configured"] not in (balance["even"], None):
         line += f"; this run's ({listed(balance['split'])}): {balance['configured']:.3f}"
