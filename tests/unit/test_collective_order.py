@@ -80,6 +80,16 @@ LAYOUTS = {
         "pipeline.virtual_stages=2",
         "model.n_layers=8",
     ),
+    # an uneven split: the moves into the stage layout and back, the padding's skip conds holding the layers'
+    # fsdp gathers and tensor collectives inside the layer scan, under zb-h1's slot switch
+    "zbh1_p2_fsdp2_tensor2_sp_uneven": (
+        "mesh.pipeline=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "pipeline.microbatches=2",
+        "pipeline.schedule=zb-h1",
+        "pipeline.stage_layers=[3,1]",
+    ),
     # tiny.yaml's layout (the README's runs, one and two processes) with accumulation: its head's fsdp gathers and
     # their reduce-scatters were free against the layer loops until the head's weights were ordered after them
     "data2_fsdp2_tensor2_accum2": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"),
