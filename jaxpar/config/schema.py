@@ -216,6 +216,14 @@ class PipelineConfig:
       balance_stages: `true` picks stage_layers itself: the whole-layer split that balances the model chunks'
         training FLOPs, the head's 6*D*V per token included (`jaxpar.parallel.layer_split.balanced_split`;
         `jaxpar-plan` prints it). Not together with stage_layers.
+      vocab_parallel: `true` splits the head and loss over the stages by vocabulary (Yeung et al. 2024,
+        "Balancing Pipeline Parallelism with Vocabulary Parallelism", arXiv 2411.05288): in each tick every
+        stage computes the logits of its 1/p of the vocabulary for the last stage's output, the softmax
+        normaliser is all-reduced over `pipeline`, and so is the head's input gradient, so the head's 6*D*V
+        FLOPs per token fall on every stage alike instead of on the last one. Costs two all-reduces of the
+        stage activation [b, T', D] over `pipeline` per microbatch. schedule 1f1b with virtual_stages 1 for now,
+        a vocabulary-parallel loss (the default cross-entropy), and model.vocab_size / mesh.tensor divisible by
+        mesh.pipeline. The parameters do not change: every stage already holds the head.
     """
 
     schedule: str = "1f1b"
@@ -224,6 +232,7 @@ class PipelineConfig:
     virtual_stages: int = 1
     stage_layers: tuple[int, ...] = ()
     balance_stages: bool = False
+    vocab_parallel: bool = False
 
 
 @dataclass(frozen=True)

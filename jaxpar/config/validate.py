@@ -57,7 +57,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         num_devices = jax.device_count()
     shape = resolve_mesh_shape(cfg, num_devices)
     _check_tensor(cfg, shape[TENSOR])
-    _check_pipeline(cfg, shape[PIPELINE])
+    _check_pipeline(cfg, shape[PIPELINE], shape[TENSOR])
     check_moe(cfg, shape)
     _check_state_and_batch(cfg, shape)
     return shape
@@ -201,7 +201,7 @@ def _check_tensor(cfg: Config, tp: int) -> None:
         )
 
 
-def _check_pipeline(cfg: Config, stages: int) -> None:
+def _check_pipeline(cfg: Config, stages: int, tp: int) -> None:
     """The `pipeline:` section on `stages` = mesh.pipeline stages: the schedule, equal-depth stages, and
     interleaving's constraints (`_virtual_stages`)."""
     check_choice("pipeline.schedule", cfg.pipeline.schedule, PIPELINE_SCHEDULES)
@@ -213,6 +213,29 @@ def _check_pipeline(cfg: Config, stages: int) -> None:
         )
     _virtual_stages(cfg, stages)
     _stage_layers(cfg, stages)
+    _vocab_parallel(cfg, stages, tp)
+
+
+def _vocab_parallel(cfg: Config, stages: int, tp: int) -> None:
+    """pipeline.vocab_parallel: a 1F1B pipeline whose tensor shard of the vocabulary splits over the stages."""
+    pipe = cfg.pipeline
+    if not pipe.vocab_parallel:
+        return
+    key = "pipeline.vocab_parallel"
+    if stages == 1:
+        raise ConfigError(f"{key} splits the head over pipeline stages: it needs mesh.pipeline > 1; {example(key)}")
+    if pipe.schedule != "1f1b" or pipe.virtual_stages != 1:
+        raise ConfigError(
+            f"{key} runs with pipeline.schedule=1f1b and pipeline.virtual_stages=1 (got {pipe.schedule}, "
+            f"{pipe.virtual_stages}); set those, or {example(key)}"
+        )
+    if cfg.model.vocab_size % (tp * stages):
+        size = -(-cfg.model.vocab_size // (tp * stages)) * tp * stages
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} must be divisible by mesh.tensor * mesh.pipeline = "
+            f"{tp} * {stages} with {key} (each stage computes an equal slice of the vocabulary); round it up, e.g. "
+            f"model.vocab_size={size}, or {example(key)}"
+        )
 
 
 def uneven_split(cfg: Config) -> bool:

@@ -96,8 +96,9 @@ def chunk_counts(cfg, p: int, row_flops: float) -> tuple[int, ...] | None:
     `pipeline.stage_layers` (given in layers: divided by `model.moe.every` for a mixture-of-experts stack), or
     with `pipeline.balance_stages` the `balanced_split` of the chunks' training FLOPs per token, a row costing
     `row_flops` (`jaxpar.model.flops.row_flops_per_token`: 6P/L + 12*D*T plus what remat recomputes) and the
-    head 6*D*V (PaLM, Chowdhery et al. 2022, appendix B). None for the even split, also when the counts are the
-    even ones. `cfg` is a validated `jaxpar.config.Config`."""
+    head 6*D*V on the last chunk (PaLM, Chowdhery et al. 2022, appendix B), or on none with
+    `pipeline.vocab_parallel` (which spreads it over the stages alike). None for the even split, also when the
+    counts are the even ones. `cfg` is a validated `jaxpar.config.Config`."""
     pipe, model = cfg.pipeline, cfg.model
     if p == 1 or not (pipe.stage_layers or pipe.balance_stages):
         return None
@@ -105,7 +106,8 @@ def chunk_counts(cfg, p: int, row_flops: float) -> tuple[int, ...] | None:
     if pipe.stage_layers:
         counts = tuple(c // every for c in pipe.stage_layers)
     else:
-        head = 6 * model.d_model * model.vocab_size
+        # the head on the last chunk; split over every stage alike (pipeline.vocab_parallel) it moves no balance
+        head = 0.0 if pipe.vocab_parallel else 6 * model.d_model * model.vocab_size
         counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row_flops, head)
     return None if len(set(counts)) == 1 else counts
 

@@ -63,6 +63,9 @@ class StageParts:
         is (d_h, loss_scale)); and `stats`, a pytree of fp32 arrays (not differentiated) that the schedules
         sum over the stage's valid microbatches, one sum per model chunk (leaves [v, ...], chunk order as
         the layers). False: the schedules run exactly the blocks' forward and backward, nothing more.
+      head_vocab: for the vocabulary-parallel head (`pipeline.vocab_parallel`; 1F1B): (edge, h [b, T', D], mb)
+        -> this stage's summed loss over its 1/p of the vocabulary, fp32, the softmax normaliser all-reduced over
+        `pipeline` inside; run by every stage on the last stage's output. None: the head runs on the last stage.
       order_collectives: whether the schedules fix one order of their collectives by data dependencies
         (`ordered_after`; `needs_collective_order` of the mesh's platform). False on GPUs, which issue
         collectives in schedule order: there the forward permute of a tick is free to run under the tick's
@@ -75,6 +78,7 @@ class StageParts:
     edge_gathered: bool = True
     blocks_loss: bool = False
     order_collectives: bool = True
+    head_vocab: Callable | None = None
 
     def after(self, tree, deps):
         """`ordered_after(tree, deps)` where the platform needs one collective order (`order_collectives`),

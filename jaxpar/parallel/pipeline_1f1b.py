@@ -241,9 +241,10 @@ class _Lockstep:
             # The last chunk's backward is this tick's forward (always valid in the steady ticks): its head
             # seeds the backward. d_h then depends on the forward on every stage, so the backward's
             # collectives start after the forward's.
-            loss, d_head, g_edge = self.head_grad(
-                fwd["h"], fwd["mb"], jnp.where(valid, scale, 0.0), g_edge, fwd["last"]
-            )
+            # (the vocabulary-parallel head runs the last stage's microbatch on every stage: valid in every
+            # steady tick, whatever this stage's backward)
+            head_scale = scale if self.parts.head_vocab is not None else jnp.where(valid, scale, 0.0)
+            loss, d_head, g_edge = self.head_grad(fwd["h"], fwd["mb"], head_scale, g_edge, fwd["last"], k)
             loss_acc = loss_acc + loss
             d_h = jnp.where(fwd["last"], d_head, recv_b)
         d_h = jnp.where(valid, d_h, jnp.zeros_like(d_h))
@@ -270,8 +271,29 @@ class _Lockstep:
         """The chunk's input: the embedding of `mb` on the model's first chunk, else the received activation."""
         return jax.lax.cond(first, lambda: self.parts.embed(self.edge, mb).astype(self.act_dtype), lambda: x_in)
 
-    def head_grad(self, h, mb, scale, g_edge, last):
-        """On the last chunk: the head's loss and its gradient with respect to the edge parameters and h."""
+    def head_grad(self, h, mb, scale, g_edge, last, k):
+        """On the last chunk: the head's loss and its gradient with respect to the edge parameters and h.
+
+        With the vocabulary-parallel head (`StageParts.head_vocab`, v = 1) every stage runs it in every tick
+        that has a head: the last stage's output h is all-reduced over `pipeline` (the others add zeros), each
+        stage takes the loss and gradients of its vocabulary slice (the normaliser all-reduced inside), and the
+        input gradients of the slices are all-reduced: their sum is the head's gradient with respect to h. The
+        edge gradients are each stage's slice's, summed over `pipeline` after the step's loop as the edge's
+        always are; the loss counts on the last stage only. Every stage reads the last stage's microbatch,
+        k - (p - 1) in tick k, for the targets."""
+        if self.parts.head_vocab is not None:
+            mb = microbatch(self.mbs, k - (self.p - 1), self.m)
+            h_all = jax.lax.psum(jnp.where(last, h, jnp.zeros_like(h)), AXIS)
+            # no cond holds the head here: where one collective order is needed, its weights' fsdp gathers
+            # (weight-only, which XLA would hoist out of the tick loop) wait for this tick's all-reduce
+            edge = self.parts.after(self.edge, h_all) if self.parts.edge_gathered else self.edge
+            loss, (d_edge, d_h) = jax.value_and_grad(
+                lambda e, y: self.parts.head_vocab(e, y, mb).astype(jnp.float32) * scale, argnums=(0, 1)
+            )(edge, h_all)
+            # the blocks' backward, which d_h seeds, after the head weights' gradient collectives (fsdp
+            # reduce-scatters), which no cond holds here (`StageParts.after`: where one order is needed)
+            d_h = self.parts.after(jax.lax.psum(d_h, AXIS), d_edge).astype(self.act_dtype)
+            return jnp.where(last, loss, 0.0), d_h, add32(g_edge, d_edge)
 
         def run():
             loss, (d_edge, d_h) = jax.value_and_grad(

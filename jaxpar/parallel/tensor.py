@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config.mesh_axes import TENSOR
+from jaxpar.config.mesh_axes import PIPELINE, TENSOR
 
 AXIS = TENSOR
 SEQ_DIM = 1  # activations are [B, T, ...]
@@ -74,6 +74,23 @@ def _reduce_bwd(_, g):
 
 
 _reduce_from_tensor.defvjp(_reduce_fwd, _reduce_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _reduce_over(x, axes: tuple[str, ...]):
+    # all-reduce over `axes`: sum partial results that every rank then uses alike
+    return jax.lax.psum(x, axes)
+
+
+def _reduce_over_fwd(x, axes):
+    return _reduce_over(x, axes), None
+
+
+def _reduce_over_bwd(axes, _, g):
+    return (g,)
+
+
+_reduce_over.defvjp(_reduce_over_fwd, _reduce_over_bwd)
 
 
 @jax.custom_vjp
@@ -159,10 +176,20 @@ class TensorParallel:
     Attributes:
       size: t, the `tensor` mesh axis size; 1 means no tensor parallelism (no collectives at all).
       sequence_parallel: shard activations between blocks over the sequence on `tensor`.
+      vocab_stages: the vocabulary shard of the logits is split once more, over `pipeline` into this many parts
+        (the pipeline's vocabulary-parallel head, `jaxpar.parallel.pipeline_1f1b`): `vocab_start` and
+        `log_softmax_terms` then count the shards over (tensor, pipeline), tensor-major. 1: not split. Only the
+        head's and the loss's context carries it; the embedding's never does.
     """
 
     size: int = 1
     sequence_parallel: bool = False
+    vocab_stages: int = 1
+
+    @property
+    def _vocab_axes(self) -> tuple[str, ...]:
+        """The mesh axes the vocabulary is sharded over (none without tensor parallelism or vocab stages)."""
+        return ((AXIS,) if self.active else ()) + ((PIPELINE,) if self.vocab_stages > 1 else ())
 
     @property
     def active(self) -> bool:
@@ -209,8 +236,12 @@ class TensorParallel:
         return _gather_sequence_values(x_BT)
 
     def vocab_start(self, vocab_local: int) -> jax.Array | int:
-        """First vocabulary id held by this rank (its shard is [start, start + vocab_local))."""
-        return jax.lax.axis_index(AXIS) * vocab_local if self.active else 0
+        """First vocabulary id held by this rank (its shard is [start, start + vocab_local)); with `vocab_stages`
+        the shard of (tensor rank r, stage s) is the s-th of r's tensor shard's `vocab_stages` parts."""
+        shard: jax.Array | int = jax.lax.axis_index(AXIS) if self.active else 0
+        if self.vocab_stages > 1:
+            shard = shard * self.vocab_stages + jax.lax.axis_index(PIPELINE)
+        return shard * vocab_local
 
     def embed(self, table_VD: jax.Array, tokens_BT: jax.Array) -> jax.Array:
         """Vocab-parallel lookup: each rank holds rows [start, start + V/t) of the table, looks up the tokens in
@@ -240,13 +271,14 @@ class TensorParallel:
         target_logit = target_logit * mine.astype(jnp.float32)
         # The max only shifts the exponentials for stability; it carries no gradient.
         shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
-        if self.active:
-            shift = jax.lax.pmax(shift, AXIS)  # max over tensor: the global max logit of each token
+        axes = self._vocab_axes
+        if axes:
+            shift = jax.lax.pmax(shift, axes)  # max over the shards: the global max logit of each token
         sum_exp = jnp.sum(jnp.exp(logits - shift[..., None]), axis=-1)
-        if self.active:
-            # all-reduce over tensor of [B, T] partial sums (forward psum, backward identity: Megatron g)
-            sum_exp = _reduce_from_tensor(sum_exp)
-            target_logit = _reduce_from_tensor(target_logit)
+        if axes:
+            # all-reduce over the shards of [B, T] partial sums (forward psum, backward identity: Megatron g)
+            sum_exp = _reduce_over(sum_exp, axes)
+            target_logit = _reduce_over(target_logit, axes)
         log_z = jnp.log(sum_exp) + shift
         return log_z, target_logit
 
@@ -259,7 +291,17 @@ class TensorParallel:
     def gather_vocab(self, logits_BTV: jax.Array) -> jax.Array:
         """This rank's vocabulary shard [B, T, V/t] -> the full logits [B, T, V] (all-gather over `tensor`), the
         same on every rank; the backward keeps this rank's slice of the gradient (no sum: every rank computes the
-        same function of the full logits). Costs B * T * V values per rank. Identity when `size` == 1."""
+        same function of the full logits). Costs B * T * V values per rank. Identity when `size` == 1.
+
+        Raises:
+          ValueError: with `vocab_stages` > 1 (a loss of the full logits cannot run on vocabulary slices).
+        """
+        if self.vocab_stages > 1:
+            raise ValueError(
+                "pipeline.vocab_parallel splits the logits over the stages and needs a vocabulary-parallel loss "
+                "(jaxpar.training.loss.VocabParallelLoss, e.g. the default cross-entropy); this loss takes the full "
+                "logits: set pipeline.vocab_parallel=false"
+            )
         if not self.active:
             return logits_BTV
         return _gather_vocab(logits_BTV, self.size)

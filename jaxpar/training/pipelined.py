@@ -8,6 +8,7 @@ model's MoE blocks (`jaxpar.training.moe_loss`); p stages, v virtual stages per 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -75,6 +76,15 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
             )
         return out
 
+    head_vocab = None
+    if train and plan.cfg.pipeline.vocab_parallel:
+        p = plan.mesh_shape[pipeline_lib.AXIS]
+        tp_v = dataclasses.replace(tp, vocab_stages=p)
+        _, edge_axes = split_stack(plan.logical)
+
+        def head_vocab(e, h, mb):
+            return summed_loss(loss_fn, bind(vocab_slice(e, edge_axes, p), layers).logits(h, gather, tp_v), mb, tp_v)
+
     return pipeline_lib.StageParts(
         embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
         blocks=blocks,
@@ -82,7 +92,25 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
         edge_gathered=edge_gathered(plan),
         blocks_loss=with_moe,
         order_collectives=pipeline_lib.needs_collective_order(plan.platform),
+        head_vocab=head_vocab,
     )
+
+
+def vocab_slice(edge: dict, axes: dict, p: int) -> dict:
+    """The edge parameters with every leaf that has a `vocab` dimension cut to this stage's 1/p of its local
+    (tensor) shard, the stage's slice of the vocabulary-parallel head (`pipeline.vocab_parallel`): stage s keeps
+    rows s*n/p .. (s+1)*n/p - 1 of the n the device holds. Inside the shard_map; `axes` are the leaves' logical
+    axes (`StepPlan.logical` without the layer stack)."""
+    s = jax.lax.axis_index(pipeline_lib.AXIS)
+
+    def cut(a, names):
+        if "vocab" not in names:
+            return a
+        d = names.index("vocab")
+        part = a.shape[d] // p
+        return jax.lax.dynamic_slice_in_dim(a, s * part, part, axis=d)
+
+    return jax.tree.map(cut, edge, axes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def chunk_placement(plan: StepPlan) -> tuple[int, ...] | None:

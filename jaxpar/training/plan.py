@@ -36,7 +36,7 @@ from jaxpar.parallel.mesh import MESH_AXES
 from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs
 from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
 from jaxpar.parallel.tensor import TensorParallel
-from jaxpar.training.loss import LossFn, check_loss_fn, cross_entropy
+from jaxpar.training.loss import LossFn, VocabParallelLoss, check_loss_fn, cross_entropy
 from jaxpar.training.optimizer import (
     build_optimizer,
     check_weight_decay_exclude,
@@ -176,6 +176,11 @@ def build_plan(
         loss_fn = cross_entropy
     else:
         check_loss_fn(loss_fn, cfg.data.seq_len, cfg.model.vocab_size)
+        if cfg.pipeline.vocab_parallel and not isinstance(loss_fn, VocabParallelLoss):
+            raise ConfigError(
+                "pipeline.vocab_parallel splits the logits over the stages, and this loss_fn takes the full logits: "
+                "give a jaxpar.training.loss.VocabParallelLoss, or set pipeline.vocab_parallel=false"
+            )
     layout = precision_layout(cfg.precision.layout)
     state_specs = _state_specs(cfg, tx, schedule, logical, specs, layout, dict(mesh.shape))
     return StepPlan(

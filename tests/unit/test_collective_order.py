@@ -90,6 +90,14 @@ LAYOUTS = {
         "pipeline.schedule=zb-h1",
         "pipeline.stage_layers=[3,1]",
     ),
+    # the vocabulary-parallel head: all-reduces over pipeline in every steady tick, beside the permutes
+    "1f1b_p2_fsdp2_tensor2_sp_vocab": (
+        "mesh.pipeline=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "pipeline.microbatches=2",
+        "pipeline.vocab_parallel=true",
+    ),
     # tiny.yaml's layout (the README's runs, one and two processes) with accumulation: its head's fsdp gathers and
     # their reduce-scatters were free against the layer loops until the head's weights were ordered after them
     "data2_fsdp2_tensor2_accum2": ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.grad_accum_steps=2"),

@@ -78,6 +78,7 @@ OUT_OF_RANGE = {
     "pipeline.virtual_stages": 0,
     "pipeline.stage_layers": [5, 3],  # needs mesh.pipeline > 1 (the default is 1)
     "pipeline.balance_stages": True,  # likewise
+    "pipeline.vocab_parallel": True,  # likewise
     "precision.compute_dtype": "fp8",
     "precision.layout": "fp8",
     "precision.reduce_dtype": "float16",

@@ -417,9 +417,9 @@ def pipeline_branch_weights(plan: StepPlan) -> BranchWeights | None:
 
 def busiest_device_formula(plan: StepPlan) -> float:
     """The busiest device's training FLOPs over the mean device's, by formula: each model chunk's layers at
-    `jaxpar.model.flops.row_flops_per_token` (6P/L + 12*D*T and what remat recomputes) and the head's 6*D*V on
-    the last chunk (PaLM, Chowdhery et al. 2022, appendix B;
-    `jaxpar.parallel.layer_split.stage_flops`), summed over the chunks each device holds, under the step's split
+    `jaxpar.model.flops.row_flops_per_token` (6P/L + 12*D*T and what remat recomputes) and the head's 6*D*V on the
+    last chunk, or 1/p of it on every device with `pipeline.vocab_parallel` (PaLM, Chowdhery et al. 2022, appendix
+    B; `jaxpar.parallel.layer_split.stage_flops`), summed over the chunks each device holds, under the step's split
     (`jaxpar.training.pipelined.stage_layout`, else the even one). Pipelined over data parallelism on the same
     devices, this is the busiest device's FLOPs over data parallelism's when no idle tick computes."""
     cfg, p = plan.cfg, plan.mesh_shape[PIPELINE]
@@ -427,9 +427,13 @@ def busiest_device_formula(plan: StepPlan) -> float:
     layout = stage_layout(plan)
     counts = layout.counts if layout is not None else (cfg.model.stack_depth // (p * v),) * (p * v)
     row = row_flops_per_token(cfg, nnx.to_pure_dict(plan.mdef.abstract_state))
-    loads = stage_flops(counts, row, 6 * cfg.model.d_model * cfg.model.vocab_size)
+    head = 6 * cfg.model.d_model * cfg.model.vocab_size
+    spread = cfg.pipeline.vocab_parallel  # the head split over the stages alike
+    loads = stage_flops(counts, row, 0.0 if spread else head)
     where = layer_split.placement(cfg.pipeline.schedule, p, v)
-    per_device = [sum(load for c, load in enumerate(loads) if where[c] == d) for d in range(p)]
+    per_device = [
+        sum(load for c, load in enumerate(loads) if where[c] == d) + (head / p if spread else 0) for d in range(p)
+    ]
     return max(per_device) / (sum(per_device) / p)
 
 
