@@ -9,7 +9,8 @@ For each p (stages) and m (microbatches) the microbatch size is fixed (global ba
 four train steps run on the same p simulated CPU devices, interleaved and timed in one run:
   * 1F1B (pipeline.recompute=false, "1f1b"; true, "1f1b-rc"), interleaved 1F1B (pipeline.virtual_stages=2,
     "1f1b-v2"; skipped where the layers or m do not divide), 1F1B with the stages' layers balanced by FLOPs
-    (pipeline.balance_stages=true, "1f1b-bal", its split named in the row), zb-h1, zb-v (2 chunks per device) and
+    (pipeline.balance_stages=true, "1f1b-bal", its split named in the row), 1F1B with the head split over the
+    stages by vocabulary (pipeline.vocab_parallel=true, "1f1b-vp"), zb-h1, zb-v (2 chunks per device) and
     GPipe on mesh pipeline=p (data=fsdp=tensor=1), pipeline.microbatches=m (`--schedules` picks some);
   * the baseline, pure data parallelism on mesh data=p (pipeline=1), one microbatch per device
     (pipeline.microbatches=1), ZeRO-0 unless overridden.
@@ -33,7 +34,7 @@ Llama-3-8B's shape (32 layers, vocabulary 128,256, 4096 tokens per row), compile
 its even split against the balanced one:
 
     python benchmarks/pipeline.py --config configs/llama3_8b.yaml --model-from-config --compile-only --stages 4
-        --microbatches 32 --micro-rows 1 --schedules 1f1b 1f1b-bal
+        --microbatches 32 --micro-rows 1 --schedules 1f1b 1f1b-bal 1f1b-vp
 
 A model with a 32,000-token vocabulary (d_model 256, 4 layers, 8 microbatches of 2 x 128 tokens on 2 devices),
 where the head outweighs the layers:
@@ -74,8 +75,9 @@ from jaxpar.training.state import abstract_state, init_state
 from jaxpar.training.step import make_train_step
 
 # -rc: pipeline.recompute=true; -v2: pipeline.virtual_stages=2 (zb-v always runs 2 chunks per device); -bal:
-# pipeline.balance_stages=true (the whole-layer split that balances the stages' FLOPs, `jaxpar.parallel.layer_split`)
-SCHEDULES = ("1f1b", "1f1b-rc", "1f1b-v2", "1f1b-bal", "zb-h1", "zb-v", "gpipe")
+# pipeline.balance_stages=true (the whole-layer split that balances the stages' FLOPs, `jaxpar.parallel.layer_split`);
+# -vp: pipeline.vocab_parallel=true (the head split over the stages by vocabulary)
+SCHEDULES = ("1f1b", "1f1b-rc", "1f1b-v2", "1f1b-bal", "1f1b-vp", "zb-h1", "zb-v", "gpipe")
 
 
 class Contender:
@@ -157,6 +159,7 @@ def main() -> None:
                     f"pipeline.recompute={str(sched == '1f1b-rc').lower()}",
                     f"pipeline.virtual_stages={2 if sched in ('1f1b-v2', 'zb-v') else 1}",
                     f"pipeline.balance_stages={str(sched.endswith('-bal')).lower()}",
+                    f"pipeline.vocab_parallel={str(sched.endswith('-vp')).lower()}",
                 ]
                 base = sched if sched in ZERO_BUBBLE else sched.split("-")[0]
                 overrides = pipeline_overrides(p, pipelined, base, m, rows) + flags
@@ -200,6 +203,8 @@ def main() -> None:
                     busiest_ratio=contenders[sched].busiest / contenders["dp"].flops,
                     busiest_formula=busiest_device_formula(contenders[sched].plan),
                 )
+                if sched.endswith("-vp"):
+                    row["schedule"] += " vocab"
                 if sched.endswith("-bal"):
                     layout = stage_layout(contenders[sched].plan)
                     split = layout.counts if layout else "even"

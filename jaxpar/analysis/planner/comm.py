@@ -352,7 +352,8 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
         _term(out, shape, "activations (sequence parallel)", tensor, "all-gather", ag, ag * x)
     else:
         _term(out, shape, "activations", tensor, "all-reduce", exits + enter_grads, (exits + enter_grads) * x)
-    _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * head_fwd, 3 * head_fwd * ce)
+    if not cfg.pipeline.vocab_parallel:  # else over (tensor, pipeline): `_pipeline_terms`
+        _term(out, shape, "cross-entropy statistics", tensor, "all-reduce", 3 * head_fwd, 3 * head_fwd * ce)
     if d.sp:
         storage = storage_axes("params", d.zero)
         # Parameters replicated over tensor receive partial gradients under sequence parallelism: the norm
@@ -372,6 +373,22 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     else:  # every forward and every backward (chunk) tick: m*v + p - 1 of each (1F1B's, GPipe's)
         shifts = 2 * (schedule.ticks(p, d.virtual, d.m) - schedule.warmup_ticks(p, d.virtual))
     act = d.b * d.s_act * cfg.model.d_model * d.wire(d.compute_bytes)
+    if cfg.pipeline.vocab_parallel:
+        # The vocabulary-parallel head (`jaxpar.parallel.pipeline_1f1b`), in the m steady ticks of each loop: the
+        # last stage's output to every stage and the slices' input gradients back (all-reduces of [b, T', D]),
+        # and the cross-entropy's max, normaliser and target logit over every vocabulary shard ([b, T] fp32).
+        heads = d.accum * d.m
+        _term(
+            out,
+            shape,
+            "head input and its gradient (vocabulary-parallel head)",
+            (PIPELINE,),
+            "all-reduce",
+            2 * heads,
+            2 * heads * act,
+        )
+        ce = d.b * d.s * 4
+        _term(out, shape, "cross-entropy statistics", (TENSOR, PIPELINE), "all-reduce", 3 * heads, 3 * heads * ce)
     _term(
         out,
         shape,

@@ -147,29 +147,32 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
 
 
 def stage_balance(cfg: Config, d: Dims) -> dict | None:
-    """Training FLOPs per token of the pipeline's model chunks (the stages, or with v virtual stages the p*v chunks
-    one tick each runs; `jaxpar.parallel.layer_split.stage_flops`): a layer 6P/L + 12*D*T plus what remat
-    recomputes (`jaxpar.model.flops.row_flops_per_token`), the head 6*D*V on the last (PaLM, Chowdhery et al.
-    2022, appendix B; the embedding is a gather), under the even split, under the
-    whole-layer split that balances them (`balanced_split`, what pipeline.balance_stages runs) and under the
-    configured one: {"layer_flops", "head_flops", "head_in_layers", "even" (busiest / mean chunk),
-    "balanced_split" (layers per chunk), "balanced" (its busiest / mean), "split" (the configured layers per
-    chunk), "configured" (its busiest / mean)}. None without a pipeline, and for mixture-of-experts models (a
-    layer's active parameters are not P/L)."""
+    """Training FLOPs per token of the pipeline's model chunks (the stages, or with v virtual stages the p*v chunks one
+    tick each runs; `jaxpar.parallel.layer_split.stage_flops`): a layer 6P/L + 12*D*T plus what remat recomputes
+    (`jaxpar.model.flops.row_flops_per_token`), the head 6*D*V on the last (PaLM, Chowdhery et al. 2022, appendix B;
+    the embedding is a gather), under the even split, under the whole-layer split that balances them
+    (`balanced_split`, what pipeline.balance_stages runs) and under the configured one: {"layer_flops",
+    "head_flops", "head_in_layers", "even" (busiest / mean chunk), "balanced_split" (layers per chunk), "balanced"
+    (its busiest / mean), "split" (the configured layers per chunk), "vocab_parallel" (`pipeline.vocab_parallel`:
+    the head split over the stages alike), "configured" (the configured split's busiest / mean, the head spread with
+    vocab_parallel)}. None without a pipeline, and for mixture-of-experts models (a layer's active parameters are
+    not P/L)."""
     p, mdl = d.shape[PIPELINE], cfg.model
     if p == 1 or mdl.moe.enabled:
         return None
     chunks = p * d.virtual
     layer = row_flops_per_token(cfg, jax.eval_shape(lambda: init_params(mdl, 0)))
     head = 6 * mdl.d_model * mdl.vocab_size
-    balanced = balanced_split(mdl.n_layers, chunks, layer, head)
+    spread = cfg.pipeline.vocab_parallel
+    balanced = balanced_split(mdl.n_layers, chunks, layer, 0.0 if spread else head)  # as chunk_counts
     even = (mdl.n_layers // chunks,) * chunks if mdl.n_layers % chunks == 0 else None
     split = d.layout.counts if d.layout is not None else even
 
-    def busiest(counts: tuple[int, ...] | None) -> float | None:
+    def busiest(counts: tuple[int, ...] | None, spread: bool = False) -> float | None:
         if counts is None:
             return None
-        loads = stage_flops(counts, layer, head)
+        loads = stage_flops(counts, layer, 0.0 if spread else head)
+        loads = [x + (head / chunks if spread else 0.0) for x in loads]
         return max(loads) / (sum(loads) / chunks)
 
     return {
@@ -178,9 +181,10 @@ def stage_balance(cfg: Config, d: Dims) -> dict | None:
         "head_in_layers": head / layer,
         "even": busiest(even),
         "balanced_split": list(balanced),
-        "balanced": busiest(balanced),
+        "balanced": busiest(balanced, spread),
         "split": None if split is None else list(split),
-        "configured": busiest(split),
+        "vocab_parallel": cfg.pipeline.vocab_parallel,
+        "configured": busiest(split, spread),
     }
 
 
@@ -258,9 +262,11 @@ def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     """Bytes the head's backward adds at its peak: the fp32 gradient of the logits, 4*b*s*(V/t) (the softmax
     cross-entropy differentiates in fp32; read from XLA's GPU buffer assignment of the step compiled for H100,
     where it sits beside the bf16 logits that `activation_bytes` counts). Per device; with a pipeline
-    only the last stage has it, and the planner counts the largest stage."""
+    only the last stage has it, and the planner counts the largest stage; with `pipeline.vocab_parallel` every
+    stage has its 1/p of it."""
     d = dims(cfg, platform)
-    return 4 * d.b * d.s * (cfg.model.vocab_size // d.shape[TENSOR])
+    slices = d.shape[TENSOR] * (d.shape[PIPELINE] if cfg.pipeline.vocab_parallel else 1)
+    return 4 * d.b * d.s * (cfg.model.vocab_size // slices)
 
 
 def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -282,7 +288,8 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     bc = d.compute_bytes
     per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
-    outside = stage_input + d.b * d.s * (mdl.vocab_size // t) * bc
+    slices = t * (p if cfg.pipeline.vocab_parallel else 1)  # the logits' vocabulary shards
+    outside = stage_input + d.b * d.s * (mdl.vocab_size // slices) * bc
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
     if d.layout is not None:
         depth = f"n_max={d.layers_per_chunk} (the uneven split's deepest model chunk; padding rows held, skipped)"

@@ -46,7 +46,9 @@ def _balance_lines(balance: dict | None) -> list[str]:
         f"{even}{balance['balanced']:.3f} with whole layers ({listed(balance['balanced_split'])}) per chunk "
         "(pipeline.balance_stages)"
     )
-    if balance["split"] is not None and balance["configured"] not in (balance["even"], None):
+    if balance.get("vocab_parallel"):
+        line += f"; the head split over the stages (pipeline.vocab_parallel): {balance['configured']:.3f}"
+    elif balance["split"] is not None and balance["configured"] not in (balance["even"], None):
         line += f"; this run's ({listed(balance['split'])}): {balance['configured']:.3f}"
     return [line]
 
