@@ -221,57 +221,48 @@ def to_stage_layout(layers, layout: StageLayout):
     Cost: the rows that change device cross the pipeline axis once, one `ppermute` per round of
     `StageLayout.moves` per leaf (one row each), run one after the other (`ordered_after`: a fixed collective
     order); the rest are local copies."""
-    s = jax.lax.axis_index(PIPELINE)
-    local, _, rounds = layout.moves
-    width = layout.v * layout.n_max
-    mask = jnp.asarray(layout.mask())[s]
-    prev: list[jax.Array] = []
-
-    def one(a):
-        nonlocal prev
-        here = jnp.take(a, _index_table(local, 0)[s], axis=0)
-        out = jnp.concatenate([here, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # row `width`: scratch
-        for moves in rounds:
-            send = np.zeros(layout.p, np.int64)
-            recv = np.full(layout.p, width, np.int64)
-            for src, row, dst, q in moves:
-                send[src], recv[dst] = row, q
-            piece = jax.lax.dynamic_index_in_dim(a, jnp.asarray(send, jnp.int32)[s], keepdims=True)
-            piece = ordered_after(piece, prev) if prev else piece
-            moved = jax.lax.ppermute(piece, PIPELINE, [(src, dst) for src, _, dst, _ in moves])
-            prev = [moved]
-            out = jax.lax.dynamic_update_slice_in_dim(out, moved, jnp.asarray(recv, jnp.int32)[s], axis=0)
-        out = out[:width]
-        return out * mask.reshape(-1, *([1] * (a.ndim - 1))).astype(a.dtype)
-
-    return {**jax.tree.map(one, layers), ACTIVE: mask}
+    mask = jnp.asarray(layout.mask())[jax.lax.axis_index(PIPELINE)]
+    moved = _move(layers, layout, inverse=False)
+    return {**jax.tree.map(lambda a: a * mask.reshape(-1, *([1] * (a.ndim - 1))).astype(a.dtype), moved), ACTIVE: mask}
 
 
 def from_stage_layout(grads, layout: StageLayout):
     """The inverse of `to_stage_layout` for the weight gradients: leaves [v*n_max, ...] (without `ACTIVE`; the
     padding rows' values are dropped) -> [L/p, ...] in storage order. Inside the shard_map."""
+    return _move(grads, layout, inverse=True)
+
+
+def _move(tree, layout: StageLayout, inverse: bool):
+    """Each leaf's rows moved storage -> stage layout (or back, `inverse`): local copies by a gather, then each
+    round of `StageLayout.moves` as one `ppermute` of one row, written into place (a device that receives
+    nothing in a round writes a scratch row, dropped at the end)."""
     s = jax.lax.axis_index(PIPELINE)
-    _, local_back, rounds = layout.moves
-    per = layout.rows // layout.p
+    local, local_back, rounds = layout.moves
+    source = local_back if inverse else local
+    width = source.shape[1]
+    steps = []  # per round: (row each device sends, row each device writes, pairs)
+    for moves in rounds:
+        send, recv = np.zeros(layout.p, np.int64), np.full(layout.p, width, np.int64)
+        for src, row, dst, q in moves:
+            sender, receiver, sent, written = (dst, src, q, row) if inverse else (src, dst, row, q)
+            send[sender], recv[receiver] = sent, written
+        pairs = [(dst, src) if inverse else (src, dst) for src, _, dst, _ in moves]
+        steps.append((jnp.asarray(send, jnp.int32)[s], jnp.asarray(recv, jnp.int32)[s], pairs))
     prev: list[jax.Array] = []
 
-    def one(g):
+    def one(a):
         nonlocal prev
-        out = jnp.take(g, _index_table(local_back, 0)[s], axis=0)
-        out = jnp.concatenate([out, jnp.zeros((1, *g.shape[1:]), g.dtype)])  # row `per`: scratch
-        for moves in rounds:
-            send = np.zeros(layout.p, np.int64)
-            recv = np.full(layout.p, per, np.int64)
-            for src, row, dst, q in moves:
-                send[dst], recv[src] = q, row
-            piece = jax.lax.dynamic_index_in_dim(g, jnp.asarray(send, jnp.int32)[s], keepdims=True)
+        out = jnp.take(a, _index_table(source, 0)[s], axis=0)
+        out = jnp.concatenate([out, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # row `width`: scratch
+        for send, recv, pairs in steps:
+            piece = jax.lax.dynamic_index_in_dim(a, send, keepdims=True)
             piece = ordered_after(piece, prev) if prev else piece
-            moved = jax.lax.ppermute(piece, PIPELINE, [(dst, src) for src, _, dst, _ in moves])
+            moved = jax.lax.ppermute(piece, PIPELINE, pairs)
             prev = [moved]
-            out = jax.lax.dynamic_update_slice_in_dim(out, moved, jnp.asarray(recv, jnp.int32)[s], axis=0)
-        return out[:per]
+            out = jax.lax.dynamic_update_slice_in_dim(out, moved, recv, axis=0)
+        return out[:width]
 
-    return jax.tree.map(one, grads)
+    return jax.tree.map(one, tree)
 
 
 def rows_in_model_order(rows: jax.Array, layout: StageLayout) -> jax.Array:
