@@ -15,6 +15,9 @@ waits for), and W, the gradients with respect to the weights (which may wait).
 The layer stack's backward is one `scan` over layers whose body computes both, so a scan is split the same way,
 recursively: a B scan that carries the input gradient down the layers and emits, per layer, the boundary values
 of its body as extra stacked outputs, and a W scan over those that emits the layers' weight gradients.
+A `cond` is split branch by branch (`_CondSplit`): a B cond whose branches run their B parts and also return
+what their W parts read (zeros from the other branches), and a W cond that takes those; the uneven pipeline
+split's skip of its padding rows is such a cond inside the layer scan (`jaxpar.model.stack.active_rows`).
 Call-like equations (`jit`, `checkpoint`, custom derivative calls; no differentiation follows, so their rules
 are not needed) are inlined first so that the split sees through them; every other equation is kept whole on
 the side that needs it first (B if B reads any of its outputs).

@@ -15,8 +15,10 @@ command, in a few minutes including compilation.
 4. Learning (`train_on_text`): the kept step for `train_steps` steps on real text (the standard library's Python
    sources, byte-tokenised and packed, `jaxpar.data`), loss per step; it must fall.
 5. Pipeline schedules (`pipeline_schedules`, 2 or more devices): the step time of ZB-V against interleaved 1F1B,
-   both with 2 chunks per device, on mesh pipeline = every device (up to 8). On a GPU the bubble is idle time,
-   which ZB-V's table removes; on CPU the simulated devices share cores and it is not (docs/parallelism.md).
+   both with 2 chunks per device, and of plain 1F1B with the vocabulary-parallel head against the head on the last
+   stage, on mesh pipeline = every device (up to 8). On a GPU the bubble is idle time, which ZB-V's table removes,
+   and the busiest stage sets the pace, which the vocabulary-parallel head relieves; on CPU the simulated devices
+   share cores and neither is (docs/parallelism.md).
 
 `--cpu-smoke` runs the same code on CPU with tiny shapes (the test suite runs it); cuDNN is then reported as not
 run. Bytes are per device, FLOP/s per device, times in seconds.
@@ -297,30 +299,42 @@ def train_on_text(cfg: Config, steps: int) -> dict:
 
 
 # The pipeline schedules the acceptance run times against each other on every device of the machine: interleaved
-# 1F1B and ZB-V, both with 2 chunks per device (`jaxpar.parallel.pipeline_zb`).
-PIPELINE_SCHEDULES = (("interleaved 1F1B", "1f1b"), ("ZB-V", "zb-v"))
+# 1F1B and ZB-V, both with 2 chunks per device (`jaxpar.parallel.pipeline_zb`); and plain 1F1B with the head on the
+# last stage against the vocabulary-parallel head (`pipeline.vocab_parallel`). (key, label, overrides)
+PIPELINE_SCHEDULES = (
+    ("1f1b", "interleaved 1F1B", ("pipeline.schedule=1f1b", "pipeline.virtual_stages=2")),
+    ("zb-v", "ZB-V", ("pipeline.schedule=zb-v", "pipeline.virtual_stages=2")),
+    ("head_on_last", "1F1B, head on the last stage", ("pipeline.schedule=1f1b", "pipeline.virtual_stages=1")),
+    (
+        "vocab_parallel",
+        "1F1B, vocabulary-parallel head",
+        ("pipeline.schedule=1f1b", "pipeline.virtual_stages=1", "pipeline.vocab_parallel=true"),
+    ),
+)
 
 
 def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
-    """Step time of ZB-V against interleaved 1F1B (2 chunks per device each) on mesh pipeline = p, p the largest
-    power of 2 up to 8 devices (m = 2p microbatches, 4p layers, the settings' model otherwise), median of the
-    timed steps: {"p", "m", "layers", <schedule>: {"compile_seconds", "step_seconds"}, "zb_v_over_interleaved"}; or
-    {"skipped": why} on one device (a pipeline needs two)."""
+    """Step time of ZB-V against interleaved 1F1B (2 chunks per device each), and of 1F1B with the
+    vocabulary-parallel head against the head on the last stage, on mesh pipeline = p, p the largest power of 2 up
+    to 8 devices (m = 2p microbatches, 4p layers, the settings' model otherwise), median of the timed steps:
+    {"p", "m", "layers", <key of PIPELINE_SCHEDULES>: {"compile_seconds", "step_seconds"}, "zb_v_over_interleaved",
+    "vocab_over_last"}; or {"skipped": why} on one device (a pipeline needs two)."""
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < 2:
         return {"skipped": f"{len(devices)} device: a pipeline needs 2 or more"}
     p = 2 ** min(3, int(np.log2(len(devices))))
     m, layers = 2 * p, 4 * p
     out: dict = {"p": p, "m": m, "layers": layers}
-    for _, schedule in PIPELINE_SCHEDULES:
+    for key, _, schedule in PIPELINE_SCHEDULES:
         extra = [f"model.n_layers={layers}", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", f"mesh.pipeline={p}"]
-        extra += [f"pipeline.schedule={schedule}", "pipeline.virtual_stages=2", f"pipeline.microbatches={m}"]
+        extra += [*schedule, f"pipeline.microbatches={m}"]
         extra += [f"train.global_batch_size={m * max(1, _microbatch_rows(settings))}", "train.grad_accum_steps=1"]
         cfg = resolve_config(load_config(settings.config, [*settings.overrides, *extra], validate=False), p)
         plan = build_plan(cfg, build_mesh(cfg, devices[:p]))
         _, compile_s, step_s = _timed_step(plan, 1, settings.timed_steps)
-        out[schedule] = {"compile_seconds": compile_s, "step_seconds": step_s}
+        out[key] = {"compile_seconds": compile_s, "step_seconds": step_s}
     out["zb_v_over_interleaved"] = out["zb-v"]["step_seconds"] / out["1f1b"]["step_seconds"]
+    out["vocab_over_last"] = out["vocab_parallel"]["step_seconds"] / out["head_on_last"]["step_seconds"]
     return out
 
 
@@ -471,7 +485,10 @@ def format_report(report: dict) -> str:
             lines.append(
                 f"pipeline schedules (p={pipe['p']}, m={pipe['m']}, {pipe['layers']} layers, 2 chunks per device): "
                 f"step s interleaved 1F1B {pipe['1f1b']['step_seconds']:.3f}, ZB-V {pipe['zb-v']['step_seconds']:.3f}, "
-                f"ZB-V / interleaved {pipe['zb_v_over_interleaved']:.3f}"
+                f"ZB-V / interleaved {pipe['zb_v_over_interleaved']:.3f}; 1F1B step s head on the last stage "
+                f"{pipe['head_on_last']['step_seconds']:.3f}, vocabulary-parallel head "
+                f"{pipe['vocab_parallel']['step_seconds']:.3f}, vocabulary-parallel / last "
+                f"{pipe['vocab_over_last']:.3f}"
             )
     lines.append(f"passed: {report['passed']}")
     return "\n".join(lines)
