@@ -42,7 +42,12 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
     With `train` and `model.moe` the blocks also return the weighted auxiliary losses of the stage's MoE units
     (`jaxpar.training.moe_loss.moe_loss_terms`) and their sums (`moe_sums`; "load" [n, E] for the n units the
     call runs: U/p, or U/(pv) per chunk with v virtual stages) as `blocks_loss` terms and stats; evaluation
-    (`train=False`) reports the cross-entropy alone."""
+    (`train=False`) reports the cross-entropy alone. Layers in an uneven split's stage layout (with the mask leaf
+    `jaxpar.parallel.layer_split.ACTIVE`) skip their padding rows (`jaxpar.model.stack.active_rows`); with
+    `pipeline.vocab_parallel` (training) the parts add `head_vocab`, the head on this stage's vocabulary slice.
+
+    Raises (when the blocks run):
+      ValueError: an uneven split's layers and a model whose run_blocks does not use `scan_layers`."""
     gather = gatherer(plan)
     tp = plan.tensor_parallel
     layers, edge = split_stack(params)
@@ -70,9 +75,9 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
             out = run(weights, x, mb)
         if not read[1]:
             raise ValueError(
-                f"pipeline.stage_layers needs the model's blocks to run through jaxpar.model.scan_layers (which "
-                f"skips the padding rows of an uneven split); {type(plan.mdef.bind(params)).__name__}.run_blocks "
-                f"does not: run it with the even split (unset pipeline.stage_layers and pipeline.balance_stages)"
+                f"an uneven pipeline split needs the model's blocks to run through jaxpar.model.scan_layers (which "
+                f"skips the padding rows of the stage layout); model {plan.cfg.model.name!r}'s run_blocks does "
+                f"not: run it with the even split (unset pipeline.stage_layers and pipeline.balance_stages)"
             )
         return out
 

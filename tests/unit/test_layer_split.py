@@ -118,3 +118,24 @@ def test_uneven_counts_relax_the_chunk_depth_rule():
         num_devices=2,
     )
     assert cfg.pipeline.stage_layers == (2, 2, 1, 1)
+
+
+def test_a_model_that_ignores_the_padding_is_refused(monkeypatch):
+    """A model whose run_blocks does not run its stack through `scan_layers` would run the stage layout's padding
+    rows as layers: the blocks refuse, naming the model and the fix (checked on abstract values, no compile)."""
+    import jax
+    import jax.numpy as jnp
+    from step_helpers import make_plan
+
+    from jaxpar.parallel import layer_split
+    from jaxpar.training import pipelined
+    from jaxpar.training.state import abstract_state
+
+    plan = make_plan([*PIPE[1:], "model.n_layers=4", "pipeline.stage_layers=[3,1]"], jax.devices()[:2])
+    monkeypatch.setattr(pipelined, "run_blocks", lambda model, x, *args, **kw: x)  # no scan_layers
+    params = abstract_state(plan)["params"]
+    parts = pipelined.stage_parts(plan, params, plan.loss_fn)
+    layers = {**params["blocks"], layer_split.ACTIVE: jax.ShapeDtypeStruct((3,), jnp.float32)}
+    x = jax.ShapeDtypeStruct((1, 8, 64), jnp.float32)
+    with pytest.raises(ValueError, match="model 'llama'.s run_blocks does not: run it with the even split"):
+        jax.eval_shape(lambda lay, y: parts.blocks(lay, y, {}), layers, x)
