@@ -1,17 +1,22 @@
 """The uneven pipeline split's layout (`jaxpar.parallel.layer_split.StageLayout`) and its config keys
 (pipeline.stage_layers, pipeline.balance_stages).
 
-Pure numpy: the moves between the storage layout (L/p rows per device in model order) and the stage layout are
-replayed on row numbers, both ways, for the interleaved ring and zb-v's V. The jax side of the moves runs in
-tests/parity/test_pipeline_uneven.py."""
+Pure numpy (and one abstract trace): the moves between the storage layout (L/p rows per device in model order)
+and the stage layout are replayed on row numbers, both ways, for the interleaved ring and zb-v's V. The jax side
+of the moves runs in tests/parity/test_pipeline_uneven.py."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from step_helpers import CONFIG, TINY
+from step_helpers import CONFIG, TINY, make_plan
 
 from jaxpar.config import ConfigError, load_config
+from jaxpar.parallel import layer_split
 from jaxpar.parallel.layer_split import StageLayout
 from jaxpar.parallel.zero_bubble import v_shape
+from jaxpar.training import pipelined
+from jaxpar.training.state import abstract_state
 
 
 def _replay(layout: StageLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -123,14 +128,6 @@ def test_uneven_counts_relax_the_chunk_depth_rule():
 def test_a_model_that_ignores_the_padding_is_refused(monkeypatch):
     """A model whose run_blocks does not run its stack through `scan_layers` would run the stage layout's padding
     rows as layers: the blocks refuse, naming the model and the fix (checked on abstract values, no compile)."""
-    import jax
-    import jax.numpy as jnp
-    from step_helpers import make_plan
-
-    from jaxpar.parallel import layer_split
-    from jaxpar.training import pipelined
-    from jaxpar.training.state import abstract_state
-
     plan = make_plan([*PIPE[1:], "model.n_layers=4", "pipeline.stage_layers=[3,1]"], jax.devices()[:2])
     monkeypatch.setattr(pipelined, "run_blocks", lambda model, x, *args, **kw: x)  # no scan_layers
     params = abstract_state(plan)["params"]
