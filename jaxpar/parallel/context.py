@@ -1,9 +1,9 @@
 """Attention with the sequence split over a mesh axis (context parallelism), inside shard_map: the load-balanced
 causal layout of the sequence, attention with the keys and values all-gathered over the axis, and ring attention.
 
-Shape letters: B batch, T the whole sequence, S = T/c one device's slice, H query heads, G key/value heads (G
-divides H), K head width; c the axis size. Every token carries its global position (int32 [B, S]), and with packed
-documents its segment id (int32 [B, S]): query t sees key s when pos_s <= pos_t and both have the same segment id,
+Shape letters: B batch, T the whole sequence, R = T/c one device's slice of it, H query heads, G key/value heads (G
+divides H), K head width; c the axis size. Every token carries its global position (int32 [B, R]), and with packed
+documents its segment id (int32 [B, R]): query t sees key s when pos_s <= pos_t and both have the same segment id,
 whatever order the slices hold their tokens in.
 
 Load balance (`balanced_order`): with a causal mask a contiguous split gives device c - 1 the most work (its
@@ -12,7 +12,7 @@ and 2c - 1 - i: every device then holds one early and one late chunk and does th
 Dubey et al. 2024, section 3.3.2; torchtitan's load-balanced ring).
 
 All-gather K/V (`gathered_kv_attention`, the Llama 3 scheme): all-gather K and V (G heads only) and their positions
-and segment ids over the axis, then each device attends its S queries to all T keys. Its backward reduce-scatters
+and segment ids over the axis, then each device attends its R queries to all T keys. Its backward reduce-scatters
 dK and dV (the transpose of the all-gather). Memory: the gathered K/V, 2 B T G K elements per layer.
 
 Ring (`ring_attention`, Liu et al. 2023, arXiv 2310.01889): c steps; in each the device attends its queries to the
@@ -46,7 +46,7 @@ def balanced_order(seq_len: int, c: int) -> np.ndarray:
 
 
 def _visible(q_pos, k_pos, q_seg, k_seg) -> jax.Array:
-    """bool [B, 1, Sq, Sk]: query t sees key s (causal by global position, same segment)."""
+    """bool [B, 1, Rq, Rk]: query t sees key s (causal by global position, same segment)."""
     mask = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
     if q_seg is not None:
         mask = mask & (k_seg[:, None, None, :] == q_seg[:, None, :, None])
@@ -54,46 +54,46 @@ def _visible(q_pos, k_pos, q_seg, k_seg) -> jax.Array:
 
 
 def gathered_kv_attention(
-    q_BSHK: jax.Array,
-    k_BSGK: jax.Array,
-    v_BSGK: jax.Array,
-    positions_BS: jax.Array,
-    segment_ids_BS: jax.Array | None,
+    q_BRHK: jax.Array,
+    k_BRGK: jax.Array,
+    v_BRGK: jax.Array,
+    positions_BR: jax.Array,
+    segment_ids_BR: jax.Array | None,
     axis: str,
 ) -> jax.Array:
     """Causal attention of this device's queries to the whole sequence, K and V all-gathered over `axis`
-    (module docstring). Inside shard_map; returns [B, S, H, K] in q's dtype."""
-    k_all = jax.lax.all_gather(k_BSGK, axis, axis=1, tiled=True)
-    v_all = jax.lax.all_gather(v_BSGK, axis, axis=1, tiled=True)
-    k_pos = jax.lax.all_gather(positions_BS, axis, axis=1, tiled=True)
-    k_seg = None if segment_ids_BS is None else jax.lax.all_gather(segment_ids_BS, axis, axis=1, tiled=True)
-    mask = _visible(positions_BS, k_pos, segment_ids_BS, k_seg)
-    return jax.nn.dot_product_attention(q_BSHK, k_all, v_all, mask=mask, implementation="xla")
+    (module docstring). Inside shard_map; returns [B, R, H, K] in q's dtype."""
+    k_all = jax.lax.all_gather(k_BRGK, axis, axis=1, tiled=True)
+    v_all = jax.lax.all_gather(v_BRGK, axis, axis=1, tiled=True)
+    k_pos = jax.lax.all_gather(positions_BR, axis, axis=1, tiled=True)
+    k_seg = None if segment_ids_BR is None else jax.lax.all_gather(segment_ids_BR, axis, axis=1, tiled=True)
+    mask = _visible(positions_BR, k_pos, segment_ids_BR, k_seg)
+    return jax.nn.dot_product_attention(q_BRHK, k_all, v_all, mask=mask, implementation="xla")
 
 
 def ring_attention(
-    q_BSHK: jax.Array,
-    k_BSGK: jax.Array,
-    v_BSGK: jax.Array,
-    positions_BS: jax.Array,
-    segment_ids_BS: jax.Array | None,
+    q_BRHK: jax.Array,
+    k_BRGK: jax.Array,
+    v_BRGK: jax.Array,
+    positions_BR: jax.Array,
+    segment_ids_BR: jax.Array | None,
     axis: str,
     axis_size: int,
 ) -> jax.Array:
     """Causal attention of this device's queries to the whole sequence, the K/V blocks passed around the ring of
     `axis` (`axis_size` devices) and combined by online softmax in fp32 (module docstring). Inside shard_map;
-    returns [B, S, H, K] in q's dtype."""
-    b, s, h, kw = q_BSHK.shape
-    g = k_BSGK.shape[2]
+    returns [B, R, H, K] in q's dtype."""
+    b, s, h, kw = q_BRHK.shape
+    g = k_BRGK.shape[2]
     scale = 1.0 / np.sqrt(kw)
-    q = (q_BSHK.astype(jnp.float32) * scale).reshape(b, s, g, h // g, kw)
-    segments = segment_ids_BS if segment_ids_BS is not None else jnp.zeros_like(positions_BS)
+    q = (q_BRHK.astype(jnp.float32) * scale).reshape(b, s, g, h // g, kw)
+    segments = segment_ids_BR if segment_ids_BR is not None else jnp.zeros_like(positions_BR)
     ring = [(i, (i + 1) % axis_size) for i in range(axis_size)]
 
     def block(acc, kv):
-        o, m, total = acc  # [B, S, G, H/G, K], and the running max and sum [B, S, G, H/G]
+        o, m, total = acc  # [B, R, G, H/G, K], and the running max and sum [B, R, G, H/G]
         k, v, k_pos, k_seg = kv
-        mask = _visible(positions_BS, k_pos, segments, k_seg)[:, 0]  # [B, S, Sk]
+        mask = _visible(positions_BR, k_pos, segments, k_seg)[:, 0]  # [B, R, Rk]
 
         def compute():
             scores = jnp.einsum("bsgrk,btgk->bsgrt", q, k.astype(jnp.float32))
@@ -111,7 +111,7 @@ def ring_attention(
     # -1e30, not -inf: exp(m_old - m_new) stays finite before a row's first visible key
     m0 = jnp.full(q.shape[:-1], -1e30, jnp.float32)
     total0 = jnp.zeros(q.shape[:-1], jnp.float32)
-    acc, kv = (o0, m0, total0), (k_BSGK, v_BSGK, positions_BS, segments)
+    acc, kv = (o0, m0, total0), (k_BRGK, v_BRGK, positions_BR, segments)
     for step in range(axis_size):
         # the next block's permute first: it does not depend on this block's compute
         passed = jax.lax.ppermute(kv, axis, ring) if step < axis_size - 1 else kv
@@ -119,4 +119,4 @@ def ring_attention(
         kv = passed
     o, _, total = acc
     out = o / jnp.maximum(total, 1e-30)[..., None]
-    return out.reshape(b, s, h, kw).astype(q_BSHK.dtype)
+    return out.reshape(b, s, h, kw).astype(q_BRHK.dtype)
