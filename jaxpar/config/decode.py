@@ -9,6 +9,7 @@ wrong type or an empty one with an example of the right type (`jaxpar.config.key
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from typing import Any
@@ -54,7 +55,8 @@ def decode_value(value: Any, hint: Any, key: str, fix: str = "fix the value in t
         if value is None:
             return ()
         if not isinstance(value, (list, tuple)):
-            listed = f"{key}=[{value}]" if isinstance(value, str) and value else None
+            parts = [x for x in re.split(r"[\s,;]+", value.strip("[] ")) if x] if isinstance(value, str) else []
+            listed = f"{key}=[{','.join(parts)}]" if parts else None
             raise _refuse(value, hint, key, f"write it as a YAML list, e.g. {listed}" if listed else fix)
         return tuple(decode_value(v, args[0], f"{key}[{i}]", fix) for i, v in enumerate(value))
     if origin in (typing.Union, types.UnionType):

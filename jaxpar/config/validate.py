@@ -208,8 +208,9 @@ def _check_pipeline(cfg: Config, stages: int, tp: int) -> None:
     check_positive("pipeline.microbatches", cfg.pipeline.microbatches)
     if cfg.model.n_layers % stages:
         raise ConfigError(
-            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline={stages} (stages of "
-            f"equal depth); change model.n_layers or mesh.pipeline"
+            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline={stages} (the layers are "
+            f"stored evenly over the stages, also when pipeline.stage_layers runs them unevenly); change "
+            f"model.n_layers or mesh.pipeline"
         )
     _virtual_stages(cfg, stages)
     _stage_layers(cfg, stages)
@@ -261,23 +262,29 @@ def _stage_layers(cfg: Config, stages: int) -> None:
             "picks the counts itself)"
         )
     chunks = stages * pipe.virtual_stages
-    if n < chunks and pipe.balance_stages:
+    every = cfg.model.moe.every if cfg.model.moe.enabled else 1
+    if n // every < chunks and pipe.balance_stages:
+        what = f"MoE unit (model.moe.every={every} layers)" if every > 1 else "layer"
         raise ConfigError(
-            f"pipeline.balance_stages gives each of the {chunks} model chunks at least one layer, and "
-            f"model.n_layers={n} is fewer; set pipeline.stage_layers or lower mesh.pipeline"
+            f"pipeline.balance_stages gives each of the {chunks} model chunks at least one {what}, and the model "
+            f"has {n // every}; set pipeline.stage_layers, or lower mesh.pipeline or pipeline.virtual_stages"
         )
     if not pipe.stage_layers:
         return
     counts = pipe.stage_layers
-    every = cfg.model.moe.every if cfg.model.moe.enabled else 1
     even = [n // chunks] * chunks if n % chunks == 0 else None
     hint = f" (the even split is {even})" if even else ""
+    if any(c < 0 for c in counts):
+        raise ConfigError(
+            f"pipeline.stage_layers={list(counts)} has a negative count; give each model chunk 0 layers or more{hint}"
+        )
     if len(counts) != chunks:
         what = f"mesh.pipeline={stages}" + (
             f" * pipeline.virtual_stages={pipe.virtual_stages}" if pipe.virtual_stages > 1 else ""
         )
         raise ConfigError(
-            f"pipeline.stage_layers={list(counts)} has {len(counts)} entries; it needs one per model chunk, "
+            f"pipeline.stage_layers={list(counts)} has {len(counts)} {'entry' if len(counts) == 1 else 'entries'}; "
+            f"it needs one per model chunk, "
             f"{what} = {chunks}{hint}"
         )
     if any(c < 0 or c % every for c in counts) or sum(counts) != n:

@@ -44,6 +44,7 @@ from jaxpar.training.init_from import check_init_from, check_init_from_tokenizer
 from jaxpar.training.loss import LossFn
 from jaxpar.training.metrics import MetricsWriter, default_trackers
 from jaxpar.training.optimizer import nonfinite_state
+from jaxpar.training.pipelined import stage_layout
 from jaxpar.training.plan import StepPlan, build_plan
 from jaxpar.training.start_state import check_restore_from, check_run_dir, initial_state
 from jaxpar.training.state import abstract_state
@@ -242,11 +243,19 @@ def _log_setup(plan: StepPlan, *, caller_optimizer: bool) -> None:
     )
     if cfg.mesh.pipeline > 1:
         pipe = cfg.pipeline
+        layout = stage_layout(plan)
+        every = cfg.model.moe.every if cfg.model.moe.enabled else 1
+        chunks = cfg.mesh.pipeline * pipe.virtual_stages
+        counts = layout.counts if layout is not None else (cfg.model.stack_depth // chunks,) * chunks
+        split = [c * every for c in counts]
+        chosen = " (pipeline.balance_stages)" if pipe.balance_stages else ""
         _log(
             "pipeline: "
             + zero_bubble.describe(
                 pipe.schedule, cfg.mesh.pipeline, pipe.virtual_stages, pipe.microbatches, pipe.recompute
             )
+            + f"; layers per model chunk: {split}{chosen}"
+            + ("; head split over the stages by vocabulary" if pipe.vocab_parallel else "")
         )
     if caller_optimizer:
         skips = nonfinite_state(abstract_state(plan)["opt_state"]) is not None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import math
 from collections.abc import Callable
 
@@ -30,8 +29,6 @@ from jaxpar.training.forward import edge_gathered, gatherer, run_blocks, split_m
 from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
 from jaxpar.training.plan import StepPlan
-
-_LOGGER = logging.getLogger("jaxpar.training")
 
 
 def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = True) -> pipeline_lib.StageParts:
@@ -135,16 +132,8 @@ def stage_layout(plan: StepPlan) -> layer_split.StageLayout | None:
     counts = layer_split.chunk_counts(cfg, p, row_flops_per_token(cfg, nnx.to_pure_dict(plan.mdef.abstract_state)))
     if counts is None:
         return None
-    if cfg.pipeline.balance_stages:
-        every = cfg.model.moe.every if cfg.model.moe.enabled else 1
-        _log_split(tuple(c * every for c in counts))
     v = cfg.pipeline.virtual_stages
     return layer_split.StageLayout(counts, p, layer_split.placement(cfg.pipeline.schedule, p, v))
-
-
-@functools.cache
-def _log_split(counts: tuple[int, ...]) -> None:
-    _LOGGER.info("pipeline.balance_stages: %s layers per model chunk", list(counts))
 
 
 def without_mask(layers: dict) -> dict:

@@ -405,7 +405,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         # row of its local shard.
         rounds = len(d.layout.moves[2])
         blocks = [x for x in param_leaves(cfg.model) if x.in_blocks]
-        row = sum(local_size(x, shape, storage, d.expert_axes) for x in blocks) // d.layers_per_stage
+        row = sum(local_size(x, shape, storage, d.expert_axes) for x in blocks) // d.layers_per_stage * d.row_layers
         for what, width in (
             ("layer parameters into the stage layout", d.param_bytes),
             ("layer gradients back from it", d.reduce_bytes),

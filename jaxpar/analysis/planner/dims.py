@@ -118,6 +118,7 @@ class Dims:
     virtual: int = 1  # v: model chunks per device (interleaved 1F1B, pipeline.virtual_stages); 1 without
     expert_axes: tuple[str, ...] = ()  # model.moe.expert_axes (() for a dense model)
     layout: StageLayout | None = None  # an uneven split's stage layout (`jaxpar.parallel.layer_split`)
+    row_layers: int = 1  # layers per row of the layer stack (model.moe.every for a mixture-of-experts stack)
 
     @property
     def ep(self) -> int:
@@ -129,7 +130,7 @@ class Dims:
         """L/(pv): the layers of one model chunk, what one 1F1B tick runs forward or backward (L/p when v = 1);
         with an uneven split the stage layout's slot depth n_max (its padding rows skipped, but held)."""
         if self.layout is not None:
-            return self.layout.n_max
+            return self.layout.n_max * self.row_layers
         return self.layers_per_stage // self.virtual
 
     def wire(self, dtype_bytes: int) -> int:
@@ -169,6 +170,7 @@ def dims(cfg: Config, platform: str) -> Dims:
         virtual=cfg.pipeline.virtual_stages if p > 1 and cfg.pipeline.schedule != "gpipe" else 1,
         expert_axes=expert_axes(cfg),
         layout=stage_layout(cfg, p),
+        row_layers=cfg.model.moe.every if cfg.model.moe.enabled else 1,
     )
 
 

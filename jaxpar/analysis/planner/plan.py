@@ -179,7 +179,7 @@ def stage_balance(cfg: Config, d: Dims) -> dict | None:
         "layer_flops": layer,
         "head_flops": head,
         "head_in_layers": head / layer,
-        "even": busiest(even),
+        "even": busiest(even, spread),
         "balanced_split": list(balanced),
         "balanced": busiest(balanced, spread),
         "split": None if split is None else list(split),
@@ -402,7 +402,7 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     accum = 4 * sum(local_size(x, d.shape, storage, ea) for x in leaves) if summed else 0
     if summed and d.layout is not None:  # the layers' accumulators in the stage layout: v*n_max rows, not L/p
         blocks = 4 * sum(local_size(x, d.shape, storage, ea) for x in leaves if x.in_blocks)
-        accum += blocks * d.virtual * d.layout.n_max // d.layers_per_stage - blocks
+        accum += blocks * d.virtual * d.layers_per_chunk // d.layers_per_stage - blocks
     gathered = layer_grads = 0
     if math.prod(d.shape[a] for a in storage) > 1:
         w_out = max(local_size(x, d.shape) for x in leaves if not x.in_blocks)
@@ -418,7 +418,7 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     if d.virtual > 1 or d.layout is not None:
         stage_layers = sum(local_size(x, d.shape, storage, ea) for x in leaves if x.in_blocks)
         if d.layout is not None:  # the stage layout holds v*n_max rows against the L/p stored
-            stage_layers = stage_layers * d.virtual * d.layout.n_max // d.layers_per_stage
+            stage_layers = stage_layers * d.virtual * d.layers_per_chunk // d.layers_per_stage
         chunk_order = stage_layers * (d.param_bytes + d.reduce_bytes)
     out = {
         "activations": activation_bytes(cfg, platform)["total"],

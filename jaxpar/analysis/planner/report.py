@@ -40,15 +40,14 @@ def _balance_lines(balance: dict | None) -> list[str]:
         return []
     listed = lambda counts: ", ".join(str(c) for c in counts)  # noqa: E731
     even = "" if balance["even"] is None else f"{balance['even']:.3f} with the even split, "
+    where = "split over every (pipeline.vocab_parallel)" if balance.get("vocab_parallel") else "on the last"
     line = (
-        f"  stage FLOPs (6P/L + 12DT per layer and what remat recomputes, 6DV for the head on the last model "
-        f"chunk): the head costs {balance['head_in_layers']:.2f} layers; busiest chunk / mean "
+        f"  stage FLOPs (6P/L + 12DT per layer and what remat recomputes, 6DV for the head {where} "
+        f"model chunk): the head costs {balance['head_in_layers']:.2f} layers; busiest chunk / mean "
         f"{even}{balance['balanced']:.3f} with whole layers ({listed(balance['balanced_split'])}) per chunk "
         "(pipeline.balance_stages)"
     )
-    if balance.get("vocab_parallel"):
-        line += f"; the head split over the stages (pipeline.vocab_parallel): {balance['configured']:.3f}"
-    elif balance["split"] is not None and balance["configured"] not in (balance["even"], None):
+    if balance["split"] is not None and balance["configured"] not in (balance["even"], None):
         line += f"; this run's ({listed(balance['split'])}): {balance['configured']:.3f}"
     return [line]
 
