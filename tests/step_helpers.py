@@ -292,6 +292,38 @@ def adam_step_args(plan: StepPlan, metrics: dict) -> dict:
     }
 
 
+def mesh_devices(overrides: Sequence[str]) -> int:
+    """The device count of the mesh that `overrides` set (each `mesh.<axis>=N`; an axis not named counts 1)."""
+    n = 1
+    for o in overrides:
+        if o.startswith("mesh."):
+            n *= int(o.split("=")[1])
+    return n
+
+
+def stepped(step, state: dict, batch: dict) -> dict:
+    """Runs one compiled train `step` on `state` (consumed) and `batch`: host copies of "metrics", "params" and
+    Adam's "mu" and "nu" after it."""
+    new, metrics = step(state, batch)
+    return {
+        "metrics": to_host(metrics),
+        "params": to_host(new["params"]),
+        "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
+        "nu": to_host(otu.tree_get(new["opt_state"], "nu")),
+    }
+
+
+def assert_step_equals(plan: StepPlan, got: dict, ref: dict, rtol: float) -> None:
+    """`got` (`stepped` of `plan`'s step) equals `ref` (`stepped` of the reference's step from the same state,
+    whose host copy is `ref["host_state"]`): the token count exactly, loss and grad norm, and the Adam step
+    (`assert_adam_step_close`) within `rtol`."""
+    metrics = got["metrics"]
+    assert metrics["tokens"] == ref["metrics"]["tokens"]
+    assert_scalar_close(metrics["loss"], ref["metrics"]["loss"], rtol, "loss")
+    assert_scalar_close(metrics["grad_norm"], ref["metrics"]["grad_norm"], rtol, "grad_norm")
+    assert_adam_step_close(got, ref, ref["host_state"]["params"], rtol, **adam_step_args(plan, metrics))
+
+
 def assert_scalar_close(actual, expected, rtol: float, name: str) -> None:
     a, e = float(actual), float(expected)
     assert np.isfinite(a), f"{name}: {a}"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,12 +92,12 @@ def balanced_split(
     raise AssertionError("the largest bound admits every split")
 
 
-def chunk_counts(cfg, p: int, row_flops: float) -> tuple[int, ...] | None:
+def chunk_counts(cfg, p: int, row_flops: Callable[[], float]) -> tuple[int, ...] | None:
     """Stack rows of each model chunk (model order, p*v entries) under `cfg`'s split on p stages:
     `pipeline.stage_layers` (given in layers: divided by `model.moe.every` for a mixture-of-experts stack), or
     with `pipeline.balance_stages` the `balanced_split` of the chunks' training FLOPs per token, a row costing
-    `row_flops` (`jaxpar.model.flops.row_flops_per_token`: 6P/L + 12*D*T plus what remat recomputes) and the
-    head 6*D*V on the last chunk (PaLM, Chowdhery et al. 2022, appendix B), or on none with
+    `row_flops()` (called only then; `jaxpar.model.flops.row_flops_per_token`: 6P/L + 12*D*T plus what remat
+    recomputes) and the head 6*D*V on the last chunk (PaLM, Chowdhery et al. 2022, appendix B), or on none with
     `pipeline.vocab_parallel` (which spreads it over the stages alike). None for the even split, also when the
     counts are the even ones. `cfg` is a validated `jaxpar.config.Config`."""
     pipe, model = cfg.pipeline, cfg.model
@@ -108,8 +109,17 @@ def chunk_counts(cfg, p: int, row_flops: float) -> tuple[int, ...] | None:
     else:
         # the head on the last chunk; split over every stage alike (pipeline.vocab_parallel) it moves no balance
         head = 0.0 if pipe.vocab_parallel else 6 * model.d_model * model.vocab_size
-        counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row_flops, head)
+        counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row_flops(), head)
     return None if len(set(counts)) == 1 else counts
+
+
+def stage_layout(cfg, p: int, row_flops: Callable[[], float]) -> StageLayout | None:
+    """The `StageLayout` of `cfg`'s split on p stages (`chunk_counts`, chunks placed by `placement`), None for
+    the even split."""
+    counts = chunk_counts(cfg, p, row_flops)
+    if counts is None:
+        return None
+    return StageLayout(counts, p, placement(cfg.pipeline.schedule, p, cfg.pipeline.virtual_stages))
 
 
 def placement(schedule: str, p: int, v: int) -> tuple[int, ...]:

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.config.validate import uneven_split
 from jaxpar.model.flops import row_flops_per_token
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.model.stack import active_rows
@@ -124,16 +123,11 @@ def chunk_placement(plan: StepPlan) -> tuple[int, ...] | None:
 
 
 def stage_layout(plan: StepPlan) -> layer_split.StageLayout | None:
-    """The stage layout of the configured uneven split (`jaxpar.parallel.layer_split.chunk_counts`: the rows of
+    """The stage layout of the configured uneven split (`jaxpar.parallel.layer_split.stage_layout`: the rows of
     `pipeline.stage_layers`, or the FLOP-balanced split of `pipeline.balance_stages`), None for the even split."""
-    cfg, p = plan.cfg, plan.mesh_shape[pipeline_lib.AXIS]
-    if p == 1 or not uneven_split(cfg):
-        return None
-    counts = layer_split.chunk_counts(cfg, p, row_flops_per_token(cfg, nnx.to_pure_dict(plan.mdef.abstract_state)))
-    if counts is None:
-        return None
-    v = cfg.pipeline.virtual_stages
-    return layer_split.StageLayout(counts, p, layer_split.placement(cfg.pipeline.schedule, p, v))
+    cfg = plan.cfg
+    params = lambda: nnx.to_pure_dict(plan.mdef.abstract_state)  # noqa: E731
+    return layer_split.stage_layout(cfg, plan.mesh_shape[pipeline_lib.AXIS], lambda: row_flops_per_token(cfg, params()))
 
 
 def without_mask(layers: dict) -> dict:

@@ -20,19 +20,18 @@ import re
 
 import jax
 import pytest
-from optax import tree_utils as otu
 from step_helpers import (
     FIRST_STEP_AT_PEAK,
     FP32,
     FP32_RTOL,
-    adam_step_args,
-    assert_adam_step_close,
-    assert_scalar_close,
+    assert_step_equals,
     compile_fast,
     device_batch,
     host_batch,
     make_plan,
+    mesh_devices,
     shard_shape,
+    stepped,
     to_host,
 )
 
@@ -73,14 +72,6 @@ def _overrides(*extra: str, tied: bool = False) -> list[str]:
     ]
 
 
-def _devices(overrides) -> int:
-    n = 1
-    for o in overrides:
-        if o.startswith("mesh."):
-            n *= int(o.split("=")[1])
-    return n
-
-
 @pytest.fixture(scope="module")
 def reference():
     cache = {}
@@ -91,14 +82,9 @@ def reference():
             state = init_state(plan, SEED)
             host_state = to_host(state)
             batch = device_batch(plan, host_batch(VALID, T, SEED))
-            new, metrics = compile_fast(make_train_step(plan), state, batch)(state, batch)
-            cache[tied] = {
-                "host_state": host_state,
-                "metrics": to_host(metrics),
-                "params": to_host(new["params"]),
-                "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
-                "nu": to_host(otu.tree_get(new["opt_state"], "nu")),
-            }
+            out = stepped(compile_fast(make_train_step(plan), state, batch), state, batch)
+            assert out["metrics"]["tokens"] == sum(VALID)
+            cache[tied] = {"host_state": host_state, **out}
         return cache[tied]
 
     return get
@@ -109,7 +95,7 @@ def reference():
 def test_one_step_equals_single_device(case, reference, need_devices):
     tied = case.endswith("tied")
     ref = reference(tied)
-    n = _devices(CASES[case])
+    n = mesh_devices(CASES[case])
     need_devices(n)
     plan = make_plan(_overrides(*CASES[case], tied=tied), jax.devices()[:n])
     p, t = plan.mesh.shape["pipeline"], plan.mesh.shape["tensor"]
@@ -122,17 +108,7 @@ def test_one_step_equals_single_device(case, reference, need_devices):
     # each stage's logits are 1/(t p) of the vocabulary: some matmul makes [.., V/(t p)], none [.., V/t]
     logits_dots = {int(n) for n in re.findall(r"f32\[[\d,]*,(\d+)\]\S* dot\(", step.as_text())}
     assert V // (t * p) in logits_dots and V // t not in logits_dots, sorted(logits_dots)
-    new, metrics = step(state, batch)
-    metrics = to_host(metrics)
-    assert metrics["tokens"] == ref["metrics"]["tokens"] == sum(VALID)
-    assert_scalar_close(metrics["loss"], ref["metrics"]["loss"], RTOL, "loss")
-    assert_scalar_close(metrics["grad_norm"], ref["metrics"]["grad_norm"], RTOL, "grad_norm")
-    got = {
-        "params": to_host(new["params"]),
-        "mu": to_host(otu.tree_get(new["opt_state"], "mu")),
-        "nu": to_host(otu.tree_get(new["opt_state"], "nu")),
-    }
-    assert_adam_step_close(got, ref, ref["host_state"]["params"], RTOL, **adam_step_args(plan, metrics))
+    assert_step_equals(plan, stepped(step, state, batch), ref, RTOL)
 
 
 @pytest.mark.parametrize(
@@ -144,4 +120,4 @@ def test_one_step_equals_single_device(case, reference, need_devices):
 )
 def test_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        make_plan(_overrides(*overrides), jax.devices()[: _devices(overrides)])
+        make_plan(_overrides(*overrides), jax.devices()[: mesh_devices(overrides)])

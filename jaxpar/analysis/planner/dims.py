@@ -25,7 +25,8 @@ from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.model import init_params, logical_axes
 from jaxpar.model.flops import row_flops_per_token
 from jaxpar.model.moe import EXPERTS_AXIS
-from jaxpar.parallel.layer_split import StageLayout, chunk_counts, placement
+from jaxpar.parallel import layer_split
+from jaxpar.parallel.layer_split import StageLayout
 from jaxpar.parallel.sharding import PARAM_RULES
 
 
@@ -175,15 +176,10 @@ def dims(cfg: Config, platform: str) -> Dims:
 
 
 def stage_layout(cfg: Config, p: int) -> StageLayout | None:
-    """The stage layout of `cfg`'s uneven split on p stages (`jaxpar.parallel.layer_split.chunk_counts`, rows
+    """The stage layout of `cfg`'s uneven split on p stages (`jaxpar.parallel.layer_split.stage_layout`, rows
     costed by `jaxpar.model.flops.row_flops_per_token` of the model's parameter shapes), None for the even split."""
-    if p == 1 or not (cfg.pipeline.stage_layers or cfg.pipeline.balance_stages):
-        return None
-    shapes = jax.eval_shape(lambda: init_params(cfg.model, 0))
-    counts = chunk_counts(cfg, p, row_flops_per_token(cfg, shapes))
-    if counts is None:
-        return None
-    return StageLayout(counts, p, placement(cfg.pipeline.schedule, p, cfg.pipeline.virtual_stages))
+    shapes = lambda: jax.eval_shape(lambda: init_params(cfg.model, 0))  # noqa: E731
+    return layer_split.stage_layout(cfg, p, lambda: row_flops_per_token(cfg, shapes()))
 
 
 def expert_axes(cfg: Config) -> tuple[str, ...]:
