@@ -17,6 +17,7 @@ REMAT_POLICIES = ("none", "dots", "names", "full")  # model.remat
 # and the planner counts bytes by it (`jaxpar.model.stack` gives the measurements behind the choice).
 REMAT_KEEPING_EXITS_ONLY = ("names", "full")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zb-v")  # pipeline.schedule
+CONTEXT_STRATEGIES = ("all_gather", "ring")  # context.strategy
 ROPE_SCALINGS = ("none", "linear", "llama3")  # model.rope_scaling
 LR_DECAYS = ("cosine", "linear", "constant")  # optimizer.decay
 WANDB_MODES = ("", "offline", "online", "disabled")  # metrics.wandb_mode; "" leaves it to WANDB_MODE

@@ -10,7 +10,7 @@ import math
 from jaxpar.config.checks import check_choice, check_positive
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.keys import example
-from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA_PARALLEL_AXES, PIPELINE, TENSOR
 from jaxpar.config.schema import Config, ModelConfig, MoEConfig
 
 log = logging.getLogger(__name__)
@@ -79,13 +79,14 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
 
     Args:
       cfg: the config.
-      shape: the resolved mesh shape {data, fsdp, tensor, pipeline}.
+      shape: the resolved mesh shape {data, fsdp, tensor, pipeline, context}.
 
     Raises:
       ConfigError: a key out of range, `model.moe.every` not dividing `model.n_layers`, MoE units
         (n_layers / every) that do not split evenly into the pipeline's mesh.pipeline * pipeline.virtual_stages
         model chunks, or `model.moe.expert_axes` naming another axis than data or fsdp, an axis twice, or axes
-        whose sizes' product does not divide num_experts; the message names the fix. (A model family without
+        whose sizes' product does not divide num_experts, or capacity routing with mesh.context > 1; the message
+        names the fix. (A model family without
         MoE support is refused when its model is built: `jaxpar.model.interface.check_model`.)
     """
     moe, m = cfg.model.moe, cfg.model
@@ -118,6 +119,12 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
             f"stack's depth: each unit is `every` blocks whose last one is MoE) must be divisible by mesh.pipeline "
             f"* pipeline.virtual_stages = {stages} * {v} = {stages * v} (each stage holds whole units); change "
             f"model.n_layers, model.moe.every, mesh.pipeline or pipeline.virtual_stages"
+        )
+    if moe.routing == "capacity" and shape.get(CONTEXT, 1) > 1:
+        raise ConfigError(
+            f"model.moe.routing=capacity with mesh.context={shape[CONTEXT]}: capacity routing fills each expert's "
+            f"queue in sequence order over the whole sequence, and context parallelism splits the sequence over "
+            f"devices (not supported yet); use model.moe.routing=dropless, or mesh.context=1"
         )
     d_expert = moe.d_expert or m.d_ff
     tp = shape[TENSOR]

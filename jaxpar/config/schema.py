@@ -145,15 +145,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the four mesh axes; at most one may be -1 (fills the remaining devices).
+    """Sizes of the five mesh axes; at most one may be -1 (fills the remaining devices).
 
-    Device order, outermost to innermost: data, pipeline, fsdp, tensor (see `jaxpar.parallel.mesh`).
+    Device order, outermost to innermost: data, pipeline, fsdp, context, tensor (see `jaxpar.config.mesh_axes`).
+    `context` (default 1: off) splits each sequence over devices (`ContextConfig`).
     """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
     pipeline: int = 1
+    context: int = 1
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,28 @@ class TensorConfig:
     """
 
     sequence_parallel: bool | None = None
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    """Context parallelism over the `context` mesh axis: each sequence split into `mesh.context` slices, one per
+    device, attention exchanging keys and values between them (`jaxpar.parallel.context`).
+
+    Attributes:
+      strategy: how a device's queries reach the other slices' keys and values:
+        `all_gather` (the Llama 3 scheme, Dubey et al. 2024, section 3.3.2): K and V (the key/value heads only)
+          all-gathered over `context` before attention, then one attention call of the local queries against the
+          whole sequence; its backward reduce-scatters dK and dV. Runs model.attention's kernel (cuDNN's on NVIDIA
+          GPUs). Holds a whole sequence's K/V per layer.
+        `ring` (Liu et al. 2023, arXiv 2310.01889): the K/V blocks passed around the ring of `context` devices by
+          `ppermute`, the next block's permute issued before the current block's compute so that they overlap;
+          the partial results combined by online softmax in fp32. Holds two blocks at a time; computes with XLA's
+          einsums (no fused kernel).
+      The sequence is laid out load-balanced for causal masking: cut into 2 * mesh.context chunks, device i holds
+      chunks i and 2 * mesh.context - 1 - i, so data.seq_len must divide by 2 * mesh.context.
+    """
+
+    strategy: str = "all_gather"
 
 
 @dataclass(frozen=True)
@@ -464,6 +488,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     tensor: TensorConfig = field(default_factory=TensorConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

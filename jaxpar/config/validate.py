@@ -6,14 +6,15 @@ Each failure raises `ConfigError` with the dotted key at fault and how to fix it
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxpar.config.attention import ATTENTION_IMPLEMENTATIONS
 from jaxpar.config.checks import check_between, check_choice, check_not_empty, check_positive
-from jaxpar.config.choices import LR_DECAYS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS
+from jaxpar.config.choices import CONTEXT_STRATEGIES, LR_DECAYS, PIPELINE_SCHEDULES, REMAT_POLICIES, ROPE_SCALINGS
 from jaxpar.config.data_sources import TEXT_SOURCES, check_data
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.keys import example
-from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe
 from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, LAYOUTS
@@ -57,6 +58,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
         num_devices = jax.device_count()
     shape = resolve_mesh_shape(cfg, num_devices)
     _check_tensor(cfg, shape[TENSOR])
+    check_context(cfg, shape[CONTEXT], shape[TENSOR], shape[PIPELINE])
     _check_pipeline(cfg, shape[PIPELINE], shape[TENSOR])
     check_moe(cfg, shape)
     _check_state_and_batch(cfg, shape)
@@ -199,6 +201,45 @@ def _check_tensor(cfg: Config, tp: int) -> None:
             f"data.seq_len={cfg.data.seq_len} must be divisible by mesh.tensor={tp} with sequence "
             f"parallelism; change data.seq_len or set tensor.sequence_parallel=false"
         )
+
+
+def context_multiple(c: int, tp: int, sp: bool) -> int:
+    """What data.seq_len must divide by with `mesh.context` = c: 2c for the load-balanced layout's 2c chunks
+    (`jaxpar.parallel.context`), and each device's T/c tokens by `mesh.tensor` = tp under sequence parallelism."""
+    return math.lcm(2 * c, c * tp) if sp else 2 * c
+
+
+def check_context(cfg: Config, c: int, tp: int, stages: int) -> None:
+    """The `context:` section on `c` = mesh.context devices: the strategy, a sequence that splits into the
+    load-balanced layout's 2c chunks (and each device's slice over tensor under sequence parallelism), and ring
+    attention outside the zero-bubble schedules.
+
+    Why not ring under zb-h1 / zb-v: those run each stage's own op in a `lax.switch`, so at one slot the devices of
+    one stage run a ring's forward permutes while another stage's run its backward's. A collective permute's
+    participants are the whole program, not its source-target pairs (XLA:CPU's rendezvous waits for every device:
+    measured, two stages' different permutes deadlock or exchange each other's blocks), while the all-gather's are
+    its replica group, the stage's own context devices."""
+    check_choice("context.strategy", cfg.context.strategy, CONTEXT_STRATEGIES)
+    if c == 1:
+        return
+    schedule = cfg.pipeline.schedule
+    if cfg.context.strategy == "ring" and stages > 1 and schedule.startswith("zb"):
+        raise ConfigError(
+            f"context.strategy=ring with pipeline.schedule={schedule}: the zero-bubble schedules run a different op "
+            f"on each stage, and the ring's permutes cannot run inside them (their participants are every device); "
+            f"use context.strategy=all_gather, or pipeline.schedule=1f1b or gpipe"
+        )
+    t, sp = cfg.data.seq_len, sequence_parallel(cfg, tp)
+    multiple = context_multiple(c, tp, sp)
+    if t % multiple:
+        lower, upper = t // multiple * multiple, -(-t // multiple) * multiple
+        lengths = " or ".join(f"data.seq_len={n}" for n in (lower, upper) if n > 0)
+        sizes = [k for k in range(1, c + 1) if t % context_multiple(k, tp, sp) == 0 and k > 1]
+        fits = f", or a mesh.context that fits it: {', '.join(map(str, sizes))}" if sizes else ""
+        why = f"2 * mesh.context = {2 * c} (the load-balanced layout's chunks)"
+        if multiple != 2 * c:
+            why += f" and by mesh.context * mesh.tensor = {c * tp} (sequence parallelism splits each slice)"
+        raise ConfigError(f"data.seq_len={t} must be divisible by {why}; use {lengths}{fits}")
 
 
 def _check_pipeline(cfg: Config, stages: int, tp: int) -> None:

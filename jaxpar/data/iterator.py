@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from jaxpar.data.batch import BATCH_DTYPES, BATCH_KEYS, SEGMENT_IDS
-from jaxpar.data.loader import _process_rows
+from jaxpar.data.loader import _process_rows, global_arrays
 
 
 class StatefulIterator(Protocol):
@@ -112,9 +112,7 @@ class IteratorLoader:
           StopIteration: the iterator is exhausted.
         """
         local = self._check(next(self.iterator))
-        return {
-            k: jax.make_array_from_process_local_data(self._sharding, v, self._global_shape) for k, v in local.items()
-        }
+        return global_arrays(self._sharding, local, self._global_shape)
 
     def get_state(self) -> dict:
         """{"processes": [state of process 0, 1, ...]} (JSON-safe; bytes states are kept as UTF-8 text). Every

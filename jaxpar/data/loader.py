@@ -137,7 +137,12 @@ class SampleOrder:
 def global_arrays(
     sharding: jax.sharding.NamedSharding, local: dict[str, np.ndarray], global_shape: tuple[int, int]
 ) -> dict[str, jax.Array]:
-    """This process's rows `local` ({key: [R, T]}, in `_process_rows` order) as global [B, T] arrays."""
+    """This process's rows `local` ({key: [R, T]}, in `_process_rows` order) as global [B, T] arrays. Under
+    context parallelism, where the sequence is split over devices of several processes, each process gives only
+    the positions its own devices hold (`_process_columns`)."""
+    start, stop = _process_columns(sharding, global_shape)
+    if (start, stop) != (0, global_shape[1]):
+        local = {k: v[:, start:stop] for k, v in local.items()}
     return {k: jax.make_array_from_process_local_data(sharding, v, global_shape) for k, v in local.items()}
 
 
@@ -338,6 +343,26 @@ def _process_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]
             f"uneven batch-row blocks {blocks} for global shape {global_shape}; shard the batch dimension evenly"
         )
     return np.concatenate([np.arange(start, stop) for start, stop in blocks])
+
+
+def _process_columns(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> tuple[int, int]:
+    """(start, stop): the sequence positions this process's devices hold, [0, T) unless the sequence is split over
+    devices of several processes (`mesh.context`).
+
+    Raises:
+      ValueError: the positions this process holds are not one contiguous range.
+    """
+    found: set[tuple[int, int]] = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        cols = slice(None) if index is None else index[1]
+        found.add(cols.indices(global_shape[1])[:2])
+    blocks = sorted(found)
+    if any(a[1] != b[0] for a, b in zip(blocks, blocks[1:])):
+        raise ValueError(
+            f"this process's devices hold sequence positions {blocks} of {global_shape[1]}, not one contiguous "
+            f"range; keep each process's devices on consecutive context ranks (jaxpar.build_mesh does)"
+        )
+    return blocks[0][0], blocks[-1][1]
 
 
 def split_rows(data_cfg: DataConfig, vocab_size: int | None = None, vocab_multiple: int = 1) -> tuple:

@@ -21,6 +21,10 @@ A model is any Flax NNX module with
       stage's share). A batch of packed documents carries `segment_ids` int32 [B, T] (whole sequence, also under
       sequence parallelism); the step passes them as the fourth argument, and only then, so a model without
       document masking need not take it. `jaxpar.model.attention.dot_product_attention` honours them.
+      Under context parallelism (`mesh.context` > 1) T is this device's slice of each sequence, and run_blocks
+      must take a keyword `positions_BT` (int32 [B, T]: the slice's rotary positions, which the step computes
+      from the whole sequence) and run attention through `tp.context` (`jaxpar.parallel.context`), as
+      `jaxpar.model.layers.Attention` does.
     logits(x [B, T or T/t, D], gather, tp) -> [B, T, V/t]
   and `__call__(tokens, dtype, gather, tp)` = logits(run_blocks(embed_tokens(...))).
 * with `model.moe` (num_experts > 0), a fourth method, used instead of run_blocks in training:
@@ -83,6 +87,16 @@ def takes_segment_ids(model: LanguageModel) -> bool:
         return True
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return len(positional) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def takes_positions(model: LanguageModel) -> bool:
+    """Whether `model.run_blocks` takes the rotary positions context parallelism passes: a `positions_BT`
+    parameter, or **kwargs."""
+    try:
+        params = inspect.signature(model.run_blocks).parameters
+    except (TypeError, ValueError):  # a callable without a signature: trust it
+        return True
+    return "positions_BT" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 def check_model(model: LanguageModel, name: str, n_layers: int, moe: bool = False) -> None:

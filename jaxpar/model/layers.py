@@ -99,17 +99,36 @@ class Attention(nnx.Module):
         self.max_segments = max_segments
 
     def __call__(
-        self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
+        self,
+        x_BTD: jax.Array,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
     ) -> jax.Array:
         """x: [B, T/t or T, D] -> [B, T/t or T, D]. Q, K, V are column-parallel (H/t and G/t local heads), the
         output projection row-parallel. segment_ids_BT: int32 [B, T] document ids of the whole sequence (also
         under sequence parallelism: attention runs on the gathered sequence), or None. With them attention stays
         within each document and the rotary positions restart at each document's first token
-        (`jaxpar.model.attention.segment_positions`)."""
+        (`jaxpar.model.attention.segment_positions`). positions_BT: int32 [B, T] rotary positions, given
+        (computed once per microbatch) instead of derived here.
+
+        Under context parallelism (`tp.context`) T is this device's R = T/c tokens of the load-balanced layout:
+        segment_ids_BT and positions_BT are its slice, and attention reaches the rest of the sequence through
+        `jaxpar.parallel.context` (with segment ids the positions are then required: a slice cannot tell where its
+        documents began)."""
         dt = x_BTD.dtype
         x_BTD = tp.enter(x_BTD)
-        if segment_ids_BT is None:
-            positions = jnp.arange(x_BTD.shape[1])
+        cp = tp.context
+        if positions_BT is not None:
+            positions = positions_BT
+        elif segment_ids_BT is None:
+            positions = cp.positions(x_BTD.shape[1])  # arange(T) without context parallelism
+        elif cp.active:
+            raise ValueError(
+                "context parallelism with packed documents needs the rotary positions of this device's slice "
+                "(positions_BT), which restart at documents that may begin on another device: the train step "
+                "computes them from the whole sequence; pass them through run_blocks"
+            )
         else:
             positions = segment_positions(segment_ids_BT)
         q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
@@ -120,9 +139,12 @@ class Attention(nnx.Module):
         implementation = self.implementation
         if implementation == "auto":
             implementation = resolve_attention("auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1])
-        out_BTHK = dot_product_attention(
-            q, k, v, implementation=implementation, segment_ids_BT=segment_ids_BT, max_segments=self.max_segments
-        )
+        if cp.active:
+            out_BTHK = cp.attention(q, k, v, segment_ids_BT)
+        else:
+            out_BTHK = dot_product_attention(
+                q, k, v, implementation=implementation, segment_ids_BT=segment_ids_BT, max_segments=self.max_segments
+            )
         b, t, h, kw = out_BTHK.shape
         wo_FD = self.wo[...].reshape(h * kw, -1)
         context_BTF = checkpoint_name(out_BTHK.reshape(b, t, h * kw), ATTENTION_CONTEXT)

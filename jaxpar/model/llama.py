@@ -52,9 +52,13 @@ class Block(nnx.Module):
         self.moe = moe
 
     def __call__(
-        self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
+        self,
+        x_BTD: jax.Array,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, dict]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp, segment_ids_BT)
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), tp, segment_ids_BT, positions_BT)
         if isinstance(self.mlp, MoE):  # self.moe
             y_BTD, stats = self.mlp(self.mlp_norm(x_BTD), tp)
             return x_BTD + y_BTD, stats
@@ -72,11 +76,16 @@ class MoEGroup(nnx.Module):
         self.moe = Block(cfg, rngs, moe=True)
 
     def __call__(
-        self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL, segment_ids_BT: jax.Array | None = None
+        self,
+        x_BTD: jax.Array,
+        tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         for i in range(self.n_dense):
-            x_BTD = getattr(self, f"dense_{i}")(x_BTD, tp, segment_ids_BT)
-        return cast(tuple[jax.Array, dict], self.moe(x_BTD, tp, segment_ids_BT))  # an MoE block: (x, statistics)
+            x_BTD = getattr(self, f"dense_{i}")(x_BTD, tp, segment_ids_BT, positions_BT)
+        # an MoE block: (x, statistics)
+        return cast(tuple[jax.Array, dict], self.moe(x_BTD, tp, segment_ids_BT, positions_BT))
 
 
 class Llama(nnx.Module):
@@ -121,10 +130,12 @@ class Llama(nnx.Module):
         gather: Gather = no_gather,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
         segment_ids_BT: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
     ) -> jax.Array:
         """Scans the stacked blocks (all of this module's layers) over activations [B, T, D]; with segment ids
-        (int32 [B, T]) attention stays within each packed document."""
-        return self.run_blocks_with_stats(x_BTD, gather, tp, segment_ids_BT)[0]
+        (int32 [B, T]) attention stays within each packed document; positions_BT (int32 [B, T]) are the rotary
+        positions when given (context parallelism: this device's slice, `jaxpar.model.layers.Attention`)."""
+        return self.run_blocks_with_stats(x_BTD, gather, tp, segment_ids_BT, positions_BT)[0]
 
     def run_blocks_with_stats(
         self,
@@ -132,12 +143,16 @@ class Llama(nnx.Module):
         gather: Gather = no_gather,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
         segment_ids_BT: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
     ) -> tuple[jax.Array, dict | None]:
         """`run_blocks`, and with `model.moe` the router statistics of every MoE block stacked on a leading
         dimension of size n_layers / moe.every (`jaxpar.model.moe`), else None."""
+        remat = self.cfg.remat
         if not self.cfg.moe.enabled:
-            return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT), None
-        return scan_layers(self.blocks, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT, with_aux=True)
+            return scan_layers(self.blocks, x_BTD, remat, gather, tp, segment_ids_BT, positions_BT=positions_BT), None
+        return scan_layers(
+            self.blocks, x_BTD, remat, gather, tp, segment_ids_BT, with_aux=True, positions_BT=positions_BT
+        )
 
     def logits(
         self, x_BTD: jax.Array, gather: Gather = no_gather, tp: TensorParallel = NO_TENSOR_PARALLEL

@@ -17,6 +17,10 @@ Two ways to run the experts, same parameters:
   * capacity: each expert takes at most C = ceil(capacity_factor * T * k / E) assignments per sequence, in
     priority order "every token's first choice, in sequence order, then every second choice, ..." (GShard);
     the rest are dropped (routed output zero; the residual path carries the token). Fixed shapes [B, E, C, D].
+Under context parallelism (`jaxpar.parallel.context`) a device holds T/c tokens of each sequence: the router
+statistics behind each sequence's load-balancing loss are summed over `context`, and capacity routing (whose
+queues run over the whole sequence in order) is refused (`jaxpar.config.moe`).
+
 The capacity group is one sequence, so which tokens drop depends only on that sequence: the same on any mesh
 layout (rows are never split over data or fsdp, and the capacity slots are assigned from the whole sequence's
 expert ids under tensor and sequence parallelism), with or without expert parallelism (the slots are assigned
@@ -71,11 +75,12 @@ def route(
     top_p, idx = jax.lax.top_k(probs, top_k)
     gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True) if top_k > 1 else top_p
     idx = tp.gather_sequence_values(idx.astype(jnp.int32))
-    e = router_DE.shape[-1]
-    t = idx.shape[1]
+    e, cp = router_DE.shape[-1], tp.context
+    t = idx.shape[1] * cp.size  # the whole sequence (under context parallelism this device holds T/c of it)
     counts_BE = jnp.sum(jax.nn.one_hot(idx, e, dtype=jnp.float32), axis=(1, 2))
-    f_BE = jax.lax.stop_gradient(counts_BE / (t * top_k))
-    p_BE = tp.sequence_sum(jnp.sum(probs, axis=1)) / t  # mean router probability over the whole sequence
+    f_BE = jax.lax.stop_gradient(cp.sequence_sum(counts_BE) / (t * top_k))
+    # mean router probability over the whole sequence: its slices over tensor, then over context
+    p_BE = cp.sequence_sum(tp.sequence_sum(jnp.sum(probs, axis=1))) / t
     aux_B = e * jnp.sum(f_BE * p_BE, axis=-1)
     z_BT = tp.gather_sequence_values(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
     stats = {"aux_B": aux_B, "z_BT": z_BT, "load_E": jnp.sum(counts_BE, axis=0)}

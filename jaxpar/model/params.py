@@ -14,7 +14,14 @@ import jax
 from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.interface import LAYERS_AXIS, STACK_ATTRIBUTE, LanguageModel, check_model, takes_segment_ids
+from jaxpar.model.interface import (
+    LAYERS_AXIS,
+    STACK_ATTRIBUTE,
+    LanguageModel,
+    check_model,
+    takes_positions,
+    takes_segment_ids,
+)
 from jaxpar.model.registry import model_family
 
 
@@ -26,6 +33,7 @@ class ModelDef:
     graphdef: nnx.GraphDef
     abstract_state: nnx.State
     takes_segment_ids: bool = True  # run_blocks takes packed-document segment ids (jaxpar.model.interface)
+    takes_positions: bool = True  # run_blocks takes context parallelism's positions_BT (jaxpar.model.interface)
 
     def logical_axes(self) -> dict:
         """Nested dict mirroring the parameters whose leaves are tuples of logical axis names, one per dimension.
@@ -64,7 +72,7 @@ def model_def(cfg: ModelConfig) -> ModelDef:
     abstract = nnx.eval_shape(lambda: build_model(cfg, 0))
     check_model(abstract, cfg.name, cfg.stack_depth, cfg.moe.enabled)
     graphdef, state = nnx.split(abstract)
-    return ModelDef(cfg, graphdef, state, takes_segment_ids(abstract))
+    return ModelDef(cfg, graphdef, state, takes_segment_ids(abstract), takes_positions(abstract))
 
 
 def init_params(cfg: ModelConfig, seed: int) -> dict:

@@ -150,6 +150,7 @@ def scan_layers(
     tp: TensorParallel = ...,
     segment_ids_BT: jax.Array | None = ...,
     with_aux: Literal[False] = ...,
+    positions_BT: jax.Array | None = ...,
 ) -> jax.Array: ...
 
 
@@ -163,6 +164,7 @@ def scan_layers(
     segment_ids_BT: jax.Array | None = ...,
     *,
     with_aux: Literal[True],
+    positions_BT: jax.Array | None = ...,
 ) -> tuple[jax.Array, dict]: ...
 
 
@@ -174,9 +176,12 @@ def scan_layers(
     tp: TensorParallel = NO_TENSOR_PARALLEL,
     segment_ids_BT: jax.Array | None = None,
     with_aux: bool = False,
+    positions_BT: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, dict]:
     """Runs a stack made by `stack_layers` over activations [B, T, D]: x = layer(x, tp) for each layer in order,
-    or x = layer(x, tp, segment_ids_BT) when packed-document segment ids (int32 [B, T]) are given.
+    or x = layer(x, tp, segment_ids_BT) when packed-document segment ids (int32 [B, T]) are given, and
+    x = layer(x, tp, segment_ids_BT, positions_BT) when rotary positions (int32 [B, T]) are given too (context
+    parallelism, `jaxpar.model.layers.Attention`).
 
     Each layer is gathered (`gather`) inside the scan body and checkpointed with `CHECKPOINT_POLICIES[remat]`.
     With `with_aux` each layer returns (x, aux), a pytree of arrays (e.g. a mixture-of-experts block's router
@@ -190,7 +195,9 @@ def scan_layers(
     """
     graphdef, stacked = nnx.split(layers)
 
-    extra = () if segment_ids_BT is None else (segment_ids_BT,)
+    extra: tuple = () if segment_ids_BT is None else (segment_ids_BT,)
+    if positions_BT is not None:
+        extra = (segment_ids_BT, positions_BT)
 
     def body(x, layer_state):
         layer = gather(nnx.merge(graphdef, layer_state))

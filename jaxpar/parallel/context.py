@@ -26,9 +26,17 @@ loop: the permutes run the ring the other way.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxpar.config.choices import CONTEXT_STRATEGIES
+from jaxpar.config.mesh_axes import CONTEXT
+
+AXIS = CONTEXT
+SEQ_DIM = 1  # batch arrays are [B, T], activations [B, T, ...]
 
 
 def balanced_order(seq_len: int, c: int) -> np.ndarray:
@@ -99,7 +107,9 @@ def ring_attention(
             scores = jnp.einsum("bsgrk,btgk->bsgrt", q, k.astype(jnp.float32))
             keep = mask[:, :, None, None, :]
             m_new = jnp.maximum(m, jnp.max(jnp.where(keep, scores, -jnp.inf), axis=-1))
-            p = jnp.where(keep, jnp.exp(scores - m_new[..., None]), 0.0)
+            # exp of -inf where masked, not a masked exp: exp(scores - m_new) may overflow where no key of the
+            # row is visible, and its gradient (times a zero cotangent) would be NaN
+            p = jnp.exp(jnp.where(keep, scores - m_new[..., None], -jnp.inf))
             rescale = jnp.exp(m - m_new)
             total_new = total * rescale + jnp.sum(p, axis=-1)
             o_new = o * rescale[..., None] + jnp.einsum("bsgrt,btgk->bsgrk", p, v.astype(jnp.float32))
@@ -120,3 +130,93 @@ def ring_attention(
     o, _, total = acc
     out = o / jnp.maximum(total, 1e-30)[..., None]
     return out.reshape(b, s, h, kw).astype(q_BRHK.dtype)
+
+
+@jax.custom_vjp
+def _sum_over_context(x):
+    # all-reduce over context: the whole sequence's sum of per-slice partial sums
+    return jax.lax.psum(x, AXIS)
+
+
+def _sum_fwd(x):
+    return _sum_over_context(x), None
+
+
+def _sum_bwd(_, g):
+    # Each rank uses the sum in a loss term of its own (weighted by its own tokens), so a partial's gradient is
+    # the sum of every rank's cotangent: all-reduce (not the identity of a term every rank computes alike).
+    return (jax.lax.psum(g, AXIS),)
+
+
+_sum_over_context.defvjp(_sum_fwd, _sum_bwd)
+
+
+def _slice_table(seq_len: int, c: int) -> np.ndarray:
+    """int32 [c, T/c]: row i is the original positions device i holds in the load-balanced layout."""
+    return balanced_order(seq_len, c).reshape(c, seq_len // c).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """The context-parallel setting handed to every layer (through `jaxpar.parallel.tensor.TensorParallel.context`).
+
+    Attributes:
+      size: c, the `context` mesh axis size; 1 means no context parallelism (no collectives at all).
+      strategy: `all_gather` or `ring` (`context.strategy`; module docstring).
+    """
+
+    size: int = 1
+    strategy: str = "all_gather"
+
+    def __post_init__(self):
+        if self.strategy not in CONTEXT_STRATEGIES:
+            raise ValueError(f"context strategy {self.strategy!r}; expected one of {CONTEXT_STRATEGIES}")
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    def positions(self, local_len: int) -> jax.Array:
+        """int32 [R]: the original (global) positions of this device's R = `local_len` tokens in the load-balanced
+        layout (`balanced_order`); arange(R) when inactive."""
+        if not self.active:
+            return jnp.arange(local_len, dtype=jnp.int32)
+        table = jnp.asarray(_slice_table(local_len * self.size, self.size))
+        return table[jax.lax.axis_index(AXIS)]
+
+    def sequence_sum(self, x: jax.Array) -> jax.Array:
+        """This device's partial sum over its slice of each sequence (e.g. [B, E] router statistics) -> the
+        whole sequence's sum (all-reduce over `context`; backward all-reduce too: every rank's loss term uses
+        it). Identity when inactive."""
+        return _sum_over_context(x) if self.active else x
+
+    def gather_sequence(self, x_BR: jax.Array) -> jax.Array:
+        """[B, R, ...] slices in natural order (device i holding positions i*R .. (i+1)*R - 1, as the step's
+        batch arrives) -> [B, T, ...] the whole sequence on every device (all-gather over `context`)."""
+        return jax.lax.all_gather(x_BR, AXIS, axis=SEQ_DIM, tiled=True) if self.active else x_BR
+
+    def local_slice(self, x_BT: jax.Array) -> jax.Array:
+        """[B, T, ...] whole sequences in natural order -> [B, R, ...]: this device's slice of the load-balanced
+        layout (chunks i and 2c - 1 - i)."""
+        if not self.active:
+            return x_BT
+        return jnp.take(x_BT, self.positions(x_BT.shape[SEQ_DIM] // self.size), axis=SEQ_DIM)
+
+    def attention(
+        self,
+        q_BRHK: jax.Array,
+        k_BRGK: jax.Array,
+        v_BRGK: jax.Array,
+        segment_ids_BR: jax.Array | None,
+    ) -> jax.Array:
+        """Causal attention of this device's queries to the whole sequence by the configured strategy; the
+        positions are this device's slice of the load-balanced layout (`positions`). Inside shard_map; returns
+        [B, R, H, K] in q's dtype."""
+        b, r = q_BRHK.shape[:2]
+        positions_BR = jnp.broadcast_to(self.positions(r), (b, r))
+        if self.strategy == "ring":
+            return ring_attention(q_BRHK, k_BRGK, v_BRGK, positions_BR, segment_ids_BR, AXIS, self.size)
+        return gathered_kv_attention(q_BRHK, k_BRGK, v_BRGK, positions_BR, segment_ids_BR, AXIS)
+
+
+NO_CONTEXT_PARALLEL = ContextParallel()

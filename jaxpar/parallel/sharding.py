@@ -22,7 +22,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config.mesh_axes import DATA, DATA_PARALLEL_AXES, FSDP, PIPELINE, STORAGE_AXES, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA, DATA_PARALLEL_AXES, FSDP, PIPELINE, STORAGE_AXES, TENSOR
 
 EXPERTS_AXIS = "experts"  # the logical name of stacked experts' leading dimension (jaxpar.model.moe)
 
@@ -40,7 +40,7 @@ PARAM_RULES: dict[str, tuple[str, ...]] = {
 
 ACTIVATION_RULES: dict[str, tuple[str, ...]] = {
     "batch": DATA_PARALLEL_AXES,
-    "seq": (),
+    "seq": (CONTEXT,),  # context parallelism; the step lays each device's slice out load-balanced
     "embed": (),
     "heads": (TENSOR,),
     "mlp": (TENSOR,),

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config.mesh_axes import PIPELINE, TENSOR
+from jaxpar.parallel.context import NO_CONTEXT_PARALLEL, ContextParallel
 
 AXIS = TENSOR
 SEQ_DIM = 1  # activations are [B, T, ...]
@@ -180,11 +181,15 @@ class TensorParallel:
         (the pipeline's vocabulary-parallel head, `jaxpar.parallel.pipeline_1f1b`): `vocab_start` and
         `log_softmax_terms` then count the shards over (tensor, pipeline), tensor-major. 1: not split. Only the
         head's and the loss's context carries it; the embedding's never does.
+      context: context parallelism (`jaxpar.parallel.context.ContextParallel`): each device holds R = T/c tokens
+        of every sequence, so T above reads R, and attention reaches the other devices' keys and values through
+        it. Carried here because every layer already takes this context; its collectives are over `context`.
     """
 
     size: int = 1
     sequence_parallel: bool = False
     vocab_stages: int = 1
+    context: ContextParallel = NO_CONTEXT_PARALLEL
 
     @property
     def _vocab_axes(self) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from jaxpar.parallel.gather import module_gatherer
 from jaxpar.parallel.pipeline import ordered_after
 from jaxpar.parallel.sharding import partitioned_over_data, storage_axes
 from jaxpar.parallel.tensor import TensorParallel
+from jaxpar.training.context_batch import POSITIONS
 from jaxpar.training.loss import cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
 from jaxpar.training.plan import StepPlan
@@ -88,12 +89,16 @@ def loss_body(plan: StepPlan, train: bool = True) -> Callable:
 
 def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel, with_stats: bool = False):
     """`model.run_blocks` on activations [b, T', D], with the microbatch's packed-document `segment_ids` (int32
-    [b, T]) when it has them (a model that takes none is never passed any). With `with_stats` (the built-in
-    llama with `model.moe`): `model.run_blocks_with_stats`, returning (activations, router statistics).
+    [b, T]) when it has them (a model that takes none is never passed any), and under context parallelism its
+    rotary `positions` (int32 [b, T/c], `jaxpar.training.context_batch`) as `positions_BT`. With `with_stats`
+    (the built-in llama with `model.moe`): `model.run_blocks_with_stats`, returning (activations, router
+    statistics).
 
     Raises:
       ValueError: the microbatch has segment ids and the model's run_blocks takes none.
     """
+    kwargs = {"positions_BT": mb[POSITIONS]} if POSITIONS in mb else {}
+    run = model.run_blocks_with_stats if with_stats else model.run_blocks
     if "segment_ids" in mb:
         if not takes_segment_ids(model):
             raise ValueError(
@@ -101,9 +106,5 @@ def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel, wi
                 f"none: give it a fourth parameter segment_ids_BT (jaxpar.model.interface), or yield batches "
                 f"without segment_ids"
             )
-        if with_stats:
-            return model.run_blocks_with_stats(x_BTD, gather, tp, mb["segment_ids"])
-        return model.run_blocks(x_BTD, gather, tp, mb["segment_ids"])
-    if with_stats:
-        return model.run_blocks_with_stats(x_BTD, gather, tp)
-    return model.run_blocks(x_BTD, gather, tp)
+        return run(x_BTD, gather, tp, mb["segment_ids"], **kwargs)
+    return run(x_BTD, gather, tp, **kwargs)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.parallel.sharding import gathered_axes, spec_axes
 from jaxpar.training.plan import StepPlan
 
@@ -27,6 +27,7 @@ def reduce_replicated(plan: StepPlan, grads: dict) -> dict:
       gradient);
     * pipeline: the embedding, final norm and head are used by the first or last stage only; the other stages
       hold zeros;
+    * context: every parameter is replicated over it, and each rank saw its own slice of every sequence;
     * fsdp, and data from ZeRO-2 on: the batch rows are split over them, and a parameter's gather transpose
       (`jaxpar.parallel.gather`) or the data reduce-scatter (`reduce_over_data`) sums its gradient over them
       only along its `embed` dimension. A parameter without one (e.g. a column-parallel bias, logical axes
@@ -41,6 +42,8 @@ def reduce_replicated(plan: StepPlan, grads: dict) -> dict:
         axes.append(TENSOR)
     if shape[PIPELINE] > 1:
         axes.append(PIPELINE)
+    if shape[CONTEXT] > 1:
+        axes.append(CONTEXT)
     if shape[FSDP] > 1:
         axes.append(FSDP)
     if shape[DATA] > 1 and plan.cfg.optimizer.zero_stage >= 2:

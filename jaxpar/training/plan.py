@@ -25,16 +25,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.mesh_axes import PIPELINE
+from jaxpar.config.mesh_axes import CONTEXT, PIPELINE, TENSOR
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe, without_expert_axes
 from jaxpar.config.precision import PrecisionLayout, precision_layout, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
-from jaxpar.config.validate import sequence_parallel
+from jaxpar.config.validate import check_context, sequence_parallel
 from jaxpar.model import ModelDef, init_params, model_def
+from jaxpar.parallel.context import ContextParallel
 from jaxpar.parallel.mesh import MESH_AXES
 from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs
-from jaxpar.parallel.tensor import AXIS as TENSOR_AXIS
 from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.training.loss import LossFn, VocabParallelLoss, check_loss_fn, cross_entropy
 from jaxpar.training.optimizer import (
@@ -92,9 +92,14 @@ class StepPlan:
         return dict(self.mesh.shape)
 
     @property
+    def context(self) -> ContextParallel:
+        """Context parallelism over the `context` axis (`jaxpar.parallel.context`; inactive at size 1)."""
+        return ContextParallel(size=self.mesh_shape[CONTEXT], strategy=self.cfg.context.strategy)
+
+    @property
     def tensor_parallel(self) -> TensorParallel:
-        size = self.mesh_shape[TENSOR_AXIS]
-        return TensorParallel(size=size, sequence_parallel=sequence_parallel(self.cfg, size))
+        size = self.mesh_shape[TENSOR]
+        return TensorParallel(size=size, sequence_parallel=sequence_parallel(self.cfg, size), context=self.context)
 
     @functools.cached_property
     def global_mdef(self) -> ModelDef:
@@ -161,11 +166,19 @@ def build_plan(
       ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
         holds no or several schedule states; an optimizer state with nested `skip_nonfinite` wrappers.
     """
-    check_moe(cfg, _check_mesh(cfg, mesh))
+    shape = _check_mesh(cfg, mesh)
+    check_moe(cfg, shape)
+    check_context(cfg, shape[CONTEXT], shape[TENSOR], shape[PIPELINE])
     platform = mesh.devices.flat[0].platform
     _check_compilation_cache(mesh, platform)
     cfg = _resolved_precision(cfg, platform)
     mdef = model_def(_resolved_model(cfg, mesh, platform))
+    if shape[CONTEXT] > 1 and not mdef.takes_positions:
+        raise ConfigError(
+            f"mesh.context={shape[CONTEXT]}: model {cfg.model.name!r}'s run_blocks takes no positions_BT, which "
+            f"context parallelism passes (each device's slice of the rotary positions; its attention must run "
+            f"through tp.context, jaxpar.model.interface); set mesh.context=1, or add them"
+        )
     logical = mdef.logical_axes()
     specs = {
         kind: param_specs(logical, kind, cfg.optimizer.zero_stage, mdef.cfg.moe.expert_axes)

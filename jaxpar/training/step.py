@@ -34,10 +34,11 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxpar.config.mesh_axes import TOKEN_AXES
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import layer_split
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.parallel.mesh import DATA_PARALLEL_AXES
+from jaxpar.training.context_batch import context_batch
 from jaxpar.training.forward import loss_body, split_microbatches, split_stack
 from jaxpar.training.grad_reduction import reduce_over_data, reduce_replicated
 from jaxpar.training.moe_loss import MEAN_KEYS, moe_metrics, zero_sums
@@ -76,12 +77,13 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
     and "z" divided by the global token count), or {} without `model.moe`."""
     accumulate = _accumulated_grads(plan)
     stages = plan.mesh_shape[pipeline_lib.AXIS]
-    loss_axes = DATA_PARALLEL_AXES + ((pipeline_lib.AXIS,) if stages > 1 else ())
+    loss_axes = TOKEN_AXES + ((pipeline_lib.AXIS,) if stages > 1 else ())
     virtual = plan.cfg.pipeline.virtual_stages if stages > 1 else 1
 
     def body(params, batch):
-        # psum over the batch-splitting axes: the global count of valid tokens normalises every microbatch.
-        n_tokens = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
+        batch = context_batch(batch, plan.context)  # the load-balanced slices (jaxpar.training.context_batch)
+        # psum over the token-splitting axes: the global count of valid tokens normalises every microbatch.
+        n_tokens = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), TOKEN_AXES)
         denom = jnp.maximum(n_tokens, 1.0)
         batch = pipeline_lib.ordered_after(batch, n_tokens)  # the accumulation loop after this psum
         # Interleaved 1F1B takes the stage's layers in chunk order, once per step (parameters stay in model
@@ -110,10 +112,10 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         grads = reduce_over_data(plan, grads)
         grads = jax.tree.map(lambda g: g.astype(plan.param_dtype), grads)
         grads = _after_every_reduction(grads)
-        # psum over the batch-splitting axes (each device summed only its own rows) and over pipeline (only
+        # psum over the token-splitting axes (each device summed only its own tokens) and over pipeline (only
         # the last stage computed a loss).
         loss = jax.lax.psum(loss, loss_axes)
-        # MoE sums: each device summed its own rows (tensor ranks alike: counted once, like the loss) and, with
+        # MoE sums: each device summed its own tokens (tensor ranks alike: counted once, like the loss) and, with
         # a pipeline, its own stage's MoE units (psum over pipeline, like the loss); the token-weighted ones are
         # normalised like the loss.
         sums = {k: jax.lax.psum(v / denom if k in MEAN_KEYS else v, loss_axes) for k, v in sums.items()}
@@ -258,13 +260,14 @@ def make_eval_step(plan: StepPlan) -> jax.stages.Wrapped:
     stages = plan.mesh_shape[pipeline_lib.AXIS]
 
     def body(params, batch):
-        # psum over the batch-splitting axes: each device saw only its own rows (and over pipeline: only the
+        batch = context_batch(batch, plan.context)
+        # psum over the token-splitting axes: each device saw only its own tokens (and over pipeline: only the
         # last stage computed a loss).
         if stages > 1:
-            total = jax.lax.psum(pipelined_eval_loss(plan, params, batch), DATA_PARALLEL_AXES + (pipeline_lib.AXIS,))
+            total = jax.lax.psum(pipelined_eval_loss(plan, params, batch), TOKEN_AXES + (pipeline_lib.AXIS,))
         else:
-            total = jax.lax.psum(loss_sum(params, batch), DATA_PARALLEL_AXES)
-        count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), DATA_PARALLEL_AXES)
+            total = jax.lax.psum(loss_sum(params, batch), TOKEN_AXES)
+        count = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), TOKEN_AXES)
         return total, count
 
     # one spec for every batch array: the three of `jaxpar.data.batch` and an optional "segment_ids"

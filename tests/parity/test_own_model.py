@@ -231,6 +231,13 @@ def test_gpt2_with_experts_equals_one_device():
     assert_adam_step_close(got, want, got["params0"], RTOL, **args)
 
 
+def test_context_parallelism_refuses_a_model_without_positions():
+    """gpt2's run_blocks takes no positions_BT (its attention does not run through tp.context): mesh.context > 1
+    is refused by the plan, before any device work, naming the fix."""
+    with pytest.raises(ConfigError, match="run_blocks takes no positions_BT, which context parallelism passes"):
+        _plan(["mesh.context=2", "data.seq_len=8"], 2)
+
+
 def test_gpt2_moe_refusals_and_a_model_without_router_statistics():
     """A model family without run_blocks_with_stats is refused under model.moe, naming the method; gpt2 refuses
     MoE groups (every > 1)."""

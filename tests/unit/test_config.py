@@ -133,6 +133,31 @@ def test_resolved_config_round_trips(tmp_path):
             ["model.moe.num_experts=6", "model.moe.expert_axes=[data, fsdp]"],
             "model.moe.num_experts=6 does not split over model.moe.expert_axes",
         ),
+        (["context.strategy=ulysses"], "context.strategy='ulysses' is not one of"),
+        (
+            ["mesh.context=4", "mesh.tensor=1", "mesh.data=1", "mesh.fsdp=2", "data.seq_len=100"],
+            "data.seq_len=100 must be divisible by 2 * mesh.context = 8 (the load-balanced layout's chunks); use "
+            "data.seq_len=96 or data.seq_len=104, or a mesh.context that fits it: 2",
+        ),
+        (
+            ["mesh.context=2", "mesh.tensor=4", "mesh.data=1", "mesh.fsdp=1", "model.n_kv_heads=4", "data.seq_len=12"],
+            "and by mesh.context * mesh.tensor = 8 (sequence parallelism splits each slice); use data.seq_len=8 or "
+            "data.seq_len=16",
+        ),
+        (
+            [
+                *("mesh.context=2", "mesh.tensor=1", "mesh.data=1", "mesh.fsdp=1", "mesh.pipeline=4"),
+                *("pipeline.schedule=zb-h1", "pipeline.microbatches=4", "context.strategy=ring"),
+            ],
+            "context.strategy=ring with pipeline.schedule=zb-h1: the zero-bubble schedules run a different op",
+        ),
+        (
+            [
+                *("mesh.context=2", "mesh.tensor=1", "mesh.data=1", "mesh.fsdp=4"),
+                *("model.moe.num_experts=4", "model.moe.routing=capacity"),
+            ],
+            "model.moe.routing=capacity with mesh.context=2: capacity routing fills each expert's queue",
+        ),
     ],
 )
 def test_bad_config_names_key_and_fix(overrides, needle):

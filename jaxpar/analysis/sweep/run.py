@@ -68,7 +68,7 @@ from jaxpar.config import ConfigError, check_unique_overrides, load_config, load
 from jaxpar.config.decode import decode_value
 from jaxpar.config.extras import installed, missing_message
 from jaxpar.config.load import pop_base, read_yaml
-from jaxpar.config.mesh_axes import CONFIG_AXES, DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONFIG_AXES, CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.paths import output_dir_problem, write_atomic
 from jaxpar.config.precision import PLATFORMS
 from jaxpar.log import GB
@@ -128,13 +128,14 @@ class Sweep:
 
 def factorisations(devices: int, constraints: dict, n_layers: int, n_heads: int) -> list[dict]:
     """Every {data, fsdp, tensor, pipeline} with product `devices` that meets `constraints` (module docstring),
-    ordered by pipeline, tensor, fsdp (ascending)."""
+    ordered by pipeline, tensor, fsdp (ascending); context 1 in each (context parallelism is a choice for long
+    sequences: a sweep names it in `meshes`)."""
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     out = []
     for p, t, f in itertools.product(divisors, divisors, divisors):
         if devices % (p * t * f):
             continue
-        mesh = {DATA: devices // (p * t * f), FSDP: f, TENSOR: t, PIPELINE: p}
+        mesh = {DATA: devices // (p * t * f), FSDP: f, TENSOR: t, PIPELINE: p, CONTEXT: 1}
         if any(mesh[a] > constraints.get(f"max_{a}", devices) for a in CONFIG_AXES):
             continue
         if constraints.get("pipeline_divides_layers", True) and n_layers % p:
