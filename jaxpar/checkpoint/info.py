@@ -45,6 +45,7 @@ from jaxpar.checkpoint.store import (
     resolve_checkpoint_path,
 )
 from jaxpar.config.mesh_axes import CONFIG_AXES
+from jaxpar.config.schema import MeshConfig
 
 _CORRUPT_STEP = re.compile(r"(0|[1-9][0-9]*)\.corrupt[0-9]*")  # an unreadable step renamed by a restore
 MODEL_DIMS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff")
@@ -179,8 +180,10 @@ def summarize_config(config: dict | None) -> dict:
         value = config.get(name)
         return value if isinstance(value, dict) else {}
 
+    mesh = section("mesh")
     return {
-        "mesh": {a: section("mesh").get(a) for a in CONFIG_AXES},
+        # an axis a saved mesh does not name has its schema size (mesh.context in a run saved before it existed: 1)
+        "mesh": {a: mesh.get(a, getattr(MeshConfig(), a) if mesh else None) for a in CONFIG_AXES},
         "zero_stage": section("optimizer").get("zero_stage"),
         "layout": section("precision").get("layout"),
         "global_batch_size": section("train").get("global_batch_size"),

@@ -9,8 +9,8 @@ Two orders of the same five names:
     a ring's permute overlaps the block's attention and an all-gather moves only the key/value heads (a layer's
     K/V against tensor's two all-reduces or all-gather + reduce-scatter of the whole activation), so tensor
     keeps the fastest link and context takes the next (the Llama 3 report's order, Dubey et al. 2024, section
-    3.3.2: TP, CP, PP, DP from innermost). A size-1 axis does not change the device order, so meshes without
-    context parallelism are laid out as before it existed. HLO replica groups follow this order.
+    3.3.2: TP, CP, PP, DP from innermost). A size-1 axis does not change the device order: with context 1 the
+    devices lie as the other four axes alone place them. HLO replica groups follow this order.
   * `CONFIG_AXES`, the `mesh:` section (`jaxpar.config.schema.MeshConfig`'s fields): the order a config, a
     sweep point and a report name the sizes in ("data x fsdp x tensor x pipeline x context").
 """

@@ -20,13 +20,14 @@ K/V block it holds and passes the block on around the ring (`ppermute` to the ne
 block's compute so that a GPU can overlap them). The partial results combine by online softmax (Milakov and
 Gimelshein 2018; FlashAttention's rescaling) in fp32: a running max m and sum l per query, the output rescaled by
 exp(m_old - m_new) whenever the max grows. A block no query of which may see any of its keys (all in the causal
-future, or all in other documents) skips its compute in a `lax.cond`. The backward is jax's transpose of the
-loop: the permutes run the ring the other way.
+future, or all in other documents) skips its compute in a `lax.cond`. The backward (a custom VJP) is a second
+ring pass: the blocks go around again with their dK and dV sums, from the forward's log-sum-exp per query.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -90,25 +91,37 @@ def ring_attention(
 ) -> jax.Array:
     """Causal attention of this device's queries to the whole sequence, the K/V blocks passed around the ring of
     `axis` (`axis_size` devices) and combined by online softmax in fp32 (module docstring). Inside shard_map;
-    returns [B, R, H, K] in q's dtype."""
-    b, s, h, kw = q_BRHK.shape
-    g = k_BRGK.shape[2]
-    scale = 1.0 / np.sqrt(kw)
-    q = (q_BRHK.astype(jnp.float32) * scale).reshape(b, s, g, h // g, kw)
+    returns [B, R, H, K] in q's dtype. Its backward is a second ring pass (`_ring_bwd`)."""
     segments = segment_ids_BR if segment_ids_BR is not None else jnp.zeros_like(positions_BR)
-    ring = [(i, (i + 1) % axis_size) for i in range(axis_size)]
+    return _ring(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments, axis, axis_size)
+
+
+def _ring_shift(tree, axis: str, axis_size: int):
+    """Each device's `tree` to the next device of the ring (ppermute i -> i + 1 mod c)."""
+    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % axis_size) for i in range(axis_size)])
+
+
+def _grouped(x_BRHK: jax.Array, g: int) -> jax.Array:
+    """[B, R, H, K] -> fp32 [B, R, G, H/G, K]: query heads grouped by the key/value head they share."""
+    b, r, h, kw = x_BRHK.shape
+    return x_BRHK.astype(jnp.float32).reshape(b, r, g, h // g, kw)
+
+
+def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size):
+    """(output [B, R, H, K] in q's dtype, log-sum-exp fp32 [B, R, G, H/G] of every query's scores: the softmax
+    statistics the backward needs)."""
+    b, r, h, kw = q_BRHK.shape
+    q = _grouped(q_BRHK, k_BRGK.shape[2]) * (1.0 / np.sqrt(kw))
 
     def block(acc, kv):
         o, m, total = acc  # [B, R, G, H/G, K], and the running max and sum [B, R, G, H/G]
         k, v, k_pos, k_seg = kv
-        mask = _visible(positions_BR, k_pos, segments, k_seg)[:, 0]  # [B, R, Rk]
+        mask = _visible(positions_BR, k_pos, segments_BR, k_seg)[:, 0]  # [B, R, Rk]
 
         def compute():
             scores = jnp.einsum("bsgrk,btgk->bsgrt", q, k.astype(jnp.float32))
             keep = mask[:, :, None, None, :]
             m_new = jnp.maximum(m, jnp.max(jnp.where(keep, scores, -jnp.inf), axis=-1))
-            # exp of -inf where masked, not a masked exp: exp(scores - m_new) may overflow where no key of the
-            # row is visible, and its gradient (times a zero cotangent) would be NaN
             p = jnp.exp(jnp.where(keep, scores - m_new[..., None], -jnp.inf))
             rescale = jnp.exp(m - m_new)
             total_new = total * rescale + jnp.sum(p, axis=-1)
@@ -121,15 +134,72 @@ def ring_attention(
     # -1e30, not -inf: exp(m_old - m_new) stays finite before a row's first visible key
     m0 = jnp.full(q.shape[:-1], -1e30, jnp.float32)
     total0 = jnp.zeros(q.shape[:-1], jnp.float32)
-    acc, kv = (o0, m0, total0), (k_BRGK, v_BRGK, positions_BR, segments)
+    acc, kv = (o0, m0, total0), (k_BRGK, v_BRGK, positions_BR, segments_BR)
     for step in range(axis_size):
         # the next block's permute first: it does not depend on this block's compute
-        passed = jax.lax.ppermute(kv, axis, ring) if step < axis_size - 1 else kv
+        passed = _ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
         acc = block(acc, kv)
         kv = passed
-    o, _, total = acc
-    out = o / jnp.maximum(total, 1e-30)[..., None]
-    return out.reshape(b, s, h, kw).astype(q_BRHK.dtype)
+    o, m, total = acc
+    total = jnp.maximum(total, 1e-30)
+    out = (o / total[..., None]).reshape(b, r, h, kw).astype(q_BRHK.dtype)
+    return out, m + jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size):
+    return _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size)[0]
+
+
+def _ring_fwd(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size):
+    out, lse = _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size)
+    return out, (q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, out, lse)
+
+
+def _ring_bwd(axis, axis_size, residuals, d_out_BRHK):
+    """The second ring pass (FlashAttention-2's backward, Dao 2023, algorithm 2, block by block): the K/V blocks
+    go around the ring again, each with the fp32 sums of its dK and dV, which every device adds its queries'
+    share to before passing them on; one more permute brings each block's sums home. Keeps this device's own
+    q, k, v, output and log-sum-exp, and two blocks at a time: no step's scores or probabilities."""
+    q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, out_BRHK, lse = residuals
+    b, r, h, kw = q_BRHK.shape
+    g = k_BRGK.shape[2]
+    scale = 1.0 / np.sqrt(kw)
+    q = _grouped(q_BRHK, g) * scale
+    d_out = _grouped(d_out_BRHK, g)
+    delta = jnp.sum(d_out * _grouped(out_BRHK, g), axis=-1)  # D_i = dO_i . O_i, [B, R, G, H/G]
+    kv = (k_BRGK, v_BRGK, positions_BR, segments_BR)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dkv = (jnp.zeros(k_BRGK.shape, jnp.float32), jnp.zeros(v_BRGK.shape, jnp.float32))
+    for step in range(axis_size):
+        passed = _ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
+        k, v, k_pos, k_seg = kv
+        mask = _visible(positions_BR, k_pos, segments_BR, k_seg)[:, 0]
+
+        def compute(dq, dk, dv, k=k, v=v, mask=mask):
+            k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+            scores = jnp.einsum("bsgrk,btgk->bsgrt", q, k32)
+            p = jnp.exp(jnp.where(mask[:, :, None, None, :], scores - lse[..., None], -jnp.inf))
+            dv = dv + jnp.einsum("bsgrt,bsgrk->btgk", p, d_out)
+            d_scores = p * (jnp.einsum("bsgrk,btgk->bsgrt", d_out, v32) - delta[..., None])
+            dq = dq + jnp.einsum("bsgrt,btgk->bsgrk", d_scores, k32) * scale
+            dk = dk + jnp.einsum("bsgrt,bsgrk->btgk", d_scores, q)
+            return dq, dk, dv
+
+        dq, dk, dv = jax.lax.cond(jnp.any(mask), compute, lambda dq, dk, dv: (dq, dk, dv), dq, *dkv)
+        dkv = _ring_shift((dk, dv), axis, axis_size)  # with its block: after c shifts, home
+        kv = passed
+    dk, dv = dkv
+    return (
+        dq.reshape(b, r, h, kw).astype(q_BRHK.dtype),
+        dk.astype(k_BRGK.dtype),
+        dv.astype(v_BRGK.dtype),
+        None,
+        None,
+    )
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 @jax.custom_vjp

@@ -348,7 +348,7 @@ def _grads_on_16_devices(
     assert done.returncode == 0, f"exit {done.returncode}; collectives stuck: {stuck}\n" + done.stderr[-2000:]
     with open(outputs, "rb") as f:
         out = pickle.load(f)
-    assert out["mesh"] == {"data": 2, "pipeline": 2, "fsdp": 2, "tensor": 2} and out["sequence_parallel"]
+    assert out["mesh"] == {"data": 2, "pipeline": 2, "fsdp": 2, "context": 1, "tensor": 2} and out["sequence_parallel"]
     spec, shard, shape = out["layout"]["['blocks']['mlp']['w_up']"]
     assert spec == ("pipeline", "fsdp", "tensor") and shard == (L // 2, shape[1] // 2, shape[2] // 2)
     for path, (spec, _shard, _shape) in out["layout"].items():

@@ -174,7 +174,7 @@ def test_one_step_equals_single_device(mesh_name, sp, zero, reference, need_devi
     # tests/parity/test_init.py), placed onto this layout's shardings.
     state = jax.device_put(ref["host_state"], plan.state_shardings)
     batch = device_batch(plan, host_batch(VALID, T, SEED))
-    assert dict(plan.mesh.shape) == {"data": data, "pipeline": 1, "fsdp": fsdp, "tensor": tensor}
+    assert dict(plan.mesh.shape) == {"data": data, "pipeline": 1, "fsdp": fsdp, "context": 1, "tensor": tensor}
     assert plan.tensor_parallel == TensorParallel(size=tensor, sequence_parallel=sp)
     wq, table = _wq(state["params"]), state["params"]["embed"]["table"]
     L, D, H, K = wq.shape

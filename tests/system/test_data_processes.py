@@ -94,7 +94,7 @@ def _global_batches(results: list[dict]) -> list[list[int]]:
 def uninterrupted(tmp_path_factory):
     """2 processes x 2 devices (mesh data=2, fsdp=2) read BATCHES global batches without stopping."""
     results = _run(tmp_path_factory.mktemp("uninterrupted"), processes=2, devices=2, batches=BATCHES)
-    assert results[0]["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 1}
+    assert results[0]["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "tensor": 1}
     assert results[0]["batches_per_epoch"] == N // G == 4
     return results
 

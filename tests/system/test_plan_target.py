@@ -67,7 +67,7 @@ def test_target_plans_for_gpu_on_the_clusters_devices(capsys):
     assert plan_cli.main([*TINY, "--target", "h100:2x8", "--devices", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["devices"] == 16 and out["plan"]["platform"] == "gpu"
-    assert out["plan"]["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 4, "tensor": 2}
+    assert out["plan"]["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 4, "context": 1, "tensor": 2}
     t = out["target"]
     peak = out["plan"]["memory"]["peak_estimate"]
     assert t["cluster"] == "h100:2x8" and t["devices"] == 16 and t["memory_bytes"] == 80 * 10**9
@@ -93,7 +93,7 @@ def _canned(fits: bool = True) -> dict:
         "target": "h100",
         "device_kind": "NVIDIA H100 80GB HBM3",
         "devices": 16,
-        "mesh": {"data": 2, "pipeline": 1, "fsdp": 4, "tensor": 2},
+        "mesh": {"data": 2, "pipeline": 1, "fsdp": 4, "context": 1, "tensor": 2},
         "compute_dtype": "bfloat16",
         "compile_seconds": 12.3,
         "memory": {
@@ -168,7 +168,7 @@ def test_compiled_report_through_the_cli(capsys, monkeypatch):
     text = capsys.readouterr().out
     for needle in (
         "compiled for h100:2x8 by XLA's GPU compiler without GPUs",
-        "mesh data=2 pipeline=1 fsdp=4 tensor=2, compute bfloat16, 12.3 s",
+        "mesh data=2 pipeline=1 fsdp=4 context=1 tensor=2, compute bfloat16, 12.3 s",
         "arguments                                        859,413    859.4 kB",
         "temporaries                                    7,202,432    7.202 MB",
         "peak                                           7,650,877    7.651 MB",
@@ -227,7 +227,7 @@ def test_cli_compiles_tiny_for_two_h100_nodes(capsys):
     out = json.loads(capsys.readouterr().out)
     gpu, plan, target = out["gpu_compiled"], out["plan"], out["target"]
     assert gpu["cluster"] == target["cluster"] == "h100:2x8" and gpu["devices"] == plan["devices"] == 16
-    assert gpu["mesh"] == plan["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 4, "tensor": 2}
+    assert gpu["mesh"] == plan["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 4, "context": 1, "tensor": 2}
     m = gpu["memory"]
     assert (
         0

@@ -175,7 +175,8 @@ def test_a_mesh_other_than_the_configs_is_refused():
         jaxpar.build_plan(cfg, one)
     data8 = jaxpar.build_mesh(jaxpar.load_config(CONFIG, ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]))
     with pytest.raises(
-        jaxpar.ConfigError, match=r"is not the config's \(mesh.data=2, mesh.pipeline=1, mesh.fsdp=2, mesh.tensor=2"
+        jaxpar.ConfigError,
+        match=r"is not the config's \(mesh.data=2, mesh.pipeline=1, mesh.fsdp=2, mesh.context=1, mesh.tensor=2",
     ):
         jaxpar.build_plan(cfg, data8)
 

@@ -81,6 +81,7 @@ def test_points_are_the_cartesian_product(tmp_path):
         "mesh.fsdp=1",
         "mesh.tensor=1",
         "mesh.pipeline=1",
+        "mesh.context=1",
         "optimizer.zero_stage=1",
         "model.remat=none",
     ]
@@ -229,8 +230,9 @@ def test_analytic_sweep_writes_outputs_and_resumes(tmp_path):
     records = run_sweep(load_sweep(path), str(out), log=logs.append)
     status = {" ".join(r["overrides"]): r["status"] for r in records}
     assert len(records) == 6 and len(logs) == 6
-    assert status["mesh.data=8 mesh.fsdp=1 mesh.tensor=1 mesh.pipeline=1 optimizer.zero_stage=1"] == "over_budget"
-    assert status["mesh.data=1 mesh.fsdp=8 mesh.tensor=1 mesh.pipeline=1 optimizer.zero_stage=3"] == "ok"
+    mesh8 = "mesh.tensor=1 mesh.pipeline=1 mesh.context=1"
+    assert status[f"mesh.data=8 mesh.fsdp=1 {mesh8} optimizer.zero_stage=1"] == "over_budget"
+    assert status[f"mesh.data=1 mesh.fsdp=8 {mesh8} optimizer.zero_stage=3"] == "ok"
     invalid = [r for r in records if r["mesh"]["tensor"] == 8]
     assert [r["status"] for r in invalid] == ["invalid", "invalid"]
     assert "must be divisible by mesh.tensor=8" in invalid[0]["error"]
@@ -275,7 +277,7 @@ def test_sweep_of_virtual_stages_and_recompute(tmp_path):
     )
     out = tmp_path / "out"
     records = run_sweep(load_sweep(path), str(out), log=lambda _: None)
-    by = {(r["overrides"][4], r["overrides"][5]): r for r in records}
+    by = {(r["overrides"][5], r["overrides"][6]): r for r in records}  # after the 5 mesh axes
     v1, v2, v3 = "pipeline.virtual_stages=1", "pipeline.virtual_stages=2", "pipeline.virtual_stages=3"
     rc, keep = "pipeline.recompute=true", "pipeline.recompute=false"
     for key in ((v3, rc), (v3, keep)):

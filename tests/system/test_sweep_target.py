@@ -218,10 +218,10 @@ def test_memory_ranks_by_the_gpu_compiled_peak(tmp_path, monkeypatch):
     the budget by its GPU peak, and one whose GPU peak does not fit one H100, are marked over budget."""
     monkeypatch.setattr(plan_gpu, "unavailable_reason", lambda: None)
     meshes = {
-        "data=8 fsdp=1 tensor=1 pipeline=1": {"data": 8},
-        "data=1 fsdp=8 tensor=1 pipeline=1": {"fsdp": 8},
-        "data=2 fsdp=2 tensor=2 pipeline=1": {"data": 2, "fsdp": 2, "tensor": 2},
-        "data=4 fsdp=2 tensor=1 pipeline=1": {"data": 4, "fsdp": 2},
+        "data=8 fsdp=1 tensor=1 pipeline=1 context=1": {"data": 8},
+        "data=1 fsdp=8 tensor=1 pipeline=1 context=1": {"fsdp": 8},
+        "data=2 fsdp=2 tensor=2 pipeline=1 context=1": {"data": 2, "fsdp": 2, "tensor": 2},
+        "data=4 fsdp=2 tensor=1 pipeline=1 context=1": {"data": 4, "fsdp": 2},
     }
     planned = {}
     for name, mesh in meshes.items():
@@ -267,7 +267,7 @@ def test_memory_ranks_by_the_gpu_compiled_peak(tmp_path, monkeypatch):
 
     md = (tmp_path / "out" / "results.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| ") and "rank" not in line]
-    ranked_meshes = [" ".join(f"{a}={v}" for a, v in zip(CONFIG_AXES, line.split(" | ")[1:5])) for line in rows]
+    ranked_meshes = [" ".join(f"{a}={v}" for a, v in zip(CONFIG_AXES, line.split(" | ")[1:6])) for line in rows]
     assert ranked_meshes == [order[3], order[0], order[1], order[2]]  # by GPU peak; over budget unranked
     assert rows[0].startswith("| 1 |") and rows[1].startswith("| 2 |") and rows[2].startswith("| - |")
     assert "by XLA's GPU compiler on this machine, without GPUs" in md and "**h100:1x8**" in md

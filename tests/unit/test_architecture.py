@@ -126,7 +126,7 @@ def _literal_tuples(path: str):
 # key's vocabulary lives in the config layer (`jaxpar.config.choices` where an implementation above the config
 # maps each name, beside the key's own checks otherwise).
 ONE_SOURCE = {
-    "mesh axes": ({"data", "pipeline", "fsdp", "tensor"}, "jaxpar.config.mesh_axes"),
+    "mesh axes": ({"data", "pipeline", "fsdp", "context", "tensor"}, "jaxpar.config.mesh_axes"),
     "platforms": ({"gpu", "tpu", "cpu"}, "jaxpar.config.precision"),
     "float dtypes": ({"float32", "bfloat16"}, "jaxpar.config.precision"),
     "batch keys": ({"inputs", "targets", "loss_mask"}, "jaxpar.data.batch"),
@@ -404,7 +404,10 @@ NOT_AXIS_NAMES = {
     "jaxpar/analysis/planner/plan.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
     "jaxpar/analysis/planner/report.py": ({"pipeline": 2}, "the plan's `pipeline` section"),
     "jaxpar/analysis/sweep/run.py": ({"pipeline": 1}, "the plan's `pipeline` section"),
-    "jaxpar/analysis/gpu/check.py": ({"tensor": 1, "pipeline": 5}, "the `tensor` and `pipeline` config sections"),
+    "jaxpar/analysis/gpu/check.py": (
+        {"tensor": 1, "pipeline": 5, "context": 2},
+        "the `tensor`, `pipeline` and `context` config sections",
+    ),
     "jaxpar/analysis/bench/report.py": ({"tensor": 2, "pipeline": 5}, "the report's row groups"),
 }
 

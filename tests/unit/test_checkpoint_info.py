@@ -64,7 +64,7 @@ def test_text_lists_steps_config_and_arrays(run_dir, capsys):
     assert "incomplete: 9 (step 9; no commit_success.txt" in out
     assert "incomplete: 3.corrupt (step 3; set aside" in out
     assert "step 4: " in out  # the latest complete step, not the incomplete 6 or 9
-    assert "mesh: data=2 fsdp=4 tensor=1 pipeline=1 (8 devices)" in out
+    assert "mesh: data=2 fsdp=4 tensor=1 pipeline=1 context=1 (8 devices)" in out
     assert "zero_stage: 2" in out and "d_model=16 n_layers=3" in out
     assert 'data position: {"next_sample": 32}' in out
     assert "arrays saved from mesh: data=2 fsdp=4" in out
@@ -81,7 +81,7 @@ def test_json_step_dir_and_checkpoints_dir(run_dir, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["steps"] == [2, 4] and info["step"] == 2 and info["data"] == {"next_sample": 16}
     assert [e["step"] for e in info["incomplete"]] == [3, 6, 9]
-    assert info["summary"]["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1, "pipeline": 1}
+    assert info["summary"]["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1, "pipeline": 1, "context": 1}
     assert info["summary"]["zero_stage"] == 2 and info["config"]["model"]["d_ff"] == 48
     arrays = {a["name"]: a for a in info["arrays"]}
     assert len(arrays) == n_leaves  # every array of the state, no empty optax nodes

@@ -111,7 +111,7 @@ def test_small_config_on_two_h100_nodes_is_planned_within_15_percent(tmp_path):
 
     cfg = load_config(os.path.join(CONFIGS, "llama_125m.yaml"), ["train.global_batch_size=512"], num_devices=16)
     out = compile_for_gpu(cfg, "h100", 2, 8)
-    assert out["mesh"] == {"data": 16, "pipeline": 1, "fsdp": 1, "tensor": 1} and out["fits"]
+    assert out["mesh"] == {"data": 16, "pipeline": 1, "fsdp": 1, "context": 1, "tensor": 1} and out["fits"]
     assert abs(out["planned"]["ratio"] - 1) <= gpu_check.PLAN_TOLERANCE, out["planned"]["ratio"]
     # model.attention auto with bf16 on H100s: cuDNN's fused kernel, no score tensors in memory
     assert out["fused_attention"] and not out["attention_scores"]["materialised"]

@@ -501,4 +501,4 @@ def test_platform_is_checked_and_stated(capsys):
 
 def test_plan_is_json_ready():
     p = plan(_cfg(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
-    assert json.loads(json.dumps(p))["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "tensor": 2}
+    assert json.loads(json.dumps(p))["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "tensor": 2}

@@ -18,7 +18,7 @@ import json
 import os
 import re
 
-from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig, OptimizerConfig
 from jaxpar.log import GB
@@ -57,7 +57,8 @@ def fingerprint(cfg: Config) -> str:
     `pipeline.recompute` counts only with mesh.pipeline > 1 (it decides nothing else), `pipeline.virtual_stages`
     only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`,
     `model.moe` only with experts, `optimizer.weight_decay_exclude` only when not the default (whose mask the
-    built-in families had before the key), and `model.init_from` (where the weights come from) never; records made
+    built-in families had before the key), `mesh.context` and the `context` section only with mesh.context > 1,
+    and `model.init_from` (where the weights come from) never; records made
     before those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it
     (`auto` is bfloat16 there: `jaxpar.config.precision.resolve_compute_dtype`)."""
     d = dataclasses.asdict(cfg)
@@ -69,6 +70,10 @@ def fingerprint(cfg: Config) -> str:
     keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off)}
     if tuple(cfg.optimizer.weight_decay_exclude) == OptimizerConfig().weight_decay_exclude:  # the mask of before
         keep["optimizer"] = {k: v for k, v in keep["optimizer"].items() if k != "weight_decay_exclude"}
+    if cfg.mesh.context == 1:
+        keep["mesh"] = {k: v for k, v in keep["mesh"].items() if k != CONTEXT}
+    else:
+        keep["context"] = d["context"]
     if cfg.mesh.pipeline == 1:
         keep["pipeline"] = {k: v for k, v in keep["pipeline"].items() if k != "recompute"}
     if cfg.pipeline.virtual_stages == 1:

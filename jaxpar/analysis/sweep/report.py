@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 
 from jaxpar.config.extras import require
-from jaxpar.config.mesh_axes import DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.paths import write_atomic
 from jaxpar.log import human_bytes
 
@@ -191,15 +191,17 @@ def write_markdown(path: str, header: dict, records: list[dict]) -> None:
         ),
         _explanation(header),
         "",
-        "| rank | data | fsdp | tensor | pipeline | varied | status | " + " | ".join(c[0] for c in columns) + " |",
-        "|---:|---:|---:|---:|---:|---|---|" + "|".join(c[1] for c in columns) + "|",
+        "| rank | data | fsdp | tensor | pipeline | context | varied | status | "
+        + " | ".join(c[0] for c in columns)
+        + " |",
+        "|---:|---:|---:|---:|---:|---:|---|---|" + "|".join(c[1] for c in columns) + "|",
     ]
     notes = []
     for rank, r in ranked(records, objective):
         m = r["mesh"]
         lines.append(
-            f"| {rank or '-'} | {m[DATA]} | {m[FSDP]} | {m[TENSOR]} | {m[PIPELINE]} | {varied(r)} | "
-            f"{r['status'].replace('_', ' ')} | " + " | ".join(cell(r) for _, _, cell in columns) + " |"
+            f"| {rank or '-'} | {m[DATA]} | {m[FSDP]} | {m[TENSOR]} | {m[PIPELINE]} | {m.get(CONTEXT, 1)} | "
+            f"{varied(r)} | {r['status'].replace('_', ' ')} | " + " | ".join(cell(r) for _, _, cell in columns) + " |"
         )
         if r["error"]:
             notes.append(f"- `{' '.join(r['overrides'])}` ({r['status']}): {r['error'].splitlines()[-1]}")
