@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config.attention import resolve_attention
 from jaxpar.model.attention import dot_product_attention, segment_positions
+from jaxpar.model.context_attention import context_attention
 from jaxpar.model.stack import ATTENTION_CONTEXT, MLP_HIDDEN
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
 
@@ -140,7 +141,7 @@ class Attention(nnx.Module):
         if implementation == "auto":
             implementation = resolve_attention("auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1])
         if cp.active:
-            out_BTHK = cp.attention(q, k, v, segment_ids_BT)
+            out_BTHK = context_attention(q, k, v, segment_ids_BT, cp, implementation, self.max_segments)
         else:
             out_BTHK = dot_product_attention(
                 q, k, v, implementation=implementation, segment_ids_BT=segment_ids_BT, max_segments=self.max_segments

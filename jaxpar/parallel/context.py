@@ -19,9 +19,15 @@ Ring (`ring_attention`, Liu et al. 2023, arXiv 2310.01889): c steps; in each the
 K/V block it holds and passes the block on around the ring (`ppermute` to the next device, issued before the
 block's compute so that a GPU can overlap them). The partial results combine by online softmax (Milakov and
 Gimelshein 2018; FlashAttention's rescaling) in fp32: a running max m and sum l per query, the output rescaled by
-exp(m_old - m_new) whenever the max grows. A block no query of which may see any of its keys (all in the causal
-future, or all in other documents) skips its compute in a `lax.cond`. The backward (a custom VJP) is a second
-ring pass: the blocks go around again with their dK and dV sums, from the forward's log-sum-exp per query.
+exp(m_old - m_new) whenever the max grows. Each block is four sub-blocks, the device's two query chunks against the
+block's two key chunks; a sub-block none of whose queries may see any of its keys (all in the causal future, or
+all in other documents) skips its compute in a `lax.cond` (name scope `RING_SCOPE`). With the load-balanced layout
+and one document per row every device computes 2c + 1 of its 4c sub-blocks: the same work everywhere, near the
+causal minimum (`jaxpar.analysis.bench.context_balance` reads it per device from the compiled program). The
+backward (a custom VJP) is a second ring pass: the blocks go around again with their dK and dV sums, from the
+forward's log-sum-exp per query.
+
+The model's entry point, which also picks the all-gather path's kernel, is `jaxpar.model.context_attention`.
 """
 
 from __future__ import annotations
@@ -107,21 +113,40 @@ def _grouped(x_BRHK: jax.Array, g: int) -> jax.Array:
     return x_BRHK.astype(jnp.float32).reshape(b, r, g, h // g, kw)
 
 
+RING_SCOPE = "ring_block"  # the name scope of the ring's block conds: ring_block/f{step}q{a}k{b} (backward: b...)
+
+
+def _halves(x, n: int) -> list:
+    """A device's slice [B, R, ...] as its two chunks [B, n, ...] (the load-balanced layout's early and late)."""
+    return [x[:, :n], x[:, n:]]
+
+
+def _visible_block(q_pos, k_pos, q_seg, k_seg) -> jax.Array:
+    """bool [B, n_q, n_k]: query t sees key s (causal by global position, same segment)."""
+    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
+
+
 def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size):
     """(output [B, R, H, K] in q's dtype, log-sum-exp fp32 [B, R, G, H/G] of every query's scores: the softmax
-    statistics the backward needs)."""
+    statistics the backward needs). Each step's block is four sub-blocks, this device's two query chunks against
+    the block's two key chunks, each computed in a cond only when one of its queries sees one of its keys: with the
+    load-balanced layout and one document per row that is 2 of 4 in every step but the first (3 of 4), on every
+    device alike."""
     b, r, h, kw = q_BRHK.shape
-    q = _grouped(q_BRHK, k_BRGK.shape[2]) * (1.0 / np.sqrt(kw))
+    n, g = r // 2, k_BRGK.shape[2]
+    q = _halves(_grouped(q_BRHK, g) * (1.0 / np.sqrt(kw)), n)
+    q_pos, q_seg = _halves(positions_BR, n), _halves(segments_BR, n)
 
-    def block(acc, kv):
-        o, m, total = acc  # [B, R, G, H/G, K], and the running max and sum [B, R, G, H/G]
-        k, v, k_pos, k_seg = kv
-        mask = _visible(positions_BR, k_pos, segments_BR, k_seg)[:, 0]  # [B, R, Rk]
+    def sub_block(acc, a, k, v, k_pos, k_seg):
+        o, m, total = acc  # [B, n, G, H/G, K], and the running max and sum [B, n, G, H/G]
+        mask = _visible_block(q_pos[a], k_pos, q_seg[a], k_seg)
 
         def compute():
-            scores = jnp.einsum("bsgrk,btgk->bsgrt", q, k.astype(jnp.float32))
+            scores = jnp.einsum("bsgrk,btgk->bsgrt", q[a], k.astype(jnp.float32))
             keep = mask[:, :, None, None, :]
             m_new = jnp.maximum(m, jnp.max(jnp.where(keep, scores, -jnp.inf), axis=-1))
+            # exp of -inf where masked, not a masked exp: exp(scores - m_new) may overflow where no key of the row
+            # is visible, and its gradient (times a zero cotangent) would be NaN
             p = jnp.exp(jnp.where(keep, scores - m_new[..., None], -jnp.inf))
             rescale = jnp.exp(m - m_new)
             total_new = total * rescale + jnp.sum(p, axis=-1)
@@ -130,20 +155,28 @@ def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_
 
         return jax.lax.cond(jnp.any(mask), compute, lambda: (o, m, total))
 
-    o0 = jnp.zeros(q.shape, jnp.float32)
     # -1e30, not -inf: exp(m_old - m_new) stays finite before a row's first visible key
-    m0 = jnp.full(q.shape[:-1], -1e30, jnp.float32)
-    total0 = jnp.zeros(q.shape[:-1], jnp.float32)
-    acc, kv = (o0, m0, total0), (k_BRGK, v_BRGK, positions_BR, segments_BR)
+    acc = [
+        (jnp.zeros(qa.shape, jnp.float32), jnp.full(qa.shape[:-1], -1e30, jnp.float32), jnp.zeros(qa.shape[:-1]))
+        for qa in q
+    ]
+    kv = (k_BRGK, v_BRGK, positions_BR, segments_BR)
     for step in range(axis_size):
         # the next block's permute first: it does not depend on this block's compute
         passed = _ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
-        acc = block(acc, kv)
+        keys = [_halves(x, n) for x in kv]
+        for a in range(2):
+            for kb in range(2):
+                with jax.named_scope(f"{RING_SCOPE}/f{step}q{a}k{kb}"):
+                    acc[a] = sub_block(acc[a], a, *(x[kb] for x in keys))
         kv = passed
-    o, m, total = acc
-    total = jnp.maximum(total, 1e-30)
-    out = (o / total[..., None]).reshape(b, r, h, kw).astype(q_BRHK.dtype)
-    return out, m + jnp.log(total)
+    outs, lses = [], []
+    for o, m, total in acc:
+        total = jnp.maximum(total, 1e-30)
+        outs.append(o / total[..., None])
+        lses.append(m + jnp.log(total))
+    out = jnp.concatenate(outs, axis=1).reshape(b, r, h, kw).astype(q_BRHK.dtype)
+    return out, jnp.concatenate(lses, axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
@@ -157,41 +190,50 @@ def _ring_fwd(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size
 
 
 def _ring_bwd(axis, axis_size, residuals, d_out_BRHK):
-    """The second ring pass (FlashAttention-2's backward, Dao 2023, algorithm 2, block by block): the K/V blocks
-    go around the ring again, each with the fp32 sums of its dK and dV, which every device adds its queries'
+    """The second ring pass (FlashAttention-2's backward, Dao 2023, algorithm 2, sub-block by sub-block): the K/V
+    blocks go around the ring again, each with the fp32 sums of its dK and dV, which every device adds its queries'
     share to before passing them on; one more permute brings each block's sums home. Keeps this device's own
-    q, k, v, output and log-sum-exp, and two blocks at a time: no step's scores or probabilities."""
+    q, k, v, output and log-sum-exp, and two blocks at a time: no step's scores or probabilities. The same sub-blocks
+    as the forward are skipped."""
     q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, out_BRHK, lse = residuals
     b, r, h, kw = q_BRHK.shape
-    g = k_BRGK.shape[2]
+    n, g = r // 2, k_BRGK.shape[2]
     scale = 1.0 / np.sqrt(kw)
-    q = _grouped(q_BRHK, g) * scale
+    q = _halves(_grouped(q_BRHK, g) * scale, n)
     d_out = _grouped(d_out_BRHK, g)
-    delta = jnp.sum(d_out * _grouped(out_BRHK, g), axis=-1)  # D_i = dO_i . O_i, [B, R, G, H/G]
+    delta = _halves(jnp.sum(d_out * _grouped(out_BRHK, g), axis=-1), n)  # D_i = dO_i . O_i, [B, n, G, H/G]
+    d_out, lse = _halves(d_out, n), _halves(lse, n)
+    q_pos, q_seg = _halves(positions_BR, n), _halves(segments_BR, n)
     kv = (k_BRGK, v_BRGK, positions_BR, segments_BR)
-    dq = jnp.zeros(q.shape, jnp.float32)
+    dq = [jnp.zeros(qa.shape, jnp.float32) for qa in q]
     dkv = (jnp.zeros(k_BRGK.shape, jnp.float32), jnp.zeros(v_BRGK.shape, jnp.float32))
     for step in range(axis_size):
         passed = _ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
-        k, v, k_pos, k_seg = kv
-        mask = _visible(positions_BR, k_pos, segments_BR, k_seg)[:, 0]
+        keys = [_halves(x, n) for x in kv]
+        dk, dv = (_halves(x, n) for x in dkv)
+        for a in range(2):
+            for kb in range(2):
+                k, v, k_pos, k_seg = (x[kb] for x in keys)
+                mask = _visible_block(q_pos[a], k_pos, q_seg[a], k_seg)
 
-        def compute(dq, dk, dv, k=k, v=v, mask=mask):
-            k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
-            scores = jnp.einsum("bsgrk,btgk->bsgrt", q, k32)
-            p = jnp.exp(jnp.where(mask[:, :, None, None, :], scores - lse[..., None], -jnp.inf))
-            dv = dv + jnp.einsum("bsgrt,bsgrk->btgk", p, d_out)
-            d_scores = p * (jnp.einsum("bsgrk,btgk->bsgrt", d_out, v32) - delta[..., None])
-            dq = dq + jnp.einsum("bsgrt,btgk->bsgrk", d_scores, k32) * scale
-            dk = dk + jnp.einsum("bsgrt,bsgrk->btgk", d_scores, q)
-            return dq, dk, dv
+                def compute(dq_a, dk_b, dv_b, a=a, k=k, v=v, mask=mask):
+                    k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+                    scores = jnp.einsum("bsgrk,btgk->bsgrt", q[a], k32)
+                    p = jnp.exp(jnp.where(mask[:, :, None, None, :], scores - lse[a][..., None], -jnp.inf))
+                    dv_b = dv_b + jnp.einsum("bsgrt,bsgrk->btgk", p, d_out[a])
+                    d_scores = p * (jnp.einsum("bsgrk,btgk->bsgrt", d_out[a], v32) - delta[a][..., None])
+                    dq_a = dq_a + jnp.einsum("bsgrt,btgk->bsgrk", d_scores, k32) * scale
+                    dk_b = dk_b + jnp.einsum("bsgrt,bsgrk->btgk", d_scores, q[a])
+                    return dq_a, dk_b, dv_b
 
-        dq, dk, dv = jax.lax.cond(jnp.any(mask), compute, lambda dq, dk, dv: (dq, dk, dv), dq, *dkv)
-        dkv = _ring_shift((dk, dv), axis, axis_size)  # with its block: after c shifts, home
+                with jax.named_scope(f"{RING_SCOPE}/b{step}q{a}k{kb}"):
+                    dq[a], dk[kb], dv[kb] = jax.lax.cond(jnp.any(mask), compute, lambda *x: x, dq[a], dk[kb], dv[kb])
+        # each block's sums travel with it: after c shifts they are home
+        dkv = _ring_shift((jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1)), axis, axis_size)
         kv = passed
     dk, dv = dkv
     return (
-        dq.reshape(b, r, h, kw).astype(q_BRHK.dtype),
+        jnp.concatenate(dq, axis=1).reshape(b, r, h, kw).astype(q_BRHK.dtype),
         dk.astype(k_BRGK.dtype),
         dv.astype(v_BRGK.dtype),
         None,
@@ -271,22 +313,6 @@ class ContextParallel:
         if not self.active:
             return x_BT
         return jnp.take(x_BT, self.positions(x_BT.shape[SEQ_DIM] // self.size), axis=SEQ_DIM)
-
-    def attention(
-        self,
-        q_BRHK: jax.Array,
-        k_BRGK: jax.Array,
-        v_BRGK: jax.Array,
-        segment_ids_BR: jax.Array | None,
-    ) -> jax.Array:
-        """Causal attention of this device's queries to the whole sequence by the configured strategy; the
-        positions are this device's slice of the load-balanced layout (`positions`). Inside shard_map; returns
-        [B, R, H, K] in q's dtype."""
-        b, r = q_BRHK.shape[:2]
-        positions_BR = jnp.broadcast_to(self.positions(r), (b, r))
-        if self.strategy == "ring":
-            return ring_attention(q_BRHK, k_BRGK, v_BRGK, positions_BR, segment_ids_BR, AXIS, self.size)
-        return gathered_kv_attention(q_BRHK, k_BRGK, v_BRGK, positions_BR, segment_ids_BR, AXIS)
 
 
 NO_CONTEXT_PARALLEL = ContextParallel()

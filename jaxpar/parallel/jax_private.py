@@ -21,6 +21,13 @@ breaks this file only, and tests/unit/test_jax_private.py says which name went.
       document layout of `jaxpar.model.attention`. The public `jax.nn.dot_product_attention(implementation=
       "cudnn")` takes one length per row only (padding, one document per row); switch to it when it takes
       segment offsets. Imported when called: the module is loaded only where packed cuDNN attention is traced.
+  cudnn_attention_parts() -> (dot_product_attention, backward rule, MaskType, the BTNH layout's value)
+      The same module's forward (with `return_residual=True`: the softmax statistics, the per-query log-sum-exp)
+      and the backward rule of its custom VJP, called with statistics and an output of our own. Context parallelism's
+      cuDNN path (`jaxpar.model.context_attention`) runs a query chunk as two kernel calls, combines them by their
+      log-sum-exps and runs each call's backward with the combined output and statistics; jax's VJP of the public
+      call drops the statistics' cotangent and reads its own output, so neither can express it. No public
+      replacement; switch when `jax.nn.dot_product_attention` returns and takes the statistics.
   distributed_client() -> the coordination-service client, or None   jax._src.distributed.global_state.client
       The key-value store of the coordination service `jax.distributed.initialize` starts (process 0 hosts it),
       through the same client jax itself uses. Used by `jaxpar.training.watchdog` to publish heartbeats and
@@ -35,7 +42,14 @@ from typing import Any
 from jax._src.core import eval_jaxpr
 from jax._src.interpreters.partial_eval import convert_constvars_jaxpr, dce_jaxpr
 
-__all__ = ["convert_constvars_jaxpr", "cudnn_attention", "dce_jaxpr", "distributed_client", "eval_jaxpr"]
+__all__ = [
+    "convert_constvars_jaxpr",
+    "cudnn_attention",
+    "cudnn_attention_parts",
+    "dce_jaxpr",
+    "distributed_client",
+    "eval_jaxpr",
+]
 
 
 def cudnn_attention() -> tuple[Any, Any]:
@@ -43,6 +57,14 @@ def cudnn_attention() -> tuple[Any, Any]:
     from jax._src.cudnn import fused_attention_stablehlo
 
     return fused_attention_stablehlo.dot_product_attention, fused_attention_stablehlo.MaskType
+
+
+def cudnn_attention_parts() -> tuple[Any, Any, Any, int]:
+    """(dot_product_attention, its backward rule, MaskType, AttentionLayout.BTNH's value) of jax's cuDNN
+    fused-attention module (module docstring)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    return fa.dot_product_attention, fa._dot_product_attention_bwd_rule, fa.MaskType, fa.AttentionLayout.BTNH.value
 
 
 def distributed_client() -> Any:

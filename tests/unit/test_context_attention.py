@@ -1,6 +1,7 @@
-"""Attention with the sequence split over a mesh axis (`jaxpar.parallel.context`): the all-gather K/V and ring
-implementations on the load-balanced layout equal causal attention of the whole sequence on one device, output
-and gradients, for c = 2 and 4 devices on an axis named `context`, with grouped-query heads, and with packed
+"""Attention with the sequence split over a mesh axis (`jaxpar.parallel.context`): the all-gather K/V (XLA's
+masked attention, and the fused kernel's path of two calls per query chunk, `jaxpar.model.context_attention`, here
+on its XLA kernel) and ring implementations on the load-balanced layout equal causal attention of the whole
+sequence on one device, output and gradients, for c = 2 and 4 devices on an axis named `context`, with grouped-query heads, and with packed
 documents that cross chunk boundaries (an odd number of them per row, one longer than a whole chunk).
 
 Bound: both compute the same sums in another order (blocks, online softmax), in fp32: |sharded - reference| <=
@@ -15,7 +16,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.attention import dot_product_attention
-from jaxpar.parallel.context import balanced_order, gathered_kv_attention, ring_attention
+from jaxpar.model.context_attention import XLA_KERNEL, gathered_chunk_attention
+from jaxpar.parallel.context import ContextParallel, balanced_order, gathered_kv_attention, ring_attention
 
 B, T, H, G, K = 2, 32, 4, 2, 8
 REL = 1e-5
@@ -31,9 +33,18 @@ def test_balanced_order_gives_each_device_an_early_and_a_late_chunk():
         balanced_order(12, 4)
 
 
-# one case per path: each implementation at c = 2 and 4, each with and without documents
+# one case per path: each implementation at c = 2 and 4, each with and without documents; "chunks" is the fused
+# kernel's path (two kernel calls per query chunk, `jaxpar.model.context_attention`) with the XLA kernel
 @pytest.mark.parametrize(
-    "impl,c,packed", [("gather", 2, True), ("gather", 4, False), ("ring", 2, False), ("ring", 4, True)]
+    "impl,c,packed",
+    [
+        ("gather", 2, True),
+        ("gather", 4, False),
+        ("ring", 2, False),
+        ("ring", 4, True),
+        ("chunks", 2, False),
+        ("chunks", 4, True),
+    ],
 )
 def test_sharded_attention_equals_one_device(impl, c, packed, need_devices):
     need_devices(c)
@@ -59,6 +70,8 @@ def test_sharded_attention_equals_one_device(impl, c, packed, need_devices):
         seg_ = None if seg is None else seg_
         if impl == "gather":
             return gathered_kv_attention(q, k, v, pos, seg_, "context")
+        if impl == "chunks":
+            return gathered_chunk_attention(q, k, v, seg_, ContextParallel(c), XLA_KERNEL, max_segments=4)
         return ring_attention(q, k, v, pos, seg_, "context", c)
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=False)

@@ -30,5 +30,14 @@ def test_cudnn_attention_takes_segment_offsets():
     assert hasattr(mask_type, "PADDING_CAUSAL")
 
 
+def test_cudnn_attention_parts_return_and_take_the_softmax_statistics():
+    attention, backward, mask_type, layout = jax_private.cudnn_attention_parts()
+    assert "return_residual" in inspect.signature(attention).parameters
+    # the backward rule's arguments: the custom VJP's 9 static ones, then the residuals and the output cotangent
+    assert list(inspect.signature(backward).parameters)[-2:] == ["res", "grad_output"]
+    assert len(inspect.signature(backward).parameters) == 11
+    assert {"CAUSAL", "PADDING", "PADDING_CAUSAL", "NO_MASK"} <= set(mask_type.__members__) and layout == 0
+
+
 def test_distributed_client_is_none_in_one_process():
     assert jax.process_count() == 1 and jax_private.distributed_client() is None
