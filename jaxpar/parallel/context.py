@@ -102,9 +102,13 @@ def ring_attention(
     return _ring(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments, axis, axis_size)
 
 
-def _ring_shift(tree, axis: str, axis_size: int):
-    """Each device's `tree` to the next device of the ring (ppermute i -> i + 1 mod c)."""
-    return jax.lax.ppermute(tree, axis, [(i, (i + 1) % axis_size) for i in range(axis_size)])
+RING_SHIFT_SCOPE = "ring_shift"  # the name scope of the ring's K/V block permutes (the dK/dV sums': ring_shift_grads)
+
+
+def _ring_shift(tree, axis: str, axis_size: int, scope: str = RING_SHIFT_SCOPE):
+    """Each device's `tree` to the next device of the ring (ppermute i -> i + 1 mod c), under name scope `scope`."""
+    with jax.named_scope(scope):
+        return jax.lax.ppermute(tree, axis, [(i, (i + 1) % axis_size) for i in range(axis_size)])
 
 
 def _grouped(x_BRHK: jax.Array, g: int) -> jax.Array:
@@ -229,7 +233,8 @@ def _ring_bwd(axis, axis_size, residuals, d_out_BRHK):
                 with jax.named_scope(f"{RING_SCOPE}/b{step}q{a}k{kb}"):
                     dq[a], dk[kb], dv[kb] = jax.lax.cond(jnp.any(mask), compute, lambda *x: x, dq[a], dk[kb], dv[kb])
         # each block's sums travel with it: after c shifts they are home
-        dkv = _ring_shift((jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1)), axis, axis_size)
+        sums = (jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1))
+        dkv = _ring_shift(sums, axis, axis_size, f"{RING_SHIFT_SCOPE}_grads")
         kv = passed
     dk, dv = dkv
     return (

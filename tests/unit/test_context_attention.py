@@ -1,8 +1,9 @@
 """Attention with the sequence split over a mesh axis (`jaxpar.parallel.context`): the all-gather K/V (XLA's
 masked attention, and the fused kernel's path of two calls per query chunk, `jaxpar.model.context_attention`, here
 on its XLA kernel) and ring implementations on the load-balanced layout equal causal attention of the whole
-sequence on one device, output and gradients, for c = 2 and 4 devices on an axis named `context`, with grouped-query heads, and with packed
-documents that cross chunk boundaries (an odd number of them per row, one longer than a whole chunk).
+sequence on one device, output and gradients, for c = 2 and 4 devices on an axis named `context`, with grouped-query
+heads, and with packed documents that cross chunk boundaries (an odd number of them per row, one longer than a
+whole chunk).
 
 Bound: both compute the same sums in another order (blocks, online softmax), in fp32: |sharded - reference| <=
 1e-5 x max|reference| per array (a few ulp of the largest element times the number of blocks combined).

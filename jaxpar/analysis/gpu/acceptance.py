@@ -19,6 +19,10 @@ command, in a few minutes including compilation.
    stage, on mesh pipeline = every device (up to 8). On a GPU the bubble is idle time, which ZB-V's table removes,
    and the busiest stage sets the pace, which the vocabulary-parallel head relieves; on CPU the simulated devices
    share cores and neither is (docs/parallelism.md).
+6. Context parallelism's fused-kernel path (`jaxpar.analysis.gpu.context_kernels`): a query chunk of the
+   load-balanced layout as two cuDNN calls against the same path on the XLA kernel in fp32, forward and gradients,
+   with and without packed documents, and cuDNN's log-sum-exps; then the forward + backward time of every chunk at
+   64k tokens, c = 8, and the busiest device (chunks i and 2c - 1 - i) over the mean.
 
 `--cpu-smoke` runs the same code on CPU with tiny shapes (the test suite runs it); cuDNN is then reported as not
 run. Bytes are per device, FLOP/s per device, times in seconds.
@@ -35,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.analysis.gpu import context_kernels
 from jaxpar.analysis.planner.plan import plan as analytic_plan
 from jaxpar.config import load_config
 from jaxpar.config.choices import REMAT_POLICIES
@@ -338,6 +343,14 @@ def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
     return out
 
 
+def context_kernel_check(on_gpu: bool) -> dict:
+    """Section 6 (module docstring): {"parity": `context_kernels.kernel_parity`, "times": `chunk_times`} on a GPU;
+    on CPU the decomposition alone at a small shape (cuDNN not run)."""
+    if not on_gpu:
+        return {"parity": context_kernels.kernel_parity(shape=(2, 64, 4, 2, 16), c=2, kernels=())}
+    return {"parity": context_kernels.kernel_parity(), "times": context_kernels.chunk_times()}
+
+
 def _microbatch_rows(settings: Settings) -> int:
     """Sequences per microbatch of the pipeline comparison: the settings' global batch over 8 (at least 1)."""
     rows = [o for o in settings.overrides if o.startswith("train.global_batch_size=")]
@@ -388,6 +401,7 @@ def run(settings: Settings) -> dict:
         extra += [f"optimizer.warmup_steps={settings.warmup}", f"train.steps={settings.train_steps}"]
         _section(report, "learning", lambda: train_on_text(resolved(settings, extra), settings.train_steps))
     _section(report, "pipeline_schedules", lambda: pipeline_schedules(settings))
+    _section(report, "context", lambda: context_kernel_check(on_gpu))
     stats = jax.devices()[0].memory_stats() or {}
     report["allocator_peak_bytes"] = stats.get("peak_bytes_in_use")
     report["total_seconds"] = time.perf_counter() - t_start
@@ -396,9 +410,20 @@ def run(settings: Settings) -> dict:
 
 
 def verdict(report: dict) -> dict:
-    """{"attention" (every cuDNN error within `ATTENTION_TOLERANCE`; None when cuDNN did not run), "learning"
-    (the loss fell), "mfu_at_least_50" (best MFU >= 0.5 on a GPU; None elsewhere)}."""
-    out: dict = {"attention": None, "learning": None, "mfu_at_least_50": None}
+    """{"attention" (every cuDNN error within `ATTENTION_TOLERANCE`; None when cuDNN did not run), "context"
+    (the context-parallel chunk path on cuDNN within it, and the decomposition within 1e-3 of whole-sequence
+    attention; None when cuDNN did not run), "learning" (the loss fell), "mfu_at_least_50" (best MFU >= 0.5 on a
+    GPU; None elsewhere)}."""
+    out: dict = {"attention": None, "context": None, "learning": None, "mfu_at_least_50": None}
+    context = report.get("context", {})
+    parity = {k: v for k, v in context.get("parity", {}).items() if k != "lse"}
+    if "error" in context:
+        out["context"] = False
+    elif any("cudnn" in row for row in parity.values()):
+        out["context"] = all(
+            row["decomposition"] <= 1e-3 and all(e <= ATTENTION_TOLERANCE for e in row["cudnn"].values())
+            for row in parity.values()
+        )
     att = report.get("attention", {})
     if "error" in att:
         out["attention"] = False
@@ -490,5 +515,32 @@ def format_report(report: dict) -> str:
                 f"{pipe['vocab_parallel']['step_seconds']:.3f}, vocabulary-parallel / last "
                 f"{pipe['vocab_over_last']:.3f}"
             )
+    lines += _context_lines(report.get("context"))
     lines.append(f"passed: {report['passed']}")
     return "\n".join(lines)
+
+
+def _context_lines(context: dict | None) -> list[str]:
+    """Section 6 of the printed report."""
+    if context is None:
+        return []
+    if "error" in context:
+        return [f"context parallelism: error: {context['error']}"]
+    lines = ["", "## Context parallelism: a query chunk as two fused-kernel calls (max relative error)", ""]
+    lines += [
+        "| chunk | decomposition (fp32) | cuDNN out | dq | dk | dv |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for case, row in context["parity"].items():
+        if case == "lse":
+            continue
+        errs = row.get("cudnn")
+        cells = " | ".join(f"{errs[p]:.2e}" for p in ("out", "dq", "dk", "dv")) if errs else "not run | | |"
+        lines.append(f"| {case} | {row['decomposition']:.2e} | {cells} |")
+    times = context.get("times")
+    if times:
+        lines.append(
+            f"chunk times (fwd + bwd, 64k tokens, c = 8): {times['chunk_s'][0] * 1e3:.1f} ms (chunk 0) to "
+            f"{times['chunk_s'][-1] * 1e3:.1f} ms (last); busiest device / mean {times['max_over_mean']:.3f}"
+        )
+    return lines
