@@ -1,5 +1,5 @@
-"""The four-axis device mesh: data, pipeline, fsdp, tensor (outermost to innermost; the names, the order and why
-are `jaxpar.config.mesh_axes`).
+"""The five-axis device mesh: data, pipeline, fsdp, context, tensor (outermost to innermost; the names, the order and
+why are `jaxpar.config.mesh_axes`).
 
 All axes are `AxisType.Auto` on purpose: the forward/backward runs inside `jax.shard_map` where every
 collective is written by hand, and the optimizer update outside it is elementwise on arrays whose
@@ -36,6 +36,6 @@ def build_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh
 
 
 def describe(mesh: Mesh) -> str:
-    """One line such as `data=2 pipeline=1 fsdp=4 tensor=1 (8 devices)`."""
+    """One line such as `data=2 pipeline=1 fsdp=4 context=1 tensor=1 (8 devices)`."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     return f"{sizes} ({mesh.size} devices)"
