@@ -1,7 +1,7 @@
 """One process of tests/system/test_data_processes.py: read global batches of integer ids, write the rows held locally.
 
     jaxpar-launch -n K --devices-per-process D -- python tests/data_worker.py OUT_DIR --batches B
-        [--num-sequences N] [--global-batch G] [--seed S] [--resume STATE_JSON]
+        [--num-sequences N] [--global-batch G] [--seed S] [--resume STATE_JSON] [--context C]
 
 Joins the run through `jaxpar.parallel.distributed.initialize` (the JAXPAR_* variables the launcher sets), builds the
 trainer's mesh over all devices (data = process count, fsdp = devices per process) and batch sharding
@@ -12,6 +12,9 @@ Each process writes OUT_DIR/process_<index>.json (JSON, never pickle):
      "states": [loader.get_state() after each batch], "start_state": the state it resumed from or null,
      "eval_batches": [[[row, id, valid tokens], ...] per batch of one `EvalLoader` pass over the same N
                       sequences (id -1: a padding row)]}
+With --context C (C = every device of every process): the mesh is context = C alone, each sequence has 2C
+tokens, token t of sequence i is 1000 i + t, and the process writes only {"process_index", "mesh", "shards":
+[[first row, first position, tokens [rows, positions]] per addressable shard of one batch's inputs]}.
 """
 
 from __future__ import annotations
@@ -66,9 +69,13 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--resume", default=None, help="JSON file holding a loader state to resume from")
+    ap.add_argument("--context", type=int, default=1, help="mesh.context over every device (sequences split)")
     args = ap.parse_args()
 
     distributed.initialize(DistributedConfig(initialization_timeout_s=60))
+    if args.context > 1:
+        _context_shards(args)
+        return
     cfg = Config(mesh=MeshConfig(data=jax.process_count(), fsdp=-1, tensor=1, pipeline=1))
     mesh = build_mesh(cfg)  # every device of every process
     sharding = NamedSharding(mesh, activation_spec("batch", "seq"))
@@ -107,6 +114,29 @@ def main() -> None:
     with open(os.path.join(args.out_dir, f"process_{jax.process_index()}.json"), "w") as f:
         json.dump(result, f)
     print(f"process {jax.process_index()}/{jax.process_count()}: wrote {len(batches)} batches", flush=True)
+
+
+def _context_shards(args) -> None:
+    """--context C: one batch of a loader whose sequences are split over C devices of several processes."""
+    c = args.context
+    mesh = build_mesh(Config(mesh=MeshConfig(data=1, fsdp=1, tensor=1, pipeline=1, context=c)))
+    sharding = NamedSharding(mesh, activation_spec("batch", "seq"))
+    t = 2 * c
+    inputs_NT = (1000 * np.arange(args.num_sequences, dtype=np.int32)[:, None] + np.arange(t, dtype=np.int32)).copy()
+    packed = {"inputs": inputs_NT, "targets": inputs_NT + 1, "loss_mask": np.ones(inputs_NT.shape, np.float32)}
+    batch = DataLoader(packed, args.global_batch, sharding, seed=args.seed).next_batch()
+    shards = [
+        [s.index[0].start or 0, s.index[1].start or 0, np.asarray(s.data).tolist()]
+        for s in batch["inputs"].addressable_shards
+    ]
+    result = {
+        "process_index": jax.process_index(),
+        "mesh": {a: int(n) for a, n in mesh.shape.items()},
+        "shards": shards,
+    }
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, f"process_{jax.process_index()}.json"), "w") as f:
+        json.dump(result, f)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ N, G, SEED = 37, 8, 3  # 4 batches per epoch; N mod G = 5 positions skipped per 
 BATCHES = 7  # one epoch and 3 batches of the next
 
 
-def _run(out_dir, processes: int, devices: int, batches: int, resume_state: dict | None = None) -> list[dict]:
+def _run(
+    out_dir, processes: int, devices: int, batches: int, resume_state: dict | None = None, context: int = 1
+) -> list[dict]:
     """Launches `processes` x `devices` workers; returns their JSON results ordered by process index."""
     args = [
         str(out_dir),
@@ -30,6 +32,8 @@ def _run(out_dir, processes: int, devices: int, batches: int, resume_state: dict
         "--seed",
         str(SEED),
     ]
+    if context > 1:
+        args += ["--context", str(context)]
     if resume_state is not None:
         os.makedirs(out_dir, exist_ok=True)
         state_file = os.path.join(out_dir, "resume_state.json")
@@ -69,7 +73,7 @@ def _run(out_dir, processes: int, devices: int, batches: int, resume_state: dict
         with open(os.path.join(out_dir, f"process_{i}.json")) as f:
             results.append(json.load(f))
     assert [r["process_index"] for r in results] == list(range(processes))
-    assert all(r["process_count"] == processes and r["local_devices"] == devices for r in results)
+    assert context > 1 or all(r["process_count"] == processes and r["local_devices"] == devices for r in results)
     return results
 
 
@@ -161,3 +165,23 @@ def test_resume_on_four_processes_serves_the_next_global_batch(uninterrupted, tm
     assert four[0]["mesh"]["data"] == 4
     assert _global_batches(four) == want[3:7]
     assert four[0]["states"] == uninterrupted[0]["states"][3:7]
+
+
+def test_sequences_split_over_processes_serve_each_process_its_positions(tmp_path):
+    """mesh.context = 4 over 2 processes x 2 devices: each process reads only the positions its devices hold (the
+    first or the second half of every sequence, `jaxpar.data.loader`), every device gets its quarter, and together
+    they hold each row's 8 tokens once."""
+    results = _run(tmp_path, processes=2, devices=2, batches=1, context=4)
+    assert results[0]["mesh"]["context"] == 4
+    held: dict = {}
+    for r in results:
+        half = {p // 4 for _, p, _ in r["shards"]}
+        assert half == {r["process_index"]}, "a process holds positions of the other's half"
+        for row0, pos0, tokens in r["shards"]:
+            assert len(tokens) == G and len(tokens[0]) == 2  # all rows, 8 / 4 positions
+            for i, row in enumerate(tokens):
+                ids = {t // 1000 for t in row}
+                assert len(ids) == 1 and [t % 1000 for t in row] == [pos0, pos0 + 1]
+                held[(row0 + i, pos0)] = ids.pop()
+    assert sorted({p for _, p in held}) == [0, 2, 4, 6] and len({r for r, _ in held}) == G
+    assert all(len({held[(row, p)] for p in (0, 2, 4, 6)}) == 1 for row in range(G))  # one sequence per row
