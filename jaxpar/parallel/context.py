@@ -105,10 +105,24 @@ def ring_attention(
 RING_SHIFT_SCOPE = "ring_shift"  # the name scope of the ring's K/V block permutes (the dK/dV sums': ring_shift_grads)
 
 
-def _ring_shift(tree, axis: str, axis_size: int, scope: str = RING_SHIFT_SCOPE):
-    """Each device's `tree` to the next device of the ring (ppermute i -> i + 1 mod c), under name scope `scope`."""
+def ring_shift(arrays: tuple, axis: str, axis_size: int, scope: str = RING_SHIFT_SCOPE) -> tuple:
+    """Each device's `arrays` (a tuple of [B, R, ...] arrays) to the next device of the ring (ppermute i -> i + 1
+    mod c), under name scope `scope`. The arrays of one dtype travel packed as one array (one permute per dtype:
+    K and V together, positions and segment ids together): separate permutes of one step would each wait for a
+    turn of the transfer, and a GPU's scheduler left some of them without compute to hide under."""
+    pairs = [(i, (i + 1) % axis_size) for i in range(axis_size)]
+    groups: dict = {}
+    for i, x in enumerate(arrays):
+        groups.setdefault(x.dtype, []).append(i)
+    out: list = [None] * len(arrays)
     with jax.named_scope(scope):
-        return jax.lax.ppermute(tree, axis, [(i, (i + 1) % axis_size) for i in range(axis_size)])
+        for members in groups.values():
+            parts = [arrays[i].reshape(*arrays[i].shape[:2], -1) for i in members]
+            widths = np.cumsum([p.shape[-1] for p in parts])[:-1]
+            moved = jax.lax.ppermute(jnp.concatenate(parts, axis=-1), axis, pairs)
+            for i, part in zip(members, jnp.split(moved, widths, axis=-1)):
+                out[i] = part.reshape(arrays[i].shape)
+    return tuple(out)
 
 
 def _grouped(x_BRHK: jax.Array, g: int) -> jax.Array:
@@ -167,7 +181,7 @@ def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_
     kv = (k_BRGK, v_BRGK, positions_BR, segments_BR)
     for step in range(axis_size):
         # the next block's permute first: it does not depend on this block's compute
-        passed = _ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
+        passed = ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
         keys = [_halves(x, n) for x in kv]
         for a in range(2):
             for kb in range(2):
@@ -212,7 +226,7 @@ def _ring_bwd(axis, axis_size, residuals, d_out_BRHK):
     dq = [jnp.zeros(qa.shape, jnp.float32) for qa in q]
     dkv = (jnp.zeros(k_BRGK.shape, jnp.float32), jnp.zeros(v_BRGK.shape, jnp.float32))
     for step in range(axis_size):
-        passed = _ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
+        passed = ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
         keys = [_halves(x, n) for x in kv]
         dk, dv = (_halves(x, n) for x in dkv)
         for a in range(2):
@@ -234,7 +248,7 @@ def _ring_bwd(axis, axis_size, residuals, d_out_BRHK):
                     dq[a], dk[kb], dv[kb] = jax.lax.cond(jnp.any(mask), compute, lambda *x: x, dq[a], dk[kb], dv[kb])
         # each block's sums travel with it: after c shifts they are home
         sums = (jnp.concatenate(dk, axis=1), jnp.concatenate(dv, axis=1))
-        dkv = _ring_shift(sums, axis, axis_size, f"{RING_SHIFT_SCOPE}_grads")
+        dkv = ring_shift(sums, axis, axis_size, f"{RING_SHIFT_SCOPE}_grads")
         kv = passed
     dk, dv = dkv
     return (

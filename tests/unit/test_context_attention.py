@@ -17,7 +17,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.model.attention import dot_product_attention
-from jaxpar.model.context_attention import XLA_KERNEL, gathered_chunk_attention
+from jaxpar.model.attention_kernels import XLA_KERNEL
+from jaxpar.model.context_attention import gathered_chunk_attention
+from jaxpar.model.context_ring import ring_kernel_attention
 from jaxpar.parallel.context import ContextParallel, balanced_order, gathered_kv_attention, ring_attention
 
 B, T, H, G, K = 2, 32, 4, 2, 8
@@ -35,7 +37,8 @@ def test_balanced_order_gives_each_device_an_early_and_a_late_chunk():
 
 
 # one case per path: each implementation at c = 2 and 4, each with and without documents; "chunks" is the fused
-# kernel's path (two kernel calls per query chunk, `jaxpar.model.context_attention`) with the XLA kernel
+# kernel's path (two kernel calls per query chunk, `jaxpar.model.context_attention`) and "ring_kernel" the ring of
+# kernel calls (`jaxpar.model.context_ring`), both with the XLA kernel
 @pytest.mark.parametrize(
     "impl,c,packed",
     [
@@ -45,6 +48,8 @@ def test_balanced_order_gives_each_device_an_early_and_a_late_chunk():
         ("ring", 4, True),
         ("chunks", 2, False),
         ("chunks", 4, True),
+        ("ring_kernel", 2, True),
+        ("ring_kernel", 4, False),
     ],
 )
 def test_sharded_attention_equals_one_device(impl, c, packed, need_devices):
@@ -71,6 +76,8 @@ def test_sharded_attention_equals_one_device(impl, c, packed, need_devices):
         seg_ = None if seg is None else seg_
         if impl == "gather":
             return gathered_kv_attention(q, k, v, pos, seg_, "context")
+        if impl == "ring_kernel":
+            return ring_kernel_attention(q, k, v, pos, seg_, c, XLA_KERNEL, max_segments=4)
         if impl == "chunks":
             return gathered_chunk_attention(q, k, v, seg_, ContextParallel(c), XLA_KERNEL, max_segments=4)
         return ring_attention(q, k, v, pos, seg_, "context", c)

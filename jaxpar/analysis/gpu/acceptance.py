@@ -416,14 +416,15 @@ def verdict(report: dict) -> dict:
     GPU; None elsewhere)}."""
     out: dict = {"attention": None, "context": None, "learning": None, "mfu_at_least_50": None}
     context = report.get("context", {})
-    parity = {k: v for k, v in context.get("parity", {}).items() if k != "lse"}
+    parity = {k: v for k, v in context.get("parity", {}).items() if k != "calls"}
+    calls = context.get("parity", {}).get("calls", {})
     if "error" in context:
         out["context"] = False
     elif any("cudnn" in row for row in parity.values()):
         out["context"] = all(
             row["decomposition"] <= 1e-3 and all(e <= ATTENTION_TOLERANCE for e in row["cudnn"].values())
             for row in parity.values()
-        )
+        ) and all(err <= ATTENTION_TOLERANCE for row in calls.values() for k, err in row.items() if k != "lse")
     att = report.get("attention", {})
     if "error" in att:
         out["attention"] = False
@@ -532,11 +533,17 @@ def _context_lines(context: dict | None) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for case, row in context["parity"].items():
-        if case == "lse":
+        if case == "calls":
             continue
         errs = row.get("cudnn")
         cells = " | ".join(f"{errs[p]:.2e}" for p in ("out", "dq", "dk", "dv")) if errs else "not run | | |"
         lines.append(f"| {case} | {row['decomposition']:.2e} | {cells} |")
+    for kind, row in context["parity"].get("calls", {}).items():
+        lines.append(
+            f"| call {kind} | lse {row['lse']:.1e} | "
+            + " | ".join(f"{row[p]:.2e}" for p in ("out", "dq", "dk", "dv"))
+            + " |"
+        )
     times = context.get("times")
     if times:
         lines.append(

@@ -9,14 +9,15 @@ what the all-gather leaves on every device; the chunk index plays the device's. 
 1. `kernel_parity`: for chunks 0 (no prefix), a middle one and the last (the longest prefix), with and without
    packed documents: the output and the gradients of q, k and v (bf16 on cuDNN) against the XLA kernel on the
    same inputs in fp32, as max |a - e| / max |e|; and the XLA kernel's output against XLA's whole-sequence
-   attention (the decomposition itself). Also cuDNN's per-query log-sum-exp against the XLA kernel's, per call
-   kind (what the combination reads).
+   attention (the decomposition itself). And every kind of call the context-parallel paths make (the ring's too),
+   one by one: cuDNN's output, log-sum-exp and gradients against the XLA kernel's (`call_parity`).
 2. `chunk_times`: forward + backward time of each chunk on cuDNN at a long sequence, and per device of c (chunks
    i and 2c - 1 - i): the load balance on the real kernel, and whether a short prefix pays for the padded one.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import jax
@@ -24,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.model.attention import dot_product_attention
-from jaxpar.model.context_attention import CUDNN_KERNEL, XLA_KERNEL, Call, Kernel, _chunk
+from jaxpar.model.attention_kernels import CUDNN_KERNEL, XLA_KERNEL, Call, Kernel
+from jaxpar.model.context_attention import _chunk
 
 
 def _documents(b: int, t: int, seed: int) -> np.ndarray:
@@ -67,9 +69,10 @@ def _rel(a, e) -> float:
 
 def kernel_parity(shape=(2, 2048, 8, 2, 128), c: int = 4, seed: int = 0, kernels=("cudnn",)) -> dict:
     """{case: {"out", "dq", "dk", "dv": relative error of the kernel's chunk path against the XLA kernel's in fp32},
-    and "decomposition" (the XLA kernel's chunk output against whole-sequence attention, fp32), "lse" (cuDNN's
-    per-query log-sum-exp against the XLA kernel's, per call kind)}. `shape` is (B, T, H, G, K), T divisible by 2c.
-    `kernels` ("cudnn" on a GPU; () on CPU: only the decomposition is checked)."""
+    and "decomposition" (the XLA kernel's chunk output against whole-sequence attention, fp32), "calls"
+    (`call_parity`: every kind of kernel call the context-parallel paths make, cuDNN against the XLA kernel)}.
+    `shape` is (B, T, H, G, K), T divisible by 2c. `kernels` ("cudnn" on a GPU; () on CPU: only the decomposition
+    is checked)."""
     b, t, h, g, k = shape
     n = t // (2 * c)
     q, kk, v, d_out = _inputs(shape, seed)
@@ -87,7 +90,7 @@ def kernel_parity(shape=(2, 2048, 8, 2, 128), c: int = 4, seed: int = 0, kernels
                 row[name] = {key: _rel(a, e) for key, a, e in zip(("out", "dq", "dk", "dv"), got, ref)}
             report[case] = row
     if "cudnn" in kernels:
-        report["lse"] = _lse_parity(q, kk, v, n, seed)
+        report["calls"] = call_parity(q, kk, v, d_out, n, seed)
     return report
 
 
@@ -96,35 +99,38 @@ def _padded(b: int, n: int) -> Call:
     return Call(q_lengths=jnp.full((b,), n // 2, jnp.int32), kv_lengths=jnp.full((b,), n // 3, jnp.int32))
 
 
-def _lse_parity(q, kk, v, n: int, seed: int) -> dict:
-    """cuDNN's log-sum-exp against the XLA kernel's for the three kinds of call the chunk path makes: causal
-    without segments, causal packed, and padded lengths without a mask."""
+def call_parity(q, kk, v, d_out, n: int, seed: int) -> dict:
+    """Every kind of call the context-parallel paths make, on cuDNN against the XLA kernel in fp32 on the same bf16
+    inputs: {kind: {"lse": max |difference| of the log-sum-exps (nats), "out", "dq", "dk", "dv": relative errors}}
+    over the queries that see some key. Kinds: causal (a diagonal block), packed_causal (a diagonal block with
+    documents), padded (a prefix or a past block cut by lengths), full (a past block without documents)."""
     from jaxpar.model.attention import packed_segments
 
     b = q.shape[0]
-    qc, kc, vc = (x[:, :n].astype(jnp.bfloat16) for x in (q, kk, v))
+    qc, kc, vc, dc = (x[:, :n].astype(jnp.bfloat16) for x in (q, kk, v, d_out))
     offsets, lengths, _ = packed_segments(jnp.asarray(_documents(b, n, seed + 1)), 64)
     calls = {
         "causal": (Call(), True),
         "packed_causal": (Call(offsets=offsets, lengths=lengths), True),
-        "padded": (
-            Call(q_lengths=jnp.full((b,), n // 2, jnp.int32), kv_lengths=jnp.full((b,), n // 3, jnp.int32)),
-            False,
-        ),
+        "padded": (_padded(b, n), False),
+        "full": (Call(), False),
     }
     out = {}
     for name, (call, causal) in calls.items():
-        _, lse_c = jax.jit(lambda q, k, v, call=call, causal=causal: CUDNN_KERNEL.forward(q, k, v, call, causal))(
-            qc, kc, vc
-        )
-        _, lse_x = XLA_KERNEL.forward(
-            qc.astype(jnp.float32), kc.astype(jnp.float32), vc.astype(jnp.float32), call, causal
-        )
-        lse_c, lse_x = np.asarray(lse_c), np.asarray(lse_x)
-        rows = np.isfinite(lse_x)
-        if call.q_lengths is not None:
-            rows = rows & (np.arange(n)[None, :, None] < n // 2)
-        out[name] = float(np.max(np.abs(lse_c[rows] - lse_x[rows])))
+
+        def run(kernel, q, k, v, d, call=call, causal=causal):
+            o, lse = kernel.forward(q, k, v, call, causal)
+            return (o, lse, *kernel.backward(q, k, v, o, lse, d, call, causal))
+
+        got = jax.jit(functools.partial(run, CUDNN_KERNEL))(qc, kc, vc, dc)
+        want = run(XLA_KERNEL, *(x.astype(jnp.float32) for x in (qc, kc, vc, dc)))
+        got, want = ([np.asarray(x, np.float32) for x in r] for r in (got, want))
+        rows = np.broadcast_to(np.arange(n)[None, :] < (n if call.q_lengths is None else n // 2), (b, n))
+        keys = np.broadcast_to(np.arange(n)[None, :] < (n if call.kv_lengths is None else n // 3), (b, n))
+        row = {"lse": float(np.max(np.abs(got[1][rows] - want[1][rows])))}
+        for key, i, mask in (("out", 0, rows), ("dq", 2, rows), ("dk", 3, keys), ("dv", 4, keys)):
+            row[key] = _rel(got[i][mask], want[i][mask])
+        out[name] = row
     return out
 
 
