@@ -4,7 +4,7 @@ softmax the call is part of (FlashAttention-2's backward, Dao 2023, algorithm 2,
 log-sum-exp and the output gradient per query).
 
 Shape letters: B batch, Nq queries and Nk keys of a call, H query heads, G key/value heads (G divides H), K head
-width, S segments per row.
+width.
 
 `CUDNN_KERNEL` is cuDNN's fused flash kernel through jax's cuDNN module (`jaxpar.parallel.jax_private.
 cudnn_attention_parts`); its causal mask is the top-left diagonal of the call, counted from each segment's first
@@ -28,9 +28,10 @@ from jaxpar.parallel import jax_private
 class Call(NamedTuple):
     """Which keys a kernel call's queries see, besides its causal flag (given apart: the diagonal block's calls are
     causal, the prefix's not). Either one packed segment layout for queries and keys alike (`offsets` int32
-    [B, S + 1], `lengths` [B, S], -1 after the last: `jaxpar.model.attention.packed_segments`), or per-row lengths
-    (`q_lengths`, `kv_lengths` int32 [B]: queries and keys past them see and are seen by nothing), or neither (all
-    of them). Causal: query r sees key m <= r, counted from the segment's first position when packed."""
+    [B, max_segments + 1], `lengths` [B, max_segments], -1 after the last: `jaxpar.model.attention.
+    packed_segments`), or per-row lengths (`q_lengths`, `kv_lengths` int32 [B]: queries and keys past them see and
+    are seen by nothing), or neither (all of them). Causal: query r sees key m <= r, counted from the segment's first
+    position when packed."""
 
     q_lengths: jax.Array | None = None
     kv_lengths: jax.Array | None = None

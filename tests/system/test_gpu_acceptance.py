@@ -38,9 +38,9 @@ def test_cpu_smoke_runs_every_part_and_the_loss_falls(tmp_path):
     assert report["best_remat"] in ("none", "names")
     losses = report["learning"]["losses"]
     assert len(losses) == 30 and report["learning"]["falls"]
-    assert report["passed"] == {"attention": None, "context": None, "learning": True, "mfu_at_least_50": None}
+    assert report["passed"] == {"attention": None, "context_parallel": None, "learning": True, "mfu_at_least_50": None}
     # context parallelism's chunk decomposition (two kernel calls per query chunk) on the XLA kernel, fp32
-    parity = report["context"]["parity"]
+    parity = report["context_parallel"]["parity"]
     assert len(parity) == 6 and all(row["decomposition"] < 1e-5 for row in parity.values()), parity
     assert "not run: no NVIDIA GPU" in proc.stdout and "passed:" in proc.stdout
     # ZB-V against interleaved 1F1B on the simulated devices (skipped on one)
@@ -56,7 +56,7 @@ def _report(cudnn_error: float, last10: float, mfu: float) -> dict:
         "total_seconds": 1.0,
         "device": {"device_kind": "NVIDIA H200", "platform": "gpu", "memory_bytes": 141e9, "peak_flops": 989e12},
         "attention": {"segments": {"xla": errors, "cudnn": errors}},
-        "context": {"parity": {"chunk7_documents": {"decomposition": 1e-4, "cudnn": errors}}},
+        "context_parallel": {"parity": {"chunk7_documents": {"decomposition": 1e-4, "cudnn": errors}}},
         "remat": [
             {
                 "remat": "dots",
@@ -83,9 +83,9 @@ def _report(cudnn_error: float, last10: float, mfu: float) -> dict:
 
 def test_verdict_holds_cudnn_to_bf16_tolerance_and_the_loss_to_falling():
     good = _report(1e-2, 4.0, 0.55)
-    assert verdict(good) == {"attention": True, "context": True, "learning": True, "mfu_at_least_50": True}
+    assert verdict(good) == {"attention": True, "context_parallel": True, "learning": True, "mfu_at_least_50": True}
     bad = _report(5e-2, 9.9, 0.40)
-    assert verdict(bad) == {"attention": False, "context": False, "learning": False, "mfu_at_least_50": False}
+    assert verdict(bad) == {"attention": False, "context_parallel": False, "learning": False, "mfu_at_least_50": False}
     good["passed"] = verdict(good)
     table = format_report(good)
     assert "| segments | cudnn | 1.00e-03 | 1.00e-02 |" in table and "55.0%" in table and "1.02" in table

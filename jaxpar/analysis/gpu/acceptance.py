@@ -401,7 +401,7 @@ def run(settings: Settings) -> dict:
         extra += [f"optimizer.warmup_steps={settings.warmup}", f"train.steps={settings.train_steps}"]
         _section(report, "learning", lambda: train_on_text(resolved(settings, extra), settings.train_steps))
     _section(report, "pipeline_schedules", lambda: pipeline_schedules(settings))
-    _section(report, "context", lambda: context_kernel_check(on_gpu))
+    _section(report, "context_parallel", lambda: context_kernel_check(on_gpu))
     stats = jax.devices()[0].memory_stats() or {}
     report["allocator_peak_bytes"] = stats.get("peak_bytes_in_use")
     report["total_seconds"] = time.perf_counter() - t_start
@@ -410,18 +410,18 @@ def run(settings: Settings) -> dict:
 
 
 def verdict(report: dict) -> dict:
-    """{"attention" (every cuDNN error within `ATTENTION_TOLERANCE`; None when cuDNN did not run), "context"
+    """{"attention" (every cuDNN error within `ATTENTION_TOLERANCE`; None when cuDNN did not run), "context_parallel"
     (the context-parallel chunk path on cuDNN within it, and the decomposition within 1e-3 of whole-sequence
     attention; None when cuDNN did not run), "learning" (the loss fell), "mfu_at_least_50" (best MFU >= 0.5 on a
     GPU; None elsewhere)}."""
-    out: dict = {"attention": None, "context": None, "learning": None, "mfu_at_least_50": None}
-    context = report.get("context", {})
+    out: dict = {"attention": None, "context_parallel": None, "learning": None, "mfu_at_least_50": None}
+    context = report.get("context_parallel", {})
     parity = {k: v for k, v in context.get("parity", {}).items() if k != "calls"}
     calls = context.get("parity", {}).get("calls", {})
     if "error" in context:
-        out["context"] = False
+        out["context_parallel"] = False
     elif any("cudnn" in row for row in parity.values()):
-        out["context"] = all(
+        out["context_parallel"] = all(
             row["decomposition"] <= 1e-3 and all(e <= ATTENTION_TOLERANCE for e in row["cudnn"].values())
             for row in parity.values()
         ) and all(err <= ATTENTION_TOLERANCE for row in calls.values() for k, err in row.items() if k != "lse")
@@ -516,7 +516,7 @@ def format_report(report: dict) -> str:
                 f"{pipe['vocab_parallel']['step_seconds']:.3f}, vocabulary-parallel / last "
                 f"{pipe['vocab_over_last']:.3f}"
             )
-    lines += _context_lines(report.get("context"))
+    lines += _context_lines(report.get("context_parallel"))
     lines.append(f"passed: {report['passed']}")
     return "\n".join(lines)
 
