@@ -184,8 +184,9 @@ class ContextConfig:
           GPUs). Holds a whole sequence's K/V per layer.
         `ring` (Liu et al. 2023, arXiv 2310.01889): the K/V blocks passed around the ring of `context` devices by
           `ppermute`, the next block's permute issued before the current block's compute so that they overlap;
-          the partial results combined by online softmax in fp32. Holds two blocks at a time; computes with XLA's
-          einsums (no fused kernel).
+          the partial results combined by online softmax in fp32. Holds two blocks at a time; each sub-block a call
+          of model.attention's kernel (cuDNN's on NVIDIA GPUs, XLA's einsums elsewhere). Not with the zero-bubble
+          pipeline schedules.
       The sequence is laid out load-balanced for causal masking: cut into 2 * mesh.context chunks, device i holds
       chunks i and 2 * mesh.context - 1 - i, so data.seq_len must divide by 2 * mesh.context.
     """
