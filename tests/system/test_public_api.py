@@ -96,21 +96,24 @@ def _batch(g: int, t: int) -> dict:
 
 
 def test_restore_onto_one_device_and_onto_data_parallel_is_exact(saved_run):
-    """Parameters come back bitwise on one device and on data=8; both evaluate a batch alike (fp32 sums
-    reordered: step_helpers.FP32_RTOL)."""
+    """Parameters come back bitwise on one device, on data=8 and on data=2 x context=4 (each sequence split over 4
+    devices); all evaluate a batch alike (fp32 sums reordered: step_helpers.FP32_RTOL)."""
     run_dir, final = saved_run
     one = jaxpar.restore(run_dir, ONE_DEVICE, devices=jax.devices()[:1])
     data8 = jaxpar.restore(os.path.join(run_dir, "checkpoints", "2"), ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
-    assert one.step == data8.step == 2 and one.plan.mesh.size == 1 and data8.plan.mesh.shape["data"] == 8
+    context4 = jaxpar.restore(run_dir, ["mesh.data=2", "mesh.fsdp=1", "mesh.tensor=1", "mesh.context=4"])
+    assert one.step == data8.step == context4.step == 2 and one.plan.mesh.size == 1
+    assert data8.plan.mesh.shape["data"] == 8 and context4.plan.mesh.shape["context"] == 4
     assert one.cfg.model == data8.cfg.model and one.cfg.model.n_layers == 2  # the saved config, not tiny.yaml's
-    for restored in (one, data8):
+    for restored in (one, data8, context4):
         for a, b in zip(jax.tree.leaves(to_host(restored.params)), jax.tree.leaves(final["params"])):
             np.testing.assert_array_equal(a, b)
     batch = _batch(8, 32)
     l1, n1 = jaxpar.make_eval_step(one.plan)(one.params, batch)
-    l8, n8 = jaxpar.make_eval_step(data8.plan)(data8.params, batch)
-    assert float(n1) == float(n8) == 8 * 32
-    assert_scalar_close(l8, l1, FP32_RTOL, "eval loss on data=8 vs one device")
+    for name, restored in (("data=8", data8), ("context=4", context4)):
+        loss, n = jaxpar.make_eval_step(restored.plan)(restored.params, batch)
+        assert float(n1) == float(n) == 8 * 32
+        assert_scalar_close(loss, l1, FP32_RTOL, f"eval loss on {name} vs one device")
 
 
 def test_continue_with_another_optimizer(saved_run):
