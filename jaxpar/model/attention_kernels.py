@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.parallel import jax_private
+from jaxpar.parallel.context import grouped_heads
 
 
 class Call(NamedTuple):
@@ -64,6 +65,7 @@ def _visible(call: Call, nq: int, nk: int, causal: bool) -> jax.Array:
     """bool [B, Nq, Nk]: which keys each query of a kernel call sees (`Call`)."""
     qpos, kpos = jnp.arange(nq)[None, :, None], jnp.arange(nk)[None, None, :]
     if call.offsets is not None:
+        assert call.lengths is not None  # given with the offsets
         start, length = call.offsets[:, None, None, :-1], call.lengths[:, None, None, :]
         q_in = (qpos[..., None] >= start) & (qpos[..., None] < start + length) & (length > 0)
         k_in = (kpos[..., None] >= start) & (kpos[..., None] < start + length)
@@ -76,15 +78,10 @@ def _visible(call: Call, nq: int, nk: int, causal: bool) -> jax.Array:
     return mask & (qpos >= kpos) if causal else mask
 
 
-def _grouped(x_BNHK: jax.Array, g: int) -> jax.Array:
-    b, n, h, kw = x_BNHK.shape
-    return x_BNHK.astype(jnp.float32).reshape(b, n, g, h // g, kw)
-
-
 def _xla_probabilities(q, k, call, causal, lse=None):
     """(scaled scores' probabilities fp32 [B, Nq, G, H/G, Nk] under the call's mask, lse fp32 [B, Nq, G, H/G])."""
     g, kw = k.shape[2], q.shape[-1]
-    scores = jnp.einsum("bsgrk,btgk->bsgrt", _grouped(q, g), k.astype(jnp.float32)) / np.sqrt(kw)
+    scores = jnp.einsum("bsgrk,btgk->bsgrt", grouped_heads(q, g), k.astype(jnp.float32)) / np.sqrt(kw)
     mask = _visible(call, q.shape[1], k.shape[1], causal)[:, :, None, None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     if lse is None:
@@ -103,12 +100,12 @@ def _xla_backward(q, k, v, out, lse, d_out, call, causal):
     b, nq, h, kw = q.shape
     g = k.shape[2]
     p, _ = _xla_probabilities(q, k, call, causal, lse.reshape(b, nq, g, h // g))
-    do = _grouped(d_out, g)
-    delta = jnp.sum(do * _grouped(out, g), axis=-1)
+    do = grouped_heads(d_out, g)
+    delta = jnp.sum(do * grouped_heads(out, g), axis=-1)
     dv = jnp.einsum("bsgrt,bsgrk->btgk", p, do)
     ds = p * (jnp.einsum("bsgrk,btgk->bsgrt", do, v.astype(jnp.float32)) - delta[..., None]) / np.sqrt(kw)
     dq = jnp.einsum("bsgrt,btgk->bsgrk", ds, k.astype(jnp.float32)).reshape(b, nq, h, kw)
-    dk = jnp.einsum("bsgrt,bsgrk->btgk", ds, _grouped(q, g))
+    dk = jnp.einsum("bsgrt,bsgrk->btgk", ds, grouped_heads(q, g))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -167,6 +164,7 @@ def _stats_slots(call: Call, q_shape) -> tuple[jax.Array, jax.Array]:
     without the absent ones (the layout cuDNN's packed call is given, `jax_private.cudnn_attention_parts`), each
     slot indexed by the position within the segment."""
     b, nq = q_shape[:2]
+    assert call.offsets is not None and call.lengths is not None  # a packed call
     starts, lengths = call.offsets[:, :-1], call.lengths
     present = lengths > 0
     before = jnp.cumsum(jnp.sum(present, axis=1)) - jnp.sum(present, axis=1)  # segments in earlier rows
@@ -194,6 +192,7 @@ def _lse_to_stats(lse: jax.Array, call: Call, q_shape) -> jax.Array:
     if call.offsets is None:
         return jnp.swapaxes(lse, 1, 2)
     slot, within = _stats_slots(call, q_shape)
+    assert call.lengths is not None  # a packed call
     slots = b * call.lengths.shape[1]
     return jnp.zeros((slots, h, nq), jnp.float32).at[slot, :, within].set(lse)
 

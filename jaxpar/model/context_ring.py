@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxpar.model.attention import packed_segments
 from jaxpar.model.attention_kernels import Call, Kernel, within_lengths
-from jaxpar.parallel.context import AXIS, RING_SCOPE, RING_SHIFT_SCOPE, ring_shift
+from jaxpar.parallel.context import AXIS, RING_SCOPE, RING_SHIFT_SCOPE, chunk_halves, ring_shift
 
 
 def ring_kernel_attention(
@@ -50,10 +50,6 @@ def ring_kernel_attention(
     documents = segment_ids_BR is not None
     segments = segment_ids_BR if documents else jnp.zeros_like(positions_BR)
     return _ring(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments, axis_size, kernel, max_segments, documents)
-
-
-def _halves(x, n: int) -> list:
-    return [x[:, :n], x[:, n:]]
 
 
 def _run_lengths(seg_Bn: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -95,13 +91,13 @@ def _unroll(x_BnGK: jax.Array, shift: jax.Array) -> jax.Array:
 
 def _rows_seen(call: Call, n: int) -> jax.Array:
     """bool [B, n, 1]: the queries a call's lengths let see some key (all of them without lengths)."""
-    if call.q_lengths is None:
+    if call.q_lengths is None or call.kv_lengths is None:  # the calls set both or neither
         return jnp.ones((1, n, 1), bool)
     return within_lengths(call.q_lengths, n)[..., 0] & (call.kv_lengths > 0)[:, None, None]
 
 
 def _keys_seen(call: Call, n: int) -> jax.Array:
-    if call.kv_lengths is None:
+    if call.q_lengths is None or call.kv_lengths is None:
         return jnp.ones((1, n, 1, 1), bool)
     return within_lengths(call.kv_lengths, n) & (call.q_lengths > 0)[:, None, None, None]
 
@@ -126,13 +122,13 @@ def _sub_blocks(step: int, documents: bool):
 def _ring_fwd(q, k, v, positions, segments, axis_size, kernel, max_segments, documents):
     b, r, h, kw = q.shape
     n = r // 2
-    qs, q_pos, q_seg = _halves(q, n), _halves(positions, n), _halves(segments, n)
+    qs, q_pos, q_seg = chunk_halves(q, n), chunk_halves(positions, n), chunk_halves(segments, n)
     acc = [(jnp.zeros(qa.shape, jnp.float32), jnp.full((b, n, h), -jnp.inf, jnp.float32)) for qa in qs]
     overflow = jnp.zeros((b,), bool)
     kv = (k, v, positions, segments)
     for step in range(axis_size):
         passed = ring_shift(kv, AXIS, axis_size) if step < axis_size - 1 else kv
-        keys = [_halves(x, n) for x in kv]
+        keys = [chunk_halves(x, n) for x in kv]
         for a, kb, run in _sub_blocks(step, documents):
             kk, vv, k_pos, k_seg = (x[kb] for x in keys)
             diagonal = run == "diagonal"
@@ -167,15 +163,15 @@ def _ring_fwd(q, k, v, positions, segments, axis_size, kernel, max_segments, doc
 def _ring_bwd(axis_size, kernel, max_segments, documents, residuals, d_out):
     q, k, v, positions, segments, out, lse = residuals
     n = q.shape[1] // 2
-    qs, q_pos, q_seg = _halves(q, n), _halves(positions, n), _halves(segments, n)
-    outs, lses, d_outs = _halves(out, n), _halves(lse, n), _halves(d_out, n)
+    qs, q_pos, q_seg = chunk_halves(q, n), chunk_halves(positions, n), chunk_halves(segments, n)
+    outs, lses, d_outs = chunk_halves(out, n), chunk_halves(lse, n), chunk_halves(d_out, n)
     dq = [jnp.zeros(qa.shape, jnp.float32) for qa in qs]
     dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     kv = (k, v, positions, segments)
     for step in range(axis_size):
         passed = ring_shift(kv, AXIS, axis_size) if step < axis_size - 1 else kv
-        keys = [_halves(x, n) for x in kv]
-        dk, dv = (_halves(x, n) for x in dkv)
+        keys = [chunk_halves(x, n) for x in kv]
+        dk, dv = (chunk_halves(x, n) for x in dkv)
         for a, kb, run in _sub_blocks(step, documents):
             kk, vv, k_pos, k_seg = (x[kb] for x in keys)
             diagonal = run == "diagonal"

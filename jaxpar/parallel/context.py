@@ -125,7 +125,7 @@ def ring_shift(arrays: tuple, axis: str, axis_size: int, scope: str = RING_SHIFT
     return tuple(out)
 
 
-def _grouped(x_BRHK: jax.Array, g: int) -> jax.Array:
+def grouped_heads(x_BRHK: jax.Array, g: int) -> jax.Array:
     """[B, R, H, K] -> fp32 [B, R, G, H/G, K]: query heads grouped by the key/value head they share."""
     b, r, h, kw = x_BRHK.shape
     return x_BRHK.astype(jnp.float32).reshape(b, r, g, h // g, kw)
@@ -134,7 +134,7 @@ def _grouped(x_BRHK: jax.Array, g: int) -> jax.Array:
 RING_SCOPE = "ring_block"  # the name scope of the ring's block conds: ring_block/f{step}q{a}k{b} (backward: b...)
 
 
-def _halves(x, n: int) -> list:
+def chunk_halves(x: jax.Array, n: int) -> list[jax.Array]:
     """A device's slice [B, R, ...] as its two chunks [B, n, ...] (the load-balanced layout's early and late)."""
     return [x[:, :n], x[:, n:]]
 
@@ -152,8 +152,8 @@ def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_
     device alike."""
     b, r, h, kw = q_BRHK.shape
     n, g = r // 2, k_BRGK.shape[2]
-    q = _halves(_grouped(q_BRHK, g) * (1.0 / np.sqrt(kw)), n)
-    q_pos, q_seg = _halves(positions_BR, n), _halves(segments_BR, n)
+    q = chunk_halves(grouped_heads(q_BRHK, g) * (1.0 / np.sqrt(kw)), n)
+    q_pos, q_seg = chunk_halves(positions_BR, n), chunk_halves(segments_BR, n)
 
     def sub_block(acc, a, k, v, k_pos, k_seg):
         o, m, total = acc  # [B, n, G, H/G, K], and the running max and sum [B, n, G, H/G]
@@ -182,7 +182,7 @@ def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_
     for step in range(axis_size):
         # the next block's permute first: it does not depend on this block's compute
         passed = ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
-        keys = [_halves(x, n) for x in kv]
+        keys = [chunk_halves(x, n) for x in kv]
         for a in range(2):
             for kb in range(2):
                 with jax.named_scope(f"{RING_SCOPE}/f{step}q{a}k{kb}"):
@@ -217,18 +217,18 @@ def _ring_bwd(axis, axis_size, residuals, d_out_BRHK):
     b, r, h, kw = q_BRHK.shape
     n, g = r // 2, k_BRGK.shape[2]
     scale = 1.0 / np.sqrt(kw)
-    q = _halves(_grouped(q_BRHK, g) * scale, n)
-    d_out = _grouped(d_out_BRHK, g)
-    delta = _halves(jnp.sum(d_out * _grouped(out_BRHK, g), axis=-1), n)  # D_i = dO_i . O_i, [B, n, G, H/G]
-    d_out, lse = _halves(d_out, n), _halves(lse, n)
-    q_pos, q_seg = _halves(positions_BR, n), _halves(segments_BR, n)
+    q = chunk_halves(grouped_heads(q_BRHK, g) * scale, n)
+    d_out = grouped_heads(d_out_BRHK, g)
+    delta = chunk_halves(jnp.sum(d_out * grouped_heads(out_BRHK, g), axis=-1), n)  # D_i = dO_i . O_i, [B, n, G, H/G]
+    d_out, lse = chunk_halves(d_out, n), chunk_halves(lse, n)
+    q_pos, q_seg = chunk_halves(positions_BR, n), chunk_halves(segments_BR, n)
     kv = (k_BRGK, v_BRGK, positions_BR, segments_BR)
     dq = [jnp.zeros(qa.shape, jnp.float32) for qa in q]
     dkv = (jnp.zeros(k_BRGK.shape, jnp.float32), jnp.zeros(v_BRGK.shape, jnp.float32))
     for step in range(axis_size):
         passed = ring_shift(kv, axis, axis_size) if step < axis_size - 1 else kv
-        keys = [_halves(x, n) for x in kv]
-        dk, dv = (_halves(x, n) for x in dkv)
+        keys = [chunk_halves(x, n) for x in kv]
+        dk, dv = (chunk_halves(x, n) for x in dkv)
         for a in range(2):
             for kb in range(2):
                 k, v, k_pos, k_seg = (x[kb] for x in keys)

@@ -90,6 +90,7 @@ ELSEWHERE = {
     ),
 }
 HERE = {  # script: reduced arguments (one timed step and round, the smallest grid), run by test_script_runs
+    "benchmarks/context.py": ["--contexts", "1", "2", "--seq-len", "64", "--steps", "1", "--rounds", "1"],
     "benchmarks/overhead.py": ["--steps", "1", "--rounds", "1"],
     "benchmarks/pipeline.py": ["--stages", "2", "--microbatches", "4", "--steps", "1", "--rounds", "1"],
     "benchmarks/tensor_collectives.py": ["--steps", "1", "--rounds", "1"],

@@ -83,7 +83,7 @@ def kernel_parity(shape=(2, 2048, 8, 2, 128), c: int = 4, seed: int = 0, kernels
         for chunk in (0, c, 2 * c - 1):
             case = f"chunk{chunk}_{'documents' if packed else 'one_document'}"
             ref = _chunk_grads(XLA_KERNEL, q, kk, v, seg, d_out, chunk, n, jnp.float32, max_segments=64)
-            row = {"decomposition": _rel(ref[0], np.asarray(whole[:, chunk * n : (chunk + 1) * n]))}
+            row: dict = {"decomposition": _rel(ref[0], np.asarray(whole[:, chunk * n : (chunk + 1) * n]))}
             for name in kernels:
                 kernel = {"cudnn": CUDNN_KERNEL, "xla": XLA_KERNEL}[name]
                 got = _chunk_grads(kernel, q, kk, v, seg, d_out, chunk, n, jnp.bfloat16, max_segments=64)
