@@ -36,14 +36,23 @@ def _losses(run_dir):
         return {row["step"]: row["loss"] for row in map(json.loads, f)}
 
 
+MESHES = {
+    "tiny": [],  # data 2 x fsdp 2 x tensor 2
+    # each sequence over all 8 devices, so over both processes: the ring's permutes and the batch's all-gather
+    # cross them
+    "context8_ring": ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.context=8", "context.strategy=ring"],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_processes_train_like_one(tmp_path):
+@pytest.mark.parametrize("mesh", MESHES)
+def test_two_processes_train_like_one(tmp_path, mesh):
     """2 processes x 4 devices reproduce the 1 x 8 run's losses; both processes save the checkpoint."""
     train = [sys.executable, "-m", "jaxpar.cli.train", os.path.join(ROOT, "configs", "tiny.yaml")]
     env = child_env(compile_cache=True)  # no pipeline stages
     one = subprocess.run(
-        [*train, "--cpu-devices", "8", f"train.run_dir={tmp_path / 'one'}", *RUN],
+        [*train, "--cpu-devices", "8", f"train.run_dir={tmp_path / 'one'}", *RUN, *MESHES[mesh]],
         env=env,
         capture_output=True,
         text=True,
@@ -63,6 +72,7 @@ def test_two_processes_train_like_one(tmp_path):
             *train,
             f"train.run_dir={tmp_path / 'two'}",
             *RUN,
+            *MESHES[mesh],
         ],
         env=env,
         capture_output=True,
