@@ -3,7 +3,8 @@
 Letters as in `jaxpar.analysis.planner.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the
 working-parameter dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's
 platform (`jaxpar.analysis.planner.dims.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4);
-x = b*s*D*Bc, one microbatch's activations. Ring costs per op are `jaxpar.analysis.hlo.ring.ring_bytes` (NCCL tests,
+x = b*r*D*Bc, one microbatch's activations (r = s/c tokens of each sequence per device under context parallelism,
+s without). Ring costs per op are `jaxpar.analysis.hlo.ring.ring_bytes` (NCCL tests,
 doc/PERFORMANCE.md): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring
 algorithms: Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
 This is jaxpar's one analytic communication model: the planner, the sweeps and the benchmarks' tensor-axis
@@ -321,8 +322,8 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape, layers = d.shape, passes["layers"]
     if shape[TENSOR] == 1:
         return
-    x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
-    ce = d.b * d.s * 4
+    x = d.b * d.r * cfg.model.d_model * d.wire(d.compute_bytes)
+    ce = d.b * d.r * 4
     # Every remat policy saves the exits' outputs, none and dots the SP enters' too (`jaxpar.model.stack`): names
     # and full with SP re-gather both block inputs of each layer in the backward.
     regather = cfg.model.remat in REMAT_KEEPING_EXITS_ONLY
@@ -387,7 +388,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
             2 * heads,
             2 * heads * act,
         )
-        ce = d.b * d.s * 4
+        ce = d.b * d.r * 4
         _term(out, shape, "cross-entropy statistics", (TENSOR, PIPELINE), "all-reduce", 3 * heads, 3 * heads * ce)
     _term(
         out,

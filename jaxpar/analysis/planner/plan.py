@@ -4,7 +4,9 @@ Pure arithmetic on a resolved `Config` (`jaxpar.config.resolve_config`): no jax 
 13B model on 64 GPUs is planned on a laptop. `jaxpar.analysis.planner.compiled` checks the numbers against XLA's
 compiled step, `jaxpar.analysis.planner.comm` holds the collective terms, `jaxpar.analysis.planner.report` prints them.
 
-Shape letters: b microbatch rows per device, s sequence length (s' = s/t under sequence parallelism), D model
+Shape letters: b microbatch rows per device, s sequence length, r = s/c the tokens of each sequence on one device
+under context parallelism (`mesh.context` c; r = s without), s' = r/t the tokens between blocks under sequence
+parallelism (else r): every per-token term below counts r (or s') tokens, not s. D model
 width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
 stage), t tensor size, p pipeline stages, m pipeline microbatches, M gradient-accumulation microbatches
 (`train.grad_accum_steps`).
@@ -122,9 +124,10 @@ def state_bytes(cfg: Config) -> dict:
 
 
 def score_elements(cfg: Config, d: Dims) -> int:
-    """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * s * s (the
-    query heads; grouped key/value heads are broadcast to them)."""
-    return d.b * (cfg.model.n_heads // d.shape[TENSOR]) * d.s * d.s
+    """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * r * s (the
+    query heads, grouped key/value heads broadcast to them; this device's r = s/c queries against the whole
+    sequence's s keys, r = s without context parallelism)."""
+    return d.b * (cfg.model.n_heads // d.shape[TENSOR]) * d.r * d.s
 
 
 # Bytes per attention score element that XLA's attention path writes (module docstring): saved per layer for
@@ -207,7 +210,7 @@ def _boundary_bytes(cfg: Config, d: Dims) -> int:
     + the norms' R 4D, i.e. R (10D + 2D_kv + 4F) elements, no attention term. (model.remat names counts as
     dots.)"""
     mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
-    dm, rows, rows_act = mdl.d_model, d.b * d.s, d.b * d.s_act
+    dm, rows, rows_act = mdl.d_model, d.b * d.r, d.b * d.s_act
     d_t, d_kv, f_t = mdl.n_heads * mdl.head_width // t, mdl.kv_heads * mdl.head_width // t, mdl.d_ff // t
     none, full = mdl.remat == "none", mdl.remat == "full"
     norms, fp32 = rows_act * 4 * dm, 0 if full else 2 * rows_act
@@ -227,7 +230,7 @@ def _boundary_bytes(cfg: Config, d: Dims) -> int:
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
     """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
     mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
-    b, s = d.b, d.s
+    b, s = d.b, d.r  # this device's tokens of each sequence
     h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
     out = {"block input": b * d.s_act * dm * bc}
     if mdl.remat == "names":
@@ -266,7 +269,7 @@ def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     stage has its 1/p of it."""
     d = dims(cfg, platform)
     slices = d.shape[TENSOR] * (d.shape[PIPELINE] if cfg.pipeline.vocab_parallel else 1)
-    return 4 * d.b * d.s * (cfg.model.vocab_size // slices)
+    return 4 * d.b * d.r * (cfg.model.vocab_size // slices)
 
 
 def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -289,7 +292,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
     slices = t * (p if cfg.pipeline.vocab_parallel else 1)  # the logits' vocabulary shards
-    outside = stage_input + d.b * d.s * (mdl.vocab_size // slices) * bc
+    outside = stage_input + d.b * d.r * (mdl.vocab_size // slices) * bc
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
     if d.layout is not None:
         depth = f"n_max={d.layers_per_chunk} (the uneven split's deepest model chunk; padding rows held, skipped)"
@@ -347,7 +350,8 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else slots)
     layers = per_layer * held + w_ring
     # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
-    sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
+    # per device: its r = s/c tokens, each query's scores over the whole sequence s
+    sbh, ratio = d.r * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
     ref: float
     if mdl.remat == "full":
         ref = 2 * sbh
@@ -369,7 +373,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "layers_held": held,
         "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (fp32 where named) x "
         f"{depth} x {formula_flight}; + embedding output and logits (b={d.b}, "
-        f"s={d.s}, s'={d.s_act})",
+        f"s={d.s}, r=s/c={d.r}, s'={d.s_act})",
         "korthikanti": ref * held,
     }
 
