@@ -264,7 +264,7 @@ def test_cli_plans_64_devices_without_them():
 
 # ---- planned vs compiled -------------------------------------------------------------------------------------
 
-MESHES = {  # name -> overrides; the first two are in the default suite, the others run with -m slow
+MESHES = {  # name -> overrides; those not in SLOW are in the default suite, the others run with -m slow
     "ddp_data8": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=0"],
     "zero1_d2f2t2_sp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optimizer.zero_stage=1"],
     # bf16 working parameters and compute: XLA:CPU widens every bf16 collective, so the plans for cpu and gpu
@@ -308,6 +308,18 @@ MESHES = {  # name -> overrides; the first two are in the default suite, the oth
         "optimizer.zero_stage=2",
         "tensor.sequence_parallel=false",
         "model.remat=full",
+    ],
+    # Context parallelism (jaxpar.analysis.planner.context), seq_len 8 = 2c x 2 and c x t x 2: ring attention with
+    # tensor + sequence parallelism (the norm scales' gradients all-reduced over context and tensor in one op), and
+    # K/V all-gathered over 4 context devices under ZeRO-3 over fsdp.
+    "ring_c2_d2t2_sp": ["mesh.context=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "context.strategy=ring"],
+    "gather_c4_f2_zero3": [
+        "mesh.context=4",
+        "mesh.data=1",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        "optimizer.zero_stage=3",
+        "context.strategy=all_gather",
     ],
 }
 SLOW = {"zero3_d4f2_16p", "zero1_d2f2p2_1f1b", "zero2_f2t2p2_gpipe"}
@@ -502,3 +514,33 @@ def test_platform_is_checked_and_stated(capsys):
 def test_plan_is_json_ready():
     p = plan(_cfg(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
     assert json.loads(json.dumps(p))["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "tensor": 2}
+
+
+# ---- context parallelism ---------------------------------------------------------------------------------------
+
+RING = MESHES["ring_c2_d2t2_sp"]
+
+
+def test_context_positions_are_hoisted_by_the_cpu_backend(capsys):
+    """The partitioned program permutes the int32 positions and segment ids ([4, 4]) again in each layer's backward
+    (2 layers, both arrays, c - 1 = 1 step: 4 permutes of 64 B); XLA:CPU moves them out of the loops and merges them
+    with the forward's. The plans for gpu and cpu count each program as it is, op for op."""
+    out = _compiled("ring_c2_d2t2_sp", capsys)
+    executable = {r["key"]: r for r in out["compiled"]["collectives"]}["context collective-permute"]
+    program = {r["key"]: r for r in out["compiled"]["partitioned"]["collectives"]}["context collective-permute"]
+    assert program["compiled_bytes"] - executable["compiled_bytes"] == 4 * 64
+    assert program["compiled_count"] - executable["compiled_count"] == 4
+    for row in (executable, program):
+        assert (row["compiled_bytes"], row["compiled_count"]) == (row["planned_bytes"], row["planned_count"])
+
+
+def test_context_gradients_are_reduced_over_context(capsys):
+    """ZeRO-3 over fsdp = 2 and context = 4: every gradient, as stored (1/2 of it), is all-reduced over context
+    once per step, 2(c-1)/c of it sent; the K/V all-gathers and dK/dV reduce-scatters match op for op."""
+    out = _compiled("gather_c4_f2_zero3", capsys)
+    cfg = _cfg(MESHES["gather_c4_f2_zero3"])
+    shard = sum(leaf.size for leaf in param_leaves(cfg.model)) / 2 * 4  # fp32
+    rows = {r["key"]: r for r in out["compiled"]["partitioned"]["collectives"]}
+    assert rows["context all-reduce"]["compiled_bytes"] == pytest.approx(2 * 3 / 4 * shard, rel=1e-12)
+    for key in ("context all-gather", "context reduce-scatter"):
+        assert rows[key]["compiled_count"] == rows[key]["planned_count"], rows[key]
