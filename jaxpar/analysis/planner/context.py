@@ -43,6 +43,33 @@ Gradients (`jaxpar.training.grad_reduction.reduce_replicated`): parameters are r
 Not listed: the scalar psums of the loss and token count over data, fsdp and context (unplanned scalars, as
   elsewhere).
 
+Memory. Every per-token activation of `jaxpar.analysis.planner.plan` counts r tokens (s' = r/t between blocks under
+sequence parallelism); attention's scores span this device's r queries and the whole sequence's s keys: the score
+elements are b*(H/t)*r*s (`jaxpar.analysis.planner.plan.score_elements`). Context attention never uses cuDNN's fused
+kernel (all_gather calls XLA's attention with an explicit mask, ring runs its own einsums), so its scores are in
+memory whatever `model.attention` says. Per score element, read from XLA's GPU buffer assignment of the step
+compiled for 8 H100s (Llama 1B's layer shape, 2 layers, bf16, b = 1, c = 2 and 4, s = 4096 and 8192; the
+coefficient fitted from the two lengths' temporary bytes, `attention_working_bytes`):
+  all_gather, one layer's backward: the fp32 logits and their fp32 gradient, the probabilities in Bc and the
+    bool mask, 2*4 + Bc + 1 bytes (11 with bf16; fitted 10.3 to 11.1 under remat dots and full); plus the gathered
+    K and V and their gradients before the reduce-scatter, 4*c*kv*Bc (no remat policy keeps the gathered K/V: the
+    backward re-gathers them, above).
+  ring, the backward: XLA computes every step's q k^T ahead of the dK/dV chain (each depends only on the block
+    the ring brings), so all c steps' fp32 scores and their bool masks are live at once: 4 + 1 bytes per element
+    of the whole sequence's scores, and one more fp32 step, 4*b*r*(H/t)*r (fitted: 13.5 and 22.4 bytes per step
+    element at c = 2 and 4 under remat dots, planned 14 and 24); plus the two K/V blocks in flight (this step's
+    and the next, 4*kv*Bc) and the fp32 dK, dV sums in flight (4*kv*4).
+  remat none saves per layer what the backward would otherwise recompute: 4 + 1 bytes per score element, the fp32
+    probabilities (all_gather: the attention's logits dot is saveable) or every step's fp32 scores (ring: the
+    outputs of its einsums, which dots_saveable keeps inside the custom VJP's forward), and the bool masks
+    (fitted 5.0 per layer for all_gather, 5.8 and 6.25 for ring at c = 2 and 4).
+The GPU compiler's peak is within 15% of the plan (compiled / planned 0.86 to 1.09 over both strategies, remat
+none, dots and full, both lengths and both c); tests/system/test_plan_gpu.py checks two of them. Its collectives
+differ from the partitioned program's (which the plan for gpu counts) in two ways: XLA's GPU compiler folds each
+gradient's all-reduce over context into its all-reduce over data (ZeRO-0/1: one all-reduce over data x context),
+and it moves the cast of the ring's dK, dV sums to the compute dtype ahead of their last (c-th) permute, which then
+sends Bc bytes per element, not 4. The batch's all-gathered integer
+arrays (12 bytes per token of the device's rows of the step) are left out: a few kB.
 """
 
 from __future__ import annotations
@@ -116,3 +143,43 @@ def context_terms(cfg: Config, d, passes: dict, joint: set[str]) -> list[Row]:
     grads = sum(local_size(x, d.shape, storage, d.expert_axes) for x in leaves)
     rows.append(("gradients", axes, "all-reduce", len(leaves), grads * d.wire(d.reduce_bytes)))
     return rows
+
+
+# Bytes per element of the whole sequence's scores [b, H/t, r, s] (`jaxpar.analysis.planner.plan.score_elements`)
+# that context attention holds on XLA's GPU compiler (module docstring, "Memory"). all_gather, at the peak of one
+# layer's backward: the fp32 logits and their fp32 gradient, the probabilities in Bc and the bool mask;
+# saved per layer by remat none: the fp32 probabilities and the mask. ring, at the peak: every step's fp32 scores
+# and mask (plus one more fp32 step, `RING_STEP_WORKING_BYTES` per [b, r, H/t, r] element); saved per layer by remat
+# none: every step's fp32 scores and mask.
+GATHER_WORKING_FP32_BYTES = 2 * 4
+MASK_BYTES = 1
+SAVED_FP32_BYTES = 4
+RING_WORKING_BYTES = 4 + MASK_BYTES
+RING_STEP_WORKING_BYTES = 4
+
+
+def step_elements(cfg: Config, d) -> int:
+    """Elements of one ring step's scores on one device: b*r*(H/t)*r (this device's queries against one block)."""
+    return d.b * d.r * (cfg.model.n_heads // d.shape[TENSOR]) * d.r
+
+
+def saved_score_bytes(cfg: Config, scores: int) -> dict[str, int]:
+    """What remat none keeps per layer of the whole sequence's scores (`scores` elements, [b, H/t, r, s]) under
+    context parallelism, by name (module docstring, "Memory"); {} under the other policies."""
+    if cfg.model.remat != "none":
+        return {}
+    what = "every ring step's fp32 scores" if cfg.context.strategy == "ring" else "fp32 attention probabilities"
+    return {what: SAVED_FP32_BYTES * scores, "attention masks (bool)": MASK_BYTES * scores}
+
+
+def attention_working_bytes(cfg: Config, d, scores: int) -> int:
+    """Bytes one layer's backward holds for context attention at its peak (module docstring, "Memory"), `scores` the
+    elements of the whole sequence's scores [b, H/t, r, s]. all_gather: (2*4 + Bc + 1) per score element and the
+    gathered K and V and their gradients before the reduce-scatter, 4*c*kv*Bc. ring: (4 + 1) per score element, 4
+    per element of one step's scores (`step_elements`), the two K/V blocks in flight 4*kv*Bc and the fp32 dK, dV
+    sums in flight 4*kv*4."""
+    kv, bc = kv_elements(cfg, d), d.compute_bytes
+    if cfg.context.strategy == "ring":
+        blocks = 4 * kv * bc + 4 * kv * 4
+        return RING_WORKING_BYTES * scores + RING_STEP_WORKING_BYTES * step_elements(cfg, d) + blocks
+    return (GATHER_WORKING_FP32_BYTES + bc + MASK_BYTES) * scores + 4 * d.c * kv * bc

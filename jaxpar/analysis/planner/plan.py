@@ -51,7 +51,11 @@ assignment holds the fp32 logits and their fp32 gradient and the probabilities a
 step compiled for H100 by XLA's GPU compiler, the same for every remat policy; remat none also keeps each layer's fp32
 probabilities, above). cuDNN's fused (flash) kernel (`auto` on gpu) keeps scores on chip: no score bytes; remat
 none keeps its fp32 softmax statistics (logsumexp) 4*b*(H/t)*s per layer instead of the probabilities. The
-compiled check reports whether the program materialises scores.
+compiled check reports whether the program materialises scores. Under context parallelism the scores are this
+device's r queries against all s keys, b*(H/t)*r*s elements (`score_elements`), always in memory (all_gather
+runs XLA's attention with an explicit mask, ring its own fp32 einsums), with their working set, what remat none
+keeps of them and the keys and values in flight from `jaxpar.analysis.planner.context` (measured on XLA's GPU
+compiler: all_gather 2*4 + Bc + 1 bytes per score element, ring 4 + 1 and one more fp32 step [b, r, H/t, r]).
 
 Temporaries (`temp_bytes`): the activations, the working set of one layer's backward (its attention scores
 above and, when weights are gathered (fsdp or ZeRO-3), its gradients at full size in the reduce dtype before
@@ -80,6 +84,7 @@ import math
 
 import jax
 
+from jaxpar.analysis.planner import context as context_plan
 from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_leaf
 from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
@@ -138,10 +143,15 @@ SCORE_WORKING_FP32_BYTES = 2 * 4
 
 
 def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
-    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn.
+    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn;
+    under context parallelism (`mesh.context` > 1) the strategy's own, whatever `model.attention` says: xla for
+    all_gather (`jaxpar.parallel.context.gathered_kv_attention` calls XLA's attention with an explicit mask), ring
+    for ring (its own fp32 einsums per step).
 
     Raises:
       ConfigError: cudnn on a platform or with a dtype or head width it does not take."""
+    if cfg.mesh.context > 1:
+        return "ring" if cfg.context.strategy == "ring" else "xla"
     dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
     try:
         return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
@@ -239,7 +249,9 @@ def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
         out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t) * bc
     if mdl.remat == "none":
         out["attention context"] = b * s * h_t * k * bc
-        if attention_implementation(cfg, platform) == "cudnn":
+        if d.c > 1:  # context attention: its own scores and masks (`jaxpar.analysis.planner.context`)
+            out.update(context_plan.saved_score_bytes(cfg, score_elements(cfg, d)))
+        elif attention_implementation(cfg, platform) == "cudnn":
             out["fp32 softmax statistics"] = 4 * b * h_t * s
         else:
             out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
@@ -256,6 +268,8 @@ def attention_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     2*Bc) bytes per score element (`score_elements`; module docstring, measured from XLA's GPU buffer
     assignment); 0 with cuDNN's fused kernel (scores stay on chip). Per device."""
     d = dims(cfg, platform)
+    if d.c > 1:  # context attention (`jaxpar.analysis.planner.context`)
+        return context_plan.attention_working_bytes(cfg, d, score_elements(cfg, d))
     if attention_implementation(cfg, platform) == "cudnn":
         return 0
     return (SCORE_WORKING_FP32_BYTES + 2 * d.compute_bytes) * score_elements(cfg, d)
