@@ -518,6 +518,13 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "stage_balance": stage_balance(cfg, d),
         },
         "sequence_parallel": d.sp,
+        # context parallelism (`jaxpar.analysis.planner.context`): each device's slice of every sequence
+        "context_parallel": {
+            "size": d.c,
+            "strategy": cfg.context.strategy if d.c > 1 else None,
+            "tokens_per_device": d.r,
+            "tokens_between_blocks": d.s_act,
+        },
         "batch": {
             "global_batch_size": cfg.train.global_batch_size,
             "seq_len": d.s,
