@@ -420,7 +420,7 @@ def test_cli_compile_in_a_fresh_process():
         "--fast-compile",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, timeout=600).stdout
-    assert "data=1 pipeline=1 fsdp=2 tensor=2 (4 devices)" in out
+    assert "data=1 pipeline=1 fsdp=2 context=1 tensor=2 (4 devices)" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("params + optimizer state"))
     assert line.split()[-1] == "1.0000"
     assert "XLA memory_analysis" in out and "tensor           reduce-scatter" in out
