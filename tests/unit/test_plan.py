@@ -264,7 +264,7 @@ def test_cli_plans_64_devices_without_them():
 
 # ---- planned vs compiled -------------------------------------------------------------------------------------
 
-MESHES = {  # name -> overrides; the first two are in the default suite, the others run with -m slow
+MESHES = {  # name -> overrides; those not in SLOW are in the default suite, the others run with -m slow
     "ddp_data8": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "optimizer.zero_stage=0"],
     "zero1_d2f2t2_sp": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "optimizer.zero_stage=1"],
     # bf16 working parameters and compute: XLA:CPU widens every bf16 collective, so the plans for cpu and gpu
@@ -308,6 +308,18 @@ MESHES = {  # name -> overrides; the first two are in the default suite, the oth
         "optimizer.zero_stage=2",
         "tensor.sequence_parallel=false",
         "model.remat=full",
+    ],
+    # Context parallelism (jaxpar.analysis.planner.context), seq_len 8 = 2c x 2 and c x t x 2: ring attention with
+    # tensor + sequence parallelism (the norm scales' gradients all-reduced over context and tensor in one op), and
+    # K/V all-gathered over 4 context devices under ZeRO-3 over fsdp.
+    "ring_c2_d2t2_sp": ["mesh.context=2", "mesh.data=2", "mesh.fsdp=1", "mesh.tensor=2", "context.strategy=ring"],
+    "gather_c4_f2_zero3": [
+        "mesh.context=4",
+        "mesh.data=1",
+        "mesh.fsdp=2",
+        "mesh.tensor=1",
+        "optimizer.zero_stage=3",
+        "context.strategy=all_gather",
     ],
 }
 SLOW = {"zero3_d4f2_16p", "zero1_d2f2p2_1f1b", "zero2_f2t2p2_gpipe"}
@@ -408,7 +420,7 @@ def test_cli_compile_in_a_fresh_process():
         "--fast-compile",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True, timeout=600).stdout
-    assert "data=1 pipeline=1 fsdp=2 tensor=2 (4 devices)" in out
+    assert "data=1 pipeline=1 fsdp=2 context=1 tensor=2 (4 devices)" in out
     line = next(x for x in out.splitlines() if x.strip().startswith("params + optimizer state"))
     assert line.split()[-1] == "1.0000"
     assert "XLA memory_analysis" in out and "tensor           reduce-scatter" in out
@@ -502,3 +514,79 @@ def test_platform_is_checked_and_stated(capsys):
 def test_plan_is_json_ready():
     p = plan(_cfg(["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]))
     assert json.loads(json.dumps(p))["mesh"] == {"data": 2, "pipeline": 1, "fsdp": 2, "context": 1, "tensor": 2}
+
+
+# ---- context parallelism ---------------------------------------------------------------------------------------
+
+RING = MESHES["ring_c2_d2t2_sp"]
+
+
+def test_context_terms_by_hand():
+    """The ring case counted from the model's shape, not from the planner's code: b = 8/2 = 4 rows, r = 8/2 = 4
+    tokens per device, one key/value head of width 16 per tensor rank (kv = 4*4*1*16 elements, fp32 on cpu), L = 2.
+    Per layer the forward permutes K and V once (c - 1 = 1), the backward again and the fp32 dK, dV sums twice
+    (c = 2); positions and segment ids (int32 [4, 4]) once per step in the CPU executable, and in the partitioned
+    program (the plan for gpu) once per forward pass and once per layer in the backward. With bf16 compute the
+    K/V blocks halve on gpu, the fp32 sums do not."""
+    cfg = _cfg([*RING, "precision.compute_dtype=float32"])  # fp32 on gpu too
+    kv, ints, layers, c = 4 * 4 * 1 * 16 * 4, 4 * 4 * 4, 2, 2
+    blocks = layers * (2 * (c - 1) * 2 * kv + 2 * c * kv)
+    got = {p: plan(cfg, p)["by_axis"]["context collective-permute"] for p in ("cpu", "gpu")}
+    assert got["cpu"] == blocks + 2 * (c - 1) * ints  # ring bytes of a permute: S
+    assert got["gpu"] == blocks + 2 * (c - 1) * ints * (1 + layers)
+    bf16 = plan(_cfg(RING), "gpu")["by_axis"]["context collective-permute"]
+    assert bf16 == got["gpu"] - layers * 2 * (c - 1) * 2 * kv / 2
+    # every per-token activation is r = 4 tokens (2 between blocks under sequence parallelism): the block input
+    acts = activation_bytes(cfg, "cpu")
+    context = {"size": 2, "strategy": "ring", "tokens_per_device": 4, "tokens_between_blocks": 2}
+    assert plan(cfg, "cpu")["context_parallel"] == context
+    assert acts["formula"].endswith("(b=4, s=8, r=s/c=4, s'=2)")
+    # remat none saves every step's fp32 scores and their masks: 5 bytes per element of [b, H/t, r, s] = [4, 2, 4, 8]
+    per_layer = {k: v for k, v in _layer_terms(cfg).items() if "scores" in k or "masks" in k}
+    assert sum(per_layer.values()) == 5 * 4 * 2 * 4 * 8
+    # the batch: 3 arrays of [4 rows, 8 tokens] all-gathered (4 bytes per token), half of each sent
+    (batch,) = [t for t in collective_terms(cfg, "cpu") if t.name.startswith("batch arrays")]
+    assert (batch.count, batch.size_bytes, batch.bytes) == (3, 3 * 4 * 8 * 4, 3 * 4 * 8 * 4 / 2)
+
+
+def _layer_terms(cfg) -> dict:
+    from jaxpar.analysis.planner.dims import dims
+    from jaxpar.analysis.planner.plan import _layer_bytes
+
+    return _layer_bytes(cfg, dims(cfg, "cpu"), "cpu")
+
+
+def test_context_positions_are_hoisted_by_the_cpu_backend(capsys):
+    """The partitioned program permutes the int32 positions and segment ids ([4, 4]) again in each layer's backward
+    (2 layers, both arrays, c - 1 = 1 step: 4 permutes of 64 B); XLA:CPU moves them out of the loops and merges them
+    with the forward's. The plans for gpu and cpu count each program as it is, op for op."""
+    out = _compiled("ring_c2_d2t2_sp", capsys)
+    executable = {r["key"]: r for r in out["compiled"]["collectives"]}["context collective-permute"]
+    program = {r["key"]: r for r in out["compiled"]["partitioned"]["collectives"]}["context collective-permute"]
+    assert program["compiled_bytes"] - executable["compiled_bytes"] == 4 * 64
+    assert program["compiled_count"] - executable["compiled_count"] == 4
+    for row in (executable, program):
+        assert (row["compiled_bytes"], row["compiled_count"]) == (row["planned_bytes"], row["planned_count"])
+
+
+def test_context_gradients_are_reduced_over_context(capsys):
+    """ZeRO-3 over fsdp = 2 and context = 4: every gradient, as stored (1/2 of it), is all-reduced over context
+    once per step, 2(c-1)/c of it sent; the K/V all-gathers and dK/dV reduce-scatters match op for op."""
+    out = _compiled("gather_c4_f2_zero3", capsys)
+    cfg = _cfg(MESHES["gather_c4_f2_zero3"])
+    shard = sum(leaf.size for leaf in param_leaves(cfg.model)) / 2 * 4  # fp32
+    rows = {r["key"]: r for r in out["compiled"]["partitioned"]["collectives"]}
+    assert rows["context all-reduce"]["compiled_bytes"] == pytest.approx(2 * 3 / 4 * shard, rel=1e-12)
+    for key in ("context all-gather", "context reduce-scatter"):
+        assert rows[key]["compiled_count"] == rows[key]["planned_count"], rows[key]
+
+
+def test_cli_shows_the_context_slice_and_rows(capsys):
+    """`jaxpar-plan` text: the per-device sequence slice and the context rows (planned, no compile)."""
+    assert plan_cli.main([TINY_YAML, *SMALL, *RING, "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "context parallel c=2 (ring): each device holds r = s/c = 4 tokens of every sequence" in out
+    assert "2 between blocks (sequence parallel)" in out
+    rows = {tuple(line.split()[:2]) for line in out.splitlines() if line.startswith("  context")}
+    assert {("context", "all-gather"), ("context", "all-reduce"), ("context", "collective-permute")} <= rows
+    assert ("context,tensor", "all-reduce") in rows  # the norm scales' gradients, over both axes in one op

@@ -3,7 +3,8 @@
 Letters as in `jaxpar.analysis.planner.plan`; Bc, Br, Bp bytes of the compute, the gradient-reduction and the
 working-parameter dtype (Bp = 2 for the 16p layout, 4 for fp32), each as a collective moves it on the plan's
 platform (`jaxpar.analysis.planner.dims.collective_bytes`: on cpu XLA:CPU widens bf16 collectives, so 2 becomes 4);
-x = b*s*D*Bc, one microbatch's activations. Ring costs per op are `jaxpar.analysis.hlo.ring.ring_bytes` (NCCL tests,
+x = b*r*D*Bc, one microbatch's activations (r = s/c tokens of each sequence per device under context parallelism,
+s without). Ring costs per op are `jaxpar.analysis.hlo.ring.ring_bytes` (NCCL tests,
 doc/PERFORMANCE.md): all-reduce 2(n-1)/n*S, all-gather and reduce-scatter (n-1)/n*S, collective-permute S (ring
 algorithms: Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations").
 This is jaxpar's one analytic communication model: the planner, the sweeps and the benchmarks' tensor-axis
@@ -61,6 +62,15 @@ pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage 
   chunks all stay home move nothing), each one chunk of the local leaf, L/(pv) layers. The embedding,
   final-norm and head gradients, which one stage used, are all-reduced over pipeline once per step (the final
   norm over pipeline x tensor with SP).
+context axis (`mesh.context` c > 1; `jaxpar.analysis.planner.context`, which states each term's formula and source:
+  Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2, and Liu et al. 2023, arXiv 2310.01889):
+  all_gather: per layer and forward pass 2 all-gathers of K, V (S = c*kv*Bc, kv = b*r*(G/t)*K), per layer and
+  backward pass 2 again (re-gathered under every remat policy) and 2 reduce-scatters of dK, dV (S = c*kv*Bc, the
+  compute dtype); ring: per layer and pass 2(c-1) collective-permutes of the K, V blocks (S = kv*Bc; the backward's
+  second ring pass, which a rebuilt forward shares), and per layer and backward pass 2c of the fp32 dK, dV sums
+  (S = kv*4); int32 positions (and ring's segment ids), 4*b*r bytes each, with them (where: the context module);
+  per step the batch arrays' all-gathers (S = b*M*m*s*4 each) and the all-reduce of every gradient in Br, jointly
+  with tensor (SP norm scales) or pipeline (embedding, final norm, head) where those reduce it too.
 Expert parallelism (`model.moe.expert_axes`): the dispatch and combine all-to-alls of every MoE block
   (`jaxpar.analysis.planner.experts`: count and size, formula and sources); the routed experts' weights are not
   all-gathered and their gradients not reduce-scattered over expert axes ("expert weights" terms over the storage
@@ -74,11 +84,12 @@ import dataclasses
 import math
 
 from jaxpar.analysis.hlo.ring import ring_bytes
+from jaxpar.analysis.planner.context import context_terms
 from jaxpar.analysis.planner.dims import dims, local_size, param_leaves
 from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_elements
 from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
-from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.schema import Config
 from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
@@ -321,8 +332,8 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     shape, layers = d.shape, passes["layers"]
     if shape[TENSOR] == 1:
         return
-    x = d.b * d.s * cfg.model.d_model * d.wire(d.compute_bytes)
-    ce = d.b * d.s * 4
+    x = d.b * d.r * cfg.model.d_model * d.wire(d.compute_bytes)
+    ce = d.b * d.r * 4
     # Every remat policy saves the exits' outputs, none and dots the SP enters' too (`jaxpar.model.stack`): names
     # and full with SP re-gather both block inputs of each layer in the backward.
     regather = cfg.model.remat in REMAT_KEEPING_EXITS_ONLY
@@ -357,10 +368,27 @@ def _tensor_terms(cfg: Config, d, passes: dict, out: list) -> None:
     if d.sp:
         storage = storage_axes("params", d.zero)
         # Parameters replicated over tensor receive partial gradients under sequence parallelism: the norm
-        # scales, [L/p, D/shards] in the stack and [D/shards] outside it.
-        replicated = [x for x in param_leaves(cfg.model) if not {"vocab", "heads", "mlp"} & set(x.axes)]
-        stacked = sum(local_size(x, shape, storage) for x in replicated if x.in_blocks or shape[PIPELINE] == 1)
-        _term(out, shape, "norm-scale gradients", tensor, "all-reduce", 1, stacked * d.wire(d.reduce_bytes))
+        # scales, [L/p, D/shards] in the stack and [D/shards] outside it; with context parallelism over context
+        # too, in the same all-reduce (`jaxpar.analysis.planner.context`).
+        stacked = sum(local_size(x, shape, storage) for x in _norm_scales(cfg, d))
+        _term(out, shape, "norm-scale gradients", (CONTEXT, TENSOR), "all-reduce", 1, stacked * d.wire(d.reduce_bytes))
+
+
+def _norm_scales(cfg: Config, d) -> list:
+    """The parameters replicated over tensor whose gradients the tensor terms all-reduce under sequence
+    parallelism (the norm scales; outside the stack only without a pipeline, where the pipeline terms take them);
+    [] without sequence parallelism."""
+    if not d.sp:
+        return []
+    replicated = [x for x in param_leaves(cfg.model) if not {"vocab", "heads", "mlp"} & set(x.axes)]
+    return [x for x in replicated if x.in_blocks or d.shape[PIPELINE] == 1]
+
+
+def _joint_gradients(cfg: Config, d) -> set[str]:
+    """Paths of the parameters whose gradients the tensor or pipeline terms all-reduce (over context too, in
+    the same op), which `jaxpar.analysis.planner.context` leaves out of its own gradient all-reduce."""
+    edge = [x for x in param_leaves(cfg.model) if not x.in_blocks] if d.shape[PIPELINE] > 1 else []
+    return {x.path for x in _norm_scales(cfg, d) + edge}
 
 
 def _pipeline_terms(cfg: Config, d, out: list) -> None:
@@ -387,7 +415,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
             2 * heads,
             2 * heads * act,
         )
-        ce = d.b * d.s * 4
+        ce = d.b * d.r * 4
         _term(out, shape, "cross-entropy statistics", (TENSOR, PIPELINE), "all-reduce", 3 * heads, 3 * heads * ce)
     _term(
         out,
@@ -442,7 +470,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "embedding/head gradients (one stage used them)",
-        (PIPELINE,),
+        (PIPELINE, CONTEXT),
         "all-reduce",
         len(rest),
         sum(local_size(x, shape, storage) for x in rest) * br,
@@ -451,7 +479,7 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
         out,
         shape,
         "final-norm gradient (one stage, s/t each)",
-        (PIPELINE, TENSOR),
+        (PIPELINE, CONTEXT, TENSOR),
         "all-reduce",
         len(norms),
         sum(local_size(x, shape, storage) for x in norms) * br,
@@ -480,6 +508,8 @@ def collective_terms(cfg: Config, platform: str = "gpu", branches: str = "taken"
     _tensor_terms(cfg, d, passes, out)
     _pipeline_terms(cfg, d, out)
     _expert_terms(cfg, d, passes, out)
+    for row in context_terms(cfg, d, passes, _joint_gradients(cfg, d)):
+        _term(out, d.shape, *row)
     return out
 
 

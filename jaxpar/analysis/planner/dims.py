@@ -9,6 +9,10 @@ experts' weights (w_gate, w_up [E, D, F], w_down [E, F, D] of each MoE block, `L
 dimension split over the expert axes (E/ep whole experts per device, F still over `tensor`) and their `embed`
 dimension over the storage axes that are not expert axes only; the router and the shared experts are dense
 parameters like any other (`local_size`).
+
+Context parallelism (`mesh.context` c > 1, `jaxpar.parallel.context`): each device holds r = s/c tokens of every
+sequence (its load-balanced slice), so every per-token size of the plan is r tokens, not s (`Dims.r`; s' = s/(c t)
+between blocks under sequence parallelism, `Dims.s_act`); s stays the whole sequence, which attention's keys span.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import math
 
 import jax
 
-from jaxpar.config.mesh_axes import DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.precision import DTYPE_BYTES, check_platform, precision_layout, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.model import init_params, logical_axes
@@ -106,8 +110,9 @@ class Dims:
     shape: dict
     zero: int
     b: int
-    s: int
-    s_act: int  # s' (s / t with sequence parallelism)
+    s: int  # the whole sequence (data.seq_len)
+    r: int  # tokens of each sequence on one device: s / c under context parallelism, else s
+    s_act: int  # s': tokens per device between blocks, r / t with sequence parallelism, else r
     sp: bool
     accum: int  # M
     m: int  # pipeline microbatches
@@ -120,6 +125,11 @@ class Dims:
     expert_axes: tuple[str, ...] = ()  # model.moe.expert_axes (() for a dense model)
     layout: StageLayout | None = None  # an uneven split's stage layout (`jaxpar.parallel.layer_split`)
     row_layers: int = 1  # layers per row of the layer stack (model.moe.every for a mixture-of-experts stack)
+
+    @property
+    def c(self) -> int:
+        """The context size: the devices each sequence is split over (1 without context parallelism)."""
+        return self.shape.get(CONTEXT, 1)
 
     @property
     def ep(self) -> int:
@@ -154,12 +164,14 @@ def dims(cfg: Config, platform: str) -> Dims:
     accum, m = cfg.train.grad_accum_steps, cfg.pipeline.microbatches
     b = cfg.train.global_batch_size // (shape[DATA] * shape[FSDP] * accum * m)
     s = cfg.data.seq_len
+    r = s // shape[CONTEXT]  # this device's slice of each sequence
     return Dims(
         shape=shape,
         zero=cfg.optimizer.zero_stage,
         b=b,
         s=s,
-        s_act=s // t if sp else s,
+        r=r,
+        s_act=r // t if sp else r,
         sp=sp,
         accum=accum,
         m=m,

@@ -1,6 +1,7 @@
 """Expert parallelism in the plan (`model.moe.expert_axes`, ep = the product of those mesh axes' sizes): the MoE
 dispatch and combine all-to-alls that `jaxpar.analysis.planner.comm` counts, and the plan's MoE summary. Letters as
-in `jaxpar.analysis.planner.plan`; E experts, k top_k, C capacity per expert and sequence, T = s.
+in `jaxpar.analysis.planner.plan`; E experts, k top_k, C capacity per expert and sequence, T = r
+(s/c: the tokens of each sequence on one device, s without context parallelism).
 
 All-to-all (GShard, Lepikhin et al. 2020, arXiv 2006.16668, sections 2.2 and 3.2: dispatch and combine as
 all-to-all over the expert-parallel devices; DeepSpeed-MoE, Rajbhandari et al. 2022, arXiv 2201.05596, section
@@ -31,7 +32,7 @@ def all_to_all_elements(cfg: Config, d) -> int:
     if not d.expert_axes:
         return 0
     return all_to_all_buffer(
-        moe.routing, d.ep, d.b, d.s, moe.top_k, moe.num_experts, cfg.model.d_model, moe.capacity_factor
+        moe.routing, d.ep, d.b, d.r, moe.top_k, moe.num_experts, cfg.model.d_model, moe.capacity_factor
     )
 
 

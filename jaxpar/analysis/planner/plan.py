@@ -4,7 +4,9 @@ Pure arithmetic on a resolved `Config` (`jaxpar.config.resolve_config`): no jax 
 13B model on 64 GPUs is planned on a laptop. `jaxpar.analysis.planner.compiled` checks the numbers against XLA's
 compiled step, `jaxpar.analysis.planner.comm` holds the collective terms, `jaxpar.analysis.planner.report` prints them.
 
-Shape letters: b microbatch rows per device, s sequence length (s' = s/t under sequence parallelism), D model
+Shape letters: b microbatch rows per device, s sequence length, r = s/c the tokens of each sequence on one device
+under context parallelism (`mesh.context` c; r = s without), s' = r/t the tokens between blocks under sequence
+parallelism (else r): every per-token term below counts r (or s') tokens, not s. D model
 width, H query heads, G key/value heads, K head width, F MLP hidden width, V vocabulary, L layers (L/p per
 stage), t tensor size, p pipeline stages, m pipeline microbatches, M gradient-accumulation microbatches
 (`train.grad_accum_steps`).
@@ -49,7 +51,11 @@ assignment holds the fp32 logits and their fp32 gradient and the probabilities a
 step compiled for H100 by XLA's GPU compiler, the same for every remat policy; remat none also keeps each layer's fp32
 probabilities, above). cuDNN's fused (flash) kernel (`auto` on gpu) keeps scores on chip: no score bytes; remat
 none keeps its fp32 softmax statistics (logsumexp) 4*b*(H/t)*s per layer instead of the probabilities. The
-compiled check reports whether the program materialises scores.
+compiled check reports whether the program materialises scores. Under context parallelism the scores are this
+device's r queries against all s keys, b*(H/t)*r*s elements (`score_elements`), always in memory (all_gather
+runs XLA's attention with an explicit mask, ring its own fp32 einsums), with their working set, what remat none
+keeps of them and the keys and values in flight from `jaxpar.analysis.planner.context` (measured on XLA's GPU
+compiler: all_gather 2*4 + Bc + 1 bytes per score element, ring 4 + 1 and one more fp32 step [b, r, H/t, r]).
 
 Temporaries (`temp_bytes`): the activations, the working set of one layer's backward (its attention scores
 above and, when weights are gathered (fsdp or ZeRO-3), its gradients at full size in the reduce dtype before
@@ -78,6 +84,7 @@ import math
 
 import jax
 
+from jaxpar.analysis.planner import context as context_plan
 from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_leaf
 from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
 from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
@@ -122,9 +129,10 @@ def state_bytes(cfg: Config) -> dict:
 
 
 def score_elements(cfg: Config, d: Dims) -> int:
-    """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * s * s (the
-    query heads; grouped key/value heads are broadcast to them)."""
-    return d.b * (cfg.model.n_heads // d.shape[TENSOR]) * d.s * d.s
+    """Elements of one layer's attention scores for one microbatch on one device: b * (H/t) * r * s (the
+    query heads, grouped key/value heads broadcast to them; this device's r = s/c queries against the whole
+    sequence's s keys, r = s without context parallelism)."""
+    return d.b * (cfg.model.n_heads // d.shape[TENSOR]) * d.r * d.s
 
 
 # Bytes per attention score element that XLA's attention path writes (module docstring): saved per layer for
@@ -135,10 +143,15 @@ SCORE_WORKING_FP32_BYTES = 2 * 4
 
 
 def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
-    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn.
+    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn;
+    under context parallelism (`mesh.context` > 1) the strategy's own, whatever `model.attention` says: xla for
+    all_gather (`jaxpar.parallel.context.gathered_kv_attention` calls XLA's attention with an explicit mask), ring
+    for ring (its own fp32 einsums per step).
 
     Raises:
       ConfigError: cudnn on a platform or with a dtype or head width it does not take."""
+    if cfg.mesh.context > 1:
+        return "ring" if cfg.context.strategy == "ring" else "xla"
     dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
     try:
         return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
@@ -207,7 +220,7 @@ def _boundary_bytes(cfg: Config, d: Dims) -> int:
     + the norms' R 4D, i.e. R (10D + 2D_kv + 4F) elements, no attention term. (model.remat names counts as
     dots.)"""
     mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
-    dm, rows, rows_act = mdl.d_model, d.b * d.s, d.b * d.s_act
+    dm, rows, rows_act = mdl.d_model, d.b * d.r, d.b * d.s_act
     d_t, d_kv, f_t = mdl.n_heads * mdl.head_width // t, mdl.kv_heads * mdl.head_width // t, mdl.d_ff // t
     none, full = mdl.remat == "none", mdl.remat == "full"
     norms, fp32 = rows_act * 4 * dm, 0 if full else 2 * rows_act
@@ -227,7 +240,7 @@ def _boundary_bytes(cfg: Config, d: Dims) -> int:
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
     """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
     mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
-    b, s = d.b, d.s
+    b, s = d.b, d.r  # this device's tokens of each sequence
     h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
     out = {"block input": b * d.s_act * dm * bc}
     if mdl.remat == "names":
@@ -236,7 +249,9 @@ def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
         out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t) * bc
     if mdl.remat == "none":
         out["attention context"] = b * s * h_t * k * bc
-        if attention_implementation(cfg, platform) == "cudnn":
+        if d.c > 1:  # context attention: its own scores and masks (`jaxpar.analysis.planner.context`)
+            out.update(context_plan.saved_score_bytes(cfg, score_elements(cfg, d)))
+        elif attention_implementation(cfg, platform) == "cudnn":
             out["fp32 softmax statistics"] = 4 * b * h_t * s
         else:
             out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
@@ -253,6 +268,8 @@ def attention_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     2*Bc) bytes per score element (`score_elements`; module docstring, measured from XLA's GPU buffer
     assignment); 0 with cuDNN's fused kernel (scores stay on chip). Per device."""
     d = dims(cfg, platform)
+    if d.c > 1:  # context attention (`jaxpar.analysis.planner.context`)
+        return context_plan.attention_working_bytes(cfg, d, score_elements(cfg, d))
     if attention_implementation(cfg, platform) == "cudnn":
         return 0
     return (SCORE_WORKING_FP32_BYTES + 2 * d.compute_bytes) * score_elements(cfg, d)
@@ -266,7 +283,7 @@ def head_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     stage has its 1/p of it."""
     d = dims(cfg, platform)
     slices = d.shape[TENSOR] * (d.shape[PIPELINE] if cfg.pipeline.vocab_parallel else 1)
-    return 4 * d.b * d.s * (cfg.model.vocab_size // slices)
+    return 4 * d.b * d.r * (cfg.model.vocab_size // slices)
 
 
 def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
@@ -289,7 +306,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
     slices = t * (p if cfg.pipeline.vocab_parallel else 1)  # the logits' vocabulary shards
-    outside = stage_input + d.b * d.s * (mdl.vocab_size // slices) * bc
+    outside = stage_input + d.b * d.r * (mdl.vocab_size // slices) * bc
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
     if d.layout is not None:
         depth = f"n_max={d.layers_per_chunk} (the uneven split's deepest model chunk; padding rows held, skipped)"
@@ -347,7 +364,8 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         held = d.layers_per_chunk * (1 if cfg.pipeline.recompute else slots)
     layers = per_layer * held + w_ring
     # Korthikanti et al. 2022, Table 2 (16-bit, i.e. 2 bytes per element), for the same layers in flight.
-    sbh, ratio = d.s * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
+    # per device: its r = s/c tokens, each query's scores over the whole sequence s
+    sbh, ratio = d.r * d.b * mdl.d_model, 5 * mdl.n_heads * d.s / mdl.d_model
     ref: float
     if mdl.remat == "full":
         ref = 2 * sbh
@@ -369,7 +387,7 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "layers_held": held,
         "formula": f"remat={mdl.remat}: per layer ({terms}) in {bc}-byte elements (fp32 where named) x "
         f"{depth} x {formula_flight}; + embedding output and logits (b={d.b}, "
-        f"s={d.s}, s'={d.s_act})",
+        f"s={d.s}, r=s/c={d.r}, s'={d.s_act})",
         "korthikanti": ref * held,
     }
 
@@ -500,6 +518,13 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "stage_balance": stage_balance(cfg, d),
         },
         "sequence_parallel": d.sp,
+        # context parallelism (`jaxpar.analysis.planner.context`): each device's slice of every sequence
+        "context_parallel": {
+            "size": d.c,
+            "strategy": cfg.context.strategy if d.c > 1 else None,
+            "tokens_per_device": d.r,
+            "tokens_between_blocks": d.s_act,
+        },
         "batch": {
             "global_batch_size": cfg.train.global_batch_size,
             "seq_len": d.s,

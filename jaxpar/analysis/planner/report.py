@@ -52,6 +52,21 @@ def _balance_lines(balance: dict | None) -> list[str]:
     return [line]
 
 
+def _context_lines(context: dict | None) -> list[str]:
+    """The context-parallel line of a plan: the per-device sequence slice; none without context parallelism."""
+    if not context or context["size"] == 1:
+        return []
+    c, r, between = context["size"], context["tokens_per_device"], context["tokens_between_blocks"]
+    return [
+        (
+            f"  context parallel c={c} ({context['strategy']}): each device holds r = s/c = {r:,} tokens of every "
+            f"sequence (chunks i and 2c-1-i of 2c, load-balanced)"
+            + (f", {between:,} between blocks (sequence parallel)" if between != r else "")
+            + "; attention's keys span the whole sequence"
+        )
+    ]
+
+
 def _expert_lines(experts: dict | None) -> list[str]:
     """The MoE line of a plan (`jaxpar.analysis.planner.experts.expert_summary`); none for a dense model."""
     if not experts:
@@ -91,6 +106,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             f"  parameters {p['params']['total']:,} (non-embedding {p['params']['non_embedding']:,}); "
             f"P per tensor/pipeline rank {p['params']['per_rank']:,}"
         ),
+        *_context_lines(p.get("context_parallel")),
         *_expert_lines(p.get("experts")),
         *_balance_lines(pipe.get("stage_balance")),
         "",
@@ -137,8 +153,7 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
     lines += [
         (
             f"  temp estimate = activations + the larger of one layer's attention scores in memory "
-            f"{t['attention_working']:,} (attention {p['attention']}: XLA's path writes them, cuDNN's fused kernel "
-            f"does not) and the head's fp32 "
+            f"{t['attention_working']:,} ({_attention_note(p)}) and the head's fp32 "
             f"logits gradient {t['head_working']:,} + one layer's full-size gradients {t['layer_grads']:,} + fp32 "
             f"gradient accumulators "
             f"{t['grad_accumulators']:,} + gradient outputs {t['grad_outputs']:,} + gathered weights "
@@ -171,6 +186,17 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             ),
         ]
     return "\n".join(lines)
+
+
+def _attention_note(p: dict) -> str:
+    """What the temp line's attention term is, by the plan's attention implementation."""
+    context = p.get("context_parallel") or {}
+    if context.get("size", 1) > 1:
+        return (
+            f"context attention {context['strategy']}: the whole sequence's scores [b, H/t, r, s] in fp32 "
+            "with their masks, and the keys and values in flight (jaxpar.analysis.planner.context)"
+        )
+    return f"attention {p['attention']}: XLA's path writes them, cuDNN's fused kernel does not"
 
 
 def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
