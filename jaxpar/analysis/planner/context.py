@@ -45,11 +45,13 @@ Not listed: the scalar psums of the loss and token count over data, fsdp and con
 
 Memory. Every per-token activation of `jaxpar.analysis.planner.plan` counts r tokens (s' = r/t between blocks under
 sequence parallelism); attention's scores span this device's r queries and the whole sequence's s keys: the score
-elements are b*(H/t)*r*s (`jaxpar.analysis.planner.plan.score_elements`). Context attention never uses cuDNN's fused
-kernel (all_gather calls XLA's attention with an explicit mask, ring runs its own einsums), so its scores are in
-memory whatever `model.attention` says. Per score element, read from XLA's GPU buffer assignment of the step
-compiled for 8 H100s (Llama 1B's layer shape, 2 layers, bf16, b = 1, c = 2 and 4, s = 4096 and 8192; the
-coefficient fitted from the two lengths' temporary bytes, `attention_working_bytes`):
+elements are b*(H/t)*r*s (`jaxpar.analysis.planner.plan.score_elements`). Where `model.attention` resolves to cudnn
+both strategies call cuDNN's fused kernel (`jaxpar.model.context_attention`, `jaxpar.model.context_ring`): no
+scores in memory, only the K/V terms below (and under remat none the fp32 softmax statistics, as without context
+parallelism). On XLA's path (all_gather's explicit mask, ring's einsums) the scores are in memory. Per score
+element, read from XLA's GPU buffer assignment of the step compiled for 8 H100s with model.attention xla (Llama 1B's
+layer shape, 2 layers, bf16, b = 1, c = 2 and 4, s = 4096 and 8192; the coefficient fitted from the two
+lengths' temporary bytes, `attention_working_bytes`):
   all_gather, one layer's backward: the fp32 logits and their fp32 gradient, the probabilities in Bc and the
     bool mask, 2*4 + Bc + 1 bytes (11 with bf16; fitted 10.3 to 11.1 under remat dots and full); plus the gathered
     K and V and their gradients before the reduce-scatter, 4*c*kv*Bc (no remat policy keeps the gathered K/V: the
@@ -63,13 +65,13 @@ coefficient fitted from the two lengths' temporary bytes, `attention_working_byt
     probabilities (all_gather: the attention's logits dot is saveable) or every step's fp32 scores (ring: the
     outputs of its einsums, which dots_saveable keeps inside the custom VJP's forward), and the bool masks
     (fitted 5.0 per layer for all_gather, 5.8 and 6.25 for ring at c = 2 and 4).
-The GPU compiler's peak is within 15% of the plan (compiled / planned 0.86 to 1.09 over both strategies, remat
-none, dots and full, both lengths and both c); tests/system/test_plan_gpu.py checks two of them. Its collectives
-differ from the partitioned program's (which the plan for gpu counts) in two ways: XLA's GPU compiler folds each
-gradient's all-reduce over context into its all-reduce over data (ZeRO-0/1: one all-reduce over data x context),
-and it moves the cast of the ring's dK, dV sums to the compute dtype ahead of their last (c-th) permute, which then
-sends Bc bytes per element, not 4. The batch's all-gathered integer
-arrays (12 bytes per token of the device's rows of the step) are left out: a few kB.
+The GPU compiler's peak is within 15% of the plan (on XLA's attention: compiled / planned 0.86 to 1.09 over both
+strategies, remat none, dots and full, both lengths and both c; tests/system/test_plan_gpu.py checks two of them;
+on cuDNN's, Llama 3 8B at 131,072 tokens and c = 8: 0.94 for both strategies, configs/llama_8b_128k.yaml's
+record). Its collectives differ from the partitioned program's (which the plan for gpu counts) in one way: XLA's
+GPU compiler folds each gradient's all-reduce over context into its all-reduce over data (ZeRO-0/1: one all-reduce
+over data x context). The batch's all-gathered integer arrays (12 bytes per token of the device's rows of the step)
+are left out of the memory: a few kB.
 """
 
 from __future__ import annotations
@@ -172,14 +174,18 @@ def saved_score_bytes(cfg: Config, scores: int) -> dict[str, int]:
     return {what: SAVED_FP32_BYTES * scores, "attention masks (bool)": MASK_BYTES * scores}
 
 
-def attention_working_bytes(cfg: Config, d, scores: int) -> int:
+def attention_working_bytes(cfg: Config, d, scores: int, fused: bool = False) -> int:
     """Bytes one layer's backward holds for context attention at its peak (module docstring, "Memory"), `scores` the
     elements of the whole sequence's scores [b, H/t, r, s]. all_gather: (2*4 + Bc + 1) per score element and the
     gathered K and V and their gradients before the reduce-scatter, 4*c*kv*Bc. ring: (4 + 1) per score element, 4
     per element of one step's scores (`step_elements`), the two K/V blocks in flight 4*kv*Bc and the fp32 dK, dV
-    sums in flight 4*kv*4."""
+    sums in flight 4*kv*4. With the `fused` kernel (cuDNN: `jaxpar.model.context_attention`,
+    `jaxpar.model.context_ring`) no scores: the K/V terms alone."""
     kv, bc = kv_elements(cfg, d), d.compute_bytes
     if cfg.context.strategy == "ring":
         blocks = 4 * kv * bc + 4 * kv * 4
+        if fused:
+            return blocks
         return RING_WORKING_BYTES * scores + RING_STEP_WORKING_BYTES * step_elements(cfg, d) + blocks
-    return (GATHER_WORKING_FP32_BYTES + bc + MASK_BYTES) * scores + 4 * d.c * kv * bc
+    gathered = 4 * d.c * kv * bc
+    return gathered if fused else (GATHER_WORKING_FP32_BYTES + bc + MASK_BYTES) * scores + gathered

@@ -143,20 +143,22 @@ SCORE_WORKING_FP32_BYTES = 2 * 4
 
 
 def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
-    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn;
-    under context parallelism (`mesh.context` > 1) the strategy's own, whatever `model.attention` says: xla for
-    all_gather (`jaxpar.parallel.context.gathered_kv_attention` calls XLA's attention with an explicit mask), ring
-    for ring (its own fp32 einsums per step).
+    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn.
+    Under context parallelism (`mesh.context` > 1) cudnn where it resolves to cudnn (both strategies then call the
+    fused kernel: `jaxpar.model.context_attention`, `jaxpar.model.context_ring`), else the strategy's own XLA path:
+    xla for all_gather (`jaxpar.parallel.context.gathered_kv_attention`, XLA's attention with an explicit mask),
+    ring for ring (its own fp32 einsums per step).
 
     Raises:
       ConfigError: cudnn on a platform or with a dtype or head width it does not take."""
-    if cfg.mesh.context > 1:
-        return "ring" if cfg.context.strategy == "ring" else "xla"
     dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
     try:
-        return resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
+        resolved = resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    if cfg.mesh.context > 1 and resolved != "cudnn":
+        return "ring" if cfg.context.strategy == "ring" else "xla"
+    return resolved
 
 
 def stage_balance(cfg: Config, d: Dims) -> dict | None:
@@ -249,10 +251,10 @@ def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
         out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t) * bc
     if mdl.remat == "none":
         out["attention context"] = b * s * h_t * k * bc
-        if d.c > 1:  # context attention: its own scores and masks (`jaxpar.analysis.planner.context`)
-            out.update(context_plan.saved_score_bytes(cfg, score_elements(cfg, d)))
-        elif attention_implementation(cfg, platform) == "cudnn":
+        if attention_implementation(cfg, platform) == "cudnn":
             out["fp32 softmax statistics"] = 4 * b * h_t * s
+        elif d.c > 1:  # context attention on XLA: its own scores and masks (`jaxpar.analysis.planner.context`)
+            out.update(context_plan.saved_score_bytes(cfg, score_elements(cfg, d)))
         else:
             out["fp32 attention probabilities"] = SCORE_SAVED_BYTES * score_elements(cfg, d)
     # The tensor collectives' outputs the policies keep (`jaxpar.model.stack`).
@@ -268,9 +270,10 @@ def attention_working_bytes(cfg: Config, platform: str = "gpu") -> int:
     2*Bc) bytes per score element (`score_elements`; module docstring, measured from XLA's GPU buffer
     assignment); 0 with cuDNN's fused kernel (scores stay on chip). Per device."""
     d = dims(cfg, platform)
+    cudnn = attention_implementation(cfg, platform) == "cudnn"
     if d.c > 1:  # context attention (`jaxpar.analysis.planner.context`)
-        return context_plan.attention_working_bytes(cfg, d, score_elements(cfg, d))
-    if attention_implementation(cfg, platform) == "cudnn":
+        return context_plan.attention_working_bytes(cfg, d, score_elements(cfg, d), fused=cudnn)
+    if cudnn:
         return 0
     return (SCORE_WORKING_FP32_BYTES + 2 * d.compute_bytes) * score_elements(cfg, d)
 

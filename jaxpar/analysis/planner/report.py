@@ -191,6 +191,11 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
 def _attention_note(p: dict) -> str:
     """What the temp line's attention term is, by the plan's attention implementation."""
     context = p.get("context_parallel") or {}
+    if context.get("size", 1) > 1 and p["attention"] == "cudnn":
+        return (
+            f"context attention {context['strategy']} on cuDNN's fused kernel: no scores in memory, the keys and "
+            "values in flight (jaxpar.analysis.planner.context)"
+        )
     if context.get("size", 1) > 1:
         return (
             f"context attention {context['strategy']}: the whole sequence's scores [b, H/t, r, s] in fp32 "
