@@ -195,8 +195,8 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
     `jaxpar.log.human_bytes`, so that the table the docs quote lines up and compares as text."""
     lines = [
         (
-            "| config | cluster | mesh (data x fsdp x tensor x pipeline) | rows per microbatch x accumulation "
-            "| remat | GPU-compiled peak | planned peak | compiled / planned | of GPU memory |"
+            "| config | cluster | mesh (data x fsdp x tensor x pipeline x context) | rows per microbatch x "
+            "accumulation | remat | GPU-compiled peak | planned peak | compiled / planned | of GPU memory |"
         ),
         "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
@@ -204,9 +204,10 @@ def format_table(records: list[dict], planned: dict[str, int] | None = None) -> 
         m = r["mesh"]
         plan_peak = (planned or {}).get(r["config"], r["planned_peak_bytes"])
         memory = r["usable_bytes"] / _memory_fraction()
+        mesh = " x ".join(str(m.get(a, 1)) for a in (DATA, FSDP, TENSOR, PIPELINE, CONTEXT))
         lines.append(
-            f"| `{r['config']}` | {r['cluster']} | {m[DATA]} x {m[FSDP]} x {m[TENSOR]} x "
-            f"{m[PIPELINE]} | {r['rows_per_microbatch']} x {r['grad_accum_steps']}{_pipelined(r)} | {r['remat']} | "
+            f"| `{r['config']}` | {r['cluster']} | {mesh} | "
+            f"{r['rows_per_microbatch']} x {r['grad_accum_steps']}{_pipelined(r)} | {r['remat']} | "
             f"{r['peak_bytes'] / GB:.1f} GB | {plan_peak / GB:.1f} GB | "
             f"{r['peak_bytes'] / plan_peak:.2f} | {r['peak_bytes'] / memory:.0%} |"
         )
