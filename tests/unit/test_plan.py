@@ -557,14 +557,14 @@ def _layer_terms(cfg) -> dict:
 
 
 def test_context_positions_are_hoisted_by_the_cpu_backend(capsys):
-    """The partitioned program permutes the int32 positions and segment ids ([4, 4]) again in each layer's backward
-    (2 layers, both arrays, c - 1 = 1 step: 4 permutes of 64 B); XLA:CPU moves them out of the loops and merges them
-    with the forward's. The plans for gpu and cpu count each program as it is, op for op."""
+    """The partitioned program permutes the int32 positions and segment ids (packed as one [4, 4, 2] array) again in
+    each layer's backward (2 layers, c - 1 = 1 step: 2 permutes of 128 B); XLA:CPU moves them out of the loops and
+    merges them with the forward's. The plans for gpu and cpu count each program as it is, op for op."""
     out = _compiled("ring_c2_d2t2_sp", capsys)
     executable = {r["key"]: r for r in out["compiled"]["collectives"]}["context collective-permute"]
     program = {r["key"]: r for r in out["compiled"]["partitioned"]["collectives"]}["context collective-permute"]
-    assert program["compiled_bytes"] - executable["compiled_bytes"] == 4 * 64
-    assert program["compiled_count"] - executable["compiled_count"] == 4
+    assert program["compiled_bytes"] - executable["compiled_bytes"] == 2 * 128
+    assert program["compiled_count"] - executable["compiled_count"] == 2
     for row in (executable, program):
         assert (row["compiled_bytes"], row["compiled_count"]) == (row["planned_bytes"], row["planned_count"])
 

@@ -13,16 +13,17 @@ all_gather (`context.strategy`; Dubey et al. 2024, "The Llama 3 Herd of Models",
   in the backward) and the reduce-scatters of dK and dV (the all-gather's transpose; input S = c*kv*Bc each: XLA
   gives them the compute dtype, bf16 under bf16 compute).
 ring (Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv 2310.01889): per layer and forward
-  pass, c - 1 collective-permutes each of the K and V blocks (S = kv*Bc); per layer and backward pass the second
-  ring pass's c - 1 of each again and c of each of the fp32 dK and dV sums (S = 4*kv; the c-th brings the sums
-  home). Remat none saves the ring's residuals (q, k, v, output and log-sum-exp); the other policies rebuild the
-  forward in the backward, whose c - 1 permutes of each block are the second ring pass's too (the same blocks
+  pass, c - 1 collective-permutes of the K and V blocks, packed as one array (`jaxpar.parallel.context.ring_shift`,
+  S = 2*kv*Bc); per layer and backward pass the second ring pass's c - 1 again and c of the fp32 dK and dV sums
+  (S = 2*4*kv; the c-th brings the sums home). Remat none saves the ring's residuals (q, k, v, output and
+  log-sum-exp); the other policies rebuild the forward in the backward, whose c - 1 permutes are the second ring
+  pass's too (the same blocks
   permuted the same way: XLA merges them, `jax.checkpoint(..., prevent_cse=False)` in `jaxpar.model.stack`), so
   the count is the same under every policy.
 Positions and segment ids (int32 [b, r], 4 bytes per token): the key positions are all-gathered with K/V
   (all_gather; no segment ids in the planned batch, whose keys are `jaxpar.data.batch.BATCH_KEYS`) or permuted
-  with each block (ring: positions and the all-zero segment ids, c - 1 each per ring pass). They derive from the
-  device's index alone, so jax's scan moves the forward's out of the layer loop (once per forward pass) and XLA:CPU's
+  with each block (ring: positions and the all-zero segment ids packed as one int32 array, c - 1 per ring pass).
+  They derive from the device's index alone, so jax's scan moves the forward's out of the layer loop (once per forward pass) and XLA:CPU's
   loop-invariant code motion moves them out of every loop and merges the backward's with the forward's: once per
   step in the CPU executable (the plan for cpu; under a zero-bubble schedule, whose F and B ops sit in the slot
   switch, which they cannot leave, once per F and once per B op, a rebuilt forward's merged with its B's), once
@@ -120,12 +121,16 @@ def context_terms(cfg: Config, d, passes: dict, joint: set[str]) -> list[Row]:
         int_ops = 1
     rows: list[Row] = []
     if cfg.context.strategy == "ring":
-        blocks = 2 * (c - 1) * layers * (fwd + bwd) - (c - 1) * merged
-        rows.append(("key/value blocks (ring)", axes, "collective-permute", blocks, blocks * kv * bc))
-        sums = 2 * c * layers * bwd
-        rows.append(("key/value gradient sums (ring, fp32)", axes, "collective-permute", sums, sums * kv * d.wire(4)))
-        ops = 2 * (c - 1) * int_ops
-        rows.append(("positions and segment ids (ring, int32)", axes, "collective-permute", ops, ops * ints))
+        # one permute per step for K and V together, one for positions and segment ids, one for the dK, dV sums
+        # (`jaxpar.parallel.context.ring_shift` packs the arrays of one dtype)
+        blocks = (c - 1) * layers * (fwd + bwd) - (c - 1) * merged // 2
+        rows.append(("key/value blocks (ring)", axes, "collective-permute", blocks, blocks * 2 * kv * bc))
+        sums = c * layers * bwd
+        rows.append(
+            ("key/value gradient sums (ring, fp32)", axes, "collective-permute", sums, sums * 2 * kv * d.wire(4))
+        )
+        ops = (c - 1) * int_ops
+        rows.append(("positions and segment ids (ring, int32)", axes, "collective-permute", ops, ops * 2 * ints))
     else:
         gathers = 2 * layers * (fwd + bwd) - merged
         rows.append(("keys and values", axes, "all-gather", gathers, gathers * c * kv * bc))
