@@ -23,7 +23,8 @@ ring (Liu et al. 2023, "Ring Attention with Blockwise Transformers", arXiv 2310.
 Positions and segment ids (int32 [b, r], 4 bytes per token): the key positions are all-gathered with K/V
   (all_gather; no segment ids in the planned batch, whose keys are `jaxpar.data.batch.BATCH_KEYS`) or permuted
   with each block (ring: positions and the all-zero segment ids packed as one int32 array, c - 1 per ring pass).
-  They derive from the device's index alone, so jax's scan moves the forward's out of the layer loop (once per forward pass) and XLA:CPU's
+  They derive from the device's index alone,
+  so jax's scan moves the forward's out of the layer loop (once per forward pass) and XLA:CPU's
   loop-invariant code motion moves them out of every loop and merges the backward's with the forward's: once per
   step in the CPU executable (the plan for cpu; under a zero-bubble schedule, whose F and B ops sit in the slot
   switch, which they cannot leave, once per F and once per B op, a rebuilt forward's merged with its B's), once
