@@ -546,7 +546,9 @@ def test_readme_commands_run(tmp_path):
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
         if cmd is first:
             out = proc.stdout + proc.stderr
-            assert "jaxpar: mesh data=2 pipeline=1 fsdp=2 tensor=2 (8 devices), zero_stage 1" in out, out[-3000:]
+            assert "jaxpar: mesh data=2 pipeline=1 fsdp=2 context=1 tensor=2 (8 devices), zero_stage 1" in out, out[
+                -3000:
+            ]
             assert re.search(
                 r"final val_loss \d+\.\d+ nats/token over .* vs their unigram entropy \d+\.\d+ \(ratio", out
             )

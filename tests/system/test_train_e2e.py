@@ -82,7 +82,7 @@ def test_default_config_runs_and_resume_after_kill_reproduces_losses(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "mesh data=2 pipeline=1 fsdp=2 tensor=2 (8 devices)" in done.stdout
+    assert "mesh data=2 pipeline=1 fsdp=2 context=1 tensor=2 (8 devices)" in done.stdout
     assert "final val_loss" in done.stdout and "sample:" in done.stdout
     rows = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps and REQUIRED_METRICS <= set(rows[0])

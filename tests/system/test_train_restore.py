@@ -40,7 +40,7 @@ def test_mismatched_checkpoint_is_refused_and_saved_config_kept(tmp_path, caplog
     assert result.start_step == 0 and sorted(result.losses) == [2]
     saved = (tmp_path / "config.yaml").read_text()
     resolved = yaml.safe_load(saved)
-    assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1}  # -1 filled in
+    assert resolved["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2, "pipeline": 1, "context": 1}  # -1 filled in
     assert resolved["model"]["head_dim"] == 32 and resolved["tensor"]["sequence_parallel"] is True
     assert resolved["precision"]["compute_dtype"] == "float32"
 
