@@ -96,7 +96,7 @@ class IteratorLoader:
             if value.shape != want:
                 raise ValueError(
                     f"data iterator batch[{key!r}] has shape {value.shape}; this process holds {want[0]} rows of "
-                    f"the global batch of {self.global_batch_size} (train.global_batch_size / processes) of "
+                    f"the global batch of {self.global_batch_size} (the rows its devices hold) of "
                     f"{self.seq_len} tokens (data.seq_len): expected {want}"
                 )
             if key != "loss_mask" and not np.issubdtype(value.dtype, np.integer):

@@ -90,13 +90,14 @@ def takes_segment_ids(model: LanguageModel) -> bool:
 
 
 def takes_positions(model: LanguageModel) -> bool:
-    """Whether `model.run_blocks` takes the rotary positions context parallelism passes: a `positions_BT`
-    parameter, or **kwargs."""
+    """Whether `model.run_blocks` takes the rotary positions context parallelism passes: a parameter named
+    `positions_BT`. **kwargs does not count: a model that swallowed them would attend within its slice alone and
+    train wrong without a word."""
     try:
         params = inspect.signature(model.run_blocks).parameters
     except (TypeError, ValueError):  # a callable without a signature: trust it
         return True
-    return "positions_BT" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    return "positions_BT" in params
 
 
 def check_model(model: LanguageModel, name: str, n_layers: int, moe: bool = False) -> None:

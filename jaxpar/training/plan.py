@@ -175,7 +175,7 @@ def build_plan(
     mdef = model_def(_resolved_model(cfg, mesh, platform))
     if shape[CONTEXT] > 1 and not mdef.takes_positions:
         raise ConfigError(
-            f"mesh.context={shape[CONTEXT]}: model {cfg.model.name!r}'s run_blocks takes no positions_BT, which "
+            f"mesh.context={shape[CONTEXT]}: the run_blocks of model {cfg.model.name!r} takes no positions_BT, which "
             f"context parallelism passes (each device's slice of the rotary positions; its attention must run "
             f"through tp.context, jaxpar.model.interface); set mesh.context=1, or add them"
         )
