@@ -234,7 +234,7 @@ def test_gpt2_with_experts_equals_one_device():
 def test_context_parallelism_refuses_a_model_without_positions():
     """gpt2's run_blocks takes no positions_BT (its attention does not run through tp.context): mesh.context > 1
     is refused by the plan, before any device work, naming the fix."""
-    with pytest.raises(ConfigError, match="run_blocks of model .gpt2. takes no positions_BT, which context parallelism"):
+    with pytest.raises(ConfigError, match="run_blocks of model .gpt2. takes no positions_BT, which context"):
         _plan(["mesh.context=2", "data.seq_len=8"], 2)
 
 
