@@ -36,6 +36,15 @@ def segment_positions(segment_ids_BT: jax.Array) -> jax.Array:
     return index_T[None, :] - run_start_BT
 
 
+def run_lengths(segment_ids_Bn: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(length of each row's first run of equal segment ids, start of its last run), int32 [B] each: the document a
+    slice of a row begins inside, and the one it ends inside."""
+    n = segment_ids_Bn.shape[1]
+    first = jnp.sum(jnp.cumprod(segment_ids_Bn == segment_ids_Bn[:, :1], axis=1), axis=1)
+    last = jnp.sum(jnp.cumprod((segment_ids_Bn == segment_ids_Bn[:, -1:])[:, ::-1], axis=1), axis=1)
+    return first.astype(jnp.int32), (n - last).astype(jnp.int32)
+
+
 def packed_segments(segment_ids_BT: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """cuDNN's packed layout of `segment_ids_BT`: each run of equal ids is one segment.
 

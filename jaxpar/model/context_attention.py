@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.model.attention import packed_segments, segment_positions
+from jaxpar.model.attention import packed_segments, run_lengths, segment_positions
 from jaxpar.model.attention_kernels import CUDNN_KERNEL, Call, Kernel, within_lengths
 from jaxpar.model.context_ring import ring_kernel_attention
 from jaxpar.parallel.context import AXIS, ContextParallel, balanced_order, gathered_kv_attention, ring_attention
@@ -126,7 +126,7 @@ def _chunk(q_BnHK, k_all, v_all, seg_all, chunk, kernel: Kernel, max_segments: i
         last_id = jax.lax.dynamic_index_in_dim(seg_all, before, axis=1, keepdims=False)
         run_start = before - jax.lax.dynamic_index_in_dim(segment_positions(seg_all), before, 1, keepdims=False)
         continues = (start > 0) & (last_id == seg_q[:, 0])
-        first_run = jnp.sum(jnp.cumprod(seg_q == seg_q[:, :1], axis=1), axis=1).astype(jnp.int32)
+        first_run = run_lengths(seg_q)[0]
         pre = Call(q_lengths=jnp.where(continues, first_run, 0), kv_lengths=jnp.where(continues, start - run_start, 0))
 
         def front(x_TGK, shift):

@@ -29,9 +29,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxpar.model.attention import packed_segments
+from jaxpar.model.attention import packed_segments, run_lengths
 from jaxpar.model.attention_kernels import Call, Kernel, within_lengths
-from jaxpar.parallel.context import AXIS, RING_SCOPE, RING_SHIFT_SCOPE, chunk_halves, ring_shift
+from jaxpar.parallel.context import AXIS, RING_SCOPE, RING_SHIFT_SCOPE, chunk_halves, ring_shift, visible_block
 
 
 def ring_kernel_attention(
@@ -52,19 +52,11 @@ def ring_kernel_attention(
     return _ring(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments, axis_size, kernel, max_segments, documents)
 
 
-def _run_lengths(seg_Bn: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(length of the chunk's first run, start of its last run), int32 [B] each."""
-    n = seg_Bn.shape[1]
-    first = jnp.sum(jnp.cumprod(seg_Bn == seg_Bn[:, :1], axis=1), axis=1)
-    last = jnp.sum(jnp.cumprod((seg_Bn == seg_Bn[:, -1:])[:, ::-1], axis=1), axis=1)
-    return first.astype(jnp.int32), (n - last).astype(jnp.int32)
-
-
 def _calls(q_pos, q_seg, k_pos, k_seg, diagonal: bool, documents: bool, max_segments: int):
     """(call, causal, key shift int32 [B] (the keys rolled left by it before the call), any visible, overflow [B])
     of one sub-block (module docstring)."""
     b = q_pos.shape[0]
-    visible = jnp.any((k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None]))
+    visible = jnp.any(visible_block(q_pos, k_pos, q_seg, k_seg))
     zero = jnp.zeros((b,), jnp.int32)
     if diagonal:
         if not documents:
@@ -73,7 +65,7 @@ def _calls(q_pos, q_seg, k_pos, k_seg, diagonal: bool, documents: bool, max_segm
         return Call(offsets=offsets, lengths=lengths), True, zero, visible, overflow
     if not documents:
         return Call(), False, zero, visible, jnp.zeros((b,), bool)
-    first, last_start = _run_lengths(q_seg)[0], _run_lengths(k_seg)[1]
+    first, last_start = run_lengths(q_seg)[0], run_lengths(k_seg)[1]
     match = q_seg[:, 0] == k_seg[:, -1]
     n = k_seg.shape[1]
     call = Call(q_lengths=jnp.where(match, first, 0), kv_lengths=jnp.where(match, n - last_start, 0))

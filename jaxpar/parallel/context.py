@@ -60,11 +60,12 @@ def balanced_order(seq_len: int, c: int) -> np.ndarray:
     return np.concatenate([np.arange(k * n, (k + 1) * n) for chunk in chunks for k in [chunk]])
 
 
-def _visible(q_pos, k_pos, q_seg, k_seg) -> jax.Array:
-    """bool [B, 1, Rq, Rk]: query t sees key s (causal by global position, same segment)."""
-    mask = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
+def visible_block(q_pos, k_pos, q_seg, k_seg) -> jax.Array:
+    """bool [B, Rq, Rk]: query t sees key s (causal by global position, and the same segment unless the segment
+    ids are None)."""
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
     if q_seg is not None:
-        mask = mask & (k_seg[:, None, None, :] == q_seg[:, None, :, None])
+        mask = mask & (k_seg[:, None, :] == q_seg[:, :, None])
     return mask
 
 
@@ -82,7 +83,7 @@ def gathered_kv_attention(
     v_all = jax.lax.all_gather(v_BRGK, axis, axis=1, tiled=True)
     k_pos = jax.lax.all_gather(positions_BR, axis, axis=1, tiled=True)
     k_seg = None if segment_ids_BR is None else jax.lax.all_gather(segment_ids_BR, axis, axis=1, tiled=True)
-    mask = _visible(positions_BR, k_pos, segment_ids_BR, k_seg)
+    mask = visible_block(positions_BR, k_pos, segment_ids_BR, k_seg)[:, None]
     return jax.nn.dot_product_attention(q_BRHK, k_all, v_all, mask=mask, implementation="xla")
 
 
@@ -139,11 +140,6 @@ def chunk_halves(x: jax.Array, n: int) -> list[jax.Array]:
     return [x[:, :n], x[:, n:]]
 
 
-def _visible_block(q_pos, k_pos, q_seg, k_seg) -> jax.Array:
-    """bool [B, n_q, n_k]: query t sees key s (causal by global position, same segment)."""
-    return (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_seg[:, None, :] == q_seg[:, :, None])
-
-
 def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_size):
     """(output [B, R, H, K] in q's dtype, log-sum-exp fp32 [B, R, G, H/G] of every query's scores: the softmax
     statistics the backward needs). Each step's block is four sub-blocks, this device's two query chunks against
@@ -157,7 +153,7 @@ def _ring_forward(q_BRHK, k_BRGK, v_BRGK, positions_BR, segments_BR, axis, axis_
 
     def sub_block(acc, a, k, v, k_pos, k_seg):
         o, m, total = acc  # [B, n, G, H/G, K], and the running max and sum [B, n, G, H/G]
-        mask = _visible_block(q_pos[a], k_pos, q_seg[a], k_seg)
+        mask = visible_block(q_pos[a], k_pos, q_seg[a], k_seg)
 
         def compute():
             scores = jnp.einsum("bsgrk,btgk->bsgrt", q[a], k.astype(jnp.float32))
@@ -232,7 +228,7 @@ def _ring_bwd(axis, axis_size, residuals, d_out_BRHK):
         for a in range(2):
             for kb in range(2):
                 k, v, k_pos, k_seg = (x[kb] for x in keys)
-                mask = _visible_block(q_pos[a], k_pos, q_seg[a], k_seg)
+                mask = visible_block(q_pos[a], k_pos, q_seg[a], k_seg)
 
                 def compute(dq_a, dk_b, dv_b, a=a, k=k, v=v, mask=mask):
                     k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
