@@ -31,7 +31,8 @@ from jaxpar.parallel import jax_private
 
 EXIT_HUNG = 124  # as `timeout(1)`
 _KEY = "jaxpar/heartbeat/"
-_HUNG_KEY = "jaxpar/hung/"
+_HUNG_KEY = "jaxpar/hung/"  # set when a process's watchdog fires: its peers fire too
+_REPORTED_KEY = "jaxpar/reported/"  # set once its diagnosis is printed: process 0 may now end the service
 _JAX_DIR = os.path.dirname(jax.__file__) + os.sep  # the installed jax package's directory
 
 
@@ -150,9 +151,9 @@ class Watchdog:
         entries = self._client.key_value_dir_get(_KEY)
         return {int(k.rsplit("/", 1)[-1]): json.loads(v) for k, v in entries}
 
-    def _hung(self) -> dict[int, str]:
-        """Processes whose watchdog has fired: {process: its first line}."""
-        return {int(k.rsplit("/", 1)[-1]): v for k, v in self._client.key_value_dir_get(_HUNG_KEY)}
+    def _hung(self, key: str = _HUNG_KEY) -> dict[int, str]:
+        """Processes whose watchdog has fired (or, with `_REPORTED_KEY`, has printed its diagnosis)."""
+        return {int(k.rsplit("/", 1)[-1]): v for k, v in self._client.key_value_dir_get(key)}
 
     def _run(self) -> None:
         interval = max(min(self.timeout_s / 5, 10.0), 0.1)
@@ -182,6 +183,7 @@ class Watchdog:
             else f"stops because process {fired_by}'s watchdog fired (idle here {idle:.0f} s)"
         )
         lines = [f"jaxpar watchdog: process {me} {reason} at step {self._step} (train.watchdog_s={self.timeout_s:g})"]
+        heartbeats: dict[int, dict] | None = None  # None: the store was not reached
         if self._client is None:
             lines.append(
                 f"process {me} (this single process) is stuck in {_where(self._thread_id)[0]}: a hung "
@@ -199,19 +201,37 @@ class Watchdog:
                 ]
                 if not missing:
                     lines.append(f"every process is alive at step {self._step}: all wait on a device or collective")
-                if me == 0:  # this process hosts the coordination service: let the others report first
-                    self._await_peers(heartbeats, n)
             except Exception as e:  # noqa: BLE001
                 lines.append(f"missing process 0: the coordination service it hosts is unreachable ({e})")
+                heartbeats = None
         lines.append(f"exiting with status {EXIT_HUNG}; restart to resume from the last complete checkpoint")
         logging.getLogger("jaxpar.training").error("\n".join(lines))
         sys.stdout.flush()
+        sys.stderr.flush()
+        if self._client is not None and heartbeats is not None:
+            try:
+                if me == 0:  # this process hosts the coordination service: let the others report first
+                    self._await_peers(heartbeats, n)
+                else:
+                    _call_with_timeout(
+                        lambda: self._client.key_value_set(f"{_REPORTED_KEY}{me}", "1", allow_overwrite=True), 10.0
+                    )
+            except Exception:  # noqa: BLE001 - the diagnosis is printed; exiting is all that is left
+                pass
         self._exit(EXIT_HUNG)
 
     def _await_peers(self, heartbeats: dict[int, dict], n: int) -> None:
-        """Waits (at most 2 publishing intervals + 5 s) until every live process has fired too."""
+        """Waits (at most 2 publishing intervals + 5 s) until every other live process has printed its diagnosis.
+
+        A peer marks `_REPORTED_KEY` only after its lines are flushed: when process 0 exits, the coordination
+        service it hosts goes with it, and jax aborts every peer still connected (status -6, its diagnosis lost).
+        After the last mark it waits 1 s more, for the peers' own `os._exit`.
+        """
         now = time.time()
-        alive = {p for p, h in heartbeats.items() if now - h["time"] <= self.timeout_s}
+        alive = {p for p, h in heartbeats.items() if now - h["time"] <= self.timeout_s} - {0}
         deadline = time.monotonic() + 2 * max(min(self.timeout_s / 5, 10.0), 0.1) + 5
-        while time.monotonic() < deadline and not alive <= set(_call_with_timeout(self._hung, 5.0)):
+        while time.monotonic() < deadline:
+            if alive <= set(_call_with_timeout(lambda: self._hung(_REPORTED_KEY), 5.0)):
+                time.sleep(1.0)
+                return
             time.sleep(0.1)

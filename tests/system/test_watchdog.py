@@ -1,9 +1,12 @@
 """The hang watchdog's diagnosis from heartbeats, its timer in one process, and the fault-injection spec.
 The two-process stall is in test_multiprocess_faults.py."""
 
+import json
+import logging
 import threading
 import time
 
+import jax
 import pytest
 
 from jaxpar.log import configure_logging
@@ -51,6 +54,51 @@ def test_single_process_watchdog_fires_after_timeout_and_not_while_beating(capsy
     err = capsys.readouterr().err
     assert "process 0 made no progress for" in err and "at step 7" in err
     assert "this single process) is stuck in" in err and "exiting with status 124" in err
+
+
+class _Store:
+    """An in-memory stand-in for jax's coordination-service key-value client, logging every set."""
+
+    def __init__(self, events):
+        self.data, self.events = {}, events
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self.events.append(("set", key))
+        self.data[key] = value
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.data.items() if k.startswith(prefix)]
+
+
+def test_peers_report_before_process_0_ends_the_coordination_service(monkeypatch):
+    """Process 0 hosts the store, and jax aborts every peer when it exits: a peer marks itself reported only after
+    its diagnosis is logged, and process 0 exits only once every live peer has (a race that lost process 1's lines)."""
+    events = []
+    store = _Store(events)
+    for p in (0, 1):
+        store.data[f"jaxpar/heartbeat/{p}"] = json.dumps(
+            {"step": 5, "time": time.time(), "in_jax": p == 0, "where": "x.py:1 f"}
+        )
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def fire(process):
+        monkeypatch.setattr(jax, "process_index", lambda: process)
+        dog = Watchdog(1.0, exit=lambda code: events.append(("exit", process)))
+        dog._client = store
+        dog._fire(2.0, None)
+
+    monkeypatch.setattr(logging.getLogger("jaxpar.training"), "error", lambda msg: events.append(("log", msg)))
+    waiter = threading.Thread(target=fire, args=(0,))
+    waiter.start()
+    time.sleep(0.5)
+    assert ("exit", 0) not in events  # process 1 has not reported: process 0 waits
+    fire(1)
+    waiter.join(10)
+    order = [e if e[0] != "log" else ("log",) for e in events]
+    assert order.index(("log",), order.index(("set", "jaxpar/hung/1"))) < order.index(("set", "jaxpar/reported/1"))
+    assert order.index(("set", "jaxpar/reported/1")) < order.index(("exit", 0))
+    logs = [e[1] for e in events if e[0] == "log"]
+    assert len(logs) == 2 and all("missing process 1: stuck at step 5 in x.py:1 f" in log for log in logs)
 
 
 def test_disabled_watchdog_starts_no_thread():
