@@ -261,6 +261,27 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True)
+class Fp8Config:
+    """FP8 GEMMs in the dense layers (`jaxpar.parallel.fp8`).
+
+    Attributes:
+      enabled: run the GEMMs of the attention projections (q, k, v, o) and of the dense MLPs (gate, up, down) in
+        FP8 with the hybrid recipe: E4M3 activations and weights in the forward, E5M2 output gradients in the
+        backward, fp32 accumulation (Micikevicius et al. 2022, arXiv 2209.05433). The embedding, the head and
+        loss, the norms, the router, the experts and attention's score GEMMs keep `precision.compute_dtype`;
+        parameters, gradients and optimizer state keep `precision.layout`. Needs FP8 tensor cores on a GPU
+        (compute capability 8.9+: H100, H200, B200); runs anywhere else at reference speed.
+      scaling: how each tensor's scale is found: `current` (per tensor, from the amax of the tensor being
+        quantised, max-reduced over the mesh axes that split it).
+      margin: the scales leave 2^margin of headroom below the format's largest value (0: none).
+    """
+
+    enabled: bool = False
+    scaling: str = "current"
+    margin: int = 0
+
+
+@dataclass(frozen=True)
 class PrecisionConfig:
     """Numeric formats.
 
@@ -271,11 +292,13 @@ class PrecisionConfig:
         mixed-precision layout: bf16 working parameters and gradients, fp32 master parameters and Adam moments
         (2 + 2 + 12 = 16 bytes/param; Rajbhandari et al. 2019, section 3.1).
       reduce_dtype: dtype in which gradients are reduce-scattered and all-reduced (`float32` or `bfloat16`).
+      fp8: FP8 GEMMs in the dense layers (`Fp8Config`; off by default).
     """
 
     compute_dtype: str = "auto"
     layout: str = "fp32"
     reduce_dtype: str = "float32"
+    fp8: Fp8Config = field(default_factory=Fp8Config)
 
 
 @dataclass(frozen=True)

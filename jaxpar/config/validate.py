@@ -17,7 +17,7 @@ from jaxpar.config.keys import example
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe
-from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, LAYOUTS
+from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, FP8_SCALINGS, LAYOUTS
 from jaxpar.config.schema import Config
 from jaxpar.config.services import check_distributed, check_metrics
 
@@ -129,6 +129,12 @@ def _check_precision(cfg: Config) -> None:
     check_choice("precision.compute_dtype", p.compute_dtype, COMPUTE_DTYPES)
     check_choice("precision.layout", p.layout, tuple(LAYOUTS))
     check_choice("precision.reduce_dtype", p.reduce_dtype, FLOAT_DTYPES)
+    check_choice("precision.fp8.scaling", p.fp8.scaling, FP8_SCALINGS)
+    if not 0 <= p.fp8.margin <= 8:
+        raise ConfigError(
+            f"precision.fp8.margin={p.fp8.margin} must lie in [0, 8] (the scales' headroom is 2^margin; E4M3 "
+            f"spans 2^17 between its smallest normal and largest value); {example('precision.fp8.margin')}"
+        )
 
 
 def _check_optimizer(cfg: Config) -> None:

@@ -39,6 +39,18 @@ PEAK_FLOPS: dict[str, float] = {
 }
 
 
+# Dense FP8 (E4M3/E5M2 tensor-core) peak FLOP/s per device (vendor datasheets, no sparsity: half the "with
+# sparsity" figure): twice bf16's on Hopper and Blackwell. A100 and the TPUs in `PEAK_FLOPS` have no FP8 tensor
+# cores. Sources: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM 3,958 TFLOPS FP8 with sparsity, PCIe 3,026), H200
+# datasheet (3,958), HGX B200 (72 PFLOPS FP8/FP6 with sparsity over 8 GPUs: 4.5 PFLOPS dense each).
+PEAK_FP8_FLOPS: dict[str, float] = {
+    "h100": 1979e12,
+    "h100 pcie": 1513e12,
+    "h200": 1979e12,
+    "b200": 4.5e15,
+}
+
+
 def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: int) -> float:
     """Model training FLOPs per token (forward + backward): 6P + 12*L*D*T.
 
@@ -134,14 +146,15 @@ def row_flops_per_token(cfg, params) -> float:
     return (hardware if hardware is not None else model) / cfg.model.stack_depth
 
 
-def peak_flops(device_kind: str, override: float = 0.0) -> float | None:
-    """Dense bf16 peak FLOP/s of one device: `override` if > 0, else `PEAK_FLOPS`, else None (e.g. "cpu")."""
+def peak_flops(device_kind: str, override: float = 0.0, table: dict[str, float] = PEAK_FLOPS) -> float | None:
+    """Dense peak FLOP/s of one device: `override` if > 0, else `table`'s entry (`PEAK_FLOPS`, bf16; or
+    `PEAK_FP8_FLOPS`), else None (e.g. "cpu", or an A100's FP8)."""
     if override > 0:
         return float(override)
     kind = device_kind.lower()
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
+    for key in sorted(table, key=len, reverse=True):
         if key in kind:
-            return PEAK_FLOPS[key]
+            return table[key]
     return None
 
 

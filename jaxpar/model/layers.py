@@ -24,7 +24,7 @@ from jaxpar.config.attention import resolve_attention
 from jaxpar.model.attention import dot_product_attention, segment_positions
 from jaxpar.model.context_attention import context_attention
 from jaxpar.model.stack import ATTENTION_CONTEXT, MLP_HIDDEN
-from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, row_parallel
+from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel, column_matmul, row_parallel
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
@@ -132,9 +132,9 @@ class Attention(nnx.Module):
             )
         else:
             positions = segment_positions(segment_ids_BT)
-        q = jnp.einsum("btd,dhk->bthk", x_BTD, self.wq[...].astype(dt))
-        k = jnp.einsum("btd,dgk->btgk", x_BTD, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dgk->btgk", x_BTD, self.wv[...].astype(dt))
+        q = column_matmul(x_BTD, self.wq[...], tp)  # [B, T, H, K]
+        k = column_matmul(x_BTD, self.wk[...], tp)  # [B, T, G, K]
+        v = column_matmul(x_BTD, self.wv[...], tp)
         q = rotary(q, positions, self.rope_theta, self.rope_inv_freq)
         k = rotary(k, positions, self.rope_theta, self.rope_inv_freq)
         implementation = self.implementation
@@ -162,9 +162,8 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
         """x: [B, T/t or T, D] -> same. Gate and up are column-parallel (F/t local), down row-parallel."""
-        dt = x_BTD.dtype
         x_BTD = tp.enter(x_BTD)
-        h_BTF = jax.nn.silu(x_BTD @ self.w_gate[...].astype(dt)) * (x_BTD @ self.w_up[...].astype(dt))
+        h_BTF = jax.nn.silu(column_matmul(x_BTD, self.w_gate[...], tp)) * column_matmul(x_BTD, self.w_up[...], tp)
         return row_parallel(checkpoint_name(h_BTF, MLP_HIDDEN), self.w_down[...], None, tp)
 
 

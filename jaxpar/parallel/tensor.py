@@ -32,6 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config.mesh_axes import PIPELINE, TENSOR
 from jaxpar.parallel.context import NO_CONTEXT_PARALLEL, ContextParallel
+from jaxpar.parallel.fp8 import NO_FP8, Fp8
 
 AXIS = TENSOR
 SEQ_DIM = 1  # activations are [B, T, ...]
@@ -184,12 +185,15 @@ class TensorParallel:
       context: context parallelism (`jaxpar.parallel.context.ContextParallel`): each device holds R = T/c tokens
         of every sequence, so T above reads R, and attention reaches the other devices' keys and values through
         it. Carried here because every layer already takes this context; its collectives are over `context`.
+      fp8: FP8 GEMMs (`jaxpar.parallel.fp8.Fp8`) for the dense layers' projections, whose scales are max-reduced
+        over the axes that split each operand; inactive by default. `column_matmul` and `row_matmul` use it.
     """
 
     size: int = 1
     sequence_parallel: bool = False
     vocab_stages: int = 1
     context: ContextParallel = NO_CONTEXT_PARALLEL
+    fp8: Fp8 = NO_FP8
 
     @property
     def _vocab_axes(self) -> tuple[str, ...]:
@@ -315,12 +319,29 @@ class TensorParallel:
 NO_TENSOR_PARALLEL = TensorParallel()
 
 
+def column_matmul(x_BTD: jax.Array, w_DF: jax.Array, tp: TensorParallel) -> jax.Array:
+    """The GEMM of a column-parallel linear on an input that has passed `enter`: x [..., D] @ w [D, F/t...] ->
+    [..., F/t...] in x's dtype; in FP8 when `tp.fp8` is active (w's output features split over `tensor`), else in
+    x's dtype (w cast to it)."""
+    if tp.fp8.active:
+        return tp.fp8.matmul(x_BTD, w_DF, "column", tp.active)
+    return jnp.tensordot(x_BTD, w_DF.astype(x_BTD.dtype), axes=1)
+
+
+def row_matmul(h_BTF: jax.Array, w_FD: jax.Array, tp: TensorParallel) -> jax.Array:
+    """The GEMM of a row-parallel linear before `exit`: h [..., F/t] @ w [F/t, D] -> this rank's partial sum
+    [..., D] in h's dtype; in FP8 when `tp.fp8` is active (h's and w's F split over `tensor`)."""
+    if tp.fp8.active:
+        return tp.fp8.matmul(h_BTF, w_FD, "row", tp.active)
+    return h_BTF @ w_FD.astype(h_BTF.dtype)
+
+
 def column_parallel(x_BTD: jax.Array, w_DF: jax.Array, b_F: jax.Array | None, tp: TensorParallel) -> jax.Array:
     """Column-parallel linear: `enter`, then x @ w + b with w [D, F/t] and b [F/t] local to each rank.
 
     Returns [B, T, F/t]: this rank's slice of the output features.
     """
-    y = tp.enter(x_BTD) @ w_DF.astype(x_BTD.dtype)
+    y = column_matmul(tp.enter(x_BTD), w_DF, tp)
     return y if b_F is None else y + b_F.astype(y.dtype)
 
 
@@ -329,5 +350,5 @@ def row_parallel(h_BTF: jax.Array, w_FD: jax.Array, b_D: jax.Array | None, tp: T
 
     The bias [D] is replicated and added once, after the reduction, never on every rank before it.
     """
-    y = tp.exit(h_BTF @ w_FD.astype(h_BTF.dtype))
+    y = tp.exit(row_matmul(h_BTF, w_FD, tp))
     return y if b_D is None else y + b_D.astype(y.dtype)

@@ -205,6 +205,11 @@ def _start_run(
         flops_per_token=flops_per_token,
         hardware_flops_per_token=hardware_flops,
         peak_flops=peak,
+        peak_fp8_flops=(
+            flops_lib.peak_flops(jax.devices()[0].device_kind, table=flops_lib.PEAK_FP8_FLOPS)
+            if cfg.precision.fp8.enabled
+            else None
+        ),
     )
     return run, first_batch
 

@@ -25,14 +25,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.mesh_axes import CONTEXT, PIPELINE, TENSOR
+from jaxpar.config.mesh_axes import CONTEXT, PIPELINE, TENSOR, TOKEN_AXES
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe, without_expert_axes
-from jaxpar.config.precision import PrecisionLayout, precision_layout, resolve_compute_dtype
+from jaxpar.config.precision import FP8_MIN_CAPABILITY, PrecisionLayout, precision_layout, resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import check_context, sequence_parallel
 from jaxpar.model import ModelDef, init_params, model_def
 from jaxpar.parallel.context import ContextParallel
+from jaxpar.parallel.fp8 import NO_FP8, Fp8, cpu_fp8_error
 from jaxpar.parallel.mesh import MESH_AXES
 from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs
 from jaxpar.parallel.tensor import TensorParallel
@@ -97,9 +98,20 @@ class StepPlan:
         return ContextParallel(size=self.mesh_shape[CONTEXT], strategy=self.cfg.context.strategy)
 
     @property
+    def fp8(self) -> Fp8:
+        """FP8 GEMMs in the dense layers (`precision.fp8`, `jaxpar.parallel.fp8`): their activations' scales
+        max-reduced over the token axes of size > 1; inactive when off."""
+        fp8 = self.cfg.precision.fp8
+        if not fp8.enabled:
+            return NO_FP8
+        shape = self.mesh_shape
+        return Fp8(active=True, token_axes=tuple(a for a in TOKEN_AXES if shape[a] > 1), margin=fp8.margin)
+
+    @property
     def tensor_parallel(self) -> TensorParallel:
         size = self.mesh_shape[TENSOR]
-        return TensorParallel(size=size, sequence_parallel=sequence_parallel(self.cfg, size), context=self.context)
+        sp = sequence_parallel(self.cfg, size)
+        return TensorParallel(size=size, sequence_parallel=sp, context=self.context, fp8=self.fp8)
 
     @functools.cached_property
     def global_mdef(self) -> ModelDef:
@@ -172,6 +184,7 @@ def build_plan(
     platform = mesh.devices.flat[0].platform
     _check_compilation_cache(mesh, platform)
     cfg = _resolved_precision(cfg, platform)
+    _check_fp8(cfg, mesh, platform)
     mdef = model_def(_resolved_model(cfg, mesh, platform))
     if shape[CONTEXT] > 1 and not mdef.takes_positions:
         raise ConfigError(
@@ -213,6 +226,33 @@ def build_plan(
         batch_sharding=NamedSharding(mesh, activation_spec("batch", "seq")),
         loss_fn=loss_fn,
     )
+
+
+def _check_fp8(cfg: Config, mesh: Mesh, platform: str) -> None:
+    """Refuses `precision.fp8.enabled` where FP8 GEMMs cannot run: an NVIDIA GPU without FP8 tensor cores
+    (compute capability below `FP8_MIN_CAPABILITY`, e.g. A100: XLA would run the GEMMs upcast, slower than bf16),
+    or an XLA:CPU that cannot compile FP8 conversions (`jaxpar.parallel.fp8.cpu_fp8_error`). Before any device
+    work but the CPU's probe."""
+    if not cfg.precision.fp8.enabled:
+        return
+    device = mesh.devices.flat[0]
+    if platform == "gpu":
+        capability = getattr(device, "compute_capability", None)
+        if capability is not None and tuple(int(v) for v in str(capability).split(".")) < FP8_MIN_CAPABILITY:
+            need = ".".join(map(str, FP8_MIN_CAPABILITY))
+            raise ConfigError(
+                f"precision.fp8.enabled=true needs FP8 tensor cores (compute capability {need}+: H100, H200, B200); "
+                f"{device.device_kind} has compute capability {capability}; set precision.fp8.enabled=false"
+            )
+    elif platform == "cpu":
+        error = cpu_fp8_error()
+        if error is not None:
+            raise ConfigError(
+                f"precision.fp8.enabled=true: XLA:CPU here cannot compile FP8 conversions ({error}; it converts "
+                f"E5M2 through half precision, whose routines it cannot link for a CPU without F16C, as under "
+                f"--xla_cpu_max_isa=SSE4_2 with --xla_backend_optimization_level=0); run on a GPU, drop those "
+                f"XLA_FLAGS, or set precision.fp8.enabled=false"
+            )
 
 
 def _check_compilation_cache(mesh: Mesh, platform: str) -> None:

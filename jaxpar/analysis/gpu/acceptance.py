@@ -24,6 +24,12 @@ command, in a few minutes including compilation.
    with and without packed documents, and cuDNN's log-sum-exps; then the forward + backward time of every chunk at
    64k tokens, c = 8, and the busiest device (chunks i and 2c - 1 - i) over the mean.
 
+7. FP8 (`fp8_check`): the kept step with `precision.fp8.enabled` (the dense layers' GEMMs in FP8,
+   `jaxpar.parallel.fp8`): tokens/s against the bf16 step, MFU against the bf16 peak and `mfu_fp8_peak` against
+   the FP8 peak (`jaxpar.model.flops.PEAK_FP8_FLOPS`), the GEMM kernels the GPU compiler chose
+   (`jaxpar.analysis.hlo.gemms.gemm_kernels`: cuBLASLt's FP8 call or a Triton fusion over FP8 operands), and the
+   same learning run as 4 in FP8: its losses against bf16's, step by step.
+
 `--cpu-smoke` runs the same code on CPU with tiny shapes (the test suite runs it); cuDNN is then reported as not
 run. Bytes are per device, FLOP/s per device, times in seconds.
 """
@@ -132,7 +138,7 @@ def smoke_settings(config: str) -> Settings:
 
 def device_info() -> dict:
     """{"device_kind", "platform", "memory_bytes" (None where the backend does not say), "peak_flops" (dense
-    bf16, None when unknown)} of the first device."""
+    bf16, None when unknown), "peak_fp8_flops" (dense FP8, None when unknown or absent)} of the first device."""
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
     return {
@@ -140,6 +146,7 @@ def device_info() -> dict:
         "platform": dev.platform,
         "memory_bytes": stats.get("bytes_limit"),
         "peak_flops": flops_lib.peak_flops(dev.device_kind),
+        "peak_fp8_flops": flops_lib.peak_flops(dev.device_kind, table=flops_lib.PEAK_FP8_FLOPS),
     }
 
 
@@ -234,7 +241,7 @@ def _timed_step(plan, warmup_steps: int, timed_steps: int) -> tuple[object, floa
     return compiled, compile_s, float(np.median(times))
 
 
-def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float | None) -> tuple[dict, object]:
+def measure_step(cfg: Config, warmup_steps: int, timed_steps: int, peak: float | None) -> tuple[dict, tuple]:
     """Compiles and times the train step of `cfg` on one device with a random batch.
 
     Returns:
@@ -343,6 +350,41 @@ def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
     return out
 
 
+def fp8_check(settings: Settings, best: dict, learning: dict | None, device: dict) -> dict:
+    """Section 7: the kept step (`best`, a `measure_step` record) with FP8 GEMMs, and its learning run.
+
+    Returns `measure_step`'s record plus "mfu_fp8_peak" (None without a known FP8 peak), "speedup" (tokens/s over
+    bf16's), "gemm_kernels" ({kernel: count} of the compiled step) and, when the bf16 learning run has losses,
+    "learning": {"losses", "last10", "bf16_last10", "max_gap" (max |FP8 - bf16| over the steps, nats),
+    "final_gap" (last10 - bf16_last10)}.
+    """
+    from jaxpar.analysis.hlo.gemms import gemm_kernels
+    from jaxpar.analysis.hlo.text import compiled_hlo_text
+
+    extra = [f"model.remat={best['remat']}", "precision.fp8.enabled=true"]
+    record, (_, compiled) = measure_step(resolved(settings, extra), settings.warmup_steps, settings.timed_steps, None)
+    peak, peak_fp8 = device["peak_flops"], device["peak_fp8_flops"]
+    model_flops = record["model_flops_per_token"]
+    record["mfu"] = flops_lib.mfu(record["tokens_per_s"], model_flops, 1, peak)
+    record["mfu_fp8_peak"] = flops_lib.mfu(record["tokens_per_s"], model_flops, 1, peak_fp8)
+    record["hfu"] = None
+    record["speedup"] = record["tokens_per_s"] / best["tokens_per_s"]
+    record["gemm_kernels"] = gemm_kernels(compiled_hlo_text(compiled))
+    if learning and "losses" in learning:
+        extra += [f"optimizer.learning_rate={settings.learning_rate}", f"optimizer.warmup_steps={settings.warmup}"]
+        fp8 = train_on_text(resolved(settings, [*extra, f"train.steps={settings.train_steps}"]), settings.train_steps)
+        gaps = [abs(a - b) for a, b in zip(fp8["losses"], learning["losses"])]
+        record["learning"] = {
+            "losses": fp8["losses"],
+            "last10": fp8["last10"],
+            "bf16_last10": learning["last10"],
+            "max_gap": max(gaps),
+            "final_gap": fp8["last10"] - learning["last10"],
+            "falls": fp8["falls"],
+        }
+    return record
+
+
 def context_kernel_check(on_gpu: bool) -> dict:
     """Section 6 (module docstring): {"parity": `context_kernels.kernel_parity`, "times": `chunk_times`} on a GPU;
     on CPU the decomposition alone at a small shape (cuDNN not run)."""
@@ -402,6 +444,8 @@ def run(settings: Settings) -> dict:
         _section(report, "learning", lambda: train_on_text(resolved(settings, extra), settings.train_steps))
     _section(report, "pipeline_schedules", lambda: pipeline_schedules(settings))
     _section(report, "context_parallel", lambda: context_kernel_check(on_gpu))
+    if best:
+        _section(report, "fp8", lambda: fp8_check(settings, best, report.get("learning"), report["device"]))
     stats = jax.devices()[0].memory_stats() or {}
     report["allocator_peak_bytes"] = stats.get("peak_bytes_in_use")
     report["total_seconds"] = time.perf_counter() - t_start
@@ -412,8 +456,8 @@ def run(settings: Settings) -> dict:
 def verdict(report: dict) -> dict:
     """{"attention" (every cuDNN error within `ATTENTION_TOLERANCE`; None when cuDNN did not run), "context_parallel"
     (the context-parallel chunk path on cuDNN within it, and the decomposition within 1e-3 of whole-sequence
-    attention; None when cuDNN did not run), "learning" (the loss fell), "mfu_at_least_50" (best MFU >= 0.5 on a
-    GPU; None elsewhere)}."""
+    attention; None when cuDNN did not run), "learning" (the loss fell), "fp8_learning" (FP8's loss fell too; only
+    when section 7 ran), "mfu_at_least_50" (best MFU >= 0.5 on a GPU; None elsewhere)}."""
     out: dict = {"attention": None, "context_parallel": None, "learning": None, "mfu_at_least_50": None}
     context = report.get("context_parallel", {})
     parity = {k: v for k, v in context.get("parity", {}).items() if k != "calls"}
@@ -435,6 +479,9 @@ def verdict(report: dict) -> dict:
     learning = report.get("learning")
     if learning is not None:
         out["learning"] = bool(learning.get("falls", False))
+    fp8 = report.get("fp8")
+    if fp8 is not None:
+        out["fp8_learning"] = "error" not in fp8 and bool(fp8.get("learning", {}).get("falls", False))
     mfus = [r["mfu"] for r in report.get("remat", []) if r.get("mfu") is not None]
     if mfus and report["device"]["platform"] == "gpu":
         out["mfu_at_least_50"] = max(mfus) >= 0.5
@@ -517,8 +564,32 @@ def format_report(report: dict) -> str:
                 f"{pipe['vocab_over_last']:.3f}"
             )
     lines += _context_lines(report.get("context_parallel"))
+    lines += _fp8_lines(report.get("fp8"))
     lines.append(f"passed: {report['passed']}")
     return "\n".join(lines)
+
+
+def _fp8_lines(fp8: dict | None) -> list[str]:
+    """Section 7 of the printed report."""
+    if fp8 is None:
+        return []
+    if "error" in fp8:
+        return [f"FP8: error: {fp8['error']}"]
+    lines = [
+        "",
+        f"## FP8 GEMMs (remat {fp8['remat']})",
+        "",
+        f"step {fp8['step_seconds']:.3f} s, {fp8['tokens_per_s']:,.0f} tokens/s ({fp8['speedup']:.2f}x bf16), MFU "
+        f"{_pct(fp8['mfu'])} of the bf16 peak, {_pct(fp8['mfu_fp8_peak'])} of the FP8 peak; compiled peak "
+        f"{human_bytes(fp8['compiled_peak_bytes'])}; GEMM kernels {fp8['gemm_kernels']}",
+    ]
+    learning = fp8.get("learning")
+    if learning:
+        lines.append(
+            f"learning in FP8: last 10 {learning['last10']:.3f} against bf16's {learning['bf16_last10']:.3f} "
+            f"(difference {learning['final_gap']:+.3f}; largest per-step |FP8 - bf16| {learning['max_gap']:.3f})"
+        )
+    return lines
 
 
 def _context_lines(context: dict | None) -> list[str]:

@@ -58,13 +58,15 @@ def fingerprint(cfg: Config) -> str:
     only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`,
     `model.moe` only with experts, `optimizer.weight_decay_exclude` only when not the default (whose mask the
     built-in families had before the key), `mesh.context` and the `context` section only with mesh.context > 1,
-    and `model.init_from` (where the weights come from) never; records made
+    `precision.fp8` only when enabled, and `model.init_from` (where the weights come from) never; records made
     before those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it
     (`auto` is bfloat16 there: `jaxpar.config.precision.resolve_compute_dtype`)."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
     # the dtype the GPU step computes in: `auto` and bfloat16 compile the same step there
     keep["precision"]["compute_dtype"] = resolve_compute_dtype(cfg.precision.compute_dtype, "gpu")
+    if not cfg.precision.fp8.enabled:
+        del keep["precision"]["fp8"]
     rope_scaling = ROPE_SCALING_KEYS if cfg.model.rope_scaling == "none" else ()
     moe_off = ("moe",) if cfg.model.moe.num_experts == 0 else ()
     keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off)}
@@ -86,9 +88,9 @@ def fingerprint(cfg: Config) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
 
-def resolved_for_cluster(path: str) -> tuple[Config, str]:
-    """The config at `path` resolved for its documented cluster's device count (`jaxpar.config.resolve_config`),
-    and the cluster name.
+def resolved_for_cluster(path: str, overrides: tuple[str, ...] = ()) -> tuple[Config, str]:
+    """The config at `path` (with `overrides`, `section.key=value`) resolved for its documented cluster's device
+    count (`jaxpar.config.resolve_config`), and the cluster name.
 
     Raises:
       ValueError: no cluster line or an unknown cluster; ConfigError: the config does not fit the cluster's
@@ -99,7 +101,7 @@ def resolved_for_cluster(path: str) -> tuple[Config, str]:
 
     name = documented_cluster(path)
     clu = parse_cluster(name)
-    return resolve_config(load_config(path, num_devices=clu.devices), clu.devices), clu.name
+    return resolve_config(load_config(path, list(overrides), num_devices=clu.devices), clu.devices), clu.name
 
 
 def planned_peak(cfg: Config) -> int:
@@ -110,8 +112,9 @@ def planned_peak(cfg: Config) -> int:
     return int(plan(cfg, "gpu")["memory"]["peak_estimate"])
 
 
-def check_config(path: str, name: str | None = None) -> dict:
-    """Compiles the config at `path` for its documented cluster (module docstring) and returns its record:
+def check_config(path: str, name: str | None = None, overrides: tuple[str, ...] = ()) -> dict:
+    """Compiles the config at `path` (with `overrides`) for its documented cluster (module docstring) and returns
+    its record:
     {"config" (`name`, default the file name), "cluster", "mesh" (axis -> size), "rows_per_microbatch" (per
     device), "microbatches" (`pipeline.microbatches`, per accumulation step), "grad_accum_steps", "remat",
     "fingerprint", "argument_bytes", "temp_bytes", "peak_bytes" (per device, the GPU compiler's),
@@ -127,7 +130,7 @@ def check_config(path: str, name: str | None = None) -> dict:
     from jaxpar.analysis.gpu.deviceless import compile_for_gpu
     from jaxpar.analysis.gpu.targets import parse_cluster
 
-    cfg, cluster = resolved_for_cluster(path)
+    cfg, cluster = resolved_for_cluster(path, overrides)
     clu = parse_cluster(cluster)
     out = compile_for_gpu(cfg, clu.target.name, clu.nodes, clu.gpus_per_node)
     shape = out["mesh"]

@@ -30,6 +30,7 @@ import time
 from jaxpar.analysis.gpu.targets import Cluster
 from jaxpar.analysis.gpu.targets import cluster as make_cluster
 from jaxpar.analysis.hlo import overlap
+from jaxpar.analysis.hlo.gemms import gemm_flops_by_format, gemm_kernels
 from jaxpar.analysis.hlo.text import compiled_hlo_text
 from jaxpar.config.extras import install_command
 from jaxpar.config.schema import Config
@@ -161,6 +162,21 @@ def overlap_report(hlo_text: str) -> dict:
     }
 
 
+def gemm_report(hlo_text: str) -> dict:
+    """{"kernels": {kind: count} (`jaxpar.analysis.hlo.gemms.gemm_kernels`: cuBLAS targets and GEMM fusion kinds,
+    ` fp8` marking those on FP8 operands), "fp8_flops", "other_flops": GEMM FLOPs per step of the busiest device
+    in FP8 and in any other format (`gemm_flops_by_format`; None where a loop's trip count or a conditional's
+    branch cannot be read, as in the zero-bubble schedules' slot switch)}."""
+    fp8: float | None
+    other: float | None
+    try:
+        flops = gemm_flops_by_format(hlo_text)
+        fp8, other = max(flops["fp8"]), max(flops["other"])
+    except ValueError:
+        fp8 = other = None
+    return {"kernels": gemm_kernels(hlo_text), "fp8_flops": fp8, "other_flops": other}
+
+
 def compile_for_gpu(
     cfg: Config,
     target: str,
@@ -196,6 +212,7 @@ def compile_for_gpu(
        "fused_attention": sorted cuDNN fused-attention custom-call targets in the HLO (empty: XLA's attention),
        "attention_scores": `attention_scores(hlo, seq_len)`,
        "overlap": `overlap_report(hlo)`: which asynchronous collectives run under compute,
+       "gemms": `gemm_report(hlo)`: the GEMM kernels and their FLOPs by number format (FP8 or not),
        "planned": {"peak_bytes" (`jaxpar.analysis.planner.plan.plan(cfg, "gpu")` peak_estimate),
          "ratio" (compiled / planned), "collectives" (`jaxpar.analysis.planner.compiled.compare_collectives` rows:
          the GPU HLO's beside the plan's)}}.
@@ -258,6 +275,7 @@ def compile_for_gpu(
         "fused_attention": sorted({c for c in _CUSTOM_CALL.findall(hlo) if "fmha" in c.lower()}),
         "attention_scores": attention_scores(hlo, t),
         "overlap": overlap_report(hlo),
+        "gemms": gemm_report(hlo),
         "planned": {
             "peak_bytes": planned,
             "ratio": memory["peak_bytes"] / planned if planned else math.nan,

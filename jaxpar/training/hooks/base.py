@@ -88,7 +88,8 @@ class RunContext:
       memory: per-device `memory_peak_bytes` and `memory_step_bytes` (bytes; None where unknown).
       flops_per_token, hardware_flops_per_token: model and hardware training FLOPs per token (`jaxpar.model.flops`;
         the hardware count is None for a model family that registered no recompute count);
-        peak_flops: the device's dense peak FLOP/s, None if unknown.
+        peak_flops: the device's dense bf16 peak FLOP/s, None if unknown. peak_fp8_flops: its dense FP8 peak, set
+        with `precision.fp8.enabled` (None otherwise or if unknown).
 
     Shared values:
       state: the current train state. host: this step's metrics as host floats once a hook fetched them with
@@ -119,6 +120,7 @@ class RunContext:
     flops_per_token: float = 0.0
     hardware_flops_per_token: float | None = None
     peak_flops: float | None = None
+    peak_fp8_flops: float | None = None
     host: dict[str, float] | None = None
     losses: dict[int, float] = dataclasses.field(default_factory=dict)
     val_loss: float | None = None

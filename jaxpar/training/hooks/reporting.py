@@ -74,7 +74,19 @@ def _row(run: RunContext, m: dict[str, float] | None) -> dict:
         **run.memory,
         **{f"val_loss/{name}": value for name, value in (run.val_losses or {}).items()},
         **{k: m[k] for k in MOE_METRICS if k in m},
+        **(_fp8_mfu(run, tokens_per_s) if run.cfg.precision.fp8.enabled else {}),
     }
+
+
+def _fp8_mfu(run: RunContext, tokens_per_s: float | None) -> dict:
+    """With FP8 GEMMs, `mfu_fp8_peak`: the same model FLOPs against the device's dense FP8 peak (`mfu` stays
+    against bf16's, as the anchors report; null where the FP8 peak is unknown)."""
+    value = (
+        None
+        if tokens_per_s is None
+        else flops_lib.mfu(tokens_per_s, run.flops_per_token, run.mesh.size, run.peak_fp8_flops)
+    )
+    return {"mfu_fp8_peak": value}
 
 
 class ProgressBarHook(Hook):
