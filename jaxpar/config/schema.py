@@ -265,10 +265,11 @@ class Fp8Config:
     """FP8 GEMMs in the dense layers (`jaxpar.parallel.fp8`).
 
     Attributes:
-      enabled: run the GEMMs of the attention projections (q, k, v, o) and of the dense MLPs (gate, up, down) in
-        FP8 with the hybrid recipe: E4M3 activations and weights in the forward, E5M2 output gradients in the
-        backward, fp32 accumulation (Micikevicius et al. 2022, arXiv 2209.05433). The embedding, the head and
-        loss, the norms, the router, the experts and attention's score GEMMs keep `precision.compute_dtype`;
+      enabled: run the GEMMs of the attention projections (q, k, v, o), of the dense MLPs and of the MoE experts
+        (gate, up, down) in FP8 with the hybrid recipe: E4M3 activations and weights in the forward, E5M2 output
+        gradients in the backward, fp32 accumulation (Micikevicius et al. 2022, arXiv 2209.05433). The
+        embedding, the head and loss, the norms, the router and attention's score GEMMs keep
+        `precision.compute_dtype`;
         parameters, gradients and optimizer state keep `precision.layout`. Needs FP8 tensor cores on a GPU
         (compute capability 8.9+: H100, H200, B200); runs anywhere else at reference speed.
       scaling: how each tensor's scale is found: `current` (per tensor, from the amax of the tensor being

@@ -38,6 +38,11 @@ are all-gathered over `tensor` (every rank dispatches the whole sequence), the g
 `tensor` (`TensorParallel.sequence_sum`, `gather_sequence_values`), so the router gets the partial gradient of its
 slice that the step sums over `tensor` like a norm's.
 
+FP8 (`precision.fp8`, `jaxpar.parallel.fp8`): the experts' GEMMs run in FP8 like a dense MLP's, the E experts'
+stacked weights one tensor whose amax is max-reduced over the expert axes and `tensor`, the dispatched rows one
+tensor whose amax is max-reduced over the token axes (every row sits on one device of them, or is replicated over
+`tensor`); the router stays in fp32.
+
 Per block, `MoE.__call__` returns statistics for the losses and metrics (`jaxpar.training.moe_loss`):
   aux_B   fp32 [B]: each sequence's load-balancing loss E * sum_i f_i * P_i (Switch eq. 4), f_i the fraction of
           the sequence's T*k assignments routed to expert i (no gradient), P_i the mean router probability of
@@ -91,13 +96,49 @@ def _swiglu_hidden(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
     return checkpoint_name(jax.nn.silu(h_gate) * h_up, MLP_HIDDEN)
 
 
-def _grouped_swiglu(rows_RD: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array):
+def _grouped_swiglu(
+    rows_RD: jax.Array,
+    sizes: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    tp: TensorParallel,
+    ep: ExpertParallel,
+):
     """Rows grouped by expert [R, D] (group g: sizes[g] rows, rows past the groups give zeros) through their
-    experts' SwiGLU with `jax.lax.ragged_dot` -> [R, D] (partial sums over `tensor`)."""
+    experts' SwiGLU with `jax.lax.ragged_dot` -> [R, D] (partial sums over `tensor`); in FP8 when `tp.fp8` is
+    active (`jaxpar.parallel.fp8.Fp8.grouped_matmul`: the stacked experts' weights one tensor, its amax reduced
+    over the expert axes)."""
+    if tp.fp8.active:
+
+        def gemm(x, w, split):
+            return tp.fp8.grouped_matmul(x, w, sizes, split, tp.active, ep.axes)
+
+        h = _swiglu_hidden(gemm(rows_RD, w_gate, "column"), gemm(rows_RD, w_up, "column"))
+        return gemm(h, w_down, "row")
     dt = rows_RD.dtype
     h_gate = jax.lax.ragged_dot(rows_RD, w_gate.astype(dt), sizes)
     h_up = jax.lax.ragged_dot(rows_RD, w_up.astype(dt), sizes)
     return jax.lax.ragged_dot(_swiglu_hidden(h_gate, h_up), w_down.astype(dt), sizes)
+
+
+def _capacity_swiglu(buf: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, tp: TensorParallel, ep):
+    """The dispatched capacity buffer [n, E', B', C, D] (E' local experts) through each expert's SwiGLU ->
+    [n, E', B', C, D] (partial sums over `tensor`); in FP8 when `tp.fp8` is active (one GEMM per expert over its
+    n * B' * C slots, `jaxpar.parallel.fp8.Fp8.batched_matmul`)."""
+    if tp.fp8.active:
+        n, e, b, c, d = buf.shape
+        x_ERD = jnp.moveaxis(buf, 1, 0).reshape(e, n * b * c, d)
+
+        def gemm(x, w, split):
+            return tp.fp8.batched_matmul(x, w, split, tp.active, ep.axes)
+
+        h = _swiglu_hidden(gemm(x_ERD, w_gate, "column"), gemm(x_ERD, w_up, "column"))
+        return jnp.moveaxis(gemm(h, w_down, "row").reshape(e, n, b, c, d), 0, 1)
+    dt = buf.dtype
+    h_gate = jnp.einsum("nebcd,edf->nebcf", buf, w_gate.astype(dt))
+    h_up = jnp.einsum("nebcd,edf->nebcf", buf, w_up.astype(dt))
+    return jnp.einsum("nebcf,efd->nebcd", _swiglu_hidden(h_gate, h_up), w_down.astype(dt))
 
 
 def dropless_experts(
@@ -107,6 +148,7 @@ def dropless_experts(
     w_up: jax.Array,
     w_down: jax.Array,
     ep: ExpertParallel = NO_EXPERT_PARALLEL,
+    tp: TensorParallel = NO_TENSOR_PARALLEL,
 ) -> jax.Array:
     """Every assignment through its expert with grouped matmuls: [B, T, D] -> each assignment's output
     [B, T, k, D] (partial sums over `tensor`: the caller reduces them). Weights: gate/up [E/n, D, F(/t)], down
@@ -121,9 +163,9 @@ def dropless_experts(
     sizes = jnp.bincount(expert_A, length=e).astype(jnp.int32)
     if ep.active:
         rows, local_sizes, routing = ep.dispatch_dropless(xs_AD, expert_A[order], sizes)
-        out_AD = ep.combine_dropless(_grouped_swiglu(rows, local_sizes, w_gate, w_up, w_down), routing)
+        out_AD = ep.combine_dropless(_grouped_swiglu(rows, local_sizes, w_gate, w_up, w_down, tp, ep), routing)
     else:
-        out_AD = _grouped_swiglu(xs_AD, sizes, w_gate, w_up, w_down)
+        out_AD = _grouped_swiglu(xs_AD, sizes, w_gate, w_up, w_down, tp, ep)
     return out_AD[jnp.argsort(order)].reshape(b, t, k, d)
 
 
@@ -135,6 +177,7 @@ def capacity_experts(
     w_down: jax.Array,
     capacity_factor: float,
     ep: ExpertParallel = NO_EXPERT_PARALLEL,
+    tp: TensorParallel = NO_TENSOR_PARALLEL,
 ) -> tuple[jax.Array, jax.Array]:
     """Capacity routing (module docstring): (each assignment's output [B, T, k, D], zero where dropped, partial
     sums over `tensor`; kept mask bool [B, T, k]). Weights as in `dropless_experts`; under expert parallelism the
@@ -152,10 +195,7 @@ def capacity_experts(
     x_BAD = jnp.tile(x_BTD, (1, k, 1))
     buf = jnp.zeros((b, e, c, d), dt).at[rows, idx_BA, slot_BA].add(x_BAD, mode="drop")
     buf = ep.dispatch_capacity(buf)  # [n, E/n, B', C, D]: this device's experts, every source's tokens
-    h_gate = jnp.einsum("nebcd,edf->nebcf", buf, w_gate.astype(dt))
-    h_up = jnp.einsum("nebcd,edf->nebcf", buf, w_up.astype(dt))
-    out = jnp.einsum("nebcf,efd->nebcd", _swiglu_hidden(h_gate, h_up), w_down.astype(dt))
-    out = ep.combine_capacity(out)  # [B, E, C, D]
+    out = ep.combine_capacity(_capacity_swiglu(buf, w_gate, w_up, w_down, tp, ep))  # [B, E, C, D]
     y_BAD = out[rows, idx_BA, jnp.minimum(slot_BA, c - 1)] * keep_BA[..., None].astype(dt)
     y_BTkD = jnp.swapaxes(y_BAD.reshape(b, k, t, d), 1, 2)
     return y_BTkD, jnp.swapaxes(keep_BA.reshape(b, k, t), 1, 2)
@@ -192,10 +232,10 @@ class MoE(nnx.Module):
         x_in = tp.enter(x_BTD)  # [B, T, D]: every tensor rank runs its slice of every expert on every token
         weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
         if self.routing == "capacity":
-            y_BTkD, keep = capacity_experts(x_in, idx, *weights, self.capacity_factor, self.ep)
+            y_BTkD, keep = capacity_experts(x_in, idx, *weights, self.capacity_factor, self.ep, tp)
             stats["dropped"] = jnp.sum(~keep).astype(jnp.float32)
         else:
-            y_BTkD = dropless_experts(x_in, idx, *weights, self.ep)
+            y_BTkD = dropless_experts(x_in, idx, *weights, self.ep, tp)
             stats["dropped"] = jnp.zeros((), jnp.float32)
         # The gates combine each token's k partial outputs before the reduction over tensor (linear: the same sum),
         # so the exit moves [B, T, D] like a dense MLP's, not k times that. The gates enter like an activation:

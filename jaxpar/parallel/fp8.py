@@ -75,50 +75,76 @@ def global_amax(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.pmax(amax, axes) if axes else amax
 
 
-def _scaled_dot(a: jax.Array, a_scale: jax.Array, b: jax.Array, b_scale: jax.Array, dims, dtype) -> jax.Array:
-    """An FP8 GEMM: dot_general of the FP8 operands (accumulated in fp32 by the GEMM, its result rounded to
-    `dtype`), times both scales in fp32, cast to `dtype`. The GEMM's own result is in `dtype`, not fp32: a remat
-    policy that keeps dot outputs (`model.remat: dots`) then keeps as many bytes as for a bf16 GEMM.
-
-    The FP8 operands go to the dot as they are (not dequantised first): XLA's GPU compiler then emits an FP8 GEMM
-    (a cuBLASLt `__cublas$lt$matmul$f8` call, or a Triton GEMM fusion over FP8 operands). A dot of dequantised
-    bf16 copies is rewritten to FP8 by cuBLASLt's pattern only, and runs in bf16 when the compiler picks Triton.
-    """
-    out = jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
+def _scaled(out: jax.Array, a_scale: jax.Array, b_scale: jax.Array, dtype) -> jax.Array:
+    """An FP8 GEMM's result (in `dtype`) times both operands' scales, in fp32, cast to `dtype`."""
     return (out.astype(jnp.float32) * (a_scale * b_scale)).astype(dtype)
 
 
-_RI_IJ = (((1,), (0,)), ((), ()))  # [R, I] @ [I, J]
-_RJ_IJ_T = (((1,), (1,)), ((), ()))  # [R, J] @ [I, J]^T -> [R, I]
-_RI_T_RJ = (((0,), (0,)), ((), ()))  # [R, I]^T @ [R, J] -> [I, J]
+# The three GEMMs of a linear layer for each operand shape (`_GEMMS[kind]`: forward, input gradient, weight
+# gradient), each gemm(a, b, group_sizes, dtype) of FP8 operands with its result in `dtype` (accumulated in fp32
+# by the GEMM). The FP8 operands go to the dot as they are, not dequantised first: XLA's GPU compiler then emits an
+# FP8 GEMM (cuBLASLt's `__cublas$lt$matmul$f8`, or a Triton fusion over FP8 operands). A dot of dequantised bf16
+# copies becomes FP8 only on cuBLASLt's path and runs in bf16 when the compiler picks Triton. The GEMM's own result
+# is in the compute dtype, not fp32, so that a remat policy keeping dot outputs (`model.remat: dots`) keeps as many
+# bytes as for a bf16 GEMM.
+#   plain     x [R, I] @ w [I, J]
+#   grouped   rows grouped by expert, x [R, I] with group g's group_sizes[g] rows @ w [G, I, J] (`ragged_dot`)
+#   batched   x [G, R, I] @ w [G, I, J], one GEMM per expert g (capacity routing's fixed slots)
+def _dot(dims):
+    return lambda a, b, _, dtype: jax.lax.dot_general(a, b, dims, preferred_element_type=dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _fp8_matmul(x_RI: jax.Array, w_IJ: jax.Array, axes: tuple[tuple[str, ...], ...], margin: int) -> jax.Array:
-    return _fp8_matmul_fwd(x_RI, w_IJ, axes, margin)[0]
+_RAGGED_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+)
+_GEMMS = {
+    "plain": (
+        _dot((((1,), (0,)), ((), ()))),  # [R, I] @ [I, J]
+        _dot((((1,), (1,)), ((), ()))),  # [R, J] @ [I, J]^T -> [R, I]
+        _dot((((0,), (0,)), ((), ()))),  # [R, I]^T @ [R, J] -> [I, J]
+    ),
+    "grouped": (
+        lambda x, w, sizes, dtype: jax.lax.ragged_dot(x, w, sizes, preferred_element_type=dtype),
+        lambda g, w, sizes, dtype: jax.lax.ragged_dot(g, jnp.swapaxes(w, 1, 2), sizes, preferred_element_type=dtype),
+        lambda x, g, sizes, dtype: jax.lax.ragged_dot_general(
+            x, g, sizes, _RAGGED_WEIGHT_GRAD, preferred_element_type=dtype
+        ),
+    ),
+    "batched": (
+        _dot((((2,), (1,)), ((0,), (0,)))),  # [G, R, I] @ [G, I, J]
+        _dot((((2,), (2,)), ((0,), (0,)))),  # [G, R, J] @ [G, I, J]^T -> [G, R, I]
+        _dot((((1,), (1,)), ((0,), (0,)))),  # [G, R, I]^T @ [G, R, J] -> [G, I, J]
+    ),
+}
 
 
-def _fp8_matmul_fwd(x_RI, w_IJ, axes, margin):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _fp8_gemm(x: jax.Array, w: jax.Array, sizes: jax.Array, kind: str, axes, margin: int) -> jax.Array:
+    return _fp8_gemm_fwd(x, w, sizes, kind, axes, margin)[0]
+
+
+def _fp8_gemm_fwd(x, w, sizes, kind, axes, margin):
     x_axes, w_axes, _ = axes
-    x_scale = scale_from_amax(global_amax(x_RI, x_axes), FORWARD_FORMAT, margin)
-    w_scale = scale_from_amax(global_amax(w_IJ, w_axes), FORWARD_FORMAT, margin)
-    x_q, w_q = quantize(x_RI, x_scale, FORWARD_FORMAT), quantize(w_IJ, w_scale, FORWARD_FORMAT)
-    y = _scaled_dot(x_q, x_scale, w_q, w_scale, _RI_IJ, x_RI.dtype)
+    x_scale = scale_from_amax(global_amax(x, x_axes), FORWARD_FORMAT, margin)
+    w_scale = scale_from_amax(global_amax(w, w_axes), FORWARD_FORMAT, margin)
+    x_q, w_q = quantize(x, x_scale, FORWARD_FORMAT), quantize(w, w_scale, FORWARD_FORMAT)
+    y = _scaled(_GEMMS[kind][0](x_q, w_q, sizes, x.dtype), x_scale, w_scale, x.dtype)
     # the backward needs only the FP8 copies (1 byte per element) and their scales; the dtypes ride along as
     # zero-size arrays (a residual must be a jax type)
-    return y, (x_q, x_scale, w_q, w_scale, jnp.zeros((0,), x_RI.dtype), jnp.zeros((0,), w_IJ.dtype))
+    return y, (x_q, x_scale, w_q, w_scale, sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _fp8_matmul_bwd(axes, margin, res, g_RJ):
-    x_q, x_scale, w_q, w_scale, x_like, w_like = res
-    g_scale = scale_from_amax(global_amax(g_RJ, axes[2]), BACKWARD_FORMAT, margin)
-    g_q = quantize(g_RJ, g_scale, BACKWARD_FORMAT)
-    dx = _scaled_dot(g_q, g_scale, w_q, w_scale, _RJ_IJ_T, x_like.dtype)
-    dw = _scaled_dot(x_q, x_scale, g_q, g_scale, _RI_T_RJ, w_like.dtype)
-    return dx, dw
+def _fp8_gemm_bwd(kind, axes, margin, res, g):
+    x_q, x_scale, w_q, w_scale, sizes, x_like, w_like = res
+    g_scale = scale_from_amax(global_amax(g, axes[2]), BACKWARD_FORMAT, margin)
+    g_q = quantize(g, g_scale, BACKWARD_FORMAT)
+    _, input_grad, weight_grad = _GEMMS[kind]
+    dx = _scaled(input_grad(g_q, w_q, sizes, x_like.dtype), g_scale, w_scale, x_like.dtype)
+    dw = _scaled(weight_grad(x_q, g_q, sizes, w_like.dtype), x_scale, g_scale, w_like.dtype)
+    return dx, dw, None
 
 
-_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+_fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +162,16 @@ class Fp8:
     token_axes: tuple[str, ...] = ()
     margin: int = 0
 
+    def _axes(self, split: str, tensor_split: bool, weight_axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+        """The mesh axes to max-reduce each operand's amax over: (input, weight, output gradient)."""
+        if split not in ("column", "row"):
+            raise ValueError(f"split must be 'column' or 'row', not {split!r}")
+        tensor = (TENSOR,) if tensor_split else ()
+        tokens = self.token_axes
+        if split == "column":
+            return tokens, weight_axes + tensor, tokens + tensor
+        return tokens + tensor, weight_axes + tensor, tokens
+
     def matmul(self, x: jax.Array, w: jax.Array, split: str, tensor_split: bool) -> jax.Array:
         """x [..., I] @ w [I, ...] -> [..., J...] in x's dtype, as an FP8 GEMM with scales agreed over the mesh.
 
@@ -148,21 +184,40 @@ class Fp8:
         Raises:
           ValueError: `split` is neither `column` nor `row`.
         """
-        if split not in ("column", "row"):
-            raise ValueError(f"split must be 'column' or 'row', not {split!r}")
-        tensor = (TENSOR,) if tensor_split else ()
-        tokens = self.token_axes
-        if split == "column":
-            axes = (tokens, tensor, tokens + tensor)  # x, w, the output's gradient
-        else:
-            axes = (tokens + tensor, tensor, tokens)
-        k = x.shape[-1]
-        out_shape = x.shape[:-1] + w.shape[1:]
-        y = _fp8_matmul(x.reshape(-1, k), w.reshape(k, -1), axes, self.margin)
-        return y.reshape(out_shape)
+        axes = self._axes(split, tensor_split, ())
+        i = x.shape[-1]
+        y = _fp8_gemm(x.reshape(-1, i), w.reshape(i, -1), jnp.zeros((0,), jnp.int32), "plain", axes, self.margin)
+        return y.reshape(x.shape[:-1] + w.shape[1:])
+
+    def grouped_matmul(
+        self, x_RI: jax.Array, w_GIJ: jax.Array, sizes_G: jax.Array, split: str, tensor_split: bool, expert_axes
+    ) -> jax.Array:
+        """Rows grouped by expert through their experts' weights (`jax.lax.ragged_dot`: group g is the next
+        sizes_G[g] rows; rows past the groups give zeros) -> [R, J] in x's dtype, in FP8. The G experts' stacked
+        weights are one tensor: its amax is max-reduced over `expert_axes` (which split the experts under expert
+        parallelism) and `tensor`; `split` and `tensor_split` as for `matmul`.
+
+        Raises:
+          ValueError: `split` is neither `column` nor `row`.
+        """
+        axes = self._axes(split, tensor_split, tuple(expert_axes))
+        return _fp8_gemm(x_RI, w_GIJ, sizes_G.astype(jnp.int32), "grouped", axes, self.margin)
+
+    def batched_matmul(
+        self, x_GRI: jax.Array, w_GIJ: jax.Array, split: str, tensor_split: bool, expert_axes
+    ) -> jax.Array:
+        """One GEMM per expert g, x [G, R, I] @ w [G, I, J] -> [G, R, J] in x's dtype, in FP8, each operand's
+        stack one tensor (scales as in `grouped_matmul`).
+
+        Raises:
+          ValueError: `split` is neither `column` nor `row`.
+        """
+        axes = self._axes(split, tensor_split, tuple(expert_axes))
+        return _fp8_gemm(x_GRI, w_GIJ, jnp.zeros((0,), jnp.int32), "batched", axes, self.margin)
 
 
 NO_FP8 = Fp8()
+NO_AXES = Fp8(active=True)  # FP8 GEMMs on one device (no mesh axes to reduce over)
 
 
 @functools.cache
@@ -172,7 +227,7 @@ def cpu_fp8_error() -> str | None:
     precision routine E5M2's conversion goes through). Compiles and runs one tiny program on the CPU, once."""
 
     def probe(x, w, g):
-        y, vjp = jax.vjp(lambda x, w: _fp8_matmul(x, w, ((), (), ()), 0), x, w)
+        y, vjp = jax.vjp(lambda x, w: NO_AXES.matmul(x, w, "column", False), x, w)
         return y, vjp(g)
 
     try:

@@ -69,7 +69,22 @@ CASES = {
         "optimizer.zero_stage=3",
     ),
     "pipeline2_tensor2_m2": ("mesh.pipeline=2", "mesh.tensor=2", "pipeline.microbatches=2"),
+    "moe_dropless_experts_data2_tensor2": ("mesh.data=2", "mesh.tensor=2", "model.moe.expert_axes=[data]"),
+    "moe_capacity_experts_fsdp2_tensor2": (
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "model.moe.routing=capacity",
+        "model.moe.expert_axes=[fsdp]",
+    ),
 }
+# The MoE cases' model: 4 experts, top-2, every second block an MoE block with a shared expert (its own reference)
+MOE = (
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.d_expert=64",
+    "model.moe.every=2",
+    "model.moe.shared_experts=1",
+)
 
 
 def _overrides(*extra: str) -> list[str]:
@@ -90,9 +105,12 @@ def _device_batch(plan) -> dict:
     return {k: jax.device_put(v, plan.batch_sharding) for k, v in host_batch(VALID, T, SEED).items()}
 
 
-def _microbatches(case: str) -> tuple[str, ...]:
-    """The reference's accumulation for a case: its microbatches (each microbatch has its own scales)."""
-    return tuple(o for o in CASES[case] if o.startswith("pipeline.microbatches"))
+def _reference_key(case: str) -> tuple[str, ...]:
+    """The reference's overrides for a case: the MoE model for the MoE cases, and its microbatches (each
+    microbatch has its own scales)."""
+    model = MOE if case.startswith("moe") else ()
+    routing = tuple(o for o in CASES[case] if o.startswith("model.moe.routing"))
+    return model + routing + tuple(o for o in CASES[case] if o.startswith("pipeline.microbatches"))
 
 
 _REFERENCES: dict = {}
@@ -100,20 +118,22 @@ _REFERENCES: dict = {}
 
 @pytest.fixture(scope="module")
 def reference():
-    """The single-device FP8 step with the given microbatches, computed once each."""
+    """The single-device FP8 step with the given overrides (`_reference_key`), computed once each."""
 
-    def get(microbatches: tuple[str, ...]) -> dict:
-        if microbatches not in _REFERENCES:
-            plan = make_plan(_overrides(*microbatches), jax.devices()[:1])
+    def get(key: tuple[str, ...]) -> dict:
+        if key not in _REFERENCES:
+            plan = make_plan(_overrides(*key), jax.devices()[:1])
             state = init_state(plan, SEED)
             host_state = to_host(state)
             batch = _device_batch(plan)
-            if not microbatches:
+            if not key:
                 _assert_projections_run_in_fp8(plan, state, batch)
+            if key == MOE:
+                _assert_experts_run_in_fp8(plan, state, batch)
             step = compile_fast(make_train_step(plan), state, batch)
             out = stepped(step, state, batch)
-            _REFERENCES[microbatches] = {"host_state": host_state, "plan": plan, "step": step, **out}
-        return _REFERENCES[microbatches]
+            _REFERENCES[key] = {"host_state": host_state, "plan": plan, "step": step, **out}
+        return _REFERENCES[key]
 
     return get
 
@@ -131,6 +151,19 @@ def _assert_projections_run_in_fp8(plan, state, batch) -> None:
     assert ("float32", "float32") in kinds  # the head (and attention's scores) are not FP8
 
 
+def _assert_experts_run_in_fp8(plan, state, batch) -> None:
+    """Dropless routing's grouped GEMMs (`ragged_dot`) all multiply FP8 operands: per MoE block 3 forward (run again
+    where the remat policy recomputes the block) and 6 backward, those with the E5M2 output gradient."""
+    jaxpr = jax.make_jaxpr(make_grad_fn(plan))(state["params"], batch).jaxpr
+    ragged = [
+        tuple(v.aval.dtype.name for v in e.invars[:2])
+        for e in _equations(jaxpr)
+        if e.primitive.name in ("ragged_dot", "ragged_dot_general")
+    ]
+    assert all(k[0].startswith("float8") and k[1].startswith("float8") for k in ragged), ragged
+    assert sum("float8_e5m2" in k for k in ragged) == 6 and len(ragged) >= 9, ragged
+
+
 def _equations(jaxpr):
     """Every equation of `jaxpr` and of the jaxprs inside it (scans, custom VJPs, shard_map)."""
     for e in jaxpr.eqns:
@@ -143,7 +176,7 @@ def _equations(jaxpr):
 
 
 def _layout(case: str):
-    overrides = CASES[case]
+    overrides = (MOE if case.startswith("moe") else ()) + CASES[case]
     n = mesh_devices(overrides)
     plan = make_plan(_overrides(*overrides), jax.devices()[:n])
     split = {a: s for a, s in plan.mesh_shape.items() if s > 1}
@@ -163,7 +196,7 @@ def _run(plan, ref) -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_fp8_step_equals_fp8_on_one_device(case, reference, need_devices):
     need_devices(mesh_devices(CASES[case]))
-    ref = reference(_microbatches(case))
+    ref = reference(_reference_key(case))
     plan = _layout(case)
     assert_step_equals(plan, _run(plan, ref), ref, RTOL)
 

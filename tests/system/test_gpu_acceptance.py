@@ -38,7 +38,18 @@ def test_cpu_smoke_runs_every_part_and_the_loss_falls(tmp_path):
     assert report["best_remat"] in ("none", "names")
     losses = report["learning"]["losses"]
     assert len(losses) == 30 and report["learning"]["falls"]
-    assert report["passed"] == {"attention": None, "context_parallel": None, "learning": True, "mfu_at_least_50": None}
+    assert report["passed"] == {
+        "attention": None,
+        "context_parallel": None,
+        "learning": True,
+        "mfu_at_least_50": None,
+        "fp8_learning": True,
+    }
+    # section 7: the kept step with FP8 GEMMs, and the same learning run in FP8 beside bf16's
+    fp8 = report["fp8"]
+    assert fp8["remat"] == report["best_remat"] and fp8["tokens_per_s"] > 0 and fp8["mfu_fp8_peak"] is None
+    assert len(fp8["learning"]["losses"]) == 30 and fp8["learning"]["max_gap"] > 0
+    assert "## FP8 GEMMs" in proc.stdout
     # context parallelism's chunk decomposition (two kernel calls per query chunk) on the XLA kernel, fp32
     parity = report["context_parallel"]["parity"]
     assert len(parity) == 6 and all(row["decomposition"] < 1e-5 for row in parity.values()), parity
