@@ -69,6 +69,7 @@ def _plot(results: dict, out: str) -> str | None:
     top.legend()
     band = results["band"]
     bottom.fill_between(band["steps"], 0, band["band"], color="tab:blue", alpha=0.25, label="bf16 seed range")
+    bottom.axhline(band["pooled_band"], color="tab:blue", ls=":", label="band: 2 x bf16 seed std")
     bottom.plot(band["steps"], band["gap"], color="tab:red", label="max |FP8 - bf16|, same seed")
     bottom.set_xlabel("step")
     bottom.set_ylabel("nats/token")
@@ -118,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     for k, b, g, r in zip(band["steps"], band["band"], band["gap"], band["ratio"]):
         print(f"| {k} | {b:.4f} | {g:.4f} | {r:.2f} |")
     print(
-        f"worst ratio {band['worst_ratio']:.2f} at step {band['worst_step']}; mean FP8 - bf16 "
-        f"{band['mean_gap']:+.4f} nats; within the band at every logged step: {band['within']}"
+        f"band: {band['pooled_band']:.4f} nats (2 x bf16's pooled seed-to-seed standard deviation, "
+        f"{band['std']:.4f}); largest FP8 - bf16 difference {max(band['gap']):.4f}; within the band at every "
+        f"logged step: {band['within']}; within that step's seed range at {band['within_range']} of "
+        f"{len(band['steps'])} steps (worst ratio {band['worst_ratio']:.2f} at step {band['worst_step']}); mean "
+        f"FP8 - bf16 {band['mean_gap']:+.4f} nats"
     )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:

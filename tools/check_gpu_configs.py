@@ -76,7 +76,7 @@ def _fp8_table(configs, check_config, human_bytes, record_file) -> int:
         unfit += not rec["fits"]
         rows.append(
             f"| {rec['config']} | {rec['cluster']} | {human_bytes(base)} | {human_bytes(rec['peak_bytes'])} | "
-            f"{rec['peak_bytes'] / base:.3f} | {'yes' if rec['fits'] else 'no'} |"
+            f"{rec['peak_bytes'] / base:.3f} | {rec['ratio']:.3f} | {'yes' if rec['fits'] else 'no'} |"
         )
         print(rows[-1], flush=True)
     print("\n".join(rows))

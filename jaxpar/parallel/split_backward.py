@@ -213,10 +213,16 @@ def _is_var(atom) -> bool:
 # A reshape, transpose or dtype conversion of one input no larger than its result is redone too (so W also
 # reaches an all-gather behind it, and keeps a bf16 value rather than its fp32 conversion), and so is the
 # identity `name` that a rematerialisation policy tags values with (`jax.ad_checkpoint.checkpoint_name`).
+# An elementwise op whose other inputs are scalars (0-d), or a conversion to a narrower dtype, is redone when its one
+# array input comes from an all-gather whose input is smaller than the op's result: FP8's quantisation of an
+# all-gathered block input (`jaxpar.parallel.fp8`: convert, divide by the scale, clip, convert to FP8) is then
+# redone in W from the s/t-row slice and the scale, instead of keeping the gathered s rows in FP8 (t/2 times the
+# bf16 slice's bytes).
 _REDO_IN_W = frozenset({"all_gather"})
 _REDO_IF_NOT_SMALLER = frozenset(
     {"reshape", "transpose", "convert_element_type", "squeeze", "expand_dims", "copy", "name"}
 )
+_REDO_WITH_SCALARS = frozenset({"convert_element_type", "div", "mul", "clamp", "max", "min", "neg", "abs"})
 
 
 def _nbytes(aval) -> int:
@@ -266,7 +272,7 @@ class _Part:
         while stack:
             v = stack.pop()
             op = producer.get(id(v))
-            if op is not None and id(v) in b_vars and _redone_in_w(op):
+            if op is not None and id(v) in b_vars and (_redone_in_w(op) or self._redone_from_redone(op)):
                 if id(op) not in self.w_need:
                     self.w_need[id(op)] = set(range(len(op.outs)))
                     stack += [a for a in op.ins if _is_var(a)]
@@ -284,6 +290,25 @@ class _Part:
             stack += [a for a in self._inputs_for(op, {k}, side="W") if _is_var(a)]
         self.b_ops = [op for op in ops if id(op) in self.b_need]
         self.w_ops = [op for op in ops if id(op) in self.w_need]
+
+    def _redone_from_redone(self, op) -> bool:
+        """Whether `op` is an elementwise op of one array and scalars (`_REDO_WITH_SCALARS`) computed, through
+        more such ops or those of `_REDO_IF_NOT_SMALLER`, from an all-gather whose input is smaller than `op`'s
+        result (module comment at `_REDO_IN_W`): W then redoes the chain from the gather's input."""
+        if not (isinstance(op, _Eqn) and op.eqn.primitive.name in _REDO_WITH_SCALARS):
+            return False
+        kept = _nbytes(op.outs[0].aval)  # what W would keep instead
+        while isinstance(op, _Eqn) and len(op.outs) == 1:
+            name = op.eqn.primitive.name
+            if name in _REDO_IN_W:
+                return sum(_nbytes(a.aval) for a in op.ins if _is_var(a)) < kept
+            if name not in _REDO_WITH_SCALARS | _REDO_IF_NOT_SMALLER:
+                return False
+            arrays = [a for a in op.ins if _is_var(a) and a.aval.shape != ()]
+            if len(arrays) != 1:
+                return False
+            op = self.producer.get(id(arrays[0]))
+        return False
 
     def _computed_by_b(self, op, k: int) -> bool:
         if isinstance(op, _Scan):

@@ -13,7 +13,9 @@ def test_band_gap_and_ratio_per_logged_step():
     assert out["band"] == pytest.approx([0.2, 0.2])
     assert out["gap"] == pytest.approx([0.05, 0.3])
     assert out["ratio"] == pytest.approx([0.25, 1.5])
-    assert (out["worst_step"], out["within"]) == (20, False)
+    assert out["worst_step"] == 20 and out["within_range"] == 1
+    # per-step sample variances 0.01 and 0.01: pooled std 0.1, band 0.2; the gap 0.3 at step 20 is outside
+    assert out["std"] == pytest.approx(0.1) and out["pooled_band"] == pytest.approx(0.2) and not out["within"]
     assert out["mean_gap"] == pytest.approx((0.05 + 0.3) / 6)
 
 
