@@ -262,7 +262,7 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """FP8 GEMMs in the dense layers (`jaxpar.parallel.fp8`).
+    """FP8 GEMMs in the attention projections, MLPs and experts (`jaxpar.parallel.fp8`).
 
     Attributes:
       enabled: run the GEMMs of the attention projections (q, k, v, o), of the dense MLPs and of the MoE experts
@@ -271,10 +271,11 @@ class Fp8Config:
         embedding, the head and loss, the norms, the router and attention's score GEMMs keep
         `precision.compute_dtype`;
         parameters, gradients and optimizer state keep `precision.layout`. Needs FP8 tensor cores on a GPU
-        (compute capability 8.9+: H100, H200, B200); runs anywhere else at reference speed.
+        (compute capability 8.9+: L4, L40S, H100, H200, B200); runs on CPU at reference speed (for tests);
+        refused on A100 and TPU.
       scaling: how each tensor's scale is found: `current` (per tensor, from the amax of the tensor being
         quantised, max-reduced over the mesh axes that split it).
-      margin: the scales leave 2^margin of headroom below the format's largest value (0: none).
+      margin: the scales leave 2^margin of headroom below the format's largest value, 0 to 8 (0: none).
     """
 
     enabled: bool = False
@@ -293,7 +294,7 @@ class PrecisionConfig:
         mixed-precision layout: bf16 working parameters and gradients, fp32 master parameters and Adam moments
         (2 + 2 + 12 = 16 bytes/param; Rajbhandari et al. 2019, section 3.1).
       reduce_dtype: dtype in which gradients are reduce-scattered and all-reduced (`float32` or `bfloat16`).
-      fp8: FP8 GEMMs in the dense layers (`Fp8Config`; off by default).
+      fp8: FP8 GEMMs in the attention projections, MLPs and experts (`Fp8Config`; off by default).
     """
 
     compute_dtype: str = "auto"

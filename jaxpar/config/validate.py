@@ -132,8 +132,9 @@ def _check_precision(cfg: Config) -> None:
     check_choice("precision.fp8.scaling", p.fp8.scaling, FP8_SCALINGS)
     if not 0 <= p.fp8.margin <= 8:
         raise ConfigError(
-            f"precision.fp8.margin={p.fp8.margin} must lie in [0, 8] (the scales' headroom is 2^margin; E4M3 "
-            f"spans 2^17 between its smallest normal and largest value); {example('precision.fp8.margin')}"
+            f"precision.fp8.margin={p.fp8.margin} must lie in [0, 8] (the scales' headroom is 2^margin, taken from "
+            f"the about 15 binary orders of magnitude of E4M3's normal range, 2^-6 to 448); "
+            f"{example('precision.fp8.margin')}"
         )
 
 

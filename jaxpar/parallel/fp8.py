@@ -13,7 +13,7 @@ Per-tensor scaling, current ("just-in-time", Transformer Engine's `Float8Current
 q = round_fp8(clip(X / s, -max, max)) with the dequantising scale s = amax(X) / max * 2^margin, so that its largest
 magnitude lands on the format's largest finite value (`margin` > 0 leaves 2^margin of headroom). amax(X) of 0 gives
 s = 1 (every element quantises to 0 either way); an amax that is inf or NaN gives a NaN scale, so the step's loss
-or gradients are non-finite and the train step skips the update (`train.skip_nonfinite`).
+or gradients are non-finite and the train step skips the update (`jaxpar.training.optimizer.skip_nonfinite`).
 
 Amax over the whole tensor. Inside the step's shard_map a device holds a part of each GEMM operand: the
 activations' rows are split over the token axes (`data`, `fsdp`, `context`: the batch and the sequence), a

@@ -243,8 +243,9 @@ def _log_setup(plan: StepPlan, *, caller_optimizer: bool) -> None:
     _LOGGER.info(f"jaxpar: {describe_process()}")  # every process, once
     _log(
         f"jaxpar: mesh {describe(plan.mesh)}, zero_stage {cfg.optimizer.zero_stage}, "
-        f"compute {np.dtype(plan.compute_dtype).name}, layout {cfg.precision.layout}, attention "
-        f"{plan.attention} (model.attention {cfg.model.attention})"
+        f"compute {np.dtype(plan.compute_dtype).name}"
+        f"{f' with FP8 GEMMs ({cfg.precision.fp8.scaling} scaling)' if cfg.precision.fp8.enabled else ''}, layout "
+        f"{cfg.precision.layout}, attention {plan.attention} (model.attention {cfg.model.attention})"
     )
     if cfg.mesh.pipeline > 1:
         pipe = cfg.pipeline

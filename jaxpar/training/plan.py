@@ -172,7 +172,8 @@ def build_plan(
       ConfigError: a mesh that is not the config's; `model.attention=cudnn` where cuDNN cannot run; a parameter
         width the mesh does not divide; `mesh.pipeline > 1` on CPU with jax's persistent compilation cache on
         (`_check_compilation_cache` says why); with the default optimizer, an `optimizer.weight_decay_exclude`
-        pattern that matches no parameter name (`jaxpar.training.optimizer.check_weight_decay_exclude`).
+        pattern that matches no parameter name (`jaxpar.training.optimizer.check_weight_decay_exclude`);
+        `precision.fp8.enabled` where FP8 GEMMs cannot run (`_check_fp8`).
       TypeError: `optimizer` is not an `optax.GradientTransformation`; `loss_fn` fails on abstract inputs or
         returns no real scalar (`jaxpar.training.loss.check_loss_fn`).
       ValueError: `learning_rate` without `optimizer`; a schedule `learning_rate` with an optimizer state that
@@ -231,8 +232,8 @@ def build_plan(
 def _check_fp8(cfg: Config, mesh: Mesh, platform: str) -> None:
     """Refuses `precision.fp8.enabled` where FP8 GEMMs cannot run: an NVIDIA GPU without FP8 tensor cores
     (compute capability below `FP8_MIN_CAPABILITY`, e.g. A100: XLA would run the GEMMs upcast, slower than bf16),
-    or an XLA:CPU that cannot compile FP8 conversions (`jaxpar.parallel.fp8.cpu_fp8_error`). Before any device
-    work but the CPU's probe."""
+    a TPU (not supported), or an XLA:CPU that cannot compile FP8 conversions (`jaxpar.parallel.fp8.cpu_fp8_error`).
+    Before any device work but the CPU's probe."""
     if not cfg.precision.fp8.enabled:
         return
     device = mesh.devices.flat[0]
@@ -244,6 +245,11 @@ def _check_fp8(cfg: Config, mesh: Mesh, platform: str) -> None:
                 f"precision.fp8.enabled=true needs FP8 tensor cores (compute capability {need}+: H100, H200, B200); "
                 f"{device.device_kind} has compute capability {capability}; set precision.fp8.enabled=false"
             )
+    elif platform == "tpu":
+        raise ConfigError(
+            "precision.fp8.enabled=true: FP8 GEMMs are built for NVIDIA GPUs with FP8 tensor cores (and run on CPU "
+            "for tests); on TPU they are not supported; set precision.fp8.enabled=false"
+        )
     elif platform == "cpu":
         error = cpu_fp8_error()
         if error is not None:

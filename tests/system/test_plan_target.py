@@ -38,6 +38,10 @@ EXTRA = "pip install 'jaxpar[gpu-compile]'"
         (["--target", "h100:2x8", "--compile", "--measure-steps", "2"], "--measure-steps does not apply"),
         (["--target", "h100:2x8", "--compile", "--fast-compile"], "--fast-compile does not apply"),
         (["--target", "h100:2x8", "--compile", "--real-devices"], "--real-devices does not apply"),
+        (
+            ["--target", "a100:2x8", "precision.fp8.enabled=true"],
+            "precision.fp8.enabled=true needs FP8 tensor cores (compute capability 8.9+); NVIDIA A100-SXM4-80GB",
+        ),
     ],
 )
 def test_target_flags_are_checked(argv, needle, capsys, monkeypatch):

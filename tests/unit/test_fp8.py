@@ -16,6 +16,8 @@ dw = x^T g have E5M2's 2^-3 on the gradient's side. A bf16 GEMM of the same inpu
 and one rounding to bf16 (2^-9 |y|): FP8 and bf16 agree within the sum of their bounds.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,29 @@ def test_bad_split_is_refused():
     with pytest.raises(ValueError, match="split must be 'column' or 'row'"):
         Fp8(active=True).matmul(jnp.ones((2, 4)), jnp.ones((4, 2)), "rows", False)
     assert not NO_FP8.active
+
+
+def test_the_plan_refuses_fp8_on_a100_and_tpu():
+    """Before any device work: an NVIDIA GPU below compute capability 8.9 (A100: XLA would upcast the GEMMs) and a
+    TPU are refused, naming the fix; an H100 passes."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from jaxpar.config import ConfigError, load_config
+    from jaxpar.training.plan import _check_fp8
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "configs", "tiny.yaml"), ["precision.fp8.enabled=true"], validate=False)
+
+    def mesh(kind: str, capability: str):
+        device = SimpleNamespace(device_kind=kind, compute_capability=capability)
+        return SimpleNamespace(devices=np.array([device], dtype=object))
+
+    with pytest.raises(
+        ConfigError, match=r"needs FP8 tensor cores .*NVIDIA A100-SXM4-80GB has compute capability 8\.0"
+    ):
+        _check_fp8(cfg, mesh("NVIDIA A100-SXM4-80GB", "8.0"), "gpu")
+    with pytest.raises(ConfigError, match="on TPU they are not supported; set precision.fp8.enabled=false"):
+        _check_fp8(cfg, mesh("TPU v5 lite", ""), "tpu")
+    _check_fp8(cfg, mesh("NVIDIA H100 80GB HBM3", "9.0"), "gpu")

@@ -75,7 +75,8 @@ Expert parallelism (`model.moe.expert_axes`): the dispatch and combine all-to-al
   (`jaxpar.analysis.planner.experts`: count and size, formula and sources); the routed experts' weights are not
   all-gathered and their gradients not reduce-scattered over expert axes ("expert weights" terms over the storage
   axes that remain), and not reduced over data when data is an expert axis.
-Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums), a few bytes.
+Not listed: scalar all-reduces (loss, token count, grad-norm and finite-check partial sums, FP8's amaxes: one max per
+GEMM operand), a few bytes.
 """
 
 from __future__ import annotations

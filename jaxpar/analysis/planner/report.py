@@ -235,7 +235,7 @@ def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
         lines += _hlo_reading_note(compiled["collectives"])
         s = compiled["scalars"]
         lines.append(
-            f"  + scalar all-reduces (loss, token count, grad-norm/finite partial sums), not planned: "
+            f"  + scalar all-reduces (loss, token count, grad-norm/finite partial sums, FP8 amaxes), not planned: "
             f"{s['count']} ops, {s['bytes']:,.0f} B over {', '.join(s['axes']) or '-'}"
         )
         lines.append("  (ops: XLA combines small reductions, so compiled op counts can be lower at equal bytes)")
