@@ -46,25 +46,13 @@ def _plot(results: dict, out: str) -> str | None:
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
-    for seed, losses in results["bf16"].items():
-        steps = sorted(losses)
-        top.plot(
-            steps,
-            [losses[k] for k in steps],
-            color="tab:blue",
-            lw=1,
-            label="bf16" if seed == min(results["bf16"]) else None,
-        )
-    for seed, losses in results["fp8"].items():
-        steps = sorted(losses)
-        top.plot(
-            steps,
-            [losses[k] for k in steps],
-            color="tab:red",
-            lw=1,
-            ls="--",
-            label="FP8" if seed == min(results["fp8"]) else None,
-        )
+    for name, label, style in (
+        ("bf16", "bf16", dict(color="tab:blue")),
+        ("fp8", "FP8", dict(color="tab:red", ls="--")),
+    ):
+        for i, losses in enumerate(results[name].values()):
+            steps = sorted(losses)
+            top.plot(steps, [losses[k] for k in steps], lw=1, label=None if i else label, **style)
     top.set_ylabel("training loss (nats/token)")
     top.legend()
     band = results["band"]
