@@ -457,6 +457,8 @@ class TrainConfig:
         once (never cycled): 0 the whole split; B > 0 its first min(B * global_batch_size, all) sequences.
         The last global batch is padded with masked rows; metrics report the tokens covered (`val_tokens`).
       peak_flops_per_device: dense peak FLOP/s to use for MFU when the device is not in the table; 0: unknown.
+      peak_fp8_flops_per_device: dense FP8 peak FLOP/s for `mfu_fp8_peak` (with `precision.fp8.enabled`) when the
+        device is not in `jaxpar.model.flops.PEAK_FP8_FLOPS` (e.g. an L4 or L40S); 0: unknown.
       progress_bar: show a tqdm progress bar; false: a log line every log_every steps instead.
       sample_tokens: tokens to generate from the trained model at the end (0: none), decoded with the data's
         tokenizer; skipped, saying why, without one (a `tokens` file) or above
@@ -480,6 +482,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     peak_flops_per_device: float = 0.0
+    peak_fp8_flops_per_device: float = 0.0
     progress_bar: bool = True
     sample_tokens: int = 120
     max_bad_steps: int = 10

@@ -176,6 +176,7 @@ def _check_checkpoint_and_train(cfg: Config) -> None:
     check_positive("train.eval_batches", t.eval_batches, allow_zero=True)  # 0: the whole validation split
     check_positive("train.eval_every", t.eval_every, allow_zero=True)
     check_positive("train.peak_flops_per_device", t.peak_flops_per_device, allow_zero=True)
+    check_positive("train.peak_fp8_flops_per_device", t.peak_fp8_flops_per_device, allow_zero=True)
     check_positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
     check_positive("train.divergence_rollbacks", t.divergence_rollbacks, allow_zero=True)
     check_positive("train.watchdog_s", t.watchdog_s, allow_zero=True)

@@ -206,7 +206,9 @@ def _start_run(
         hardware_flops_per_token=hardware_flops,
         peak_flops=peak,
         peak_fp8_flops=(
-            flops_lib.peak_flops(jax.devices()[0].device_kind, table=flops_lib.PEAK_FP8_FLOPS)
+            flops_lib.peak_flops(
+                jax.devices()[0].device_kind, cfg.train.peak_fp8_flops_per_device, table=flops_lib.PEAK_FP8_FLOPS
+            )
             if cfg.precision.fp8.enabled
             else None
         ),

@@ -141,6 +141,7 @@ OUT_OF_RANGE = {
     "train.eval_every": -1,
     "train.eval_batches": -1,
     "train.peak_flops_per_device": -1e12,
+    "train.peak_fp8_flops_per_device": -1e12,
     "train.progress_bar": BOOL,
     "train.sample_tokens": -1,
     "train.max_bad_steps": 0,
