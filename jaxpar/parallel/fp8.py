@@ -6,7 +6,8 @@ input features (contracted), J its output features: y_RJ = x_RI @ w_IJ.
 The hybrid recipe (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv 2209.05433, sections 3-4;
 NVIDIA Transformer Engine's `Format.HYBRID`): the forward GEMM y = x @ w multiplies E4M3 copies of x and w (3
 mantissa bits, largest finite 448), the backward's two GEMMs dx = g @ w^T and dw = x^T @ g multiply the E5M2 copy
-of the output gradient g (2 mantissa bits, largest finite 57344) with the saved E4M3 copies. Every GEMM
+of the output gradient g (2 mantissa bits, largest finite 57344) with the forward's E4M3 copies (the custom VJP's
+residuals, which a remat policy may recompute). Every GEMM
 accumulates in fp32 and its result is multiplied by the two operands' scales, then cast to the output dtype.
 
 Per-tensor scaling, current ("just-in-time", Transformer Engine's `Float8CurrentScaling`): a tensor X is stored as
@@ -24,13 +25,16 @@ the axes that split the operand, so every device quantises with the scale one de
 tensor, and the layouts agree with one device (a per-shard amax quantises each shard differently). Operands
 replicated over an axis (the column-parallel input after `TensorParallel.enter`, the row-parallel output's
 gradient) reduce over nothing there. The pipeline's stages hold different layers: no reduction over `pipeline`.
+The MoE experts' stacked weights are one tensor, split over the expert axes too; the rows dispatched to them are
+split over the token axes (each row on one device of them).
 A microbatch is the tensor: under gradient accumulation or the pipeline's microbatches each microbatch has its
 own scales, so one device compares with the same microbatches.
 
-`Fp8.matmul` is the one entry; `NO_FP8` (inactive) leaves the caller's own GEMM in place. On CPU the GEMMs run
-as XLA:CPU's dots of FP8 operands (for tests, at reference speed); XLA:CPU converts E5M2 through half precision,
-whose conversion routines it cannot link for a CPU without F16C (`--xla_cpu_max_isa=SSE4_2`): `cpu_fp8_error`
-says whether this machine can.
+`Fp8.matmul` (a linear layer), `Fp8.grouped_matmul` (dropless experts) and `Fp8.batched_matmul` (capacity
+experts) are the entries; `NO_FP8` (inactive) leaves the caller's own GEMM in place. On CPU the GEMMs run as
+XLA:CPU's dots of FP8 operands (for tests, at reference speed); XLA:CPU converts E5M2 through half precision, whose
+conversion routines its fast code generation cannot link for a CPU without F16C (`--xla_cpu_max_isa=SSE4_2` with
+`--xla_backend_optimization_level=0`): `cpu_fp8_error` says whether this process can.
 """
 
 from __future__ import annotations
