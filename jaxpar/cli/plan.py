@@ -257,16 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a ConfigError, or resolve_attention's; named with the file or override of each key
         return _fail(f"config error: {sources.explain(e if isinstance(e, ConfigError) else ConfigError(str(e)))}")
     if clu is not None:
-        from jaxpar.config.precision import FP8_MIN_CAPABILITY
+        from jaxpar.config.precision import check_fp8_capability
 
-        capability = clu.target.compute_capability
-        if cfg.precision.fp8.enabled and capability < FP8_MIN_CAPABILITY:
-            need = ".".join(map(str, FP8_MIN_CAPABILITY))
-            return _fail(
-                f"config error: precision.fp8.enabled=true needs FP8 tensor cores (compute capability {need}+); "
-                f"{clu.target.device_kind} ({clu.target.name}) has {'.'.join(map(str, capability))}: the trainer "
-                f"refuses it there; set precision.fp8.enabled=false or plan for h100, h200 or b200"
-            )
+        if cfg.precision.fp8.enabled:
+            try:
+                check_fp8_capability(clu.target.device_kind, clu.target.compute_capability)
+            except ConfigError as e:
+                return _fail(f"config error: {e}")
         return _gpu_target(args, cfg, clu)
     compile_ = args.compile or args.measure_steps > 0
     if compile_:

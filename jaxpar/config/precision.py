@@ -98,6 +98,25 @@ def precision_layout(name: str) -> PrecisionLayout:
     return LAYOUTS[name]
 
 
+def check_fp8_capability(device_kind: str, capability: tuple[int, ...]) -> None:
+    """Refuses `precision.fp8.enabled` on an NVIDIA GPU of compute capability `capability` below
+    `FP8_MIN_CAPABILITY` (no FP8 tensor cores, e.g. A100's (8, 0): XLA would run the GEMMs upcast, slower than
+    bf16).
+
+    Raises:
+      ConfigError: the device has no FP8 tensor cores (the message names it and the fix).
+    """
+    from jaxpar.config.errors import ConfigError
+
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        need = ".".join(map(str, FP8_MIN_CAPABILITY))
+        raise ConfigError(
+            f"precision.fp8.enabled=true needs FP8 tensor cores (compute capability {need}+); {device_kind} has "
+            f"compute capability {'.'.join(map(str, capability))}; set precision.fp8.enabled=false, or run on "
+            f"H100, H200 or B200"
+        )
+
+
 def check_platform(platform: str) -> str:
     """`platform` if it is one of `PLATFORMS`; raises ValueError naming them otherwise."""
     if platform not in PLATFORMS:

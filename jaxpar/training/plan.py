@@ -28,7 +28,12 @@ from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import CONTEXT, PIPELINE, TENSOR, TOKEN_AXES
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe, without_expert_axes
-from jaxpar.config.precision import FP8_MIN_CAPABILITY, PrecisionLayout, precision_layout, resolve_compute_dtype
+from jaxpar.config.precision import (
+    PrecisionLayout,
+    check_fp8_capability,
+    precision_layout,
+    resolve_compute_dtype,
+)
 from jaxpar.config.schema import Config, ModelConfig
 from jaxpar.config.validate import check_context, sequence_parallel
 from jaxpar.model import ModelDef, init_params, model_def
@@ -239,12 +244,8 @@ def _check_fp8(cfg: Config, mesh: Mesh, platform: str) -> None:
     device = mesh.devices.flat[0]
     if platform == "gpu":
         capability = getattr(device, "compute_capability", None)
-        if capability is not None and tuple(int(v) for v in str(capability).split(".")) < FP8_MIN_CAPABILITY:
-            need = ".".join(map(str, FP8_MIN_CAPABILITY))
-            raise ConfigError(
-                f"precision.fp8.enabled=true needs FP8 tensor cores (compute capability {need}+: H100, H200, B200); "
-                f"{device.device_kind} has compute capability {capability}; set precision.fp8.enabled=false"
-            )
+        if capability is not None:
+            check_fp8_capability(device.device_kind, tuple(int(v) for v in str(capability).split(".")))
     elif platform == "tpu":
         raise ConfigError(
             "precision.fp8.enabled=true: FP8 GEMMs are built for NVIDIA GPUs with FP8 tensor cores (and run on CPU "

@@ -20,7 +20,7 @@ import re
 from collections import Counter
 
 from jaxpar.analysis.hlo.collectives import _arrays, _Instr, parse_module
-from jaxpar.analysis.hlo.flops import per_device_cost
+from jaxpar.analysis.hlo.flops import _dot_flops, per_device_cost
 
 FP8_CUBLAS_TARGET = "__cublas$lt$matmul$f8"  # cuBLASLt's FP8 GEMM, as XLA's GPU compiler names the call
 _CUBLAS = "__cublas$"
@@ -39,19 +39,17 @@ def _target(i: _Instr) -> str:
 
 def _gemm(module, comp: str, i: _Instr) -> tuple[float, bool] | None:
     """(FLOPs, FP8?) of a dot or cuBLAS GEMM call; None for any other instruction."""
-    if i.opcode == "dot":
-        dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attrs)
-        contracting = [int(d) for d in dims.group(1).split(",") if d] if dims else []
-    elif i.opcode == "custom-call" and _target(i).startswith(_CUBLAS):
+    cublas = i.opcode == "custom-call" and _target(i).startswith(_CUBLAS)
+    if i.opcode != "dot" and not cublas:
+        return None
+    lhs, rhs = (module.operand_arrays(comp, i, k)[0] for k in (0, 1))
+    if cublas:
         config = re.search(r"backend_config=(\{.*\})", i.attrs)
         numbers = json.loads(config.group(1)).get("gemm_backend_config", {}) if config else {}
         dims_json = numbers.get("dot_dimension_numbers", {}).get("lhs_contracting_dimensions", [])
-        contracting = [int(d) for d in dims_json]
+        flops = 2.0 * math.prod(_arrays(i.type_str)[0].shape) * math.prod(lhs.shape[int(d)] for d in dims_json)
     else:
-        return None
-    lhs, rhs = (module.operand_arrays(comp, i, k)[0] for k in (0, 1))
-    result = _arrays(i.type_str)[0]
-    flops = 2.0 * math.prod(result.shape) * math.prod(lhs.shape[d] for d in contracting)
+        flops = _dot_flops(module, comp, i)
     return flops, _is_fp8(lhs.dtype) and _is_fp8(rhs.dtype)
 
 
