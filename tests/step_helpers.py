@@ -165,12 +165,13 @@ def shard_shape(x: jax.Array) -> tuple[int, ...]:
     return tuple(x.sharding.shard_shape(x.shape))
 
 
-def assert_tree_close(actual, expected, rtol: float, elementwise: bool = True) -> None:
+def assert_tree_close(actual, expected, rtol: float, elementwise: bool = True, flips: int = 0) -> None:
     """Per leaf: same shape; ||a - b|| / ||b|| <= rtol; and elementwise |a - b| <= rtol * |b| + rtol * max|b|.
 
     The norm-wise bound is the claim; the elementwise bound catches a few badly wrong entries that a norm
     over a large leaf would hide. `elementwise=False` only for bf16 against fp32, where single entries carry
-    the rounding of an 8-bit significand.
+    the rounding of an 8-bit significand. `flips` (FP8 on both sides, `FP8_FLIPS`): the elementwise bound may miss
+    at up to flips * (the leaf's largest dimension) entries, a row or column per FP8 rounding flip.
     """
     paths_a = jax.tree_util.tree_flatten_with_path(actual)[0]
     paths_e, tree_e = jax.tree_util.tree_flatten_with_path(expected)
@@ -184,7 +185,13 @@ def assert_tree_close(actual, expected, rtol: float, elementwise: bool = True) -
         assert scale > 0, f"{name}: reference is all zero, the comparison would assert nothing"
         rel = float(np.linalg.norm(a - e) / np.linalg.norm(e))
         assert rel <= rtol, f"{name}: norm-wise relative error {rel:.3g} > {rtol:g}"
-        if elementwise:
+        if elementwise and flips:
+            bad = np.abs(a - e) > rtol * np.abs(e) + rtol * scale
+            allowed = flips * max(a.shape, default=1)
+            assert bad.sum() <= allowed, (
+                f"{name}: {int(bad.sum())} entries outside the bound, > {allowed} ({flips} flips)"
+            )
+        elif elementwise:
             np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale, err_msg=name)
 
 
@@ -200,6 +207,18 @@ U32 = 2.0**-24
 # and 5.2e-7 elementwise, the loss 1.7e-7. 1e-5 leaves a factor of about 18 for other CPUs and compilers and
 # still fails on a real error (a lost microbatch or a doubled gradient is >= 1e-2).
 FP32_RTOL = 1e-5
+# FP8 parity (FP8 GEMMs on both sides): the operands entering each quantiser differ between layouts by fp32
+# reordering alone, so their FP8 copies are equal except where a value lies within that reordering (about 1e-7 of
+# it) of a rounding boundary of the FP8 grid, whose steps are 2^-3 to 2^-4 of a value (E4M3) or 2^-2 to 2^-3
+# (E5M2): there it rounds to the other neighbour on one side, a "flip" that moves one element by one FP8 step. The
+# chance is about 2e-7 / 2^-4, 3e-6 per quantised element; the parity tests' 2-layer models quantise a few 1e5
+# elements per step, so about one flip in a step is expected, spread over the 40 or so quantised tensors. A flipped
+# element of an output gradient g changes one column of its weight gradient x^T g, a flipped input element one row:
+# entries that miss the elementwise fp32 bound by far, while the norm-wise bound holds (measured: one flip seen, on
+# an AMD EPYC, 2 entries of one 4096-entry leaf off, that leaf 2.0e-7 norm-wise). FP8_FLIPS such rows or columns
+# are allowed per leaf (`assert_tree_close(flips=...)`); a layout that quantised differently everywhere (each
+# shard's own amax) misses the norm-wise bound by 1e4 and every elementwise one.
+FP8_FLIPS = 2
 
 
 def _adam_constants(opt) -> dict:
@@ -210,7 +229,16 @@ def _adam_constants(opt) -> dict:
 
 
 def assert_adam_step_close(
-    got: dict, want: dict, old_params, rtol: float, *, opt, lr: float, decayed, elementwise: bool = True
+    got: dict,
+    want: dict,
+    old_params,
+    rtol: float,
+    *,
+    opt,
+    lr: float,
+    decayed,
+    elementwise: bool = True,
+    flips: int = 0,
 ) -> None:
     """One AdamW step from `old_params` (optimizer count 0 -> 1) in a layout under test against the reference.
 
@@ -236,8 +264,8 @@ def assert_adam_step_close(
          sides. With `elementwise=False` (bf16 against fp32) 1 and 2 are norm-wise and 4 is skipped: single
          bf16 entries carry 8-bit rounding, which no elementwise bound through lr / eps can hold.
     """
-    assert_tree_close(got["mu"], want["mu"], rtol, elementwise)
-    assert_tree_close(got["nu"], want["nu"], 2 * rtol, elementwise)
+    assert_tree_close(got["mu"], want["mu"], rtol, elementwise, flips)
+    assert_tree_close(got["nu"], want["nu"], 2 * rtol, elementwise, flips)
     c = _adam_constants(opt)
     leaves = zip(
         jax.tree_util.tree_flatten_with_path(got["params"])[0],
@@ -276,7 +304,7 @@ def assert_adam_step_close(
         ref_u = ref_new.astype(np.float64) - p
         bound = slope * tol + 2 * rounding
         bad = np.abs(got_u - ref_u) > bound
-        assert not bad.any(), (
+        assert bad.sum() <= flips * max(bad.shape, default=1), (
             f"{name}: {int(bad.sum())} update entries differ from the reference by more than "
             f"Adam's slope times the gradient tolerance, e.g. {got_u[bad][:3]} vs "
             f"{ref_u[bad][:3]} (bound {bound[bad][:3]})"
@@ -313,15 +341,15 @@ def stepped(step, state: dict, batch: dict) -> dict:
     }
 
 
-def assert_step_equals(plan: StepPlan, got: dict, ref: dict, rtol: float) -> None:
+def assert_step_equals(plan: StepPlan, got: dict, ref: dict, rtol: float, flips: int = 0) -> None:
     """`got` (`stepped` of `plan`'s step) equals `ref` (`stepped` of the reference's step from the same state,
     whose host copy is `ref["host_state"]`): the token count exactly, loss and grad norm, and the Adam step
-    (`assert_adam_step_close`) within `rtol`."""
+    (`assert_adam_step_close`) within `rtol`, with `flips` FP8 rounding flips allowed (`FP8_FLIPS`)."""
     metrics = got["metrics"]
     assert metrics["tokens"] == ref["metrics"]["tokens"]
     assert_scalar_close(metrics["loss"], ref["metrics"]["loss"], rtol, "loss")
     assert_scalar_close(metrics["grad_norm"], ref["metrics"]["grad_norm"], rtol, "grad_norm")
-    assert_adam_step_close(got, ref, ref["host_state"]["params"], rtol, **adam_step_args(plan, metrics))
+    assert_adam_step_close(got, ref, ref["host_state"]["params"], rtol, **adam_step_args(plan, metrics), flips=flips)
 
 
 def assert_scalar_close(actual, expected, rtol: float, name: str) -> None:

@@ -8,9 +8,11 @@ Why the fp32 tolerance holds with FP8 on both sides: every device quantises with
 from the whole tensor, so the FP8 operands are the reference's bit for bit wherever the values entering the
 quantiser are, and a layout changes those values only by the reordered fp32 sums of tensor parallelism's
 all-reduce or context parallelism's attention (`step_helpers.FP32_RTOL`). Such a change moves a value across an
-FP8 rounding boundary only if it lies within that reordering of one, which did not happen here (measured: loss
-within 8.5e-8, gradients 2.2e-7 norm-wise). A per-shard amax quantises each shard with its own scale: the
-gradients then differ by about 1e-1 norm-wise, which the broken variant below shows.
+FP8 rounding boundary only if it lies within that reordering of one: a rare "flip" of one element by one FP8 step,
+whose row or column of a gradient then misses the elementwise fp32 bound (`step_helpers.FP8_FLIPS` says how
+rare, and how many are allowed). Measured: loss within 8.5e-8, gradients 2.2e-7 norm-wise; one flip, on an AMD
+EPYC, in the capacity case's shared expert (2 entries of its w_down's gradient). A per-shard amax quantises each
+shard with its own scale: the gradients then differ by about 1e-1 norm-wise, which the broken variant below shows.
 
 A microbatch is the tensor whose scales are taken, so the pipeline case (M = 2 microbatches) compares with one
 device accumulating the same 2 microbatches (the whole batch at once has other scales: 3e-5 on the loss).
@@ -26,6 +28,7 @@ import numpy as np
 import pytest
 from step_helpers import (
     FIRST_STEP_AT_PEAK,
+    FP8_FLIPS,
     FP32,
     FP32_RTOL,
     assert_step_equals,
@@ -198,7 +201,7 @@ def test_fp8_step_equals_fp8_on_one_device(case, reference, need_devices):
     need_devices(mesh_devices(CASES[case]))
     ref = reference(_reference_key(case))
     plan = _layout(case)
-    assert_step_equals(plan, _run(plan, ref), ref, RTOL)
+    assert_step_equals(plan, _run(plan, ref), ref, RTOL, flips=FP8_FLIPS)
 
 
 @pytest.mark.timeout(300)
