@@ -22,6 +22,12 @@ Restores check the target against the saved metadata first (`jaxpar.checkpoint.m
 
 Restoring onto a different mesh or layout is supported: every leaf of `abstract_state` is a
 `jax.ShapeDtypeStruct` with a `.sharding`, and the arrays come back with exactly that sharding.
+
+Optional entries (`OPTIONAL_ENTRIES`): top-level state entries that a run has or not by its settings, not its
+model, and that hold statistics rather than parameters: FP8 delayed scaling's amax history ("fp8",
+`jaxpar.training.fp8_history`). A step restores into a target that has such an entry when it holds the entry with
+the target's shapes; otherwise (saved without one, or with another window or model) the target's entry starts
+at zeros, its initial value. A saved entry the target lacks is read and dropped. Each case is logged.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from jaxpar.checkpoint.mismatch import CheckpointMismatchError, check_target
 from jaxpar.config.paths import directory_problem
 
 _STATE, _DATA, _CONFIG = "state", "data", "config"
+OPTIONAL_ENTRIES = ("fp8",)  # module docstring
 # Orbax's notes on reading a checkpoint read-only, which say nothing wrong with it: the directory is read-only (we
 # asked for that), and a step has no _CHECKPOINT_METADATA file (our steps commit with commit_success.txt instead).
 _BENIGN_ORBAX_WARNINGS = ("Given directory is read only", "Metadata file does not exist")
@@ -282,18 +289,22 @@ class Checkpointer:
             raise FileNotFoundError(missing_step_message(self.directory, step, self.all_steps()))
         check_step_format(step_dir)
         saved = self._manager.item_metadata(step)[_STATE]
-        check_target(
-            saved.tree if hasattr(saved, "tree") else saved, abstract_state, os.path.join(step_dir, _STATE), step
-        )
+        saved_tree = saved.tree if hasattr(saved, "tree") else saved
+        target, fresh = _optional_entries(saved_tree, abstract_state, step)
+        check_target(saved_tree, target, os.path.join(step_dir, _STATE), step)
         args = ocp.args.Composite(
             **{
-                _STATE: ocp.args.StandardRestore(abstract_state),
+                _STATE: ocp.args.StandardRestore(target),
                 _DATA: ocp.args.JsonRestore(),
                 _CONFIG: ocp.args.JsonRestore(),
             }
         )
         restored = self._manager.restore(step, args=args)
-        return restored[_STATE], dict(restored[_DATA]), dict(restored[_CONFIG])
+        state = restored[_STATE]
+        if isinstance(state, dict):  # the optional entries as the target has them
+            state = {k: v for k, v in state.items() if k not in OPTIONAL_ENTRIES or k in fresh}
+            state.update({k: _zeros_like(v) for k, v in fresh.items() if v is not None})
+        return state, dict(restored[_DATA]), dict(restored[_CONFIG])
 
     def _set_aside(self, step: int) -> None:
         """Renames an unreadable step directory to `<step>.corrupt` (process 0; all processes then agree)."""
@@ -327,6 +338,61 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for pending saves (re-raising their failure), then release Orbax's threads."""
         self._manager.close()
+
+
+def _optional_entries(saved_tree: Any, abstract_state: Any, step: int) -> tuple[Any, dict]:
+    """(the restore target for a step holding `saved_tree`, {entry: the target's abstract subtree to start at zeros,
+    or None to keep the restored one}) for the `OPTIONAL_ENTRIES` (module docstring). A saved entry that is not
+    restored as it is gets a placeholder target of its own shapes, replicated, and is dropped after reading."""
+    if not isinstance(saved_tree, dict) or not isinstance(abstract_state, dict):
+        return abstract_state, {}
+    target, fresh = dict(abstract_state), {}
+    shardings = [a.sharding for a in jax.tree.leaves(abstract_state)]
+    meshes = [s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)]
+    replicated = jax.sharding.NamedSharding(meshes[0], jax.sharding.PartitionSpec()) if meshes else shardings[0]
+
+    def placeholder(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), tree)
+
+    def shapes(tree):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return [(jax.tree_util.keystr(k), tuple(a.shape), str(jax.numpy.dtype(a.dtype))) for k, a in leaves]
+
+    for key in OPTIONAL_ENTRIES:
+        has_saved, wanted = key in saved_tree, key in abstract_state
+        if not has_saved and not wanted:
+            continue
+        if not has_saved:
+            _LOGGER.info("checkpoint step %d holds no %r entry: this run's starts at zeros", step, key)
+            del target[key]
+            fresh[key] = abstract_state[key]
+        elif not wanted:
+            _LOGGER.info("checkpoint step %d holds an %r entry this run does not keep: it is not restored", step, key)
+            target[key] = placeholder(saved_tree[key])
+        elif shapes(saved_tree[key]) != shapes(abstract_state[key]):
+            _LOGGER.warning(
+                "checkpoint step %d holds an %r entry of other shapes (%s) than this run's (%s): this run's starts "
+                "at zeros",
+                step,
+                key,
+                shapes(saved_tree[key]),
+                shapes(abstract_state[key]),
+            )
+            target[key] = placeholder(saved_tree[key])
+            fresh[key] = abstract_state[key]
+        else:
+            fresh[key] = None
+    return target, fresh
+
+
+def _zeros_like(abstract: Any) -> Any:
+    """Zeros of each `jax.ShapeDtypeStruct` leaf's shape and dtype, with its sharding (one jitted program: every
+    process of a multi-host run computes its own shards)."""
+
+    def zeros(a):
+        return jax.jit(lambda: jax.numpy.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+
+    return jax.tree.map(zeros, abstract)
 
 
 def read_json_item(step_dir: str, item: str) -> dict | None:

@@ -29,7 +29,9 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # precision.compute_dtype
 FLOAT_DTYPES = ("float32", "bfloat16")  # precision.reduce_dtype, and compute_dtype once resolved
 # Bytes per element of each floating-point dtype by name (float16: Hugging Face weights may be stored in it).
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-FP8_SCALINGS = ("current",)  # precision.fp8.scaling
+FP8_SCALINGS = ("current", "delayed")  # precision.fp8.scaling
+FP8_AMAX_COMPUTE = ("max", "most_recent")  # precision.fp8.amax_compute (delayed scaling)
+FP8_MAX_HISTORY = 4096  # the longest precision.fp8.amax_history
 FP8_MIN_CAPABILITY = (8, 9)  # NVIDIA compute capability of the first FP8 tensor cores (Ada, Hopper)
 MASTER_DTYPE = "float32"  # the optimizer's copy of the parameters, and its moments
 ADAM_MOMENTS = 2  # m and v, each one fp32 number per parameter

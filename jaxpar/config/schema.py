@@ -274,12 +274,18 @@ class Fp8Config:
         (compute capability 8.9+: L4, L40S, H100, H200, B200); runs on CPU at reference speed (for tests);
         refused on A100 and TPU.
       scaling: how each tensor's scale is found: `current` (per tensor, from the amax of the tensor being
-        quantised, max-reduced over the mesh axes that split it).
+        quantised, max-reduced over the mesh axes that split it) or `delayed` (from the amaxes of the same tensor in
+        earlier steps, kept in the train state's `fp8` history; Transformer Engine's `DelayedScaling`).
+      amax_history: delayed scaling's window: the steps of amaxes each GEMM operand keeps, 1 to 4096.
+      amax_compute: delayed scaling's reduction of the window to one amax: `max` (the largest in the window) or
+        `most_recent` (the last step's).
       margin: the scales leave 2^margin of headroom below the format's largest value, 0 to 8 (0: none).
     """
 
     enabled: bool = False
     scaling: str = "current"
+    amax_history: int = 1024
+    amax_compute: str = "max"
     margin: int = 0
 
 

@@ -17,7 +17,14 @@ from jaxpar.config.keys import example
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.moe import check_moe
-from jaxpar.config.precision import COMPUTE_DTYPES, FLOAT_DTYPES, FP8_SCALINGS, LAYOUTS
+from jaxpar.config.precision import (
+    COMPUTE_DTYPES,
+    FLOAT_DTYPES,
+    FP8_AMAX_COMPUTE,
+    FP8_MAX_HISTORY,
+    FP8_SCALINGS,
+    LAYOUTS,
+)
 from jaxpar.config.schema import Config
 from jaxpar.config.services import check_distributed, check_metrics
 
@@ -130,6 +137,12 @@ def _check_precision(cfg: Config) -> None:
     check_choice("precision.layout", p.layout, tuple(LAYOUTS))
     check_choice("precision.reduce_dtype", p.reduce_dtype, FLOAT_DTYPES)
     check_choice("precision.fp8.scaling", p.fp8.scaling, FP8_SCALINGS)
+    check_choice("precision.fp8.amax_compute", p.fp8.amax_compute, FP8_AMAX_COMPUTE)
+    if not 1 <= p.fp8.amax_history <= FP8_MAX_HISTORY:
+        raise ConfigError(
+            f"precision.fp8.amax_history={p.fp8.amax_history} must lie in [1, {FP8_MAX_HISTORY}] (the steps of amaxes "
+            f"delayed scaling keeps per GEMM operand); {example('precision.fp8.amax_history')}"
+        )
     if not 0 <= p.fp8.margin <= 8:
         raise ConfigError(
             f"precision.fp8.margin={p.fp8.margin} must lie in [0, 8] (the scales' headroom is 2^margin, taken from "

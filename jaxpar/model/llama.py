@@ -175,6 +175,21 @@ class Llama(nnx.Module):
         return self.logits(self.run_blocks(x_BTD, gather, tp, segment_ids_BT), gather, tp)
 
 
+def fp8_gemm_sites(model) -> int:
+    """The FP8 GEMMs (`precision.fp8`) one row of the built-in llama's layer stack runs, each with its own scales:
+    a block's 7 (q, k, v, o, MLP gate, up, down), or with `model.moe` a row of `model.moe.every` blocks whose
+    last is an MoE block: its attention's 4, the routed experts' 3 (each stacked weight one tensor) and, with
+    shared experts, their SwiGLU's 3.
+
+    Args:
+      model: a `ModelConfig` (uses moe.enabled, moe.every, moe.shared_experts).
+    """
+    dense = 7
+    if not model.moe.enabled:
+        return dense
+    return (model.moe.every - 1) * dense + 4 + 3 + (3 if model.moe.shared_experts else 0)
+
+
 def recompute_flops_per_token(model, seq_len: int) -> float:
     """Forward FLOPs per token that `model.remat` runs a second time in the backward pass (hardware only), for
     the built-in `llama` family (another family registers its own count, `jaxpar.model.registry`; the total is

@@ -22,6 +22,9 @@ ModelBuilder = Callable[[ModelConfig, nnx.Rngs], LanguageModel]
 # Forward FLOPs per token that `ModelConfig.remat` recomputes in the backward, from (model config, seq_len): the
 # hardware-FLOPs (HFU) count of a family; see `jaxpar.model.llama.recompute_flops_per_token` for the built-in one.
 RecomputeFlops = Callable[[ModelConfig, int], float]
+# The FP8 GEMMs one row of a family's layer stack runs (`precision.fp8.scaling=delayed` keeps an amax history for
+# each); see `jaxpar.model.llama.fp8_gemm_sites` for the built-in one.
+Fp8GemmSites = Callable[[ModelConfig], int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,25 +36,33 @@ class ModelFamily:
       build: `build(cfg, rngs) -> LanguageModel`.
       recompute_flops_per_token: the family's recomputed forward FLOPs per token under its remat policy, or None
         when unknown (then the `hfu` metric is null; `mfu` needs only the model FLOPs).
+      fp8_gemm_sites: the FP8 GEMMs (`jaxpar.parallel.tensor.column_matmul` / `row_matmul` and the experts') one
+        row of the layer stack runs, or None when unknown (then FP8 delayed scaling is refused for the family).
     """
 
     name: str
     build: ModelBuilder
     recompute_flops_per_token: RecomputeFlops | None = None
+    fp8_gemm_sites: Fp8GemmSites | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
 
 
 def register_model(
-    name: str, build: ModelBuilder, *, recompute_flops_per_token: RecomputeFlops | None = None, replace: bool = False
+    name: str,
+    build: ModelBuilder,
+    *,
+    recompute_flops_per_token: RecomputeFlops | None = None,
+    fp8_gemm_sites: Fp8GemmSites | None = None,
+    replace: bool = False,
 ) -> ModelFamily:
     """Registers a model family under `name` for `model.name` to select.
 
     Args:
       name: a non-empty identifier, e.g. "gpt2".
       build: `build(cfg: ModelConfig, rngs: nnx.Rngs)` returning a `jaxpar.model.interface.LanguageModel`.
-      recompute_flops_per_token: see `ModelFamily`.
+      recompute_flops_per_token, fp8_gemm_sites: see `ModelFamily`.
       replace: allow replacing an existing registration (else registering a taken name is an error).
 
     Returns:
@@ -70,7 +81,7 @@ def register_model(
         )
     if name in _FAMILIES and not replace:
         raise ValueError(f"model {name!r} is already registered; pick another name or pass replace=True")
-    family = ModelFamily(name, build, recompute_flops_per_token)
+    family = ModelFamily(name, build, recompute_flops_per_token, fp8_gemm_sites)
     _FAMILIES[name] = family
     return family
 
@@ -106,6 +117,6 @@ def _register_builtins() -> None:
     if _BUILTINS_REGISTERED:
         return
     _BUILTINS_REGISTERED = True
-    from jaxpar.model.llama import Llama, recompute_flops_per_token
+    from jaxpar.model.llama import Llama, fp8_gemm_sites, recompute_flops_per_token
 
-    _FAMILIES["llama"] = ModelFamily("llama", Llama, recompute_flops_per_token)
+    _FAMILIES["llama"] = ModelFamily("llama", Llama, recompute_flops_per_token, fp8_gemm_sites)

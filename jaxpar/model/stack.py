@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY, REMAT_POLICIES
 from jaxpar.parallel.expert import EXPERT_COMBINED, EXPERT_DISPATCHED
+from jaxpar.parallel.fp8 import layer_scales
 from jaxpar.parallel.gather import Gather, ModuleT
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TENSOR_GATHERED, TENSOR_REDUCED, TensorParallel
 
@@ -141,6 +142,24 @@ def active_rows(mask: jax.Array) -> Iterator[list]:
         _ACTIVE_ROWS.reset(token)
 
 
+# Under FP8 delayed scaling, the scales of this stack's rows (`fp8_stack_scales`): [scales, whether a scan read it].
+_FP8_SCALES: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_fp8_stack_scales", default=None)
+
+
+@contextlib.contextmanager
+def fp8_stack_scales(scales_LO3: jax.Array, probes_LO3: jax.Array) -> Iterator[list]:
+    """Within the block, `scan_layers` runs row l of the stack with its FP8 GEMMs' delayed scales
+    `scales_LO3[l]` and amax probes `probes_LO3[l]` (fp32 [rows of the stack, O FP8 GEMMs, 3 operands],
+    `jaxpar.parallel.fp8.layer_scales`), and checks that each row runs exactly O of them. Yields
+    [(scales, probes), whether a scan read them] (as `active_rows`)."""
+    state = [(scales_LO3, probes_LO3), False]
+    token = _FP8_SCALES.set(state)
+    try:
+        yield state
+    finally:
+        _FP8_SCALES.reset(token)
+
+
 @overload
 def scan_layers(
     layers: nnx.Module,
@@ -187,11 +206,13 @@ def scan_layers(
     With `with_aux` each layer returns (x, aux), a pytree of arrays (e.g. a mixture-of-experts block's router
     statistics, `jaxpar.model.moe`), and the result is (x, aux stacked on a leading dimension of size L).
 
-    Inside `active_rows(mask)` the rows where the mask is 0 are skipped (the identity, aux zeros).
+    Inside `active_rows(mask)` the rows where the mask is 0 are skipped (the identity, aux zeros). Inside
+    `fp8_stack_scales(scales)` each row's FP8 GEMMs quantise with that row's delayed scales.
 
     Raises:
       KeyError: `remat` is not one of `jaxpar.config.choices.REMAT_POLICIES`.
-      ValueError: inside `active_rows`, a mask whose length is not the stack's depth.
+      ValueError: inside `active_rows`, a mask whose length is not the stack's depth; inside `fp8_stack_scales`,
+        scales for another depth, or a row that runs another number of FP8 GEMMs than the scales have sites.
     """
     graphdef, stacked = nnx.split(layers)
 
@@ -199,30 +220,53 @@ def scan_layers(
     if positions_BT is not None:
         extra = (segment_ids_BT, positions_BT)
 
-    def body(x, layer_state):
+    depth = jax.tree.leaves(stacked)[0].shape[0]
+    fp8 = _FP8_SCALES.get()
+    scales = None
+    if fp8 is not None:
+        scales = fp8[0]
+        if scales[0].shape[0] != depth:
+            raise ValueError(f"fp8_stack_scales: scales of shape {scales[0].shape} for a stack of {depth} rows")
+        fp8[1] = True
+
+    def run(x, layer_state, row_scales):
         layer = gather(nnx.merge(graphdef, layer_state))
-        out = layer(x, tp, *extra)
+        if row_scales is None:
+            return layer(x, tp, *extra)
+        with layer_scales(*row_scales) as used:
+            out = layer(x, tp, *extra)
+        sites = row_scales[0].shape[0]
+        if used[1] != sites:
+            raise ValueError(
+                f"FP8 delayed scaling: a layer ran {used[1]} FP8 GEMMs, its history holds {sites} (the model "
+                f"family's fp8_gemm_sites, jaxpar.model.registry); set precision.fp8.scaling=current"
+            )
+        return out
+
+    def body(x, row):
+        out = run(x, *row)
         return out if with_aux else (out, None)
 
     body = jax.checkpoint(body, policy=CHECKPOINT_POLICIES[remat], prevent_cse=False)
+    rows = (stacked, scales)
     active = _ACTIVE_ROWS.get()
     if active is None:
-        x_BTD, aux = jax.lax.scan(body, x_BTD, stacked)
+        x_BTD, aux = jax.lax.scan(body, x_BTD, rows)
         return (x_BTD, aux) if with_aux else x_BTD
-    mask, depth = active[0], jax.tree.leaves(stacked)[0].shape[0]
+    mask = active[0]
     if mask.shape != (depth,):
         raise ValueError(f"active_rows: a mask of shape {mask.shape} for a stack of {depth} rows")
     active[1] = True
-    first = jax.tree.map(lambda a: a[0], stacked)
+    first = jax.tree.map(lambda a: a[0], rows)
     aux_shape = jax.eval_shape(body, x_BTD, first)[1]
 
-    def skip(x, layer_state):
+    def skip(x, row):
         return x, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shape)
 
-    def masked(x, row):
-        layer_state, keep = row
+    def masked(x, row_keep):
+        row, keep = row_keep
         with jax.named_scope(ACTIVE_ROWS_SCOPE):  # how readers of the compiled program find these conds
-            return jax.lax.cond(keep > 0, body, skip, x, layer_state)
+            return jax.lax.cond(keep > 0, body, skip, x, row)
 
-    x_BTD, aux = jax.lax.scan(masked, x_BTD, (stacked, mask))
+    x_BTD, aux = jax.lax.scan(masked, x_BTD, (rows, mask))
     return (x_BTD, aux) if with_aux else x_BTD

@@ -1,7 +1,8 @@
 """FP8 GEMMs with per-tensor scales agreed over the mesh axes that split each tensor, for use inside shard_map.
 
 Shape letters: R rows of a GEMM's input (the tokens of a microbatch: B * T, or this device's part of them), I its
-input features (contracted), J its output features: y_RJ = x_RI @ w_IJ.
+input features (contracted), J its output features: y_RJ = x_RI @ w_IJ; O the FP8 GEMMs of one row of a layer
+stack (delayed scaling).
 
 The hybrid recipe (Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv 2209.05433, sections 3-4;
 NVIDIA Transformer Engine's `Format.HYBRID`): the forward GEMM y = x @ w multiplies E4M3 copies of x and w (3
@@ -15,6 +16,12 @@ q = round_fp8(clip(X / s, -max, max)) with the dequantising scale s = amax(X) / 
 magnitude lands on the format's largest finite value (`margin` > 0 leaves 2^margin of headroom). amax(X) of 0 gives
 s = 1 (every element quantises to 0 either way); an amax that is inf or NaN gives a NaN scale, so the step's loss
 or gradients are non-finite and the train step skips the update (`jaxpar.training.optimizer.skip_nonfinite`).
+
+Per-tensor scaling, delayed (NVIDIA Transformer Engine's `DelayedScaling` recipe: a window of amaxes, reduced by
+max or most recent): inside `layer_scales` each GEMM site quantises with scales taken from the amaxes of earlier
+steps (`history_scales`; 0, "no history", falls back to the current amax), saturating what lies beyond them, and
+returns the amaxes it saw through the backward (`_fp8_gemm_delayed`); the train step keeps the history
+(`jaxpar.training.fp8_history`, `updated_history`).
 
 Amax over the whole tensor. Inside the step's shard_map a device holds a part of each GEMM operand: the
 activations' rows are split over the token axes (`data`, `fsdp`, `context`: the batch and the sequence), a
@@ -30,6 +37,8 @@ split over the token axes (each row on one device of them).
 A microbatch is the tensor: under gradient accumulation or the pipeline's microbatches each microbatch has its
 own scales, so one device compares with the same microbatches.
 
+A delayed-scaling history's amaxes are reduced the same way, so every device appends the same ones.
+
 `Fp8.matmul` (a linear layer), `Fp8.grouped_matmul` (dropless experts) and `Fp8.batched_matmul` (capacity
 experts) are the entries; `NO_FP8` (inactive) leaves the caller's own GEMM in place. On CPU the GEMMs run as
 XLA:CPU's dots of FP8 operands (for tests, at reference speed); XLA:CPU converts E5M2 through half precision, whose
@@ -39,9 +48,12 @@ conversion routines its fast code generation cannot link for a CPU without F16C 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +163,106 @@ def _fp8_gemm_bwd(kind, axes, margin, res, g):
 _fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)
 
 
+# Delayed scaling: the scales [3] = (s_x, s_w, s_g) come in from the history (`history_scales`; 0 for an operand
+# without history yet, which is then scaled from its current amax, as under current scaling), and the amaxes
+# (a_x, a_w, a_g) the GEMM sees go out as the cotangent of `probe` (zeros [3], the one channel out of a backward;
+# the scales get none). The scales depend on the weights' history alone, so a pipeline recomputes the weight's FP8
+# copy per microbatch rather than keeping it; the probe is the microbatch's own. A GEMM whose output gradient is
+# all zero -- a pipeline tick without a microbatch, whose cotangent the schedule zeroes -- sends zeros, so that
+# summing the cotangents over ticks adds only the microbatch's own amaxes
+# (`jaxpar.training.fp8_history`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fp8_gemm_delayed(x, w, scales: jax.Array, probe: jax.Array, sizes: jax.Array, kind: str, axes, margin):
+    return _fp8_gemm_delayed_fwd(x, w, scales, probe, sizes, kind, axes, margin)[0]
+
+
+def _delayed_scale(scale: jax.Array, amax: jax.Array, fmt, margin: int) -> jax.Array:
+    """The history's scale, or where it has none (0) the current amax's (`scale_from_amax`); NaN where the current
+    amax is inf or NaN, as under current scaling (so a tensor holding one makes the step non-finite and the step
+    is skipped, instead of its inf saturating to the format's largest value)."""
+    return jnp.where(scale > 0, scale, scale_from_amax(amax, fmt, margin)) + 0.0 * amax
+
+
+def _fp8_gemm_delayed_fwd(x, w, scales, probe, sizes, kind, axes, margin):
+    del probe
+    x_axes, w_axes, _ = axes
+    seen = jnp.stack([global_amax(x, x_axes), global_amax(w, w_axes)])
+    x_scale = _delayed_scale(scales[0], seen[0], FORWARD_FORMAT, margin)
+    w_scale = _delayed_scale(scales[1], seen[1], FORWARD_FORMAT, margin)
+    x_q, w_q = quantize(x, x_scale, FORWARD_FORMAT), quantize(w, w_scale, FORWARD_FORMAT)
+    y = _scaled(_GEMMS[kind][0](x_q, w_q, sizes, x.dtype), x_scale, w_scale, x.dtype)
+    res = (x_q, x_scale, w_q, w_scale, scales, seen, sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    return y, res
+
+
+def _fp8_gemm_delayed_bwd(kind, axes, margin, res, g):
+    x_q, x_scale, w_q, w_scale, scales, seen, sizes, x_like, w_like = res
+    amax_g = global_amax(g, axes[2])
+    g_scale = _delayed_scale(scales[2], amax_g, BACKWARD_FORMAT, margin)
+    g_q = quantize(g, g_scale, BACKWARD_FORMAT)
+    _, input_grad, weight_grad = _GEMMS[kind]
+    dx = _scaled(input_grad(g_q, w_q, sizes, x_like.dtype), g_scale, w_scale, x_like.dtype)
+    dw = _scaled(weight_grad(x_q, g_q, sizes, w_like.dtype), x_scale, g_scale, w_like.dtype)
+    d_probe = jnp.where(amax_g > 0, jnp.concatenate([seen, amax_g[None]]), jnp.float32(0.0))
+    return dx, dw, jnp.zeros_like(scales), d_probe, None
+
+
+_fp8_gemm_delayed.defvjp(_fp8_gemm_delayed_fwd, _fp8_gemm_delayed_bwd)
+
+OPERANDS = 3  # a GEMM's scaled operands under delayed scaling: input x, weight w, output gradient g
+# A layer row's scales and probes [O, 3] while its blocks run, and the next GEMM site's index (`layer_scales`).
+_LAYER_SCALES: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_fp8_scales", default=None)
+
+
+@contextlib.contextmanager
+def layer_scales(scales_O3: jax.Array, probes_O3: jax.Array) -> Iterator[list]:
+    """Within the block, the model's FP8 GEMMs under delayed scaling take their scales from `scales_O3` (fp32
+    [O, 3]: per FP8 GEMM of one layer row, in call order, the dequantising scales of x, w and g) and send the
+    amaxes they see as the cotangent of `probes_O3` (fp32 [O, 3], zeros), site i the i-th GEMM called.
+    `jaxpar.model.stack.scan_layers` enters it for each row. Yields [(scales, probes), sites used]."""
+    state = [(scales_O3, probes_O3), 0]
+    token = _LAYER_SCALES.set(state)
+    try:
+        yield state
+    finally:
+        _LAYER_SCALES.reset(token)
+
+
+def _site_scales() -> tuple[jax.Array, jax.Array] | None:
+    """The next GEMM site's (scales [3], probe [3]) inside `layer_scales`, else None (current scaling)."""
+    state = _LAYER_SCALES.get()
+    if state is None:
+        return None
+    (scales, probes), i = state
+    if i >= scales.shape[0]:
+        raise ValueError(
+            f"FP8 delayed scaling: this layer runs more than the {scales.shape[0]} GEMMs its history holds "
+            f"(jaxpar.model.fp8_gemm_sites); a model with other GEMMs runs precision.fp8.scaling=current"
+        )
+    state[1] = i + 1
+    return scales[i], probes[i]
+
+
+def history_scales(history: jax.Array, amax_compute: str, margin: int) -> jax.Array:
+    """Delayed scaling's scales from an amax history [..., 3, W] (fp32; operand x, w, g; newest first): the
+    window's amax (`max`, or `most_recent`: entry 0) per operand -> `scale_from_amax` in the operand's format
+    (E4M3 for x and w, E5M2 for g) -> [..., 3] fp32. Where that amax is 0 (an empty history: the first step, or
+    an operand that has been all zero) the scale is 0, which the GEMM reads as "no history": it scales that
+    operand from its current amax instead (a scale of 1 would flush a step's small gradients to zero)."""
+    amax = jnp.max(history, axis=-1) if amax_compute == "max" else history[..., 0]
+    formats = (FORWARD_FORMAT, FORWARD_FORMAT, BACKWARD_FORMAT)
+    scales = [jnp.where(amax[..., k] > 0, scale_from_amax(amax[..., k], f, margin), 0.0) for k, f in enumerate(formats)]
+    return jnp.stack(scales, axis=-1)
+
+
+def updated_history(history: jax.Array, amax: jax.Array) -> jax.Array:
+    """The history [..., 3, W] with this step's amaxes [..., 3] in front (the oldest dropped); an amax that is
+    inf or NaN is not written (its operand's history stays as it was), so one overflow does not poison W steps
+    of scales."""
+    rolled = jnp.concatenate([amax[..., None].astype(history.dtype), history[..., :-1]], axis=-1)
+    return jnp.where(jnp.isfinite(amax)[..., None], rolled, history)
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8:
     """FP8 GEMMs for a model's dense layers (module docstring); inactive: the layers keep their own GEMMs.
@@ -160,11 +272,21 @@ class Fp8:
       token_axes: the mesh axes of size > 1 that split the activations' rows inside the step's shard_map (of
         `data`, `fsdp`, `context`); () on one device or outside a shard_map.
       margin: the scales' headroom, 2^margin (`precision.fp8.margin`).
+      delayed: delayed scaling (`precision.fp8.scaling=delayed`): inside `layer_scales` (the train step's
+        layers) each GEMM quantises with its site's scales from the history and sends back the amaxes it saw;
+        elsewhere (evaluation) with current scaling.
     """
 
     active: bool = False
     token_axes: tuple[str, ...] = ()
     margin: int = 0
+    delayed: bool = False
+
+    def _gemm(self, x: jax.Array, w: jax.Array, sizes: jax.Array, kind: str, axes) -> jax.Array:
+        site = _site_scales() if self.delayed else None
+        if site is None:
+            return _fp8_gemm(x, w, sizes, kind, axes, self.margin)
+        return _fp8_gemm_delayed(x, w, *site, sizes, kind, axes, self.margin)
 
     def _axes(self, split: str, tensor_split: bool, weight_axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
         """The mesh axes to max-reduce each operand's amax over: (input, weight, output gradient)."""
@@ -190,7 +312,7 @@ class Fp8:
         """
         axes = self._axes(split, tensor_split, ())
         i = x.shape[-1]
-        y = _fp8_gemm(x.reshape(-1, i), w.reshape(i, -1), jnp.zeros((0,), jnp.int32), "plain", axes, self.margin)
+        y = self._gemm(x.reshape(-1, i), w.reshape(i, -1), jnp.zeros((0,), jnp.int32), "plain", axes)
         return y.reshape(x.shape[:-1] + w.shape[1:])
 
     def grouped_matmul(
@@ -205,7 +327,7 @@ class Fp8:
           ValueError: `split` is neither `column` nor `row`.
         """
         axes = self._axes(split, tensor_split, tuple(expert_axes))
-        return _fp8_gemm(x_RI, w_GIJ, sizes_G.astype(jnp.int32), "grouped", axes, self.margin)
+        return self._gemm(x_RI, w_GIJ, sizes_G.astype(jnp.int32), "grouped", axes)
 
     def batched_matmul(
         self, x_GRI: jax.Array, w_GIJ: jax.Array, split: str, tensor_split: bool, expert_axes
@@ -217,7 +339,7 @@ class Fp8:
           ValueError: `split` is neither `column` nor `row`.
         """
         axes = self._axes(split, tensor_split, tuple(expert_axes))
-        return _fp8_gemm(x_GRI, w_GIJ, jnp.zeros((0,), jnp.int32), "batched", axes, self.margin)
+        return self._gemm(x_GRI, w_GIJ, jnp.zeros((0,), jnp.int32), "batched", axes)
 
 
 NO_FP8 = Fp8()

@@ -16,6 +16,7 @@ from jaxpar.parallel.pipeline import ordered_after
 from jaxpar.parallel.sharding import partitioned_over_data, storage_axes
 from jaxpar.parallel.tensor import TensorParallel
 from jaxpar.training.context_batch import POSITIONS
+from jaxpar.training.fp8_history import split_scales, stack_scales
 from jaxpar.training.loss import cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
 from jaxpar.training.plan import StepPlan
@@ -55,19 +56,23 @@ def loss_body(plan: StepPlan, train: bool = True) -> Callable:
     plan's training loss, or with `train=False` the cross-entropy that evaluation reports.
 
     With `train` it returns (summed loss, MoE sums): with `model.moe` the loss adds the weighted auxiliary losses
-    and the sums are `jaxpar.training.moe_loss.moe_sums`; without, {}."""
+    and the sums are `jaxpar.training.moe_loss.moe_sums`; without, {}. Under FP8 delayed scaling the layer stack
+    of `params` carries the scales (`jaxpar.training.fp8_history.FP8_SCALES`) and `mb` its slot."""
     gather = gatherer(plan)
     tp = plan.tensor_parallel
     moe = plan.cfg.model.moe
     order_head = edge_gathered(plan)
 
     def loss_sum(params: dict, mb: dict):
+        layers, fp8_scales = split_scales(params[STACK_ATTRIBUTE])  # FP8 delayed scaling's (`fp8_history`)
+        params = {**params, STACK_ATTRIBUTE: layers}
         model = plan.mdef.bind(params)
         x = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
-        if train and moe.enabled:
-            h, stats = run_blocks(model, x, mb, gather, tp, with_stats=True)
-        else:
-            h, stats = run_blocks(model, x, mb, gather, tp), None
+        with stack_scales(fp8_scales, mb):
+            if train and moe.enabled:
+                h, stats = run_blocks(model, x, mb, gather, tp, with_stats=True)
+            else:
+                h, stats = run_blocks(model, x, mb, gather, tp), None
         if order_head:
             # The head's weight all-gathers after the layer loop, and (transposed) their gradients'
             # reduce-scatters before the backward's layer loop, which reads them through the added zero: nothing

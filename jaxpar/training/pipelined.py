@@ -25,6 +25,7 @@ from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.pipeline_1f1b import one_f_one_b
 from jaxpar.parallel.pipeline_zb import zero_bubble_pipeline
 from jaxpar.training.forward import edge_gathered, gatherer, run_blocks, split_microbatches, split_stack
+from jaxpar.training.fp8_history import SLOT, split_scales, stack_scales
 from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
 from jaxpar.training.plan import StepPlan
@@ -47,7 +48,7 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
     gather = gatherer(plan)
     tp = plan.tensor_parallel
     layers, edge = split_stack(params)
-    layers = without_mask(layers)
+    layers = split_scales(without_mask(layers))[0]
 
     def bind(edge_params: dict, layer_params: dict):
         return plan.mdef.bind({**edge_params, STACK_ATTRIBUTE: layer_params})
@@ -63,11 +64,13 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
         return h, moe_loss_terms(sums, moe), sums
 
     def blocks(layer_params, x, mb):
+        layer_params, fp8_scales = split_scales(layer_params)  # FP8 delayed scaling's (`fp8_history`)
         if layer_split.ACTIVE not in layer_params:
-            return run(layer_params, x, mb)
+            with stack_scales(fp8_scales, mb):
+                return run(layer_params, x, mb)
         # an uneven split's stage layout: skip the padding rows (`jaxpar.parallel.layer_split`)
         weights = {k: a for k, a in layer_params.items() if k != layer_split.ACTIVE}
-        with active_rows(layer_params[layer_split.ACTIVE]) as read:
+        with active_rows(layer_params[layer_split.ACTIVE]) as read, stack_scales(fp8_scales, mb):
             out = run(weights, x, mb)
         if not read[1]:
             raise ValueError(
@@ -152,7 +155,11 @@ def pipeline_grads(plan: StepPlan, params: dict, batch: dict, loss_scale: jax.Ar
     [U, E] in model order with this stage's rows filled and zeros elsewhere, so their sum over `pipeline` is the
     whole model's."""
     m = plan.cfg.pipeline.microbatches
+    slot = batch.get(SLOT)  # FP8 delayed scaling: this accumulation step's index; its microbatches' are m times
+    batch = {k: a for k, a in batch.items() if k != SLOT}
     mbs, act_shape = _pipeline_shapes(plan, batch, m)
+    if slot is not None:
+        mbs[SLOT] = slot * m + jnp.arange(m, dtype=jnp.int32)
     name = plan.cfg.pipeline.schedule
     schedules: dict[str, Callable] = {"1f1b": one_f_one_b, "gpipe": pipeline_lib.gpipe}
     # a zero-bubble schedule runs its table (`jaxpar.parallel.pipeline_zb`)

@@ -42,6 +42,8 @@ from jaxpar.parallel.fp8 import NO_FP8, Fp8, cpu_fp8_error
 from jaxpar.parallel.mesh import MESH_AXES
 from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs
 from jaxpar.parallel.tensor import TensorParallel
+from jaxpar.training import fp8_history
+from jaxpar.training.fp8_history import gemm_sites
 from jaxpar.training.loss import LossFn, VocabParallelLoss, check_loss_fn, cross_entropy
 from jaxpar.training.optimizer import (
     build_optimizer,
@@ -110,7 +112,8 @@ class StepPlan:
         if not fp8.enabled:
             return NO_FP8
         shape = self.mesh_shape
-        return Fp8(active=True, token_axes=tuple(a for a in TOKEN_AXES if shape[a] > 1), margin=fp8.margin)
+        axes = tuple(a for a in TOKEN_AXES if shape[a] > 1)
+        return Fp8(active=True, token_axes=axes, margin=fp8.margin, delayed=fp8.scaling == "delayed")
 
     @property
     def tensor_parallel(self) -> TensorParallel:
@@ -237,10 +240,16 @@ def build_plan(
 def _check_fp8(cfg: Config, mesh: Mesh, platform: str) -> None:
     """Refuses `precision.fp8.enabled` where FP8 GEMMs cannot run: an NVIDIA GPU without FP8 tensor cores
     (compute capability below `FP8_MIN_CAPABILITY`, e.g. A100: XLA would run the GEMMs upcast, slower than bf16),
-    a TPU (not supported), or an XLA:CPU that cannot compile FP8 conversions (`jaxpar.parallel.fp8.cpu_fp8_error`).
-    Before any device work but the CPU's probe."""
+    a TPU (not supported), or an XLA:CPU that cannot compile FP8 conversions (`jaxpar.parallel.fp8.cpu_fp8_error`);
+    and delayed scaling for a model family that does not say how many GEMMs a layer runs. Before any device work
+    but the CPU's probe."""
     if not cfg.precision.fp8.enabled:
         return
+    if cfg.precision.fp8.scaling == "delayed":
+        try:
+            gemm_sites(cfg.model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     device = mesh.devices.flat[0]
     if platform == "gpu":
         capability = getattr(device, "compute_capability", None)
@@ -379,7 +388,7 @@ def _state_specs(
     layout: PrecisionLayout,
     mesh_shape: dict[str, int],
 ) -> dict:
-    """The PartitionSpec tree of the train state {"step", "params", "opt_state"[, "master"]}, after checking
+    """The PartitionSpec tree of the train state {"step", "params", "opt_state"[, "master"][, "fp8"]}, after checking
     (abstractly, no device work) that the mesh divides every parameter and that the optimizer's state holds what
     the step reads from it.
 
@@ -400,6 +409,8 @@ def _state_specs(
     }
     if layout.master:
         state_specs["master"] = specs["opt_state"]
+    if fp8_history.delayed_config(cfg):  # the history's rows go with their layers' stage
+        state_specs["fp8"] = {fp8_history.HISTORY: P(PIPELINE) if mesh_shape[PIPELINE] > 1 else P()}
     return state_specs
 
 

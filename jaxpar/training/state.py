@@ -1,8 +1,10 @@
-"""The train state {"step", "params", "opt_state"[, "master"]}: created on the mesh (`init_state`) or described
-abstractly (`abstract_state`, a restore target), laid out as the plan says (`jaxpar.training.plan.StepPlan`).
+"""The train state {"step", "params", "opt_state"[, "master"][, "fp8"]}: created on the mesh (`init_state`) or
+described abstractly (`abstract_state`, a restore target), laid out as the plan says
+(`jaxpar.training.plan.StepPlan`).
 
 With the `16p` layout (`jaxpar.config.precision.LAYOUTS`) "master" holds the fp32 parameters the optimizer updates
 and "params" their bf16 cast, which the forward reads; with `fp32` "params" are the fp32 parameters themselves.
+With FP8 delayed scaling "fp8" holds the amax history (`jaxpar.training.fp8_history`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.model import init_params
+from jaxpar.training import fp8_history
 from jaxpar.training.plan import StepPlan
 
 
 def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> dict:
-    """Creates the sharded train state {"step", "params", "opt_state"[, "master"]} directly on the mesh.
+    """Creates the sharded train state {"step", "params", "opt_state"[, "master"][, "fp8"]} directly on the mesh.
 
     Args:
       plan: the step plan.
@@ -80,6 +83,8 @@ def _fill_state(plan: StepPlan, params: dict) -> dict:
     else:
         state["params"] = params
     state["opt_state"] = plan.tx.init(params)
+    if fp8_history.delayed_config(plan.cfg):
+        state["fp8"] = fp8_history.initial_history(plan.cfg)
     return state
 
 

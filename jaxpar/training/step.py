@@ -38,6 +38,7 @@ from jaxpar.config.mesh_axes import TOKEN_AXES
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import layer_split
 from jaxpar.parallel import pipeline as pipeline_lib
+from jaxpar.training import fp8_history
 from jaxpar.training.context_batch import context_batch
 from jaxpar.training.forward import loss_body, split_microbatches, split_stack
 from jaxpar.training.grad_reduction import reduce_over_data, reduce_replicated
@@ -54,13 +55,15 @@ from jaxpar.training.plan import StepPlan
 
 
 def make_grad_fn(plan: StepPlan) -> Callable:
-    """Returns `grad_fn(params, batch) -> (grads, loss_sum, n_tokens)` as one shard_map over the mesh.
+    """Returns `grad_fn(params, batch[, fp8_scales]) -> (grads, loss_sum, n_tokens)` as one shard_map over the mesh.
 
     Args (of the returned function):
       params: parameter tree sharded as `plan.specs["params"]`.
       batch: {"inputs", "targets": int32 [B, T], "loss_mask": float32 [B, T]} and optionally "segment_ids": int32
         [B, T] (packed documents: attention stays within each, `jaxpar.model.attention`), sharded as
         `plan.batch_sharding`.
+      fp8_scales: under FP8 delayed scaling (only then), the scales the GEMMs quantise with, fp32 [L, O, 3]
+        (`jaxpar.training.fp8_history.step_scales` of a history).
 
     Returns:
       grads of the global token-mean loss, sharded as `plan.specs["grads"]`, in the parameter dtype;
@@ -69,18 +72,23 @@ def make_grad_fn(plan: StepPlan) -> Callable:
       n_tokens: global count of valid tokens (sum of loss_mask), fp32.
     """
     grad_fn = _grad_fn_with_moe(plan)
-    return lambda params, batch: grad_fn(params, batch)[:3]
+    return lambda params, batch, *fp8_scales: grad_fn(params, batch, *fp8_scales)[:3]
 
 
 def _grad_fn_with_moe(plan: StepPlan) -> Callable:
     """`make_grad_fn`'s function with a fourth output: the global MoE sums (`jaxpar.training.moe_loss`; "aux"
-    and "z" divided by the global token count), or {} without `model.moe`."""
+    and "z" divided by the global token count), or {} without `model.moe`; and under FP8 delayed scaling a
+    fifth: the amaxes the GEMMs saw, fp32 [L, O, 3] (`jaxpar.training.fp8_history.seen_amax`)."""
     accumulate = _accumulated_grads(plan)
     stages = plan.mesh_shape[pipeline_lib.AXIS]
     loss_axes = TOKEN_AXES + ((pipeline_lib.AXIS,) if stages > 1 else ())
     virtual = plan.cfg.pipeline.virtual_stages if stages > 1 else 1
+    delayed = fp8_history.delayed_config(plan.cfg)
+    stack_spec = P(pipeline_lib.AXIS) if stages > 1 else P()  # the history's rows go with their layers
 
-    def body(params, batch):
+    def body(params, batch, *fp8_scales):
+        if delayed:  # the scales once per microbatch, beside the layers (`jaxpar.training.fp8_history`)
+            params = fp8_history.with_scales(params, fp8_scales[0], _step_microbatches(plan))
         batch = context_batch(batch, plan.context)  # the load-balanced slices (jaxpar.training.context_batch)
         # psum over the token-splitting axes: the global count of valid tokens normalises every microbatch.
         n_tokens = jax.lax.psum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), TOKEN_AXES)
@@ -99,13 +107,18 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
                 STACK_ATTRIBUTE: pipeline_lib.to_chunk_order(params[STACK_ATTRIBUTE], stages, virtual, placement),
             }
         grads, loss, sums = _after_every_reduction(accumulate(params, staged, batch, denom))
-        grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), grads)
+        # the scales' cotangents (the amaxes seen) stay fp32 and take no part in the gradients' reductions
+        layers, seen = fp8_history.split_scales(grads[STACK_ATTRIBUTE])
+        grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), {**grads, STACK_ATTRIBUTE: layers})
         if layout is not None or virtual > 1:
             layers, edge = split_stack(grads)
+            if seen is not None:
+                layers = {**layers, fp8_history.FP8_SCALES: seen[0], fp8_history.FP8_PROBES: seen[1]}
             if layout is not None:
                 layers = layer_split.from_stage_layout(layers, layout)
             else:
                 layers = pipeline_lib.from_chunk_order(layers, stages, virtual, placement)
+            layers, seen = fp8_history.split_scales(layers)
             # the edge gradients' reductions after the permutes (one collective order on every device)
             grads = {**pipeline_lib.ordered_after(edge, layers), STACK_ATTRIBUTE: layers}
         grads = reduce_replicated(plan, grads)
@@ -119,16 +132,24 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         # a pipeline, its own stage's MoE units (psum over pipeline, like the loss); the token-weighted ones are
         # normalised like the loss.
         sums = {k: jax.lax.psum(v / denom if k in MEAN_KEYS else v, loss_axes) for k, v in sums.items()}
-        return grads, loss, n_tokens, sums
+        if seen is None:
+            return grads, loss, n_tokens, sums
+        # the same on every device of a stage: each GEMM's amaxes are max-reduced over the axes splitting it
+        return grads, loss, n_tokens, sums, fp8_history.seen_amax(seen[1])
 
     return jax.shard_map(
         body,
         mesh=plan.mesh,
         # one spec for every batch array: the three of `jaxpar.data.batch` and an optional "segment_ids"
-        in_specs=(plan.specs["params"], plan.batch_sharding.spec),
-        out_specs=(plan.specs["grads"], P(), P(), P()),
+        in_specs=(plan.specs["params"], plan.batch_sharding.spec, *((stack_spec,) if delayed else ())),
+        out_specs=(plan.specs["grads"], P(), P(), P(), *((stack_spec,) if delayed else ())),
         check_vma=False,
     )
+
+
+def _step_microbatches(plan: StepPlan) -> int:
+    """M: the microbatches of one step, gradient accumulation steps x pipeline microbatches."""
+    return plan.cfg.train.grad_accum_steps * plan.cfg.pipeline.microbatches
 
 
 def _after_every_reduction(tree):
@@ -153,6 +174,7 @@ def _accumulated_grads(plan: StepPlan) -> Callable:
     the pipeline schedule on `staged` (the layers in the schedule's order, `jaxpar.training.pipelined`)."""
     loss_sum = loss_body(plan)
     moe = plan.cfg.model.moe
+    delayed = fp8_history.delayed_config(plan.cfg)
     stages, pipe_mb = plan.mesh_shape[pipeline_lib.AXIS], plan.cfg.pipeline.microbatches
     # Without a pipeline its microbatches are just more gradient accumulation.
     accum = plan.cfg.train.grad_accum_steps * (pipe_mb if stages == 1 else 1)
@@ -162,8 +184,11 @@ def _accumulated_grads(plan: StepPlan) -> Callable:
             loss, sums = loss_sum(p, mb)
             return loss / denom, sums
 
-        def micro(carry, mb):
+        def micro(carry, xs):
             g_acc, l_acc, s_acc = carry
+            mb, slot = xs
+            if delayed:  # this microbatch's slot among the step's (a pipeline's: its first one's / m)
+                mb = {**mb, fp8_history.SLOT: slot}
             if stages > 1:
                 g, loss, sums = pipeline_grads(plan, staged, mb, 1.0 / denom)
             else:
@@ -177,7 +202,8 @@ def _accumulated_grads(plan: StepPlan) -> Callable:
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), shaped)
         sums0 = zero_sums(plan.cfg.model.stack_depth, moe.num_experts) if moe.enabled else {}
         carry0 = (zeros, jnp.zeros((), jnp.float32), sums0)
-        (grads, loss, sums), _ = jax.lax.scan(micro, carry0, split_microbatches(batch, accum))
+        xs = (split_microbatches(batch, accum), jnp.arange(accum, dtype=jnp.int32))
+        (grads, loss, sums), _ = jax.lax.scan(micro, carry0, xs)
         return grads, loss, sums
 
     return accumulate
@@ -200,9 +226,11 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
     The default optimizer reports all of them.
     """
     grad_fn = _grad_fn_with_moe(plan)
+    delayed = fp8_history.delayed_config(plan.cfg)
 
     def train_step(state, batch):
-        grads, loss, n_tokens, sums = grad_fn(state["params"], batch)
+        fp8_scales = (fp8_history.step_scales(plan.cfg, state["fp8"][fp8_history.HISTORY]),) if delayed else ()
+        grads, loss, n_tokens, sums, *seen = grad_fn(state["params"], batch, *fp8_scales)
         grads32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         grad_norm = optax.tree.norm(grads32)
         target = state["master"] if plan.has_master else state["params"]
@@ -224,6 +252,9 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
         if skip is not None:
             metrics["bad_steps_in_a_row"] = skip.notfinite_count
             metrics["skipped_steps"] = skip.total_notfinite
+        if delayed:  # the amaxes into the history, unless the update was skipped
+            applied = skip.last_finite if skip is not None else jnp.bool_(True)
+            new["fp8"] = fp8_history.next_history(state["fp8"], seen[0], applied)
         return new, metrics
 
     replicated = NamedSharding(plan.mesh, P())

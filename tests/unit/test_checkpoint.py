@@ -278,3 +278,36 @@ def test_unreadable_only_checkpoint_raises_and_renames_nothing(tmp_path, mesh):
         ckpt.restore(None, _abstract(state, lambda x: x.sharding))
     assert sorted(os.listdir(tmp_path)) == ["3"]
     ckpt.close()
+
+
+def test_optional_fp8_entry_restores_starts_at_zeros_or_is_dropped(tmp_path, mesh, caplog):
+    """FP8 delayed scaling's amax history ("fp8", `jaxpar.checkpoint.store.OPTIONAL_ENTRIES`): restored where
+    saved with the target's shapes (onto another sharding too), zeros where the step holds none or another
+    window, read and dropped where the target keeps none; the rest of the state restores bitwise each time."""
+    state = _state(mesh)
+    history = jax.device_put(jax.random.uniform(jax.random.key(1), (2, 7, 3, 4)), NamedSharding(mesh, P("data")))
+    with_fp8 = {**state, "fp8": {"amax_history": history}}
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=3, async_save=False)
+    ckpt.save(1, with_fp8, data_state={}, config={})
+    ckpt.save(2, state, data_state={}, config={})
+    replicated = _abstract(with_fp8, lambda x: NamedSharding(mesh, P()))
+
+    restored, _, _ = ckpt.restore(1, replicated)  # kept, resharded
+    _assert_bitwise_equal(restored, with_fp8)
+    assert restored["fp8"]["amax_history"].sharding == NamedSharding(mesh, P())
+    with caplog.at_level(logging.INFO, logger="jaxpar.checkpoint"):
+        dropped, _, _ = ckpt.restore(1, _abstract(state, lambda x: x.sharding))
+        fresh, _, _ = ckpt.restore(2, replicated)
+        wider = {
+            **replicated,
+            "fp8": {"amax_history": jax.ShapeDtypeStruct((2, 7, 3, 8), jnp.float32, sharding=NamedSharding(mesh, P()))},
+        }
+        refilled, _, _ = ckpt.restore(1, wider)
+    _assert_bitwise_equal(dropped, state)
+    _assert_bitwise_equal({k: v for k, v in fresh.items() if k != "fp8"}, state)
+    np.testing.assert_array_equal(np.asarray(fresh["fp8"]["amax_history"]), np.zeros((2, 7, 3, 4), np.float32))
+    np.testing.assert_array_equal(np.asarray(refilled["fp8"]["amax_history"]), np.zeros((2, 7, 3, 8), np.float32))
+    _assert_bitwise_equal({k: v for k, v in refilled.items() if k != "fp8"}, state)
+    text = caplog.text
+    assert "does not keep" in text and "holds no 'fp8' entry" in text and "of other shapes" in text
+    ckpt.close()

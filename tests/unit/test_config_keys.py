@@ -86,6 +86,8 @@ OUT_OF_RANGE = {
     "precision.reduce_dtype": "float16",
     "precision.fp8.enabled": BOOL,
     "precision.fp8.scaling": "dynamic",
+    "precision.fp8.amax_history": 0,
+    "precision.fp8.amax_compute": "mean",
     "precision.fp8.margin": 9,
     "optimizer.learning_rate": 0,
     "optimizer.warmup_steps": -1,

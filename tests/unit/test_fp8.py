@@ -30,8 +30,11 @@ from jaxpar.parallel.fp8 import (
     Fp8,
     cpu_fp8_error,
     fp8_max,
+    history_scales,
+    layer_scales,
     quantize,
     scale_from_amax,
+    updated_history,
 )
 
 # XLA:CPU at --xla_cpu_max_isa=SSE4_2 with the suite's fast code generation cannot link E5M2's conversions
@@ -105,6 +108,43 @@ def test_scales_of_zero_inf_and_nan_tensors():
     for margin, top in ((0, 448.0), (1, 224.0)):
         q = quantize(x, scale_from_amax(jnp.max(jnp.abs(x)), FORWARD_FORMAT, margin), FORWARD_FORMAT)
         assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == top
+
+
+def test_delayed_scaling_history_and_scales():
+    """The history takes each step's amaxes in front and drops the oldest, except an inf or NaN amax (its operand's
+    history stays); the scales come from the window's max or its newest entry, 0 (no history) where that is 0."""
+    history = jnp.zeros((2, 3, 3), jnp.float32)  # [sites, operands, window]
+    history = updated_history(history, jnp.array([[1.0, 2.0, 3.0], [4.0, 0.0, 6.0]]))
+    history = updated_history(history, jnp.array([[0.5, jnp.inf, 8.0], [jnp.nan, 1.0, 2.0]]))
+    np.testing.assert_array_equal(history[0], [[0.5, 1.0, 0.0], [2.0, 0.0, 0.0], [8.0, 3.0, 0.0]])
+    np.testing.assert_array_equal(history[1], [[4.0, 0.0, 0.0], [1.0, 0.0, 0.0], [2.0, 6.0, 0.0]])
+    e4, e5 = fp8_max(FORWARD_FORMAT), fp8_max(BACKWARD_FORMAT)
+    np.testing.assert_allclose(history_scales(history, "max", 0)[0], [1.0 / e4, 2.0 / e4, 8.0 / e5], rtol=1e-7)
+    np.testing.assert_allclose(history_scales(history, "most_recent", 1)[0], [1.0 / e4, 4.0 / e4, 16.0 / e5])
+    assert float(history_scales(jnp.zeros((3, 4)), "max", 0)[1]) == 0.0  # no history: current scaling's scale
+
+
+def test_delayed_gemm_scales_from_the_history_and_returns_its_amaxes():
+    """Inside `layer_scales` a delayed-scaling GEMM quantises with the given scales (x saturates at 448 * s_x
+    where it exceeds the history's range), falls back to the current amax where a scale is 0, and returns the
+    amaxes it saw as its probe's cotangent (none for an all-zero output gradient)."""
+    fp8 = Fp8(active=True, delayed=True)
+    x = jnp.array([[4.0, -1.0]], jnp.float32)
+    w = jnp.array([[1.0], [2.0]], jnp.float32)
+
+    def gemm(x, w, scales, probes):
+        with layer_scales(scales, probes):
+            return fp8.matmul(x, w, "column", False)
+
+    scales = jnp.array([[1.0 / 448, 2.0 / 448, 0.0]], jnp.float32)  # x saturates at 1.0, w exact, g: current
+    y, vjp = jax.vjp(gemm, x, w, scales, jnp.zeros((1, 3)))
+    np.testing.assert_allclose(float(y[0, 0]), 1.0 * 1.0 - 1.0 * 2.0, rtol=1e-6)  # x clipped to [1, -1]
+    _, _, d_scales, d_probes = vjp(jnp.ones_like(y) * 3.0)
+    np.testing.assert_array_equal(d_probes, [[4.0, 2.0, 3.0]])
+    np.testing.assert_array_equal(d_scales, np.zeros((1, 3)))
+    assert not np.any(np.asarray(vjp(jnp.zeros_like(y))[3]))  # a tick without a microbatch sends nothing
+    # an inf in a tensor makes its scale, and so the output, NaN (the step is then skipped)
+    assert np.isnan(float(gemm(x.at[0, 0].set(jnp.inf), w, scales, jnp.zeros((1, 3)))[0, 0]))
 
 
 def test_bad_split_is_refused():

@@ -21,10 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LAYOUTS = {"fsdp8": ["mesh.fsdp=8", "mesh.tensor=1"], "fsdp4_tensor2": ["mesh.fsdp=4", "mesh.tensor=2"]}
 
 
-def _compile(target: str, layout: str, fp8: bool = True, **options) -> tuple[dict, object]:
+def _compile(target: str, layout: str, fp8: bool = True, *extra: str, **options) -> tuple[dict, object]:
     from jaxpar.analysis.gpu.deviceless import compile_for_gpu
 
-    overrides = [*LAYOUTS[layout], "mesh.data=1", f"precision.fp8.enabled={str(fp8).lower()}"]
+    overrides = [*LAYOUTS[layout], "mesh.data=1", f"precision.fp8.enabled={str(fp8).lower()}", *extra]
     cfg = load_config(os.path.join(ROOT, "configs", "llama_1b.yaml"), overrides, validate=False)
     return compile_for_gpu(cfg, target, 1, 8, compiler_options=options or None), cfg
 
@@ -62,3 +62,13 @@ def test_without_triton_gemms_every_fp8_gemm_is_cublaslt_fp8_and_fp8_costs_no_me
     # copies leave the peak within 2% of bf16's (measured 18.49 GB against 18.33 GB)
     bf16, _ = _compile("h100", "fsdp8", fp8=False, xla_gpu_enable_triton_gemm=False)
     assert out["memory"]["peak_bytes"] <= 1.02 * bf16["memory"]["peak_bytes"]
+
+
+@pytest.mark.requires_gpu_compile
+def test_delayed_scaling_keeps_every_projection_gemm_fp8():
+    """`precision.fp8.scaling=delayed`: the same FP8 GEMMs (the history's scales change no GEMM), and the step
+    still fits."""
+    out, cfg = _compile("h100", "fsdp4_tensor2", True, "precision.fp8.scaling=delayed")
+    fp8, other = _implied(cfg, out["mesh"]["tensor"])
+    assert (out["gemms"]["fp8_flops"], out["gemms"]["other_flops"]) == (fp8, other), out["gemms"]
+    assert out["fits"]

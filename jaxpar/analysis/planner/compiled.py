@@ -237,7 +237,7 @@ def compiled_plan(
         raise RuntimeError(f"the {jax.default_backend()} backend gives no memory_analysis() for compiled code")
     persistent = persistent_state_bytes(plan, compiled, state, batch)
     mem = analytic["memory"]
-    planned_state = mem["params"] + mem["opt_state"]
+    planned_state = mem["params"] + mem["opt_state"] + mem.get("fp8_history", 0)
     state_bytes = persistent["persistent"] - persistent["scalars"]
     planned_temp = mem["temp_estimate"]["total"]
     coll = hlo_collectives(compiled_hlo_text(compiled), plan.mesh)

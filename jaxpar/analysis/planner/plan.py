@@ -103,6 +103,7 @@ from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.layer_split import balanced_split, stage_flops
 from jaxpar.parallel.sharding import storage_axes
 from jaxpar.parallel.slot_program import program as slot_program
+from jaxpar.training.fp8_history import history_bytes
 
 # How each platform's compiler leaves the partitioned program's collectives (module docstring).
 COLLECTIVE_DTYPES = {
@@ -116,7 +117,8 @@ def state_bytes(cfg: Config) -> dict:
     """Model-state bytes per device: {"params", "grads", "opt_state" (with the 16p fp32 master), "total",
     "expression" (e.g. "ZeRO-1 16p: 4P + 12P/N"), "n_params" (P per rank, the experts' 1/ep under expert
     parallelism), "n_expert_params" (P_e: the routed experts' part of it), "experts" (the bytes of P_e's state,
-    part of "total")}. With `model.moe.expert_axes` the
+    part of "total"), "fp8_history" (FP8 delayed scaling's amax history, `jaxpar.training.fp8_history.
+    history_bytes`, part of "total"; 0 without)}. With `model.moe.expert_axes` the
     experts' part is divided by the storage axes that are not expert axes only
     (`jaxpar.analysis.planner.memory.expert_state_bytes_formula`). Raises ValueError as
     `jaxpar.analysis.planner.memory.state_bytes_formula`."""
@@ -125,6 +127,8 @@ def state_bytes(cfg: Config) -> dict:
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
     out = expert_state_bytes_formula(dense, expert, layout, zero, cfg.mesh.data, cfg.mesh.fsdp, experts)
     expression = formula_expression(layout, zero, cfg.mesh.fsdp)
+    history = history_bytes(cfg)  # FP8 delayed scaling's amax history (0 without)
+    out = {**out, "fp8_history": history, "total": out["total"] + history}
     return {**out, "expression": expression, "n_params": dense + expert, "n_expert_params": expert}
 
 
@@ -540,6 +544,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "params": state["params"],
             "grads": state["grads"],
             "opt_state": state["opt_state"],
+            "fp8_history": state["fp8_history"],
             "model_state": model_state,
             "expert_state": state["experts"],
             "activations": act["total"],
@@ -548,7 +553,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "activation_formula": act["formula"],
             "korthikanti_activations": act["korthikanti"],
             "temp_estimate": temp,
-            "peak_estimate": state["params"] + state["opt_state"] + temp["total"],
+            "peak_estimate": state["params"] + state["opt_state"] + state["fp8_history"] + temp["total"],
         },
         "activations": act,
         "experts": expert_summary(cfg, d, state, terms),
@@ -628,7 +633,7 @@ def smallest_fitting_devices(
         c = fsdp_config(cfg, n)
         state = state_bytes(c)
         if include_temp:  # the temp estimate holds the gradients that the model state counts as well
-            need = state["params"] + state["opt_state"] + temp_bytes(c, platform)["total"]
+            need = state["params"] + state["opt_state"] + state["fp8_history"] + temp_bytes(c, platform)["total"]
         else:
             need = state["total"] + activation_bytes(c, platform)["total"]
         if need <= budget_bytes:

@@ -127,9 +127,11 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
     row("params", mem["params"], state.get("params"), state["params"] / mem["params"] if state else None)
     row("grads", mem["grads"])
     row("optimizer state (+ fp32 master)", mem["opt_state"])
+    if mem.get("fp8_history"):
+        row("FP8 amax history", mem["fp8_history"])
     row(
-        "params + optimizer state",
-        mem["params"] + mem["opt_state"],
+        "params + optimizer state" + (" + history" if mem.get("fp8_history") else ""),
+        mem["params"] + mem["opt_state"] + mem.get("fp8_history", 0),
         state.get("params_plus_opt_state"),
         state.get("ratio"),
     )
