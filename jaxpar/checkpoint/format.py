@@ -10,8 +10,9 @@ A restore reads it before anything else of the step (its config, its arrays) and
 does not read (`CheckpointFormatError`). A step without the item was written before jaxpar recorded versions; its
 layout is version 1's, so it reads as version 1.
 
-Version 1: `state/` the train state {"step", "params", "opt_state"[, "master"]} (Orbax's StandardSave of
-jax Arrays), `data/` the data iterator's position, `config/` the run's resolved config (`Config.to_dict`).
+Version 1: `state/` the train state {"step", "params", "opt_state"[, "master"][, "fp8"]} (Orbax's StandardSave of
+jax Arrays; "fp8", FP8 delayed scaling's amax history, is optional both ways: `jaxpar.checkpoint.store`), `data/`
+the data iterator's position, `config/` the run's resolved config (`Config.to_dict`).
 """
 
 from __future__ import annotations
