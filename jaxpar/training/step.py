@@ -87,7 +87,7 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
     stack_spec = P(pipeline_lib.AXIS) if stages > 1 else P()  # the history's rows go with their layers
 
     def body(params, batch, *fp8_scales):
-        if delayed:  # the scales once per microbatch, beside the layers (`jaxpar.training.fp8_history`)
+        if delayed:  # the scales and per-microbatch amax probes beside the layers (`jaxpar.training.fp8_history`)
             params = fp8_history.with_scales(params, fp8_scales[0], _step_microbatches(plan))
         batch = context_batch(batch, plan.context)  # the load-balanced slices (jaxpar.training.context_batch)
         # psum over the token-splitting axes: the global count of valid tokens normalises every microbatch.
@@ -107,18 +107,21 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
                 STACK_ATTRIBUTE: pipeline_lib.to_chunk_order(params[STACK_ATTRIBUTE], stages, virtual, placement),
             }
         grads, loss, sums = _after_every_reduction(accumulate(params, staged, batch, denom))
-        # the scales' cotangents (the amaxes seen) stay fp32 and take no part in the gradients' reductions
-        layers, seen = fp8_history.split_scales(grads[STACK_ATTRIBUTE])
+        # the probes' cotangents (the amaxes seen) stay fp32 and take no part in the gradients' reductions; the
+        # scales' (zeros) are dropped
+        layers, fp8 = fp8_history.split_scales(grads[STACK_ATTRIBUTE])
+        seen = None if fp8 is None else fp8[1]
         grads = jax.tree.map(lambda g: g.astype(plan.reduce_dtype), {**grads, STACK_ATTRIBUTE: layers})
         if layout is not None or virtual > 1:
             layers, edge = split_stack(grads)
             if seen is not None:
-                layers = {**layers, fp8_history.FP8_SCALES: seen[0], fp8_history.FP8_PROBES: seen[1]}
+                layers = {**layers, fp8_history.FP8_PROBES: seen}
             if layout is not None:
                 layers = layer_split.from_stage_layout(layers, layout)
             else:
                 layers = pipeline_lib.from_chunk_order(layers, stages, virtual, placement)
-            layers, seen = fp8_history.split_scales(layers)
+            if seen is not None:
+                seen = layers.pop(fp8_history.FP8_PROBES)
             # the edge gradients' reductions after the permutes (one collective order on every device)
             grads = {**pipeline_lib.ordered_after(edge, layers), STACK_ATTRIBUTE: layers}
         grads = reduce_replicated(plan, grads)
@@ -135,7 +138,7 @@ def _grad_fn_with_moe(plan: StepPlan) -> Callable:
         if seen is None:
             return grads, loss, n_tokens, sums
         # the same on every device of a stage: each GEMM's amaxes are max-reduced over the axes splitting it
-        return grads, loss, n_tokens, sums, fp8_history.seen_amax(seen[1])
+        return grads, loss, n_tokens, sums, fp8_history.seen_amax(seen)
 
     return jax.shard_map(
         body,

@@ -19,9 +19,10 @@ model of 4 layers and 16 rows flipped about one element per step).
 
 Cases, one per way the amaxes travel: data 2 x fsdp 2 x tensor 2 with 2 accumulation steps, ZeRO-1 (the
 accumulation loop's microbatches); 1F1B pipeline 2 x tensor 2 x data 2 with 2 microbatches (the stash of the
-blocks' residuals); ZB-H1 pipeline 2 x data 4 (the zero-bubble split backward); MoE with dropless experts over
-data 2 x tensor 2 x fsdp 2 (the experts' GEMM sites; in the slow suite). Each asserts that its layout splits more
-than one mesh axis and, but for MoE, that it runs more microbatches than the reference's one.
+blocks' residuals); ZB-H1 pipeline 2 x data 4 (the zero-bubble split backward); and in the slow suite, each with
+its own reference: MoE with dropless experts over data 2 x tensor 2 x fsdp 2 (the experts' GEMM sites), and on 4
+layers ZB-V (its chunk order) and the uneven stage layout [3, 1] (its padding rows). Each asserts that its layout
+splits more than one mesh axis and, but for MoE, that it runs more microbatches than the reference's one.
 """
 
 import jax
@@ -81,7 +82,26 @@ CASES = {
         "model.moe.expert_axes=[data]",
     ),
 }
-SLOW = {"moe_dropless_experts_data2_tensor2_fsdp2"}  # its own reference compile: about 20 s of the default suite
+# Cases on a 4-layer model (2 virtual stages of 2 stages need 4): its own reference
+FOUR_LAYERS = ("model.n_layers=4",)
+CASES4 = {
+    "pipeline2_zbv_data4": (
+        "mesh.pipeline=2",
+        "mesh.data=4",
+        "pipeline.microbatches=2",
+        "pipeline.schedule=zb-v",
+        "pipeline.virtual_stages=2",
+    ),
+    "pipeline2_uneven_3_1_data4": (
+        "mesh.pipeline=2",
+        "mesh.data=4",
+        "pipeline.microbatches=2",
+        "pipeline.stage_layers=[3,1]",
+    ),
+}
+CASES.update(CASES4)
+# Their own reference compiles, about 20 s each of the default suite: the slow suite runs them
+SLOW = {"moe_dropless_experts_data2_tensor2_fsdp2", *CASES4}
 
 
 def _overrides(*extra: str) -> list[str]:
@@ -117,9 +137,9 @@ def reference():
     """The one-device reference of a model (dense or MoE): the initial state with the history one step
     leaves, and the step from there."""
 
-    def get(moe: bool) -> dict:
-        if moe not in _REFERENCES:
-            plan = make_plan(_overrides(*(MOE if moe else ())), jax.devices()[:1])
+    def get(model: tuple[str, ...]) -> dict:
+        if model not in _REFERENCES:
+            plan = make_plan(_overrides(*model), jax.devices()[:1])
             batch = {k: jax.device_put(v, plan.batch_sharding) for k, v in host_batch(VALID, T, SEED).items()}
             state = init_state(plan, SEED)
             host_state = to_host(state)
@@ -129,18 +149,22 @@ def reference():
             history = host_state["fp8"][fp8_history.HISTORY]
             assert history.shape == fp8_history.history_shape(plan.cfg)
             assert np.all(history[..., 0] > 0) and np.all(history[..., 1:] == 0)  # one step of amaxes
-            _REFERENCES[moe] = {"plan": plan, "host_state": host_state, **_run(plan, host_state)}
-        return _REFERENCES[moe]
+            _REFERENCES[model] = {"plan": plan, "host_state": host_state, **_run(plan, host_state)}
+        return _REFERENCES[model]
 
     return get
 
 
+def _model(case: str) -> tuple[str, ...]:
+    """The model overrides of a case (and of its reference)."""
+    return MOE if case.startswith("moe") else FOUR_LAYERS if case in CASES4 else ()
+
+
 def _layout(case: str):
-    moe = case.startswith("moe")
-    plan = make_plan(_overrides(*(MOE if moe else ()), *CASES[case]), jax.devices()[: mesh_devices(CASES[case])])
+    plan = make_plan(_overrides(*_model(case), *CASES[case]), jax.devices()[: mesh_devices(CASES[case])])
     split = {a: s for a, s in plan.mesh_shape.items() if s > 1}
     assert len(split) >= 2 and plan.fp8.delayed
-    return plan, moe
+    return plan
 
 
 def _assert_history_close(got: np.ndarray, want: np.ndarray, rtol: float) -> None:
@@ -155,10 +179,11 @@ def _assert_history_close(got: np.ndarray, want: np.ndarray, rtol: float) -> Non
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_delayed_step_equals_one_device(case, reference, need_devices):
     need_devices(mesh_devices(CASES[case]))
-    plan, moe = _layout(case)
-    ref = reference(moe)
+    plan = _layout(case)
+    ref = reference(_model(case))
     cfg = plan.cfg
-    assert cfg.train.grad_accum_steps * cfg.pipeline.microbatches > 1 or moe  # microbatches other than the reference's
+    # microbatches other than the reference's one (the MoE case: data split by expert parallelism instead)
+    assert cfg.train.grad_accum_steps * cfg.pipeline.microbatches > 1 or cfg.model.moe.enabled
     got = _run(plan, ref["host_state"])
     assert_step_equals(plan, got, ref, RTOL, flips=FP8_FLIPS)
     _assert_history_close(got["history"], ref["history"], RTOL)
@@ -170,8 +195,8 @@ def test_summed_amaxes_break_the_parity(reference, need_devices, monkeypatch):
     accumulation of the cotangents would give), not their max."""
     case = "data2_fsdp2_tensor2_accum2_zero1"
     need_devices(mesh_devices(CASES[case]))
-    ref = reference(False)
-    plan, _ = _layout(case)
+    ref = reference(())
+    plan = _layout(case)
     monkeypatch.setattr(fp8_history, "seen_amax", lambda probes: jnp.sum(probes, axis=1))
     got = _run(plan, ref["host_state"])
     with pytest.raises(AssertionError, match="amaxes appended"):
@@ -182,7 +207,7 @@ def test_summed_amaxes_break_the_parity(reference, need_devices, monkeypatch):
 def test_a_non_finite_step_leaves_the_history(reference):
     """An inf in one weight makes the step non-finite: the non-finite skip leaves the parameters and the whole
     amax history as they were (the inf amax is not written either), and counts the step."""
-    ref = reference(False)
+    ref = reference(())
     plan = ref["plan"]
     host = jax.tree.map(np.array, ref["host_state"])
     host["params"]["blocks"]["attn"]["wq"][0, 0, 0, 0] = np.inf
