@@ -363,7 +363,7 @@ def _optional_entries(saved_tree: Any, abstract_state: Any, step: int) -> tuple[
         if not has_saved and not wanted:
             continue
         if not has_saved:
-            _LOGGER.info("checkpoint step %d holds no %r entry: this run's starts at zeros", step, key)
+            _LOGGER.info("checkpoint step %d holds no %r entry: this run's starts empty (zeros)", step, key)
             del target[key]
             fresh[key] = abstract_state[key]
         elif not wanted:
@@ -371,8 +371,8 @@ def _optional_entries(saved_tree: Any, abstract_state: Any, step: int) -> tuple[
             target[key] = placeholder(saved_tree[key])
         elif shapes(saved_tree[key]) != shapes(abstract_state[key]):
             _LOGGER.warning(
-                "checkpoint step %d holds an %r entry of other shapes (%s) than this run's (%s): this run's starts "
-                "at zeros",
+                "checkpoint step %d holds an %r entry of other shapes (%s) than this run's (%s), e.g. another "
+                "precision.fp8.amax_history: this run's starts empty (zeros)",
                 step,
                 key,
                 shapes(saved_tree[key]),

@@ -70,7 +70,7 @@ def register_model(
 
     Raises:
       ValueError: `name` is empty or not an identifier, or already registered and `replace` is false.
-      TypeError: `build` is not callable.
+      TypeError: `build` (or `fp8_gemm_sites`, when given) is not callable.
     """
     _register_builtins()  # first, so that a built-in name is taken whatever ran before
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
@@ -78,6 +78,10 @@ def register_model(
     if not callable(build):
         raise TypeError(
             f"build must be callable (cfg: ModelConfig, rngs: nnx.Rngs) -> module, got {type(build).__name__}"
+        )
+    if fp8_gemm_sites is not None and not callable(fp8_gemm_sites):
+        raise TypeError(
+            f"fp8_gemm_sites must be callable (cfg: ModelConfig) -> int, got {type(fp8_gemm_sites).__name__}"
         )
     if name in _FAMILIES and not replace:
         raise ValueError(f"model {name!r} is already registered; pick another name or pass replace=True")

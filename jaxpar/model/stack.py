@@ -238,8 +238,9 @@ def scan_layers(
         sites = row_scales[0].shape[0]
         if used[1] != sites:
             raise ValueError(
-                f"FP8 delayed scaling: a layer ran {used[1]} FP8 GEMMs, its history holds {sites} (the model "
-                f"family's fp8_gemm_sites, jaxpar.model.registry); set precision.fp8.scaling=current"
+                f"FP8 delayed scaling: a layer ran {used[1]} FP8 GEMMs and its model family's fp8_gemm_sites gives "
+                f"{sites}; register the family with fp8_gemm_sites giving {used[1]} (jaxpar.register_model), or set "
+                f"precision.fp8.scaling=current"
             )
         return out
 

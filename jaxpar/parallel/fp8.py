@@ -236,8 +236,9 @@ def _site_scales() -> tuple[jax.Array, jax.Array] | None:
     (scales, probes), i = state
     if i >= scales.shape[0]:
         raise ValueError(
-            f"FP8 delayed scaling: this layer runs more than the {scales.shape[0]} GEMMs its history holds "
-            f"(jaxpar.model.fp8_gemm_sites); a model with other GEMMs runs precision.fp8.scaling=current"
+            f"FP8 delayed scaling: a layer runs more FP8 GEMMs than the {scales.shape[0]} its model family's "
+            f"fp8_gemm_sites gives (jaxpar.register_model); make it give the number of column_matmul / row_matmul "
+            f"calls one row of the stack makes, or set precision.fp8.scaling=current"
         )
     state[1] = i + 1
     return scales[i], probes[i]

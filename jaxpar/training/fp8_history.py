@@ -59,7 +59,8 @@ def gemm_sites(model_cfg) -> int:
     """O: the FP8 GEMMs one row of the model's layer stack runs (its family's `fp8_gemm_sites`).
 
     Raises:
-      ValueError: the family does not say (registered without `fp8_gemm_sites`)."""
+      ValueError: the family does not say (registered without `fp8_gemm_sites`), or says something other than a
+        positive int."""
     family = model_family(model_cfg.name)
     if family.fp8_gemm_sites is None:
         raise ValueError(
@@ -67,7 +68,13 @@ def gemm_sites(model_cfg) -> int:
             f"registered without fp8_gemm_sites (jaxpar.register_model(..., fp8_gemm_sites=...)); register it, or "
             f"set precision.fp8.scaling=current"
         )
-    return family.fp8_gemm_sites(model_cfg)
+    sites = family.fp8_gemm_sites(model_cfg)
+    if not isinstance(sites, int) or isinstance(sites, bool) or sites < 1:
+        raise ValueError(
+            f"model {model_cfg.name!r}'s fp8_gemm_sites gave {sites!r}; it must give a positive int: the number of "
+            f"FP8 GEMMs (column_matmul / row_matmul calls with the step's tp) one row of its layer stack runs"
+        )
+    return sites
 
 
 def history_shape(cfg) -> tuple[int, int, int, int]:

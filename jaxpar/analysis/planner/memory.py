@@ -158,7 +158,8 @@ def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batc
     """Bytes per device of the train state held across steps, from an already compiled train step.
 
     Returns "persistent" (memory_analysis arguments minus the batch), "params" (shard bytes), "scalars",
-    "opt_state" (persistent - params - scalars) and "temp"; see `measured_state_bytes`.
+    "fp8_history" (FP8 delayed scaling's amax history, shard bytes; 0 without), "opt_state" (persistent - params -
+    scalars - fp8_history) and "temp"; see `measured_state_bytes`.
     """
     # every array the step takes as its batch (with packed documents, their segment_ids too)
     batch_bytes = _shard_bytes(dict(batch), {k: plan.batch_sharding for k in batch})
@@ -166,11 +167,13 @@ def persistent_state_bytes(plan: StepPlan, compiled_step: Any, state: dict, batc
     persistent = analysis["argument_bytes"] - batch_bytes
     params = _shard_bytes(state["params"], plan.state_shardings["params"])
     scalars = _scalar_bytes(state)
+    history = _shard_bytes(state["fp8"], plan.state_shardings["fp8"]) if "fp8" in state else 0
     return {
         "persistent": persistent,
         "params": params,
         "scalars": scalars,
-        "opt_state": persistent - params - scalars,
+        "fp8_history": history,
+        "opt_state": persistent - params - scalars - history,
         "temp": analysis["temp_bytes"],
     }
 
@@ -236,7 +239,8 @@ def memory_table(
     Returns:
       rows {"kind", "measured_bytes", "formula_bytes", "ratio" (measured / formula), "formula" (per-kind
       term, e.g. "12P/N"), "expression" (the whole formula, e.g. "ZeRO-2 fp32: 4P + 12P/N")} for params,
-      grads, opt_state, total, then scalars and temp (formula_bytes and ratio None: the formula has no term).
+      grads, opt_state, total, then scalars, fp8 (the amax history, with FP8 delayed scaling) and temp (formula_bytes
+      and ratio None: the formula has no term).
     """
     cfg = plan.cfg
     layout, zero = cfg.precision.layout, cfg.optimizer.zero_stage
@@ -251,7 +255,10 @@ def memory_table(
     if experts:
         expression += f" for the dense P={dense:,}, experts' P_e={expert:,} without the expert axes {experts}"
     rows = []
-    for kind in (*STATE_KINDS, "total", "scalars", "temp"):
+    # the state's "fp8" entry (FP8 delayed scaling's amax history) when it has one: outside the formula, as scalars
+    extra = ("fp8",) if measured.get("fp8_history") else ()
+    measured = {**measured, "fp8": measured.get("fp8_history", 0)}
+    for kind in (*STATE_KINDS, "total", "scalars", *extra, "temp"):
         f = formula.get(kind)
         term = (
             _kind_expression(layout, zero, kind)
