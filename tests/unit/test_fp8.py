@@ -177,3 +177,20 @@ def test_the_plan_refuses_fp8_on_a100_and_tpu():
     with pytest.raises(ConfigError, match="on TPU they are not supported; set precision.fp8.enabled=false"):
         _check_fp8(cfg, mesh("TPU v5 lite", ""), "tpu")
     _check_fp8(cfg, mesh("NVIDIA H100 80GB HBM3", "9.0"), "gpu")
+
+
+def test_delayed_scaling_needs_a_family_gemm_count_it_can_use():
+    """A family registered with an `fp8_gemm_sites` that is not a function is refused at registration; one
+    whose count is not a positive int, when delayed scaling asks for it (`build_plan` turns it into a ConfigError)."""
+    import dataclasses
+
+    from jaxpar.config.schema import ModelConfig
+    from jaxpar.model.registry import register_model
+    from jaxpar.training.fp8_history import gemm_sites
+
+    with pytest.raises(TypeError, match="fp8_gemm_sites must be callable"):
+        register_model("fp8_sites_int", lambda cfg, rngs: None, fp8_gemm_sites=3)
+    register_model("fp8_sites_zero", lambda cfg, rngs: None, fp8_gemm_sites=lambda m: 0, replace=True)
+    with pytest.raises(ValueError, match="must give a positive int"):
+        gemm_sites(dataclasses.replace(ModelConfig(), name="fp8_sites_zero"))
+    assert gemm_sites(ModelConfig()) == 7  # llama: q, k, v, o, gate, up, down
