@@ -17,7 +17,7 @@ layers, so it is checkpointed and restored with them.
 How the amaxes come out of the step. The scales enter the layer stack as one more leaf, `FP8_SCALES` (fp32
 [L, O, 3]), and with them a leaf of zeros, `FP8_PROBES` (fp32 [L, M, O, 3], one slice per microbatch), beside
 the stacked weights, so the pipeline's stage split, chunk order and stage layout move them with their layers.
-Microbatch k's blocks read probe slice k (`stack_scales`, from the microbatch's `SLOT`), and each GEMM returns the
+Microbatch i's blocks read probe slice i (`stack_scales`, from the microbatch's `SLOT`), and each GEMM returns the
 amaxes it saw (max-reduced over the mesh axes that split its operands: the same on every device but for
 `pipeline`) as the cotangent of its probe (`jaxpar.parallel.fp8`). A microbatch's amaxes thus land in its own
 slice, whatever sums the schedules form over ticks and microbatches (a tick without a microbatch sends zeros),
