@@ -139,25 +139,35 @@ def _fp8_gemm(x: jax.Array, w: jax.Array, sizes: jax.Array, kind: str, axes, mar
     return _fp8_gemm_fwd(x, w, sizes, kind, axes, margin)[0]
 
 
-def _fp8_gemm_fwd(x, w, sizes, kind, axes, margin):
-    x_axes, w_axes, _ = axes
-    x_scale = scale_from_amax(global_amax(x, x_axes), FORWARD_FORMAT, margin)
-    w_scale = scale_from_amax(global_amax(w, w_axes), FORWARD_FORMAT, margin)
+def _forward(x, w, x_scale, w_scale, sizes, kind):
+    """The forward GEMM of both scalings: (y in x's dtype, the residuals the backward reads). The backward needs
+    only the FP8 copies (1 byte per element) and their scales; the dtypes ride along as zero-size arrays (a
+    residual must be a jax type)."""
     x_q, w_q = quantize(x, x_scale, FORWARD_FORMAT), quantize(w, w_scale, FORWARD_FORMAT)
     y = _scaled(_GEMMS[kind][0](x_q, w_q, sizes, x.dtype), x_scale, w_scale, x.dtype)
-    # the backward needs only the FP8 copies (1 byte per element) and their scales; the dtypes ride along as
-    # zero-size arrays (a residual must be a jax type)
     return y, (x_q, x_scale, w_q, w_scale, sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
 
 
-def _fp8_gemm_bwd(kind, axes, margin, res, g):
+def _backward(res, g, g_scale, kind):
+    """The backward GEMMs of both scalings from `_forward`'s residuals and the output gradient's scale: (dx, dw)."""
     x_q, x_scale, w_q, w_scale, sizes, x_like, w_like = res
-    g_scale = scale_from_amax(global_amax(g, axes[2]), BACKWARD_FORMAT, margin)
     g_q = quantize(g, g_scale, BACKWARD_FORMAT)
     _, input_grad, weight_grad = _GEMMS[kind]
     dx = _scaled(input_grad(g_q, w_q, sizes, x_like.dtype), g_scale, w_scale, x_like.dtype)
     dw = _scaled(weight_grad(x_q, g_q, sizes, w_like.dtype), x_scale, g_scale, w_like.dtype)
-    return dx, dw, None
+    return dx, dw
+
+
+def _fp8_gemm_fwd(x, w, sizes, kind, axes, margin):
+    x_axes, w_axes, _ = axes
+    x_scale = scale_from_amax(global_amax(x, x_axes), FORWARD_FORMAT, margin)
+    w_scale = scale_from_amax(global_amax(w, w_axes), FORWARD_FORMAT, margin)
+    return _forward(x, w, x_scale, w_scale, sizes, kind)
+
+
+def _fp8_gemm_bwd(kind, axes, margin, res, g):
+    g_scale = scale_from_amax(global_amax(g, axes[2]), BACKWARD_FORMAT, margin)
+    return (*_backward(res, g, g_scale, kind), None)
 
 
 _fp8_gemm.defvjp(_fp8_gemm_fwd, _fp8_gemm_bwd)
@@ -189,20 +199,14 @@ def _fp8_gemm_delayed_fwd(x, w, scales, probe, sizes, kind, axes, margin):
     seen = jnp.stack([global_amax(x, x_axes), global_amax(w, w_axes)])
     x_scale = _delayed_scale(scales[0], seen[0], FORWARD_FORMAT, margin)
     w_scale = _delayed_scale(scales[1], seen[1], FORWARD_FORMAT, margin)
-    x_q, w_q = quantize(x, x_scale, FORWARD_FORMAT), quantize(w, w_scale, FORWARD_FORMAT)
-    y = _scaled(_GEMMS[kind][0](x_q, w_q, sizes, x.dtype), x_scale, w_scale, x.dtype)
-    res = (x_q, x_scale, w_q, w_scale, scales, seen, sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-    return y, res
+    y, res = _forward(x, w, x_scale, w_scale, sizes, kind)
+    return y, (res, scales, seen)
 
 
 def _fp8_gemm_delayed_bwd(kind, axes, margin, res, g):
-    x_q, x_scale, w_q, w_scale, scales, seen, sizes, x_like, w_like = res
+    res, scales, seen = res
     amax_g = global_amax(g, axes[2])
-    g_scale = _delayed_scale(scales[2], amax_g, BACKWARD_FORMAT, margin)
-    g_q = quantize(g, g_scale, BACKWARD_FORMAT)
-    _, input_grad, weight_grad = _GEMMS[kind]
-    dx = _scaled(input_grad(g_q, w_q, sizes, x_like.dtype), g_scale, w_scale, x_like.dtype)
-    dw = _scaled(weight_grad(x_q, g_q, sizes, w_like.dtype), x_scale, g_scale, w_like.dtype)
+    dx, dw = _backward(res, g, _delayed_scale(scales[2], amax_g, BACKWARD_FORMAT, margin), kind)
     d_probe = jnp.where(amax_g > 0, jnp.concatenate([seen, amax_g[None]]), jnp.float32(0.0))
     return dx, dw, jnp.zeros_like(scales), d_probe, None
 
