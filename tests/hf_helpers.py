@@ -5,11 +5,16 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from jaxpar.model.hf_llama.weights import weight_files
+from jaxpar.model.hf.weights import weight_files
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 UNTIED = os.path.join(FIXTURES, "hf_llama_untied")  # float32, untied, 4/2 heads, llama3 rope scaling, one file
 TIED = os.path.join(FIXTURES, "hf_llama_tied_bf16")  # bfloat16, tied, 4/1 heads, three shards with an index
+QWEN2 = os.path.join(FIXTURES, "hf_qwen2_tied")  # float32, tied, 4/2 heads, random q/k/v biases, one file
+QWEN3 = os.path.join(FIXTURES, "hf_qwen3_bf16")  # bfloat16, untied, 4/2 heads of width 16 (not 32/4), 5 shards
+MISTRAL = os.path.join(FIXTURES, "hf_mistral_window")  # float32, untied, 4/1 heads, sliding window 5 of 16 tokens
+MIXTRAL = os.path.join(FIXTURES, "hf_mixtral")  # float32, untied, 4/2 heads, 4 experts of width 48, top-2
+FAMILY_FIXTURES = {"qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL}
 
 
 def hf_tensors_of(hf_dir: str) -> dict[str, np.ndarray]:

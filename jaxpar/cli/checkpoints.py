@@ -1,6 +1,7 @@
 """`jaxpar-checkpoints PATH [--step N] [--json]`: list a checkpoint's steps, saved config, mesh and arrays.
 `jaxpar-checkpoints import-hf HF_DIR --out RUN_DIR [KEY=VALUE ...]` and
-`jaxpar-checkpoints export-hf PATH --out HF_DIR [--dtype D] [--step N]`: Hugging Face Llama weights in and out.
+`jaxpar-checkpoints export-hf PATH --out HF_DIR [--dtype D] [--step N]`:
+Hugging Face weights (Llama, Qwen2, Qwen3, Mistral, Mixtral) in and out.
 
 PATH is a run directory (holding `checkpoints/`), its `checkpoints/` directory, or one step directory. Prints the
 complete steps, any incomplete step directories (never restored), and for the chosen step (default: the
@@ -49,7 +50,7 @@ def _parse_hf_args(command: str, argv: list[str]) -> argparse.Namespace:
         prog=f"jaxpar-checkpoints {command}", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     if command == "import-hf":
-        p.add_argument("hf_dir", help="a Hugging Face Llama directory: config.json + *.safetensors")
+        p.add_argument("hf_dir", help="a Hugging Face model directory: config.json + *.safetensors")
         p.add_argument("--out", required=True, help="the new run directory")
         p.add_argument("overrides", nargs="*", help="dotted config overrides for RUN_DIR/config.yaml")
     else:
@@ -70,7 +71,7 @@ def _hf_main(command: str, argv: list[str]) -> int:
     args = _parse_hf_args(command, argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a conversion on the host: never claim an accelerator
     from jaxpar.config import ConfigError
-    from jaxpar.model.hf_llama import HFConfigError
+    from jaxpar.model.hf import HFConfigError
     from jaxpar.training.hf_checkpoint import export_hf, import_hf
 
     try:

@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         where = "gpu" if clu is not None else "cpu" if compiles_here else args.platform
         dtype = resolve_compute_dtype(cfg.precision.compute_dtype, where)
         resolve_attention(cfg.model.attention, where, dtype, cfg.model.head_width)
+        from jaxpar.model.params import model_def
+
+        model_def(cfg.model)  # a registered family that takes the model's settings (abstract: no memory)
     except ValueError as e:  # a ConfigError, or resolve_attention's; named with the file or override of each key
         return _fail(f"config error: {sources.explain(e if isinstance(e, ConfigError) else ConfigError(str(e)))}")
     if clu is not None:

@@ -98,7 +98,11 @@ class ModelConfig:
       max_segments: the most packed documents (runs of equal segment ids) one sequence may hold on the cuDNN
         path, whose packed layout has a fixed number of segment slots per row; a row with more gets a NaN
         output (and a skipped step). Unused by xla and by batches without segment ids.
-      init_from: a local Hugging Face Llama directory (config.json + safetensors, `jaxpar.model.hf_llama`) or a
+      sliding_window: local causal attention (Mistral; Beltagy et al. 2020, "Longformer", section 3.1): each
+        query sees itself and the `sliding_window` - 1 keys before it (within its document when packed), on every
+        attention layer; null (default): all earlier keys. Both attention paths honour it (XLA's mask, cuDNN's
+        sliding-window kernel); context parallelism refuses it (`jaxpar.config.validate`).
+      init_from: a local Hugging Face model directory (config.json + safetensors, `jaxpar.model.hf`) or a
         jaxpar run / checkpoint directory whose parameters a fresh run starts from (parameters only: a fresh
         optimizer at step 0; `jaxpar.training.init_from`). Its model (shapes, rope, norm epsilon, tying) must
         equal this config's, checked before any device work. "" (default): random initialisation from
@@ -126,6 +130,7 @@ class ModelConfig:
     remat: str = "none"
     attention: str = "auto"
     max_segments: int = 64
+    sliding_window: int | None = field(default=None, metadata={"example": 4096})
     init_from: str = ""
     moe: MoEConfig = field(default_factory=MoEConfig)
 

@@ -107,6 +107,11 @@ def _check_model(cfg: Config) -> None:
     check_choice("model.remat", m.remat, REMAT_POLICIES)
     check_choice("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
     check_positive("model.max_segments", m.max_segments)
+    if m.sliding_window is not None and (not isinstance(m.sliding_window, int) or m.sliding_window < 1):
+        raise ConfigError(
+            f"model.sliding_window={m.sliding_window!r} must be a positive number of tokens (the keys each query "
+            f"sees, itself included), or null for full causal attention; {example('model.sliding_window')}"
+        )
     if m.n_kv_heads is not None and (m.n_kv_heads <= 0 or m.n_heads % m.n_kv_heads):
         raise ConfigError(
             f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}, or be null (as many as "
@@ -243,6 +248,12 @@ def check_context(cfg: Config, c: int, tp: int, stages: int) -> None:
     check_choice("context.strategy", cfg.context.strategy, CONTEXT_STRATEGIES)
     if c == 1:
         return
+    if cfg.model.sliding_window is not None:
+        raise ConfigError(
+            f"model.sliding_window={cfg.model.sliding_window} with mesh.context={c}: context parallelism's attention "
+            f"(both strategies) computes full causal attention and cannot honour a window; set mesh.context=1, or "
+            f"model.sliding_window=null if the model was trained without one"
+        )
     schedule = cfg.pipeline.schedule
     if cfg.context.strategy == "ring" and stages > 1 and schedule.startswith("zb"):
         raise ConfigError(

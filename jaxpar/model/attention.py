@@ -8,6 +8,11 @@ Packed documents: `segment_ids` int32 [B, T] numbers the documents of each row; 
 tokens of its own document only (causal and same segment id). A document is a run of equal ids: ids need not
 be increasing, but one id must not appear in two runs of a row (the cuDNN path takes each run as a document; the
 XLA path would join them). Without segment ids the whole row is one document.
+
+Sliding window (`model.sliding_window` = W; Mistral, Jiang et al. 2023, section 2): query t also sees only keys
+s > t - W, itself and the W - 1 before it, as transformers' Mistral mask does. Inside a packed document a token's
+position and its position within the document differ by the document's start, so the same band holds in either
+count: XLA's mask and cuDNN's `sliding_window_length` (which counts within each packed segment) agree.
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ def packed_segments(segment_ids_BT: jax.Array, max_segments: int) -> tuple[jax.A
     return offsets, lengths, n_B > max_segments
 
 
-def _cudnn_packed(q, k, v, segment_ids_BT: jax.Array, max_segments: int) -> jax.Array:
+def _cudnn_packed(q, k, v, segment_ids_BT: jax.Array, max_segments: int, window: int | None) -> jax.Array:
     # The packed (ragged) layout is reached through cuDNN's own jax entry point: jax.nn.dot_product_attention
     # passes per-row lengths only (padding, one segment per row).
     cudnn_attention, MaskType = jax_private.cudnn_attention()
@@ -85,6 +90,7 @@ def _cudnn_packed(q, k, v, segment_ids_BT: jax.Array, max_segments: int) -> jax.
         scale=1.0 / float(np.sqrt(q.shape[-1])),
         mask_type=MaskType.PADDING_CAUSAL,
         qkv_layout="BTNH",
+        sliding_window_length=window,  # (t - W, t]: the module docstring's band
     )
     # A row with more than max_segments segments would lose its last ones without a trace: make it NaN instead,
     # which the step's non-finite check reports (raise model.max_segments).
@@ -99,8 +105,10 @@ def dot_product_attention(
     implementation: str,
     segment_ids_BT: jax.Array | None = None,
     max_segments: int = 64,
+    window: int | None = None,
 ) -> jax.Array:
-    """Causal attention softmax(q k^T / sqrt(K)) v, within segments when `segment_ids_BT` is given.
+    """Causal attention softmax(q k^T / sqrt(K)) v, within segments when `segment_ids_BT` is given, within a
+    sliding window when `window` is.
 
     Args:
       q_BTHK: queries [B, T, H, K]; k_BTGK, v_BTGK: keys and values [B, T, G, K], the same dtype.
@@ -108,6 +116,7 @@ def dot_product_attention(
       segment_ids_BT: int32 [B, T] document ids (module docstring), or None (one document per row).
       max_segments: the segments per row cuDNN's packed layout holds (unused by xla). A row with more gets a
         NaN output.
+      window: W >= 1, the keys each query sees, itself included (module docstring), or None (all earlier ones).
 
     Returns:
       [B, T, H, K] in q's dtype.
@@ -117,9 +126,17 @@ def dot_product_attention(
     """
     if implementation not in ATTENTION_IMPLEMENTATIONS or implementation == "auto":
         raise ValueError(f"attention implementation {implementation!r}: resolve model.attention to xla or cudnn")
+    if window is not None and window < 1:
+        raise ValueError(f"attention window {window} must be >= 1 (the keys a query sees, itself included)")
+    # jax's (left, right) window: query t sees keys t - left .. t + right
+    local = None if window is None else (window - 1, 0)
     if implementation == "xla":
         mask = None if segment_ids_BT is None else segment_mask(segment_ids_BT)
-        return jax.nn.dot_product_attention(q_BTHK, k_BTGK, v_BTGK, mask=mask, is_causal=True, implementation="xla")
+        return jax.nn.dot_product_attention(
+            q_BTHK, k_BTGK, v_BTGK, mask=mask, is_causal=True, local_window_size=local, implementation="xla"
+        )
     if segment_ids_BT is None:
-        return jax.nn.dot_product_attention(q_BTHK, k_BTGK, v_BTGK, is_causal=True, implementation="cudnn")
-    return _cudnn_packed(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, max_segments)
+        return jax.nn.dot_product_attention(
+            q_BTHK, k_BTGK, v_BTGK, is_causal=True, local_window_size=local, implementation="cudnn"
+        )
+    return _cudnn_packed(q_BTHK, k_BTGK, v_BTGK, segment_ids_BT, max_segments, window)

@@ -123,17 +123,19 @@ def model_flops(cfg, params) -> tuple[float, float | None]:
     recompute count (`jaxpar.model.registry.ModelFamily.recompute_flops_per_token`) and the pipeline's stage
     recompute (`stage_recompute`); None where the family registered no recompute count.
 
+    With a sliding window (`model.sliding_window` = W) a query's scores cover min(T, W) keys, so both counts take
+    the attention span min(T, W) for T (the same un-halved convention as PaLM's: `flops_per_token`).
+
     Raises:
       ConfigError: `model.name` is not a registered model family.
     """
     model = cfg.model
-    per_token = flops_per_token(
-        active_non_embedding_params(params, model), model.n_layers, model.d_model, cfg.data.seq_len
-    )
+    span = cfg.data.seq_len if model.sliding_window is None else min(cfg.data.seq_len, model.sliding_window)
+    per_token = flops_per_token(active_non_embedding_params(params, model), model.n_layers, model.d_model, span)
     recompute = model_family(model.name).recompute_flops_per_token
     if recompute is None:
         return per_token, None
-    recomputed = recompute(model, cfg.data.seq_len)
+    recomputed = recompute(model, span)
     return per_token, hardware_flops_per_token(per_token, recomputed, stage_recompute=stage_recompute(cfg))
 
 

@@ -32,10 +32,12 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * scale, computed in fp32. x: [..., D]."""
+    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * scale, computed in fp32. x: [..., d].
 
-    def __init__(self, d: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=("embed",))
+    `axis` is the scale's logical axis: `embed` for the model width D, `kv` for a head's width K (qk-norm)."""
+
+    def __init__(self, d: int, eps: float, axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=(axis,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -69,7 +71,13 @@ def rotary(
 
 class Attention(nnx.Module):
     """Causal multi-head attention with optional grouped-query attention (G key/value heads, G divides H), within
-    packed documents when given segment ids.
+    packed documents when given segment ids, within a sliding window of `window` keys when given
+    (`jaxpar.model.attention`).
+
+    Per-family options: `qkv_bias` adds biases bq [H, K], bk and bv [G, K] to the projections (Qwen2);
+    `qk_norm_eps` applies an RMSNorm over each head's K to the queries and keys (`q_norm`, `k_norm`, scales [K]
+    shared by the heads) before the rotary embedding (Qwen3; Dehghani et al. 2023, "Scaling Vision Transformers
+    to 22 Billion Parameters", section 3.1.2).
 
     `implementation` is `model.attention` (`jaxpar.config.attention`): `xla`, `cudnn`, or `auto` (resolved when
     called, on jax's default backend; `jaxpar.training.plan.build_plan` resolves it for the mesh's devices
@@ -89,11 +97,21 @@ class Attention(nnx.Module):
         implementation: str = "auto",
         max_segments: int = 64,
         rope_inv_freq: tuple[float, ...] | None = None,
+        qkv_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        window: int | None = None,
     ):
         self.wq = nnx.Param(_normal(rngs, (d, n_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wk = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wv = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wo = nnx.Param(_normal(rngs, (n_heads, head_dim, d), std), logical_axes=("heads", "kv", "embed"))
+        zeros = jnp.zeros  # the biases start at zero, as transformers initialises them
+        self.bq = nnx.Param(zeros((n_heads, head_dim)), logical_axes=("heads", "kv")) if qkv_bias else None
+        self.bk = nnx.Param(zeros((n_kv_heads, head_dim)), logical_axes=("heads", "kv")) if qkv_bias else None
+        self.bv = nnx.Param(zeros((n_kv_heads, head_dim)), logical_axes=("heads", "kv")) if qkv_bias else None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, axis="kv") if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, axis="kv") if qk_norm_eps is not None else None
+        self.window = window
         self.rope_theta = rope_theta
         self.rope_inv_freq = rope_inv_freq  # None: plain theta ** (-2i / K)
         self.implementation = implementation
@@ -135,16 +153,28 @@ class Attention(nnx.Module):
         q = column_matmul(x_BTD, self.wq[...], tp)  # [B, T, H, K]
         k = column_matmul(x_BTD, self.wk[...], tp)  # [B, T, G, K]
         v = column_matmul(x_BTD, self.wv[...], tp)
+        if self.bq is not None and self.bk is not None and self.bv is not None:  # this rank's heads [H/t, K]
+            q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = rotary(q, positions, self.rope_theta, self.rope_inv_freq)
         k = rotary(k, positions, self.rope_theta, self.rope_inv_freq)
         implementation = self.implementation
         if implementation == "auto":
             implementation = resolve_attention("auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1])
         if cp.active:
+            if self.window is not None:  # jaxpar.config.validate refuses the pair first
+                raise ValueError(f"a sliding window ({self.window}) cannot run under context parallelism")
             out_BTHK = context_attention(q, k, v, segment_ids_BT, cp, implementation, self.max_segments)
         else:
             out_BTHK = dot_product_attention(
-                q, k, v, implementation=implementation, segment_ids_BT=segment_ids_BT, max_segments=self.max_segments
+                q,
+                k,
+                v,
+                implementation=implementation,
+                segment_ids_BT=segment_ids_BT,
+                max_segments=self.max_segments,
+                window=self.window,
             )
         b, t, h, kw = out_BTHK.shape
         wo_FD = self.wo[...].reshape(h * kw, -1)

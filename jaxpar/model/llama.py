@@ -1,20 +1,33 @@
-"""The built-in model family `llama`: a decoder-only Llama-style transformer in Flax NNX (registered by name in
+"""The built-in Llama-style model families: a decoder-only transformer in Flax NNX (registered by name in
 `jaxpar.model.registry`; it implements `jaxpar.model.interface.LanguageModel`).
 
-Shape letters: B batch, T sequence, D model width, V vocabulary, L layers.
+Shape letters: B batch, T sequence, D model width, V vocabulary, L layers, H heads, G key/value heads, K head width.
 
 Pre-norm blocks with RMSNorm, rotary attention with grouped-query heads and a SwiGLU MLP (Touvron et al. 2023,
-"LLaMA", section 2.2); the L blocks are stacked on a leading `layers` axis (`jaxpar.model.stack`).
+"LLaMA", section 2.2); the L blocks are stacked on a leading `layers` axis (`jaxpar.model.stack`). The families
+that differ from Llama only in what `Variant` names, one module computing them all (`model.name` selects one):
+
+  llama    Llama 2 / 3.x.
+  qwen2    Qwen2 / Qwen2.5 (Yang et al. 2024, "Qwen2 Technical Report", section 2.2.1): biases on the q, k and v
+           projections.
+  qwen3    Qwen3 (Yang et al. 2025, "Qwen3 Technical Report", section 2): RMSNorm over each head's queries and
+           keys (qk-norm), no biases. With `model.moe` it is Qwen3-MoE's computation.
+  mistral  Mistral 7B (Jiang et al. 2023, section 2): Llama's blocks; its sliding window is `model.sliding_window`,
+           which every family honours.
+  mixtral  Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", section 2.1): Mistral whose every MLP is a
+           top-k mixture of experts (`model.moe`, required; `jaxpar.model.moe` routes as Mixtral does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import cast
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
 from jaxpar.model.moe import MoE
@@ -23,13 +36,53 @@ from jaxpar.model.stack import Gather, no_gather, scan_layers, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
 
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What sets one family of this module apart from Llama (module docstring).
+
+    Attributes:
+      name: the family's `model.name`.
+      qkv_bias: biases on the q, k and v projections (`jaxpar.model.layers.Attention`).
+      qk_norm: RMSNorm over each head's queries and keys, with epsilon `model.norm_eps`.
+      moe: `model.moe` must be on (True), must be off (False), or either (None).
+    """
+
+    name: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    moe: bool | None = None
+
+
+LLAMA = Variant("llama")
+QWEN2 = Variant("qwen2", qkv_bias=True, moe=False)  # Qwen2-MoE's gated shared expert is not computed here
+QWEN3 = Variant("qwen3", qk_norm=True)
+MISTRAL = Variant("mistral", moe=False)  # with experts it is mixtral
+MIXTRAL = Variant("mixtral", moe=True)
+VARIANTS = {v.name: v for v in (LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL)}
+
+
+def check_variant(cfg: ModelConfig, variant: Variant) -> None:
+    """Raises ConfigError (a ValueError), naming the fix, where `cfg.moe` contradicts the family (`Variant.moe`)."""
+    if variant.moe is True and not cfg.moe.enabled:
+        raise ConfigError(
+            f"model.name={variant.name} is a mixture of experts: set model.moe.num_experts (e.g. 8) and "
+            f"model.moe.top_k (e.g. 2), or use model.name=mistral for the dense model"
+        )
+    if variant.moe is False and cfg.moe.enabled:
+        instead = "mixtral" if variant is MISTRAL else "qwen3 or llama"
+        raise ConfigError(
+            f"model.name={variant.name} is a dense model but model.moe.num_experts={cfg.moe.num_experts}: use "
+            f"model.name={instead} for experts, or set model.moe.num_experts=0"
+        )
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D].
 
     With `moe` the MLP is a mixture of experts (`jaxpar.model.moe.MoE`) and the block returns (x, router
     statistics)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False, variant: Variant = LLAMA):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(
             cfg.d_model,
@@ -42,6 +95,9 @@ class Block(nnx.Module):
             implementation=cfg.attention,
             max_segments=cfg.max_segments,
             rope_inv_freq=model_inverse_frequencies(cfg),
+            qkv_bias=variant.qkv_bias,
+            qk_norm_eps=cfg.norm_eps if variant.qk_norm else None,
+            window=cfg.sliding_window,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp: MoE | SwiGLU
@@ -69,11 +125,11 @@ class MoEGroup(nnx.Module):
     """The stack's unit with `model.moe` on: `model.moe.every` blocks, dense ones (`dense_0`, ...) then one MoE
     block (`moe`); returns (x [B, T, D], the MoE block's router statistics)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, variant: Variant = LLAMA):
         self.n_dense = cfg.moe.every - 1
         for i in range(self.n_dense):
-            setattr(self, f"dense_{i}", Block(cfg, rngs))
-        self.moe = Block(cfg, rngs, moe=True)
+            setattr(self, f"dense_{i}", Block(cfg, rngs, variant=variant))
+        self.moe = Block(cfg, rngs, moe=True, variant=variant)
 
     def __call__(
         self,
@@ -89,11 +145,15 @@ class MoEGroup(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Token ids [B, T] int32 -> logits [B, T, V] in the compute dtype.
+    """Token ids [B, T] int32 -> logits [B, T, V] in the compute dtype, for every family of the module docstring
+    (`variant`).
 
     Reads every `ModelConfig` field: vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff,
-    rope_theta, rope_scaling (and its factors), norm_eps, tie_embeddings, init_std, remat, attention, max_segments
-    (init_from is read by the training loop, not the model).
+    rope_theta, rope_scaling (and its factors), norm_eps, tie_embeddings, init_std, remat, attention, max_segments,
+    sliding_window, moe (init_from is read by the training loop, not the model).
+
+    Raises:
+      ConfigError: `cfg.moe` contradicts the family (`check_variant`).
 
     Attributes:
       embed: `Embed` table [V, D].
@@ -103,14 +163,15 @@ class Llama(nnx.Module):
       lm_head: `LMHead` [D, V], or None with tied embeddings.
     """
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, variant: Variant = LLAMA):
+        check_variant(cfg, variant)
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
         if cfg.moe.enabled:
             units = cfg.n_layers // cfg.moe.every
-            self.blocks = stack_layers(units, lambda layer_rngs: MoEGroup(cfg, layer_rngs), rngs)
+            self.blocks = stack_layers(units, lambda layer_rngs: MoEGroup(cfg, layer_rngs, variant), rngs)
         else:
-            self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs), rngs)
+            self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs, variant=variant), rngs)
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else LMHead(cfg.d_model, cfg.vocab_size, cfg.init_std, rngs)
 

@@ -1,5 +1,6 @@
-"""Model families by name: `model.name` in a config selects one. `llama` is built in; a script registers its own
-with `register_model` before it loads a config that names it.
+"""Model families by name: `model.name` in a config selects one. `llama`, `qwen2`, `qwen3`, `mistral` and
+`mixtral` are built in (`jaxpar.model.llama`); a script registers its own with `register_model` before it loads a
+config that names it.
 
 A family is a builder `build(cfg: ModelConfig, rngs: nnx.Rngs) -> module` whose module follows
 `jaxpar.model.interface.LanguageModel`. It reads the `ModelConfig` fields it needs (say which in its docstring)
@@ -121,6 +122,10 @@ def _register_builtins() -> None:
     if _BUILTINS_REGISTERED:
         return
     _BUILTINS_REGISTERED = True
-    from jaxpar.model.llama import Llama, fp8_gemm_sites, recompute_flops_per_token
+    import functools
 
-    _FAMILIES["llama"] = ModelFamily("llama", Llama, recompute_flops_per_token, fp8_gemm_sites)
+    from jaxpar.model.llama import VARIANTS, Llama, fp8_gemm_sites, recompute_flops_per_token
+
+    for name, variant in VARIANTS.items():
+        build = functools.partial(Llama, variant=variant)
+        _FAMILIES[name] = ModelFamily(name, build, recompute_flops_per_token, fp8_gemm_sites)

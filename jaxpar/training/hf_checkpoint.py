@@ -1,5 +1,5 @@
-"""Hugging Face Llama directories <-> jaxpar run directories (Orbax checkpoints), behind
-`jaxpar-checkpoints import-hf` and `jaxpar-checkpoints export-hf`.
+"""Hugging Face model directories (the families of `jaxpar.model.hf`) <-> jaxpar run directories (Orbax
+checkpoints), behind `jaxpar-checkpoints import-hf` and `jaxpar-checkpoints export-hf`.
 
     import_hf("path/to/Llama-3.2-1B", "runs/llama32", ["train.steps=100"])   # step 0: weights, fresh AdamW
     restored = jaxpar.restore("runs/llama32", ["mesh.tensor=2", ...])         # onto any mesh and ZeRO stage
@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 from jaxpar.config import ConfigError, load_config, save_config
 from jaxpar.config.paths import output_dir_problem, write_atomic
-from jaxpar.model.hf_llama import check_export_dir, load_hf_llama, save_hf_llama
+from jaxpar.model.hf import check_export_dir, load_hf, save_hf
+from jaxpar.model.hf.config import model_differences
 
 _LOGGER = logging.getLogger("jaxpar.training.hf_checkpoint")
 HF_CONFIG_COPY = "hf_config.json"  # the imported directory's config.json, beside config.yaml
@@ -42,7 +43,7 @@ def import_hf(hf_dir: str, run_dir: str, overrides: Sequence[str] = ()) -> dict:
       {"run_dir", "step": 0, "parameters": count, "dtype": the stored weights' dtype, "model": ModelConfig dict}.
 
     Raises:
-      HFConfigError: the directory is not a Llama jaxpar can read (the message names the key or tensor).
+      HFConfigError: the directory is not a model jaxpar can read (the message names the key or tensor).
       ConfigError: `run_dir` cannot be written (a file in the way, no permission) or already holds checkpoints,
         or an override is invalid or changes the model's shape.
     """
@@ -67,16 +68,14 @@ def import_hf(hf_dir: str, run_dir: str, overrides: Sequence[str] = ()) -> dict:
             f"{ckpt_dir} already holds checkpoints{cut_short}; import into a new run directory"
             + (f", or delete {ckpt_dir} if it is that import's" if cut_short else "")
         )
-    hf = load_hf_llama(hf_dir)
+    hf = load_hf(hf_dir)
     values = {"model": dataclasses.asdict(hf.cfg), "train": {"run_dir": run_dir}}
     cfg = load_config(values, overrides, validate=False)
-    changed = [
-        k
-        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "tie_embeddings")
-        if getattr(cfg.model, k) != getattr(hf.cfg, k)
-    ]
+    changed = model_differences(cfg.model, hf.cfg)
     if changed:
-        raise ConfigError(f"overrides change model.{changed} of {hf_dir}; leave the model's shape to config.json")
+        raise ConfigError(
+            f"overrides change the model of {hf_dir} ({'; '.join(changed)}); leave the model's shape to config.json"
+        )
     if cfg.train.run_dir != run_dir:
         raise ConfigError(f"train.run_dir={cfg.train.run_dir!r} differs from --out {run_dir!r}; drop the override")
     one = load_config(cfg.to_dict(), _ONE_DEVICE, num_devices=1)  # validates the run's settings too
@@ -116,21 +115,21 @@ def export_hf(
     step: int | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
-    """Writes the parameters of a jaxpar `llama` checkpoint (a run dir, its checkpoints/ dir or a step dir) as a
-    Hugging Face Llama directory (`jaxpar.model.hf_llama.save_hf_llama`): the float32 parameters (the master copy
+    """Writes the parameters of a jaxpar checkpoint of a built-in family (a run dir, its checkpoints/ dir or a step
+    dir) as a Hugging Face directory of its family (`jaxpar.model.hf.save_hf`): the float32 parameters (the master copy
     under precision.layout=16p) cast to `dtype`. Reads only the parameters, on the host CPU
     (`jaxpar.checkpoint.params.restore_params`: any optimizer, 4 bytes per parameter). Returns the files written.
 
     Raises:
-      FileNotFoundError: no complete checkpoint at `path`. HFConfigError: not the llama family, an unknown
+      FileNotFoundError: no complete checkpoint at `path`. HFConfigError: not a family that converts, an unknown
         dtype, parameters that do not fit the saved config, or `out_dir` cannot take the export
-        (`jaxpar.model.hf_llama.check_export_dir`).
+        (`jaxpar.model.hf.check_export_dir`).
     """
     from jaxpar.checkpoint.params import restore_params
 
     check_export_dir(out_dir)  # before reading the checkpoint
     params, cfg, chosen = restore_params(path, step)
-    files = save_hf_llama(
+    files = save_hf(
         params, cfg.model, out_dir, dtype=dtype, base_config=_hf_config_beside(path), max_shard_bytes=max_shard_bytes
     )
     _LOGGER.info("exported step %d of %s to %s (%s)", chosen, path, out_dir, dtype)

@@ -1,4 +1,4 @@
-"""`model.init_from`: a fresh run's parameters from a Hugging Face Llama directory or a jaxpar checkpoint.
+"""`model.init_from`: a fresh run's parameters from a Hugging Face model directory or a jaxpar checkpoint.
 
 `check_init_from` runs before any device work (reads config.json and safetensors headers, or a checkpoint's saved
 config) and names every model key that differs; `load_init_params` reads the parameters on the host (float32
@@ -13,8 +13,8 @@ import os
 from jaxpar.config import ConfigError, load_config
 from jaxpar.config.paths import directory_problem
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.hf_llama import HFConfigError, check_hf_llama, is_hf_directory, load_hf_llama
-from jaxpar.model.hf_llama.config import model_differences
+from jaxpar.model.hf import HFConfigError, check_hf, is_hf_directory, load_hf
+from jaxpar.model.hf.config import model_differences
 
 
 def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
@@ -45,12 +45,12 @@ def check_init_from(model: ModelConfig) -> None:
     problem = directory_problem(path)
     if problem is not None:
         raise ConfigError(
-            f"model.init_from={path!r} {problem}; give a Hugging Face Llama directory (config.json + "
+            f"model.init_from={path!r} {problem}; give a Hugging Face model directory (config.json + "
             f"*.safetensors) or a jaxpar run or checkpoint directory, or leave it empty to initialise from train.seed"
         )
     if is_hf_directory(path):
         try:
-            check_hf_llama(path, model)
+            check_hf(path, model)
         except HFConfigError as e:
             raise ConfigError(f"model.init_from: {e}") from e
         return
@@ -82,7 +82,7 @@ def load_init_params(model: ModelConfig) -> dict:
     """
     check_init_from(model)
     if is_hf_directory(model.init_from):
-        return load_hf_llama(model.init_from, model).params
+        return load_hf(model.init_from, model).params
     from jaxpar.checkpoint.params import restore_params
 
     return restore_params(model.init_from)[0]

@@ -26,8 +26,8 @@ def test_cpu_smoke_runs_every_part_and_the_loss_falls(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["device"]["platform"] == "cpu"
-    # XLA's bf16 path against the fp32 reference, with and without documents; cuDNN is not run on CPU
-    for docs in ("no_segments", "segments"):
+    # XLA's bf16 path against the fp32 reference, with and without documents and a window; no cuDNN on CPU
+    for docs in ("no_segments", "segments", "window_no_segments", "window_segments"):
         errors = report["attention"][docs]["xla"]
         assert set(errors) == {"out", "dq", "dk", "dv"} and all(0 < e < ATTENTION_TOLERANCE for e in errors.values())
         assert "cudnn" not in report["attention"][docs]

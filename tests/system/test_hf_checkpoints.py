@@ -3,7 +3,8 @@ restores onto one device and onto data=2 x fsdp=2 x tensor=2 (data=2 x fsdp=4 fo
 fixture) with ZeRO-3 (8 simulated devices) with the same
 parameters and the loss transformers' logits give; `export-hf` gives the fixture's tensors back bit for bit;
 `model.init_from` starts a training run from the weights, and a model that does not fit is refused before any
-device work. Fixtures: tests/fixtures/hf_llama_* (transformers 5.24.0; see tests/unit/test_hf_llama.py)."""
+device work. Fixtures: tests/fixtures/hf_llama_* and, for a family with experts, hf_mixtral (transformers 5.24.0;
+see tests/unit/test_hf.py), the experts split over data on the sharded mesh."""
 
 import dataclasses
 import os
@@ -13,14 +14,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from hf_helpers import TIED, UNTIED, assert_same_tensors
+from hf_helpers import MIXTRAL, TIED, UNTIED, assert_same_tensors
 from step_helpers import to_host
 
 import jaxpar
 from jaxpar.checkpoint.params import restore_params
 from jaxpar.cli.checkpoints import main as checkpoints_main
 from jaxpar.config import ConfigError, load_config
-from jaxpar.model.hf_llama import load_hf_llama
+from jaxpar.model.hf import load_hf
 from jaxpar.training.init_from import check_init_from, load_init_params
 from jaxpar.training.loop import train
 
@@ -30,6 +31,14 @@ ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
 SHARDED = {
     UNTIED: ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.pipeline=1", "optimizer.zero_stage=3"],
     TIED: ["mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1", "mesh.pipeline=1", "optimizer.zero_stage=3"],
+    MIXTRAL: [
+        "mesh.data=2",
+        "mesh.fsdp=2",
+        "mesh.tensor=2",
+        "mesh.pipeline=1",
+        "optimizer.zero_stage=3",
+        "model.moe.expert_axes=[data]",
+    ],
 }
 
 
@@ -53,19 +62,21 @@ def _reference_loss(fixture: str) -> tuple[dict, float]:
     return batch, 4 * float(loss)
 
 
-@pytest.mark.parametrize("fixture", [UNTIED, TIED], ids=os.path.basename)
+@pytest.mark.parametrize("fixture", [UNTIED, TIED, MIXTRAL], ids=os.path.basename)
 def test_import_restore_on_any_mesh_and_export(fixture, tmp_path, capsys):
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf")
     assert checkpoints_main(["import-hf", fixture, "--out", run_dir, "train.steps=7"]) == 0
     assert "as step 0 of" in capsys.readouterr().out
     assert sorted(os.listdir(run_dir)) == ["checkpoints", "config.yaml", "hf_config.json"]
     assert load_config(os.path.join(run_dir, "config.yaml"), validate=False).train.steps == 7
-    hf = load_hf_llama(fixture)
+    hf = load_hf(fixture)
     batch, want = _reference_loss(fixture)
     for overrides, devices in ((ONE_DEVICE, jax.devices()[:1]), (SHARDED[fixture], jax.devices())):
         restored = jaxpar.restore(run_dir, overrides, devices=devices)
         assert restored.step == 0 and restored.plan.mesh.size == len(devices)
-        assert dataclasses.replace(restored.cfg.model, attention="auto") == hf.cfg
+        model = restored.cfg.model  # the model of config.json; attention and the expert axes are the run's
+        moe = dataclasses.replace(model.moe, expert_axes=hf.cfg.moe.expert_axes)
+        assert dataclasses.replace(model, attention="auto", moe=moe) == hf.cfg
         jax.tree.map(np.testing.assert_array_equal, to_host(restored.params), hf.params)
         loss_sum, tokens = jaxpar.make_eval_step(restored.plan)(restored.params, batch)
         assert int(tokens) == batch["inputs"].size
@@ -73,7 +84,7 @@ def test_import_restore_on_any_mesh_and_export(fixture, tmp_path, capsys):
     dtype = "bfloat16" if fixture == TIED else "float32"
     args = ["export-hf", run_dir, "--out", out, "--dtype", dtype, "--max-shard-bytes", "20000"]
     assert checkpoints_main(args) == 0
-    written = load_hf_llama(out)
+    written = load_hf(out)
     assert written.dtype == dtype and written.hf_config["eos_token_id"] == hf.hf_config["eos_token_id"]
     assert_same_tensors(out, fixture)
     assert checkpoints_main(args) == 2  # the directory now holds a model
@@ -88,7 +99,7 @@ def test_parameters_alone_of_a_checkpoint(tmp_path):
     assert checkpoints_main(["import-hf", UNTIED, "--out", run_dir, "precision.layout=16p"]) == 0
     params, cfg, step = restore_params(run_dir)
     assert step == 0 and cfg.precision.layout == "16p"
-    hf = load_hf_llama(UNTIED)
+    hf = load_hf(UNTIED)
     jax.tree.map(np.testing.assert_array_equal, params, hf.params)
     model = dataclasses.replace(hf.cfg, init_from=run_dir)
     jax.tree.map(np.testing.assert_array_equal, load_init_params(model), hf.params)
@@ -100,7 +111,7 @@ def test_import_refusals(tmp_path, capsys):
     assert checkpoints_main(["import-hf", str(tmp_path), "--out", str(tmp_path / "run")]) == 2
     assert "has no config.json" in capsys.readouterr().err
     assert checkpoints_main(["import-hf", UNTIED, "--out", str(tmp_path / "r"), "model.d_model=64"]) == 2
-    assert "overrides change model.['d_model']" in capsys.readouterr().err
+    assert "overrides change the model of" in (err := capsys.readouterr().err) and "model.d_model: config 64" in err
     assert not os.path.exists(tmp_path / "r")
     truncated = tmp_path / "truncated"  # a download cut short
     shutil.copytree(UNTIED, truncated)
@@ -139,7 +150,7 @@ def test_init_from_starts_training_from_the_weights(tmp_path):
         str(tmp_path / "run"), ONE_DEVICE, devices=jax.devices()[:1], optimizer=optax.set_to_zero()
     )
     assert restored.step == 1
-    jax.tree.map(np.testing.assert_array_equal, to_host(restored.params), load_hf_llama(UNTIED).params)
+    jax.tree.map(np.testing.assert_array_equal, to_host(restored.params), load_hf(UNTIED).params)
     # Resuming reads the run's own checkpoint: model.init_from is no longer read (here: a directory that is gone).
     again = load_config(
         os.path.join(ROOT, "configs", "tiny_hf.yaml"),
@@ -157,7 +168,7 @@ def test_init_from_that_does_not_fit_is_refused_before_device_work(tmp_path):
         ([f"model.init_from={tmp_path}"], r"holds neither config.json .* nor a complete jaxpar checkpoint"),
         (
             ["model.init_from=/no/such/dir"],
-            r"model.init_from='/no/such/dir' does not exist; give a Hugging Face Llama directory",
+            r"model.init_from='/no/such/dir' does not exist; give a Hugging Face model directory",
         ),
     ]
     for overrides, message in cases:

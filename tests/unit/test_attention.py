@@ -144,3 +144,87 @@ def test_segment_positions_restart_at_each_document():
 
     seg = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]], jnp.int32)
     np.testing.assert_array_equal(segment_positions(seg), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
+
+
+def _banded_reference(q, k, v, window: int, segments=None) -> np.ndarray:
+    """Causal attention with an explicit [T, T] mask: key s visible to query t when t - window < s <= t (and the
+    same document), in numpy float64."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, t, h, kw = q.shape
+    g = k.shape[2]
+    pos = np.arange(t)
+    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [t, s]
+    mask = np.broadcast_to(mask, (b, t, t))
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
+    kk, vv = np.repeat(k, h // g, axis=2), np.repeat(v, h // g, axis=2)
+    scores = np.einsum("bthk,bshk->bhts", q, kk) / np.sqrt(kw)
+    scores = np.where(mask[:, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhts,bshk->bthk", p, vv)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one_document", "packed"])
+def test_sliding_window_sees_the_window_keys_itself_included(packed):
+    """`window` W: query t sees keys t - W < s <= t (transformers' Mistral mask), within its document when packed
+    (the documents of SEGMENTS, whose lengths 5, 7, 1, 11 straddle W = 4). fp32 against float64: 1e-6."""
+    q, k, v = _qkv()
+    seg = SEGMENTS if packed else None
+    out = dot_product_attention(
+        q, k, v, implementation="xla", window=4, segment_ids_BT=None if seg is None else jnp.asarray(seg)
+    )
+    np.testing.assert_allclose(np.asarray(out), _banded_reference(q, k, v, 4, seg), atol=1e-6, rtol=0)
+    # the window matters, and one as long as the sequence is plain causal attention
+    plain = dot_product_attention(q, k, v, implementation="xla")
+    assert float(jnp.max(jnp.abs(out - plain))) > 1e-2
+    whole = dot_product_attention(q, k, v, implementation="xla", window=24)
+    np.testing.assert_allclose(np.asarray(whole), np.asarray(plain), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="window 0 must be >= 1"):
+        dot_product_attention(q, k, v, implementation="xla", window=0)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.sliding_window=0"], "model.sliding_window=0 must be a positive number of tokens"),
+        (["model.sliding_window=8", "mesh.context=2"], "context parallelism's attention (both strategies)"),
+        (["model.name=mixtral"], "model.name=mixtral is a mixture of experts: set model.moe.num_experts"),
+        (["model.name=mistral", "model.moe.num_experts=4"], "use model.name=mixtral for experts"),
+    ],
+    ids=["window_zero", "window_context", "mixtral_dense", "mistral_experts"],
+)
+def test_jaxpar_plan_refuses_a_window_or_family_it_cannot_honour(overrides, message, capsys):
+    from jaxpar.cli import plan as plan_cli
+
+    assert plan_cli.main([TINY_YAML, *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.requires_gpu_compile
+def test_cudnn_runs_the_window_in_its_fused_kernel():
+    """Compiled for an H100 without one: the window reaches cuDNN's forward and backward kernels as their
+    `sliding_window_length` (W keys, itself included: jax's (W - 1, 0) local window plus one). The packed layout
+    cannot be compiled here (jax asks the local GPU whether it is a Hopper); the GPU acceptance run compares both
+    with XLA's on a GPU (`jaxpar.analysis.gpu.acceptance.attention_parity`)."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.analysis.gpu.deviceless import compile_devices
+    from jaxpar.analysis.gpu.targets import cluster
+
+    replicated = NamedSharding(Mesh(compile_devices(cluster("h100", 1, 1)), ("x",)), P())
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16, sharding=replicated)
+    kv = jax.ShapeDtypeStruct((2, 1024, 2, 128), jnp.bfloat16, sharding=replicated)
+
+    def loss(q, k, v):
+        return jnp.sum(dot_product_attention(q, k, v, implementation="cudnn", window=256).astype(jnp.float32))
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
+    calls = [line for line in hlo.splitlines() if "custom-call(" in line and "fmha" in line]
+    targets = sorted(re.search(r'custom_call_target="([^"]+)"', c).group(1) for c in calls)
+    assert targets == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
+    assert all(re.search(r'"sliding_window_length":\s*"?256\b', c) for c in calls)

@@ -60,7 +60,7 @@ def paths(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_run, "run_point", never("a sweep point"))
     monkeypatch.setattr(tokenize_corpus, "_run", never("tokenizing"))
     monkeypatch.setattr(mesh, "build_mesh", never("the import"))  # import-hf: after reading the weights
-    monkeypatch.setattr(hf_checkpoint, "save_hf_llama", never("the export"))  # export-hf: after reading them
+    monkeypatch.setattr(hf_checkpoint, "save_hf", never("the export"))  # export-hf: after reading them
     monkeypatch.setattr(launch, "launch", never("a process"))
     yield {"tmp": str(tmp_path), "file": str(afile), "missing": str(tmp_path / "missing"), "read_only": str(ro)}
     ro.chmod(0o755)

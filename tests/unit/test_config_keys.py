@@ -54,6 +54,7 @@ OUT_OF_RANGE = {
     "model.remat": "ful",
     "model.attention": "flash",
     "model.max_segments": 0,
+    "model.sliding_window": 0,
     "model.init_from": Accepts(
         "any path: it is opened when a fresh run starts, before device work (test_cli_paths.py)", ("", "/no/such")
     ),

@@ -127,3 +127,18 @@ def test_hfu_equals_mfu_without_remat_and_stage_recompute(overrides, recomputes)
     assert recomputed == 0.0
     hardware = flops.hardware_flops_per_token(model, recomputed, stage_recompute=flops.stage_recompute(cfg))
     assert hardware == (model * 4 / 3 if recomputes else model)
+
+
+def test_a_sliding_window_caps_the_attention_span():
+    """With model.sliding_window W < T both counts take min(T, W) keys per query for T; at W >= T nothing changes."""
+    mesh = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "model.remat=full", "data.seq_len=64"]
+    plain = load_config("configs/tiny.yaml", mesh, validate=False)
+    windowed = load_config("configs/tiny.yaml", [*mesh, "model.sliding_window=16"], validate=False)
+    params = {"blocks": {"w": jax.ShapeDtypeStruct((1000,), jnp.float32)}}
+    m = plain.model
+    assert flops.model_flops(windowed, params) == (
+        flops.flops_per_token(1000, m.n_layers, m.d_model, 16),
+        flops.flops_per_token(1000, m.n_layers, m.d_model, 16) + recompute_flops_per_token(m, 16),
+    )
+    long = load_config("configs/tiny.yaml", [*mesh, "model.sliding_window=64"], validate=False)
+    assert flops.model_flops(long, params) == flops.model_flops(plain, params)

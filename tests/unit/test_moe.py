@@ -237,8 +237,8 @@ def test_sequence_parallel_defaults_on_with_moe_as_without():
 
 
 def test_hugging_face_export_refuses_moe():
-    from jaxpar.model.hf_llama.config import HFConfigError, hf_config_from_model
+    from jaxpar.model.hf.config import HFConfigError, hf_config_from_model
 
     cfg = load_config(TINY_MOE, num_devices=8).model
-    with pytest.raises(HFConfigError, match="does not export"):
+    with pytest.raises(HFConfigError, match="LlamaForCausalLM is dense"):
         hf_config_from_model(cfg, "float32")

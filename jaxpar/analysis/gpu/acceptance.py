@@ -3,8 +3,8 @@ command, in a few minutes including compilation.
 
 1. Device: name, memory, dense bf16 peak FLOP/s (`jaxpar.model.flops.PEAK_FLOPS`, vendor datasheets).
 2. Attention parity (`attention_parity`): cuDNN's fused kernel against XLA's path, forward and the gradients of
-   q, k and v, in bf16, with and without packed-document segment ids, grouped-query heads; both against an fp32
-   XLA reference on the same bf16 inputs.
+   q, k and v, in bf16, with and without packed-document segment ids, with and without a sliding window of T/4
+   keys (`model.sliding_window`), grouped-query heads; both against an fp32 XLA reference on the same bf16 inputs.
 3. Speed (`measure_step`): the train step of a ~1B Llama (`configs/llama_1b.yaml`'s shape: d_model 2048, 16
    layers, 32 heads, 8 key/value heads, d_ff 8192, 32,000-token vocabulary; bf16 compute, fp32 parameters and
    AdamW state, sequence 4096) on one device, for each remat policy of a short list whose planned peak fits the
@@ -171,8 +171,9 @@ def attention_parity(shape: tuple[int, int, int, int, int], implementations: tup
       implementations: which to check (`xla`, `cudnn`).
 
     Returns:
-      {"segments" / "no_segments": {implementation: {"out", "dq", "dk", "dv": max |x - ref| / max |ref|}}}; the
-      cotangent of the output is a fixed random bf16 tensor.
+      {"segments" / "no_segments" / "window_segments" / "window_no_segments": {implementation: {"out", "dq",
+      "dk", "dv": max |x - ref| / max |ref|}}} (the window: T/4 keys); the cotangent of the output is a fixed random
+      bf16 tensor.
     """
     b, t, h, g, k = shape
     keys = jax.random.split(jax.random.key(seed), 4)
@@ -182,22 +183,25 @@ def attention_parity(shape: tuple[int, int, int, int, int], implementations: tup
     cot = jax.random.normal(keys[3], (b, t, h, k), jnp.bfloat16)
     seg = jnp.asarray(_documents(b, t, seed))
     out = {}
-    for name, segment_ids in (("no_segments", None), ("segments", seg)):
+    cases = [(window, docs) for window in (None, t // 4) for docs in ("no_segments", "segments")]
+    for window, docs in cases:
+        segment_ids = None if docs == "no_segments" else seg
+        name = docs if window is None else f"window_{docs}"
 
-        def run(q, kk, v, cot, segment_ids, impl, dtype):
+        def run(q, kk, v, cot, segment_ids, impl, dtype, window):
             def f(q, kk, v):
-                return dot_product_attention(q, kk, v, implementation=impl, segment_ids_BT=segment_ids)
+                return dot_product_attention(q, kk, v, implementation=impl, segment_ids_BT=segment_ids, window=window)
 
             args = [x.astype(dtype) for x in (q, kk, v)]
             o, vjp = jax.vjp(f, *args)
             return (o, *vjp(cot.astype(dtype)))
 
         # the inputs are arguments, not constants the compiler would fold
-        run = jax.jit(run, static_argnames=("impl", "dtype"))
-        ref = run(q, kk, v, cot, segment_ids, impl="xla", dtype=jnp.float32)
+        run = jax.jit(run, static_argnames=("impl", "dtype", "window"))
+        ref = run(q, kk, v, cot, segment_ids, impl="xla", dtype=jnp.float32, window=window)
         row = {}
         for impl in implementations:
-            got = run(q, kk, v, cot, segment_ids, impl=impl, dtype=jnp.bfloat16)
+            got = run(q, kk, v, cot, segment_ids, impl=impl, dtype=jnp.bfloat16, window=window)
             row[impl] = {
                 part: float(jnp.max(jnp.abs(x.astype(jnp.float32) - r)) / jnp.max(jnp.abs(r)))
                 for part, x, r in zip(("out", "dq", "dk", "dv"), got, ref)

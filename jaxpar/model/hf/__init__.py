@@ -1,13 +1,13 @@
-"""Hugging Face Llama-family weights in and out of jaxpar's built-in `llama` model.
+"""Hugging Face weights in and out of jaxpar's built-in families: Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral and
+Mixtral (`jaxpar.model.llama`).
 
-    hf = load_hf_llama("path/to/Llama-3.2-1B")               # ModelConfig + float32 numpy params
+    hf = load_hf("path/to/Qwen2.5-7B")                       # ModelConfig (model.name from model_type) + params
     state = init_state(plan, params=hf.params)               # on any mesh (jaxpar.training.state.init_state)
-    save_hf_llama(params, cfg, "out/hf", dtype="bfloat16")   # transformers' LlamaForCausalLM loads it
+    save_hf(params, cfg, "out/hf", dtype="bfloat16")         # transformers' Qwen2ForCausalLM loads it
 
-A directory is `config.json` plus `model.safetensors` or shards named by `model.safetensors.index.json`
-(Llama 2 and 3.x, grouped-query attention, rope_theta, llama3 / linear rope scaling, tied or untied embeddings,
-rms_norm_eps). Name and layout map, and the rotary convention: `jaxpar.model.hf_llama.weights`; config keys:
-`jaxpar.model.hf_llama.config`. Everything here is numpy on the host: no device work.
+A directory is `config.json` plus `model.safetensors` or shards named by `model.safetensors.index.json`. Which
+families and config keys map to what: `jaxpar.model.hf.config`; tensor names and layouts, and the rotary
+convention: `jaxpar.model.hf.weights`. Everything here is numpy on the host: no device work.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 
 from jaxpar.config.paths import output_dir_problem, write_atomic
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.hf_llama.config import (
+from jaxpar.model.hf.config import (
     CONFIG_FILE,
     HFConfigError,
     hf_config_from_model,
@@ -26,7 +26,7 @@ from jaxpar.model.hf_llama.config import (
     model_differences,
     read_hf_config,
 )
-from jaxpar.model.hf_llama.weights import (
+from jaxpar.model.hf.weights import (
     INDEX_FILE,
     PARTIAL,
     check_hf_tensors,
@@ -37,21 +37,21 @@ from jaxpar.model.hf_llama.weights import (
 
 __all__ = [
     "HFConfigError",
-    "HFLlama",
+    "HFModel",
     "check_export_dir",
-    "check_hf_llama",
+    "check_hf",
     "hf_config_from_model",
     "hf_tensors",
     "is_hf_directory",
-    "load_hf_llama",
+    "load_hf",
     "model_config_from_hf",
-    "save_hf_llama",
+    "save_hf",
 ]
 
 
 @dataclasses.dataclass
-class HFLlama:
-    """An imported Hugging Face Llama.
+class HFModel:
+    """An imported Hugging Face model.
 
     Attributes:
       cfg: the jaxpar ModelConfig (`model_config_from_hf`).
@@ -71,9 +71,10 @@ def is_hf_directory(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
 
-def check_hf_llama(hf_dir: str, want: ModelConfig | None = None) -> ModelConfig:
+def check_hf(hf_dir: str, want: ModelConfig | None = None) -> ModelConfig:
     """Reads config.json and the safetensors headers only (no weights) and returns the directory's ModelConfig
-    (`want`'s other fields kept). With `want`, its shape, rope and norm fields must equal the directory's.
+    (`want`'s other fields kept). With `want`, its family, shape, rope, norm, window and expert fields must equal
+    the directory's.
 
     Raises:
       HFConfigError: an unreadable or unsupported directory, tensors that do not fit config.json, or (with `want`)
@@ -93,20 +94,20 @@ def check_hf_llama(hf_dir: str, want: ModelConfig | None = None) -> ModelConfig:
     return cfg
 
 
-def load_hf_llama(hf_dir: str, base: ModelConfig | None = None) -> HFLlama:
-    """Imports `hf_dir` (config.json + safetensors) as jaxpar's `llama`: ModelConfig (`base`'s non-shape fields
-    kept) and float32 numpy parameters.
+def load_hf(hf_dir: str, base: ModelConfig | None = None) -> HFModel:
+    """Imports `hf_dir` (config.json + safetensors) as the jaxpar family its model_type names: ModelConfig
+    (`base`'s other fields kept: `jaxpar.model.hf.config.model_config_from_hf`) and float32 numpy parameters.
 
     Raises:
-      HFConfigError: as `check_hf_llama`.
+      HFConfigError: as `check_hf`.
     """
     hf_config = read_hf_config(hf_dir)
     cfg = model_config_from_hf(hf_config, base)
     params, dtype = read_hf_params(hf_dir, cfg)
-    return HFLlama(cfg=cfg, params=params, dtype=dtype, hf_config=hf_config)
+    return HFModel(cfg=cfg, params=params, dtype=dtype, hf_config=hf_config)
 
 
-def save_hf_llama(
+def save_hf(
     params: dict,
     cfg: ModelConfig,
     out_dir: str,
@@ -115,17 +116,19 @@ def save_hf_llama(
     base_config: dict | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> list[str]:
-    """Writes a jaxpar `llama` parameter dict (numpy or jax arrays) as a Hugging Face Llama directory:
-    config.json (`hf_config_from_model`; `base_config` supplies the keys jaxpar does not own, e.g. token ids)
-    and safetensors of `dtype` (sharded with an index above `max_shard_bytes` per file). Returns the file names.
+    """Writes a jaxpar parameter dict (numpy or jax arrays) of `cfg`'s family as a Hugging Face directory that
+    transformers' class of the family loads: config.json (`hf_config_from_model`; `base_config` supplies the keys
+    jaxpar does not own, e.g. token ids) and safetensors of `dtype` (sharded with an index above
+    `max_shard_bytes` per file). Returns the file names.
 
     Raises:
-      HFConfigError: `out_dir` cannot take the export (`check_export_dir`), an unknown dtype, or parameters shaped
-        unlike `cfg`.
+      HFConfigError: `out_dir` cannot take the export (`check_export_dir`), a model the family's transformers class
+        cannot express (`hf_config_from_model`), an unknown dtype, or parameters shaped unlike `cfg`; each before
+        any file is written.
     """
     check_export_dir(out_dir)
-    tensors = hf_tensors(params, cfg, dtype)
     hf = hf_config_from_model(cfg, dtype, base_config)
+    tensors = hf_tensors(params, cfg, dtype)
     files = write_hf_tensors(tensors, out_dir, max_shard_bytes)  # each file whole or not at all
     write_atomic(os.path.join(out_dir, CONFIG_FILE), json.dumps(hf, indent=2, sort_keys=True) + "\n")  # last
     return [CONFIG_FILE, *files]

@@ -1,7 +1,8 @@
-"""Hugging Face Llama safetensors <-> jaxpar `llama` parameter dicts (numpy, host memory).
+"""Hugging Face safetensors <-> jaxpar parameter dicts (numpy, host memory), for the families of
+`jaxpar.model.hf.config`.
 
 Name and layout map (L layers stacked on jaxpar's leading axis; HF `nn.Linear` weights are [out, in], jaxpar's
-kernels [in, out]; D width, H/G query/key-value heads, K head width, F MLP width, V vocabulary):
+kernels [in, out]; D width, H/G query/key-value heads, K head width, F MLP width, E experts, V vocabulary):
 
     model.embed_tokens.weight              [V, D]       embed/table              [V, D]
     model.layers.i.input_layernorm.weight  [D]          blocks/attn_norm/scale   [L, D]
@@ -15,10 +16,23 @@ kernels [in, out]; D width, H/G query/key-value heads, K head width, F MLP width
     model.layers.i.mlp.down_proj.weight    [D, F]       blocks/mlp/w_down        [L, F, D]
     model.norm.weight                      [D]          final_norm/scale         [D]
     lm_head.weight                         [V, D]       lm_head/kernel           [D, V]   (absent when tied)
+  qwen2:
+    model.layers.i.self_attn.q_proj.bias   [H*K]        blocks/attn/bq           [L, H, K]
+    model.layers.i.self_attn.{k,v}_proj.bias [G*K]      blocks/attn/{bk,bv}      [L, G, K]
+  qwen3:
+    model.layers.i.self_attn.q_norm.weight [K]          blocks/attn/q_norm/scale [L, K]
+    model.layers.i.self_attn.k_norm.weight [K]          blocks/attn/k_norm/scale [L, K]
+  mixtral (every block an MoE block: jaxpar's blocks/moe/..., attention and norms as above beneath it):
+    model.layers.i.block_sparse_moe.gate.weight          [E, D]   blocks/moe/mlp/router  [L, D, E]
+    model.layers.i.block_sparse_moe.experts.e.w1.weight  [F, D]   blocks/moe/mlp/w_gate  [L, E, D, F]
+    model.layers.i.block_sparse_moe.experts.e.w3.weight  [F, D]   blocks/moe/mlp/w_up    [L, E, D, F]
+    model.layers.i.block_sparse_moe.experts.e.w2.weight  [D, F]   blocks/moe/mlp/w_down  [L, E, F, D]
+  (the per-expert names of Mistral AI's published checkpoints, which transformers 5.x still writes, converting
+  them to its fused experts when it loads)
 
-Rotary convention: transformers' Llama rotates halves (`rotate_half`: element i pairs with i + K/2), and so does
-`jaxpar.model.layers.rotary`, so q/k rows load unpermuted (transformers' convert_llama_weights_to_hf.py already
-permuted Meta's interleaved-pair weights into this layout).
+Rotary convention: transformers rotates halves (`rotate_half`: element i pairs with i + K/2) in every family here,
+and so does `jaxpar.model.layers.rotary`, so q/k rows load unpermuted (transformers' convert_llama_weights_to_hf.py
+already permuted Meta's interleaved-pair weights into this layout).
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import json
 import logging
 import os
 import re
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -36,26 +51,68 @@ from safetensors.numpy import save_file
 from jaxpar.config.paths import write_atomic
 from jaxpar.config.precision import DTYPE_BYTES
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.hf_llama.config import HFConfigError
+from jaxpar.model.hf.config import HFConfigError
 
-_LOGGER = logging.getLogger("jaxpar.model.hf_llama")
+_LOGGER = logging.getLogger("jaxpar.model.hf")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _IGNORED = re.compile(r"(model\.layers\.\d+\.self_attn\.|model\.)rotary_emb\.inv_freq")  # old exports' buffers
 
-# per-layer HF suffix -> (jaxpar path under blocks, HF [out, in] -> jaxpar reshaping kind)
-_LAYER = {
-    "input_layernorm.weight": (("attn_norm", "scale"), "vector"),
-    "self_attn.q_proj.weight": (("attn", "wq"), "in_heads"),
-    "self_attn.k_proj.weight": (("attn", "wk"), "in_heads"),
-    "self_attn.v_proj.weight": (("attn", "wv"), "in_heads"),
-    "self_attn.o_proj.weight": (("attn", "wo"), "heads_out"),
-    "post_attention_layernorm.weight": (("mlp_norm", "scale"), "vector"),
-    "mlp.gate_proj.weight": (("mlp", "w_gate"), "linear"),
-    "mlp.up_proj.weight": (("mlp", "w_up"), "linear"),
-    "mlp.down_proj.weight": (("mlp", "w_down"), "linear"),
-}
+
+class _Entry(NamedTuple):
+    """One per-layer Hugging Face tensor: model.layers.i.SUFFIX is jaxpar's blocks/PATH[i] (or, for an expert,
+    blocks/PATH[i, EXPERT]), reshaped by KIND (`_to_jaxpar`); HF_SHAPE is its shape in the HF file."""
+
+    suffix: str
+    path: tuple[str, ...]
+    kind: str
+    hf_shape: tuple[int, ...]
+    expert: int | None = None
+
+
+def _layer_entries(cfg: ModelConfig) -> list[_Entry]:
+    """The per-layer tensors of `cfg`'s family, in transformers' module order (module docstring)."""
+    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.d_ff
+    block: tuple[str, ...] = ("moe",) if cfg.moe.enabled else ()  # mixtral: blocks/moe/...
+    attn = (*block, "attn")
+    out = [
+        _Entry("input_layernorm.weight", (*block, "attn_norm", "scale"), "vector", (d,)),
+        _Entry("self_attn.q_proj.weight", (*attn, "wq"), "in_heads", (h * k, d)),
+        _Entry("self_attn.k_proj.weight", (*attn, "wk"), "in_heads", (g * k, d)),
+        _Entry("self_attn.v_proj.weight", (*attn, "wv"), "in_heads", (g * k, d)),
+    ]
+    if cfg.name == "qwen2":
+        out += [
+            _Entry("self_attn.q_proj.bias", (*attn, "bq"), "bias", (h * k,)),
+            _Entry("self_attn.k_proj.bias", (*attn, "bk"), "bias", (g * k,)),
+            _Entry("self_attn.v_proj.bias", (*attn, "bv"), "bias", (g * k,)),
+        ]
+    if cfg.name == "qwen3":
+        out += [
+            _Entry("self_attn.q_norm.weight", (*attn, "q_norm", "scale"), "vector", (k,)),
+            _Entry("self_attn.k_norm.weight", (*attn, "k_norm", "scale"), "vector", (k,)),
+        ]
+    out += [
+        _Entry("self_attn.o_proj.weight", (*attn, "wo"), "heads_out", (d, h * k)),
+        _Entry("post_attention_layernorm.weight", (*block, "mlp_norm", "scale"), "vector", (d,)),
+    ]
+    if not cfg.moe.enabled:
+        return out + [
+            _Entry("mlp.gate_proj.weight", ("mlp", "w_gate"), "linear", (f, d)),
+            _Entry("mlp.up_proj.weight", ("mlp", "w_up"), "linear", (f, d)),
+            _Entry("mlp.down_proj.weight", ("mlp", "w_down"), "linear", (d, f)),
+        ]
+    mlp, f_e = (*block, "mlp"), cfg.moe.d_expert or f
+    out.append(_Entry("block_sparse_moe.gate.weight", (*mlp, "router"), "linear", (cfg.moe.num_experts, d)))
+    for e in range(cfg.moe.num_experts):
+        prefix = f"block_sparse_moe.experts.{e}"
+        out += [
+            _Entry(f"{prefix}.w1.weight", (*mlp, "w_gate"), "linear", (f_e, d), e),
+            _Entry(f"{prefix}.w2.weight", (*mlp, "w_down"), "linear", (d, f_e), e),
+            _Entry(f"{prefix}.w3.weight", (*mlp, "w_up"), "linear", (f_e, d), e),
+        ]
+    return out
 
 
 PARTIAL = ".partial"  # a safetensors file being written: renamed to its name once whole
@@ -93,22 +150,12 @@ def _open(path: str):
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a Hugging Face Llama of `cfg` holds -> its shape, in transformers' module order."""
-    d, h, g, k, f, v = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.d_ff, cfg.vocab_size
-    per_layer = {
-        "input_layernorm.weight": (d,),
-        "self_attn.q_proj.weight": (h * k, d),
-        "self_attn.k_proj.weight": (g * k, d),
-        "self_attn.v_proj.weight": (g * k, d),
-        "self_attn.o_proj.weight": (d, h * k),
-        "post_attention_layernorm.weight": (d,),
-        "mlp.gate_proj.weight": (f, d),
-        "mlp.up_proj.weight": (f, d),
-        "mlp.down_proj.weight": (d, f),
-    }
+    """Every tensor name a Hugging Face model of `cfg` holds -> its shape, in transformers' module order."""
+    d, v = cfg.d_model, cfg.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    entries = _layer_entries(cfg)
     for i in range(cfg.n_layers):
-        out.update({f"model.layers.{i}.{s}": shape for s, shape in per_layer.items()})
+        out.update({f"model.layers.{i}.{e.suffix}": e.hf_shape for e in entries})
     out["model.norm.weight"] = (d,)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (v, d)
@@ -155,7 +202,7 @@ def check_hf_tensors(hf_dir: str, cfg: ModelConfig) -> dict[str, str]:
     missing, extra = sorted(want.keys() - names), sorted(names - want.keys())
     if missing or extra:
         raise HFConfigError(
-            f"{hf_dir}: tensors do not match a Llama of config.json"
+            f"{hf_dir}: tensors do not match a {cfg.name} model of config.json"
             + (f"; missing: {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "")
             + (f"; unexpected: {extra[:5]}{' ...' if len(extra) > 5 else ''}" if extra else "")
         )
@@ -180,6 +227,8 @@ def _to_jaxpar(w: np.ndarray, kind: str, cfg: ModelConfig) -> np.ndarray:
         return w
     if kind == "linear":
         return w.T
+    if kind == "bias":  # [heads*K] -> [heads, K]
+        return w.reshape(-1, k)
     if kind == "in_heads":  # [heads*K, D] -> [D, heads, K]
         return w.T.reshape(d, -1, k)
     return w.T.reshape(-1, k, d)  # heads_out: [D, H*K] -> [H, K, D]
@@ -190,15 +239,29 @@ def _to_hf(w: np.ndarray, kind: str) -> np.ndarray:
         return w
     if kind == "linear":
         return w.T
+    if kind == "bias":  # [heads, K] -> [heads*K]
+        return w.reshape(-1)
     if kind == "in_heads":  # [D, heads, K] -> [heads*K, D]
         return w.reshape(w.shape[0], -1).T
     return w.reshape(-1, w.shape[-1]).T  # heads_out: [H, K, D] -> [D, H*K]
 
 
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
 def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
-    """Reads the weights of `hf_dir` into a jaxpar `llama` parameter dict of float32 numpy arrays (the nested
-    dict `jaxpar.model.init_params` returns), upcasting bf16/fp16 exactly. Returns (params, the stored dtype name:
-    "float32", "bfloat16" or "float16"; the most common one if they are mixed).
+    """Reads the weights of `hf_dir` into a jaxpar parameter dict of `cfg`'s family, float32 numpy arrays (the
+    nested dict `jaxpar.model.init_params` returns), upcasting bf16/fp16 exactly. Returns (params, the stored dtype
+    name: "float32", "bfloat16" or "float16"; the most common one if they are mixed).
 
     Raises:
       HFConfigError: as `check_hf_tensors`.
@@ -216,11 +279,20 @@ def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
                 w = f.get_tensor(name)
                 dtypes[w.dtype.name] = dtypes.get(w.dtype.name, 0) + 1
                 tensors[name] = w.astype(np.float32)
-    n = cfg.n_layers
+    layers: dict[tuple[str, ...], list] = {}  # jaxpar path -> per layer: an array, or per expert a list
+    for i in range(cfg.n_layers):
+        for e in _layer_entries(cfg):
+            w = _to_jaxpar(tensors.pop(f"model.layers.{i}.{e.suffix}"), e.kind, cfg)
+            per_layer = layers.setdefault(e.path, [])
+            if e.expert is None:
+                per_layer.append(w)
+            else:  # experts 0, 1, ... of layer i in order
+                if e.expert == 0:
+                    per_layer.append([])
+                per_layer[-1].append(w)
     blocks: dict = {}
-    for suffix, ((module, leaf), kind) in _LAYER.items():
-        stacked = np.stack([_to_jaxpar(tensors.pop(f"model.layers.{i}.{suffix}"), kind, cfg) for i in range(n)])
-        blocks.setdefault(module, {})[leaf] = stacked
+    for leaf, per_layer in layers.items():
+        _set(blocks, leaf, np.stack([np.stack(x) if isinstance(x, list) else x for x in per_layer]))
     params = {
         "embed": {"table": tensors.pop("model.embed_tokens.weight")},
         "blocks": blocks,
@@ -235,7 +307,7 @@ def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
 
 def hf_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
     """The Hugging Face tensors (name -> contiguous numpy array of `dtype`, transformers' module order) of a
-    jaxpar `llama` parameter dict (numpy or jax arrays, any float dtype).
+    jaxpar parameter dict of `cfg`'s family (numpy or jax arrays, any float dtype).
 
     Raises:
       HFConfigError: an unknown `dtype`, or a parameter shaped unlike `cfg`.
@@ -248,19 +320,27 @@ def hf_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarr
         return np.ascontiguousarray(np.asarray(w, dtype=np.float32).astype(np_dtype))
 
     out = {"model.embed_tokens.weight": cast(params["embed"]["table"])}
-    layer_arrays = {
-        suffix: np.asarray(params["blocks"][module][leaf]) for suffix, ((module, leaf), _) in _LAYER.items()
-    }
+    entries = _layer_entries(cfg)
+    try:
+        arrays = {e.path: np.asarray(_get(params["blocks"], e.path)) for e in entries}
+    except KeyError as missing:
+        raise HFConfigError(
+            f"the parameters lack blocks/.../{missing.args[0]}, which a {cfg.name} model of this config has"
+        ) from None
     for i in range(cfg.n_layers):
-        for suffix, (_, kind) in _LAYER.items():
-            out[f"model.layers.{i}.{suffix}"] = cast(_to_hf(layer_arrays[suffix][i], kind))
+        for entry in entries:
+            layer = arrays[entry.path][i]
+            w = layer if entry.expert is None else layer[entry.expert]
+            out[f"model.layers.{i}.{entry.suffix}"] = cast(_to_hf(w, entry.kind))
     out["model.norm.weight"] = cast(params["final_norm"]["scale"])
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = cast(np.asarray(params["lm_head"]["kernel"]).T)
     want = hf_tensor_shapes(cfg)
     for name, w in out.items():
         if w.shape != want[name]:
-            raise HFConfigError(f"parameter for {name} has shape {w.shape}, a Llama of this config needs {want[name]}")
+            raise HFConfigError(
+                f"parameter for {name} has shape {w.shape}, a {cfg.name} model of this config needs {want[name]}"
+            )
     return out
 
 

@@ -1,0 +1,352 @@
+"""Hugging Face `config.json` <-> jaxpar `ModelConfig`, for the families of `jaxpar.model.llama`.
+
+    config.json model_type / architecture      jaxpar model.name   what the family adds to Llama
+    llama    LlamaForCausalLM                  llama
+    qwen2    Qwen2ForCausalLM                  qwen2               q/k/v biases
+    qwen3    Qwen3ForCausalLM                  qwen3               qk-norm (q_norm, k_norm), explicit head_dim
+    mistral  MistralForCausalLM                mistral             sliding_window -> model.sliding_window
+    mixtral  MixtralForCausalLM                mixtral             num_local_experts -> model.moe.num_experts,
+                                                                   num_experts_per_tok -> model.moe.top_k (every
+                                                                   block, no shared experts), sliding_window
+
+Reads both the transformers 4.x layout (`rope_theta` and `rope_scaling` at the top level, as Meta's published Llama
+2/3 directories have it) and the 5.x one (`rope_parameters` holding `rope_theta` and `rope_type`); writes the 4.x
+layout, which transformers 5.x also reads. Only what jaxpar computes is accepted: SiLU-gated MLP, RMSNorm, rotary
+scaling none / linear / llama3, a window on every layer or none (Qwen2/3's `use_sliding_window`, which windows only
+some layers, is refused); anything else is refused with the key that differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+from jaxpar.config.paths import directory_problem
+from jaxpar.config.schema import ModelConfig, MoEConfig
+
+_LOGGER = logging.getLogger("jaxpar.model.hf")
+
+CONFIG_FILE = "config.json"
+# jaxpar model.name -> transformers' architecture; config.json's model_type is the same name as jaxpar's
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+DEFAULT_MAX_POSITIONS = 2048  # transformers' LlamaConfig default, written when nothing longer is known
+# transformers' defaults where config.json leaves a key out (each family's configuration class)
+_DEFAULT_THETA = {"mixtral": 1e6}
+_DEFAULT_EPS = {"mixtral": 1e-5}
+_WINDOWED = ("mistral", "mixtral")  # families whose sliding_window applies to every layer
+
+# ModelConfig fields that fix the weights' meaning: an imported directory must agree with them.
+IMPORTED_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "d_ff",
+    "rope_theta",
+    "rope_scaling",
+    "rope_scaling_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_position",
+    "norm_eps",
+    "tie_embeddings",
+    "sliding_window",
+)
+# model.moe fields a Mixtral's config.json fixes (the routing mode, capacity and loss weights are the run's own)
+IMPORTED_MOE_FIELDS = ("num_experts", "top_k", "every", "shared_experts", "d_expert")
+
+
+class HFConfigError(ValueError):
+    """A Hugging Face directory jaxpar cannot read as a model it computes exactly (the message names the key)."""
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    """The parsed `HF_DIR/config.json`.
+
+    Raises:
+      HFConfigError: `hf_dir` is not a directory or has no readable config.json.
+    """
+    path = os.path.join(hf_dir, CONFIG_FILE)
+    problem = directory_problem(hf_dir)
+    if problem is not None:
+        raise HFConfigError(f"{hf_dir!r} {problem}; pass a Hugging Face model directory (config.json + *.safetensors)")
+    if not os.path.isfile(path):
+        raise HFConfigError(f"{hf_dir!r} has no {CONFIG_FILE}; pass a Hugging Face model directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"{path}: the top level is not a JSON object")
+    return cfg
+
+
+def _rope(hf: dict, default_theta: float) -> dict:
+    """ModelConfig's rope_* fields from either config layout."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):  # transformers 5.x
+        theta, scaling = params.get("rope_theta", hf.get("rope_theta", default_theta)), params
+    else:  # transformers 4.x / Meta's published files
+        theta, scaling = hf.get("rope_theta", default_theta), hf.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    out = {"rope_theta": float(theta)}
+    if kind == "default":
+        return {**out, "rope_scaling": "none"}
+    if kind == "linear":
+        return {**out, "rope_scaling": "linear", "rope_scaling_factor": float(scaling["factor"])}
+    if kind == "llama3":
+        try:
+            return {
+                **out,
+                "rope_scaling": "llama3",
+                "rope_scaling_factor": float(scaling["factor"]),
+                "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+                "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+                "rope_original_max_position": int(scaling["original_max_position_embeddings"]),
+            }
+        except KeyError as e:
+            raise HFConfigError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from e
+    raise HFConfigError(
+        f"config.json: rope scaling type {kind!r} is not supported (jaxpar computes default, linear and llama3); "
+        f"use a checkpoint with one of those"
+    )
+
+
+def _require(hf: dict, key: str, allowed: tuple, default) -> None:
+    value = hf.get(key, default)
+    if value not in allowed:
+        raise HFConfigError(
+            f"config.json: {key}={value!r} is not supported by jaxpar's {hf.get('model_type')} model (supported: "
+            f"{list(allowed)})"
+        )
+
+
+def _window(hf: dict, family: str) -> int | None:
+    """model.sliding_window of a config.json (module docstring)."""
+    if family in ("qwen2", "qwen3"):
+        kinds = set(hf.get("layer_types") or ["full_attention"])
+        if kinds != {"full_attention"}:
+            raise HFConfigError(
+                f"config.json: layer_types holds {sorted(kinds - {'full_attention'})}: jaxpar's {family} runs full "
+                f"attention on every layer (its window, model.sliding_window, covers every layer); use a checkpoint "
+                f"whose layers are all full_attention"
+            )
+        if hf.get("use_sliding_window", False):
+            raise HFConfigError(
+                f"config.json: use_sliding_window=true: {family} then windows only the layers from "
+                f"max_window_layers={hf.get('max_window_layers')} on, which jaxpar does not compute (its window, "
+                f"model.sliding_window, covers every layer); use a checkpoint without it"
+            )
+        return None  # their sliding_window key is unused without use_sliding_window
+    if family not in _WINDOWED:
+        return None
+    window = hf.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise HFConfigError(f"config.json: sliding_window={window!r} is not a positive number of tokens or null")
+    return window
+
+
+def _moe(hf: dict, base_moe: MoEConfig) -> MoEConfig:
+    """model.moe of a Mixtral config.json: its experts on every block, `base_moe`'s routing and loss settings."""
+    try:
+        experts, top_k = int(hf["num_local_experts"]), int(hf["num_experts_per_tok"])
+    except KeyError as e:
+        raise HFConfigError(f"config.json lacks {e.args[0]!r}, which a Mixtral config has") from e
+    if top_k < 2:
+        raise HFConfigError(
+            f"config.json: num_experts_per_tok={top_k}: Mixtral renormalises its top-k gates, which jaxpar does for "
+            f"top_k >= 2 only (top-1 keeps the raw probability, as Switch Transformer does)"
+        )
+    if hf.get("router_jitter_noise", 0.0):
+        _LOGGER.warning(
+            "config.json: router_jitter_noise=%s is a training-time perturbation jaxpar does not apply; the weights "
+            "load as they are",
+            hf["router_jitter_noise"],
+        )
+    return dataclasses.replace(base_moe, num_experts=experts, top_k=top_k, every=1, shared_experts=0, d_expert=0)
+
+
+def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConfig:
+    """The jaxpar `ModelConfig` of a Hugging Face config dict (module docstring's families): `base` (default
+    `ModelConfig()`) with `name`, IMPORTED_FIELDS and, for Mixtral, IMPORTED_MOE_FIELDS replaced; the rest (remat,
+    attention, init_std, the MoE routing mode, ...) kept from `base`.
+
+    Raises:
+      HFConfigError: a model_type jaxpar does not convert, a feature its model lacks (a bias it does not have,
+        another activation, an unknown rope scaling type, a window on some layers only), or a missing shape key;
+        the message names the key.
+    """
+    family = hf.get("model_type")
+    if family not in ARCHITECTURES:
+        raise HFConfigError(
+            f"config.json: model_type={family!r} is not one jaxpar converts (supported: {sorted(ARCHITECTURES)})"
+        )
+    _require(hf, "hidden_act", ("silu",), "silu")
+    if family in ("llama", "qwen3"):
+        _require(hf, "attention_bias", (False,), False)  # qwen2's q/k/v biases are fixed by its architecture
+    if family == "llama":
+        _require(hf, "mlp_bias", (False,), False)
+        _require(hf, "pretraining_tp", (1,), 1)
+    base = base or ModelConfig()
+    try:
+        n_heads = int(hf["num_attention_heads"])
+        d_model = int(hf["hidden_size"])
+        fields = {
+            "vocab_size": int(hf["vocab_size"]),
+            "d_model": d_model,
+            "n_layers": int(hf["num_hidden_layers"]),
+            "n_heads": n_heads,
+            "n_kv_heads": int(hf.get("num_key_value_heads") or n_heads),
+            "head_dim": int(hf.get("head_dim") or d_model // n_heads),
+            "d_ff": int(hf["intermediate_size"]),
+            "norm_eps": float(hf.get("rms_norm_eps", _DEFAULT_EPS.get(family, 1e-6))),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "sliding_window": _window(hf, family),
+            **_rope(hf, _DEFAULT_THETA.get(family, 10000.0)),
+        }
+    except KeyError as e:
+        raise HFConfigError(f"config.json lacks {e.args[0]!r}, which a {family} config has") from e
+    moe = _moe(hf, base.moe) if family == "mixtral" else dataclasses.replace(base.moe, num_experts=0)
+    return dataclasses.replace(base, name=family, moe=moe, **fields)
+
+
+def _exportable(cfg: ModelConfig) -> None:
+    """Raises HFConfigError where `cfg` has something its family's transformers class cannot express."""
+    name = cfg.name
+    if name not in ARCHITECTURES:
+        raise HFConfigError(
+            f"model.name={name!r}: only the built-in families {sorted(ARCHITECTURES)} export to Hugging Face format"
+        )
+    if cfg.sliding_window is not None and name not in _WINDOWED:
+        raise HFConfigError(
+            f"model.sliding_window={cfg.sliding_window}: transformers' {ARCHITECTURES[name]} has no window on every "
+            f"layer; export a run without one, or of model.name mistral"
+        )
+    if name == "qwen2" and cfg.head_width * cfg.n_heads != cfg.d_model:
+        raise HFConfigError(
+            f"model.head_dim={cfg.head_width}: transformers' Qwen2 computes the head width as hidden_size / "
+            f"num_attention_heads = {cfg.d_model // cfg.n_heads}; export a run with model.head_dim null"
+        )
+    moe = cfg.moe
+    if name != "mixtral":
+        if moe.enabled:  # the model refuses these too (jaxpar.model.llama.check_variant), but for qwen3
+            raise HFConfigError(
+                f"model.moe.num_experts={moe.num_experts}: transformers' {ARCHITECTURES[name]} is dense; export a "
+                f"run without model.moe, or of model.name mixtral"
+            )
+        return
+    problems = []
+    if moe.every != 1:
+        problems.append(f"model.moe.every={moe.every} (Mixtral: every block, 1)")
+    if moe.shared_experts:
+        problems.append(f"model.moe.shared_experts={moe.shared_experts} (Mixtral: 0)")
+    if moe.d_expert not in (0, cfg.d_ff):
+        problems.append(f"model.moe.d_expert={moe.d_expert} (Mixtral's experts are model.d_ff={cfg.d_ff} wide)")
+    if moe.top_k < 2:
+        problems.append(f"model.moe.top_k={moe.top_k} (Mixtral renormalises top-k gates, k >= 2)")
+    if problems:
+        raise HFConfigError("transformers' Mixtral cannot express " + "; ".join(problems))
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None) -> dict:
+    """A transformers config dict of `cfg`'s family (4.x layout), weights stored as `dtype` ("float32",
+    "bfloat16", "float16"). `base` (e.g. the imported directory's config.json: token ids, max positions) supplies
+    every key jaxpar does not own; the shape, rope, window, expert and dtype keys are always jaxpar's.
+
+    Raises:
+      HFConfigError: `cfg.name` is not one of `ARCHITECTURES`, or `cfg` has what its family's transformers
+        class cannot express (a window outside Mistral/Mixtral, experts outside Mixtral, experts unlike
+        Mixtral's, a Qwen2 head width other than hidden_size / num_attention_heads).
+    """
+    _exportable(cfg)
+    name = cfg.name
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "torch_dtype", "dtype")}
+    if out.get("model_type", name) != name:  # another family's keys (e.g. a llama run's, exported as qwen2)
+        out = {k: v for k, v in out.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    rope_scaling = None
+    if cfg.rope_scaling == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": cfg.rope_scaling_factor}
+    elif cfg.rope_scaling == "llama3":
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position,
+        }
+    default_positions = DEFAULT_MAX_POSITIONS
+    if cfg.rope_scaling == "llama3":
+        default_positions = int(cfg.rope_original_max_position * cfg.rope_scaling_factor)
+    out.update(
+        {
+            "architectures": [ARCHITECTURES[name]],
+            "model_type": name,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.kv_heads,
+            "intermediate_size": cfg.d_ff,
+            "hidden_act": "silu",
+            "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "torch_dtype": dtype,
+        }
+    )
+    if name != "qwen2":  # Qwen2's head width is hidden_size / num_attention_heads, with no key (_exportable)
+        out["head_dim"] = cfg.head_width
+    if name == "llama":
+        out.update({"attention_bias": False, "mlp_bias": False})
+    if name == "qwen3":
+        out["attention_bias"] = False
+    if name in ("qwen2", "qwen3"):
+        out.update({"use_sliding_window": False, "layer_types": ["full_attention"] * cfg.n_layers})
+    if name in _WINDOWED:
+        out["sliding_window"] = cfg.sliding_window
+    if name == "mixtral":
+        out.update({"num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k})
+    out.setdefault("max_position_embeddings", default_positions)
+    return out
+
+
+def model_differences(want: ModelConfig, hf: ModelConfig) -> list[str]:
+    """'model.KEY: config A, Hugging Face directory B' for the name and every IMPORTED_FIELDS and
+    IMPORTED_MOE_FIELDS entry where they differ (head counts and widths compared as resolved: n_kv_heads null
+    means n_heads; an expert width of 0 as model.d_ff)."""
+    out = []
+    if want.name != hf.name:
+        out.append(f"model.name: config {want.name!r}, Hugging Face directory {hf.name!r}")
+    for key in IMPORTED_MOE_FIELDS:
+        a, b = getattr(want.moe, key), getattr(hf.moe, key)
+        if key == "d_expert":
+            a, b = a or want.d_ff, b or hf.d_ff
+        if (want.moe.enabled or hf.moe.enabled) and a != b:
+            out.append(f"model.moe.{key}: config {a!r}, Hugging Face directory {b!r}")
+    for key in IMPORTED_FIELDS:
+        a, b = getattr(want, key), getattr(hf, key)
+        if key == "n_kv_heads":
+            a, b = want.kv_heads, hf.kv_heads
+        elif key == "head_dim":
+            a, b = want.head_width, hf.head_width
+        elif (
+            key
+            in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position")
+            and want.rope_scaling == hf.rope_scaling == "none"
+        ):
+            continue
+        if a != b:
+            out.append(f"model.{key}: config {a!r}, Hugging Face directory {b!r}")
+    return out
