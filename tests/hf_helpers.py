@@ -14,7 +14,9 @@ QWEN2 = os.path.join(FIXTURES, "hf_qwen2_tied")  # float32, tied, 4/2 heads, ran
 QWEN3 = os.path.join(FIXTURES, "hf_qwen3_bf16")  # bfloat16, untied, 4/2 heads of width 16 (not 32/4), 5 shards
 MISTRAL = os.path.join(FIXTURES, "hf_mistral_window")  # float32, untied, 4/1 heads, sliding window 5 of 16 tokens
 MIXTRAL = os.path.join(FIXTURES, "hf_mixtral")  # float32, untied, 4/2 heads, 4 experts of width 48, top-2
-FAMILY_FIXTURES = {"qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL}
+# float32, tied, 4 layers (local, global, ...), 4/2 heads of width 16, window 5, score scale 24 ** -0.5, caps 2 and 10
+GEMMA2 = os.path.join(FIXTURES, "hf_gemma2")
+FAMILY_FIXTURES = {"qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL, "gemma2": GEMMA2}
 
 
 def hf_tensors_of(hf_dir: str) -> dict[str, np.ndarray]:

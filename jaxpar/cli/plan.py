@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         # model.attention for the machine planned for (a GPU cluster, or this CPU when compiling here)
         where = "gpu" if clu is not None else "cpu" if compiles_here else args.platform
         dtype = resolve_compute_dtype(cfg.precision.compute_dtype, where)
-        resolve_attention(cfg.model.attention, where, dtype, cfg.model.head_width)
+        m = cfg.model
+        resolve_attention(m.attention, where, dtype, m.head_width, m.attention_softcap)
         from jaxpar.model.params import model_def
 
         model_def(cfg.model)  # a registered family that takes the model's settings (abstract: no memory)

@@ -8,7 +8,8 @@ the commands that must not start jax resolve a config for a machine they are not
          attention memory grows with T. NVIDIA GPUs only, bfloat16 (or float16) only, head width a multiple of
          8 up to 128 (256 on Hopper). With packed documents (segment ids) it uses cuDNN's packed layout, which
          needs a Hopper GPU (compute capability 9.0) or newer.
-  auto   cudnn on an NVIDIA GPU when the compute dtype and head width allow it, xla otherwise (and on CPU).
+  auto   cudnn on an NVIDIA GPU when the compute dtype and head width allow it and the scores are not soft-capped
+         (`model.attention_softcap`, which cuDNN's kernel lacks), xla otherwise (and on CPU).
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper and newer; 128 is what every cuDNN flash-attention GPU takes
 
 
-def cudnn_unsupported(compute_dtype: str, head_dim: int) -> str | None:
+def cudnn_unsupported(compute_dtype: str, head_dim: int, softcap: float | None = None) -> str | None:
     """Why cuDNN's fused attention cannot run this shape (a sentence naming the fix), or None when it can.
 
     Args:
       compute_dtype: the resolved compute dtype name (`jaxpar.config.precision.resolve_compute_dtype`).
       head_dim: the per-head width K.
+      softcap: `model.attention_softcap` (cuDNN has no soft-capping), or None.
     """
+    if softcap is not None:
+        return (
+            f"cuDNN attention has no soft-capping of the scores (model.attention_softcap={softcap}); set "
+            f"model.attention=xla"
+        )
     if compute_dtype not in CUDNN_DTYPES:
         return (
             f"cuDNN attention computes in bfloat16 or float16, not {compute_dtype}; set "
@@ -38,17 +45,19 @@ def cudnn_unsupported(compute_dtype: str, head_dim: int) -> str | None:
     return None
 
 
-def resolve_attention(attention: str, platform: str, compute_dtype: str, head_dim: int) -> str:
+def resolve_attention(
+    attention: str, platform: str, compute_dtype: str, head_dim: int, softcap: float | None = None
+) -> str:
     """The implementation `model.attention` means on `platform` (`gpu`, `tpu`, `cpu`, as `jax.default_backend()`
     names them): `xla` or `cudnn`. `auto` is cudnn on gpu when `cudnn_unsupported` finds nothing, else xla.
 
     Raises:
       ValueError: `attention` is not one of `ATTENTION_IMPLEMENTATIONS`; `cudnn` on a platform other than gpu, or
-        with a dtype or head width cuDNN does not take (the message names the fix).
+        with a dtype, head width or soft-capping (`softcap`) cuDNN does not take (the message names the fix).
     """
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"model.attention={attention!r} is not one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
-    unsupported = cudnn_unsupported(compute_dtype, head_dim)
+    unsupported = cudnn_unsupported(compute_dtype, head_dim, softcap)
     if attention == "auto":
         return "cudnn" if platform == "gpu" and unsupported is None else "xla"
     if attention == "cudnn":

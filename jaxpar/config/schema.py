@@ -10,6 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+# Blocks per unit of the layer stack for the built-in families whose blocks alternate (`ModelConfig.layers_per_unit`):
+# gemma2 stacks a local and a global attention layer as one unit (`jaxpar.model.gemma`).
+LAYERS_PER_UNIT = {"gemma2": 2}
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -131,13 +135,22 @@ class ModelConfig:
     attention: str = "auto"
     max_segments: int = 64
     sliding_window: int | None = field(default=None, metadata={"example": 4096})
+    attention_softcap: float | None = field(default=None, metadata={"example": 50.0})
+    final_softcap: float | None = field(default=None, metadata={"example": 30.0})
+    attention_scale_width: int | None = field(default=None, metadata={"example": 256})
     init_from: str = ""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
+    def layers_per_unit(self) -> int:
+        """Blocks in one unit of the stacked `blocks`: model.moe.every with `moe` (dense blocks, then an MoE one),
+        2 for gemma2 (a local, then a global attention layer: `LAYERS_PER_UNIT`), else 1."""
+        return self.moe.every if self.moe.enabled else LAYERS_PER_UNIT.get(self.name, 1)
+
+    @property
     def stack_depth(self) -> int:
-        """Units of the stacked `blocks`: n_layers, or n_layers / moe.every with `moe` (groups of blocks)."""
-        return self.n_layers // self.moe.every if self.moe.enabled else self.n_layers
+        """Units of the stacked `blocks`: n_layers / layers_per_unit."""
+        return self.n_layers // self.layers_per_unit
 
     @property
     def kv_heads(self) -> int:

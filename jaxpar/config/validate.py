@@ -107,6 +107,15 @@ def _check_model(cfg: Config) -> None:
     check_choice("model.remat", m.remat, REMAT_POLICIES)
     check_choice("model.attention", m.attention, ATTENTION_IMPLEMENTATIONS)
     check_positive("model.max_segments", m.max_segments)
+    for key in ("attention_softcap", "final_softcap", "attention_scale_width"):
+        value = getattr(m, key)
+        if value is not None and (isinstance(value, bool) or not value > 0):
+            raise ConfigError(f"model.{key}={value!r} must be > 0, or null (off); {example(f'model.{key}')}")
+    if m.attention_softcap is not None and m.attention == "cudnn":
+        raise ConfigError(
+            f"model.attention_softcap={m.attention_softcap} with model.attention=cudnn: cuDNN's fused attention has "
+            f"no soft-capping of the scores; set model.attention=xla (or auto, which picks xla for it)"
+        )
     if m.sliding_window is not None and (not isinstance(m.sliding_window, int) or m.sliding_window < 1):
         raise ConfigError(
             f"model.sliding_window={m.sliding_window!r} must be a positive number of tokens (the keys each query "
@@ -248,12 +257,18 @@ def check_context(cfg: Config, c: int, tp: int, stages: int) -> None:
     check_choice("context.strategy", cfg.context.strategy, CONTEXT_STRATEGIES)
     if c == 1:
         return
-    if cfg.model.sliding_window is not None:
-        raise ConfigError(
-            f"model.sliding_window={cfg.model.sliding_window} with mesh.context={c}: context parallelism's attention "
-            f"(both strategies) computes full causal attention and cannot honour a window; set mesh.context=1, or "
-            f"model.sliding_window=null if the model was trained without one"
-        )
+    for key, what in (
+        ("sliding_window", "a window"),
+        ("attention_softcap", "soft-capped scores"),
+        ("attention_scale_width", "another score scale"),
+    ):
+        value = getattr(cfg.model, key)
+        if value is not None:
+            raise ConfigError(
+                f"model.{key}={value} with mesh.context={c}: context parallelism's attention (both strategies) "
+                f"computes plain causal attention scaled by the head width and cannot honour {what}; set "
+                f"mesh.context=1, or model.{key}=null if the model was trained without it"
+            )
     schedule = cfg.pipeline.schedule
     if cfg.context.strategy == "ring" and stages > 1 and schedule.startswith("zb"):
         raise ConfigError(
@@ -285,9 +300,31 @@ def _check_pipeline(cfg: Config, stages: int, tp: int) -> None:
             f"stored evenly over the stages, also when pipeline.stage_layers runs them unevenly); change "
             f"model.n_layers or mesh.pipeline"
         )
+    _pairs(cfg, stages)
     _virtual_stages(cfg, stages)
     _stage_layers(cfg, stages)
     _vocab_parallel(cfg, stages, tp)
+
+
+def _pairs(cfg: Config, stages: int) -> None:
+    """A dense stack whose unit is several layers (`ModelConfig.layers_per_unit`: gemma2's local and global pair)
+    holds whole units on every stage (MoE groups are checked by `jaxpar.config.moe`)."""
+    m, unit = cfg.model, cfg.model.layers_per_unit
+    if m.moe.enabled or unit == 1:
+        return
+    if m.n_layers % unit:
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} must be a multiple of {unit} for model.name={m.name} (its layers alternate "
+            f"local and global attention, stacked as pairs); change model.n_layers"
+        )
+    v = 1 if uneven_split(cfg) else cfg.pipeline.virtual_stages  # an uneven split's counts are checked there
+    if stages > 1 and m.stack_depth % (stages * v):
+        raise ConfigError(
+            f"model.n_layers / {unit} = {m.stack_depth} units of {m.name}'s stack (each a local and a global layer) "
+            f"must be divisible by mesh.pipeline * pipeline.virtual_stages = {stages} * {v} = {stages * v} (each "
+            f"stage holds whole units); change mesh.pipeline or pipeline.virtual_stages, or give "
+            f"pipeline.stage_layers"
+        )
 
 
 def _vocab_parallel(cfg: Config, stages: int, tp: int) -> None:
@@ -335,9 +372,9 @@ def _stage_layers(cfg: Config, stages: int) -> None:
             "picks the counts itself)"
         )
     chunks = stages * pipe.virtual_stages
-    every = cfg.model.moe.every if cfg.model.moe.enabled else 1
+    every = cfg.model.layers_per_unit
     if n // every < chunks and pipe.balance_stages:
-        what = f"MoE unit (model.moe.every={every} layers)" if every > 1 else "layer"
+        what = f"stack unit ({every} layers)" if every > 1 else "layer"
         raise ConfigError(
             f"pipeline.balance_stages gives each of the {chunks} model chunks at least one {what}, and the model "
             f"has {n // every}; set pipeline.stage_layers, or lower mesh.pipeline or pipeline.virtual_stages"
@@ -361,7 +398,7 @@ def _stage_layers(cfg: Config, stages: int) -> None:
             f"{what} = {chunks}{hint}"
         )
     if any(c < 0 or c % every for c in counts) or sum(counts) != n:
-        unit = f", each a multiple of model.moe.every={every}" if every > 1 else ""
+        unit = f", each a multiple of the stack unit's {every} layers" if every > 1 else ""
         raise ConfigError(
             f"pipeline.stage_layers={list(counts)} must be counts of at least 0{unit} adding up to "
             f"model.n_layers={n} (they add up to {sum(counts)}){hint}"

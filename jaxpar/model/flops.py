@@ -51,7 +51,7 @@ PEAK_FP8_FLOPS: dict[str, float] = {
 }
 
 
-def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: int) -> float:
+def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: float) -> float:
     """Model training FLOPs per token (forward + backward): 6P + 12*L*D*T.
 
     PaLM appendix B. The attention term 12*L*D*T is the full, un-halved one (QK^T and AV over all T positions,
@@ -116,6 +116,17 @@ def active_non_embedding_params(params: dict, model) -> int:
     return count_non_embedding_params(params) - inactive_expert_params(model)
 
 
+def attention_span(model, seq_len: int) -> float:
+    """Keys per query, averaged over the layers, of a model of `seq_len` tokens (`model`: a `ModelConfig`): T
+    without a window; min(T, W) with `model.sliding_window` W on every layer; for gemma2, whose local layers (every
+    other one) alone are windowed (`jaxpar.model.gemma`), (T + min(T, W)) / 2. Every attention FLOP count is
+    linear in it."""
+    if model.sliding_window is None:
+        return float(seq_len)
+    windowed = float(min(seq_len, model.sliding_window))
+    return (seq_len + windowed) / 2 if model.name == "gemma2" else windowed
+
+
 def model_flops(cfg, params) -> tuple[float, float | None]:
     """(model FLOPs per token, hardware FLOPs per token or None) of training `cfg` (a `jaxpar.config.Config`):
     `flops_per_token` of the active non-embedding parameters of `params` (a pytree of arrays or
@@ -124,13 +135,14 @@ def model_flops(cfg, params) -> tuple[float, float | None]:
     recompute (`stage_recompute`); None where the family registered no recompute count.
 
     With a sliding window (`model.sliding_window` = W) a query's scores cover min(T, W) keys, so both counts take
-    the attention span min(T, W) for T (the same un-halved convention as PaLM's: `flops_per_token`).
+    the mean attention span over the layers for T (`attention_span`; the same un-halved convention as PaLM's:
+    `flops_per_token`).
 
     Raises:
       ConfigError: `model.name` is not a registered model family.
     """
     model = cfg.model
-    span = cfg.data.seq_len if model.sliding_window is None else min(cfg.data.seq_len, model.sliding_window)
+    span = attention_span(model, cfg.data.seq_len)
     per_token = flops_per_token(active_non_embedding_params(params, model), model.n_layers, model.d_model, span)
     recompute = model_family(model.name).recompute_flops_per_token
     if recompute is None:

@@ -32,18 +32,22 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], std: float) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * scale, computed in fp32. x: [..., d].
+    """Root-mean-square norm (Zhang & Sennrich 2019): x / rms(x) * (offset + scale), computed in fp32. x: [..., d].
 
-    `axis` is the scale's logical axis: `embed` for the model width D, `kv` for a head's width K (qk-norm)."""
+    `axis` is the scale's logical axis: `embed` for the model width D, `kv` for a head's width K (qk-norm).
+    `offset` 1 is Gemma's form (1 + w), its scale starting at 0; 0 (default) is Llama's, the scale starting at 1."""
 
-    def __init__(self, d: int, eps: float, axis: str = "embed"):
-        self.scale = nnx.Param(jnp.ones((d,), jnp.float32), logical_axes=(axis,))
+    def __init__(self, d: int, eps: float, axis: str = "embed", offset: float = 0.0):
+        start = jnp.zeros((d,), jnp.float32) if offset else jnp.ones((d,), jnp.float32)
+        self.scale = nnx.Param(start, logical_axes=(axis,))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (y * (self.offset + scale if self.offset else scale)).astype(x.dtype)
 
 
 def rotary(
@@ -77,7 +81,8 @@ class Attention(nnx.Module):
     Per-family options: `qkv_bias` adds biases bq [H, K], bk and bv [G, K] to the projections (Qwen2);
     `qk_norm_eps` applies an RMSNorm over each head's K to the queries and keys (`q_norm`, `k_norm`, scales [K]
     shared by the heads) before the rotary embedding (Qwen3; Dehghani et al. 2023, "Scaling Vision Transformers
-    to 22 Billion Parameters", section 3.1.2).
+    to 22 Billion Parameters", section 3.1.2). `scale` (None: K ** -0.5) multiplies the scores and `softcap` caps
+    them (Gemma 2; `jaxpar.model.attention`).
 
     `implementation` is `model.attention` (`jaxpar.config.attention`): `xla`, `cudnn`, or `auto` (resolved when
     called, on jax's default backend; `jaxpar.training.plan.build_plan` resolves it for the mesh's devices
@@ -100,6 +105,8 @@ class Attention(nnx.Module):
         qkv_bias: bool = False,
         qk_norm_eps: float | None = None,
         window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ):
         self.wq = nnx.Param(_normal(rngs, (d, n_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
         self.wk = nnx.Param(_normal(rngs, (d, n_kv_heads, head_dim), std), logical_axes=("embed", "heads", "kv"))
@@ -112,6 +119,8 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps, axis="kv") if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps, axis="kv") if qk_norm_eps is not None else None
         self.window = window
+        self.scale = scale  # None: K ** -0.5
+        self.softcap = softcap
         self.rope_theta = rope_theta
         self.rope_inv_freq = rope_inv_freq  # None: plain theta ** (-2i / K)
         self.implementation = implementation
@@ -161,10 +170,11 @@ class Attention(nnx.Module):
         k = rotary(k, positions, self.rope_theta, self.rope_inv_freq)
         implementation = self.implementation
         if implementation == "auto":
-            implementation = resolve_attention("auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1])
+            backend, dtype_name = jax.default_backend(), jnp.dtype(dt).name
+            implementation = resolve_attention("auto", backend, dtype_name, q.shape[-1], self.softcap)
         if cp.active:
-            if self.window is not None:  # jaxpar.config.validate refuses the pair first
-                raise ValueError(f"a sliding window ({self.window}) cannot run under context parallelism")
+            if (self.window, self.scale, self.softcap) != (None, None, None):  # jaxpar.config.validate refuses first
+                raise ValueError("a window, score scale or soft-capping cannot run under context parallelism")
             out_BTHK = context_attention(q, k, v, segment_ids_BT, cp, implementation, self.max_segments)
         else:
             out_BTHK = dot_product_attention(
@@ -175,6 +185,8 @@ class Attention(nnx.Module):
                 segment_ids_BT=segment_ids_BT,
                 max_segments=self.max_segments,
                 window=self.window,
+                scale=self.scale,
+                softcap=self.softcap,
             )
         b, t, h, kw = out_BTHK.shape
         wo_FD = self.wo[...].reshape(h * kw, -1)
@@ -183,7 +195,11 @@ class Attention(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """Gated MLP (Shazeer 2020): down(silu(x @ gate) * (x @ up))."""
+    """Gated MLP (Shazeer 2020): down(act(x @ gate) * (x @ up)), act = SiLU (`activation`)."""
+
+    @staticmethod
+    def activation(x: jax.Array) -> jax.Array:
+        return jax.nn.silu(x)
 
     def __init__(self, d: int, f: int, std: float, rngs: nnx.Rngs):
         self.w_gate = nnx.Param(_normal(rngs, (d, f), std), logical_axes=("embed", "mlp"))
@@ -193,8 +209,17 @@ class SwiGLU(nnx.Module):
     def __call__(self, x_BTD: jax.Array, tp: TensorParallel = NO_TENSOR_PARALLEL) -> jax.Array:
         """x: [B, T/t or T, D] -> same. Gate and up are column-parallel (F/t local), down row-parallel."""
         x_BTD = tp.enter(x_BTD)
-        h_BTF = jax.nn.silu(column_matmul(x_BTD, self.w_gate[...], tp)) * column_matmul(x_BTD, self.w_up[...], tp)
+        h_BTF = self.activation(column_matmul(x_BTD, self.w_gate[...], tp)) * column_matmul(x_BTD, self.w_up[...], tp)
         return row_parallel(checkpoint_name(h_BTF, MLP_HIDDEN), self.w_down[...], None, tp)
+
+
+class GeGLU(SwiGLU):
+    """Gated MLP with GELU (tanh approximation) for the gate: Gemma's (Shazeer 2020, "GLU Variants Improve
+    Transformer"; transformers' `gelu_pytorch_tanh`)."""
+
+    @staticmethod
+    def activation(x: jax.Array) -> jax.Array:
+        return jax.nn.gelu(x, approximate=True)
 
 
 class Embed(nnx.Module):

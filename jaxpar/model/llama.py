@@ -76,6 +76,19 @@ def check_variant(cfg: ModelConfig, variant: Variant) -> None:
         )
 
 
+def attention_scale(cfg: ModelConfig) -> float | None:
+    """The scores' multiplier `model.attention_scale_width` ** -0.5, or None (the head width's K ** -0.5)."""
+    return None if cfg.attention_scale_width is None else float(cfg.attention_scale_width) ** -0.5
+
+
+def softcapped(logits: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(logits / cap) in fp32, in the logits' dtype (Gemma 2's final soft-capping); `logits` when cap is
+    None."""
+    if cap is None:
+        return logits
+    return (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D].
 
@@ -98,6 +111,8 @@ class Block(nnx.Module):
             qkv_bias=variant.qkv_bias,
             qk_norm_eps=cfg.norm_eps if variant.qk_norm else None,
             window=cfg.sliding_window,
+            scale=attention_scale(cfg),
+            softcap=cfg.attention_softcap,
         )
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp: MoE | SwiGLU
@@ -150,7 +165,8 @@ class Llama(nnx.Module):
 
     Reads every `ModelConfig` field: vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff,
     rope_theta, rope_scaling (and its factors), norm_eps, tie_embeddings, init_std, remat, attention, max_segments,
-    sliding_window, moe (init_from is read by the training loop, not the model).
+    sliding_window, attention_softcap, final_softcap, attention_scale_width, moe (init_from is read by the training
+    loop, not the model).
 
     Raises:
       ConfigError: `cfg.moe` contradicts the family (`check_variant`).
@@ -221,8 +237,10 @@ class Llama(nnx.Module):
         """Final norm and output projection: [B, T, D] -> [B, T, V] (V/t, this rank's vocabulary shard)."""
         x_BTD = gather(self.final_norm)(x_BTD)
         if self.lm_head is None:
-            return gather(self.embed).attend(x_BTD, tp)
-        return gather(self.lm_head)(x_BTD, tp)
+            logits = gather(self.embed).attend(x_BTD, tp)
+        else:
+            logits = gather(self.lm_head)(x_BTD, tp)
+        return softcapped(logits, self.cfg.final_softcap)
 
     def __call__(
         self,
@@ -251,7 +269,7 @@ def fp8_gemm_sites(model) -> int:
     return (model.moe.every - 1) * dense + 4 + 3 + (3 if model.moe.shared_experts else 0)
 
 
-def recompute_flops_per_token(model, seq_len: int) -> float:
+def recompute_flops_per_token(model, seq_len: float) -> float:
     """Forward FLOPs per token that `model.remat` runs a second time in the backward pass (hardware only), for
     the built-in `llama` family (another family registers its own count, `jaxpar.model.registry`; the total is
     `jaxpar.model.flops.hardware_flops_per_token`).

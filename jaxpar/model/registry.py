@@ -1,6 +1,6 @@
 """Model families by name: `model.name` in a config selects one. `llama`, `qwen2`, `qwen3`, `mistral` and
-`mixtral` are built in (`jaxpar.model.llama`); a script registers its own with `register_model` before it loads a
-config that names it.
+`mixtral` (`jaxpar.model.llama`) and `gemma2` (`jaxpar.model.gemma`) are built in; a script registers its own with
+`register_model` before it loads a config that names it.
 
 A family is a builder `build(cfg: ModelConfig, rngs: nnx.Rngs) -> module` whose module follows
 `jaxpar.model.interface.LanguageModel`. It reads the `ModelConfig` fields it needs (say which in its docstring)
@@ -22,7 +22,7 @@ from jaxpar.model.interface import LanguageModel
 ModelBuilder = Callable[[ModelConfig, nnx.Rngs], LanguageModel]
 # Forward FLOPs per token that `ModelConfig.remat` recomputes in the backward, from (model config, seq_len): the
 # hardware-FLOPs (HFU) count of a family; see `jaxpar.model.llama.recompute_flops_per_token` for the built-in one.
-RecomputeFlops = Callable[[ModelConfig, int], float]
+RecomputeFlops = Callable[[ModelConfig, float], float]
 # The FP8 GEMMs one row of a family's layer stack runs (`precision.fp8.scaling=delayed` keeps an amax history for
 # each); see `jaxpar.model.llama.fp8_gemm_sites` for the built-in one.
 Fp8GemmSites = Callable[[ModelConfig], int]
@@ -124,8 +124,11 @@ def _register_builtins() -> None:
     _BUILTINS_REGISTERED = True
     import functools
 
+    from jaxpar.model import gemma
     from jaxpar.model.llama import VARIANTS, Llama, fp8_gemm_sites, recompute_flops_per_token
 
     for name, variant in VARIANTS.items():
         build = functools.partial(Llama, variant=variant)
         _FAMILIES[name] = ModelFamily(name, build, recompute_flops_per_token, fp8_gemm_sites)
+    # Gemma 2's recomputed FLOPs per layer are llama's: its GeGLU and extra norms add no matmul
+    _FAMILIES["gemma2"] = ModelFamily("gemma2", gemma.Gemma2, recompute_flops_per_token, gemma.fp8_gemm_sites)

@@ -94,7 +94,7 @@ def balanced_split(
 
 def chunk_counts(cfg, p: int, row_flops: Callable[[], float]) -> tuple[int, ...] | None:
     """Stack rows of each model chunk (model order, p*v entries) under `cfg`'s split on p stages:
-    `pipeline.stage_layers` (given in layers: divided by `model.moe.every` for a mixture-of-experts stack), or
+    `pipeline.stage_layers` (given in layers: divided by `model.layers_per_unit`, e.g. `model.moe.every`), or
     with `pipeline.balance_stages` the `balanced_split` of the chunks' training FLOPs per token, a row costing
     `row_flops()` (called only then; `jaxpar.model.flops.row_flops_per_token`: 6P/L + 12*D*T plus what remat
     recomputes) and the head 6*D*V on the last chunk (PaLM, Chowdhery et al. 2022, appendix B), or on none with
@@ -103,7 +103,7 @@ def chunk_counts(cfg, p: int, row_flops: Callable[[], float]) -> tuple[int, ...]
     pipe, model = cfg.pipeline, cfg.model
     if p == 1 or not (pipe.stage_layers or pipe.balance_stages):
         return None
-    every = model.moe.every if model.moe.enabled else 1
+    every = model.layers_per_unit  # blocks per stack row
     if pipe.stage_layers:
         counts = tuple(c // every for c in pipe.stage_layers)
     else:

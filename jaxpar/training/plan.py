@@ -333,7 +333,10 @@ def _resolved_model(cfg: Config, mesh: Mesh, platform: str) -> ModelConfig:
       ConfigError: `model.attention=cudnn` on devices or with a dtype or head width cuDNN does not take.
     """
     try:
-        attention = resolve_attention(cfg.model.attention, platform, cfg.precision.compute_dtype, cfg.model.head_width)
+        m = cfg.model
+        attention = resolve_attention(
+            m.attention, platform, cfg.precision.compute_dtype, m.head_width, m.attention_softcap
+        )
     except ValueError as e:
         raise ConfigError(str(e)) from e
     moe = cfg.model.moe

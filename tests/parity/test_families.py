@@ -1,4 +1,5 @@
-"""The built-in families besides llama (`jaxpar.model.llama`: qwen2, qwen3, mistral, mixtral): one train step on
+"""The built-in families besides llama (`jaxpar.model.llama`: qwen2, qwen3, mistral, mixtral; `jaxpar.model.gemma`:
+gemma2): one train step on
 data 2 x fsdp 2 x tensor 2 (sequence parallel, ZeRO-3) and on a 1F1B pipeline 2 x fsdp 2 x tensor 2 (sequence
 parallel, ZeRO-1, 2 microbatches) equals the step on one device, for each family.
 
@@ -9,6 +10,10 @@ What each family adds, and how its case exercises it:
            and the document mask both cut.
   mixtral  every block a mixture of 4 experts, top-2, dropless, the experts split over `data` (expert
            parallelism) on the first layout.
+  gemma2   4 layers as 2 (local, global) pairs, one pair per pipeline stage; window 5 on the local layers with
+           packed documents, scores scaled by 24 ** -0.5 and soft-capped at 0.5, logits at 1 (this model's
+           scores reach 0.098 and its logits 0.62 at the start: both caps bend them, by 1% and 10%), sandwich
+           norms of the (1 + w) form, GeGLU, sqrt(D)-scaled tied embeddings.
 The biases and the qk-norm scales start random, not at transformers' zeros and ones, so that a bias or scale on
 the wrong head would change the loss.
 
@@ -50,6 +55,15 @@ FAMILIES = {
     "qwen2": ("model.name=qwen2", "model.tie_embeddings=true"),
     "qwen3": ("model.name=qwen3", "model.head_dim=32"),
     "mistral": ("model.name=mistral", f"model.sliding_window={WINDOW}"),
+    "gemma2": (
+        "model.name=gemma2",
+        "model.n_layers=4",
+        "model.tie_embeddings=true",
+        f"model.sliding_window={WINDOW}",
+        "model.attention_scale_width=24",
+        "model.attention_softcap=0.5",
+        "model.final_softcap=1.0",
+    ),
     "mixtral": (
         "model.name=mixtral",
         "model.moe.num_experts=4",
@@ -94,10 +108,18 @@ def _batch() -> dict:
     return batch
 
 
+def _attention(tree: dict) -> dict:
+    """The (first) attention of the stack's unit: blocks/attn, blocks/moe/attn or gemma2's blocks/local/attn."""
+    blocks = tree["blocks"]
+    return (
+        blocks["moe"]["attn"] if "moe" in blocks else blocks["local"]["attn"] if "local" in blocks else blocks["attn"]
+    )
+
+
 def _randomised(params: dict) -> dict:
     """`params` with every q/k/v bias and qk-norm scale drawn at random (host copies, changed in place)."""
     rng = np.random.default_rng(SEED)
-    attn = params["blocks"]["moe"]["attn"] if "moe" in params["blocks"] else params["blocks"]["attn"]
+    attn = _attention(params)
     for key in ("bq", "bk", "bv"):
         if key in attn:
             attn[key] = 0.1 * rng.standard_normal(attn[key].shape).astype(np.float32)
@@ -124,10 +146,6 @@ def _reference(family: str) -> dict:
         host_state["params"] = _randomised(host_state["params"])
         _REFERENCES[family] = {"plan": plan, "host_state": host_state, **_run(plan, host_state)}
     return _REFERENCES[family]
-
-
-def _attention(tree: dict) -> dict:
-    return tree["blocks"]["moe"]["attn"] if "moe" in tree["blocks"] else tree["blocks"]["attn"]
 
 
 CASES = [

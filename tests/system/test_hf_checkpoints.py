@@ -3,8 +3,9 @@ restores onto one device and onto data=2 x fsdp=2 x tensor=2 (data=2 x fsdp=4 fo
 fixture) with ZeRO-3 (8 simulated devices) with the same
 parameters and the loss transformers' logits give; `export-hf` gives the fixture's tensors back bit for bit;
 `model.init_from` starts a training run from the weights, and a model that does not fit is refused before any
-device work. Fixtures: tests/fixtures/hf_llama_* and, for a family with experts, hf_mixtral (transformers 5.24.0;
-see tests/unit/test_hf.py), the experts split over data on the sharded mesh."""
+device work. Fixtures: tests/fixtures/hf_llama_*, and for a family with experts hf_mixtral (the experts split over
+data on the sharded mesh) and for one whose stack rows are layer pairs hf_gemma2 (transformers 5.24.0; see
+tests/unit/test_hf.py)."""
 
 import dataclasses
 import os
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from hf_helpers import MIXTRAL, TIED, UNTIED, assert_same_tensors
+from hf_helpers import GEMMA2, MIXTRAL, TIED, UNTIED, assert_same_tensors
 from step_helpers import to_host
 
 import jaxpar
@@ -39,6 +40,7 @@ SHARDED = {
         "optimizer.zero_stage=3",
         "model.moe.expert_axes=[data]",
     ],
+    GEMMA2: ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.pipeline=1", "optimizer.zero_stage=3"],
 }
 
 
@@ -62,7 +64,7 @@ def _reference_loss(fixture: str) -> tuple[dict, float]:
     return batch, 4 * float(loss)
 
 
-@pytest.mark.parametrize("fixture", [UNTIED, TIED, MIXTRAL], ids=os.path.basename)
+@pytest.mark.parametrize("fixture", [UNTIED, TIED, MIXTRAL, GEMMA2], ids=os.path.basename)
 def test_import_restore_on_any_mesh_and_export(fixture, tmp_path, capsys):
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf")
     assert checkpoints_main(["import-hf", fixture, "--out", run_dir, "train.steps=7"]) == 0

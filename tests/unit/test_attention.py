@@ -146,9 +146,9 @@ def test_segment_positions_restart_at_each_document():
     np.testing.assert_array_equal(segment_positions(seg), [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
 
 
-def _banded_reference(q, k, v, window: int, segments=None) -> np.ndarray:
+def _banded_reference(q, k, v, window: int, segments=None, scale=None, softcap=None) -> np.ndarray:
     """Causal attention with an explicit [T, T] mask: key s visible to query t when t - window < s <= t (and the
-    same document), in numpy float64."""
+    same document), the scores scaled by `scale` (default K ** -0.5) and capped at `softcap`, in numpy float64."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, h, kw = q.shape
     g = k.shape[2]
@@ -158,7 +158,9 @@ def _banded_reference(q, k, v, window: int, segments=None) -> np.ndarray:
     if segments is not None:
         mask = mask & (segments[:, :, None] == segments[:, None, :])
     kk, vv = np.repeat(k, h // g, axis=2), np.repeat(v, h // g, axis=2)
-    scores = np.einsum("bthk,bshk->bhts", q, kk) / np.sqrt(kw)
+    scores = np.einsum("bthk,bshk->bhts", q, kk) * (kw**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
     scores = np.where(mask[:, None], scores, -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -184,6 +186,23 @@ def test_sliding_window_sees_the_window_keys_itself_included(packed):
         dot_product_attention(q, k, v, implementation="xla", window=0)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["one_document", "packed"])
+def test_soft_capped_scores_with_their_own_scale(packed):
+    """Gemma 2's attention: scores scaled by 24 ** -0.5 then capped at 2 (the visible scores of these random inputs
+    reach 2.6 and a tenth exceed 1, where the cap bends them by over 8%), with a window of 5 and documents; fp32
+    against float64: 1e-6."""
+    q, k, v = _qkv()
+    seg = SEGMENTS if packed else None
+    kw = dict(implementation="xla", window=5, scale=24**-0.5, softcap=2.0)
+    out = dot_product_attention(q, k, v, segment_ids_BT=None if seg is None else jnp.asarray(seg), **kw)
+    want = _banded_reference(q, k, v, 5, seg, scale=24**-0.5, softcap=2.0)
+    np.testing.assert_allclose(np.asarray(out), want, atol=1e-6, rtol=0)
+    uncapped = dot_product_attention(q, k, v, implementation="xla", window=5, scale=24**-0.5)
+    assert float(jnp.max(jnp.abs(out - uncapped))) > 1e-2
+    with pytest.raises(ValueError, match="runs on xla only"):
+        dot_product_attention(q, k, v, implementation="cudnn", softcap=2.0)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -191,8 +210,23 @@ def test_sliding_window_sees_the_window_keys_itself_included(packed):
         (["model.sliding_window=8", "mesh.context=2"], "context parallelism's attention (both strategies)"),
         (["model.name=mixtral"], "model.name=mixtral is a mixture of experts: set model.moe.num_experts"),
         (["model.name=mistral", "model.moe.num_experts=4"], "use model.name=mixtral for experts"),
+        (["model.attention_softcap=50", "model.attention=cudnn"], "cuDNN's fused attention has no soft-capping"),
+        (["model.attention_softcap=50", "mesh.context=2"], "cannot honour soft-capped scores"),
+        (["model.attention_softcap=-1"], "model.attention_softcap=-1.0 must be > 0, or null"),
+        (["model.name=gemma2", "model.n_layers=3"], "must be a multiple of 2 for model.name=gemma2"),
+        (["model.name=gemma2", "model.n_layers=6", "mesh.pipeline=2"], "3 units of gemma2's stack"),
     ],
-    ids=["window_zero", "window_context", "mixtral_dense", "mistral_experts"],
+    ids=[
+        "window_zero",
+        "window_context",
+        "mixtral_dense",
+        "mistral_experts",
+        "softcap_cudnn",
+        "softcap_context",
+        "softcap_negative",
+        "gemma2_odd",
+        "gemma2_pipeline",
+    ],
 )
 def test_jaxpar_plan_refuses_a_window_or_family_it_cannot_honour(overrides, message, capsys):
     from jaxpar.cli import plan as plan_cli

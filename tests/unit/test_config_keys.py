@@ -55,6 +55,9 @@ OUT_OF_RANGE = {
     "model.attention": "flash",
     "model.max_segments": 0,
     "model.sliding_window": 0,
+    "model.attention_softcap": 0,
+    "model.final_softcap": -30,
+    "model.attention_scale_width": 0,
     "model.init_from": Accepts(
         "any path: it is opened when a fresh run starts, before device work (test_cli_paths.py)", ("", "/no/such")
     ),

@@ -142,3 +142,12 @@ def test_a_sliding_window_caps_the_attention_span():
     )
     long = load_config("configs/tiny.yaml", [*mesh, "model.sliding_window=64"], validate=False)
     assert flops.model_flops(long, params) == flops.model_flops(plain, params)
+
+
+def test_gemma2_windows_half_its_layers():
+    """gemma2's local layers (every other one) alone see model.sliding_window keys: the mean span is (T + W) / 2."""
+    from jaxpar.config.schema import ModelConfig
+
+    assert flops.attention_span(ModelConfig(name="gemma2", sliding_window=16), 64) == 40.0
+    assert flops.attention_span(ModelConfig(name="mistral", sliding_window=16), 64) == 16.0
+    assert flops.attention_span(ModelConfig(name="gemma2"), 64) == 64.0

@@ -158,7 +158,7 @@ def test_transformers_4_config_layout_reads_alike(tmp_path):
     "edit, message",
     [
         (lambda c: c["rope_parameters"].update(rope_type="yarn"), "rope scaling type 'yarn' is not supported"),
-        (lambda c: c.update(model_type="gemma2"), "model_type='gemma2' is not one jaxpar converts"),
+        (lambda c: c.update(model_type="gemma3_text"), "model_type='gemma3_text' is not one jaxpar converts"),
         (lambda c: c.update(attention_bias=True), "attention_bias=True is not supported"),
         (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
         (lambda c: c.pop("hidden_size"), "config.json lacks 'hidden_size'"),

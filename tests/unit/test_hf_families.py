@@ -1,4 +1,4 @@
-"""Qwen2, Qwen3, Mistral and Mixtral in and out of Hugging Face format (`jaxpar.model.hf`).
+"""Qwen2, Qwen3, Mistral, Mixtral and Gemma 2 in and out of Hugging Face format (`jaxpar.model.hf`).
 
 Fixtures (tests/fixtures/, written by transformers 5.24.0 with torch 2.13.0+cpu through
 tests/fixtures/make_hf_fixtures.py, every tensor random, biases and norm scales included):
@@ -6,6 +6,8 @@ tests/fixtures/make_hf_fixtures.py, every tensor random, biases and norm scales 
   hf_qwen3_bf16      bfloat16, untied, 4/2 heads of width 16 (not 32 / 4), qk-norm, five shards with an index
   hf_mistral_window  float32, untied, 4/1 heads, sliding window 5 on 16 tokens, one file
   hf_mixtral         float32, untied, 4/2 heads, 4 experts of width 48, top-2, one file
+  hf_gemma2          float32, tied, 4 layers (local, global, local, global), 4/2 heads of width 16, window 5 on
+                     the local layers, query_pre_attn_scalar 24, soft-capping 2 (scores) and 10 (logits)
 Their logits against transformers' are test_hf.py's (every family's, one test). Here: each family's own feature
 is what makes them match, the configs read, HF -> jaxpar -> HF is bit-identical, and what a family's transformers
 class cannot express is refused on the way in and out.
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_helpers import FAMILY_FIXTURES, MISTRAL, MIXTRAL, QWEN2, QWEN3, assert_same_tensors
+from hf_helpers import FAMILY_FIXTURES, GEMMA2, MISTRAL, MIXTRAL, QWEN2, QWEN3, assert_same_tensors
 
 from jaxpar.model.hf import HFConfigError, check_hf, load_hf, save_hf
 from jaxpar.model.hf.config import hf_config_from_model, model_config_from_hf, model_differences
@@ -45,6 +47,8 @@ def _without_feature(family: str, cfg, params):
         cfg = dataclasses.replace(cfg, name="llama")
     elif family == "mistral":
         cfg = dataclasses.replace(cfg, sliding_window=None)
+    elif family == "gemma2":  # scores not soft-capped (the window, scale and logits' cap kept)
+        cfg = dataclasses.replace(cfg, attention_softcap=None)
     else:  # mixtral: the raw top-1 probability instead of Mixtral's renormalised top-2 gates
         cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, top_k=1))
     return cfg, params
@@ -52,7 +56,7 @@ def _without_feature(family: str, cfg, params):
 
 @pytest.mark.parametrize("family", list(FAMILY_FIXTURES))
 def test_the_family_feature_is_what_matches(family):
-    """Without its own feature (biases, qk-norm, window, renormalised top-2) a family's logits miss
+    """Without its own feature (biases, qk-norm, window, renormalised top-2, soft-capped scores) a family's logits miss
     transformers' by far more than test_hf.py's bound: that test checks the feature."""
     fixture = FAMILY_FIXTURES[family]
     hf = load_hf(fixture)
@@ -77,6 +81,20 @@ def test_imported_configs():
     shapes = (mlp["router"].shape, mlp["w_gate"].shape, mlp["w_down"].shape)
     assert shapes == ((2, 32, 4), (2, 4, 32, 48), (2, 4, 48, 32))  # [L, D, E], [L, E, D, F], [L, E, F, D]
     assert not any(m.cfg.moe.enabled for m in (qwen2, qwen3, mistral))
+    gemma = load_hf(GEMMA2)
+    c = gemma.cfg
+    assert (c.name, c.n_layers, c.stack_depth, c.head_width, c.sliding_window, c.tie_embeddings) == (
+        "gemma2",
+        4,
+        2,
+        16,
+        5,
+        True,
+    )
+    assert (c.attention_scale_width, c.attention_softcap, c.final_softcap, c.norm_eps) == (24, 2.0, 10.0, 1e-6)
+    pair = gemma.params["blocks"]
+    assert sorted(pair) == ["full", "local"] and pair["local"]["attn"]["wq"].shape == (2, 32, 4, 16)  # [L/2, ...]
+    assert sorted(pair["full"]) == ["attn", "attn_norm", "attn_post_norm", "mlp", "mlp_norm", "mlp_post_norm"]
 
 
 @pytest.mark.parametrize("family", list(FAMILY_FIXTURES))
@@ -115,6 +133,8 @@ def _edited(tmp_path, fixture, edit) -> str:
         (MIXTRAL, lambda c: c.update(num_experts_per_tok=1), "num_experts_per_tok=1: Mixtral renormalises"),
         (MIXTRAL, lambda c: c.pop("num_local_experts"), "lacks 'num_local_experts', which a Mixtral config has"),
         (MIXTRAL, lambda c: c.update(num_local_experts=3), r"missing: \[\]|unexpected: \['model.layers.0.block"),
+        (GEMMA2, lambda c: c.update(layer_types=["full_attention"] * 4), "layer_types must alternate"),
+        (GEMMA2, lambda c: c.update(hidden_activation="gelu"), "hidden_activation='gelu' is not supported"),
     ],
     ids=[
         "qwen2_window",
@@ -124,6 +144,8 @@ def _edited(tmp_path, fixture, edit) -> str:
         "mixtral_top1",
         "mixtral_no_experts",
         "mixtral_expert_count",
+        "gemma2_layer_types",
+        "gemma2_activation",
     ],
 )
 def test_what_jaxpar_does_not_compute_is_refused(tmp_path, fixture, edit, message):
@@ -154,6 +176,8 @@ def test_init_from_names_a_differing_family_or_window():
         ("mixtral", {"moe.every": 2}, r"Mixtral cannot express model.moe.every=2"),
         ("mixtral", {"moe.d_expert": 32}, r"model.moe.d_expert=32 \(Mixtral's experts are model.d_ff=48 wide\)"),
         ("qwen3", {"moe.num_experts": 4}, "transformers' Qwen3ForCausalLM is dense"),
+        ("gemma2", {"sliding_window": None}, "Gemma2ForCausalLM needs the window of its local layers"),
+        ("gemma2", {"name": "llama", "sliding_window": None}, "LlamaForCausalLM has no soft-capping or score scale"),
     ],
 )
 def test_export_refuses_what_the_family_cannot_express(family, change, message, tmp_path):

@@ -157,7 +157,8 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
       ConfigError: cudnn on a platform or with a dtype or head width it does not take."""
     dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
     try:
-        resolved = resolve_attention(cfg.model.attention, platform, dtype, cfg.model.head_width)
+        m = cfg.model
+        resolved = resolve_attention(m.attention, platform, dtype, m.head_width, m.attention_softcap)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if cfg.mesh.context > 1 and resolved != "cudnn":

@@ -8,6 +8,11 @@
     mixtral  MixtralForCausalLM                mixtral             num_local_experts -> model.moe.num_experts,
                                                                    num_experts_per_tok -> model.moe.top_k (every
                                                                    block, no shared experts), sliding_window
+    gemma2   Gemma2ForCausalLM                 gemma2              `jaxpar.model.gemma`; sliding_window (its local
+                                                                   layers), query_pre_attn_scalar ->
+                                                                   model.attention_scale_width,
+                                                                   attn_logit_softcapping -> model.attention_softcap,
+                                                                   final_logit_softcapping -> model.final_softcap
 
 Reads both the transformers 4.x layout (`rope_theta` and `rope_scaling` at the top level, as Meta's published Llama
 2/3 directories have it) and the 5.x one (`rope_parameters` holding `rope_theta` and `rope_type`); writes the 4.x
@@ -36,12 +41,15 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
 }
 DEFAULT_MAX_POSITIONS = 2048  # transformers' LlamaConfig default, written when nothing longer is known
 # transformers' defaults where config.json leaves a key out (each family's configuration class)
 _DEFAULT_THETA = {"mixtral": 1e6}
 _DEFAULT_EPS = {"mixtral": 1e-5}
-_WINDOWED = ("mistral", "mixtral")  # families whose sliding_window applies to every layer
+_WINDOWED = ("mistral", "mixtral", "gemma2")  # families with a sliding_window (gemma2's on its local layers)
+GEMMA2_LAYER_TYPES = ("sliding_attention", "full_attention")  # Gemma 2's layers alternate, the first local
+_GEMMA2_DEFAULTS = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096}
 
 # ModelConfig fields that fix the weights' meaning: an imported directory must agree with them.
 IMPORTED_FIELDS = (
@@ -61,6 +69,9 @@ IMPORTED_FIELDS = (
     "norm_eps",
     "tie_embeddings",
     "sliding_window",
+    "attention_softcap",
+    "final_softcap",
+    "attention_scale_width",
 )
 # model.moe fields a Mixtral's config.json fixes (the routing mode, capacity and loss weights are the run's own)
 IMPORTED_MOE_FIELDS = ("num_experts", "top_k", "every", "shared_experts", "d_expert")
@@ -157,6 +168,22 @@ def _window(hf: dict, family: str) -> int | None:
     return window
 
 
+def _softcaps(hf: dict, family: str) -> dict:
+    """model.attention_softcap, final_softcap and attention_scale_width of a config.json (None but for gemma2)."""
+    if family != "gemma2":
+        return {"attention_softcap": None, "final_softcap": None, "attention_scale_width": None}
+
+    def cap(key: str) -> float | None:
+        value = hf.get(key)
+        return None if value is None else float(value)
+
+    return {
+        "attention_softcap": cap("attn_logit_softcapping"),
+        "final_softcap": cap("final_logit_softcapping"),
+        "attention_scale_width": int(hf["query_pre_attn_scalar"]),
+    }
+
+
 def _moe(hf: dict, base_moe: MoEConfig) -> MoEConfig:
     """model.moe of a Mixtral config.json: its experts on every block, `base_moe`'s routing and loss settings."""
     try:
@@ -192,13 +219,26 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
         raise HFConfigError(
             f"config.json: model_type={family!r} is not one jaxpar converts (supported: {sorted(ARCHITECTURES)})"
         )
-    _require(hf, "hidden_act", ("silu",), "silu")
+    if family == "gemma2":
+        _require(hf, "hidden_activation", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
+        _require(hf, "attention_bias", (False,), False)
+        _require(hf, "use_bidirectional_attention", (None, False), None)
+        want = [GEMMA2_LAYER_TYPES[i % 2] for i in range(int(hf.get("num_hidden_layers", 0)))]
+        if hf.get("layer_types", want) != want:
+            raise HFConfigError(
+                "config.json: layer_types must alternate sliding_attention and full_attention from the first layer, "
+                "as every Gemma 2 does (jaxpar stacks them as pairs)"
+            )
+    else:
+        _require(hf, "hidden_act", ("silu",), "silu")
     if family in ("llama", "qwen3"):
         _require(hf, "attention_bias", (False,), False)  # qwen2's q/k/v biases are fixed by its architecture
     if family == "llama":
         _require(hf, "mlp_bias", (False,), False)
         _require(hf, "pretraining_tp", (1,), 1)
     base = base or ModelConfig()
+    if family == "gemma2":
+        hf = {**_GEMMA2_DEFAULTS, **hf}
     try:
         n_heads = int(hf["num_attention_heads"])
         d_model = int(hf["hidden_size"])
@@ -211,8 +251,9 @@ def model_config_from_hf(hf: dict, base: ModelConfig | None = None) -> ModelConf
             "head_dim": int(hf.get("head_dim") or d_model // n_heads),
             "d_ff": int(hf["intermediate_size"]),
             "norm_eps": float(hf.get("rms_norm_eps", _DEFAULT_EPS.get(family, 1e-6))),
-            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", family == "gemma2")),
             "sliding_window": _window(hf, family),
+            **_softcaps(hf, family),
             **_rope(hf, _DEFAULT_THETA.get(family, 10000.0)),
         }
     except KeyError as e:
@@ -232,6 +273,21 @@ def _exportable(cfg: ModelConfig) -> None:
         raise HFConfigError(
             f"model.sliding_window={cfg.sliding_window}: transformers' {ARCHITECTURES[name]} has no window on every "
             f"layer; export a run without one, or of model.name mistral"
+        )
+    capped = [
+        f"model.{k}={getattr(cfg, k)}"
+        for k in ("attention_softcap", "final_softcap", "attention_scale_width")
+        if getattr(cfg, k) is not None
+    ]
+    if capped and name != "gemma2":
+        raise HFConfigError(
+            f"{', '.join(capped)}: transformers' {ARCHITECTURES[name]} has no soft-capping or score scale of its own; "
+            f"export a run without them, or of model.name gemma2"
+        )
+    if name == "gemma2" and cfg.sliding_window is None:
+        raise HFConfigError(
+            "model.sliding_window=null: transformers' Gemma2ForCausalLM needs the window of its local layers; export "
+            "a run with model.sliding_window set (Gemma 2: 4096)"
         )
     if name == "qwen2" and cfg.head_width * cfg.n_heads != cfg.d_model:
         raise HFConfigError(
@@ -266,8 +322,9 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None)
 
     Raises:
       HFConfigError: `cfg.name` is not one of `ARCHITECTURES`, or `cfg` has what its family's transformers
-        class cannot express (a window outside Mistral/Mixtral, experts outside Mixtral, experts unlike
-        Mixtral's, a Qwen2 head width other than hidden_size / num_attention_heads).
+        class cannot express (a window outside Mistral/Mixtral/Gemma 2, soft-capping or a score scale outside
+        Gemma 2, experts outside Mixtral or unlike Mixtral's, a Qwen2 head width other than hidden_size /
+        num_attention_heads).
     """
     _exportable(cfg)
     name = cfg.name
@@ -298,7 +355,6 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None)
             "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.kv_heads,
             "intermediate_size": cfg.d_ff,
-            "hidden_act": "silu",
             "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta,
             "rope_scaling": rope_scaling,
@@ -308,6 +364,20 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None)
     )
     if name != "qwen2":  # Qwen2's head width is hidden_size / num_attention_heads, with no key (_exportable)
         out["head_dim"] = cfg.head_width
+    if name == "gemma2":
+        out.update(
+            {
+                "hidden_activation": "gelu_pytorch_tanh",
+                "attention_bias": False,
+                "query_pre_attn_scalar": cfg.attention_scale_width or cfg.head_width,
+                "attn_logit_softcapping": cfg.attention_softcap,
+                "final_logit_softcapping": cfg.final_softcap,
+                "layer_types": [GEMMA2_LAYER_TYPES[i % 2] for i in range(cfg.n_layers)],
+            }
+        )
+        out.pop("hidden_act", None)
+    else:
+        out["hidden_act"] = "silu"
     if name == "llama":
         out.update({"attention_bias": False, "mlp_bias": False})
     if name == "qwen3":

@@ -29,6 +29,13 @@ kernels [in, out]; D width, H/G query/key-value heads, K head width, F MLP width
     model.layers.i.block_sparse_moe.experts.e.w2.weight  [D, F]   blocks/moe/mlp/w_down  [L, E, F, D]
   (the per-expert names of Mistral AI's published checkpoints, which transformers 5.x still writes, converting
   them to its fused experts when it loads)
+  gemma2 (layer i is row i // 2 of the stacked pairs: blocks/local/... for even i, blocks/full/... for odd i):
+    model.layers.i.input_layernorm.weight             [D]   blocks/{local,full}/attn_norm/scale       [L/2, D]
+    model.layers.i.post_attention_layernorm.weight    [D]   blocks/{local,full}/attn_post_norm/scale  [L/2, D]
+    model.layers.i.pre_feedforward_layernorm.weight   [D]   blocks/{local,full}/mlp_norm/scale        [L/2, D]
+    model.layers.i.post_feedforward_layernorm.weight  [D]   blocks/{local,full}/mlp_post_norm/scale   [L/2, D]
+    attention and MLP weights as Llama's beneath blocks/{local,full}/ (the norms' weights are Gemma's w of (1 + w),
+    stored and loaded as they are)
 
 Rotary convention: transformers rotates halves (`rotate_half`: element i pairs with i + K/2) in every family here,
 and so does `jaxpar.model.layers.rotary`, so q/k rows load unpermuted (transformers' convert_llama_weights_to_hf.py
@@ -71,8 +78,37 @@ class _Entry(NamedTuple):
     expert: int | None = None
 
 
+def layer_slots(cfg: ModelConfig) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(HF layer i, its row of jaxpar's stacked blocks, the path prefix beneath blocks/) for every layer: (i, i, ())
+    but for gemma2, whose stack rows are (local, full) pairs: (i, i // 2, ("local",) or ("full",))."""
+    if cfg.name == "gemma2":
+        return [(i, i // 2, ("local",) if i % 2 == 0 else ("full",)) for i in range(cfg.n_layers)]
+    return [(i, i, ()) for i in range(cfg.n_layers)]
+
+
+def _gemma2_entries(cfg: ModelConfig) -> list[_Entry]:
+    """A Gemma 2 layer's tensors (paths beneath its pair member: `layer_slots`)."""
+    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.d_ff
+    return [
+        _Entry("input_layernorm.weight", ("attn_norm", "scale"), "vector", (d,)),
+        _Entry("self_attn.q_proj.weight", ("attn", "wq"), "in_heads", (h * k, d)),
+        _Entry("self_attn.k_proj.weight", ("attn", "wk"), "in_heads", (g * k, d)),
+        _Entry("self_attn.v_proj.weight", ("attn", "wv"), "in_heads", (g * k, d)),
+        _Entry("self_attn.o_proj.weight", ("attn", "wo"), "heads_out", (d, h * k)),
+        _Entry("post_attention_layernorm.weight", ("attn_post_norm", "scale"), "vector", (d,)),
+        _Entry("pre_feedforward_layernorm.weight", ("mlp_norm", "scale"), "vector", (d,)),
+        _Entry("mlp.gate_proj.weight", ("mlp", "w_gate"), "linear", (f, d)),
+        _Entry("mlp.up_proj.weight", ("mlp", "w_up"), "linear", (f, d)),
+        _Entry("mlp.down_proj.weight", ("mlp", "w_down"), "linear", (d, f)),
+        _Entry("post_feedforward_layernorm.weight", ("mlp_post_norm", "scale"), "vector", (d,)),
+    ]
+
+
 def _layer_entries(cfg: ModelConfig) -> list[_Entry]:
-    """The per-layer tensors of `cfg`'s family, in transformers' module order (module docstring)."""
+    """The per-layer tensors of `cfg`'s family, in transformers' module order (module docstring); their paths
+    beneath blocks/ and the layer's prefix (`layer_slots`)."""
+    if cfg.name == "gemma2":
+        return _gemma2_entries(cfg)
     d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_width, cfg.d_ff
     block: tuple[str, ...] = ("moe",) if cfg.moe.enabled else ()  # mixtral: blocks/moe/...
     attn = (*block, "attn")
@@ -279,11 +315,11 @@ def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
                 w = f.get_tensor(name)
                 dtypes[w.dtype.name] = dtypes.get(w.dtype.name, 0) + 1
                 tensors[name] = w.astype(np.float32)
-    layers: dict[tuple[str, ...], list] = {}  # jaxpar path -> per layer: an array, or per expert a list
-    for i in range(cfg.n_layers):
+    layers: dict[tuple[str, ...], list] = {}  # jaxpar path -> per stack row: an array, or per expert a list
+    for i, _, prefix in layer_slots(cfg):  # rows in order within each prefix
         for e in _layer_entries(cfg):
             w = _to_jaxpar(tensors.pop(f"model.layers.{i}.{e.suffix}"), e.kind, cfg)
-            per_layer = layers.setdefault(e.path, [])
+            per_layer = layers.setdefault((*prefix, *e.path), [])
             if e.expert is None:
                 per_layer.append(w)
             else:  # experts 0, 1, ... of layer i in order
@@ -320,16 +356,17 @@ def hf_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarr
         return np.ascontiguousarray(np.asarray(w, dtype=np.float32).astype(np_dtype))
 
     out = {"model.embed_tokens.weight": cast(params["embed"]["table"])}
-    entries = _layer_entries(cfg)
+    entries, slots = _layer_entries(cfg), layer_slots(cfg)
+    paths = {(*prefix, *e.path) for _, _, prefix in slots for e in entries}
     try:
-        arrays = {e.path: np.asarray(_get(params["blocks"], e.path)) for e in entries}
+        arrays = {path: np.asarray(_get(params["blocks"], path)) for path in paths}
     except KeyError as missing:
         raise HFConfigError(
             f"the parameters lack blocks/.../{missing.args[0]}, which a {cfg.name} model of this config has"
         ) from None
-    for i in range(cfg.n_layers):
+    for i, row, prefix in slots:
         for entry in entries:
-            layer = arrays[entry.path][i]
+            layer = arrays[prefix + entry.path][row]
             w = layer if entry.expert is None else layer[entry.expert]
             out[f"model.layers.{i}.{entry.suffix}"] = cast(_to_hf(w, entry.kind))
     out["model.norm.weight"] = cast(params["final_norm"]["scale"])
