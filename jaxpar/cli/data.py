@@ -67,8 +67,18 @@ def tokenize_parser() -> argparse.ArgumentParser:
         default=None,
         help="close each document with EOS (default: when the tokenizer has one)",
     )
-    p.add_argument("--bos-token", default=None, help="hf / sentencepiece: the token string to use as BOS")
-    p.add_argument("--eos-token", default=None, help="hf / sentencepiece: the token string to use as EOS")
+    p.add_argument(
+        "--bos-token",
+        default=None,
+        help="hf / sentencepiece: the token string to use as BOS (default: the one the tokenizer's own post_processor "
+        "puts before a text, none for Qwen; docs/data.md)",
+    )
+    p.add_argument(
+        "--eos-token",
+        default=None,
+        help="hf / sentencepiece: the token string to use as EOS (default: the family's end of text, not a chat "
+        "end-of-turn token; docs/data.md)",
+    )
     p.add_argument(
         "--tiktoken-pattern",
         default=None,

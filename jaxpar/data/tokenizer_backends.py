@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxpar.config.extras import require
 from jaxpar.data.errors import DataError
+from jaxpar.data.hf_framing import document_framing
 from jaxpar.data.shards import file_sha256
 from jaxpar.data.tokenizer_spec import TokenizerSpec
 
@@ -65,11 +66,6 @@ TIKTOKEN_KNOWN_FILES = {  # SHA-256 of the published ranks file -> (encoding nam
     ),
 }
 
-# BOS / EOS token strings of common tokenizer families (Llama 2, Llama 3, Gemma, GPT-2 / NeoX), looked up when
-# neither the command line nor a tokenizer_config.json beside tokenizer.json names them.
-_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")
-_EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|endoftext|>")
-
 
 def _file(spec: TokenizerSpec) -> str:
     """The tokenizer file of a file-based spec.
@@ -88,12 +84,15 @@ def _ids(ids) -> np.ndarray:
 
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` through the `tokenizers` library. Truncation and padding stored in the file
-    are turned off (a document is encoded whole); BOS / EOS come from `spec.bos_token` / `eos_token`, else from
-    `tokenizer_config.json` beside the file (its `bos_token` / `eos_token`), else from the common names
-    `_BOS_NAMES` / `_EOS_NAMES` present in the vocabulary, else None.
+    are turned off (a document is encoded whole), and so is its post-processor: `encode` adds no special token,
+    and the tokenize command puts `bos_id` / `eos_id` around each document. Those follow the family's convention
+    as the file's post-processor and the `tokenizer_config.json` beside it state it (Qwen: no BOS; Llama 3, Mistral,
+    Gemma: the BOS their post-processor adds), or `spec.bos_token` / `eos_token`: `jaxpar.data.hf_framing` gives
+    the rules and the table of families.
 
     Raises:
-      DataError: the file is not a tokenizer.json, or a named BOS / EOS token is not in the vocabulary.
+      DataError: the file is not a tokenizer.json, a named BOS / EOS token is not in the vocabulary, or the
+        post-processor puts several tokens around a text and none is named.
     """
 
     def __init__(self, spec: TokenizerSpec):
@@ -113,21 +112,8 @@ class HFTokenizer:
         if spec.fixed_ids:
             self.bos_id, self.eos_id = spec.bos_id, spec.eos_id
         else:
-            config = _hf_special_tokens(os.path.join(os.path.dirname(path), "tokenizer_config.json"))
-            self.bos_id = self._special(spec.bos_token, config.get("bos_token"), _BOS_NAMES, "--bos-token")
-            self.eos_id = self._special(spec.eos_token, config.get("eos_token"), _EOS_NAMES, "--eos-token")
-
-    def _special(self, given: str | None, configured: str | None, names: tuple[str, ...], flag: str) -> int | None:
-        if given is not None:
-            found = self._tok.token_to_id(given)
-            if found is None:
-                raise DataError(f"{flag} {given!r} is not a token of this tokenizer; name one of its special tokens")
-            return found
-        for name in ([configured] if configured else []) + list(names):
-            found = self._tok.token_to_id(name)
-            if found is not None:
-                return found
-        return None
+            config = os.path.join(os.path.dirname(path), "tokenizer_config.json")
+            self.bos_id, self.eos_id = document_framing(self._tok, config, spec.bos_token, spec.eos_token)
 
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text` (no special tokens added): int64 [n]."""
@@ -140,28 +126,6 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         """Text of `ids`, special tokens skipped."""
         return self._tok.decode(_ids(ids).tolist(), skip_special_tokens=True)
-
-
-def _hf_special_tokens(path: str) -> dict[str, str]:
-    """{"bos_token": str, "eos_token": str} as far as a tokenizer_config.json states them (a string, or a dict
-    with "content"); {} when there is no such file."""
-    if not os.path.isfile(path):
-        return {}
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path} is not valid JSON ({e}); fix it or move it away from tokenizer.json") from None
-    out = {}
-    for key in ("bos_token", "eos_token"):
-        value = config.get(key) if isinstance(config, dict) else None
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            out[key] = value
-    return out
 
 
 def read_tiktoken_ranks(path: str) -> dict[bytes, int]:

@@ -170,8 +170,9 @@ class Attention(nnx.Module):
         k = rotary(k, positions, self.rope_theta, self.rope_inv_freq)
         implementation = self.implementation
         if implementation == "auto":
-            backend, dtype_name = jax.default_backend(), jnp.dtype(dt).name
-            implementation = resolve_attention("auto", backend, dtype_name, q.shape[-1], self.softcap)
+            implementation = resolve_attention(
+                "auto", jax.default_backend(), jnp.dtype(dt).name, q.shape[-1], self.softcap
+            )
         if cp.active:
             if (self.window, self.scale, self.softcap) != (None, None, None):  # jaxpar.config.validate refuses first
                 raise ValueError("a window, score scale or soft-capping cannot run under context parallelism")

@@ -124,11 +124,12 @@ def _register_builtins() -> None:
     _BUILTINS_REGISTERED = True
     import functools
 
-    from jaxpar.model import gemma
+    from jaxpar.model.gemma import Gemma2
+    from jaxpar.model.gemma import fp8_gemm_sites as gemma_fp8_gemm_sites
     from jaxpar.model.llama import VARIANTS, Llama, fp8_gemm_sites, recompute_flops_per_token
 
     for name, variant in VARIANTS.items():
         build = functools.partial(Llama, variant=variant)
         _FAMILIES[name] = ModelFamily(name, build, recompute_flops_per_token, fp8_gemm_sites)
     # Gemma 2's recomputed FLOPs per layer are llama's: its GeGLU and extra norms add no matmul
-    _FAMILIES["gemma2"] = ModelFamily("gemma2", gemma.Gemma2, recompute_flops_per_token, gemma.fp8_gemm_sites)
+    _FAMILIES["gemma2"] = ModelFamily("gemma2", Gemma2, recompute_flops_per_token, gemma_fp8_gemm_sites)
