@@ -1,17 +1,21 @@
-"""Compile every shipped GPU-scale config (configs/llama_*.yaml) for the cluster its `# cluster:` line names,
-with XLA's GPU compiler on this machine (no GPU), and record the per-device peak beside the plan.
+"""Compile every shipped GPU-scale config (`CHECKED`: configs/llama_*.yaml and the published shapes of the other
+families) for the cluster its `# cluster:` line names, with XLA's GPU compiler on this machine (no GPU), and record
+the per-device peak beside the plan.
 
     pip install -e ".[gpu-compile]"          # jax's CUDA plugin, ptxas, cuDNN (about 2.7 GB)
-    .venv/bin/python tools/check_gpu_configs.py   # about 10 s per config on 2 CPU cores
+    .venv/bin/python tools/check_gpu_configs.py                   # every config, about 10 s each on 2 CPU cores
+    .venv/bin/python tools/check_gpu_configs.py qwen3_8b.yaml     # only the named ones; the other records are kept
 
-Writes configs/gpu_check.json (the default test suite checks it against the configs and the planner) and prints
-the table of docs/planning.md. With --fp8 it compiles each config with `precision.fp8.enabled=true` instead and
-prints its peak beside the bf16 record's (docs/fp8.md), writing nothing. Exit status 1 when a config does not fit
-its cluster or the plan is off by more than 15%, 2 when the CUDA plugin is missing. Logic: jaxpar/analysis/gpu/check.py.
+Writes configs/gpu_check.json (the default test suite checks it against the configs and the planner; records
+smallest model first) and prints the table of docs/planning.md. With --fp8 it compiles each config (or each named
+one) with `precision.fp8.enabled=true` instead and prints its peak beside the bf16 record's (docs/fp8.md), writing
+nothing. Exit status 1 when a config does not fit its cluster or the plan is off by more than 15%, 2 when the CUDA
+plugin is missing or a named config is not one of `CHECKED`. Logic: jaxpar/analysis/gpu/check.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import os
@@ -20,28 +24,48 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only CUDA devices; never start a GPU backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The configs with a record in configs/gpu_check.json (file name patterns in configs/); each names its cluster.
+# The MoE configs (mixtral_8x7b.yaml, deepseek_v3.yaml) are not yet among them: the planner's MoE peak is not within
+# 15% of the compiled one (mixtral_8x7b.yaml on 64 H100s: 45.5 GB compiled, 31.8 GB planned).
+CHECKED = ("llama_*.yaml", "mistral_7b.yaml", "qwen2_5_7b.yaml", "qwen3_8b.yaml", "gemma2_9b.yaml")
+
+
+def checked_configs() -> list[str]:
+    """The paths of the `CHECKED` configs, sorted by file name."""
+    return sorted({p for pattern in CHECKED for p in glob.glob(os.path.join(ROOT, "configs", pattern))})
 
 
 def main(argv: list[str] | None = None) -> int:
-    fp8 = "--fp8" in (sys.argv[1:] if argv is None else argv)
-    from jaxpar.analysis.gpu.check import RECORD_FILE, check_config, format_table, problems
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="*", help="file names in configs/ to re-check (default: every CHECKED one)")
+    parser.add_argument("--fp8", action="store_true", help="compile with FP8 GEMMs; print beside bf16, write nothing")
+    args = parser.parse_args(argv)
+    fp8, names = args.fp8, args.configs
+    from jaxpar.analysis.gpu.check import RECORD_FILE, check_config, format_table, load_records, problems
     from jaxpar.analysis.gpu.deviceless import unavailable_reason
     from jaxpar.analysis.planner.dims import param_leaves
     from jaxpar.config import load_config
     from jaxpar.log import human_bytes
 
+    paths = {os.path.basename(p): p for p in checked_configs()}
+    unknown = [n for n in names if n not in paths]
+    if unknown:
+        print(f"check_gpu_configs: {unknown} not among the checked configs {sorted(paths)} (CHECKED)", file=sys.stderr)
+        return 2
     reason = unavailable_reason()
     if reason:
         print(f"check_gpu_configs: {reason}", file=sys.stderr)
         return 2
 
-    def n_params(path: str) -> int:
-        return sum(leaf.size for leaf in param_leaves(load_config(path, validate=False).model))
+    def n_params(name: str) -> int:
+        return sum(leaf.size for leaf in param_leaves(load_config(paths[name], validate=False).model))
 
-    configs = sorted(glob.glob(os.path.join(ROOT, "configs", "llama_*.yaml")), key=n_params)  # smallest first
+    configs = [paths[n] for n in sorted(names or paths, key=n_params)]  # smallest first
     if fp8:
         return _fp8_table(configs, check_config, human_bytes, RECORD_FILE)
-    records, bad = [], []
+    # with names, the other configs keep their records (in the file's order among equal sizes)
+    kept = [r for r in load_records(os.path.join(ROOT, "configs")) if r["config"] in paths] if names else []
+    fresh, bad = [], []
     for path in configs:
         rec = check_config(path)
         print(
@@ -50,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{'fits' if rec['fits'] else 'DOES NOT FIT'}; compiled in {rec['compile_seconds']} s",
             flush=True,
         )
-        records.append(rec)
+        fresh.append(rec)
         bad += problems(rec, path)
+    new = {r["config"]: r for r in fresh}
+    merged = [new.pop(r["config"], r) for r in kept] + list(new.values())  # a re-made record keeps its place
+    records = sorted(merged, key=lambda r: n_params(r["config"]))
     with open(os.path.join(ROOT, "configs", RECORD_FILE), "w", encoding="utf-8") as f:
         json.dump(records, f, indent=1)
         f.write("\n")

@@ -343,8 +343,8 @@ class OptimizerConfig:
       weight_decay: decoupled weight decay (AdamW's lambda; the update subtracts learning rate * lambda * w).
       weight_decay_exclude: fnmatch patterns over parameter names (the dotted path in the parameter tree, e.g.
         `embed.table`, `blocks.attn_norm.scale`; `*` matches dots too): a parameter matching any gets no weight
-        decay. The default leaves out the built-in family's norm scales (its only parameters of fewer than two
-        non-layer dimensions); add `embed.*` to spare the embeddings. Each pattern must match a parameter of the
+        decay. The default leaves out the built-in families' norm scales and Qwen2's q/k/v biases (`bq`, `bk`,
+        `bv`: [H, K] per layer, biases all the same); add `embed.*` to spare the embeddings. Each pattern must match a parameter of the
         model (checked when the step is planned, before any device work; `jaxpar.training.optimizer`).
     """
 
@@ -353,7 +353,7 @@ class OptimizerConfig:
     decay: str = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
-    weight_decay_exclude: tuple[str, ...] = ("*.scale",)
+    weight_decay_exclude: tuple[str, ...] = ("*.scale", "*.bq", "*.bk", "*.bv")
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8

@@ -3,8 +3,8 @@ non-finite skip that any optimizer can be wrapped in, and the readers the train 
 
 Decoupled weight decay (Loshchilov & Hutter 2019) applies to every parameter except those whose name matches a
 pattern of `optimizer.weight_decay_exclude` (fnmatch over the dotted names `parameter_names` gives, e.g.
-`blocks.attn_norm.scale`); the default, `*.scale`, leaves out the built-in family's norm scales, its only
-parameters with fewer than two non-layer dimensions.
+`blocks.attn_norm.scale`); the default, `*.scale *.bq *.bk *.bv`, leaves out the built-in families' norm scales
+(qk-norm's included) and Qwen2's q/k/v biases, as Megatron-LM leaves out biases and norms.
 
 A caller's own `optax.GradientTransformation` replaces the default through `jaxpar.training.plan.build_plan(...,
 optimizer=tx)`; wrap it in `skip_nonfinite` to get the default's NaN/inf handling and its step metrics.

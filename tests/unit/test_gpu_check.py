@@ -11,6 +11,8 @@ config recompiled.
 from __future__ import annotations
 
 import glob
+import importlib.util
+import json
 import os
 
 import pytest
@@ -21,7 +23,10 @@ from jaxpar.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
-GPU_CONFIGS = sorted(glob.glob(os.path.join(CONFIGS, "llama_*.yaml")))
+_spec = importlib.util.spec_from_file_location("check_gpu_configs", os.path.join(ROOT, "tools", "check_gpu_configs.py"))
+_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tool)
+GPU_CONFIGS = _tool.checked_configs()  # the configs the tool records (its CHECKED patterns)
 RECORDS = {r["config"]: r for r in gpu_check.load_records(CONFIGS)}
 
 
@@ -70,6 +75,35 @@ def test_stale_or_off_record_is_reported():
     assert "exceeds the usable" in gpu_check.problems({**rec, "fits": False}, path)[0]
     off = gpu_check.problems({**rec, "peak_bytes": int(rec["planned_peak_bytes"] * 1.2)}, path)
     assert len(off) == 1 and "outside 1 +- 0.15" in off[0]
+
+
+def test_the_tool_remakes_only_the_named_records(tmp_path, monkeypatch, capsys):
+    """`tools/check_gpu_configs.py NAME...` compiles only the named configs: a new record goes in at its model's
+    size (smallest first), a re-made one keeps its place, every other record stays; a name outside CHECKED is
+    refused (exit 2) before any compile."""
+    import shutil
+
+    from jaxpar.analysis.gpu import deviceless
+
+    shutil.copytree(CONFIGS, tmp_path / "configs")
+    kept = [r for r in RECORDS.values() if r["config"] != "qwen3_8b.yaml"]  # qwen3_8b.yaml not yet recorded
+    (tmp_path / "configs" / gpu_check.RECORD_FILE).write_text(json.dumps(kept))
+    monkeypatch.setattr(_tool, "ROOT", str(tmp_path))
+    monkeypatch.setattr(deviceless, "unavailable_reason", lambda: None)
+    compiled = []
+
+    def check_config(path):  # stands in for the GPU compile: the stored record, marked
+        compiled.append(os.path.basename(path))
+        return {**RECORDS[os.path.basename(path)], "compile_seconds": -1.0}
+
+    monkeypatch.setattr(gpu_check, "check_config", check_config)
+    monkeypatch.setattr(gpu_check, "problems", lambda record, path: [])
+    assert _tool.main(["qwen3_8b.yaml", "llama_70b_zbv.yaml"]) == 0
+    written = gpu_check.load_records(str(tmp_path / "configs"))
+    assert sorted(compiled) == ["llama_70b_zbv.yaml", "qwen3_8b.yaml"]
+    assert [r["config"] for r in written] == list(RECORDS)
+    assert {r["config"] for r in written if r["compile_seconds"] == -1.0} == set(compiled)
+    assert _tool.main(["mixtral_8x7b.yaml"]) == 2 and "not among the checked configs" in capsys.readouterr().err
 
 
 def test_fingerprint_follows_what_the_step_compiles():

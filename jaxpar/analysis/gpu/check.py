@@ -50,6 +50,10 @@ ROPE_SCALING_KEYS = tuple(
 )
 
 
+# model keys newer than the first records, counted only when set (`fingerprint`)
+OPTIONAL_MODEL_KEYS = ("sliding_window", "attention_softcap", "final_softcap", "attention_scale_width")
+
+
 def fingerprint(cfg: Config) -> str:
     """sha256 (hex) of what decides the compiled step: the model, mesh, tensor, pipeline, precision and optimizer
     sections and the batch shape (data.seq_len, train.global_batch_size, train.grad_accum_steps) of a resolved
@@ -58,7 +62,8 @@ def fingerprint(cfg: Config) -> str:
     only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`,
     `model.moe` only with experts, `optimizer.weight_decay_exclude` only when not the default (whose mask the
     built-in families had before the key), `mesh.context` and the `context` section only with mesh.context > 1,
-    `precision.fp8` only when enabled, and `model.init_from` (where the weights come from) never; records made
+    `precision.fp8` only when enabled, `model.sliding_window`, `attention_softcap`, `final_softcap` and
+    `attention_scale_width` only when set, and `model.init_from` (where the weights come from) never; records made
     before those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it
     (`auto` is bfloat16 there: `jaxpar.config.precision.resolve_compute_dtype`)."""
     d = dataclasses.asdict(cfg)
@@ -69,7 +74,10 @@ def fingerprint(cfg: Config) -> str:
         del keep["precision"]["fp8"]
     rope_scaling = ROPE_SCALING_KEYS if cfg.model.rope_scaling == "none" else ()
     moe_off = ("moe",) if cfg.model.moe.num_experts == 0 else ()
-    keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off)}
+    unset = tuple(k for k in OPTIONAL_MODEL_KEYS if keep["model"][k] is None)
+    keep["model"] = {
+        k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off, *unset)
+    }
     if tuple(cfg.optimizer.weight_decay_exclude) == OptimizerConfig().weight_decay_exclude:  # the mask of before
         keep["optimizer"] = {k: v for k, v in keep["optimizer"].items() if k != "weight_decay_exclude"}
     if cfg.mesh.context == 1:

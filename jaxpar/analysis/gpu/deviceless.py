@@ -41,10 +41,11 @@ CUDA_PLUGIN_DISTRIBUTIONS = ("jax-cuda12-plugin", "jax-cuda13-plugin")
 # An HLO instruction whose result is one array and whose opcode is dot: (dtype, dims, the rest of the line).
 _DOT = re.compile(r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+dot\((.*)$", re.MULTILINE)
 # Any instruction with one array result whose op_name names one of the einsums of jax's XLA attention
-# (jax.nn.dot_product_attention: logits "BTNH,BSNH->BNTS", context "BNTS,BSNH->BTNH", and their transposes).
+# (jax.nn.dot_product_attention: logits "BTNH,BSNH->BNTS", context "BNTS,BSNH->BTNH", and their transposes) or of
+# jaxpar's soft-capped attention (`jaxpar.model.attention._xla_softcapped`: "btgrk,bsgk->bgrts", "bgrts,bsgk->btgrk").
 _ATTENTION_OP = re.compile(
     r"=\s*([a-z]+\d*)\[([\d,]+)\]\S*\s+[\w.-]+\(.*op_name=\"[^\"]*"
-    r"(?:BTNH,BSNH->BNTS|BNTS,BSNH->BTNH)",
+    r"(?:BTNH,BSNH->BNTS|BNTS,BSNH->BTNH|btgrk,bsgk->bgrts|bgrts,bsgk->btgrk)",
     re.MULTILINE,
 )
 _CUSTOM_CALL = re.compile(r'custom_call_target="([^"]+)"')
