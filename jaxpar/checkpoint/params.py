@@ -1,8 +1,9 @@
-"""The parameters alone of a jaxpar checkpoint, on the host: for export and for `model.init_from`, whatever the
-run's optimizer and layout, without reading its optimizer state (a quarter of the bytes of an AdamW state).
+"""The parameters alone of a jaxpar checkpoint: for export and for `model.init_from`, whatever the run's optimizer
+and layout, without reading its optimizer state (a quarter of the bytes of an AdamW state).
 
 Reads the step's Orbax metadata for the arrays' shapes and dtypes and restores only `master` (the float32 copy
-under precision.layout=16p) or else `params` onto one CPU device (Orbax's partial restore).
+under precision.layout=16p) or else `params` (Orbax's partial restore): onto one CPU device as host numpy, or onto
+shardings the caller gives, each process reading only its own shards.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -17,9 +19,19 @@ from jaxpar.checkpoint.saved import saved_config, select_step
 from jaxpar.config import Config, load_config
 
 
-def restore_params(path: str, step: int | None = None) -> tuple[dict, Config, int]:
-    """(float32 numpy parameters, the saved config, the step) of a checkpoint: a run dir, its checkpoints/ dir or
-    one step dir; `step` None: the step dir given, else the latest complete one.
+def restore_params(
+    path: str,
+    step: int | None = None,
+    *,
+    shardings: dict | None = None,
+) -> tuple[dict, Config, int]:
+    """(float32 parameters, the saved config, the step) of a checkpoint: a run dir, its checkpoints/ dir or one step
+    dir; `step` None: the step dir given, else the latest complete one.
+
+    Args:
+      shardings: None: the parameters come back as host numpy (all of them in this process's memory: small models
+        and tools). Else a tree of shardings shaped like the parameters: jax arrays with those shardings, each
+        process reading only the shards its devices hold.
 
     Raises:
       FileNotFoundError: no complete checkpoint at `path` (or no step `step`: the message lists the steps there
@@ -34,13 +46,21 @@ def restore_params(path: str, step: int | None = None) -> tuple[dict, Config, in
     metadata = checkpointer.metadata(state_dir)
     tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata.tree
     key = "master" if "master" in tree else "params"
-    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    target = {key: jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=sharding), tree[key])}
+    saved = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree[key])
+    if shardings is None:
+        host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        placed = jax.tree.map(lambda s: host, saved)
+    else:
+        placed = shardings
+    target = {key: jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), saved, placed)}
     restored = checkpointer.restore(
         state_dir,
         args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
         ),
     )
-    params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), restored[key])
+    if shardings is None:
+        params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), restored[key])
+    else:
+        params = jax.tree.map(lambda x: x.astype(jnp.float32), restored[key])  # a no-op for float32
     return params, cfg, chosen

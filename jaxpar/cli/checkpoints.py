@@ -20,7 +20,8 @@ Examples:
 import-hf writes RUN_DIR/checkpoints/0 (the weights as float32 parameters and a fresh AdamW state, restorable
 onto any mesh and ZeRO stage), RUN_DIR/config.yaml (config.json's model, the defaults and the overrides given)
 and RUN_DIR/hf_config.json; export-hf writes config.json and safetensors (`jaxpar.training.hf_checkpoint`). Both run on
-the host CPU.
+the host CPU, and on every process of a job (`jaxpar-launch -n N -- jaxpar-checkpoints import-hf ...`): each reads
+and writes only its own share, so no host holds the whole model.
 
 Exit status: 0, or 2 for a missing path, no complete checkpoint, a step that is not complete, or (import-hf,
 export-hf) a directory or config that cannot be converted, or a step of a format version this jaxpar does not
@@ -72,9 +73,11 @@ def _hf_main(command: str, argv: list[str]) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a conversion on the host: never claim an accelerator
     from jaxpar.config import ConfigError
     from jaxpar.model.hf import HFConfigError
+    from jaxpar.parallel import distributed
     from jaxpar.training.hf_checkpoint import export_hf, import_hf
 
     try:
+        distributed.initialize()  # under jaxpar-launch or a cluster: every process takes its part
         if command == "import-hf":
             info = import_hf(args.hf_dir, args.out, args.overrides)
             print(

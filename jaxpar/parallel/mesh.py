@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config.mesh_axes import DATA_PARALLEL_AXES, MESH_AXES
+from jaxpar.config.mesh_axes import DATA, DATA_PARALLEL_AXES, FSDP, MESH_AXES
 from jaxpar.config.mesh_shape import resolve_mesh_shape
 from jaxpar.config.schema import Config
 
@@ -33,6 +34,27 @@ def build_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh
     return jax.make_mesh(
         tuple(shape[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
+
+
+def process_mesh() -> Mesh:
+    """A mesh of every device of every process with `data` over the processes and `fsdp` over each process's own
+    devices (the other axes of size 1), whatever the cluster's topology: an array split over (data, fsdp) spreads
+    over every device, and one split over `fsdp` alone is whole on every process. For moving whole tensors in and
+    out of a job (Hugging Face import and export), not for training.
+
+    Raises:
+      ValueError: the processes hold different numbers of devices.
+    """
+    by_process: dict[int, list[jax.Device]] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, []).append(device)
+    counts = {len(devices) for devices in by_process.values()}
+    if len(counts) != 1:
+        raise ValueError(f"the processes hold different numbers of devices ({sorted(counts)}): no process mesh")
+    rows = [sorted(by_process[p], key=lambda d: d.id) for p in sorted(by_process)]
+    shape = {DATA: len(rows), FSDP: len(rows[0])}
+    grid = np.array(rows, dtype=object).reshape([shape.get(a, 1) for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def describe(mesh: Mesh) -> str:

@@ -1,14 +1,17 @@
 """`model.init_from`: a fresh run's parameters from a Hugging Face model directory or a jaxpar checkpoint.
 
 `check_init_from` runs before any device work (reads config.json and safetensors headers, or a checkpoint's saved
-config) and names every model key that differs; `load_init_params` reads the parameters on the host (float32
-numpy, or a checkpoint's parameters alone), which `jaxpar.training.state.init_state(plan, params=...)`
-then places on the run's mesh with a fresh optimizer state at step 0.
+config) and names every model key that differs. `place_init_params` then puts the parameters straight onto the
+run's mesh, each process reading only the slices its own devices hold (no host holds the whole model), and
+`jaxpar.training.state.init_state(plan, params=..., donate=True)` adds a fresh optimizer state, made on the devices,
+at step 0. `load_init_params` reads them whole into host memory instead (small models and tools).
 """
 
 from __future__ import annotations
 
 import os
+
+import jax
 
 from jaxpar.config import ConfigError, load_config
 from jaxpar.config.paths import directory_problem
@@ -73,9 +76,10 @@ def check_init_from(model: ModelConfig) -> None:
 
 
 def load_init_params(model: ModelConfig) -> dict:
-    """The parameters `model.init_from` names, on the host as float32 numpy: a Hugging Face directory's, or a
-    jaxpar checkpoint's (its master copy under precision.layout=16p; only the parameters are read, whatever
-    optimizer the run had: `jaxpar.checkpoint.params.restore_params`).
+    """The parameters `model.init_from` names, whole on the host as float32 numpy (small models and tools; a run
+    places them with `place_init_params`): a Hugging Face directory's, or a jaxpar checkpoint's (its master copy
+    under precision.layout=16p; only the parameters are read, whatever optimizer the run had:
+    `jaxpar.checkpoint.params.restore_params`).
 
     Raises:
       ConfigError: as `check_init_from`.
@@ -86,6 +90,34 @@ def load_init_params(model: ModelConfig) -> dict:
     from jaxpar.checkpoint.params import restore_params
 
     return restore_params(model.init_from)[0]
+
+
+def place_init_params(model: ModelConfig, target: dict) -> dict:
+    """The parameters `model.init_from` names, as float32 jax arrays placed onto `target`'s shardings, each process
+    reading only the blocks its devices hold: a Hugging Face directory's slices of each safetensors tensor
+    (`jaxpar.model.hf.place.place_hf_params`), or a jaxpar checkpoint's shards of its parameters alone
+    (`jaxpar.checkpoint.params.restore_params`). Host memory: one device's block of one parameter at a time.
+
+    Args:
+      target: the model's parameter tree of `jax.ShapeDtypeStruct`s with shardings
+        (`jaxpar.training.state.abstract_params(plan)`).
+
+    Raises:
+      ConfigError: as `check_init_from`.
+    """
+    check_init_from(model)
+    if is_hf_directory(model.init_from):
+        from jaxpar.model.hf.lazy import HFSliceReader
+        from jaxpar.model.hf.place import place_hf_params
+
+        try:
+            with HFSliceReader(model.init_from, model) as reader:
+                return place_hf_params(reader, target)
+        except HFConfigError as e:
+            raise ConfigError(f"model.init_from: {e}") from e
+    from jaxpar.checkpoint.params import restore_params
+
+    return restore_params(model.init_from, shardings=jax.tree.map(lambda s: s.sharding, target))[0]
 
 
 def check_init_from_tokenizer(cfg) -> None:

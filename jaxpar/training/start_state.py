@@ -19,9 +19,9 @@ from jaxpar.config.paths import output_dir_problem
 from jaxpar.config.resume import check_restored_model, check_resume_config, keep_previous_config
 from jaxpar.data.stream import SHARD_SET_KEY
 from jaxpar.training.hooks.base import log as _log
-from jaxpar.training.init_from import load_init_params, resumes
+from jaxpar.training.init_from import place_init_params, resumes
 from jaxpar.training.plan import StepPlan
-from jaxpar.training.state import abstract_state, init_state
+from jaxpar.training.state import abstract_params, abstract_state, init_state
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -93,7 +93,8 @@ def initial_state(cfg: Config, plan: StepPlan, ckpt: Checkpointer | None, train_
         _set_data_position(train_loader, saved)  # before the arrays: a resume that cannot go on stops here
     state, data_state = _restore(cfg, plan, ckpt)
     if state is None and cfg.model.init_from:
-        state = init_state(plan, params=load_init_params(cfg.model))  # parameters only: fresh optimizer, step 0
+        params = place_init_params(cfg.model, abstract_params(plan))  # each process reads its own slices
+        state = init_state(plan, params=params, donate=True)  # parameters only: fresh optimizer, step 0
         _log(f"parameters from model.init_from={cfg.model.init_from} (a fresh optimizer state at step 0)")
     elif state is None:
         state = init_state(plan, t.seed)

@@ -21,15 +21,22 @@ from jaxpar.training import fp8_history
 from jaxpar.training.plan import StepPlan
 
 
-def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> dict:
+def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None, donate: bool = False) -> dict:
     """Creates the sharded train state {"step", "params", "opt_state"[, "master"][, "fp8"]} directly on the mesh.
+
+    The optimizer state (AdamW's two moments: 8 bytes per parameter) is made on the devices, by the same jitted
+    program that lays out the parameters (its zeros come out with `plan.state_shardings`): never on the host.
 
     Args:
       plan: the step plan.
       seed: initialises the parameters (identical for every mesh layout, see `jaxpar.model.init_params`).
       params: start from these parameters instead (fp32 or the parameter dtype, any sharding, e.g. a restored
         run's: `jaxpar.restore`), with a fresh optimizer state of `plan.tx` at step 0: how a script continues a
-        run with another optimizer. Resharded onto the plan's layout; the seed is not used.
+        run with another optimizer. Resharded onto the plan's layout; the seed is not used. Host numpy arrays are
+        copied to the devices whole by each process; a model larger than a host is placed first
+        (`jaxpar.model.hf.place.place_hf_params` onto `abstract_params(plan)`), then given with `donate`.
+      donate: `params` are float32 jax arrays laid out as `abstract_params(plan)` that the caller gives up: their
+        buffers become the state's fp32 parameters (no second copy on the devices) and `params` are deleted.
 
     Raises:
       ValueError: `params` is not shaped like the plan's model's parameters.
@@ -42,8 +49,20 @@ def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None) -> 
         return jax.jit(lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings, donate_argnums=0)(fp32)
     want = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
     _check_params_fit(params, want, plan.cfg.model.name)
-    fp32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-    return jax.jit(lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings)(fp32)
+    fp32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)  # no copy of float32 jax arrays
+    fill = jax.jit(
+        lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings, donate_argnums=0 if donate else ()
+    )
+    return fill(fp32)
+
+
+def abstract_params(plan: StepPlan) -> dict:
+    """The model's float32 parameters as `jax.ShapeDtypeStruct`s with the shardings of the state's float32 copy
+    ("master" under the 16p layout, else "params"): where to place parameters that `init_state(plan, params=...,
+    donate=True)` takes without a copy. No device work."""
+    shapes = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
+    shardings = plan.state_shardings["master" if plan.has_master else "params"]
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shapes, shardings)
 
 
 def abstract_state(plan: StepPlan) -> dict:

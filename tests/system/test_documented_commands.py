@@ -91,6 +91,17 @@ ELSEWHERE = {
 }
 HERE = {  # script: reduced arguments (one timed step and round, the smallest grid), run by test_script_runs
     "benchmarks/context.py": ["--contexts", "1", "2", "--seq-len", "64", "--steps", "1", "--rounds", "1"],
+    "benchmarks/hf_load_memory.py": [
+        "--small",
+        "--processes",
+        "2",
+        "--cases",
+        "lazy",
+        "import",
+        "export",
+        "--dir",
+        "{tmp}",
+    ],
     "benchmarks/fp8_loss.py": ["--steps", "2", "--seeds", "1", "2", "--log-every", "1", "--out", "{tmp}/fp8_loss"],
     "benchmarks/overhead.py": ["--steps", "1", "--rounds", "1"],
     "benchmarks/pipeline.py": ["--stages", "2", "--microbatches", "4", "--steps", "1", "--rounds", "1"],

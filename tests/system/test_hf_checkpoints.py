@@ -23,8 +23,10 @@ from jaxpar.checkpoint.params import restore_params
 from jaxpar.cli.checkpoints import main as checkpoints_main
 from jaxpar.config import ConfigError, load_config
 from jaxpar.model.hf import load_hf
-from jaxpar.training.init_from import check_init_from, load_init_params
+from jaxpar.training.init_from import check_init_from, load_init_params, place_init_params
 from jaxpar.training.loop import train
+from jaxpar.training.plan import build_plan
+from jaxpar.training.state import abstract_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ONE_DEVICE = ["mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
@@ -95,8 +97,8 @@ def test_import_restore_on_any_mesh_and_export(fixture, tmp_path, capsys):
 
 def test_parameters_alone_of_a_checkpoint(tmp_path):
     """model.init_from and export-hf read a checkpoint's parameters alone: the float32 master copy of a 16p run
-    (whose working parameters are bf16), the imported weights exactly; a jaxpar checkpoint of another model is
-    refused naming the keys."""
+    (whose working parameters are bf16), the imported weights exactly, whole on the host or placed on a mesh; a
+    jaxpar checkpoint of another model is refused naming the keys."""
     run_dir = str(tmp_path / "run")
     assert checkpoints_main(["import-hf", UNTIED, "--out", run_dir, "precision.layout=16p"]) == 0
     params, cfg, step = restore_params(run_dir)
@@ -105,6 +107,12 @@ def test_parameters_alone_of_a_checkpoint(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params, hf.params)
     model = dataclasses.replace(hf.cfg, init_from=run_dir)
     jax.tree.map(np.testing.assert_array_equal, load_init_params(model), hf.params)
+    # As a run takes them: straight onto its mesh, each process reading only its shards.
+    cfg = load_config({"model": dataclasses.asdict(model)}, SHARDED[UNTIED])
+    target = abstract_params(build_plan(cfg, jaxpar.build_mesh(cfg)))
+    placed = place_init_params(model, target)
+    assert jax.tree.map(lambda x: x.sharding, placed) == jax.tree.map(lambda t: t.sharding, target)
+    jax.tree.map(np.testing.assert_array_equal, to_host(placed), hf.params)
     with pytest.raises(ConfigError, match=r"holds another model: model.d_model: config 64, checkpoint 32"):
         check_init_from(dataclasses.replace(model, d_model=64))
 

@@ -360,6 +360,7 @@ OWN_BYTE_UNITS = {
     os.path.join("jaxpar", "log.py"): "human_bytes itself",
     os.path.join("jaxpar", "analysis", "gpu", "check.py"): "a table whose byte columns share one unit and decimal",
     os.path.join("benchmarks", "data_rss.py"): "resident set sizes in MiB, as the kernel reports them in KiB",
+    os.path.join("benchmarks", "hf_load_memory.py"): "resident set sizes in MiB, as the kernel reports them in KiB",
 }
 
 

@@ -54,13 +54,13 @@ def paths(tmp_path, monkeypatch):
     from jaxpar.analysis.sweep import run as sweep_run
     from jaxpar.data import tokenize_corpus
     from jaxpar.parallel import mesh
-    from jaxpar.training import hf_checkpoint, loop
+    from jaxpar.training import loop
 
     monkeypatch.setattr(loop, "build_mesh", never("the training run"))
     monkeypatch.setattr(sweep_run, "run_point", never("a sweep point"))
     monkeypatch.setattr(tokenize_corpus, "_run", never("tokenizing"))
-    monkeypatch.setattr(mesh, "build_mesh", never("the import"))  # import-hf: after reading the weights
-    monkeypatch.setattr(hf_checkpoint, "save_hf", never("the export"))  # export-hf: after reading them
+    # import-hf and export-hf: their mesh of every device comes after the checks, before any weight is read
+    monkeypatch.setattr(mesh, "process_mesh", never("the import or export"))
     monkeypatch.setattr(launch, "launch", never("a process"))
     yield {"tmp": str(tmp_path), "file": str(afile), "missing": str(tmp_path / "missing"), "read_only": str(ro)}
     ro.chmod(0o755)

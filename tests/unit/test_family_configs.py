@@ -1,7 +1,7 @@
 """The shipped configs of the published models of each family other than Llama (configs/qwen2_5_7b.yaml,
-qwen3_8b.yaml, mistral_7b.yaml, mixtral_8x7b.yaml, gemma2_9b.yaml) hold exactly the published model: the model of its config.json
-on the Hugging Face Hub (what `model.init_from` checks) and its published parameter count, as the planner
-(`jaxpar-plan`) counts it. That each fits the cluster it names is tests/unit/test_gpu_check.py's (the Llama 3
+qwen3_8b.yaml, mistral_7b.yaml, mixtral_8x7b.yaml, gemma2_9b.yaml) hold exactly the published model: the model of
+its config.json on the Hugging Face Hub (what `model.init_from` checks) and its published parameter count, as the
+planner (`jaxpar-plan`) counts it. That each fits the cluster it names is tests/unit/test_gpu_check.py's (the Llama 3
 configs are test_hf.py's).
 """
 

@@ -75,9 +75,7 @@ def fingerprint(cfg: Config) -> str:
     rope_scaling = ROPE_SCALING_KEYS if cfg.model.rope_scaling == "none" else ()
     moe_off = ("moe",) if cfg.model.moe.num_experts == 0 else ()
     unset = tuple(k for k in OPTIONAL_MODEL_KEYS if keep["model"][k] is None)
-    keep["model"] = {
-        k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off, *unset)
-    }
+    keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off, *unset)}
     if tuple(cfg.optimizer.weight_decay_exclude) == OptimizerConfig().weight_decay_exclude:  # the mask of before
         keep["optimizer"] = {k: v for k, v in keep["optimizer"].items() if k != "weight_decay_exclude"}
     if cfg.mesh.context == 1:

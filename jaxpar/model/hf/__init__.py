@@ -7,7 +7,10 @@ Mixtral (`jaxpar.model.llama`).
 
 A directory is `config.json` plus `model.safetensors` or shards named by `model.safetensors.index.json`. Which
 families and config keys map to what: `jaxpar.model.hf.config`; tensor names and layouts, and the rotary
-convention: `jaxpar.model.hf.weights`. Everything here is numpy on the host: no device work.
+convention: `jaxpar.model.hf.weights`. Everything here is numpy on the host, the whole model at once: no device
+work. A model larger than a host goes in and out by the slice instead, straight between the files and sharded jax
+arrays (`jaxpar.model.hf.place`, `jaxpar.model.hf.gather`; the slice map: `jaxpar.model.hf.lazy`, the file I/O:
+`jaxpar.model.hf.files`).
 """
 
 from __future__ import annotations
