@@ -374,7 +374,8 @@ def _stage_layers(cfg: Config, stages: int) -> None:
     chunks = stages * pipe.virtual_stages
     every = cfg.model.layers_per_unit
     if n // every < chunks and pipe.balance_stages:
-        what = f"stack unit ({every} layers)" if every > 1 else "layer"
+        kind = f"MoE unit (model.moe.every={every} layers)" if cfg.model.moe.enabled else f"unit ({every} layers)"
+        what = kind if every > 1 else "layer"
         raise ConfigError(
             f"pipeline.balance_stages gives each of the {chunks} model chunks at least one {what}, and the model "
             f"has {n // every}; set pipeline.stage_layers, or lower mesh.pipeline or pipeline.virtual_stages"
@@ -398,7 +399,8 @@ def _stage_layers(cfg: Config, stages: int) -> None:
             f"{what} = {chunks}{hint}"
         )
     if any(c < 0 or c % every for c in counts) or sum(counts) != n:
-        unit = f", each a multiple of the stack unit's {every} layers" if every > 1 else ""
+        what = f"model.moe.every={every}" if cfg.model.moe.enabled else f"{every} ({cfg.model.name}'s stack unit)"
+        unit = f", each a multiple of {what}" if every > 1 else ""
         raise ConfigError(
             f"pipeline.stage_layers={list(counts)} must be counts of at least 0{unit} adding up to "
             f"model.n_layers={n} (they add up to {sum(counts)}){hint}"
