@@ -30,9 +30,8 @@ from flax import nnx
 
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import ModelConfig
-from jaxpar.model.layers import Attention, Embed, GeGLU, LMHead, RMSNorm
-from jaxpar.model.llama import Llama, attention_scale
-from jaxpar.model.rope import model_inverse_frequencies
+from jaxpar.model.layers import Embed, GeGLU, LMHead, RMSNorm
+from jaxpar.model.llama import Llama, make_attention
 from jaxpar.model.stack import Gather, no_gather, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
@@ -47,21 +46,7 @@ class GemmaBlock(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, local: bool):
         self.attn_norm = _norm(cfg)
-        self.attn = Attention(
-            cfg.d_model,
-            cfg.n_heads,
-            cfg.kv_heads,
-            cfg.head_width,
-            cfg.rope_theta,
-            cfg.init_std,
-            rngs,
-            implementation=cfg.attention,
-            max_segments=cfg.max_segments,
-            rope_inv_freq=model_inverse_frequencies(cfg),
-            window=cfg.sliding_window if local else None,
-            scale=attention_scale(cfg),
-            softcap=cfg.attention_softcap,
-        )
+        self.attn = make_attention(cfg, rngs, windowed=local)
         self.attn_post_norm = _norm(cfg)
         self.mlp_norm = _norm(cfg)
         self.mlp = GeGLU(cfg.d_model, cfg.d_ff, cfg.init_std, rngs)

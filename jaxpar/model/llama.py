@@ -109,6 +109,29 @@ def _softcap_bwd(cap: float, y: jax.Array, g: jax.Array) -> tuple[jax.Array]:
 _softcap.defvjp(_softcap_fwd, _softcap_bwd)
 
 
+def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, variant: Variant = LLAMA, windowed: bool = True) -> Attention:
+    """The attention of one block of `cfg`: its heads, rotary embedding, implementation and `variant`'s biases or
+    qk-norm, the score scale and soft-capping, and `model.sliding_window` when `windowed` (gemma2's global layers
+    are not)."""
+    return Attention(
+        cfg.d_model,
+        cfg.n_heads,
+        cfg.kv_heads,
+        cfg.head_width,
+        cfg.rope_theta,
+        cfg.init_std,
+        rngs,
+        implementation=cfg.attention,
+        max_segments=cfg.max_segments,
+        rope_inv_freq=model_inverse_frequencies(cfg),
+        qkv_bias=variant.qkv_bias,
+        qk_norm_eps=cfg.norm_eps if variant.qk_norm else None,
+        window=cfg.sliding_window if windowed else None,
+        scale=attention_scale(cfg),
+        softcap=cfg.attention_softcap,
+    )
+
+
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(x)). x: [B, T, D].
 
@@ -117,23 +140,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False, variant: Variant = LLAMA):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(
-            cfg.d_model,
-            cfg.n_heads,
-            cfg.kv_heads,
-            cfg.head_width,
-            cfg.rope_theta,
-            cfg.init_std,
-            rngs,
-            implementation=cfg.attention,
-            max_segments=cfg.max_segments,
-            rope_inv_freq=model_inverse_frequencies(cfg),
-            qkv_bias=variant.qkv_bias,
-            qk_norm_eps=cfg.norm_eps if variant.qk_norm else None,
-            window=cfg.sliding_window,
-            scale=attention_scale(cfg),
-            softcap=cfg.attention_softcap,
-        )
+        self.attn = make_attention(cfg, rngs, variant)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp: MoE | SwiGLU
         if moe:

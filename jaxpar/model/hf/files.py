@@ -34,7 +34,7 @@ from safetensors import safe_open
 
 from jaxpar.config.paths import write_atomic
 from jaxpar.model.hf.config import HFConfigError
-from jaxpar.model.hf.weights import INDEX_FILE, PARTIAL, SINGLE_FILE
+from jaxpar.model.hf.weights import INDEX_FILE, SINGLE_FILE, whole_file
 
 STORED_DTYPES = {"F32": np.dtype(np.float32), "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 _CODES = {dtype.name: code for code, dtype in STORED_DTYPES.items()}  # "bfloat16" -> "BF16"
@@ -201,28 +201,15 @@ def _header(specs: dict[str, tuple[str, tuple[int, ...]]]) -> bytes:
 
 
 def _write_file(path: str, specs: dict[str, tuple[str, tuple[int, ...]]], tensors: Iterator[np.ndarray]) -> None:
-    """One safetensors file, whole or not at all (PATH.partial, renamed once complete), with the mode of any new
-    file (0666 less the umask)."""
-    partial = path + PARTIAL
-    try:
-        with open(partial, "wb") as f:
-            f.write(_header(specs))
-            for name, (dtype, shape) in specs.items():
-                w = next(tensors)
-                if w.dtype.name != dtype or w.shape != shape:
-                    raise HFConfigError(
-                        f"{name}: got {w.dtype.name} {w.shape} to write, its header says {dtype} {shape}"
-                    )
-                f.write(np.ascontiguousarray(w).reshape(-1).view(np.uint8).data)
-                del w  # before the next one is made
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(partial, 0o666 & ~umask)
-        os.replace(partial, path)
-    except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
-        raise
+    """One safetensors file, whole or not at all (`jaxpar.model.hf.weights.whole_file`)."""
+    with whole_file(path) as partial, open(partial, "wb") as f:
+        f.write(_header(specs))
+        for name, (dtype, shape) in specs.items():
+            w = next(tensors)
+            if w.dtype.name != dtype or w.shape != shape:
+                raise HFConfigError(f"{name}: got {w.dtype.name} {w.shape} to write, its header says {dtype} {shape}")
+            f.write(np.ascontiguousarray(w).reshape(-1).view(np.uint8).data)
+            del w  # before the next one is made
 
 
 def file_layout(specs: dict[str, tuple[str, tuple[int, ...]]], max_shard_bytes: int) -> dict[str, list[str]]:

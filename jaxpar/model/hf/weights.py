@@ -44,10 +44,12 @@ already permuted Meta's interleaved-pair weights into this layout).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import ml_dtypes
@@ -154,13 +156,14 @@ def _layer_entries(cfg: ModelConfig) -> list[_Entry]:
 PARTIAL = ".partial"  # a safetensors file being written: renamed to its name once whole
 
 
-def _save(tensors: dict[str, np.ndarray], path: str) -> None:
-    """Writes a safetensors file whole or not at all (written as PATH.partial, then renamed), with the mode of any
-    new file (0666 less the umask: safetensors makes it 0600, which other users of a shared cluster could not
-    read)."""
+@contextlib.contextmanager
+def whole_file(path: str) -> Iterator[str]:
+    """Yields PATH.partial to write a file into; renames it to `path` once the block ends, with the mode of any new
+    file (0666 less the umask: safetensors makes it 0600, which other users of a shared cluster could not read),
+    and removes it if the block raises: the file is whole or not there."""
     partial = path + PARTIAL
     try:
-        save_file(tensors, partial, metadata={"format": "pt"})
+        yield partial
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(partial, 0o666 & ~umask)
@@ -169,6 +172,12 @@ def _save(tensors: dict[str, np.ndarray], path: str) -> None:
         if os.path.exists(partial):
             os.remove(partial)
         raise
+
+
+def _save(tensors: dict[str, np.ndarray], path: str) -> None:
+    """Writes a safetensors file whole or not at all (`whole_file`)."""
+    with whole_file(path) as partial:
+        save_file(tensors, partial, metadata={"format": "pt"})
 
 
 def _open(path: str):
