@@ -31,7 +31,7 @@ from jaxpar.config import Config, ConfigError, load_config, save_config
 from jaxpar.config.mesh_axes import DATA, FSDP
 from jaxpar.config.paths import output_dir_problem, write_atomic
 from jaxpar.model.hf import check_export_dir, check_hf
-from jaxpar.model.hf.config import model_differences, read_hf_config
+from jaxpar.model.hf.config import hf_config_from_model, model_differences, read_hf_config
 
 if TYPE_CHECKING:
     import optax
@@ -199,8 +199,9 @@ def export_hf(
 
     check_export_dir(out_dir)  # before reading the checkpoint
     root, chosen = select_step(path, step)  # a missing checkpoint is refused before any device work
-    mesh = process_mesh()
     model = load_config(saved_config(root, chosen), validate=False).model
+    hf_config_from_model(model, dtype)  # a model its family's transformers class cannot express: refused first
+    mesh = process_mesh()
     params, cfg, _ = restore_params(root, chosen, shardings=export_shardings(model, mesh))
     files = save_hf_gathered(
         params,
