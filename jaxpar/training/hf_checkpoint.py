@@ -38,7 +38,14 @@ if TYPE_CHECKING:
 
 _LOGGER = logging.getLogger("jaxpar.training.hf_checkpoint")
 HF_CONFIG_COPY = "hf_config.json"  # the imported directory's config.json, beside config.yaml
-_ONE_DEVICE = ("mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1", "pipeline.virtual_stages=1")
+_ONE_DEVICE = (
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "mesh.tensor=1",
+    "mesh.pipeline=1",
+    "mesh.context=1",
+    "pipeline.virtual_stages=1",
+)
 
 
 def import_hf(
