@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
+from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY, REMAT_RECOMPUTING_EXPERTS
 
 # Checkpoint names of the all-to-alls' outputs, for the remat policies of `jaxpar.model.stack`: EXPERT_DISPATCHED
 # on the rows each device's experts receive, EXPERT_COMBINED on the expert outputs back on their tokens' device.
@@ -161,12 +161,14 @@ def all_to_all_buffer(
 
 def all_to_alls_per_block(remat: str) -> tuple[int, int]:
     """(buffers, count all-to-alls) one MoE block sends per microbatch through a forward and a backward: four
-    buffers (dispatch and combine in the forward, their transposes in the backward), five when `remat` (a
-    `model.remat` policy) is in `REMAT_KEEPING_EXITS_ONLY` (it keeps only EXPERT_COMBINED of the two all-to-all
-    outputs, so the backward re-runs the dispatch); and the dropless path's int32 expert counts (E * 4 bytes
-    each), once, twice with the re-run dispatch."""
-    redispatch = remat in REMAT_KEEPING_EXITS_ONLY
-    return (5, 2) if redispatch else (4, 1)
+    buffers (dispatch and combine in the forward, their transposes in the backward); five when `remat` (a
+    `model.remat` policy) keeps only EXPERT_COMBINED of the two all-to-all outputs (`names`: the backward re-runs
+    the dispatch); six when it keeps neither (`REMAT_RECOMPUTING_EXPERTS`, `full`: the backward re-runs dispatch
+    and combine); and the dropless path's int32 expert counts (E * 4 bytes each), once per dispatch run, twice
+    with a re-run dispatch (`jaxpar.model.stack`)."""
+    if remat in REMAT_RECOMPUTING_EXPERTS:
+        return 6, 2
+    return (5, 2) if remat in REMAT_KEEPING_EXITS_ONLY else (4, 1)
 
 
 def all_to_all_bytes(

@@ -61,7 +61,12 @@ pipeline axis (`jaxpar.parallel.pipeline`): one collective-permute of the stage 
   moves a chunk between devices (`jaxpar.parallel.pipeline.to_chunk_order`: v^2 routes or fewer, those whose
   chunks all stay home move nothing), each one chunk of the local leaf, L/(pv) layers. The embedding,
   final-norm and head gradients, which one stage used, are all-reduced over pipeline once per step (the final
-  norm over pipeline x tensor with SP).
+  norm over pipeline x tensor with SP). On gpu, under ZeRO-0/1, XLA's GPU compiler folds the embedding's and
+  head's all-reduce over pipeline and the one over data that follows into one all-reduce over data x pipeline
+  (seen in the deviceless H100 compile of every such layout, with and without gradient accumulation and
+  interleaving; XLA:CPU keeps both), so the gpu plan counts them there: 2(dp-1)/(dp) S instead of
+  2(d-1)/d S + 2(p-1)/p S (`_edge_fold`). The partitioned program, before the backend's passes, still has
+  both (`collective_terms(..., program="partitioned")`).
 context axis (`mesh.context` c > 1; `jaxpar.analysis.planner.context`, which states each term's formula and source:
   Dubey et al. 2024, "The Llama 3 Herd of Models", section 3.3.2, and Liu et al. 2023, arXiv 2310.01889):
   all_gather: per layer and forward pass 2 all-gathers of K, V (S = c*kv*Bc, kv = b*r*(G/t)*K), per layer and
@@ -128,6 +133,7 @@ def _term(out: list, shape: dict, name: str, axes, kind: str, count: int, size: 
 
 
 BRANCHES = ("taken", "evaluated")
+PROGRAMS = ("compiled", "partitioned")  # `collective_terms`' program
 
 
 def _edge_ticks(p: int, v: int, m: int, branches: str) -> tuple[int, int]:
@@ -313,11 +319,24 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
     )
 
 
-def _data_terms(cfg: Config, d, out: list) -> None:
+def _edge_fold(d, program: str) -> bool:
+    """Whether the embedding's and head's gradient all-reduces over data and over pipeline are one all-reduce over
+    data x pipeline in `program` (module docstring: XLA's GPU compiler folds them under ZeRO-0/1 with a
+    pipeline; the partitioned program has both)."""
+    folds = d.zero in (0, 1) and d.shape[PIPELINE] > 1 and d.shape[DATA] > 1
+    return folds and d.platform == "gpu" and program == "compiled"
+
+
+def _data_terms(cfg: Config, d, out: list, fold: bool) -> None:
     if d.zero == 3:
         return
-    # The routed experts' gradients need no reduction over data when data is an expert axis.
-    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and DATA in d.expert_axes)]
+    # The routed experts' gradients need no reduction over data when data is an expert axis; the edge leaves'
+    # all-reduce over data is folded into their pipeline term where `_edge_fold`.
+    leaves = [
+        x
+        for x in param_leaves(cfg.model)
+        if not (x.expert and DATA in d.expert_axes) and not (fold and not x.in_blocks and x in _edge_rest(cfg, d))
+    ]
     grads = sum(local_size(x, d.shape, (FSDP,), d.expert_axes) for x in leaves)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
     _term(out, d.shape, "gradients", (DATA,), kind, len(leaves), grads * d.wire(d.reduce_bytes))
@@ -392,7 +411,7 @@ def _joint_gradients(cfg: Config, d) -> set[str]:
     return {x.path for x in _norm_scales(cfg, d) + edge}
 
 
-def _pipeline_terms(cfg: Config, d, out: list) -> None:
+def _pipeline_terms(cfg: Config, d, out: list, fold: bool) -> None:
     shape, p = d.shape, d.shape[PIPELINE]
     if p == 1:
         return
@@ -465,13 +484,13 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
             )
     outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
     norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
-    rest = [x for x in outside if x not in norms]
+    rest = _edge_rest(cfg, d)
     br = d.wire(d.reduce_bytes)
     _term(
         out,
         shape,
-        "embedding/head gradients (one stage used them)",
-        (PIPELINE, CONTEXT),
+        "embedding/head gradients (one stage used them)" + (", with their data all-reduce" if fold else ""),
+        (DATA, PIPELINE, CONTEXT) if fold else (PIPELINE, CONTEXT),
         "all-reduce",
         len(rest),
         sum(local_size(x, shape, storage) for x in rest) * br,
@@ -487,6 +506,13 @@ def _pipeline_terms(cfg: Config, d, out: list) -> None:
     )
 
 
+def _edge_rest(cfg: Config, d) -> list:
+    """The parameters outside the layer stack that one pipeline stage uses and whose gradients the pipeline term
+    all-reduces over pipeline (and context): the embedding, head and, without sequence parallelism, the final norm."""
+    outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
+    return [x for x in outside if not (d.sp and x.path == "final_norm/scale")]
+
+
 def _expert_terms(cfg: Config, d, passes: dict, out: list) -> None:
     size = all_to_all_elements(cfg, d)
     count = all_to_all_count(cfg, d, passes) if size else 0
@@ -494,20 +520,27 @@ def _expert_terms(cfg: Config, d, passes: dict, out: list) -> None:
     _term(out, d.shape, name, d.expert_axes, "all-to-all", count, count * size * d.wire(d.compute_bytes))
 
 
-def collective_terms(cfg: Config, platform: str = "gpu", branches: str = "taken") -> list[CollectiveTerm]:
+def collective_terms(
+    cfg: Config, platform: str = "gpu", branches: str = "taken", program: str = "compiled"
+) -> list[CollectiveTerm]:
     """Every non-scalar collective of the train step of a resolved config, as `CollectiveTerm`s (module
     docstring). `platform` (`jaxpar.config.precision.PLATFORMS`) resolves `precision.compute_dtype: auto`
     (float32 on cpu, else bfloat16) and sets the collectives' width (`jaxpar.analysis.planner.dims.collective_bytes`).
     `branches`: "taken" (the plan: what the stages run) or "evaluated" (interleaved 1F1B's edge conds counted in
     every tick that evaluates them, as a static reading of the compiled HLO does; the same for v = 1).
-    Raises ValueError for an unknown platform or `branches`, or an unresolved config."""
+    `program`: "compiled" (what the platform's compiler runs, with the GPU compiler's fold of the edge gradients'
+    all-reduces, `_edge_fold`) or "partitioned" (the program after XLA's SPMD partitioner, before the backend).
+    Raises ValueError for an unknown platform, `branches` or `program`, or an unresolved config."""
     d = dims(cfg, platform)
     passes = _passes(cfg, d, branches)
     out: list[CollectiveTerm] = []
     _storage_terms(cfg, d, passes, out)
-    _data_terms(cfg, d, out)
+    if program not in PROGRAMS:
+        raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+    fold = _edge_fold(d, program)
+    _data_terms(cfg, d, out, fold)
     _tensor_terms(cfg, d, passes, out)
-    _pipeline_terms(cfg, d, out)
+    _pipeline_terms(cfg, d, out, fold)
     _expert_terms(cfg, d, passes, out)
     for row in context_terms(cfg, d, passes, _joint_gradients(cfg, d)):
         _term(out, d.shape, *row)

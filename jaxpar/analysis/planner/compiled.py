@@ -194,10 +194,12 @@ def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> d
     dtype = jnp.dtype(step.plan.compute_dtype).name
     pinned = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
     coll = hlo_collectives(step.partitioned_hlo, step.plan.mesh)
+    analytic = analytic_plan(pinned, target)
+    analytic = analytic | {"by_axis": analytic["by_axis_partitioned"], "by_axis_hlo": analytic["by_axis_partitioned"]}
     return {
         "platform": target,
         "compute_dtype": dtype,
-        "collectives": compare_collectives(coll["by_axis"], analytic_plan(pinned, target)),
+        "collectives": compare_collectives(coll["by_axis"], analytic),
         "scalars": coll["scalars"],
     }
 

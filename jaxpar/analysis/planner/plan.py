@@ -85,9 +85,10 @@ import math
 import jax
 
 from jaxpar.analysis.planner import context as context_plan
+from jaxpar.analysis.planner import experts as expert_plan
 from jaxpar.analysis.planner.comm import by_axis, collective_terms, gathered_leaf
 from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, param_leaves, rank_params_split
-from jaxpar.analysis.planner.experts import all_to_all_elements, expert_summary
+from jaxpar.analysis.planner.experts import expert_summary
 from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
 from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, schedule_bubble
 from jaxpar.config.attention import resolve_attention
@@ -98,7 +99,7 @@ from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config
 from jaxpar.log import GB
 from jaxpar.model import init_params
-from jaxpar.model.flops import row_flops_per_token
+from jaxpar.model.flops import inactive_expert_params, row_flops_per_token
 from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.layer_split import balanced_split, stage_flops
 from jaxpar.parallel.sharding import storage_axes
@@ -267,6 +268,9 @@ def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
         out["attention exit"] = b * d.s_act * dm * bc
     if d.sp and mdl.remat not in REMAT_KEEPING_EXITS_ONLY:
         out["gathered block inputs"] = 2 * b * s * dm * bc
+    moe = expert_plan.saved_bytes(cfg, d) // mdl.moe.every  # one block in `every` is MoE
+    if moe:
+        out["expert all-to-all outputs"] = moe
     return out
 
 
@@ -413,13 +417,19 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
     over fsdp and, under ZeRO-3, data, in the parameter dtype, plus that of their gradients in the reduce dtype:
     `jaxpar.parallel.pipeline.to_chunk_order` / `from_chunk_order` in `jaxpar.training.step.make_grad_fn`; with
     an uneven split the stage layout's v*n_max rows instead, `jaxpar.parallel.layer_split`; 0 for v = 1 and the
-    even split), "moe_dispatch" (with `model.moe.expert_axes`: the send and receive buffers of one dispatch or combine
-    all-to-all, twice `jaxpar.analysis.planner.experts.all_to_all_elements` elements in the compute dtype; a lower
-    bound of what an MoE block holds, 0 without expert axes), "total"}.
+    even split), "moe_working" (a mixture of experts: one MoE block's backward at its peak,
+    `jaxpar.analysis.planner.experts.working_bytes`; 0 for a dense model), "moe_moment" (the temporaries at that
+    moment, below), "total"}.
 
-    The optimizer update's own temporaries and XLA's fusion scratch are not counted: an estimate, compared with
-    XLA's by `jaxpar.analysis.planner.compiled` (CPU) and `jaxpar.analysis.gpu.deviceless` (the GPU compiler), not a
-    bound."""
+    The total is the larger of two moments. The sum of every term but the MoE block's, with the larger of the
+    attention's and the head's working sets (they never overlap), is the step's end, where the gradient outputs and
+    the chunk-order gradients join what the loop held. A mixture of experts peaks earlier, inside the layers'
+    backward: the activations, one layer's gathered weights and gradients, the accumulators, the chunk-order
+    parameters (not yet their gradients, which are the accumulators) and the MoE block's working set ("moe_moment";
+    read from the GPU compiler's buffer assignment at the peak of configs/mixtral_8x7b.yaml, where the gradient
+    outputs are not live). The optimizer update's own temporaries and XLA's fusion scratch are not counted: an
+    estimate, compared with XLA's by `jaxpar.analysis.planner.compiled` (CPU) and `jaxpar.analysis.gpu.deviceless`
+    (the GPU compiler), not a bound."""
     d = dims(cfg, platform)
     storage = storage_axes("params", d.zero)
     leaves = param_leaves(cfg.model)
@@ -440,11 +450,12 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         w_layer //= d.layers_per_stage
         gathered = (w_out + w_layer) * d.compute_bytes
         layer_grads = w_layer * d.reduce_bytes
-    chunk_order = 0
+    chunk_order = chunk_params = 0
     if d.virtual > 1 or d.layout is not None:
         stage_layers = sum(local_size(x, d.shape, storage, ea) for x in leaves if x.in_blocks)
         if d.layout is not None:  # the stage layout holds v*n_max rows against the L/p stored
             stage_layers = stage_layers * d.virtual * d.layers_per_chunk // d.layers_per_stage
+        chunk_params = stage_layers * d.param_bytes
         chunk_order = stage_layers * (d.param_bytes + d.reduce_bytes)
     out = {
         "activations": activation_bytes(cfg, platform)["total"],
@@ -455,12 +466,16 @@ def temp_bytes(cfg: Config, platform: str = "gpu") -> dict:
         "grad_outputs": int(state_bytes(cfg)["grads"]),
         "gathered_weights": gathered,
         "chunk_order": chunk_order,
-        # expert parallelism: one MoE all-to-all's send and receive buffers, S elements each in the compute dtype
-        "moe_dispatch": 2 * all_to_all_elements(cfg, d) * d.compute_bytes,
+        "moe_working": expert_plan.working_bytes(cfg, d),
     }
     # One layer's backward and the head's backward do not overlap: the larger working set counts.
     working = max(out["attention_working"], out["head_working"])
-    out["total"] = sum(v for k, v in out.items() if k not in ("attention_working", "head_working")) + working
+    end = sum(v for k, v in out.items() if k not in ("attention_working", "head_working", "moe_working")) + working
+    moment = out["moe_working"]
+    if moment:
+        moment += out["activations"] + layer_grads + accum + gathered + chunk_params
+    out["moe_moment"] = moment
+    out["total"] = max(end, moment)
     return out
 
 
@@ -485,7 +500,9 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
        "collectives" (list of `jaxpar.analysis.planner.comm.collective_terms` rows), "by_axis" {(axes, kind) label:
        bytes}, "by_axis_hlo" (the same as a static reading of the compiled HLO counts them: equal to "by_axis"
        except under interleaved 1F1B, where it counts the embedding's and head's conds in every tick that
-       evaluates them, `collective_terms(..., branches="evaluated")`)}.
+       evaluates them, `collective_terms(..., branches="evaluated")`), "by_axis_partitioned" (that reading of the
+       program after XLA's SPMD partitioner, before the platform's compiler folds any collectives:
+       `collective_terms(..., program="partitioned")`)}.
 
     Raises:
       ValueError: platform not one of `jaxpar.config.precision.PLATFORMS`; the config is not resolved.
@@ -502,6 +519,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
     # schedule every branch of the slot switch in every slot.
     evaluated = d.virtual > 1 or (d.shape[PIPELINE] > 1 and cfg.pipeline.schedule in ZERO_BUBBLE)
     static = collective_terms(cfg, platform, "evaluated") if evaluated else terms
+    partitioned = collective_terms(cfg, platform, "evaluated" if evaluated else "taken", "partitioned")
     model_state = state["total"]
     temp = temp_bytes(cfg, platform)
     return {
@@ -540,7 +558,12 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "rows_per_microbatch": d.b,
             "tokens_per_step": cfg.train.global_batch_size * d.s,
         },
-        "params": {"total": total_params, "non_embedding": total_params - embedding, "per_rank": state["n_params"]},
+        "params": {
+            "total": total_params,
+            "non_embedding": total_params - embedding,
+            "active": total_params - inactive_expert_params(cfg.model),
+            "per_rank": state["n_params"],
+        },
         "memory": {
             "params": state["params"],
             "grads": state["grads"],
@@ -561,6 +584,7 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
         "collectives": [dataclasses.asdict(term) | {"bytes": term.bytes} for term in terms],
         "by_axis": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(terms).items()},
         "by_axis_hlo": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(static).items()},
+        "by_axis_partitioned": {f"{','.join(k[0])} {k[1]}": v for k, v in by_axis(partitioned).items()},
     }
 
 

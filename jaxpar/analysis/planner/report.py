@@ -103,8 +103,13 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
             + _pipeline_shape(pipe)
         ),
         (
-            f"  parameters {p['params']['total']:,} (non-embedding {p['params']['non_embedding']:,}); "
-            f"P per tensor/pipeline rank {p['params']['per_rank']:,}"
+            f"  parameters {p['params']['total']:,} (non-embedding {p['params']['non_embedding']:,}"
+            + (
+                f"; active per token {p['params']['active']:,}, the routed experts a token does not use left out"
+                if p["params"].get("active", p["params"]["total"]) != p["params"]["total"]
+                else ""
+            )
+            + f"); P per tensor/pipeline rank {p['params']['per_rank']:,}"
         ),
         *_context_lines(p.get("context_parallel")),
         *_expert_lines(p.get("experts")),
@@ -166,8 +171,14 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
                 if t.get("chunk_order")
                 else ""
             )
-            + (f" + MoE all-to-all send and receive buffers {t['moe_dispatch']:,}" if t.get("moe_dispatch") else "")
             + " (jaxpar.analysis.planner.plan.temp_bytes)"
+            + (
+                f"; or, if larger, the moment of one MoE block's backward {t['moe_moment']:,}: its working set "
+                f"{t['moe_working']:,} beside the activations, accumulators, gathered weights and chunk-order "
+                f"parameters (jaxpar.analysis.planner.experts.working_bytes)"
+                if t.get("moe_moment")
+                else ""
+            )
         ),
         f"  activations: {mem['activation_formula']}",
         (
