@@ -60,8 +60,8 @@ _policies = jax.checkpoint_policies
 # backward re-runs the dispatch once). full saves neither (`REMAT_RECOMPUTING_EXPERTS`): the combine's output is k
 # (dropless) or k * capacity_factor (capacity) times the block input, so keeping it undoes what full is for; its
 # backward re-runs dispatch and combine. Measured with the GPU compiler (deviceless, H100), temporaries per device
-# keeping -> not keeping it: configs/mixtral_8x7b.yaml (dropless, k=2) 35.2 -> 26.7 GB; configs/deepseek_v3.yaml
-# at capacity routing (k=8, capacity_factor 1.25) 99.9 -> 27.1 GB.
+# keeping -> not keeping it: configs/mixtral_8x7b.yaml (dropless, k=2) 35.2 -> 30.3 GB; configs/deepseek_v3.yaml
+# at capacity routing (k=8, capacity_factor 1.25) 99.9 -> 27.8 GB.
 _EXITS = (TENSOR_REDUCED, EXPERT_COMBINED)
 _COLLECTIVES = (TENSOR_REDUCED, TENSOR_GATHERED, EXPERT_DISPATCHED, EXPERT_COMBINED)
 
