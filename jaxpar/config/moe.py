@@ -68,6 +68,7 @@ def _check_ranges(moe: MoEConfig) -> None:
     check_positive("model.moe.d_expert", moe.d_expert, allow_zero=True)  # 0: model.d_ff
     check_positive("model.moe.shared_experts", moe.shared_experts, allow_zero=True)
     check_positive("model.moe.every", moe.every)
+    check_positive("model.moe.first_dense", moe.first_dense, allow_zero=True)
     check_choice("model.moe.routing", moe.routing, ROUTINGS)
     check_positive("model.moe.capacity_factor", moe.capacity_factor)
     check_positive("model.moe.aux_loss_weight", moe.aux_loss_weight, allow_zero=True)
@@ -104,21 +105,39 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
             f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}; lower "
             f"model.moe.top_k or raise model.moe.num_experts"
         )
-    if m.n_layers % moe.every:
+    if moe.first_dense >= m.n_layers:
         raise ConfigError(
-            f"model.moe.every={moe.every} must divide model.n_layers={m.n_layers} (the layer stack's unit is a "
-            f"group of `every` blocks whose last one is MoE); change one of them"
+            f"model.moe.first_dense={moe.first_dense} leaves no MoE block of model.n_layers={m.n_layers}; lower "
+            f"it (DeepSeek-V3: 3 of 61) or set model.moe.num_experts=0 for a dense model"
+        )
+    if moe.first_dense and cfg.precision.fp8.enabled and cfg.precision.fp8.scaling == "delayed":
+        raise ConfigError(
+            f"model.moe.first_dense={moe.first_dense} with precision.fp8.scaling=delayed: delayed scales are kept "
+            f"per row of the layer stack, and the first dense blocks run before it; use "
+            f"precision.fp8.scaling=current or model.moe.first_dense=0"
+        )
+    stacked = m.stacked_layers
+    first = f"model.n_layers - model.moe.first_dense = {m.n_layers} - {moe.first_dense} = {stacked}"
+    stack = first if moe.first_dense else f"model.n_layers={m.n_layers}"
+    if stacked % moe.every:
+        raise ConfigError(
+            f"model.moe.every={moe.every} must divide {stack} (the layer stack's unit is a group of `every` blocks "
+            f"whose last one is MoE); change one of them"
         )
     stages, v = shape[PIPELINE], cfg.pipeline.virtual_stages
-    units = m.n_layers // moe.every
+    units = stacked // moe.every
     if cfg.pipeline.stage_layers or cfg.pipeline.balance_stages:
         v = 1  # an uneven split stores the units evenly over the stages; the chunks' own counts are checked there
     if stages > 1 and units % (stages * v):
+        if moe.first_dense:
+            what = f"(model.n_layers - model.moe.first_dense) / model.moe.every = ({m.n_layers} - {moe.first_dense})"
+        else:
+            what = f"model.n_layers / model.moe.every = {m.n_layers}"
         raise ConfigError(
-            f"model.n_layers / model.moe.every = {m.n_layers} / {moe.every} = {units} MoE units (the layer "
-            f"stack's depth: each unit is `every` blocks whose last one is MoE) must be divisible by mesh.pipeline "
-            f"* pipeline.virtual_stages = {stages} * {v} = {stages * v} (each stage holds whole units); change "
-            f"model.n_layers, model.moe.every, mesh.pipeline or pipeline.virtual_stages"
+            f"{what} / {moe.every} = {units} MoE units (the layer stack's depth: each "
+            f"unit is `every` blocks whose last one is MoE) must be divisible by mesh.pipeline * "
+            f"pipeline.virtual_stages = {stages} * {v} = {stages * v} (each stage holds whole units); change "
+            f"model.n_layers, model.moe.every, model.moe.first_dense, mesh.pipeline or pipeline.virtual_stages"
         )
     if moe.routing == "capacity" and shape.get(CONTEXT, 1) > 1:
         raise ConfigError(

@@ -29,8 +29,13 @@ class MoEConfig:
       shared_experts: experts every token passes through besides the routed ones (DeepSeekMoE, Dai et al. 2024):
         one SwiGLU of width shared_experts * d_expert added to the routed output. 0 = none.
       every: every `every`-th block is MoE, the others dense: the layer stack's unit is a group of `every`
-        blocks whose last one is MoE (1 = every block MoE). Must divide model.n_layers; with a pipeline the
-        units (n_layers / every) must also divide into mesh.pipeline * pipeline.virtual_stages model chunks.
+        blocks whose last one is MoE (1 = every block MoE). Must divide model.n_layers - first_dense; with a
+        pipeline the units ((n_layers - first_dense) / every) must also divide into mesh.pipeline *
+        pipeline.virtual_stages model chunks.
+      first_dense: the model's first `first_dense` blocks are dense (a SwiGLU MLP of model.d_ff), the rest the
+        MoE stack (DeepSeek-V3's first_k_dense_replace, 3; DeepSeekMoE, Dai et al. 2024, section 4.1). They run
+        with the embedding, before the layer stack: on the first pipeline stage, recomputed in its backward
+        like the embedding, their parameters beside the embedding's on every stage. 0 = none.
       routing: `dropless` (every assignment computed: tokens sorted by expert and a grouped matmul,
         `jax.lax.ragged_dot`) or `capacity` (each expert takes at most C = ceil(capacity_factor * T * top_k / E)
         assignments per sequence, GShard-style; the rest are dropped: their routed output is zero, the residual
@@ -53,6 +58,7 @@ class MoEConfig:
     d_expert: int = 0
     shared_experts: int = 0
     every: int = 1
+    first_dense: int = 0
     routing: str = "dropless"
     capacity_factor: float = 1.25
     aux_loss_weight: float = 0.01
@@ -148,9 +154,19 @@ class ModelConfig:
         return self.moe.every if self.moe.enabled else LAYERS_PER_UNIT.get(self.name, 1)
 
     @property
+    def first_dense(self) -> int:
+        """The dense blocks before the layer stack (`MoEConfig.first_dense` with `moe`, else 0)."""
+        return self.moe.first_dense if self.moe.enabled else 0
+
+    @property
+    def stacked_layers(self) -> int:
+        """The blocks in the stacked `blocks`: n_layers less the `first_dense` blocks before it."""
+        return self.n_layers - self.first_dense
+
+    @property
     def stack_depth(self) -> int:
-        """Units of the stacked `blocks`: n_layers / layers_per_unit."""
-        return self.n_layers // self.layers_per_unit
+        """Units of the stacked `blocks`: stacked_layers / layers_per_unit."""
+        return self.stacked_layers // self.layers_per_unit
 
     @property
     def kv_heads(self) -> int:
@@ -249,7 +265,9 @@ class PipelineConfig:
         needs exactly 2 (its V) and takes any M.
       stage_layers: layers of each model chunk in model order: mesh.pipeline entries, or mesh.pipeline *
         virtual_stages with virtual stages (chunk c runs on device c mod p, on the V with zb-v), each at least 0
-        and summing to model.n_layers (with model.moe, each a multiple of model.moe.every). [] (the default): the
+        and summing to model.n_layers (with model.moe, each a multiple of model.moe.every; with
+        model.moe.first_dense, summing to the layer stack's n_layers - first_dense, the first stage running the
+        first dense blocks before its share). [] (the default): the
         even split. The first stage also runs the embedding and the last the head and loss; in a lockstep
         pipeline the busiest stage sets every tick's pace, so giving the last stage fewer layers speeds the step
         (Megatron-LM's first/last-stage layer counts do the same). Every schedule runs it; the parameters stay

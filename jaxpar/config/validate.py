@@ -294,9 +294,9 @@ def _check_pipeline(cfg: Config, stages: int, tp: int) -> None:
     interleaving's constraints (`_virtual_stages`)."""
     check_choice("pipeline.schedule", cfg.pipeline.schedule, PIPELINE_SCHEDULES)
     check_positive("pipeline.microbatches", cfg.pipeline.microbatches)
-    if cfg.model.n_layers % stages:
+    if cfg.model.stacked_layers % stages:
         raise ConfigError(
-            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline={stages} (the layers are "
+            f"{_stacked(cfg)} must be divisible by mesh.pipeline={stages} (the layers are "
             f"stored evenly over the stages, also when pipeline.stage_layers runs them unevenly); change "
             f"model.n_layers or mesh.pipeline"
         )
@@ -304,6 +304,15 @@ def _check_pipeline(cfg: Config, stages: int, tp: int) -> None:
     _virtual_stages(cfg, stages)
     _stage_layers(cfg, stages)
     _vocab_parallel(cfg, stages, tp)
+
+
+def _stacked(cfg: Config) -> str:
+    """The layer stack's depth in blocks as a message names it: model.n_layers, or with `model.moe.first_dense`
+    dense blocks before the stack, the difference."""
+    m = cfg.model
+    if not m.first_dense:
+        return f"model.n_layers={m.n_layers}"
+    return f"model.n_layers - model.moe.first_dense = {m.n_layers} - {m.first_dense} = {m.stacked_layers}"
 
 
 def _pairs(cfg: Config, stages: int) -> None:
@@ -357,7 +366,7 @@ def uneven_split(cfg: Config) -> bool:
 
 def _stage_layers(cfg: Config, stages: int) -> None:
     """pipeline.stage_layers and pipeline.balance_stages: one count per model chunk, adding up to the model."""
-    pipe, n = cfg.pipeline, cfg.model.n_layers
+    pipe, n = cfg.pipeline, cfg.model.stacked_layers
     if not uneven_split(cfg):
         return
     key = "pipeline.stage_layers" if pipe.stage_layers else "pipeline.balance_stages"
@@ -403,7 +412,7 @@ def _stage_layers(cfg: Config, stages: int) -> None:
         unit = f", each a multiple of {what}" if every > 1 else ""
         raise ConfigError(
             f"pipeline.stage_layers={list(counts)} must be counts of at least 0{unit} adding up to "
-            f"model.n_layers={n} (they add up to {sum(counts)}){hint}"
+            f"{_stacked(cfg)} (they add up to {sum(counts)}){hint}"
         )
 
 
@@ -474,9 +483,9 @@ def _virtual_stages(cfg: Config, stages: int) -> None:
             f"pipeline.schedule=1f1b or pipeline.virtual_stages=1"
         )
     chunks = stages * v
-    if cfg.model.n_layers % chunks and not uneven_split(cfg):
+    if cfg.model.stacked_layers % chunks and not uneven_split(cfg):
         raise ConfigError(
-            f"model.n_layers={cfg.model.n_layers} must be divisible by mesh.pipeline * pipeline.virtual_stages = "
+            f"{_stacked(cfg)} must be divisible by mesh.pipeline * pipeline.virtual_stages = "
             f"{stages} * {v} = {chunks} (model chunks of equal depth); change model.n_layers, mesh.pipeline or "
             f"pipeline.virtual_stages, or give the chunks' depths in pipeline.stage_layers"
         )

@@ -120,9 +120,12 @@ class Gemma2(Llama):
         dtype: jnp.dtype,
         gather: Gather = no_gather,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
     ) -> jax.Array:
         """Token ids [B, T] -> activations [B, T, D] (T/t under sequence parallelism) in `dtype`, scaled by
-        sqrt(D) rounded to `dtype` (transformers' Gemma2TextScaledWordEmbedding)."""
+        sqrt(D) rounded to `dtype` (transformers' Gemma2TextScaledWordEmbedding). Segment ids and positions are
+        for `Llama.embed_tokens`' first dense blocks, which gemma2 has none of (it has no experts)."""
         x_BTD = gather(self.embed)(tokens_BT, dtype, tp)
         return x_BTD * jnp.asarray(np.sqrt(self.cfg.d_model), dtype)
 

@@ -33,7 +33,7 @@ from jaxpar.config.schema import ModelConfig
 from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
 from jaxpar.model.moe import MoE
 from jaxpar.model.rope import model_inverse_frequencies
-from jaxpar.model.stack import Gather, no_gather, scan_layers, stack_layers
+from jaxpar.model.stack import Gather, no_gather, run_layer, scan_layers, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
 
@@ -200,8 +200,10 @@ class Llama(nnx.Module):
 
     Attributes:
       embed: `Embed` table [V, D].
+      first_dense_0, ...: with `model.moe.first_dense` = k, the k dense `Block`s before the stack, each its own
+        module (no `layers` dimension: they run with the embedding, `embed_tokens`).
       blocks: L stacked `Block`s (leading `layers` dimension on every parameter); with `model.moe`,
-        L / moe.every stacked `MoEGroup`s.
+        (L - first_dense) / moe.every stacked `MoEGroup`s.
       final_norm: `RMSNorm` [D].
       lm_head: `LMHead` [D, V], or None with tied embeddings.
     """
@@ -210,8 +212,10 @@ class Llama(nnx.Module):
         check_variant(cfg, variant)
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
+        for i in range(cfg.first_dense):
+            setattr(self, f"first_dense_{i}", Block(cfg, rngs, variant=variant))
         if cfg.moe.enabled:
-            units = cfg.n_layers // cfg.moe.every
+            units = cfg.stack_depth
             self.blocks = stack_layers(units, lambda layer_rngs: MoEGroup(cfg, layer_rngs, variant), rngs)
         else:
             self.blocks = stack_layers(cfg.n_layers, lambda layer_rngs: Block(cfg, layer_rngs, variant=variant), rngs)
@@ -224,9 +228,17 @@ class Llama(nnx.Module):
         dtype: jnp.dtype,
         gather: Gather = no_gather,
         tp: TensorParallel = NO_TENSOR_PARALLEL,
+        segment_ids_BT: jax.Array | None = None,
+        positions_BT: jax.Array | None = None,
     ) -> jax.Array:
-        """Token ids [B, T] -> activations [B, T, D] (T/t under sequence parallelism) in `dtype`."""
-        return gather(self.embed)(tokens_BT, dtype, tp)
+        """Token ids [B, T] -> activations [B, T, D] (T/t under sequence parallelism) in `dtype`: the embedding,
+        then `model.moe.first_dense`'s dense blocks (each gathered and checkpointed as a stacked layer is,
+        `jaxpar.model.stack.run_layer`; segment ids and rotary positions as `run_blocks` takes them)."""
+        x_BTD = gather(self.embed)(tokens_BT, dtype, tp)
+        for i in range(self.cfg.first_dense):
+            block = getattr(self, f"first_dense_{i}")
+            x_BTD = run_layer(block, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT, positions_BT)
+        return x_BTD
 
     def run_blocks(
         self,
@@ -277,7 +289,7 @@ class Llama(nnx.Module):
         tp: TensorParallel = NO_TENSOR_PARALLEL,
         segment_ids_BT: jax.Array | None = None,
     ) -> jax.Array:
-        x_BTD = self.embed_tokens(tokens_BT, dtype, gather, tp)
+        x_BTD = self.embed_tokens(tokens_BT, dtype, gather, tp, segment_ids_BT)
         return self.logits(self.run_blocks(x_BTD, gather, tp, segment_ids_BT), gather, tp)
 
 

@@ -127,6 +127,30 @@ def stack_layers(n_layers: int, make_layer: Callable[[nnx.Rngs], nnx.Module], rn
     return make(rngs)
 
 
+def run_layer(
+    layer: nnx.Module,
+    x_BTD: jax.Array,
+    remat: str,
+    gather: Gather = no_gather,
+    tp: TensorParallel = NO_TENSOR_PARALLEL,
+    segment_ids_BT: jax.Array | None = None,
+    positions_BT: jax.Array | None = None,
+) -> jax.Array:
+    """One layer outside a stack (e.g. `model.moe.first_dense`'s dense blocks) as `scan_layers` runs each row:
+    gathered (`gather`) inside and checkpointed with `CHECKPOINT_POLICIES[remat]`, so its backward keeps what a
+    stacked layer keeps. x [B, T, D] -> [B, T, D]; segment ids and positions as `scan_layers`.
+
+    Raises:
+      KeyError: `remat` is not one of `jaxpar.config.choices.REMAT_POLICIES`.
+    """
+    graphdef, state = nnx.split(layer)
+
+    def body(x, state):
+        return gather(nnx.merge(graphdef, state))(x, tp, segment_ids_BT, positions_BT)
+
+    return jax.checkpoint(body, policy=CHECKPOINT_POLICIES[remat], prevent_cse=False)(x_BTD, state)
+
+
 ACTIVE_ROWS_SCOPE = "active_rows"  # the name scope of `active_rows`' skip conds
 # The stage layout's mask of an uneven pipeline split (`active_rows`): [mask, whether a scan read it].
 _ACTIVE_ROWS: contextvars.ContextVar[list | None] = contextvars.ContextVar("jaxpar_active_rows", default=None)

@@ -67,7 +67,7 @@ def loss_body(plan: StepPlan, train: bool = True) -> Callable:
         layers, fp8_scales = split_scales(params[STACK_ATTRIBUTE])  # FP8 delayed scaling's (`fp8_history`)
         params = {**params, STACK_ATTRIBUTE: layers}
         model = plan.mdef.bind(params)
-        x = model.embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp)
+        x = embed_tokens(model, mb, plan.compute_dtype, gather, tp, plan.cfg.model.first_dense)
         with stack_scales(fp8_scales, mb):
             if train and moe.enabled:
                 h, stats = run_blocks(model, x, mb, gather, tp, with_stats=True)
@@ -90,6 +90,15 @@ def loss_body(plan: StepPlan, train: bool = True) -> Callable:
         return loss + moe_loss_terms(sums, moe), sums
 
     return loss_sum
+
+
+def embed_tokens(model, mb: dict, dtype, gather, tp: TensorParallel, first_dense: int = 0) -> jax.Array:
+    """`model.embed_tokens` of the microbatch's inputs [b, T] -> [b, T', D] in `dtype`; with `first_dense` (the
+    built-in llama's `model.moe.first_dense` blocks, which run with the embedding) also the microbatch's
+    packed-document `segment_ids` and context parallelism's rotary `positions`, as `run_blocks` passes them."""
+    if not first_dense:
+        return model.embed_tokens(mb["inputs"], dtype, gather, tp)
+    return model.embed_tokens(mb["inputs"], dtype, gather, tp, mb.get("segment_ids"), mb.get(POSITIONS))
 
 
 def run_blocks(model, x_BTD: jax.Array, mb: dict, gather, tp: TensorParallel, with_stats: bool = False):

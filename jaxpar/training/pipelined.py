@@ -24,7 +24,14 @@ from jaxpar.parallel import layer_split, zero_bubble
 from jaxpar.parallel import pipeline as pipeline_lib
 from jaxpar.parallel.pipeline_1f1b import one_f_one_b
 from jaxpar.parallel.pipeline_zb import zero_bubble_pipeline
-from jaxpar.training.forward import edge_gathered, gatherer, run_blocks, split_microbatches, split_stack
+from jaxpar.training.forward import (
+    edge_gathered,
+    embed_tokens,
+    gatherer,
+    run_blocks,
+    split_microbatches,
+    split_stack,
+)
 from jaxpar.training.fp8_history import SLOT, split_scales, stack_scales
 from jaxpar.training.loss import LossFn, cross_entropy, summed_loss
 from jaxpar.training.moe_loss import moe_loss_terms, moe_sums
@@ -55,6 +62,7 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
 
     moe = plan.cfg.model.moe
     with_moe = train and moe.enabled
+    first_dense = plan.cfg.model.first_dense  # dense blocks that run with the embedding, on the first stage
 
     def run(layer_params, x, mb):
         if not with_moe:
@@ -90,7 +98,7 @@ def stage_parts(plan: StepPlan, params: dict, loss_fn: LossFn, train: bool = Tru
             return summed_loss(loss_fn, bind(vocab_slice(e, edge_axes, p), layers).logits(h, gather, tp_v), mb, tp_v)
 
     return pipeline_lib.StageParts(
-        embed=lambda e, mb: bind(e, layers).embed_tokens(mb["inputs"], plan.compute_dtype, gather, tp),
+        embed=lambda e, mb: embed_tokens(bind(e, layers), mb, plan.compute_dtype, gather, tp, first_dense),
         blocks=blocks,
         head=lambda e, h, mb: summed_loss(loss_fn, bind(e, layers).logits(h, gather, tp), mb, tp),
         edge_gathered=edge_gathered(plan),

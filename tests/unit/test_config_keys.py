@@ -66,6 +66,7 @@ OUT_OF_RANGE = {
     "model.moe.d_expert": -1,
     "model.moe.shared_experts": -1,
     "model.moe.every": 0,
+    "model.moe.first_dense": -1,
     "model.moe.routing": "token_choice",
     "model.moe.capacity_factor": 0,
     "model.moe.aux_loss_weight": -0.01,

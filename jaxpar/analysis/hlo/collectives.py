@@ -6,7 +6,9 @@
 The text can be a compiled executable's (`compiled.as_text()`, after the backend's passes) or an XLA pass dump
 such as the partitioned program (`jaxpar.analysis.planner.compiled.read_partitioned_hlo`, before them).
 
-`parse_collectives` lists every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute (an
+`parse_collectives` lists every all-reduce, all-gather, reduce-scatter, all-to-all, ragged all-to-all (its ring
+bytes those of balanced routing, `jaxpar.analysis.hlo.ring`: the rows actually sent are known only at run time)
+and collective-permute (an
 async `-start`/`-done` pair counts once, as its `-start`; a collective wrapped in an async computation counts
 once, inside it) with the computation it lives in, its replica groups, shapes, dtypes and ring bytes per
 device (`jaxpar.analysis.hlo.ring.ring_bytes`). `times_per_step` is how often it runs per program execution: the product
@@ -359,6 +361,8 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             n = max(len(g) for g in groups) if kind == "collective-permute" else len(groups[0])
             if kind == "all-gather":
                 size = sum(a.bytes for a in results)
+            elif kind == "ragged-all-to-all":  # (send rows, receive buffer, 4 offset and size arrays)
+                size = operands[0].bytes if operands else 0.0
             else:
                 size = sum(a.bytes for a in operands) or sum(a.bytes for a in results) * (
                     n if kind == "reduce-scatter" else 1

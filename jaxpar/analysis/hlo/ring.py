@@ -7,6 +7,9 @@ operand's bytes:
     all-gather        (n-1)/n * size    size of the gathered (output) operand
     reduce-scatter    (n-1)/n * size    size of the input operand
     all-to-all        (n-1)/n * size
+    ragged-all-to-all (n-1)/n * size    size of the send operand (the rows it holds): what leaves the device when
+                                        its rows are spread evenly over the group (balanced routing); at most
+                                        size, when every row goes to another device
     collective-permute        size      each device sends its whole operand once
 
 The analytic count of a step's collectives is `jaxpar.analysis.planner.comm` (every mesh axis, Megatron tensor
@@ -16,7 +19,7 @@ program.
 
 from __future__ import annotations
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 
 def ring_bytes(kind: str, size_bytes: float, n: int) -> float:
@@ -25,7 +28,7 @@ def ring_bytes(kind: str, size_bytes: float, n: int) -> float:
     Args:
       kind: one of `KINDS`.
       size_bytes: `size` in the table: the all-reduce/all-to-all/permute operand, the all-gather output, the
-        reduce-scatter input, in bytes.
+        reduce-scatter input, the ragged all-to-all's send operand, in bytes.
       n: devices per replica group; n = 1 moves nothing.
 
     Raises:
@@ -35,7 +38,7 @@ def ring_bytes(kind: str, size_bytes: float, n: int) -> float:
         raise ValueError(f"group size must be >= 1, got {n}")
     if kind == "all-reduce":
         return 2.0 * (n - 1) / n * size_bytes
-    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+    if kind in ("all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all"):
         return (n - 1) / n * size_bytes
     if kind == "collective-permute":
         return float(size_bytes) if n > 1 else 0.0

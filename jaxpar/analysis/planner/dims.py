@@ -175,7 +175,7 @@ def dims(cfg: Config, platform: str) -> Dims:
         sp=sp,
         accum=accum,
         m=m,
-        layers_per_stage=cfg.model.n_layers // p,
+        layers_per_stage=cfg.model.stacked_layers // p,  # the first dense blocks run with the embedding
         compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
         reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
         param_bytes=precision_layout(cfg.precision.layout).param_bytes,

@@ -318,7 +318,9 @@ def activation_bytes(cfg: Config, platform: str = "gpu") -> dict:
     per_layer = sum(_layer_bytes(cfg, d, platform).values())
     stage_input = d.b * d.s_act * mdl.d_model * bc
     slices = t * (p if cfg.pipeline.vocab_parallel else 1)  # the logits' vocabulary shards
-    outside = stage_input + d.b * d.r * (mdl.vocab_size // slices) * bc
+    # the embedding's output, the input each first dense block keeps (`model.moe.first_dense`: they run with the
+    # embedding, checkpointed like a stacked layer) and the logits
+    outside = (1 + mdl.first_dense) * stage_input + d.b * d.r * (mdl.vocab_size // slices) * bc
     slots = schedule.stash_slots(p, v)  # 2pv - 1 (2p - 1 for plain 1F1B)
     if d.layout is not None:
         depth = f"n_max={d.layers_per_chunk} (the uneven split's deepest model chunk; padding rows held, skipped)"
