@@ -25,9 +25,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only CUDA devices; neve
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The configs with a record in configs/gpu_check.json (file name patterns in configs/); each names its cluster.
-# The MoE configs (mixtral_8x7b.yaml, deepseek_v3.yaml) are not yet among them: the planner's MoE peak is not within
-# 15% of the compiled one (mixtral_8x7b.yaml on 64 H100s: 45.5 GB compiled, 31.8 GB planned).
-CHECKED = ("llama_*.yaml", "mistral_7b.yaml", "qwen2_5_7b.yaml", "qwen3_8b.yaml", "gemma2_9b.yaml")
+CHECKED = (
+    "llama_*.yaml",
+    "mistral_7b.yaml",
+    "qwen2_5_7b.yaml",
+    "qwen3_8b.yaml",
+    "gemma2_9b.yaml",
+    "mixtral_8x7b.yaml",
+    "deepseek_v3.yaml",
+)
 
 
 def checked_configs() -> list[str]:
