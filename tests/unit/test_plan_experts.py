@@ -239,12 +239,13 @@ def test_edge_gradients_fold_into_one_all_reduce_on_gpu():
     """Under ZeRO-1 with a pipeline, XLA's GPU compiler folds the embedding's and head's all-reduce over pipeline and
     their all-reduce over data into one over data x pipeline; XLA:CPU keeps both (`jaxpar.analysis.planner.comm`).
     The deviceless H100 compile of configs/mixtral_8x7b.yaml measured 1,015,823,872 B over data,pipeline and
-    1,175,552,000 B over data, the gpu plan's bytes exactly."""
+    1,175,552,000 B over data (all-reduce) and 523,267,584 B over data (all-gather), the gpu plan's bytes exactly."""
     cfg = load_config(os.path.join(ROOT, "configs", "mixtral_8x7b.yaml"), num_devices=64)
     gpu, cpu = plan(cfg, "gpu")["by_axis"], plan(cfg, "cpu")["by_axis"]
     edge = (2 * 32000 * 4096 + 4096) // 2 * 4  # embedding, head and final norm, split over fsdp=2, fp32 gradients
     assert gpu["data,pipeline all-reduce"] == pytest.approx(ring_bytes("all-reduce", edge, 32), rel=1e-12)
     assert gpu["data,pipeline all-reduce"] == 1_015_823_872 and gpu["data all-reduce"] == 1_175_552_000
+    assert gpu["data all-gather"] == 523_267_584  # ZeRO-1's gather of the updated parameters keeps the edge leaves
     assert "pipeline all-reduce" not in gpu
     assert cpu["pipeline all-reduce"] == pytest.approx(ring_bytes("all-reduce", edge, 4), rel=1e-12)
     assert "data,pipeline all-reduce" not in cpu

@@ -331,15 +331,14 @@ def _data_terms(cfg: Config, d, out: list, fold: bool) -> None:
     if d.zero == 3:
         return
     # The routed experts' gradients need no reduction over data when data is an expert axis; the edge leaves'
-    # all-reduce over data is folded into their pipeline term where `_edge_fold`.
-    leaves = [
-        x
-        for x in param_leaves(cfg.model)
-        if not (x.expert and DATA in d.expert_axes) and not (fold and not x.in_blocks and x in _edge_rest(cfg, d))
-    ]
+    # gradient all-reduce over data is folded into their pipeline term where `_edge_fold` (not the gather of their
+    # updated values).
+    leaves = [x for x in param_leaves(cfg.model) if not (x.expert and DATA in d.expert_axes)]
     grads = sum(local_size(x, d.shape, (FSDP,), d.expert_axes) for x in leaves)
+    folded = [x for x in leaves if fold and not x.in_blocks and x in _edge_rest(cfg, d)]
+    reduced = grads - sum(local_size(x, d.shape, (FSDP,), d.expert_axes) for x in folded)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
-    _term(out, d.shape, "gradients", (DATA,), kind, len(leaves), grads * d.wire(d.reduce_bytes))
+    _term(out, d.shape, "gradients", (DATA,), kind, len(leaves) - len(folded), reduced * d.wire(d.reduce_bytes))
     if d.zero in (1, 2):
         width = {2: "bf16", 4: "fp32"}
         name = f"updated parameters ({width[d.param_bytes]}" + (
