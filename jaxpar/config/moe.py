@@ -16,7 +16,10 @@ from jaxpar.config.schema import Config, ModelConfig, MoEConfig
 log = logging.getLogger(__name__)
 
 ROUTINGS = ("dropless", "capacity")
+GATINGS = ("softmax", "sigmoid")  # model.moe.gating (`jaxpar.model.moe.route`)
 EXPERT_AXES = DATA_PARALLEL_AXES  # the mesh axes experts may be split over: those that split the batch
+ALL_TO_ALLS = ("auto", "ragged", "emulated")  # model.moe.all_to_all (`jaxpar.parallel.ragged`)
+RAGGED_PLATFORMS = ("gpu", "tpu")  # the backends with a ragged all-to-all (XLA:CPU has none)
 
 
 def without_expert_axes(model: ModelConfig) -> ModelConfig:
@@ -71,8 +74,83 @@ def _check_ranges(moe: MoEConfig) -> None:
     check_positive("model.moe.first_dense", moe.first_dense, allow_zero=True)
     check_choice("model.moe.routing", moe.routing, ROUTINGS)
     check_positive("model.moe.capacity_factor", moe.capacity_factor)
+    check_positive("model.moe.receive_factor", moe.receive_factor, allow_zero=True)
+    check_choice("model.moe.all_to_all", moe.all_to_all, ALL_TO_ALLS)
     check_positive("model.moe.aux_loss_weight", moe.aux_loss_weight, allow_zero=True)
     check_positive("model.moe.z_loss_weight", moe.z_loss_weight, allow_zero=True)
+    check_choice("model.moe.gating", moe.gating, GATINGS)
+    check_positive("model.moe.routed_scale", moe.routed_scale)
+    check_positive("model.moe.bias_update_rate", moe.bias_update_rate, allow_zero=True)
+    check_positive("model.moe.expert_groups", moe.expert_groups)
+    check_positive("model.moe.group_top_k", moe.group_top_k, allow_zero=True)
+
+
+def _check_gating(moe: MoEConfig) -> None:
+    """The keys of DeepSeek-V3's routing (`jaxpar.model.moe.route`): those only sigmoid gating gives a meaning,
+    and the expert groups of node-limited routing."""
+    if moe.gating == "sigmoid" and moe.z_loss_weight > 0:
+        raise ConfigError(
+            f"model.moe.z_loss_weight={moe.z_loss_weight} with model.moe.gating=sigmoid: the router z-loss "
+            f"penalises the softmax's log-partition, which sigmoid gates do not have; set model.moe.z_loss_weight=0 "
+            f"(DeepSeek-V3 balances with model.moe.bias_update_rate and a small model.moe.aux_loss_weight)"
+        )
+    groups, chosen = moe.expert_groups, moe.group_top_k
+    if moe.num_experts % groups:
+        raise ConfigError(
+            f"model.moe.expert_groups={groups} must divide model.moe.num_experts={moe.num_experts} (each group "
+            f"holds num_experts / expert_groups experts); change one of them, or model.moe.expert_groups=1"
+        )
+    if chosen > groups:
+        raise ConfigError(
+            f"model.moe.group_top_k={chosen} must be at most model.moe.expert_groups={groups} (the groups a token "
+            f"may route to; DeepSeek-V3: 4 of 8); lower it, or 0 for every group"
+        )
+    if chosen and moe.top_k > chosen * (moe.num_experts // groups):
+        raise ConfigError(
+            f"model.moe.top_k={moe.top_k} experts do not fit in model.moe.group_top_k={chosen} groups of "
+            f"{moe.num_experts // groups} experts; raise model.moe.group_top_k or lower model.moe.top_k"
+        )
+    if moe.gating != "sigmoid" and moe.bias_update_rate > 0:
+        raise ConfigError(
+            f"model.moe.bias_update_rate={moe.bias_update_rate} with model.moe.gating={moe.gating}: the balancing "
+            f"bias is DeepSeek-V3's, added to sigmoid affinities; set model.moe.gating=sigmoid or "
+            f"model.moe.bias_update_rate=0"
+        )
+
+
+def _warn_receive_factor(moe: MoEConfig, shape: dict[str, int]) -> None:
+    """A warning when `model.moe.receive_factor` is set where it sizes nothing: it is the receive buffer of
+    dropless routing's all-to-all over expert axes of size > 1."""
+    if moe.receive_factor and (
+        not moe.enabled or moe.routing != "dropless" or expert_parallel_size(moe.expert_axes, shape) == 1
+    ):
+        log.warning(
+            "model.moe.receive_factor=%s has no effect: it sizes the receive buffer of dropless routing's "
+            "all-to-all over model.moe.expert_axes (here num_experts=%d, routing=%s, expert_axes=%s)",
+            moe.receive_factor,
+            moe.num_experts,
+            moe.routing,
+            list(moe.expert_axes),
+        )
+
+
+def resolve_all_to_all(all_to_all: str, platform: str) -> str:
+    """The transport `model.moe.all_to_all` means on `platform` (`gpu`, `tpu`, `cpu`, as `jax.default_backend()`
+    names them): `ragged` or `emulated` (`jaxpar.parallel.ragged`). `auto` is ragged on `RAGGED_PLATFORMS`, else
+    emulated.
+
+    Raises:
+      ConfigError: `ragged` on a platform without a ragged all-to-all (the message names the fix).
+    """
+    if all_to_all == "auto":
+        return "ragged" if platform in RAGGED_PLATFORMS else "emulated"
+    if all_to_all == "ragged" and platform not in RAGGED_PLATFORMS:
+        raise ConfigError(
+            f"model.moe.all_to_all=ragged needs a backend with a ragged all-to-all (GPU, TPU) and this step runs on "
+            f"{platform} (XLA:CPU has none); set model.moe.all_to_all=auto (ragged on GPU and TPU, emulated "
+            f"elsewhere) or emulated"
+        )
+    return all_to_all
 
 
 def check_moe(cfg: Config, shape: dict[str, int]) -> None:
@@ -86,13 +164,15 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
       ConfigError: a key out of range, `model.moe.every` not dividing `model.n_layers`, MoE units
         (n_layers / every) that do not split evenly into the pipeline's mesh.pipeline * pipeline.virtual_stages
         model chunks, or `model.moe.expert_axes` naming another axis than data or fsdp, an axis twice, or axes
-        whose sizes' product does not divide num_experts, or capacity routing with mesh.context > 1; the message
-        names the fix. (A model family without
-        MoE support is refused when its model is built: `jaxpar.model.interface.check_model`.)
+        whose sizes' product does not divide num_experts, or capacity routing with mesh.context > 1, or a
+        z-loss weight with sigmoid gating or a balancing-bias rate without it, or expert groups that do not
+        divide num_experts or hold fewer than top_k experts in group_top_k groups; the message names the fix. (A
+        model family without MoE support is refused when its model is built: `jaxpar.model.interface.check_model`.)
     """
     moe, m = cfg.model.moe, cfg.model
     _check_ranges(moe)  # also for a dense model: a value out of range is never meant
     check_expert_axes(moe.expert_axes, moe.num_experts, shape)
+    _warn_receive_factor(moe, shape)
     if moe.num_experts == 0:
         if moe.expert_axes:
             log.warning(
@@ -100,6 +180,7 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
                 list(moe.expert_axes),
             )
         return
+    _check_gating(moe)
     if moe.top_k > moe.num_experts:
         raise ConfigError(
             f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}; lower "

@@ -22,8 +22,8 @@ class MoEConfig:
 
     Attributes:
       num_experts: routed experts E per MoE block; 0 = dense model (no MoE), else at least 2.
-      top_k: experts each token is sent to (1 <= top_k <= num_experts). Gates are the router's softmax
-        probabilities of the chosen experts, renormalised to sum to 1 when top_k > 1 (Mixtral, DeepSeek-V3);
+      top_k: experts each token is sent to (1 <= top_k <= num_experts). Gates (softmax gating) are the router's
+        softmax probabilities of the chosen experts, renormalised to sum to 1 when top_k > 1 (Mixtral, DeepSeek-V3);
         with top_k = 1 the raw probability (Switch Transformer), so the router learns from the main loss.
       d_expert: hidden width of each expert's SwiGLU; 0 means model.d_ff.
       shared_experts: experts every token passes through besides the routed ones (DeepSeekMoE, Dai et al. 2024):
@@ -42,7 +42,8 @@ class MoEConfig:
         carries them).
       capacity_factor: the C above (capacity routing only), > 0.
       aux_loss_weight: weight of the load-balancing loss (Switch Transformer, Fedus et al. 2021, eq. 4), summed
-        over MoE blocks. Switch uses 1e-2.
+        over MoE blocks. Switch uses 1e-2. With sigmoid gating it is DeepSeek-V3's sequence-wise balance loss
+        and this its alpha per block (1e-4; `jaxpar.training.moe_loss`).
       z_loss_weight: weight of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5), summed over MoE blocks.
         ST-MoE uses 1e-3.
       expert_axes: expert parallelism: the mesh axes, among `data` and `fsdp`, the experts are split over (YAML
@@ -51,6 +52,35 @@ class MoEConfig:
         sends each assignment to its expert's device with an all-to-all (`jaxpar.model.moe`). The experts sit on
         axes that already split the batch, as in DeepSpeed-MoE (Rajbhandari et al. 2022, section 4.1) and
         DeepSeek-V3 (technical report, section 3.2): no fifth mesh axis, and dense layers keep their layout.
+      gating: the router's gating function (`jaxpar.model.moe.route`): `softmax` (the gates above) or `sigmoid`
+        (DeepSeek-V3, technical report arXiv 2412.19437, section 2.1.2, eq. 12-16): affinities s_i = sigmoid(u .
+        e_i) in fp32, the top_k chosen on s_i + b_i (b: the per-expert balancing bias, `bias_update_rate`), gates
+        s_i / sum of the chosen s_j (the bias not in them, normalised for every top_k). The load-balancing loss
+        then uses s_i / sum over all experts of s_j (eq. 19); the z-loss has no meaning there (z_loss_weight must
+        be 0).
+      routed_scale: every gate multiplied by this (DeepSeek-V3's routed_scaling_factor, 2.5 in its released
+        config.json); > 0, 1.0 = unscaled.
+      bias_update_rate: gamma of DeepSeek-V3's auxiliary-loss-free load balancing (section 2.1.2; 0.001 for most
+        of its training), sigmoid gating only: after each step every MoE block's bias b_i moves by gamma *
+        sign(mean load - load_i) over the step's global batch (`jaxpar.training.router_bias`). >= 0; 0 keeps the
+        bias where it is (zeros, or an imported model's).
+      expert_groups: node-limited routing (DeepSeek-V3, section 2.1.2; config.json n_group 8): the E experts in
+        this many groups of E / expert_groups consecutive experts, and each token chooses its top_k among the
+        experts of its `group_top_k` best groups, a group scored by the sum of its two highest choice scores
+        (s + b under sigmoid gating, p under softmax). 1 = off. Must divide num_experts. It limits which experts
+        a token may choose; the dispatch still moves every assignment by all-to-all over the expert axes.
+      group_top_k: the groups each token may route to (DeepSeek-V3: topk_group 4), 1 <= group_top_k <=
+        expert_groups, with top_k <= group_top_k * num_experts / expert_groups; 0 = every group (off).
+      receive_factor: dropless routing with expert_axes only: the rows R each device's experts can receive per
+        MoE block, as a multiple of its own assignments A = b * T * top_k: R = ceil(receive_factor * A), at
+        most ep * A. 0 (default) = ep * A, the worst case (every assignment routed to one device): truly
+        dropless. Smaller saves the receive buffer and the experts' padded rows (DeepSeek-V3, ep = 64: the worst
+        case is 64 * A rows); assignments past R at a device are dropped (their routed output is zero, the
+        residual carries the token) and counted in the moe_dropped_fraction metric. >= 0.
+      all_to_all: dropless routing's transport over expert_axes (`jaxpar.parallel.ragged`): `auto` (ragged on
+        GPU and TPU, emulated elsewhere), `ragged` (`jax.lax.ragged_all_to_all`: each device sends only the rows
+        it routes; GPU and TPU only, XLA:CPU has none) or `emulated` (a dense all-to-all of a buffer padded for
+        the worst case, ep * min(A, R) rows; any backend). Both give the same result.
     """
 
     num_experts: int = 0
@@ -64,6 +94,13 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     expert_axes: tuple[str, ...] = ()
+    gating: str = "softmax"
+    routed_scale: float = 1.0
+    bias_update_rate: float = 0.0
+    expert_groups: int = 1
+    group_top_k: int = 0
+    receive_factor: float = 0.0
+    all_to_all: str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -361,8 +398,8 @@ class OptimizerConfig:
       weight_decay: decoupled weight decay (AdamW's lambda; the update subtracts learning rate * lambda * w).
       weight_decay_exclude: fnmatch patterns over parameter names (the dotted path in the parameter tree, e.g.
         `embed.table`, `blocks.attn_norm.scale`; `*` matches dots too): a parameter matching any gets no weight
-        decay. The default leaves out the built-in families' norm scales and Qwen2's q/k/v biases (`bq`, `bk`,
-        `bv`); add `embed.*` to spare the embeddings. Each pattern you set must match a parameter of the model
+        decay. The default leaves out the built-in families' norm scales, Qwen2's q/k/v biases (`bq`, `bk`,
+        `bv`) and the MoE balancing bias (`router_bias`, set by its own rule); add `embed.*` to spare the embeddings. Each pattern you set must match a parameter of the model
         (checked when the step is planned, before any device work; `jaxpar.training.optimizer`); the default's
         need not.
     """
@@ -372,7 +409,7 @@ class OptimizerConfig:
     decay: str = "cosine"
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
-    weight_decay_exclude: tuple[str, ...] = ("*.scale", "*.bq", "*.bk", "*.bv")
+    weight_decay_exclude: tuple[str, ...] = ("*.scale", "*.bq", "*.bk", "*.bv", "*.router_bias")
     b1: float = 0.9
     b2: float = 0.95
     eps: float = 1e-8

@@ -1,42 +1,73 @@
 """Expert parallelism: token dispatch to the devices holding each expert and combine back, with explicit
-`all_to_all`s over the expert axes, for use inside shard_map.
+all-to-alls over the expert axes, for use inside shard_map.
 
 Shape letters: b local batch rows, E experts, El = E / n experts per device, n expert-parallel size (the product
 of the sizes of `model.moe.expert_axes`), C capacity per expert and sequence, A = b * T * k local assignments,
-D model width.
+R dropless receive rows per device (`receive_rows`), D model width.
 
 The experts' weights are stacked [E, ...] and split over the expert axes: device r (its linear index over the
 axes, major to minor) holds experts [r * El, (r + 1) * El) (`jaxpar.parallel.sharding.logical_to_spec`). Each device
-routes its own rows; `all_to_all` over the expert axes moves every assignment to its expert's device and the
+routes its own rows; an all-to-all over the expert axes moves every assignment to its expert's device and the
 results back (GShard, Lepikhin et al. 2020, section 3.2; DeepSpeed-MoE, Rajbhandari et al. 2022, section 4.1).
-An `all_to_all` is its own transpose, so the backward runs the same two collectives in reverse, and each
-expert's weight gradient sums every token routed to it from all n devices: expert weights need no gradient
-reduction over the expert axes.
+Its transpose is an all-to-all in the other direction, so the backward runs the same two collectives in reverse,
+and each expert's weight gradient sums every token routed to it from all n devices: expert weights need no
+gradient reduction over the expert axes.
 
-Bytes per MoE block and direction (forward dispatch, forward combine, and the same two in the backward), per
-device, in the compute dtype, of which the fraction (n - 1) / n leaves the device:
-  * capacity routing: the fixed buffer E * C * b * D (GShard's dispatch tensor);
-  * dropless routing: a padded buffer n * A * D. Without a ragged all-to-all (XLA:CPU has none) the static
-    shapes must hold the worst case, every local assignment sent to one device, so each destination gets A
-    rows of which only those routed there are real: n times the bytes of the tokens moved. (A ragged
-    all-to-all, `jax.lax.ragged_all_to_all` on GPU/TPU, would send only the real rows; not used yet.)
+What moves per MoE block and direction (forward dispatch, forward combine, and the same two in the backward), per
+device, in the compute dtype:
+  * capacity routing: the fixed buffer E * C * b * D (GShard's dispatch tensor), of which (n - 1) / n leaves the
+    device;
+  * dropless routing, ragged transport (`jax.lax.ragged_all_to_all`, GPU and TPU; `model.moe.all_to_all`
+    resolved by the step plan): each device sends only the rows it routes, A * D in all for the dispatch (the
+    same back in the combine; the receive buffer, [R, D], is what the static shapes must hold: the worst case
+    R = n * A unless `model.moe.receive_factor` bounds it). The senders learn where their rows land from two
+    small int32 all-to-alls: counts and offsets, n * (El + 1) and 2 * n per device (`dispatch_dropless`).
+  * dropless routing, emulated transport (`jaxpar.parallel.ragged`; any backend, XLA:CPU has no ragged
+    all-to-all): the same offsets, then a dense all-to-all of a buffer padded for the worst case, n * min(A, R)
+    * D, of which (n - 1) / n leaves the device: each destination gets min(A, R) rows of which only those
+    routed there are real, up to n times the bytes of the tokens moved; plus the n int32 output offsets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY, REMAT_RECOMPUTING_EXPERTS
+from jaxpar.config.schema import MoEConfig
+from jaxpar.parallel.ragged import ragged_all_to_all
 
 # Checkpoint names of the all-to-alls' outputs, for the remat policies of `jaxpar.model.stack`: EXPERT_DISPATCHED
 # on the rows each device's experts receive, EXPERT_COMBINED on the expert outputs back on their tokens' device.
 EXPERT_DISPATCHED = "expert_dispatched"
 EXPERT_COMBINED = "expert_combined"
+
+
+class DroplessRouting(NamedTuple):
+    """What `ExpertParallel.combine_dropless` needs to undo a dropless dispatch (int32 unless said; N: the n
+    expert-parallel ranks, as destinations on the sending side and as sources on the receiving side).
+
+    Attributes:
+      order: [R]: the received rows' order grouped by local expert (received row order[i] is dispatched row i).
+      at_N, kept_N: where each source's rows sit in this device's receive buffer, and how many of them it kept.
+      src_start_N: where those rows started in each source's sorted assignments.
+      send_kept_N: how many of this device's rows for each destination the destination kept.
+      dropped: [] this device's assignments that did not fit at their destination.
+      assignments: A, this device's assignments (static).
+    """
+
+    order: jax.Array
+    at_N: jax.Array
+    kept_N: jax.Array
+    src_start_N: jax.Array
+    send_kept_N: jax.Array
+    dropped: jax.Array
+    assignments: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +78,22 @@ class ExpertParallel:
       axes: the mesh axes experts are split over, major to minor, only those of size > 1; () = no expert
         parallelism (every op below is then the identity or plain local math, so the same layer runs on one
         device outside shard_map).
+      ragged: dropless routing's transport: True `jax.lax.ragged_all_to_all` (GPU, TPU), False its emulation
+        (`jaxpar.parallel.ragged`; any backend). The step plan decides it from the devices' platform
+        (`model.moe.all_to_all`); the model never asks the default backend.
+      receive_factor: `model.moe.receive_factor`: the dropless receive buffer's rows (`receive_rows`).
     """
 
     axes: tuple[str, ...] = ()
+    ragged: bool = False
+    receive_factor: float = 0.0
+
+    @classmethod
+    def of(cls, moe: MoEConfig) -> ExpertParallel:
+        """The context `model.moe` describes, as the step plan resolved it (`jaxpar.training.plan`): its expert axes,
+        the ragged transport when `all_to_all` is `ragged` (an unresolved `auto` emulates: right on any backend),
+        its receive factor."""
+        return cls(tuple(moe.expert_axes), ragged=moe.all_to_all == "ragged", receive_factor=moe.receive_factor)
 
     @property
     def active(self) -> bool:
@@ -80,53 +124,104 @@ class ExpertParallel:
         back = checkpoint_name(self._all_to_all(out_NLBCD), EXPERT_COMBINED) if self.active else out_NLBCD
         return jnp.swapaxes(back.reshape(n * el, b, c, d), 0, 1)
 
-    def dispatch_dropless(
-        self, xs_AD: jax.Array, expert_A: jax.Array, sizes_E: jax.Array
-    ) -> tuple[jax.Array, jax.Array, dict]:
-        """Dropless dispatch of this device's assignments, sorted by expert.
+    def dispatch_dropless(self, xs_AD: jax.Array, sizes_E: jax.Array) -> tuple[jax.Array, jax.Array, DroplessRouting]:
+        """Dropless dispatch of this device's assignments, sorted by expert, to their experts' devices (module
+        docstring: which transport, what moves). Inside shard_map over the expert axes, active only.
+
+        Offsets (int32, two small all-to-alls): each source sends its counts per destination's local expert and
+        where its rows for each destination start; each destination takes its sources' rows source-major, source
+        s at at_s = sum of the earlier sources' counts, and keeps kept_s = clip(R - at_s, 0, count_s) of them (R =
+        `receive_rows`); (at_s, kept_s) go back to the sources, which send the first kept_s of their rows for that
+        destination. The rest are dropped (their output is zero) and counted.
 
         Args:
           xs_AD: the A assignments' inputs [A, D], sorted by expert id (stable).
-          expert_A: their expert ids, int32 [A], non-decreasing.
-          sizes_E: assignments per expert, int32 [E].
+          sizes_E: assignments per expert, int32 [E] (so expert e's rows of xs_AD follow expert e - 1's).
 
         Returns:
-          (rows [n * A, D]: every assignment received for this device's experts, grouped by local expert,
-          padding rows (zeros) last; group sizes int32 [El] for `jax.lax.ragged_dot`; the routing to undo it in
-          `combine_dropless`).
+          (rows [R, D]: every assignment received for this device's experts, grouped by local expert, padding
+          rows (zeros) last; group sizes int32 [El] for `jax.lax.ragged_dot`; the routing to undo it in
+          `combine_dropless`, with the count of this device's assignments dropped).
         """
         a, d = xs_AD.shape
         n = self.size()
         el = sizes_E.shape[0] // n
-        dest = expert_A // el  # the device holding each assignment's expert, non-decreasing
-        per_dest = jnp.sum(sizes_E.reshape(n, el), axis=1)
-        pos = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(per_dest) - per_dest)[dest]
-        send = jnp.zeros((n, a, d), xs_AD.dtype).at[dest, pos].set(xs_AD)
-        counts_NL = sizes_E.reshape(n, el)
-        if self.active:
-            send = self._all_to_all(send)  # [n(source), A, D]
-            # each source's counts for this device's experts (int32, E * 4 bytes per device)
-            counts_NL = checkpoint_name(self._all_to_all(counts_NL), EXPERT_DISPATCHED)
-        # Received row p of source s belongs to local expert j where p falls in [ends[s, j-1], ends[s, j]);
-        # rows past the source's total are padding (id El, sorted last).
-        ends = jnp.cumsum(counts_NL, axis=1)
-        local_NA = jnp.sum(jnp.arange(a, dtype=jnp.int32)[None, :, None] >= ends[:, None, :], axis=-1)
-        order = jnp.argsort(local_NA.reshape(-1), stable=True)
-        rows = checkpoint_name(send.reshape(n * a, d)[order], EXPERT_DISPATCHED)
-        return rows, jnp.sum(counts_NL, axis=0).astype(jnp.int32), {"dest": dest, "pos": pos, "order": order}
+        r = receive_rows(n, a, self.receive_factor)
+        counts_NL = sizes_E.reshape(n, el)  # my assignments per destination rank and its local expert
+        send_N = jnp.sum(counts_NL, axis=1)
+        start_N = jnp.cumsum(send_N) - send_N  # where my rows for each destination start in xs_AD
+        # source -> destination (int32, n * (El + 1) per device): each source's counts for my local experts, and
+        # where its rows for me start in its sorted assignments (for the combine to write them back there)
+        meta = self._all_to_all(jnp.concatenate([counts_NL, start_N[:, None]], axis=1))
+        meta = checkpoint_name(meta, EXPERT_DISPATCHED)
+        recv_NL, src_start_N = meta[:, :el], meta[:, el]
+        recv_N = jnp.sum(recv_NL, axis=1)
+        at_N = jnp.cumsum(recv_N) - recv_N  # where each source's rows land here, source-major
+        kept_N = jnp.clip(r - at_N, 0, recv_N)  # what fits in the R receive rows
+        # destination -> source (int32, 2n per device): where my rows land on each destination, how many it keeps
+        back = checkpoint_name(self._all_to_all(jnp.stack([at_N, kept_N], axis=1)), EXPERT_DISPATCHED)
+        out_at_N, send_kept_N = back[:, 0], back[:, 1]
+        recv_RD = ragged_all_to_all(
+            xs_AD,
+            jnp.zeros((r, d), xs_AD.dtype),
+            start_N,
+            send_kept_N,
+            out_at_N,
+            kept_N,
+            self.axes,
+            emulate=not self.ragged,
+        )
+        # Received row p belongs to segment (source s, local expert j), the last of the n * El segments (source-
+        # major) that start at or before p: a kept source's segments are its counts in expert order; only the last
+        # kept source can be cut short, its segments then end at R. Rows past every kept row are padding (El).
+        first_NL = jnp.cumsum(recv_NL, axis=1) - recv_NL
+        seg_start = (at_N[:, None] + jnp.minimum(first_NL, kept_N[:, None])).reshape(-1)
+        seg_R = jnp.cumsum(jnp.zeros(r, jnp.int32).at[seg_start].add(1, mode="drop")) - 1
+        pos_R = jnp.arange(r, dtype=jnp.int32)
+        local_R = jnp.where(pos_R < jnp.sum(kept_N), seg_R % el, el)
+        order = jnp.argsort(local_R, stable=True)
+        rows = checkpoint_name(recv_RD[order], EXPERT_DISPATCHED)
+        kept_NL = jnp.clip(kept_N[:, None] - first_NL, 0, recv_NL)
+        routing = DroplessRouting(
+            order=order,
+            at_N=at_N,
+            kept_N=kept_N,
+            src_start_N=src_start_N,
+            send_kept_N=send_kept_N,
+            dropped=jnp.sum(send_N - send_kept_N),
+            assignments=a,
+        )
+        return rows, jnp.sum(kept_NL, axis=0).astype(jnp.int32), routing
 
-    def combine_dropless(self, out_RD: jax.Array, routing: dict) -> jax.Array:
-        """The inverse of `dispatch_dropless`: expert outputs [n * A, D] in its row order -> this device's
-        assignments' outputs [A, D] in their sorted order."""
-        n_a, d = out_RD.shape
-        n = self.size()
-        back = jnp.zeros_like(out_RD).at[routing["order"]].set(out_RD).reshape(n, n_a // n, d)
-        if self.active:
-            back = self._all_to_all(back)  # [n(destination), A, D]
-        return checkpoint_name(back[routing["dest"], routing["pos"]], EXPERT_COMBINED)
+    def combine_dropless(self, out_RD: jax.Array, routing: DroplessRouting) -> jax.Array:
+        """The inverse of `dispatch_dropless`: expert outputs [R, D] in its row order -> this device's
+        assignments' outputs [A, D] in their sorted order, zeros for the dropped ones. The same transport as the
+        dispatch, in the other direction: each destination sends back the kept rows of each source to where they
+        started in the source's sorted assignments."""
+        arrived_RD = jnp.zeros_like(out_RD).at[routing.order].set(out_RD)  # source-major, as received
+        back_AD = ragged_all_to_all(
+            arrived_RD,
+            jnp.zeros((routing.assignments, out_RD.shape[1]), out_RD.dtype),
+            routing.at_N,
+            routing.kept_N,
+            routing.src_start_N,
+            routing.send_kept_N,
+            self.axes,
+            emulate=not self.ragged,
+        )
+        return checkpoint_name(back_AD, EXPERT_COMBINED)
 
 
 NO_EXPERT_PARALLEL = ExpertParallel()
+
+
+def receive_rows(n: int, assignments: int, receive_factor: float) -> int:
+    """R, the rows of one device's dropless receive buffer: the worst case n * A (every assignment of the n ranks
+    routed to this device's experts: nothing is ever dropped) when receive_factor is 0, else
+    ceil(receive_factor * A) clamped to [1, n * A] (A = `assignments`, b * T * k)."""
+    if receive_factor <= 0:
+        return n * assignments
+    return max(1, min(n * assignments, math.ceil(receive_factor * assignments)))
 
 
 def capacity(seq_len: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -147,7 +242,9 @@ def all_to_all_buffer(
 ) -> int:
     """S, the elements (compute dtype) of one MoE all-to-all buffer on one device (module docstring): capacity
     routing E * C * b * D with C = ceil(capacity_factor * T * k / E) (GShard, Lepikhin et al. 2020, section 3.2:
-    the dispatch tensor); dropless routing n * A * D with A = b * T * k (padded for the worst case).
+    the dispatch tensor); dropless routing n * A * D with A = b * T * k: the emulated transport's buffer, padded
+    for the worst case, with `model.moe.receive_factor` 0 or >= 1 (n * min(A, R) * D in general; the ragged
+    transport sends A * D and receives into R * D, module docstring).
 
     Args:
       routing: `dropless` or `capacity`; n: the expert-parallel size; rows: b, local rows of the microbatch;

@@ -17,6 +17,14 @@ Both are summed over the U MoE blocks in the training loss:
 
 and reported as their means over the U blocks (`moe_metrics`).
 
+DeepSeek-V3's sequence-wise balance loss (technical report, arXiv 2412.19437, section 2.1.2, eq. 17-20) is
+L_Bal = alpha * sum_i f_i P_i per sequence, f_i = E / (k T) * (tokens of the sequence choosing i), P_i the mean
+over its T tokens of the normalised affinities s'_i (sigmoid gating, `jaxpar.model.moe.route`): that sum is each
+sequence's aux (E times the fraction of its assignments times P_i). So aux_loss_weight is the paper's alpha for
+one MoE block, the loss sums the blocks' terms (alpha per layer, as the paper's per-layer balance loss), and
+the sequences enter weighted by their valid tokens: for sequences without padding, the mean over the global
+batch's sequences. DeepSeek-V3 sets alpha = 0.0001 (section 4.2), so model.moe.aux_loss_weight=0.0001.
+
 Inside pipeline stages (`jaxpar.parallel.pipeline`, `StageParts.blocks_loss`) each stage computes the sums of its
 own MoE units for each microbatch: the weighted terms enter the loss there, scaled by 1 / global tokens like the
 head's loss, so the backward of each stage carries their gradient through its own routers and into its input
@@ -35,8 +43,10 @@ from jaxpar.config.schema import MoEConfig
 # The per-microbatch sums the step accumulates (all fp32): "aux" and "z" are token-weighted (divided by the
 # global token count like the loss), "load" [U, E] and "dropped" are raw assignment counts.
 MEAN_KEYS = ("aux", "z")
-# The metrics `moe_metrics` returns (the train step's, the metrics rows').
-MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max_mean")
+# The balancing biases' spread under sigmoid gating (`jaxpar.training.router_bias.spread`, a train step metric).
+BIAS_SPREAD = "moe_router_bias_spread"
+# The MoE metrics of the train step and the metrics rows: `moe_metrics`' and, with sigmoid gating, BIAS_SPREAD.
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_max_mean", BIAS_SPREAD)
 
 
 def moe_sums(stats: dict, mask_BT: jax.Array) -> dict:

@@ -27,7 +27,7 @@ from jaxpar.config.attention import resolve_attention
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import CONTEXT, PIPELINE, TENSOR, TOKEN_AXES
 from jaxpar.config.mesh_shape import resolve_mesh_shape
-from jaxpar.config.moe import check_moe, without_expert_axes
+from jaxpar.config.moe import check_moe, resolve_all_to_all, without_expert_axes
 from jaxpar.config.precision import (
     PrecisionLayout,
     check_fp8_capability,
@@ -327,10 +327,12 @@ def _resolved_model(cfg: Config, mesh: Mesh, platform: str) -> ModelConfig:
     """`cfg.model` with `model.attention` resolved for `platform` (`auto` -> cudnn on NVIDIA GPUs, xla elsewhere;
     `jaxpar.config.attention`) at the resolved compute dtype, so the model never asks the default backend.
     `model.moe.expert_axes` keeps the axes of size > 1, in mesh order (the order of the experts' shards and of
-    the all-to-all's ranks).
+    the all-to-all's ranks); `model.moe.all_to_all` is resolved for `platform` (`auto` -> ragged on GPU and TPU,
+    emulated elsewhere; `jaxpar.config.moe.resolve_all_to_all`).
 
     Raises:
-      ConfigError: `model.attention=cudnn` on devices or with a dtype or head width cuDNN does not take.
+      ConfigError: `model.attention=cudnn` on devices or with a dtype or head width cuDNN does not take;
+        `model.moe.all_to_all=ragged` on a platform without a ragged all-to-all.
     """
     try:
         m = cfg.model
@@ -341,9 +343,10 @@ def _resolved_model(cfg: Config, mesh: Mesh, platform: str) -> ModelConfig:
         raise ConfigError(str(e)) from e
     moe = cfg.model.moe
     experts = tuple(a for a in MESH_AXES if a in moe.expert_axes and mesh.shape[a] > 1)
-    return dataclasses.replace(
-        cfg.model, attention=attention, moe=dataclasses.replace(moe, expert_axes=experts if moe.enabled else ())
+    moe = dataclasses.replace(
+        moe, expert_axes=experts if moe.enabled else (), all_to_all=resolve_all_to_all(moe.all_to_all, platform)
     )
+    return dataclasses.replace(cfg.model, attention=attention, moe=moe)
 
 
 def _optimizer(

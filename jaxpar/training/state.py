@@ -3,7 +3,8 @@ described abstractly (`abstract_state`, a restore target), laid out as the plan 
 (`jaxpar.training.plan.StepPlan`).
 
 With the `16p` layout (`jaxpar.config.precision.LAYOUTS`) "master" holds the fp32 parameters the optimizer updates
-and "params" their bf16 cast, which the forward reads; with `fp32` "params" are the fp32 parameters themselves.
+and "params" their bf16 cast, which the forward reads (MoE balancing biases kept fp32:
+`jaxpar.training.router_bias`); with `fp32` "params" are the fp32 parameters themselves.
 With FP8 delayed scaling "fp8" holds the amax history (`jaxpar.training.fp8_history`).
 """
 
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.model import init_params
-from jaxpar.training import fp8_history
+from jaxpar.training import fp8_history, router_bias
 from jaxpar.training.plan import StepPlan
 
 
@@ -98,7 +99,7 @@ def _fill_state(plan: StepPlan, params: dict) -> dict:
     state: dict[str, Any] = {"step": jnp.zeros((), jnp.int32)}
     if plan.has_master:
         state["master"] = params
-        state["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), params)
+        state["params"] = router_bias.cast_params(params, plan.param_dtype)  # MoE balancing biases stay fp32
     else:
         state["params"] = params
     state["opt_state"] = plan.tx.init(params)

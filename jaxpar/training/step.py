@@ -38,7 +38,7 @@ from jaxpar.config.mesh_axes import TOKEN_AXES
 from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.parallel import layer_split
 from jaxpar.parallel import pipeline as pipeline_lib
-from jaxpar.training import fp8_history
+from jaxpar.training import fp8_history, router_bias
 from jaxpar.training.context_batch import context_batch
 from jaxpar.training.forward import loss_body, split_microbatches, split_stack
 from jaxpar.training.grad_reduction import reduce_over_data, reduce_replicated
@@ -222,7 +222,9 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
              "bad_steps_in_a_row" and "skipped_steps" (int32): updates skipped for non-finite gradients,
              consecutive up to this step and in total.
     With `model.moe` the loss adds the weighted auxiliary losses, and the metrics add moe_aux_loss,
-    moe_z_loss, moe_dropped_fraction and moe_load_max_mean (`jaxpar.training.moe_loss.moe_metrics`).
+    moe_z_loss, moe_dropped_fraction and moe_load_max_mean (`jaxpar.training.moe_loss.moe_metrics`); with sigmoid
+    gating the step also moves the balancing biases (`jaxpar.training.router_bias`) and reports
+    moe_router_bias_spread.
     "learning_rate" is left out when `plan.schedule` is None (a caller's optimizer without a `learning_rate`
     given to `build_plan`); "bad_steps_in_a_row" and "skipped_steps" are left out when the optimizer state holds
     no `jaxpar.training.optimizer.skip_nonfinite` wrapper (such an optimizer applies every update, finite or not).
@@ -230,6 +232,8 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
     """
     grad_fn = _grad_fn_with_moe(plan)
     delayed = fp8_history.delayed_config(plan.cfg)
+    moe = plan.cfg.model.moe
+    biased = router_bias.has_bias(moe)
 
     def train_step(state, batch):
         fp8_scales = (fp8_history.step_scales(plan.cfg, state["fp8"][fp8_history.HISTORY]),) if delayed else ()
@@ -241,22 +245,27 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
         grads32 = pipeline_lib.ordered_after(grads32, (grad_norm, loss, n_tokens, sums))
         updates, opt_state = plan.tx.update(grads32, state["opt_state"], target)
         target = optax.apply_updates(target, updates)
+        skip = nonfinite_state(opt_state)
+        applied = skip.last_finite if skip is not None else jnp.bool_(True)
+        if biased:  # the balancing biases follow the step's global load, not the optimizer (`router_bias`)
+            before = state["master"] if plan.has_master else state["params"]
+            target = router_bias.next_params(target, before, sums["load"], moe.bias_update_rate, applied)
         new = {"step": state["step"] + 1, "opt_state": opt_state}
         if plan.has_master:
             new["master"] = target
-            new["params"] = jax.tree.map(lambda p: p.astype(plan.param_dtype), target)
+            new["params"] = router_bias.cast_params(target, plan.param_dtype)  # biases stay fp32
         else:
             new["params"] = target
         metrics = {"loss": loss, "grad_norm": grad_norm, **_rate_metrics(plan, state["opt_state"], opt_state)}
         metrics["tokens"] = n_tokens
         if sums:
             metrics.update(moe_metrics(sums))
-        skip = nonfinite_state(opt_state)
+        if biased:
+            metrics[router_bias.SPREAD_METRIC] = router_bias.spread(target)
         if skip is not None:
             metrics["bad_steps_in_a_row"] = skip.notfinite_count
             metrics["skipped_steps"] = skip.total_notfinite
         if delayed:  # the amaxes into the history, unless the update was skipped
-            applied = skip.last_finite if skip is not None else jnp.bool_(True)
             new["fp8"] = fp8_history.next_history(state["fp8"], seen[0], applied)
         return new, metrics
 

@@ -20,7 +20,7 @@ import re
 
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.precision import resolve_compute_dtype
-from jaxpar.config.schema import Config, ModelConfig, OptimizerConfig
+from jaxpar.config.schema import Config, ModelConfig, MoEConfig, OptimizerConfig
 from jaxpar.log import GB
 
 CLUSTER_LINE = re.compile(r"^# cluster: (\S+)\s*$", re.MULTILINE)
@@ -52,19 +52,30 @@ ROPE_SCALING_KEYS = tuple(
 
 # model keys newer than the first records, counted only when set (`fingerprint`)
 OPTIONAL_MODEL_KEYS = ("sliding_window", "attention_softcap", "final_softcap", "attention_scale_width")
+# model.moe keys that count only away from their defaults (records made before the keys keep their fingerprints)
+DEFAULT_MOE_KEYS = (
+    "gating",
+    "routed_scale",
+    "bias_update_rate",
+    "expert_groups",
+    "group_top_k",
+    "receive_factor",
+    "all_to_all",
+)
 
 
 def fingerprint(cfg: Config) -> str:
     """sha256 (hex) of what decides the compiled step: the model, mesh, tensor, pipeline, precision and optimizer
     sections and the batch shape (data.seq_len, train.global_batch_size, train.grad_accum_steps) of a resolved
-    config. A record whose fingerprint differs from the config's was checked on other settings.
-    `pipeline.recompute` counts only with mesh.pipeline > 1 (it decides nothing else), `pipeline.virtual_stages`
-    only when it is not 1 (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`,
-    `model.moe` only with experts, `optimizer.weight_decay_exclude` only when not the default (whose mask the
-    built-in families had before the key), `mesh.context` and the `context` section only with mesh.context > 1,
-    `precision.fp8` only when enabled, `model.sliding_window`, `attention_softcap`, `final_softcap` and
-    `attention_scale_width` only when set, and `model.init_from` (where the weights come from) never; records made
-    before those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it
+    config. A record whose fingerprint differs from the config's was checked on other settings. `pipeline.recompute`
+    counts only with mesh.pipeline > 1 (it decides nothing else), `pipeline.virtual_stages` only when it is not 1
+    (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`, `model.moe` only with
+    experts, `optimizer.weight_decay_exclude` only when not the default (whose mask the built-in families had before
+    the key), `mesh.context` and the `context` section only with mesh.context > 1, `precision.fp8` only when
+    enabled, `model.sliding_window`, `attention_softcap`, `final_softcap` and `attention_scale_width` only when set,
+    `model.moe.gating`, `routed_scale`, `bias_update_rate`, `expert_groups`, `group_top_k`, `receive_factor` and
+    `all_to_all` only away from their defaults, and `model.init_from` (where the weights come from) never; records
+    made before those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it
     (`auto` is bfloat16 there: `jaxpar.config.precision.resolve_compute_dtype`)."""
     d = dataclasses.asdict(cfg)
     keep = {k: d[k] for k in ("model", "mesh", "tensor", "pipeline", "precision", "optimizer")}
@@ -76,6 +87,9 @@ def fingerprint(cfg: Config) -> str:
     moe_off = ("moe",) if cfg.model.moe.num_experts == 0 else ()
     unset = tuple(k for k in OPTIONAL_MODEL_KEYS if keep["model"][k] is None)
     keep["model"] = {k: v for k, v in keep["model"].items() if k not in ("init_from", *rope_scaling, *moe_off, *unset)}
+    if "moe" in keep["model"]:
+        at_default = [k for k in DEFAULT_MOE_KEYS if keep["model"]["moe"][k] == getattr(MoEConfig(), k)]
+        keep["model"]["moe"] = {k: v for k, v in keep["model"]["moe"].items() if k not in at_default}
     if tuple(cfg.optimizer.weight_decay_exclude) == OptimizerConfig().weight_decay_exclude:  # the mask of before
         keep["optimizer"] = {k: v for k, v in keep["optimizer"].items() if k != "weight_decay_exclude"}
     if cfg.mesh.context == 1:

@@ -20,10 +20,10 @@ class MetricsHook(Hook):
 
     and, for a data mixture (`data.sources`), `val_loss/<name>` for each source on the rows that evaluated; with
     `model.moe` also moe_aux_loss, moe_z_loss, moe_dropped_fraction, moe_load_max_mean
-    (`jaxpar.training.moe_loss.moe_metrics`). A fresh run that evaluated before its first step also gets a
-    step-0 row: its validation figures, `tokens` 0, `rollbacks` 0 and the memory figures, the training ones null.
-    (docs/configuration.md, "The run directory", says what each means.) Fetching the metrics waits for the step,
-    so other steps run ahead of the host.
+    (`jaxpar.training.moe_loss.moe_metrics`) and, with sigmoid gating, moe_router_bias_spread. A fresh run that
+    evaluated before its first step also gets a step-0 row: its validation figures, `tokens` 0, `rollbacks` 0 and
+    the memory figures, the training ones null. (docs/configuration.md, "The run directory", says what each
+    means.) Fetching the metrics waits for the step, so other steps run ahead of the host.
 
     Args:
       every: steps between rows (`train.log_every`).
