@@ -399,9 +399,9 @@ class OptimizerConfig:
       weight_decay_exclude: fnmatch patterns over parameter names (the dotted path in the parameter tree, e.g.
         `embed.table`, `blocks.attn_norm.scale`; `*` matches dots too): a parameter matching any gets no weight
         decay. The default leaves out the built-in families' norm scales, Qwen2's q/k/v biases (`bq`, `bk`,
-        `bv`) and the MoE balancing bias (`router_bias`, set by its own rule); add `embed.*` to spare the embeddings. Each pattern you set must match a parameter of the model
-        (checked when the step is planned, before any device work; `jaxpar.training.optimizer`); the default's
-        need not.
+        `bv`) and the MoE balancing bias (`router_bias`, set by its own rule); add `embed.*` to spare the
+        embeddings. Each pattern you set must match a parameter of the model (checked when the step is planned,
+        before any device work; `jaxpar.training.optimizer`); the default's need not.
     """
 
     learning_rate: float = 3e-3

@@ -124,35 +124,58 @@ def _term(terms, name):
     return t
 
 
-@pytest.mark.parametrize("routing, remat", [("capacity", "none"), ("dropless", "none"), ("dropless", "full")])
-def test_all_to_all_bytes_by_hand(routing, remat):
-    """Per MoE block 2 all-to-alls forward, 2 backward, 2 more under remat full (the re-run dispatch and combine);
-    each moves (ep-1)/ep of S: capacity E*C*b*D, dropless ep*b*T*K*D elements of the compute dtype (bf16 on gpu)."""
+@pytest.mark.parametrize(
+    "routing, remat, platform",
+    [
+        ("capacity", "none", "gpu"),
+        ("dropless", "none", "gpu"),
+        ("dropless", "full", "gpu"),
+        ("dropless", "none", "cpu"),
+    ],
+)
+def test_all_to_all_bytes_by_hand(routing, remat, platform):
+    """Per MoE block 2 all-to-alls forward, 2 backward, 2 more under remat full (the re-run dispatch and combine).
+    Capacity routing sends (ep-1)/ep of E*C*b*D; dropless on gpu is a ragged all-to-all of the A = b*T*K local
+    assignments, (ep-1)/ep of A*D with balanced routing, all of it in the worst case; dropless on cpu is the emulation's
+    dense all-to-all of ep*A*D (receive_factor 0: R = ep*A). Elements of the compute dtype (bf16 on gpu, fp32 on
+    cpu); the dispatch offsets are int32 all-to-alls of their own."""
     mesh = {"data": 2, "fsdp": 4, "tensor": 1, "pipeline": 1}
     cfg = _cfg(mesh, 1, "[fsdp]", f"model.moe.routing={routing}", f"model.remat={remat}")
-    b, ep = 16 // 8, 4
+    b, ep, width = 16 // 8, 4, 2 if platform == "gpu" else 4
+    a = b * T * K
     c = math.ceil(1.25 * T * K / E)  # capacity_factor 1.25
-    elements = E * c * b * D if routing == "capacity" else ep * b * T * K * D
+    ragged = routing == "dropless" and platform == "gpu"
+    elements = {"capacity": E * c * b * D, "dropless": a * D if ragged else ep * a * D}[routing]
     count = MOE_BLOCKS * (4 if remat == "none" else 6)
-    term = _term(collective_terms(cfg, "gpu"), f"MoE dispatch/combine ({routing})")
-    assert (term.axes, term.kind, term.count, term.group_size) == (("fsdp",), "all-to-all", count, ep)
-    assert term.bytes == count * elements * 2 * (ep - 1) / ep
-    p = plan(cfg, "gpu")
-    assert p["by_axis"]["fsdp all-to-all"] == term.bytes == p["experts"]["all_to_all_bytes"]
-    assert ring_bytes("all-to-all", term.size_bytes, ep) == term.bytes
-    # One MoE block's backward (`jaxpar.analysis.planner.experts`): 4 hidden-width and 5 model-width buffers of the
-    # R rows its experts run (R = the all-to-all buffer's rows), bf16.
-    rows = elements // D
-    assert p["memory"]["temp_estimate"]["moe_working"] == (4 * rows * F_E + 5 * rows * D) * 2
+    kind = "ragged-all-to-all" if ragged else "all-to-all"
+    term = _term(collective_terms(cfg, platform), f"MoE dispatch/combine ({routing})")
+    assert (term.axes, term.kind, term.count, term.group_size) == (("fsdp",), kind, count, ep)
+    assert term.bytes == count * elements * width * (ep - 1) / ep
+    p = plan(cfg, platform)
+    offsets = [t for t in collective_terms(cfg, platform) if t.name == "MoE dispatch offsets (int32)"]
+    assert p["by_axis"][f"fsdp {kind}"] == term.bytes + (0 if ragged else sum(t.bytes for t in offsets))
+    assert p["experts"]["all_to_all_bytes"] == term.bytes + sum(t.bytes for t in offsets)
+    assert bool(offsets) == (routing == "dropless")
+    worst = p["experts"]["all_to_all_worst_bytes"] - p["experts"]["all_to_all_bytes"]
+    assert worst == pytest.approx(count * elements * width / ep if ragged else 0.0)
+    rows = ep * a if routing == "dropless" else E * c * b  # R: the receive buffer's or the capacity buffer's rows
+    assert p["experts"]["receive_buffer_bytes"] == rows * D * width
+    # One MoE block's backward (`jaxpar.analysis.planner.experts`), in the compute dtype: 4 hidden-width and 3
+    # model-width buffers of the R rows its experts run, the padded all-to-all's two buffers, and with El = E/ep = 2
+    # local experts on the dropless path the grouped matmul's backward expanded per expert (4 El and 3 + 2 El).
+    hidden, model = (4 * 2, 3 + 2 * 2) if routing == "dropless" else (4, 3)
+    dense = 0 if ragged else 2 * elements
+    assert p["memory"]["temp_estimate"]["moe_working"] == (hidden * rows * F_E + model * rows * D + dense) * width
 
 
 def test_no_all_to_all_without_expert_axes():
     cfg = _cfg({"data": 2, "fsdp": 4, "tensor": 1, "pipeline": 1}, 1, "[]")
-    assert not [t for t in collective_terms(cfg, "gpu") if t.kind == "all-to-all"]
+    assert not [t for t in collective_terms(cfg, "gpu") if "all-to-all" in t.kind]
     p = plan(cfg, "gpu")
     assert p["experts"]["all_to_all_bytes"] == 0
-    # the experts still run: dropless, every local assignment once (R = b*T*k, b = 16/8 rows per device)
-    assert p["memory"]["temp_estimate"]["moe_working"] == (4 * F_E + 5 * D) * 2 * T * K * 2
+    # the experts still run: dropless, every local assignment once (R = b*T*k, b = 16/8 rows per device; all 8
+    # experts local, so the grouped matmul's backward is expanded 8 ways)
+    assert p["memory"]["temp_estimate"]["moe_working"] == (4 * 8 * F_E + (3 + 2 * 8) * D) * 2 * T * K * 2
 
 
 def test_expert_weights_are_not_gathered_over_expert_axes():
@@ -218,7 +241,7 @@ BIG = {
     # 32 blocks / 4 stages = 8 per stage, E/ep = 1 expert of 3 * 4096 * 14336
     "mixtral_8x7b.yaml": (8 * 1 * 3 * 4096 * 14336, 46_702_792_704),
     # 64 blocks / 16 stages = 4 per stage, E/ep = 256/64 = 4 experts of 3 * 7168 * 2048
-    "deepseek_v3.yaml": (4 * 4 * 3 * 7168 * 2048, 742_316_710_912),
+    "deepseek_v3.yaml": (4 * 4 * 3 * 7168 * 2048, 742_316_710_912 + 64 * 256),  # + the routers' balancing bias
 }
 
 

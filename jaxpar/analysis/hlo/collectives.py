@@ -362,7 +362,9 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             if kind == "all-gather":
                 size = sum(a.bytes for a in results)
             elif kind == "ragged-all-to-all":  # (send rows, receive buffer, 4 offset and size arrays)
-                size = operands[0].bytes if operands else 0.0
+                # a device sends at most its operand's rows and, balanced, what each receiver's buffer takes: the
+                # dispatch sends from [A, D] into [R, D], the combine from [R, D] into [A, D]
+                size = min(operands[0].bytes, operands[1].bytes) if len(operands) > 1 else 0.0
             else:
                 size = sum(a.bytes for a in operands) or sum(a.bytes for a in results) * (
                     n if kind == "reduce-scatter" else 1

@@ -92,7 +92,7 @@ import math
 from jaxpar.analysis.hlo.ring import ring_bytes
 from jaxpar.analysis.planner.context import context_terms
 from jaxpar.analysis.planner.dims import dims, local_size, param_leaves
-from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_elements
+from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_elements, is_ragged, offset_all_to_alls
 from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
@@ -516,7 +516,10 @@ def _expert_terms(cfg: Config, d, passes: dict, out: list) -> None:
     size = all_to_all_elements(cfg, d)
     count = all_to_all_count(cfg, d, passes) if size else 0
     name = f"MoE dispatch/combine ({cfg.model.moe.routing})"
-    _term(out, d.shape, name, d.expert_axes, "all-to-all", count, count * size * d.wire(d.compute_bytes))
+    kind = "ragged-all-to-all" if is_ragged(cfg, d) else "all-to-all"
+    _term(out, d.shape, name, d.expert_axes, kind, count, count * size * d.wire(d.compute_bytes))
+    offsets, elements = offset_all_to_alls(cfg, d, passes)
+    _term(out, d.shape, "MoE dispatch offsets (int32)", d.expert_axes, "all-to-all", offsets, elements * 4)
 
 
 def collective_terms(

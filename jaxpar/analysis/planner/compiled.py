@@ -174,7 +174,8 @@ def compare_collectives(hlo: dict, analytic: dict) -> list[dict]:
 def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> dict | None:
     """The partitioned program's collectives (module docstring) beside the plan for `target` at the compute
     dtype `step` was compiled with (`precision.compute_dtype: auto` pinned to it, so that a CPU compile of an
-    `auto` config is compared at float32 while the target's collective widths apply).
+    `auto` config is compared at float32 while the target's collective widths apply) and with its MoE transport
+    (`model.moe.all_to_all` as the step resolved it: emulated on cpu).
 
     Returns:
       None when `step` holds no partitioned program, else {"platform" (target), "compute_dtype",
@@ -193,6 +194,9 @@ def partitioned_check(cfg: Config, step: CompiledStep, target: str = "gpu") -> d
         return None
     dtype = jnp.dtype(step.plan.compute_dtype).name
     pinned = dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, compute_dtype=dtype))
+    # the MoE transport the step was built with (emulated on cpu), not the target's: the program is this step's
+    moe = dataclasses.replace(cfg.model.moe, all_to_all=step.plan.mdef.cfg.moe.all_to_all)
+    pinned = dataclasses.replace(pinned, model=dataclasses.replace(cfg.model, moe=moe))
     coll = hlo_collectives(step.partitioned_hlo, step.plan.mesh)
     analytic = analytic_plan(pinned, target)
     analytic = analytic | {"by_axis": analytic["by_axis_partitioned"], "by_axis_hlo": analytic["by_axis_partitioned"]}

@@ -78,7 +78,23 @@ def _expert_lines(experts: dict | None) -> list[str]:
             f"ep={experts['ep']}: {experts['experts_per_device']} of them per device, P_e per rank "
             f"{experts['expert_params_per_rank']:,}; all-to-all {_n(experts['all_to_all_bytes'])} B/step "
             f"({human_bytes(experts['all_to_all_bytes'])}) in {experts['all_to_all_count']} ops"
-        )
+        ),
+        *_transport_lines(experts),
+    ]
+
+
+def _transport_lines(experts: dict) -> list[str]:
+    """How the dispatch moves rows: the ragged all-to-all's balanced and worst-case bytes, the receive buffer."""
+    if not experts["axes"]:
+        return []
+    receive = f"receive buffer {_n(experts['receive_buffer_bytes'])} B ({human_bytes(experts['receive_buffer_bytes'])})"
+    if experts["transport"] != "ragged":
+        return [f"  dispatch: {experts['transport']} all-to-all of a fixed buffer; {receive} per MoE block"]
+    worst = experts["all_to_all_worst_bytes"]
+    return [
+        f"  dispatch: ragged all-to-all, each device sends only the rows it routes: the bytes above with balanced "
+        f"routing, {_n(worst)} B/step ({human_bytes(worst)}) if every row leaves its device; {receive} per MoE "
+        f"block as sized (model.moe.receive_factor)"
     ]
 
 
