@@ -58,6 +58,10 @@ def test_cpu_smoke_runs_every_part_and_the_loss_falls(tmp_path):
     pipe = report["pipeline_schedules"]
     assert "skipped" in pipe or (pipe["zb-v"]["step_seconds"] > 0 and pipe["zb_v_over_interleaved"] > 0), pipe
     assert "skipped" in pipe or (pipe["vocab_parallel"]["step_seconds"] > 0 and pipe["vocab_over_last"] > 0), pipe
+    # section 8: dropless MoE over the emulated transport; XLA:CPU has no ragged all-to-all
+    moe = report["dropless_moe"]
+    assert "skipped" in moe or (moe["emulated"]["tokens_per_s"] > 0 and "no ragged" in moe["ragged"]["skipped"]), moe
+    assert "dropless MoE" in proc.stdout
 
 
 def _report(cudnn_error: float, last10: float, mfu: float) -> dict:

@@ -30,6 +30,12 @@ command, in a few minutes including compilation.
    (`jaxpar.analysis.hlo.gemms.gemm_kernels`: cuBLASLt's FP8 call or a Triton fusion over FP8 operands), and the
    same learning run as 4 in FP8: its losses against bf16's, step by step.
 
+8. Dropless MoE (`dropless_moe`, 2 or more devices): the settings' model with E = 4 ep SwiGLU experts, top-2,
+   dropless routing, the experts split over data = ep = every device (up to 8): tokens/s of the step whose dispatch
+   and combine are ragged all-to-alls (`jax.lax.ragged_all_to_all`, `model.moe.all_to_all: ragged`) against the
+   emulated transport's padded dense all-to-alls, and their first losses (the same up to the order of sums). On CPU
+   the ragged transport does not exist: only the emulation is timed.
+
 `--cpu-smoke` runs the same code on CPU with tiny shapes (the test suite runs it); cuDNN is then reported as not
 run. Bytes are per device, FLOP/s per device, times in seconds.
 """
@@ -354,6 +360,41 @@ def pipeline_schedules(settings: Settings, devices: list | None = None) -> dict:
     return out
 
 
+def dropless_moe(settings: Settings, devices: list | None = None) -> dict:
+    """Section 8 (module docstring): {"ep", "experts", "emulated": {"compile_seconds", "step_seconds",
+    "tokens_per_s", "loss"}, "ragged": the same or {"skipped": why} off GPUs and TPUs, "ragged_over_emulated"
+    (tokens/s ratio, None without both)}; or {"skipped": why} on one device (expert parallelism needs two)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < 2:
+        return {"skipped": f"{len(devices)} device: expert parallelism needs 2 or more"}
+    ep = 2 ** min(3, int(np.log2(len(devices))))
+    moe = [f"model.moe.num_experts={4 * ep}", "model.moe.top_k=2", "model.moe.routing=dropless"]
+    moe += ["model.moe.expert_axes=[data]", f"mesh.data={ep}", "mesh.fsdp=1", "mesh.tensor=1", "mesh.pipeline=1"]
+    moe += [f"train.global_batch_size={ep * max(1, _microbatch_rows(settings))}", "train.grad_accum_steps=1"]
+    out: dict = {"ep": ep, "experts": 4 * ep}
+    ragged_ok = devices[0].platform in ("gpu", "tpu")
+    for transport in ("emulated", "ragged"):
+        if transport == "ragged" and not ragged_ok:
+            out[transport] = {"skipped": f"{devices[0].platform} has no ragged all-to-all"}
+            continue
+        extra = [*moe, f"model.moe.all_to_all={transport}"]
+        cfg = resolve_config(load_config(settings.config, [*settings.overrides, *extra], validate=False), ep)
+        plan = build_plan(cfg, build_mesh(cfg, devices[:ep]))
+        state = init_state(plan, cfg.train.seed)
+        batch = random_batch(
+            cfg.train.global_batch_size, cfg.data.seq_len, cfg.model.vocab_size, plan.batch_sharding, cfg.train.seed
+        )
+        _, metrics = make_train_step(plan)(state, batch)
+        loss = float(metrics["loss"])
+        del state
+        _, compile_s, step_s = _timed_step(plan, 1, settings.timed_steps)
+        tokens = cfg.train.global_batch_size * cfg.data.seq_len / step_s
+        out[transport] = {"compile_seconds": compile_s, "step_seconds": step_s, "tokens_per_s": tokens, "loss": loss}
+    both = "tokens_per_s" in out["ragged"]
+    out["ragged_over_emulated"] = out["ragged"]["tokens_per_s"] / out["emulated"]["tokens_per_s"] if both else None
+    return out
+
+
 def fp8_check(settings: Settings, best: dict, learning: dict | None, device: dict) -> dict:
     """Section 7: the kept step (`best`, a `measure_step` record) with FP8 GEMMs, and its learning run.
 
@@ -448,6 +489,7 @@ def run(settings: Settings) -> dict:
         _section(report, "learning", lambda: train_on_text(resolved(settings, extra), settings.train_steps))
     _section(report, "pipeline_schedules", lambda: pipeline_schedules(settings))
     _section(report, "context_parallel", lambda: context_kernel_check(on_gpu))
+    _section(report, "dropless_moe", lambda: dropless_moe(settings))
     if best:
         _section(report, "fp8", lambda: fp8_check(settings, best, report.get("learning"), report["device"]))
     stats = jax.devices()[0].memory_stats() or {}
@@ -568,9 +610,30 @@ def format_report(report: dict) -> str:
                 f"{pipe['vocab_over_last']:.3f}"
             )
     lines += _context_lines(report.get("context_parallel"))
+    lines += _moe_lines(report.get("dropless_moe"))
     lines += _fp8_lines(report.get("fp8"))
     lines.append(f"passed: {report['passed']}")
     return "\n".join(lines)
+
+
+def _moe_lines(moe: dict | None) -> list[str]:
+    """Section 8's line: tokens/s of the ragged and the emulated dispatch, their ratio and first losses."""
+    if moe is None:
+        return []
+    if "error" in moe or "skipped" in moe:
+        return [f"dropless MoE: {moe.get('error') or moe.get('skipped')}"]
+
+    def one(name: str) -> str:
+        r = moe[name]
+        if "tokens_per_s" not in r:
+            return f"{name} {r.get('skipped') or r.get('error')}"
+        return f"{name} {r['tokens_per_s']:,.0f} tokens/s (loss {r['loss']:.4f})"
+
+    ratio = moe["ragged_over_emulated"]
+    return [
+        f"dropless MoE (ep={moe['ep']}, {moe['experts']} experts, top-2): {one('ragged')}; {one('emulated')}"
+        + (f"; ragged / emulated {ratio:.3f}" if ratio is not None else "")
+    ]
 
 
 def _fp8_lines(fp8: dict | None) -> list[str]:
