@@ -222,20 +222,6 @@ def dropless_experts(
     w_down: jax.Array,
     ep: ExpertParallel = NO_EXPERT_PARALLEL,
     tp: TensorParallel = NO_TENSOR_PARALLEL,
-) -> jax.Array:
-    """Each assignment's output [B, T, k, D] of `dropless_experts_and_dropped`, without the count of dropped ones
-    (none without expert parallelism or with `model.moe.receive_factor` 0)."""
-    return dropless_experts_and_dropped(x_BTD, idx_BTk, w_gate, w_up, w_down, ep, tp)[0]
-
-
-def dropless_experts_and_dropped(
-    x_BTD: jax.Array,
-    idx_BTk: jax.Array,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    ep: ExpertParallel = NO_EXPERT_PARALLEL,
-    tp: TensorParallel = NO_TENSOR_PARALLEL,
 ) -> tuple[jax.Array, jax.Array]:
     """Every assignment through its expert with grouped matmuls: [B, T, D] -> (each assignment's output
     [B, T, k, D] (partial sums over `tensor`: the caller reduces them), zero where dropped; int32 [] this device's
@@ -344,7 +330,7 @@ class MoE(nnx.Module):
             y_BTkD, keep = capacity_experts(x_in, idx, *weights, self.capacity_factor, self.ep, tp)
             stats["dropped"] = jnp.sum(~keep).astype(jnp.float32)
         else:
-            y_BTkD, dropped = dropless_experts_and_dropped(x_in, idx, *weights, self.ep, tp)
+            y_BTkD, dropped = dropless_experts(x_in, idx, *weights, self.ep, tp)
             stats["dropped"] = dropped.astype(jnp.float32)
         # The gates combine each token's k partial outputs before the reduction over tensor (linear: the same sum),
         # so the exit moves [B, T, D] like a dense MLP's, not k times that. The gates enter like an activation:

@@ -45,7 +45,7 @@ def test_dropless_equals_each_token_through_its_experts():
     """The sorted grouped matmul (jax.lax.ragged_dot) gives every (token, choice) its own expert's SwiGLU."""
     x, router, weights = _inputs()
     _, idx, _, _ = route(x, router, K)
-    got = np.asarray(dropless_experts(x, idx, *weights))
+    got = np.asarray(dropless_experts(x, idx, *weights)[0])
     xs, ids = np.asarray(x, np.float64), np.asarray(idx)
     want = np.stack(
         [[[_expert(xs[b, t], ids[b, t, j], weights) for j in range(K)] for t in range(T)] for b in range(B)]
@@ -81,7 +81,7 @@ def test_capacity_drops_by_priority_and_per_sequence():
     for rows in (slice(0, 1), slice(1, 3)):
         _, keep_part = capacity_experts(x[rows], idx[rows], *weights, 0.5)
         np.testing.assert_array_equal(np.asarray(keep_part), keep[rows])
-    full = np.asarray(dropless_experts(x, idx, *weights))
+    full = np.asarray(dropless_experts(x, idx, *weights)[0])
     np.testing.assert_allclose(np.asarray(y)[keep], full[keep], rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(y)[~keep] == 0)
 
@@ -91,7 +91,7 @@ def test_capacity_without_overflow_equals_dropless():
     _, idx, _, _ = route(x, router, K)
     y, keep = capacity_experts(x, idx, *weights, float(E))  # C = T * K: nothing drops
     assert np.asarray(keep).all()
-    want = dropless_experts(x, idx, *weights)
+    want = dropless_experts(x, idx, *weights)[0]
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 

@@ -24,7 +24,7 @@ from step_helpers import make_plan
 from jaxpar.config import load_config
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.moe import resolve_all_to_all
-from jaxpar.model.moe import dropless_experts, dropless_experts_and_dropped
+from jaxpar.model.moe import dropless_experts
 from jaxpar.parallel.expert import ExpertParallel, receive_rows
 from jaxpar.parallel.ragged import ragged_all_to_all
 
@@ -185,7 +185,7 @@ def test_gradients_through_the_emulated_dispatch_equal_the_layer_without_experts
 
     def split_loss(x, w_gate, w_up, w_down, cot):
         # this device's part of the loss: each device seeds its own; the collectives' transposes carry them
-        y, dropped = dropless_experts_and_dropped(x, idx_split(x), w_gate, w_up, w_down, ep)
+        y, dropped = dropless_experts(x, idx_split(x), w_gate, w_up, w_down, ep)
         return jnp.sum(y * cot), dropped
 
     def idx_split(x):  # this device's rows of idx
@@ -205,7 +205,7 @@ def test_gradients_through_the_emulated_dispatch_equal_the_layer_without_experts
     loss, dropped, grads = fn(x, *w, cot)
 
     def whole(x, wg, wu, wd):
-        return jnp.sum(dropless_experts(x, idx, wg, wu, wd) * cot)
+        return jnp.sum(dropless_experts(x, idx, wg, wu, wd)[0] * cot)
 
     want_loss, want_grads = jax.value_and_grad(whole, argnums=(0, 1, 2, 3))(x, *w)
     assert int(dropped) == 0
@@ -266,7 +266,7 @@ def test_gpu_compile_sends_ragged_all_to_alls_and_no_padded_buffer():
     spec = P(AXES)
 
     def loss(x, idx, wg, wu, wd):  # this device's part
-        return jnp.sum(dropless_experts(x, idx, wg, wu, wd, ep).astype(jnp.float32) ** 2)
+        return jnp.sum(dropless_experts(x, idx, wg, wu, wd, ep)[0].astype(jnp.float32) ** 2)
 
     grad = jax.shard_map(
         jax.grad(loss, argnums=(0, 2, 3, 4)), mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 4, check_vma=False
