@@ -175,6 +175,7 @@ def test_init_from_names_a_differing_family_or_window():
         ("qwen3", {"head_dim": 16, "name": "qwen2"}, "Qwen2 computes the head width as hidden_size"),
         ("mixtral", {"moe.every": 2}, r"Mixtral cannot express model.moe.every=2"),
         ("mixtral", {"moe.d_expert": 32}, r"model.moe.d_expert=32 \(Mixtral's experts are model.d_ff=48 wide\)"),
+        ("mixtral", {"moe.gating": "sigmoid"}, r"Mixtral cannot express model.moe.gating=sigmoid"),
         ("qwen3", {"moe.num_experts": 4}, "transformers' Qwen3ForCausalLM is dense"),
         ("gemma2", {"sliding_window": None}, "Gemma2ForCausalLM needs the window of its local layers"),
         ("gemma2", {"name": "llama", "sliding_window": None}, "LlamaForCausalLM has no soft-capping or score scale"),

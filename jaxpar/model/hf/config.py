@@ -311,6 +311,13 @@ def _exportable(cfg: ModelConfig) -> None:
         problems.append(f"model.moe.d_expert={moe.d_expert} (Mixtral's experts are model.d_ff={cfg.d_ff} wide)")
     if moe.top_k < 2:
         problems.append(f"model.moe.top_k={moe.top_k} (Mixtral renormalises top-k gates, k >= 2)")
+    if moe.first_dense:
+        problems.append(f"model.moe.first_dense={moe.first_dense} (Mixtral: experts in every block, 0)")
+    if moe.gating != "softmax" or moe.routed_scale != 1.0 or moe.expert_groups != 1:
+        problems.append(
+            f"model.moe.gating={moe.gating}, routed_scale={moe.routed_scale}, expert_groups={moe.expert_groups} "
+            f"(Mixtral: softmax, 1.0, 1)"
+        )
     if problems:
         raise HFConfigError("transformers' Mixtral cannot express " + "; ".join(problems))
 
@@ -323,7 +330,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str, base: dict | None = None)
     Raises:
       HFConfigError: `cfg.name` is not one of `ARCHITECTURES`, or `cfg` has what its family's transformers
         class cannot express (a window outside Mistral/Mixtral/Gemma 2, soft-capping or a score scale outside
-        Gemma 2, experts outside Mixtral or unlike Mixtral's, a Qwen2 head width other than hidden_size /
+        Gemma 2, experts outside Mixtral or unlike Mixtral's (dense first blocks, sigmoid or grouped routing
+        included), a Qwen2 head width other than hidden_size /
         num_attention_heads).
     """
     _exportable(cfg)
