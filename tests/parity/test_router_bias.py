@@ -1,8 +1,8 @@
 """DeepSeek-V3's auxiliary-loss-free load balancing in the train step (`jaxpar.training.router_bias`): two steps
 of a tiny sigmoid-gated MoE move every block's bias by gamma * sign(mean load - load) of each step's global load
 (checked against numpy from the loads the step's MoE sums report), and on a mesh with data, fsdp and pipeline
-parallelism and experts over data x fsdp the biases after two steps are bitwise the single device's; the biases
-survive a checkpoint save and restore.
+parallelism and experts over data x fsdp the biases after two steps are bitwise the single device's; under
+`-m slow`, the biases survive a checkpoint save and restore and stay fp32 in the 16p layout's parameter copy.
 
 Model: tiny (step_helpers.TINY) with 4 blocks as U = 2 MoE units (model.moe.every=2), E = 4 experts, top-2,
 sigmoid gating with routed_scale 2.5, the sequence-wise balance loss (aux_loss_weight 0.1) and no z-loss;
@@ -134,6 +134,7 @@ def test_mesh_bias_equals_single_device(reference, devices8):
         np.testing.assert_array_equal(np.asarray(shard.data), reference["biases"][2][stage])
 
 
+@pytest.mark.slow
 def test_bias_survives_checkpoint(reference, tmp_path):
     """The biases are parameters: saved and restored with the train state (`jaxpar.checkpoint.store`), bitwise."""
     plan, state = reference["plan"], reference["state"]
@@ -148,6 +149,7 @@ def test_bias_survives_checkpoint(reference, tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_bias_stays_fp32_in_the_16p_parameter_copy():
     """Under the 16p layout the forward's bfloat16 parameter copy keeps the biases fp32 (a bf16 bias would round
     away gamma-sized steps) and equal to the master copy's, before and after a step."""
