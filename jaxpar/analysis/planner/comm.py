@@ -335,7 +335,8 @@ def _data_terms(cfg: Config, d, out: list, fold: bool) -> None:
     # updated values).
     leaves = [x for x in param_leaves(cfg.model) if not (x.expert and DATA in d.expert_axes)]
     grads = sum(local_size(x, d.shape, (FSDP,), d.expert_axes) for x in leaves)
-    folded = [x for x in leaves if fold and not x.in_blocks and x in _edge_rest(cfg, d)]
+    edge = _edge_rest(cfg, d) if fold else []
+    folded = [x for x in leaves if x in edge]
     reduced = grads - sum(local_size(x, d.shape, (FSDP,), d.expert_axes) for x in folded)
     kind = "reduce-scatter" if d.zero == 2 else "all-reduce"
     _term(out, d.shape, "gradients", (DATA,), kind, len(leaves) - len(folded), reduced * d.wire(d.reduce_bytes))
@@ -481,9 +482,8 @@ def _pipeline_terms(cfg: Config, d, out: list, fold: bool) -> None:
                 moving * len(blocks),
                 moving * chunk * d.wire(width),
             )
-    outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
-    norms = [x for x in outside if x.path == "final_norm/scale"] if d.sp else []
     rest = _edge_rest(cfg, d)
+    norms = [x for x in param_leaves(cfg.model) if not x.in_blocks and x not in rest]  # the final norm under SP
     br = d.wire(d.reduce_bytes)
     _term(
         out,

@@ -153,13 +153,18 @@ def expert_rows(cfg: Config, d) -> int:
     moe = cfg.model.moe
     if not moe.enabled:
         return 0
-    if d.expert_axes and moe.routing == "dropless":
-        return receive_rows(d.ep, assignments(cfg, d), moe.receive_factor)
-    if d.expert_axes:
-        return all_to_all_elements(cfg, d) // cfg.model.d_model
     if moe.routing == "capacity":
-        return moe.num_experts * capacity(d.r, moe.top_k, moe.num_experts, moe.capacity_factor) * d.b
-    return d.b * d.r * moe.top_k
+        return capacity_rows(cfg, d)
+    if d.expert_axes:
+        return receive_rows(d.ep, assignments(cfg, d), moe.receive_factor)
+    return assignments(cfg, d)
+
+
+def capacity_rows(cfg: Config, d) -> int:
+    """E*C*b, the rows of capacity routing's buffer on one device (C = `jaxpar.parallel.expert.capacity` per
+    sequence): what the combine returns, and with expert parallelism what the local experts receive."""
+    moe = cfg.model.moe
+    return moe.num_experts * capacity(d.r, moe.top_k, moe.num_experts, moe.capacity_factor) * d.b
 
 
 def working_bytes(cfg: Config, d) -> int:
@@ -190,9 +195,6 @@ def saved_bytes(cfg: Config, d) -> int:
     moe, mdl = cfg.model.moe, cfg.model
     if not (moe.enabled and d.expert_axes) or mdl.remat in REMAT_RECOMPUTING_EXPERTS:
         return 0
-    if moe.routing == "capacity":
-        combined = moe.num_experts * capacity(d.r, moe.top_k, moe.num_experts, moe.capacity_factor) * d.b
-    else:
-        combined = d.b * d.r * moe.top_k
+    combined = capacity_rows(cfg, d) if moe.routing == "capacity" else assignments(cfg, d)
     dispatched = 0 if mdl.remat in REMAT_KEEPING_EXITS_ONLY else expert_rows(cfg, d)
     return (combined + dispatched) * mdl.d_model * d.compute_bytes
