@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         load_config_with_sources,
         resolve_config,
     )
-    from jaxpar.config.attention import resolve_attention
+    from jaxpar.config.attention import PLANNED_GPU_CAPABILITY, resolve_attention
     from jaxpar.config.precision import resolve_compute_dtype
     from jaxpar.config.sources import COMMAND_LINE
 
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         where = "gpu" if clu is not None else "cpu" if compiles_here else args.platform
         dtype = resolve_compute_dtype(cfg.precision.compute_dtype, where)
         m = cfg.model
-        resolve_attention(m.attention, where, dtype, m.head_width, m.attention_softcap)
+        capability = clu.target.compute_capability if clu is not None else PLANNED_GPU_CAPABILITY
+        resolve_attention(m.attention, where, dtype, m.kernel_head_width, m.attention_softcap, capability)
         from jaxpar.model.params import model_def
 
         model_def(cfg.model)  # a registered family that takes the model's settings (abstract: no memory)

@@ -149,6 +149,17 @@ class ModelConfig:
         query sees itself and the `sliding_window` - 1 keys before it (within its document when packed), on every
         attention layer; null (default): all earlier keys. Both attention paths honour it (XLA's mask, cuDNN's
         sliding-window kernel); context parallelism refuses it (`jaxpar.config.validate`).
+      kv_lora_rank: Multi-head Latent Attention (MLA; DeepSeek-V2, arXiv 2405.04434, section 2.1; DeepSeek-V3,
+        arXiv 2412.19437, section 2.1.1; `jaxpar.model.mla`) when set: keys and values are up-projected per head from
+        one compressed latent c_KV of this width per token (DeepSeek-V3: 512). null (default): the usual attention,
+        and the four keys below are unused. MLA ignores n_kv_heads (every head has its own keys and values) and
+        head_dim but as the widths' default.
+      q_lora_rank: MLA's compressed query latent c_Q (DeepSeek-V3: 1536); null: the queries are projected from the
+        block input directly (DeepSeek-V2-Lite).
+      qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA's per-head widths of the queries' and keys' part without
+        rotary embedding, of their rotary part (one rotary key shared by the heads) and of the values (DeepSeek-V3:
+        128, 64, 128); null: the head width K, K / 2 and K. Scores are scaled by (qk_nope_head_dim +
+        qk_rope_head_dim) ** -0.5 unless attention_scale_width is set.
       init_from: a local Hugging Face model directory (config.json + safetensors, `jaxpar.model.hf`) or a
         jaxpar run / checkpoint directory whose parameters a fresh run starts from (parameters only: a fresh
         optimizer at step 0; `jaxpar.training.init_from`). Its model (shapes, rope, norm epsilon, tying) must
@@ -181,6 +192,11 @@ class ModelConfig:
     attention_softcap: float | None = field(default=None, metadata={"example": 50.0})
     final_softcap: float | None = field(default=None, metadata={"example": 30.0})
     attention_scale_width: int | None = field(default=None, metadata={"example": 256})
+    kv_lora_rank: int | None = field(default=None, metadata={"example": 512})
+    q_lora_rank: int | None = field(default=None, metadata={"example": 1536})
+    qk_nope_head_dim: int | None = field(default=None, metadata={"example": 128})
+    qk_rope_head_dim: int | None = field(default=None, metadata={"example": 64})
+    v_head_dim: int | None = field(default=None, metadata={"example": 128})
     init_from: str = ""
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -212,6 +228,27 @@ class ModelConfig:
     @property
     def head_width(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        """Multi-head Latent Attention instead of the usual attention (`kv_lora_rank` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def mla_widths(self) -> tuple[int, int, int]:
+        """MLA's (qk_nope_head_dim, qk_rope_head_dim, v_head_dim), their nulls resolved (K, K / 2, K)."""
+        k = self.head_width
+        nope, rope, v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        return (k if nope is None else nope, k // 2 if rope is None else rope, k if v is None else v)
+
+    @property
+    def kernel_head_width(self) -> int:
+        """The head width the attention kernel gets: `head_width`, or with MLA max(qk_nope_head_dim +
+        qk_rope_head_dim, v_head_dim), q, k and v zero-padded to one width (`jaxpar.model.mla`)."""
+        if not self.mla:
+            return self.head_width
+        nope, rope, v = self.mla_widths
+        return max(nope + rope, v)
 
 
 @dataclass(frozen=True)

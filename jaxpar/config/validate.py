@@ -16,6 +16,7 @@ from jaxpar.config.errors import ConfigError
 from jaxpar.config.keys import example
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
 from jaxpar.config.mesh_shape import resolve_mesh_shape
+from jaxpar.config.mla import check_mla
 from jaxpar.config.moe import check_moe
 from jaxpar.config.precision import (
     COMPUTE_DTYPES,
@@ -68,6 +69,7 @@ def validate_config(cfg: Config, num_devices: int | None = None) -> dict[str, in
     check_context(cfg, shape[CONTEXT], shape[TENSOR], shape[PIPELINE])
     _check_pipeline(cfg, shape[PIPELINE], shape[TENSOR])
     check_moe(cfg, shape)
+    check_mla(cfg, shape)
     _check_state_and_batch(cfg, shape)
     return shape
 

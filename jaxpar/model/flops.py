@@ -51,16 +51,34 @@ PEAK_FP8_FLOPS: dict[str, float] = {
 }
 
 
-def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: float) -> float:
-    """Model training FLOPs per token (forward + backward): 6P + 12*L*D*T.
+def flops_per_token(
+    n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: float, attention_width: float | None = None
+) -> float:
+    """Model training FLOPs per token (forward + backward): 6P + 12*L*D*T, or 6P + 6*L*A*T with `attention_width` A.
 
     PaLM appendix B. The attention term 12*L*D*T is the full, un-halved one (QK^T and AV over all T positions,
-    not discounting the causal mask). Recomputation is not counted: these are model FLOPs, the numerator of MFU.
+    not discounting the causal mask): per layer and token the forward's QK^T costs 2*T times the queries' width
+    over the heads and AV 2*T times the values', D each in PaLM's count, and the backward twice the forward. A
+    (`attention_width`, None: 2D) is the sum of those two widths when they are not D: H*(N + R) + H*E for
+    Multi-head Latent Attention (`attention_width`). Recomputation is not counted: these are model FLOPs, the
+    numerator of MFU.
 
     Returns:
       FLOPs per token (float).
     """
-    return 6.0 * n_params_non_embedding + 12.0 * n_layers * d_model * seq_len
+    width = 2.0 * d_model if attention_width is None else float(attention_width)
+    return 6.0 * n_params_non_embedding + 6.0 * n_layers * width * seq_len
+
+
+def attention_width(model) -> float | None:
+    """The A of `flops_per_token` for `model` (a `ModelConfig`): with Multi-head Latent Attention
+    (`model.kv_lora_rank`; DeepSeek-V2, arXiv 2405.04434, section 2.1) H*(N + R + E), the scores' width
+    H*(qk_nope_head_dim + qk_rope_head_dim) plus the values' H*v_head_dim (the kernel's zero padding of the values,
+    `jaxpar.model.mla`, is not model FLOPs); None (PaLM's 2D) for the usual attention."""
+    if not getattr(model, "mla", False):
+        return None
+    nope, rope, value = model.mla_widths
+    return float(model.n_heads * (nope + rope + value))
 
 
 def hardware_flops_per_token(
@@ -136,14 +154,17 @@ def model_flops(cfg, params) -> tuple[float, float | None]:
 
     With a sliding window (`model.sliding_window` = W) a query's scores cover min(T, W) keys, so both counts take
     the mean attention span over the layers for T (`attention_span`; the same un-halved convention as PaLM's:
-    `flops_per_token`).
+    `flops_per_token`). With Multi-head Latent Attention the attention products take its widths
+    (`attention_width`); the family's recompute count is the usual attention's (not MLA's).
 
     Raises:
       ConfigError: `model.name` is not a registered model family.
     """
     model = cfg.model
     span = attention_span(model, cfg.data.seq_len)
-    per_token = flops_per_token(active_non_embedding_params(params, model), model.n_layers, model.d_model, span)
+    per_token = flops_per_token(
+        active_non_embedding_params(params, model), model.n_layers, model.d_model, span, attention_width(model)
+    )
     recompute = model_family(model.name).recompute_flops_per_token
     if recompute is None:
         return per_token, None

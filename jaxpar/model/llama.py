@@ -31,6 +31,7 @@ from flax import nnx
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
+from jaxpar.model.mla import MLA
 from jaxpar.model.moe import MoE
 from jaxpar.model.rope import model_inverse_frequencies
 from jaxpar.model.stack import Gather, no_gather, run_layer, scan_layers, stack_layers
@@ -109,10 +110,45 @@ def _softcap_bwd(cap: float, y: jax.Array, g: jax.Array) -> tuple[jax.Array]:
 _softcap.defvjp(_softcap_fwd, _softcap_bwd)
 
 
-def make_attention(cfg: ModelConfig, rngs: nnx.Rngs, variant: Variant = LLAMA, windowed: bool = True) -> Attention:
+def make_attention(
+    cfg: ModelConfig, rngs: nnx.Rngs, variant: Variant = LLAMA, windowed: bool = True
+) -> Attention | MLA:
     """The attention of one block of `cfg`: its heads, rotary embedding, implementation and `variant`'s biases or
     qk-norm, the score scale and soft-capping, and `model.sliding_window` when `windowed` (gemma2's global layers
-    are not)."""
+    are not). With `model.kv_lora_rank` set, Multi-head Latent Attention (`jaxpar.model.mla.MLA`) with the same
+    rotary base and scaling, implementation, score scale, soft-capping and window.
+
+    Raises:
+      ConfigError: MLA for a family with biases or qk-norm on its projections (`variant`), which MLA has not.
+    """
+    if cfg.kv_lora_rank is not None:  # cfg.mla
+        if variant.qkv_bias or variant.qk_norm:
+            raise ConfigError(
+                f"model.kv_lora_rank={cfg.kv_lora_rank} (Multi-head Latent Attention) with model.name={variant.name}, "
+                f"whose attention has q/k/v biases or qk-norm that MLA has not; use model.name=llama, or set "
+                f"model.kv_lora_rank=null"
+            )
+        nope, rope, value = cfg.mla_widths
+        inv_freq = model_inverse_frequencies(dataclasses.replace(cfg, head_dim=rope))  # over the rotary width R
+        return MLA(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.kv_lora_rank,
+            cfg.q_lora_rank,
+            nope,
+            rope,
+            value,
+            cfg.rope_theta,
+            cfg.init_std,
+            rngs,
+            norm_eps=cfg.norm_eps,
+            implementation=cfg.attention,
+            max_segments=cfg.max_segments,
+            rope_inv_freq=inv_freq,
+            window=cfg.sliding_window if windowed else None,
+            scale=attention_scale(cfg),
+            softcap=cfg.attention_softcap,
+        )
     return Attention(
         cfg.d_model,
         cfg.n_heads,
@@ -328,7 +364,9 @@ def recompute_flops_per_token(model, seq_len: float) -> float:
     not know the tensor size, is then 2HKD per layer high for those two.
     Checked against XLA's cost analysis of the compiled gradient in tests/unit/test_flops.py.
     With `model.moe`, an MoE block's gate/up term is 4D(k + shared_experts)F_e (its k = top_k active experts; F_e
-    the experts' width) and the router's 2DE is added for names and full.
+    the experts' width) and the router's 2DE is added for names and full. With Multi-head Latent Attention
+    (`jaxpar.model.mla`) the projections are its down- and up-projections, 2(DX + XH(N + R) + D(Z + R) +
+    ZH(N + E)), QK^T costs 2TH(N + R), AV 2THE and the out projection 2HED.
 
     Args:
       model: a `ModelConfig` (uses remat, n_layers, d_model, n_heads, kv_heads, head_width, d_ff, moe).
@@ -336,16 +374,24 @@ def recompute_flops_per_token(model, seq_len: float) -> float:
       ValueError: an unknown remat policy.
     """
     d, h, g, k, f = model.d_model, model.n_heads, model.kv_heads, model.head_width, model.d_ff
-    qkv, attention = 2 * d * (h * k + 2 * g * k), 2 * seq_len * h * k
-    out, gate_up = 2 * h * k * d, 4 * d * f
+    if getattr(model, "mla", False):  # scores of width N + R, values and context of width E (jaxpar.model.mla)
+        nope, rope, value = model.mla_widths
+        z, x = model.kv_lora_rank, model.q_lora_rank
+        queries = d * h * (nope + rope) if x is None else d * x + x * h * (nope + rope)
+        qkv = 2 * (queries + d * (z + rope) + z * h * (nope + value))
+        scores, weighted, out = 2 * seq_len * h * (nope + rope), 2 * seq_len * h * value, 2 * h * value * d
+    else:
+        qkv, scores, out = 2 * d * (h * k + 2 * g * k), 2 * seq_len * h * k, 2 * h * k * d
+        weighted = scores
+    gate_up = 4 * d * f
     # Per layer: (the recomputed FLOPs besides the MLP's gate/up projections, whether those are recomputed too).
     # Which matmul outputs a policy keeps is its own matter, not `REMAT_KEEPING_EXITS_ONLY` (which collective
     # outputs it keeps), though names and full happen to be in both.
     per_layer = {
         "none": (0, False),
-        "dots": (2 * attention, False),
-        "names": (qkv + attention + out, True),
-        "full": (qkv + 2 * attention + out, True),
+        "dots": (scores + weighted, False),
+        "names": (qkv + scores + out, True),
+        "full": (qkv + scores + weighted + out, True),
     }
     if model.remat not in per_layer:
         raise ValueError(f"unknown remat policy {model.remat!r}; expected one of {sorted(per_layer)}")

@@ -28,6 +28,13 @@ breaks this file only, and tests/unit/test_jax_private.py says which name went.
       log-sum-exps and runs each call's backward with the combined output and statistics; jax's VJP of the public
       call drops the statistics' cotangent and reads its own output, so neither can express it. No public
       replacement; switch when `jax.nn.dot_product_attention` returns and takes the statistics.
+  cudnn_compute_capability(capability) -> a context manager   jax._src.cudnn.fused_attention_stablehlo
+      Inside it, that module's checks of the local GPU's compute capability (`check_compute_capability`,
+      `is_cuda_compute_capability_equal`) answer for `capability` instead. jax decides from the local GPU whether
+      cuDNN's fused attention takes heads wider than 128 (Hopper and newer: 256) or the packed layout; a deviceless
+      compile for a GPU cluster (`jaxpar.analysis.gpu.deviceless`) has no local GPU, only compile-only devices of
+      the target's capability, so it traces as for that target. No public replacement: switch when jax reads the
+      capability from the devices the computation is lowered for.
   distributed_client() -> the coordination-service client, or None   jax._src.distributed.global_state.client
       The key-value store of the coordination service `jax.distributed.initialize` starts (process 0 hosts it),
       through the same client jax itself uses. Used by `jaxpar.training.watchdog` to publish heartbeats and
@@ -37,6 +44,8 @@ breaks this file only, and tests/unit/test_jax_private.py says which name went.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from jax._src.core import eval_jaxpr
@@ -46,6 +55,7 @@ __all__ = [
     "convert_constvars_jaxpr",
     "cudnn_attention",
     "cudnn_attention_parts",
+    "cudnn_compute_capability",
     "dce_jaxpr",
     "distributed_client",
     "eval_jaxpr",
@@ -65,6 +75,24 @@ def cudnn_attention_parts() -> tuple[Any, Any, Any, int]:
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     return fa.dot_product_attention, fa._dot_product_attention_bwd_rule, fa.MaskType, fa.AttentionLayout.BTNH.value
+
+
+@contextlib.contextmanager
+def cudnn_compute_capability(capability: tuple[int, int]) -> Iterator[None]:
+    """jax's cuDNN attention checks answer for a GPU of compute `capability` (major, minor) while inside (module
+    docstring); restored on exit."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    def parse(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split("."))
+
+    saved = fa.check_compute_capability, fa.is_cuda_compute_capability_equal
+    fa.check_compute_capability = lambda c: tuple(capability) >= parse(c)
+    fa.is_cuda_compute_capability_equal = lambda c: tuple(capability) == parse(c)
+    try:
+        yield
+    finally:
+        fa.check_compute_capability, fa.is_cuda_compute_capability_equal = saved
 
 
 def distributed_client() -> Any:

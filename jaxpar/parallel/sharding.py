@@ -33,6 +33,9 @@ PARAM_RULES: dict[str, tuple[str, ...]] = {
     "heads": (TENSOR,),
     "mlp": (TENSOR,),
     "kv": (),
+    # Multi-head Latent Attention's compressed latents (jaxpar.model.mla) as a down-projection's output: never
+    # split, every tensor rank computes the whole latent (the projection's embed input is what fsdp splits).
+    "latent": (),
     # Mixture-of-experts weights stacked over experts (jaxpar.model.moe): split over the run's expert axes
     # (`model.moe.expert_axes`, passed as `expert_axes` below), none by default.
     EXPERTS_AXIS: (),

@@ -252,9 +252,9 @@ def _check_fp8(cfg: Config, mesh: Mesh, platform: str) -> None:
             raise ConfigError(str(e)) from None
     device = mesh.devices.flat[0]
     if platform == "gpu":
-        capability = getattr(device, "compute_capability", None)
+        capability = device_capability(device)
         if capability is not None:
-            check_fp8_capability(device.device_kind, tuple(int(v) for v in str(capability).split(".")))
+            check_fp8_capability(device.device_kind, capability)
     elif platform == "tpu":
         raise ConfigError(
             "precision.fp8.enabled=true: FP8 GEMMs are built for NVIDIA GPUs with FP8 tensor cores (and run on CPU "
@@ -269,6 +269,16 @@ def _check_fp8(cfg: Config, mesh: Mesh, platform: str) -> None:
                 f"--xla_cpu_max_isa=SSE4_2 with --xla_backend_optimization_level=0); run on a GPU, drop those "
                 f"XLA_FLAGS, or set precision.fp8.enabled=false"
             )
+
+
+def device_capability(device) -> tuple[int, int] | None:
+    """An NVIDIA GPU's compute capability (major, minor) from its jax device (a compile-only one too:
+    `jaxpar.analysis.gpu.deviceless`), or None for a device without one (CPU, TPU)."""
+    capability = getattr(device, "compute_capability", None)
+    if capability is None:
+        return None
+    major, minor = (int(v) for v in str(capability).split(".")[:2])
+    return major, minor
 
 
 def _check_compilation_cache(mesh: Mesh, platform: str) -> None:
@@ -337,7 +347,12 @@ def _resolved_model(cfg: Config, mesh: Mesh, platform: str) -> ModelConfig:
     try:
         m = cfg.model
         attention = resolve_attention(
-            m.attention, platform, cfg.precision.compute_dtype, m.head_width, m.attention_softcap
+            m.attention,
+            platform,
+            cfg.precision.compute_dtype,
+            m.kernel_head_width,
+            m.attention_softcap,
+            device_capability(mesh.devices.flat[0]),
         )
     except ValueError as e:
         raise ConfigError(str(e)) from e

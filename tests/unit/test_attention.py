@@ -91,8 +91,13 @@ def test_auto_is_cudnn_on_a_gpu_with_16_bit_compute_and_xla_otherwise():
         resolve_attention("cudnn", "cpu", "bfloat16", 64)
     with pytest.raises(ValueError, match="bfloat16 or float16, not float32.*compute_dtype=bfloat16"):
         resolve_attention("cudnn", "gpu", "float32", 64)
-    with pytest.raises(ValueError, match="multiples of 8 up to 128, not 160"):
+    with pytest.raises(ValueError, match="multiples of 8 up to 128 on this GPU .256 on Hopper and newer., not 160"):
         resolve_attention("cudnn", "gpu", "bfloat16", 160)
+    # Hopper (compute capability 9.0) and newer take heads up to 256: MLA's kernel width 192
+    assert resolve_attention("auto", "gpu", "bfloat16", 192, capability=(9, 0)) == "cudnn"
+    assert resolve_attention("auto", "gpu", "bfloat16", 192, capability=(8, 0)) == "xla"
+    with pytest.raises(ValueError, match="up to 256 on Hopper and newer, not 264"):
+        resolve_attention("cudnn", "gpu", "bfloat16", 264, capability=(10, 0))
 
 
 def test_cudnn_on_cpu_devices_is_refused_before_any_device_work(devices8):
@@ -126,7 +131,7 @@ def test_the_model_masks_attention_across_documents():
     [
         (["--platform", "cpu", "model.attention=cudnn"], "runs on NVIDIA GPUs only, and this step runs on cpu"),
         (["precision.compute_dtype=float32", "model.attention=cudnn"], "bfloat16 or float16, not float32"),
-        (["model.attention=cudnn", "model.head_dim=512"], "multiples of 8 up to 128, not 512"),
+        (["model.attention=cudnn", "model.head_dim=512"], "multiples of 8 up to 256 on Hopper and newer, not 512"),
     ],
 )
 def test_jaxpar_plan_refuses_cudnn_where_it_cannot_run(overrides, message, capsys):

@@ -58,6 +58,11 @@ OUT_OF_RANGE = {
     "model.attention_softcap": 0,
     "model.final_softcap": -30,
     "model.attention_scale_width": 0,
+    "model.kv_lora_rank": 0,
+    "model.q_lora_rank": -1,
+    "model.qk_nope_head_dim": 0,
+    "model.qk_rope_head_dim": 63,
+    "model.v_head_dim": 0,
     "model.init_from": Accepts(
         "any path: it is opened when a fresh run starts, before device work (test_cli_paths.py)", ("", "/no/such")
     ),

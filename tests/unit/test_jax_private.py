@@ -41,3 +41,15 @@ def test_cudnn_attention_parts_return_and_take_the_softmax_statistics():
 
 def test_distributed_client_is_none_in_one_process():
     assert jax.process_count() == 1 and jax_private.distributed_client() is None
+
+
+def test_cudnn_compute_capability_answers_for_the_target_and_restores():
+    """Inside, jax's cuDNN capability checks answer for the given GPU (here a CPU process has none: False
+    outside); the module's own functions are back on exit."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    before = fa.check_compute_capability
+    with jax_private.cudnn_compute_capability((9, 0)):
+        assert fa.check_compute_capability("9.0") and not fa.check_compute_capability("10.0")
+        assert fa.is_cuda_compute_capability_equal("9.0") and not fa.is_cuda_compute_capability_equal("10.3")
+    assert fa.check_compute_capability is before and not fa.check_compute_capability("9.0")

@@ -51,7 +51,17 @@ ROPE_SCALING_KEYS = tuple(
 
 
 # model keys newer than the first records, counted only when set (`fingerprint`)
-OPTIONAL_MODEL_KEYS = ("sliding_window", "attention_softcap", "final_softcap", "attention_scale_width")
+OPTIONAL_MODEL_KEYS = (
+    "sliding_window",
+    "attention_softcap",
+    "final_softcap",
+    "attention_scale_width",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+)
 # model.moe keys that count only away from their defaults (records made before the keys keep their fingerprints)
 DEFAULT_MOE_KEYS = (
     "gating",
@@ -72,7 +82,8 @@ def fingerprint(cfg: Config) -> str:
     (plain 1F1B), the `model.rope_scaling*` keys only when rope_scaling is not `none`, `model.moe` only with
     experts, `optimizer.weight_decay_exclude` only when not the default (whose mask the built-in families had before
     the key), `mesh.context` and the `context` section only with mesh.context > 1, `precision.fp8` only when
-    enabled, `model.sliding_window`, `attention_softcap`, `final_softcap` and `attention_scale_width` only when set,
+    enabled, `model.sliding_window`, `attention_softcap`, `final_softcap`, `attention_scale_width` and the MLA keys
+    (`kv_lora_rank`, `q_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`) only when set,
     `model.moe.gating`, `routed_scale`, `bias_update_rate`, `expert_groups`, `group_top_k`, `receive_factor` and
     `all_to_all` only away from their defaults, and `model.init_from` (where the weights come from) never; records
     made before those keys existed keep their fingerprints. `precision.compute_dtype` counts as the GPU resolves it

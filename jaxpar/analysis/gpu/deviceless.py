@@ -16,6 +16,10 @@ driver fails the plugin's CUDA checks and never registers it, unless `JAX_PLATFO
 is `gpu`, so the step plan resolves `precision.compute_dtype: auto` (bfloat16) and `model.attention: auto` (cuDNN
 where it can run) as on the cluster (`jaxpar.training.plan.build_plan`), not as the CPU process would.
 
+jax decides from the local GPU whether cuDNN's fused attention takes heads wider than 128 (Hopper and newer: 256)
+and the packed layout; the step is traced with those checks answering for the target's compute capability
+(`jaxpar.parallel.jax_private.cudnn_compute_capability`), as on the cluster.
+
 Differences from the cluster's own compile: no autotuning (no device to time kernels on), so GEMM fusions use
 the compiler's default tile configurations; their scratch may differ a little from an autotuned build.
 """
@@ -230,6 +234,7 @@ def compile_for_gpu(
     from jaxpar.analysis.planner.plan import plan as analytic_plan
     from jaxpar.config.validate import resolve_config
     from jaxpar.data.batch import abstract_batch
+    from jaxpar.parallel.jax_private import cudnn_compute_capability
     from jaxpar.parallel.mesh import build_mesh
     from jaxpar.training.compiled_memory import memory_analysis_bytes
     from jaxpar.training.plan import build_plan
@@ -245,7 +250,9 @@ def compile_for_gpu(
     t = cfg.data.seq_len
     batch = abstract_batch(cfg.train.global_batch_size, t, plan.batch_sharding)
     t0 = time.perf_counter()
-    compiled = make_train_step(plan).lower(state, batch).compile(compiler_options or {})
+    with cudnn_compute_capability(clu.target.compute_capability):  # jax asks the local GPU, which there is not
+        lowered = make_train_step(plan).lower(state, batch)
+    compiled = lowered.compile(compiler_options or {})
     seconds = time.perf_counter() - t0
     analysis = memory_analysis_bytes(compiled)
     if analysis is None:

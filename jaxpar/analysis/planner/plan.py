@@ -91,7 +91,7 @@ from jaxpar.analysis.planner.dims import Dims, dims, expert_axes, local_size, pa
 from jaxpar.analysis.planner.experts import expert_summary
 from jaxpar.analysis.planner.memory import expert_state_bytes_formula, formula_expression, state_bytes_formula
 from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE, schedule_bubble
-from jaxpar.config.attention import resolve_attention
+from jaxpar.config.attention import PLANNED_GPU_CAPABILITY, resolve_attention
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.errors import ConfigError
 from jaxpar.config.mesh_axes import PIPELINE, TENSOR, mesh_sizes
@@ -148,7 +148,9 @@ SCORE_WORKING_FP32_BYTES = 2 * 4
 
 
 def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
-    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn.
+    """`model.attention` resolved on `platform` (`jaxpar.config.attention.resolve_attention`): xla or cudnn. A
+    `gpu` is planned as a Hopper-class one (`PLANNED_GPU_CAPABILITY`: H100, H200 and B200 alike take cuDNN head
+    widths up to 256; an A100 takes 128, so a head wider than 128, e.g. MLA's 192, runs XLA's attention there).
     Under context parallelism (`mesh.context` > 1) cudnn where it resolves to cudnn (both strategies then call the
     fused kernel: `jaxpar.model.context_attention`, `jaxpar.model.context_ring`), else the strategy's own XLA path:
     xla for all_gather (`jaxpar.parallel.context.gathered_kv_attention`, XLA's attention with an explicit mask),
@@ -159,7 +161,8 @@ def attention_implementation(cfg: Config, platform: str = "gpu") -> str:
     dtype = resolve_compute_dtype(cfg.precision.compute_dtype, platform)
     try:
         m = cfg.model
-        resolved = resolve_attention(m.attention, platform, dtype, m.head_width, m.attention_softcap)
+        capability = PLANNED_GPU_CAPABILITY if platform == "gpu" else None
+        resolved = resolve_attention(m.attention, platform, dtype, m.kernel_head_width, m.attention_softcap, capability)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if cfg.mesh.context > 1 and resolved != "cudnn":
@@ -245,20 +248,36 @@ def _boundary_bytes(cfg: Config, d: Dims) -> int:
     return compute * bc + fp32 * 4
 
 
+def _attention_widths(cfg: Config, t: int) -> tuple[int, int]:
+    """Per token on one of t tensor ranks, elements of (the attention's projection outputs, its context). The usual
+    attention: queries, keys and values (H/t + 2 G/t) K, context (H/t) K. Multi-head Latent Attention
+    (`jaxpar.model.mla`): the latents X + Z + R (whole on every rank), queries (H/t)(N + R) and the keys' and
+    values' up-projection (H/t)(N + E); context (H/t) E."""
+    mdl = cfg.model
+    h_t = mdl.n_heads // t
+    if not mdl.mla:
+        k = mdl.head_width
+        return (h_t + 2 * (mdl.kv_heads // t)) * k, h_t * k
+    nope, rope, value = mdl.mla_widths
+    latents = (mdl.q_lora_rank or 0) + (mdl.kv_lora_rank or 0) + rope
+    return latents + h_t * (nope + rope) + h_t * (nope + value), h_t * value
+
+
 def _layer_bytes(cfg: Config, d: Dims, platform: str) -> dict[str, int]:
     """Bytes one layer saves for the backward of one microbatch, by what they are (module docstring)."""
     mdl, t, bc = cfg.model, d.shape[TENSOR], d.compute_bytes
     b, s = d.b, d.r  # this device's tokens of each sequence
-    h_t, g_t, k, f_t, dm = mdl.n_heads // t, mdl.kv_heads // t, mdl.head_width, mdl.d_ff // t, mdl.d_model
+    f_t, dm = mdl.d_ff // t, mdl.d_model
+    projections, context = _attention_widths(cfg, t)
     out = {"block input": b * d.s_act * dm * bc}
     if mdl.remat == "names":
-        out["context + mlp hidden"] = b * s * (h_t * k + f_t) * bc
+        out["context + mlp hidden"] = b * s * (context + f_t) * bc
     if mdl.remat in ("dots", "none"):
-        out["matmul outputs"] = b * s * ((h_t + 2 * g_t) * k + 2 * dm + 2 * f_t) * bc
+        out["matmul outputs"] = b * s * (projections + 2 * dm + 2 * f_t) * bc
     if mdl.remat == "none":
-        out["attention context"] = b * s * h_t * k * bc
+        out["attention context"] = b * s * context * bc
         if attention_implementation(cfg, platform) == "cudnn":
-            out["fp32 softmax statistics"] = 4 * b * h_t * s
+            out["fp32 softmax statistics"] = 4 * b * (mdl.n_heads // t) * s
         elif d.c > 1:  # context attention on XLA: its own scores and masks (`jaxpar.analysis.planner.context`)
             out.update(context_plan.saved_score_bytes(cfg, score_elements(cfg, d)))
         else:
