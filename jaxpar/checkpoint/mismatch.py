@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxpar.config.schema import STACK_ATTRIBUTE
+
 EMPTY = "empty"  # a node without arrays (an optax state such as EmptyState, None, {}), as a leaf of `_flat_leaves`
 
 
@@ -92,14 +94,27 @@ class CheckpointMismatchError(ValueError):
         return f"{len(self.differences)} arrays differ, e.g. {'; '.join(map(str, first))}"
 
 
-def check_target(saved_tree: Any, abstract_state: Any, path: str, step: int) -> None:
+def stack_rows_differ(key: str, saved: Any, target: Any) -> bool:
+    """Whether leaf `key` is a leaf of the layer stack (a `STACK_ATTRIBUTE` segment in its dotted name: the
+    parameters, the fp32 master copy, the optimizer's moments) whose saved and target (shape, dtype) differ only
+    in the leading dimension, the stack's rows: a stack stored over another number of pipeline stages, with
+    another count of zero rows after its last layer (`jaxpar.parallel.layer_split.stored_rows`)."""
+    if STACK_ATTRIBUTE not in key.split(".") or not (isinstance(saved, tuple) and isinstance(target, tuple)):
+        return False
+    (s_shape, s_dtype), (t_shape, t_dtype) = saved, target
+    return s_dtype == t_dtype and len(s_shape) == len(t_shape) >= 1 and s_shape[1:] == t_shape[1:]
+
+
+def check_target(saved_tree: Any, abstract_state: Any, path: str, step: int) -> bool:
     """Raise CheckpointMismatchError with every key whose presence, structure, shape or dtype differs between the
-    checkpoint's metadata (`saved_tree`, of the step's state at `path`) and the target."""
+    checkpoint's metadata (`saved_tree`, of the step's state at `path`) and the target, but the layer stack's
+    rows (`stack_rows_differ`: the same model's stack stored over other pipeline stages; the caller restores it
+    cut or zero-padded, which drops or adds only zero rows when the models are the same, as a restore checks
+    first: `jaxpar.config.resume.check_restored_model`). Returns whether any stack leaf's rows differ."""
     saved, want = _flat_leaves(saved_tree), _flat_leaves(abstract_state)
-    differences = [
-        ArrayDifference(k, saved.get(k), want.get(k))
-        for k in sorted(saved.keys() | want.keys())
-        if saved.get(k) != want.get(k)
-    ]
+    keys = [k for k in sorted(saved.keys() | want.keys()) if saved.get(k) != want.get(k)]
+    resized = [k for k in keys if stack_rows_differ(k, saved.get(k), want.get(k))]
+    differences = [ArrayDifference(k, saved.get(k), want.get(k)) for k in keys if k not in resized]
     if differences:
         raise CheckpointMismatchError(path, step, differences)
+    return bool(resized)

@@ -8,6 +8,7 @@ shardings the caller gives, each process reading only its own shards.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -17,6 +18,7 @@ import orbax.checkpoint as ocp
 
 from jaxpar.checkpoint.saved import saved_config, select_step
 from jaxpar.config import Config, load_config
+from jaxpar.config.schema import STACK_ATTRIBUTE
 
 
 def restore_params(
@@ -24,6 +26,7 @@ def restore_params(
     step: int | None = None,
     *,
     shardings: dict | None = None,
+    stack_rows: int | None = None,
 ) -> tuple[dict, Config, int]:
     """(float32 parameters, the saved config, the step) of a checkpoint: a run dir, its checkpoints/ dir or one step
     dir; `step` None: the step dir given, else the latest complete one.
@@ -32,6 +35,9 @@ def restore_params(
       shardings: None: the parameters come back as host numpy (all of them in this process's memory: small models
         and tools). Else a tree of shardings shaped like the parameters: jax arrays with those shardings, each
         process reading only the shards its devices hold.
+      stack_rows: rows of the layer stack to return: a run over pipeline stages that do not divide its layers
+        saves the stack with zero rows after the last layer (`jaxpar.parallel.layer_split.stored_rows`), cut or
+        zero-padded here to these rows (None: the model's layers, `ModelConfig.stack_depth`).
 
     Raises:
       FileNotFoundError: no complete checkpoint at `path` (or no step `step`: the message lists the steps there
@@ -46,18 +52,26 @@ def restore_params(
     metadata = checkpointer.metadata(state_dir)
     tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata.tree
     key = "master" if "master" in tree else "params"
-    saved = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree[key])
+    rows = cfg.model.stack_depth if stack_rows is None else stack_rows
+
+    def shape(path, m) -> tuple[int, ...]:
+        stacked = STACK_ATTRIBUTE in [getattr(k, "key", None) for k in path] and len(m.shape) >= 1
+        return (rows, *m.shape[1:]) if stacked else tuple(m.shape)
+
+    saved = jax.tree_util.tree_map_with_path(lambda k, m: jax.ShapeDtypeStruct(shape(k, m), m.dtype), tree[key])
+    resized = any(tuple(m.shape) != s.shape for m, s in zip(jax.tree.leaves(tree[key]), jax.tree.leaves(saved)))
     if shardings is None:
         host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         placed = jax.tree.map(lambda s: host, saved)
     else:
         placed = shardings
     target = {key: jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), saved, placed)}
+    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+    if resized:  # the stack's zero rows cut or added (Orbax truncates or pads with zeros when not strict)
+        restore_args = jax.tree.map(lambda a: dataclasses.replace(a, strict=False), restore_args)
     restored = checkpointer.restore(
         state_dir,
-        args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-        ),
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
     )
     if shardings is None:
         params = jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), restored[key])

@@ -291,10 +291,11 @@ class Checkpointer:
         saved = self._manager.item_metadata(step)[_STATE]
         saved_tree = saved.tree if hasattr(saved, "tree") else saved
         target, fresh = _optional_entries(saved_tree, abstract_state, step)
-        check_target(saved_tree, target, os.path.join(step_dir, _STATE), step)
+        # a layer stack stored over other pipeline stages comes back cut or zero-padded to the target's rows
+        resized = check_target(saved_tree, target, os.path.join(step_dir, _STATE), step)
         args = ocp.args.Composite(
             **{
-                _STATE: ocp.args.StandardRestore(target),
+                _STATE: ocp.args.StandardRestore(target, strict=not resized),
                 _DATA: ocp.args.JsonRestore(),
                 _CONFIG: ocp.args.JsonRestore(),
             }

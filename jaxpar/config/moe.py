@@ -207,9 +207,10 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
         )
     stages, v = shape[PIPELINE], cfg.pipeline.virtual_stages
     units = stacked // moe.every
-    if cfg.pipeline.stage_layers or cfg.pipeline.balance_stages:
-        v = 1  # an uneven split stores the units evenly over the stages; the chunks' own counts are checked there
-    if stages > 1 and units % (stages * v):
+    uneven = bool(cfg.pipeline.stage_layers or cfg.pipeline.balance_stages)
+    # an uneven split stores the units over the stages with zero rows where they do not divide them
+    # (`jaxpar.parallel.layer_split.stored_rows`); the chunks' own counts are checked there
+    if stages > 1 and not uneven and units % (stages * v):
         if moe.first_dense:
             what = f"(model.n_layers - model.moe.first_dense) / model.moe.every = ({m.n_layers} - {moe.first_dense})"
         else:
@@ -218,7 +219,8 @@ def check_moe(cfg: Config, shape: dict[str, int]) -> None:
             f"{what} / {moe.every} = {units} MoE units (the layer stack's depth: each "
             f"unit is `every` blocks whose last one is MoE) must be divisible by mesh.pipeline * "
             f"pipeline.virtual_stages = {stages} * {v} = {stages * v} (each stage holds whole units); change "
-            f"model.n_layers, model.moe.every, model.moe.first_dense, mesh.pipeline or pipeline.virtual_stages"
+            f"model.n_layers, model.moe.every, model.moe.first_dense, mesh.pipeline or pipeline.virtual_stages, or "
+            f"set pipeline.balance_stages=true (stages of unequal depth)"
         )
     if moe.routing == "capacity" and shape.get(CONTEXT, 1) > 1:
         raise ConfigError(

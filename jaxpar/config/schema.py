@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 LAYERS_PER_UNIT = {"gemma2": 2}
 
 
+STACK_ATTRIBUTE = "blocks"  # the model attribute, and parameter key, holding the layer stack (jaxpar.model.interface)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Mixture-of-experts MLPs in the built-in `llama` decoder (`jaxpar.model.moe`). Off by default

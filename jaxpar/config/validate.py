@@ -296,11 +296,19 @@ def _check_pipeline(cfg: Config, stages: int, tp: int) -> None:
     interleaving's constraints (`_virtual_stages`)."""
     check_choice("pipeline.schedule", cfg.pipeline.schedule, PIPELINE_SCHEDULES)
     check_positive("pipeline.microbatches", cfg.pipeline.microbatches)
-    if cfg.model.stacked_layers % stages:
+    uneven = uneven_split(cfg)
+    if cfg.model.stacked_layers % stages and not uneven:
         raise ConfigError(
-            f"{_stacked(cfg)} must be divisible by mesh.pipeline={stages} (the layers are "
-            f"stored evenly over the stages, also when pipeline.stage_layers runs them unevenly); change "
+            f"{_stacked(cfg)} must be divisible by mesh.pipeline={stages} for the even split; set "
+            f"pipeline.balance_stages=true (or give pipeline.stage_layers) to run the stages unevenly, or change "
             f"model.n_layers or mesh.pipeline"
+        )
+    fp8 = cfg.precision.fp8
+    if uneven and cfg.model.stack_depth % stages and fp8.enabled and fp8.scaling == "delayed":
+        raise ConfigError(
+            f"precision.fp8.scaling=delayed with {_stacked(cfg)} layers over mesh.pipeline={stages} stages, which "
+            f"do not divide them: the amax history is stored evenly over the stages; set "
+            f"precision.fp8.scaling=current, or a depth the stages divide"
         )
     _pairs(cfg, stages)
     _virtual_stages(cfg, stages)
@@ -328,13 +336,14 @@ def _pairs(cfg: Config, stages: int) -> None:
             f"model.n_layers={m.n_layers} must be a multiple of {unit} for model.name={m.name} (its layers alternate "
             f"local and global attention, stacked as pairs); change model.n_layers"
         )
-    v = 1 if uneven_split(cfg) else cfg.pipeline.virtual_stages  # an uneven split's counts are checked there
-    if stages > 1 and m.stack_depth % (stages * v):
+    # an uneven split's counts are checked there, and it stores the stack with zero rows where p does not divide it
+    v = cfg.pipeline.virtual_stages
+    if stages > 1 and not uneven_split(cfg) and m.stack_depth % (stages * v):
         raise ConfigError(
             f"model.n_layers / {unit} = {m.stack_depth} units of {m.name}'s stack (each a local and a global layer) "
             f"must be divisible by mesh.pipeline * pipeline.virtual_stages = {stages} * {v} = {stages * v} (each "
             f"stage holds whole units); change mesh.pipeline or pipeline.virtual_stages, or give "
-            f"pipeline.stage_layers"
+            f"pipeline.stage_layers or pipeline.balance_stages=true"
         )
 
 

@@ -48,11 +48,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.config.schema import STACK_ATTRIBUTE  # noqa: F401  (re-exported: the attribute holding the layer stack)
 from jaxpar.model.stack import Gather
 from jaxpar.parallel.sharding import PARAM_RULES
 from jaxpar.parallel.tensor import TensorParallel
 
-STACK_ATTRIBUTE = "blocks"  # the attribute holding the layer stack
 LAYERS_AXIS = "layers"  # the logical name of its leading dimension
 PARTS = ("embed_tokens", "run_blocks", "logits")
 MOE_PART = "run_blocks_with_stats"  # the part a model with model.moe adds

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config.schema import ModelConfig
@@ -75,13 +77,44 @@ def model_def(cfg: ModelConfig) -> ModelDef:
     return ModelDef(cfg, graphdef, state, takes_segment_ids(abstract), takes_positions(abstract))
 
 
-def init_params(cfg: ModelConfig, seed: int) -> dict:
+def init_params(cfg: ModelConfig, seed: int, stack_rows: int | None = None) -> dict:
     """Initialises parameters (fp32) from `seed`. Pure: jit it with `out_shardings` to create them sharded.
 
     With `jax_threefry_partitionable` (the default in current jax) the values do not depend on the sharding,
-    so every mesh layout starts from identical parameters.
+    so every mesh layout starts from identical parameters. `stack_rows`: store the layer stack with that many
+    rows (`fit_stack`: zero rows after the last layer), None: `cfg.stack_depth`.
     """
-    return nnx.to_pure_dict(nnx.state(build_model(cfg, seed), nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(build_model(cfg, seed), nnx.Param))
+    return params if stack_rows is None else fit_stack(params, stack_rows, cfg.stack_depth)
+
+
+def fit_stack(params: dict, rows: int, depth: int) -> dict:
+    """`params` with every leaf of the layer stack (`STACK_ATTRIBUTE`, leading dimension of the stack's rows)
+    cut or padded with zero rows to `rows`: how a stack of `depth` layers is stored over pipeline stages that do
+    not divide it (`jaxpar.parallel.layer_split.stored_rows`). Rows past `depth` hold no layer; they are zero
+    and stay zero in training (a zero pre-norm residual block is the identity and gets zero gradients).
+    Works on jax and numpy arrays alike (and on `jax.ShapeDtypeStruct`s under `jax.eval_shape`).
+
+    Raises:
+      ValueError: `rows` < `depth` (it would drop layers), or a stack leaf with fewer than `depth` rows.
+    """
+    if rows < depth:
+        raise ValueError(f"a stack of {depth} layers cannot be stored in {rows} rows")
+    if STACK_ATTRIBUTE not in params:
+        return params
+
+    def fit(a):
+        have = a.shape[0]
+        if have < depth:
+            raise ValueError(f"a layer stack leaf of {have} rows holds fewer than the model's {depth} layers")
+        if have == rows:
+            return a
+        if have > rows:
+            return a[:rows]
+        pad = [(0, rows - have)] + [(0, 0)] * (a.ndim - 1)
+        return np.pad(a, pad) if isinstance(a, np.ndarray) else jnp.pad(a, pad)
+
+    return {**params, STACK_ATTRIBUTE: jax.tree.map(fit, params[STACK_ATTRIBUTE])}
 
 
 def logical_axes(cfg: ModelConfig) -> dict:

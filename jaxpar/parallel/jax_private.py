@@ -35,6 +35,8 @@ breaks this file only, and tests/unit/test_jax_private.py says which name went.
       compile for a GPU cluster (`jaxpar.analysis.gpu.deviceless`) has no local GPU, only compile-only devices of
       the target's capability, so it traces as for that target. No public replacement: switch when jax reads the
       capability from the devices the computation is lowered for.
+  cudnn_capability_checks() -> (check_compute_capability, is_cuda_compute_capability_equal)
+      The same module's two checks as they stand (what `cudnn_compute_capability` replaces and restores).
   distributed_client() -> the coordination-service client, or None   jax._src.distributed.global_state.client
       The key-value store of the coordination service `jax.distributed.initialize` starts (process 0 hosts it),
       through the same client jax itself uses. Used by `jaxpar.training.watchdog` to publish heartbeats and
@@ -55,6 +57,7 @@ __all__ = [
     "convert_constvars_jaxpr",
     "cudnn_attention",
     "cudnn_attention_parts",
+    "cudnn_capability_checks",
     "cudnn_compute_capability",
     "dce_jaxpr",
     "distributed_client",
@@ -75,6 +78,14 @@ def cudnn_attention_parts() -> tuple[Any, Any, Any, int]:
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     return fa.dot_product_attention, fa._dot_product_attention_bwd_rule, fa.MaskType, fa.AttentionLayout.BTNH.value
+
+
+def cudnn_capability_checks() -> tuple[Any, Any]:
+    """(check_compute_capability, is_cuda_compute_capability_equal) of jax's cuDNN fused-attention module, as they
+    stand (module docstring)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    return fa.check_compute_capability, fa.is_cuda_compute_capability_equal
 
 
 @contextlib.contextmanager

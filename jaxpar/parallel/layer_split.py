@@ -10,12 +10,15 @@ layers) makes an even split of 8 layers per stage run at 10.4/8.6 = 1.21x the ba
 1.05x (`balanced_split`). Megatron-LM sets the first and last stages' layer counts for the same reason
 (`decoder_first_pipeline_num_layers`, `decoder_last_pipeline_num_layers`).
 
-How it runs in one SPMD program: the parameters stay stored in model order, L/p rows per device, whatever the
-split (checkpoints do not depend on it). Once per step `to_stage_layout` moves each layer to the device that runs
-it, into the *stage layout*: v slots of n_max rows per device, slot j holding its chunk's rows first and padding
-after, with an fp32 mask (1 a real row, 0 padding) that the layer scan reads to skip padding in a `lax.cond`
-(`jaxpar.model.stack.active_rows`); `from_stage_layout` moves the weight gradients back. The schedules see a
-stack of v*n_max rows and need no change. An even split never takes this path.
+How it runs in one SPMD program: the parameters stay stored in model order, L_s/p rows per device, whatever the split
+(checkpoints do not depend on it). L_s = `stored_rows(L, p)` is L rounded up to a multiple of p: a stack that p does not
+divide (DeepSeek-V3's 58 MoE blocks over 16 stages) is stored with L_s - L zero rows after the last layer, which no
+schedule runs (jax shards an array only evenly). Zero rows are the identity of a pre-norm residual block (every
+sublayer's output projection is zero) and get zero gradients, so they stay zero. Once per step `to_stage_layout` moves
+each layer to the device that runs it, into the *stage layout*: v slots of n_max rows per device, slot j holding its
+chunk's rows first and padding after, with an fp32 mask (1 a real row, 0 padding) that the layer scan reads to skip
+padding in a `lax.cond` (`jaxpar.model.stack.active_rows`); `from_stage_layout` moves the weight gradients back. The
+schedules see a stack of v*n_max rows and need no change. An even split never takes this path.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.pipeline import ordered_after
 
 ACTIVE = "active_rows"  # the stage layout's mask leaf, beside the layer parameters in the stack's tree
+
+
+def stored_rows(rows: int, p: int) -> int:
+    """Rows of a layer stack of `rows` layers stored over p pipeline stages (module docstring): rows rounded up to a
+    multiple of p (p = 1: rows)."""
+    return -(-rows // p) * p
 
 
 def stage_flops(
@@ -98,8 +107,10 @@ def chunk_counts(cfg, p: int, row_flops: Callable[[], float]) -> tuple[int, ...]
     with `pipeline.balance_stages` the `balanced_split` of the chunks' training FLOPs per token, a row costing
     `row_flops()` (called only then; `jaxpar.model.flops.row_flops_per_token`: 6P/L + 12*D*T plus what remat
     recomputes) and the head 6*D*V on the last chunk (PaLM, Chowdhery et al. 2022, appendix B), or on none with
-    `pipeline.vocab_parallel` (which spreads it over the stages alike). None for the even split, also when the
-    counts are the even ones. `cfg` is a validated `jaxpar.config.Config`."""
+    `pipeline.vocab_parallel` (which spreads it over the stages alike); the first chunk adds the
+    `model.moe.first_dense` blocks that run with the embedding, each costed as 1/`model.layers_per_unit` row.
+    None for the even split, also when the counts are the even ones. `cfg` is a validated
+    `jaxpar.config.Config`."""
     pipe, model = cfg.pipeline, cfg.model
     if p == 1 or not (pipe.stage_layers or pipe.balance_stages):
         return None
@@ -109,7 +120,9 @@ def chunk_counts(cfg, p: int, row_flops: Callable[[], float]) -> tuple[int, ...]
     else:
         # the head on the last chunk; split over every stage alike (pipeline.vocab_parallel) it moves no balance
         head = 0.0 if pipe.vocab_parallel else 6 * model.d_model * model.vocab_size
-        counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row_flops(), head)
+        row = row_flops()
+        embed = row * model.first_dense / every
+        counts = balanced_split(model.stack_depth, p * pipe.virtual_stages, row, head, embed)
     return None if len(set(counts)) == 1 else counts
 
 
@@ -140,8 +153,8 @@ class StageLayout:
         slots in model order.
 
     Raises:
-      ValueError: counts not a multiple of p long, a negative count, L not divisible by p (the storage layout
-        splits the stack evenly), or a placement that does not give every device v chunks.
+      ValueError: counts not a multiple of p long, a negative count, or a placement that does not give every
+        device v chunks.
     """
 
     counts: tuple[int, ...]
@@ -151,8 +164,6 @@ class StageLayout:
     def __post_init__(self):
         if len(self.counts) % self.p or any(c < 0 for c in self.counts):
             raise ValueError(f"need p*v counts of at least 0 for p={self.p}, got {self.counts}")
-        if sum(self.counts) % self.p:
-            raise ValueError(f"the stack's {sum(self.counts)} rows must split evenly over p={self.p} for storage")
         if sorted(self.placement) != sorted(d for d in range(self.p) for _ in range(self.v)):
             raise ValueError(f"placement {self.placement} must put v={self.v} chunks on each of p={self.p} devices")
 
@@ -164,6 +175,11 @@ class StageLayout:
     def rows(self) -> int:
         """L, the stack's rows."""
         return sum(self.counts)
+
+    @property
+    def stored(self) -> int:
+        """L_s, the rows the stack is stored with (`stored_rows`: L rounded up to a multiple of p)."""
+        return stored_rows(self.rows, self.p)
 
     @property
     def n_max(self) -> int:
@@ -191,12 +207,12 @@ class StageLayout:
 
     @functools.cached_property
     def moves(self) -> tuple[np.ndarray, np.ndarray, list[list[tuple[int, int, int, int]]]]:
-        """(local [p, v*n_max]: the storage row each stage-layout row copies on its own device, -1 where it
-        comes from another device or is padding; local_back [p, L/p]: the stage-layout row each storage row's
-        gradient comes from on its own device, -1 where from another; rounds: the moves between devices,
-        (source device, storage row, destination device, stage-layout row), grouped so that a device sends at
-        most one row and receives at most one per round: one `ppermute` each)."""
-        per = self.rows // self.p
+        """(local [p, v*n_max]: the storage row each stage-layout row copies on its own device, -1 where it comes from
+        another device or is padding; local_back [p, L_s/p]: the stage-layout row each storage row's gradient comes
+        from on its own device, -1 where from another or a storage padding row; rounds: the moves between devices,
+        (source device, storage row, destination device, stage-layout row), grouped so that a device sends at most
+        one row and receives at most one per round: one `ppermute` each)."""
+        per = self.stored // self.p
         local = np.full((self.p, self.v * self.n_max), -1, np.int64)
         local_back = np.full((self.p, per), -1, np.int64)
         rounds: list[list[tuple[int, int, int, int]]] = []
@@ -224,7 +240,7 @@ def _index_table(values: np.ndarray, pad: int) -> jax.Array:
 
 
 def to_stage_layout(layers, layout: StageLayout):
-    """This device's layer stack in storage order (leaves [L/p, ...]: model rows s*L/p .. (s+1)*L/p - 1) -> in
+    """This device's layer stack in storage order (leaves [L_s/p, ...]: model rows s*L_s/p .. (s+1)*L_s/p - 1) -> in
     the stage layout (leaves [v*n_max, ...], padding rows zero), with the mask under `ACTIVE` (fp32 [v*n_max]).
     Inside the shard_map.
 
@@ -238,14 +254,15 @@ def to_stage_layout(layers, layout: StageLayout):
 
 def from_stage_layout(grads, layout: StageLayout):
     """The inverse of `to_stage_layout` for the weight gradients: leaves [v*n_max, ...] (without `ACTIVE`; the
-    padding rows' values are dropped) -> [L/p, ...] in storage order. Inside the shard_map."""
+    padding rows' values are dropped) -> [L_s/p, ...] in storage order, zeros at the storage padding rows. Inside
+    the shard_map."""
     return _move(grads, layout, inverse=True)
 
 
 def _move(tree, layout: StageLayout, inverse: bool):
-    """Each leaf's rows moved storage -> stage layout (or back, `inverse`): local copies by a gather, then each
-    round of `StageLayout.moves` as one `ppermute` of one row, written into place (a device that receives
-    nothing in a round writes a scratch row, dropped at the end)."""
+    """Each leaf's rows moved storage -> stage layout (or back, `inverse`): local copies by a gather (a row that
+    comes from nowhere, zeros), then each round of `StageLayout.moves` as one `ppermute` of one row, written into
+    place (a device that receives nothing in a round writes a scratch row, dropped at the end)."""
     s = jax.lax.axis_index(PIPELINE)
     local, local_back, rounds = layout.moves
     source = local_back if inverse else local
@@ -262,8 +279,9 @@ def _move(tree, layout: StageLayout, inverse: bool):
 
     def one(a):
         nonlocal prev
-        out = jnp.take(a, _index_table(source, 0)[s], axis=0)
-        out = jnp.concatenate([out, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # row `width`: scratch
+        zero = jnp.zeros((1, *a.shape[1:]), a.dtype)
+        out = jnp.take(jnp.concatenate([a, zero]), _index_table(source, a.shape[0])[s], axis=0)
+        out = jnp.concatenate([out, zero])  # row `width`: scratch
         for send, recv, pairs in steps:
             piece = jax.lax.dynamic_index_in_dim(a, send, keepdims=True)
             piece = ordered_after(piece, prev) if prev else piece

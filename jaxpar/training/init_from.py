@@ -18,6 +18,7 @@ from jaxpar.config.paths import directory_problem
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf import HFConfigError, check_hf, is_hf_directory, load_hf
 from jaxpar.model.hf.config import model_differences
+from jaxpar.model.interface import STACK_ATTRIBUTE
 
 
 def _saved_model(path: str) -> tuple[ModelConfig, str, int]:
@@ -117,7 +118,8 @@ def place_init_params(model: ModelConfig, target: dict) -> dict:
             raise ConfigError(f"model.init_from: {e}") from e
     from jaxpar.checkpoint.params import restore_params
 
-    return restore_params(model.init_from, shardings=jax.tree.map(lambda s: s.sharding, target))[0]
+    rows = jax.tree.leaves(target[STACK_ATTRIBUTE])[0].shape[0] if STACK_ATTRIBUTE in target else None
+    return restore_params(model.init_from, shardings=jax.tree.map(lambda s: s.sharding, target), stack_rows=rows)[0]
 
 
 def check_init_from_tokenizer(cfg) -> None:

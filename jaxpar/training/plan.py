@@ -39,6 +39,7 @@ from jaxpar.config.validate import check_context, sequence_parallel
 from jaxpar.model import ModelDef, init_params, model_def
 from jaxpar.parallel.context import ContextParallel
 from jaxpar.parallel.fp8 import NO_FP8, Fp8, cpu_fp8_error
+from jaxpar.parallel.layer_split import stored_rows
 from jaxpar.parallel.mesh import MESH_AXES
 from jaxpar.parallel.sharding import activation_spec, dim_axes, named, opt_state_specs, param_specs
 from jaxpar.parallel.tensor import TensorParallel
@@ -114,6 +115,13 @@ class StepPlan:
         shape = self.mesh_shape
         axes = tuple(a for a in TOKEN_AXES if shape[a] > 1)
         return Fp8(active=True, token_axes=axes, margin=fp8.margin, delayed=fp8.scaling == "delayed")
+
+    @property
+    def stack_rows(self) -> int:
+        """Rows the layer stack is stored with: `model`'s stack depth rounded up to a multiple of mesh.pipeline
+        (`jaxpar.parallel.layer_split.stored_rows`; zero rows after the last layer when the stages do not
+        divide it)."""
+        return stored_rows(self.cfg.model.stack_depth, self.mesh_shape[PIPELINE])
 
     @property
     def tensor_parallel(self) -> TensorParallel:
@@ -417,7 +425,8 @@ def _state_specs(
       ConfigError: from `_check_divisible`. ValueError: nested `skip_nonfinite` wrappers; a schedule with no or
         several schedule counts in the state.
     """
-    abstract_params = jax.eval_shape(lambda: init_params(cfg.model, 0))
+    rows = stored_rows(cfg.model.stack_depth, mesh_shape[PIPELINE])
+    abstract_params = jax.eval_shape(lambda: init_params(cfg.model, 0, rows))
     _check_divisible(abstract_params, logical, specs, mesh_shape)
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     nonfinite_state(abstract_opt)  # raises on nested skip wrappers

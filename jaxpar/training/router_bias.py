@@ -80,6 +80,9 @@ def next_params(params: dict, before: dict, load_UE: jax.Array, rate: float, app
     """
     old = dict(_bias_leaves(before))
     for path, leaf in old.items():
+        stored = leaf.ndim == 2 and leaf.shape[0] > load_UE.shape[0] and leaf.shape[1:] == load_UE.shape[1:]
+        if stored:  # the stack's zero rows after its last block (`jaxpar.parallel.layer_split.stored_rows`): no load
+            load_UE = jnp.pad(load_UE, [(0, leaf.shape[0] - load_UE.shape[0]), (0, 0)])  # so their bias stays 0
         if leaf.shape != load_UE.shape:
             where = "/".join(str(getattr(k, "key", k)) for k in path)
             raise ValueError(
@@ -107,10 +110,11 @@ def cast_params(params: dict, dtype) -> dict:
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
-def spread(params: dict) -> jax.Array:
+def spread(params: dict, blocks: int | None = None) -> jax.Array:
     """moe_router_bias_spread: max_i b_i - min_i b_i of each MoE block's bias, mean over the blocks (fp32 scalar;
-    0 for a model without biases). How far auxiliary-loss-free balancing has pushed the experts apart."""
-    leaves = [leaf.astype(jnp.float32) for _, leaf in _bias_leaves(params)]
+    0 for a model without biases). How far auxiliary-loss-free balancing has pushed the experts apart. `blocks`:
+    the stack's MoE blocks, when it is stored with zero rows after them (`jaxpar.parallel.layer_split`)."""
+    leaves = [leaf[:blocks].astype(jnp.float32) for _, leaf in _bias_leaves(params)]
     if not leaves:
         return jnp.zeros((), jnp.float32)
     per_block = [jnp.reshape(jnp.max(b, axis=-1) - jnp.min(b, axis=-1), (-1,)) for b in leaves]

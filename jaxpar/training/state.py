@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpar.model import init_params
+from jaxpar.model.interface import STACK_ATTRIBUTE
+from jaxpar.model.params import fit_stack
 from jaxpar.training import fp8_history, router_bias
 from jaxpar.training.plan import StepPlan
 
@@ -46,22 +48,39 @@ def init_state(plan: StepPlan, seed: int = 0, *, params: dict | None = None, don
         # The fp32 parameters in a program of their own, the same for every precision layout: fused with the
         # casts and optimizer state of a layout, XLA may round them differently (seen with XLA:CPU's elemental
         # emitters: the 16p master copy 1 ulp off the fp32 layout's parameters).
-        fp32 = jax.jit(lambda: init_params(plan.cfg.model, seed), out_shardings=plan.state_shardings["params"])()
+        fp32 = jax.jit(
+            lambda: init_params(plan.cfg.model, seed, plan.stack_rows), out_shardings=plan.state_shardings["params"]
+        )()
         return jax.jit(lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings, donate_argnums=0)(fp32)
-    want = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
-    _check_params_fit(params, want, plan.cfg.model.name)
+    want = jax.eval_shape(lambda: init_params(plan.cfg.model, 0, plan.stack_rows))
+    depth = plan.cfg.model.stack_depth
+    # the stack as another mesh stores it (zero rows after the last layer), or unpadded: stored as this plan does
+    fitted = params
+    if _stacked(params, depth):
+        fitted = jax.eval_shape(lambda p: fit_stack(p, plan.stack_rows, depth), params)
+    _check_params_fit(fitted, want, plan.cfg.model.name)
     fp32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)  # no copy of float32 jax arrays
     fill = jax.jit(
-        lambda p: _fill_state(plan, p), out_shardings=plan.state_shardings, donate_argnums=0 if donate else ()
+        lambda p: _fill_state(plan, fit_stack(p, plan.stack_rows, depth)),
+        out_shardings=plan.state_shardings,
+        donate_argnums=0 if donate else (),
     )
     return fill(fp32)
+
+
+def _stacked(params, depth: int) -> bool:
+    """Whether `params` has a layer stack whose leaves all hold at least `depth` rows (`fit_stack` can store
+    it); otherwise `_check_params_fit` names what differs."""
+    stack = params.get(STACK_ATTRIBUTE) if isinstance(params, dict) else None
+    leaves = jax.tree.leaves(stack) if stack is not None else []
+    return bool(leaves) and all(np.ndim(a) >= 1 and np.shape(a)[0] >= depth for a in leaves)
 
 
 def abstract_params(plan: StepPlan) -> dict:
     """The model's float32 parameters as `jax.ShapeDtypeStruct`s with the shardings of the state's float32 copy
     ("master" under the 16p layout, else "params"): where to place parameters that `init_state(plan, params=...,
     donate=True)` takes without a copy. No device work."""
-    shapes = jax.eval_shape(lambda: init_params(plan.cfg.model, 0))
+    shapes = jax.eval_shape(lambda: init_params(plan.cfg.model, 0, plan.stack_rows))
     shardings = plan.state_shardings["master" if plan.has_master else "params"]
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sh), shapes, shardings)
 
@@ -109,4 +128,4 @@ def _fill_state(plan: StepPlan, params: dict) -> dict:
 
 
 def _state_initializer(plan: StepPlan, seed: int) -> Callable[[], dict]:
-    return lambda: _fill_state(plan, init_params(plan.cfg.model, seed))
+    return lambda: _fill_state(plan, init_params(plan.cfg.model, seed, plan.stack_rows))

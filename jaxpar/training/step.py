@@ -261,7 +261,7 @@ def make_train_step(plan: StepPlan) -> jax.stages.Wrapped:
         if sums:
             metrics.update(moe_metrics(sums))
         if biased:
-            metrics[router_bias.SPREAD_METRIC] = router_bias.spread(target)
+            metrics[router_bias.SPREAD_METRIC] = router_bias.spread(target, plan.cfg.model.stack_depth)
         if skip is not None:
             metrics["bad_steps_in_a_row"] = skip.notfinite_count
             metrics["skipped_steps"] = skip.total_notfinite

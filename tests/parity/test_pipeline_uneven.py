@@ -9,6 +9,8 @@ covers the moves both ways, the skip in the forward and in the backward (split i
 zero-bubble schedules, `jaxpar.parallel.split_backward`), and the padding's gradients being dropped.
 
 Cases (split per model chunk, the other axes):
+  * 1f1b, p = 3, (3, 3, 2): 8 layers that 3 stages do not divide, stored as 9 rows (a zero row after the last
+    layer, `jaxpar.parallel.layer_split.stored_rows`); its parameters and moments stay zero;
   * 1f1b, p = 2, (5, 3), on data 2 with ZeRO-3 (the weights gathered inside the skip's cond);
   * zb-v, p = 2, (3, 1, 2, 2) (device 0 runs chunks 0 and 3: 5 layers, device 1 3), on fsdp 2 x tensor 2 with
     sequence parallelism;
@@ -36,6 +38,7 @@ from step_helpers import (
     to_host,
 )
 
+from jaxpar.model.interface import STACK_ATTRIBUTE
 from jaxpar.training.pipelined import stage_layout
 from jaxpar.training.state import init_state
 from jaxpar.training.step import make_train_step
@@ -86,6 +89,8 @@ CASES = {
         "pipeline.stage_layers=[3,2,2,1]",
     ),
     "balanced_p2": ("mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.balance_stages=true"),
+    # 8 layers over 3 stages: stored as 9 rows (3 per device), the last a zero row that no stage runs
+    "1f1b_p3_stored9": ("mesh.pipeline=3", "pipeline.microbatches=3", "pipeline.stage_layers=[3,3,2]"),
 }
 SLOW = {"gpipe_p2", "interleaved_p2_v2", "zbh1_p4", "balanced_p2"}
 
@@ -127,7 +132,31 @@ def test_one_step_equals_single_device(case, reference, need_devices):
         assert layout is not None and layout.counts == (5, 3)
     assert layout is not None and len(set(layout.counts)) > 1, "the split must be uneven"
     assert np.min(layout.mask()) == 0.0, "some stage-layout rows must be padding"
-    state = jax.device_put(ref["host_state"], plan.state_shardings)
+    stored = plan.stack_rows
+    if case == "1f1b_p3_stored9":
+        assert stored == 9 and layout.stored == 9
+    state = jax.device_put(_stack_rows(ref["host_state"], stored), plan.state_shardings)
     batch = device_batch(plan, host_batch(VALID, T, SEED))
     got = stepped(compile_fast(make_train_step(plan), state, batch), state, batch)
+    if stored > L:  # the storage padding rows stay zero: parameters and both moments
+        for a in _stack_leaves({k: got[k] for k in ("params", "mu", "nu")}):
+            assert a.shape[0] == stored and not np.any(a[L:])
+        got = {**got, **{k: _stack_rows(got[k], L) for k in ("params", "mu", "nu")}}
     assert_step_equals(plan, got, ref, RTOL)
+
+
+def _stack_leaves(tree) -> list:
+    """The leaves of every layer stack (`blocks`) in `tree` (params, or an optimizer state that mirrors them)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [a for path, a in flat if any(getattr(k, "key", None) == STACK_ATTRIBUTE for k in path)]
+
+
+def _stack_rows(tree, rows: int):
+    """`tree` with every layer stack leaf cut or zero-padded to `rows` rows (as `jaxpar.model.params.fit_stack`)."""
+
+    def fit(path, a):
+        if not any(getattr(k, "key", None) == STACK_ATTRIBUTE for k in path) or np.ndim(a) == 0:
+            return a
+        return a[:rows] if a.shape[0] >= rows else np.pad(a, [(0, rows - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+    return jax.tree_util.tree_map_with_path(fit, tree)

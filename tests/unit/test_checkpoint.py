@@ -75,6 +75,35 @@ def test_round_trip_same_and_different_sharding(tmp_path, mesh):
     ckpt.close()
 
 
+def test_layer_stack_rows_restore_cut_or_zero_padded(tmp_path, mesh):
+    """A layer stack (`blocks`) stored with zero rows after its last layer for one pipeline (5 layers over 2
+    stages: 6 rows) restores onto another stage count's rows: cut (5, one stage) or zero-padded (8, four), its
+    Adam moments alike; any other leaf whose leading dimension differs is still refused."""
+    rows = np.concatenate([np.random.default_rng(0).normal(size=(5, 4)), np.zeros((1, 4))]).astype(np.float32)
+    params = {"blocks": {"w": jax.device_put(rows, NamedSharding(mesh, P("data")))}, "b_F": jnp.ones((16,))}
+    state = {"params": params, "opt_state": optax.adam(1e-3).init(params)}
+    ckpt = Checkpointer(str(tmp_path), every_steps=1, keep=1, async_save=False)
+    ckpt.save(1, state, data_state={}, config={})
+    for n, spec in ((5, P()), (8, P("fsdp"))):
+
+        def target(path, x, n=n, spec=spec):
+            stacked = any(getattr(k, "key", None) == "blocks" for k in path)
+            shape = (n, *x.shape[1:]) if stacked else x.shape
+            return jax.ShapeDtypeStruct(shape, x.dtype, sharding=NamedSharding(mesh, spec if stacked else P()))
+
+        restored, _, _ = ckpt.restore(1, jax.tree_util.tree_map_with_path(target, state))
+        got = np.asarray(restored["params"]["blocks"]["w"])
+        assert got.shape == (n, 4)
+        np.testing.assert_array_equal(got[:5], rows[:5])
+        assert not np.any(got[5:])
+        assert restored["opt_state"][0].mu["blocks"]["w"].shape == (n, 4)
+    wrong = _abstract(state, lambda x: NamedSharding(mesh, P()))
+    wrong["params"]["b_F"] = jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=r"params\.b_F: checkpoint shape \(16,\) != target shape \(8,\)"):
+        ckpt.restore(1, wrong)
+    ckpt.close()
+
+
 def test_keep_last_n_and_should_save(tmp_path, mesh):
     state = _state(mesh)
     ckpt = Checkpointer(str(tmp_path), every_steps=2, keep=2, async_save=False)

@@ -94,6 +94,21 @@ def test_init_state_takes_placed_parameters_without_a_copy(devices8):
     assert jax.tree.map(lambda x: x.sharding, state) == plan.state_shardings
 
 
+def test_a_stack_stored_with_zero_rows_reads_them_as_zeros(devices8):
+    """2 layers over 4 pipeline stages (pipeline.stage_layers [1, 1, 0, 0]) are stored as 4 rows, the last 2 zero
+    (`jaxpar.parallel.layer_split.stored_rows`): placed from the files, the real rows are the eager load's."""
+    model = check_hf(UNTIED)
+    plan = _plan(model, ["mesh.data=2", "mesh.pipeline=4", "pipeline.stage_layers=[1,1,0,0]"])
+    assert plan.stack_rows == 4 and model.stack_depth == 2
+    with HFSliceReader(UNTIED, model) as reader:
+        params = place_hf_params(reader, abstract_params(plan))
+    eager = load_hf(UNTIED).params
+    for got, want in zip(jax.tree.leaves(params["blocks"]), jax.tree.leaves(eager["blocks"])):
+        host = np.asarray(got)
+        assert host.shape == (4, *want.shape[1:]) and not np.any(host[2:])
+        np.testing.assert_array_equal(host[:2], want)
+
+
 @pytest.mark.parametrize("backend", ["pread", "safetensors"])
 def test_slice_reads_are_numpy_slicing(backend, tmp_path):
     rng = np.random.default_rng(0)

@@ -46,10 +46,9 @@ def test_distributed_client_is_none_in_one_process():
 def test_cudnn_compute_capability_answers_for_the_target_and_restores():
     """Inside, jax's cuDNN capability checks answer for the given GPU (here a CPU process has none: False
     outside); the module's own functions are back on exit."""
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    before = fa.check_compute_capability
+    before = jax_private.cudnn_capability_checks()
     with jax_private.cudnn_compute_capability((9, 0)):
-        assert fa.check_compute_capability("9.0") and not fa.check_compute_capability("10.0")
-        assert fa.is_cuda_compute_capability_equal("9.0") and not fa.is_cuda_compute_capability_equal("10.3")
-    assert fa.check_compute_capability is before and not fa.check_compute_capability("9.0")
+        at_least, equal = jax_private.cudnn_capability_checks()
+        assert at_least("9.0") and not at_least("10.0")
+        assert equal("9.0") and not equal("10.3")
+    assert jax_private.cudnn_capability_checks() == before and not before[0]("9.0")

@@ -197,7 +197,12 @@ def test_bias_update_rule():
     np.testing.assert_array_equal(np.asarray(skipped["blocks"]["moe"]["mlp"]["router_bias"]), np.asarray(bias))
     np.testing.assert_allclose(float(spread(before)), (0.6 + 0.2) / 2, rtol=1e-6)
     with pytest.raises(ValueError, match="shape"):
-        next_params(after, before, load[:1], gamma, jnp.bool_(True))
+        next_params(after, before, load[:, :3], gamma, jnp.bool_(True))
+    # a stack stored with zero rows after its blocks (jaxpar.parallel.layer_split): the load covers the blocks,
+    # the stored rows' biases stay as they were
+    stepped = next_params(after, before, load[:1], gamma, jnp.bool_(True))
+    np.testing.assert_allclose(np.asarray(stepped["blocks"]["moe"]["mlp"]["router_bias"]), [want[0], bias[1]])
+    np.testing.assert_allclose(float(spread(before, blocks=1)), 0.6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

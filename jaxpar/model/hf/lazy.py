@@ -3,8 +3,9 @@ device holds, reading only the slices of the Hugging Face tensors it comes from;
 two, which export walks the other way. Pure numpy; placing the blocks on devices is `jaxpar.model.hf.place`.
 
 A block is given by its bounds, one [start, stop) per jaxpar axis (of the parameter's full shape). The stacked
-`blocks/...` parameters lead with the stack's row r (HF layer i of row r: `jaxpar.model.hf.weights.layer_slots`)
-and, for Mixtral's experts, the expert e; the rest of the bounds cut each layer's tensor by its kind (K head width;
+`blocks/...` parameters lead with the stack's row r (HF layer i of row r: `jaxpar.model.hf.weights.layer_places`;
+DeepSeek-V3's dense first blocks first_dense_i/... are unstacked, one HF layer each) and, for Mixtral's and
+DeepSeek-V3's experts, the expert e; the rest of the bounds cut each layer's tensor by its kind (K head width;
 `_to_jaxpar` in `jaxpar.model.hf.weights` is the whole-tensor form of the same map):
 
     kind        jaxpar block (one layer)      read from the HF tensor
@@ -14,9 +15,11 @@ and, for Mixtral's experts, the expert e; the rest of the bounds cut each layer'
     in_heads    [d0:d1, h0:h1, k0:k1]         rows as bias's elements, columns [d0:d1]; transposed, split (h, k)
     heads_out   [h0:h1, k0:k1, d0:d1]         rows [d0:d1], columns as bias's elements; transposed, split (h, k)
 
-lm_head/kernel is `linear` of lm_head.weight and final_norm/scale `vector` of model.norm.weight. A kind not listed
-(a family's own) reads the whole per-layer tensor and cuts the block out of `_to_jaxpar`'s result. bf16 and fp16
-upcast to float32 exactly.
+lm_head/kernel is `linear` of lm_head.weight and final_norm/scale `vector` of model.norm.weight. Multi-head Latent
+Attention's kinds are these with their own head widths (`jaxpar.model.hf.weights.tensor_layout`); where the rotary
+columns are stored in DeepSeek's interleaved pairs, the block's last axis is read whole, reordered, then cut. A kind
+not listed (a family's own) reads the whole per-layer tensor and cuts the block out of `_to_jaxpar`'s result. bf16
+and fp16 upcast to float32 exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ import numpy as np
 
 from jaxpar.config.schema import ModelConfig
 from jaxpar.model.hf.files import TensorFiles
-from jaxpar.model.hf.weights import _layer_entries, _to_jaxpar, check_hf_tensors, hf_tensor_shapes, layer_slots
+from jaxpar.model.hf.weights import (
+    _to_jaxpar,
+    check_hf_tensors,
+    hf_tensor_shapes,
+    layer_places,
+    stored_rope_interleave,
+    tensor_layout,
+)
 
 _LOGGER = logging.getLogger("jaxpar.model.hf")
 Bounds = tuple[tuple[int, int], ...]  # [start, stop) per axis of a jaxpar parameter
@@ -46,15 +56,15 @@ class HFSource(NamedTuple):
     kind: str
 
 
-def hf_sources(cfg: ModelConfig) -> list[HFSource]:
+def hf_sources(cfg: ModelConfig, rope_interleave: bool = True) -> list[HFSource]:
     """Every tensor of a Hugging Face model of `cfg` in `hf_tensor_shapes`' order, with where it lives in jaxpar's
-    parameter tree."""
+    parameter tree (`rope_interleave`: MLA's rotary columns stored in DeepSeek's interleaved pairs, as an export
+    writes them: `jaxpar.model.hf.weights.layer_places`)."""
     out = [HFSource("model.embed_tokens.weight", ("embed", "table"), None, None, "vector")]
-    entries = _layer_entries(cfg)
-    for i, row, prefix in layer_slots(cfg):
+    for place in layer_places(cfg, rope_interleave):
         out += [
-            HFSource(f"model.layers.{i}.{e.suffix}", ("blocks", *prefix, *e.path), row, e.expert, e.kind)
-            for e in entries
+            HFSource(f"model.layers.{place.index}.{e.suffix}", (*place.prefix, *e.path), place.row, e.expert, e.kind)
+            for e in place.entries
         ]
     out.append(HFSource("model.norm.weight", ("final_norm", "scale"), None, None, "vector"))
     if not cfg.tie_embeddings:
@@ -102,7 +112,7 @@ class HFSliceReader:
         self.stored_dtype = counts.most_common(1)[0][0]
         self._total = sum(int(np.prod(s)) * self._files.info(n).dtype.itemsize for n, s in want.items())
         self._leaves: dict[tuple[str, ...], _Leaf] = {}
-        for s in hf_sources(cfg):
+        for s in hf_sources(cfg, stored_rope_interleave(hf_dir, cfg)):
             leaf = self._leaves.setdefault(s.path, _Leaf(s.kind, {}, s.row is not None, s.expert is not None))
             leaf.names[(s.row, s.expert)] = s.name
 
@@ -121,7 +131,9 @@ class HFSliceReader:
         return list(self._leaves)
 
     def read(self, path: tuple[str, ...], bounds: Bounds) -> np.ndarray:
-        """The block `bounds` of jaxpar parameter `path`: a C-contiguous float32 array of the bounds' extents.
+        """The block `bounds` of jaxpar parameter `path`: a C-contiguous float32 array of the bounds' extents. Rows
+        of the layer stack past the model's layers (a stack stored over pipeline stages that do not divide it,
+        `jaxpar.parallel.layer_split.stored_rows`) read as zeros.
 
         Raises:
           KeyError: `path` is not a parameter of the model. ValueError: bounds of the wrong rank or outside it.
@@ -133,6 +145,13 @@ class HFSliceReader:
         rows = range(*bounds[0])
         experts: list[int | None] = list(range(*bounds[1])) if leaf.experts else [None]
         out: np.ndarray | None = None
+        depth = self.cfg.stack_depth
+        if rows.stop > depth:  # the stack stored with zero rows after its last layer (jaxpar.parallel.layer_split)
+            extents = [b - a for a, b in bounds]
+            out = np.zeros(extents, np.float32)
+            if rows.start < depth:
+                out[: depth - rows.start] = self.read(path, ((rows.start, depth), *bounds[1:]))
+            return out
         for j, row in enumerate(rows):
             for k, expert in enumerate(experts):
                 block = self._read_tensor(leaf.names[(row, expert)], leaf.kind, bounds[lead:])
@@ -145,7 +164,16 @@ class HFSliceReader:
 
     def _read_tensor(self, name: str, kind: str, bounds: Bounds) -> np.ndarray:
         """One layer's block of kind `kind` (module docstring) from HF tensor `name`, float32."""
-        k, read = self.cfg.head_width, self._files.read
+        plain, k, order = tensor_layout(kind, self.cfg)
+        if order is None:
+            return self._read_plain(name, plain, k, bounds)
+        # the last axis stored in another order (MLA's interleaved rotary columns): read it whole, reorder, cut
+        whole_last = self._read_plain(name, plain, k, (*bounds[:-1], (0, len(order))))[..., order]
+        return np.ascontiguousarray(whole_last[..., bounds[-1][0] : bounds[-1][1]])
+
+    def _read_plain(self, name: str, kind: str, k: int, bounds: Bounds) -> np.ndarray:
+        """`_read_tensor` of a kind laid out as the module docstring's table, heads of width `k`."""
+        read = self._files.read
         size = [b - a for a, b in bounds]
         if kind == "vector":
             return read(name, [bounds[0]], list(bounds[1:]) or None).astype(np.float32)
