@@ -175,10 +175,13 @@ def model_flops(cfg, params) -> tuple[float, float | None]:
 def row_flops_per_token(cfg, params) -> float:
     """Training FLOPs per token of one row of the layer stack (a layer, or a group of `model.moe.every` blocks)
     as the hardware runs it: `model_flops`' hardware count (the remat policy's and the pipeline's recomputed
-    forwards included; the model count where the family registered none) over `model.stack_depth`. What a
-    pipeline stage's layers cost against its head's 6*D*V (`jaxpar.parallel.layer_split.chunk_counts`)."""
+    forwards included; the model count where the family registered none) over `model.stack_depth` rows plus the
+    `model.moe.first_dense` blocks before the stack, each costed as 1/`model.layers_per_unit` row (DeepSeek-V3
+    sizes its dense FFN, 3*D*18432, as its MoE block's active experts, 9*3*D*2048). What a pipeline stage's
+    layers cost against its head's 6*D*V (`jaxpar.parallel.layer_split.chunk_counts`)."""
     model, hardware = model_flops(cfg, params)
-    return (hardware if hardware is not None else model) / cfg.model.stack_depth
+    m = cfg.model
+    return (hardware if hardware is not None else model) / (m.stack_depth + m.first_dense / m.layers_per_unit)
 
 
 def peak_flops(device_kind: str, override: float = 0.0, table: dict[str, float] = PEAK_FLOPS) -> float | None:

@@ -37,6 +37,8 @@ from jaxpar.model.rope import model_inverse_frequencies
 from jaxpar.model.stack import Gather, no_gather, run_layer, scan_layers, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
 
+FIRST_DENSE = "first_dense_"  # attribute prefix of the dense blocks before the stack (model.moe.first_dense)
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -249,7 +251,7 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs)
         for i in range(cfg.first_dense):
-            setattr(self, f"first_dense_{i}", Block(cfg, rngs, variant=variant))
+            setattr(self, f"{FIRST_DENSE}{i}", Block(cfg, rngs, variant=variant))
         if cfg.moe.enabled:
             units = cfg.stack_depth
             self.blocks = stack_layers(units, lambda layer_rngs: MoEGroup(cfg, layer_rngs, variant), rngs)
@@ -272,7 +274,7 @@ class Llama(nnx.Module):
         `jaxpar.model.stack.run_layer`; segment ids and rotary positions as `run_blocks` takes them)."""
         x_BTD = gather(self.embed)(tokens_BT, dtype, tp)
         for i in range(self.cfg.first_dense):
-            block = getattr(self, f"first_dense_{i}")
+            block = getattr(self, f"{FIRST_DENSE}{i}")
             x_BTD = run_layer(block, x_BTD, self.cfg.remat, gather, tp, segment_ids_BT, positions_BT)
         return x_BTD
 

@@ -97,6 +97,7 @@ from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
 from jaxpar.config.schema import Config
+from jaxpar.model.llama import FIRST_DENSE
 from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
 from jaxpar.parallel.sharding import storage_axes
@@ -171,6 +172,8 @@ def _passes(cfg: Config, d, branches: str = "taken") -> dict[str, int]:
         out = {"fwd": n, "bwd": n, "embed_fwd": n, "embed_bwd": n, "head_fwd": n, "head_bwd": n, "gathers": 2 * n}
         # Loop-invariant, hoisted out of the accumulation loop: once per step; gradients once per backward.
         out.update(embed_gathers=1, head_gathers=1, embed_scatters=n, head_scatters=n)
+        # the first dense blocks, gathered and checkpointed as a stacked layer is: forward and backward
+        out.update(dense_gathers=2 * n, dense_scatters=n)
     else:
         # The first stage embeds in every forward tick and back-propagates into the table in every backward
         # tick, the last runs head and loss in the m ticks that hold a microbatch (in conds on the stage index:
@@ -189,7 +192,15 @@ def _passes(cfg: Config, d, branches: str = "taken") -> dict[str, int]:
             "head_gathers": a * head,
             "embed_scatters": a * embed,
             "head_scatters": a * head,
+            # the first dense blocks run with the embedding, gathered inside its cond in its forward ticks and
+            # again in its backward ones (checkpointed as a stacked layer is, rebuilt forward included)
+            "dense_gathers": (3 if recompute else 2) * a * embed,
+            "dense_scatters": a * embed,
         }
+        if cfg.model.first_dense:
+            # and the backward tick gathers the embedding table again, rebuilding the first dense block's input
+            # (seen in the deviceless H100 compile of DeepSeek-V3's shape: one table gather per backward tick)
+            out["embed_gathers"] *= 2
         if cfg.pipeline.schedule == "1f1b":
             # Forward, backward, and with recompute the rebuilt forward (without, the backward regathers the
             # weights its residuals need instead of stashing them). Interleaved with one layer per chunk, the
@@ -237,6 +248,8 @@ def _zero_bubble_passes(cfg: Config, d, branches: str) -> dict[str, int]:
         "head_gathers": edge,
         "embed_scatters": edge,
         "head_scatters": edge,
+        "dense_gathers": (3 if recompute else 2) * edge,
+        "dense_scatters": edge,
         "gathers": (3 if recompute else 2) * n,
         "rebuilt_merged": 0,
         "layers": d.layers_per_chunk,
@@ -244,9 +257,16 @@ def _zero_bubble_passes(cfg: Config, d, branches: str) -> dict[str, int]:
     }
 
 
+def _dense_leaves(cfg: Config) -> list:
+    """The parameters of the `model.moe.first_dense` blocks, which run with the embedding, outside the stack."""
+    return [x for x in param_leaves(cfg.model) if not x.in_blocks and x.path.startswith(FIRST_DENSE)]
+
+
 def _edge_leaves(cfg: Config, part: str) -> list:
-    """The parameters outside the layer stack that the embedding (`part` "embed") or the head ("head") uses."""
-    outside = [x for x in param_leaves(cfg.model) if not x.in_blocks]
+    """The parameters outside the layer stack and the first dense blocks that the embedding (`part` "embed") or
+    the head ("head") uses."""
+    dense = {x.path for x in _dense_leaves(cfg)}
+    outside = [x for x in param_leaves(cfg.model) if not x.in_blocks and x.path not in dense]
     if part == "embed":
         return [x for x in outside if x.path.startswith("embed/")]
     head = [x for x in outside if not x.path.startswith("embed/")]
@@ -298,6 +318,26 @@ def _storage_terms(cfg: Config, d, passes: dict, out: list) -> None:
         sum(n for _, n in gathers),
         sum(n * local_size(x, shape) for x, n in gathers) * bc,
     )
+    dense = [x for x in _dense_leaves(cfg) if gathered_leaf(x, shape, axes, ()) and "embed" in x.axes]
+    if dense:
+        _term(
+            out,
+            shape,
+            "first dense blocks' weights",
+            axes,
+            "all-gather",
+            passes["dense_gathers"] * len(dense),
+            passes["dense_gathers"] * sum(local_size(x, shape) for x in dense) * bc,
+        )
+        _term(
+            out,
+            shape,
+            "first dense blocks' gradients",
+            axes,
+            "reduce-scatter",
+            passes["dense_scatters"] * len(dense),
+            passes["dense_scatters"] * sum(local_size(x, shape) for x in dense) * br,
+        )
     for (what, group_axes, group), w_layer in zip(groups, sizes):
         _term(
             out,

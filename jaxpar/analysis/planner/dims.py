@@ -30,7 +30,7 @@ from jaxpar.model import init_params, logical_axes
 from jaxpar.model.flops import row_flops_per_token
 from jaxpar.model.moe import EXPERTS_AXIS
 from jaxpar.parallel import layer_split
-from jaxpar.parallel.layer_split import StageLayout
+from jaxpar.parallel.layer_split import StageLayout, stored_rows
 from jaxpar.parallel.sharding import PARAM_RULES
 
 
@@ -175,7 +175,9 @@ def dims(cfg: Config, platform: str) -> Dims:
         sp=sp,
         accum=accum,
         m=m,
-        layers_per_stage=cfg.model.stacked_layers // p,  # the first dense blocks run with the embedding
+        # the layers each stage stores (the first dense blocks run with the embedding): the stack's rows rounded up
+        # to a multiple of p (`jaxpar.parallel.layer_split.stored_rows`), in blocks
+        layers_per_stage=stored_rows(cfg.model.stack_depth, p) // p * cfg.model.layers_per_unit,
         compute_bytes=DTYPE_BYTES[resolve_compute_dtype(cfg.precision.compute_dtype, platform)],
         reduce_bytes=DTYPE_BYTES[cfg.precision.reduce_dtype],
         param_bytes=precision_layout(cfg.precision.layout).param_bytes,

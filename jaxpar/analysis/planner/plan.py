@@ -583,6 +583,10 @@ def plan(cfg: Config, platform: str = "gpu") -> dict:
             "total": total_params,
             "non_embedding": total_params - embedding,
             "active": total_params - inactive_expert_params(cfg.model),
+            # the same less the input embedding, a lookup that does no matmul (tied to the head: nothing less)
+            "active_without_input_embedding": total_params
+            - inactive_expert_params(cfg.model)
+            - sum(leaf.size for leaf in leaves if leaf.path.startswith("embed/") and not cfg.model.tie_embeddings),
             "per_rank": state["n_params"],
         },
         "memory": {

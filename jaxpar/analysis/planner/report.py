@@ -121,7 +121,8 @@ def format_plan(p: dict, compiled: dict | None = None, measured: dict | None = N
         (
             f"  parameters {p['params']['total']:,} (non-embedding {p['params']['non_embedding']:,}"
             + (
-                f"; active per token {p['params']['active']:,}, the routed experts a token does not use left out"
+                f"; active per token {p['params']['active']:,}, the routed experts a token does not use left out, "
+                f"{p['params']['active_without_input_embedding']:,} without the input embedding"
                 if p["params"].get("active", p["params"]["total"]) != p["params"]["total"]
                 else ""
             )
