@@ -240,9 +240,33 @@ def test_sweep_over_expert_axes(tmp_path):
 BIG = {
     # 32 blocks / 4 stages = 8 per stage, E/ep = 1 expert of 3 * 4096 * 14336
     "mixtral_8x7b.yaml": (8 * 1 * 3 * 4096 * 14336, 46_702_792_704),
-    # 64 blocks / 16 stages = 4 per stage, E/ep = 256/64 = 4 experts of 3 * 7168 * 2048
-    "deepseek_v3.yaml": (4 * 4 * 3 * 7168 * 2048, 742_316_710_912 + 64 * 256),  # + the routers' balancing bias
+    # 58 MoE blocks stored over 16 stages as 64 rows = 4 per stage, E/ep = 256/64 = 4 experts of 3 * 7168 * 2048
+    "deepseek_v3.yaml": (4 * 4 * 3 * 7168 * 2048, 671_026_419_200),
 }
+
+
+def _deepseek_v3_count() -> tuple[int, int]:
+    """(parameters in all, activated per token without the input embedding) of DeepSeek-V3 from the published
+    shapes (arXiv 2412.19437, section 4.2; the released config.json), written out here independently of the
+    model: MLA's down- and up-projections and latent norms, 3 dense blocks of FFN width 18432, 58 MoE blocks of 256
+    routed experts and 1 shared of width 2048 with the router and its balancing bias, embedding, head, norms."""
+    d, v, h, x, z, n, r, u, f, fe, e, k = 7168, 129280, 128, 1536, 512, 128, 64, 128, 18432, 2048, 256, 8
+    mla = d * x + x + x * h * (n + r) + d * (z + r) + z + z * h * (n + u) + h * u * d
+    dense = mla + 2 * d + 3 * d * f
+    moe = mla + 2 * d + (e + 1) * 3 * d * fe + d * e + e
+    total = 2 * v * d + d + 3 * dense + 58 * moe
+    return total, total - 58 * (e - k) * 3 * d * fe - v * d
+
+
+def test_deepseek_v3_counts_as_published():
+    """671B parameters in all (the report's Table 1, within 0.5%) and 36.6B activated per token without the input
+    embedding (37.6B with it: the report's "37B" is rounded to whole billions)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "deepseek_v3.yaml"), validate=False)
+    params = plan(cfg, "gpu")["params"]
+    total, active = _deepseek_v3_count()
+    assert params["total"] == total and abs(total / 671e9 - 1) < 0.005
+    assert params["active_without_input_embedding"] == active and round(active / 1e9) == 37
+    assert params["active"] == active + 129280 * 7168
 
 
 @pytest.mark.parametrize("name", sorted(BIG))
