@@ -1,7 +1,7 @@
 """`jaxpar-checkpoints PATH [--step N] [--json]`: list a checkpoint's steps, saved config, mesh and arrays.
 `jaxpar-checkpoints import-hf HF_DIR --out RUN_DIR [KEY=VALUE ...]` and
 `jaxpar-checkpoints export-hf PATH --out HF_DIR [--dtype D] [--step N]`:
-Hugging Face weights (Llama, Qwen2, Qwen3, Mistral, Mixtral, Gemma 2) in and out.
+Hugging Face weights (Llama, Qwen2, Qwen3, Mistral, Mixtral, Gemma 2, DeepSeek-V3) in and out.
 
 PATH is a run directory (holding `checkpoints/`), its `checkpoints/` directory, or one step directory. Prints the
 complete steps, any incomplete step directories (never restored), and for the chosen step (default: the

@@ -1,5 +1,5 @@
-"""Hugging Face weights in and out of jaxpar's built-in families: Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral and
-Mixtral (`jaxpar.model.llama`).
+"""Hugging Face weights in and out of jaxpar's built-in families: Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral, Mixtral
+and DeepSeek-V3 (a llama with Multi-head Latent Attention) (`jaxpar.model.llama`), and Gemma 2 (`jaxpar.model.gemma`).
 
     hf = load_hf("path/to/Qwen2.5-7B")                       # ModelConfig (model.name from model_type) + params
     state = init_state(plan, params=hf.params)               # on any mesh (jaxpar.training.state.init_state)

@@ -29,7 +29,7 @@ from jaxpar.model import init_params
 from jaxpar.model.hf.config import CONFIG_FILE, HFConfigError, hf_config_from_model
 from jaxpar.model.hf.files import NUMPY_DTYPES, file_layout, write_streamed
 from jaxpar.model.hf.lazy import hf_sources
-from jaxpar.model.hf.weights import INDEX_FILE, _to_hf, hf_tensor_shapes
+from jaxpar.model.hf.weights import INDEX_FILE, _to_hf, export_dtype, hf_tensor_shapes
 
 _LOGGER = logging.getLogger("jaxpar.model.hf")
 
@@ -88,9 +88,9 @@ def _take(n: int, out: NamedSharding) -> jax.stages.Wrapped:
 
 def gathered_hf_tensors(params: dict, cfg: ModelConfig, dtype: str, mesh: Mesh) -> Iterator[np.ndarray | None]:
     """Every Hugging Face tensor of `params` (a model of `cfg` on `mesh`, a `process_mesh()`), in
-    `hf_tensor_shapes`' order, one at a time: on process 0 a contiguous numpy array of `dtype`, on the others None.
+    `hf_tensor_shapes`' order, one at a time: on process 0 a contiguous numpy array of `dtype` (or float32:
+    `jaxpar.model.hf.weights.export_dtype`), on the others None.
     Every process must draw every tensor, in step: each is gathered by a program all of them run."""
-    np_dtype = NUMPY_DTYPES[dtype]
     programs: dict[tuple[str, ...], jax.stages.Wrapped] = {}
     lead = _lead(cfg)
     for source in hf_sources(cfg):
@@ -115,9 +115,11 @@ def gathered_hf_tensors(params: dict, cfg: ModelConfig, dtype: str, mesh: Mesh) 
             continue
         host = _whole_on_host(part)
         del part  # the gathered copy on the devices
-        cast = host.astype(np_dtype, copy=False)  # elementwise, so before the layout (a transposing cast of
-        del host  # ml_dtypes' bfloat16 copies the float32 input contiguous first)
-        tensor = np.ascontiguousarray(_to_hf(cast, source.kind))
+        # elementwise, so before the layout (a transposing cast of ml_dtypes' bfloat16 copies the float32 input
+        # contiguous first); DeepseekV3's router in float32 whatever `dtype` (`export_dtype`)
+        cast = host.astype(NUMPY_DTYPES[export_dtype(source.name, cfg, dtype)], copy=False)
+        del host
+        tensor = np.ascontiguousarray(_to_hf(cast, source.kind, cfg))
         del cast
         yield tensor
         del tensor  # before the next gather: one tensor at a time
@@ -159,7 +161,7 @@ def save_hf_gathered(
         raise HFConfigError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     hf = hf_config_from_model(cfg, dtype, base_config)
     _check_params(params, cfg)
-    specs = {name: (dtype, shape) for name, shape in hf_tensor_shapes(cfg).items()}
+    specs = {name: (export_dtype(name, cfg, dtype), shape) for name, shape in hf_tensor_shapes(cfg).items()}
     tensors = gathered_hf_tensors(params, cfg, dtype, mesh)
     if jax.process_index() == 0:
         files = write_streamed(out_dir, specs, (t for t in tensors if t is not None), max_shard_bytes)
