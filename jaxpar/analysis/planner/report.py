@@ -239,9 +239,9 @@ def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
         f"  collectives per step (bytes sent per device, ring formulas; jaxpar.analysis.planner.comm) planned for "
         f"{p['platform']}" + (", beside the compiled executable's" if compiled else "")
     ]
-    head = f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}"
+    head = f"  {'mesh axes':<21}{'collective':<20}{'planned bytes':>19}{'ops':>8}"
     if compiled:
-        head += f"{'compiled bytes':>17}{'ops':>7}{'ratio':>9}"
+        head += f"{'compiled bytes':>20}{'ops':>8}{'ratio':>9}"
         rows = [
             (r["key"], r["planned_bytes"], r["planned_count"], r["compiled_bytes"], r["compiled_count"], r["ratio"])
             for r in compiled["collectives"]
@@ -255,9 +255,9 @@ def _collective_lines(p: dict, compiled: dict | None) -> list[str]:
     lines.append(head)
     for key, planned, pc, got, gc, ratio in rows:
         axes, kind = key.split(" ", 1)
-        text = f"  {axes:<17}{kind:<20}{_n(planned):>16}{pc:>7}"
+        text = f"  {axes:<21}{kind:<20}{_n(planned):>19}{pc:>8}"
         if compiled:
-            text += f"{_n(got):>17}{gc:>7}{_ratio(ratio):>9}"
+            text += f"{_n(got):>20}{gc:>8}{_ratio(ratio):>9}"
         lines.append(text)
     if not rows:
         lines.append("  (none: one device, or every axis of size 1)")
@@ -301,14 +301,14 @@ def _partitioned_lines(part: dict | None, pipeline: bool) -> list[str]:
             f"{part['platform']} compiler receives) beside the plan for {part['platform']} at compute "
             f"{part['compute_dtype']}"
         ),
-        f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'program bytes':>17}{'ops':>7}"
+        f"  {'mesh axes':<21}{'collective':<20}{'planned bytes':>19}{'ops':>8}{'program bytes':>20}{'ops':>8}"
         f"{'ratio':>9}",
     ]
     for r in part["collectives"]:
         axes, kind = r["key"].split(" ", 1)
         lines.append(
-            f"  {axes:<17}{kind:<20}{_n(r['planned_bytes']):>16}{r['planned_count']:>7}"
-            f"{_n(r['compiled_bytes']):>17}{r['compiled_count']:>7}{_ratio(r['ratio']):>9}"
+            f"  {axes:<21}{kind:<20}{_n(r['planned_bytes']):>19}{r['planned_count']:>8}"
+            f"{_n(r['compiled_bytes']):>20}{r['compiled_count']:>8}{_ratio(r['ratio']):>9}"
         )
     lines += _hlo_reading_note(part["collectives"])
     if pipeline:
@@ -385,18 +385,19 @@ def format_gpu_target(target: dict, gpu: dict | None = None) -> str:
     lines += [
         "  collectives per step of the GPU HLO (bytes sent per device, ring formulas) beside the plan for gpu",
         (
-            f"  {'mesh axes':<17}{'collective':<20}{'planned bytes':>16}{'ops':>7}{'GPU HLO bytes':>17}"
-            f"{'ops':>7}{'ratio':>9}"
+            f"  {'mesh axes':<21}{'collective':<20}{'planned bytes':>19}{'ops':>8}{'GPU HLO bytes':>20}"
+            f"{'ops':>8}{'ratio':>9}"
         ),
     ]
     for r in gpu["planned"]["collectives"]:
         axes, kind = r["key"].split(" ", 1)
         lines.append(
-            f"  {axes:<17}{kind:<20}{_n(r['planned_bytes']):>16}{r['planned_count']:>7}"
-            f"{_n(r['compiled_bytes']):>17}{r['compiled_count']:>7}{_ratio(r['ratio']):>9}"
+            f"  {axes:<21}{kind:<20}{_n(r['planned_bytes']):>19}{r['planned_count']:>8}"
+            f"{_n(r['compiled_bytes']):>20}{r['compiled_count']:>8}{_ratio(r['ratio']):>9}"
         )
     if not gpu["planned"]["collectives"]:
         lines.append("  (none: one device, or every axis of size 1)")
+    lines += _hlo_reading_note(gpu["planned"]["collectives"])
     s = gpu["scalars"]
     lines.append(
         f"  + scalar all-reduces, not planned: {s['count']} ops, {s['bytes']:,.0f} B over {', '.join(s['axes']) or '-'}"
