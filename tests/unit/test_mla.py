@@ -203,18 +203,20 @@ def test_mla_flops_count_its_widths():
 
 @pytest.mark.requires_gpu_compile
 def test_mla_runs_cudnn_fused_attention_at_bf16():
-    """Compiled for an H100 without one: MLA's forward and backward reach cuDNN's fused attention kernels. At a
-    kernel width of 96 (N + R = 64 + 32, v 64 padded to 96): jax lets a width above 128 (DeepSeek-V3's 192) through
-    only after asking the local GPU whether it is a Hopper, which a deviceless compile cannot answer."""
+    """Compiled for an H100 without one: MLA's forward and backward reach cuDNN's fused attention kernels at
+    DeepSeek-V3's kernel width 192 (N + R = 128 + 64, v 128 padded to 192). jax lets a width above 128 through only
+    after asking the local GPU whether it is a Hopper: the checks answer for the H100 target
+    (`jaxpar.parallel.jax_private.cudnn_compute_capability`, as the deviceless compile of a step does)."""
     import re
 
     from jax.sharding import Mesh, NamedSharding
 
     from jaxpar.analysis.gpu.deviceless import compile_devices
     from jaxpar.analysis.gpu.targets import cluster
+    from jaxpar.parallel.jax_private import cudnn_compute_capability
 
     replicated = NamedSharding(Mesh(compile_devices(cluster("h100", 1, 1)), ("x",)), P())
-    module = MLA(256, 4, 64, 96, 64, 32, 64, THETA, 0.02, nnx.Rngs(0), implementation="cudnn")
+    module = MLA(256, 4, 64, 96, 128, 64, 128, THETA, 0.02, nnx.Rngs(0), implementation="cudnn")
     graphdef, state = nnx.split(module)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.bfloat16, sharding=replicated), state)
     x = jax.ShapeDtypeStruct((2, 256, 256), jnp.bfloat16, sharding=replicated)
@@ -222,11 +224,13 @@ def test_mla_runs_cudnn_fused_attention_at_bf16():
     def loss(state, x):
         return jnp.sum(nnx.merge(graphdef, state)(x).astype(jnp.float32))
 
-    hlo = jax.jit(jax.grad(loss)).lower(abstract, x).compile().as_text()
+    with cudnn_compute_capability(cluster("h100", 1, 1).target.compute_capability):
+        lowered = jax.jit(jax.grad(loss)).lower(abstract, x)
+    hlo = lowered.compile().as_text()
     calls = [line for line in hlo.splitlines() if "custom-call(" in line and "fmha" in line]
     targets = sorted(re.search(r'custom_call_target="([^"]+)"', c).group(1) for c in calls)
     assert targets == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
-    assert all("bf16[2,256,4,96]" in c for c in calls if "Backward" not in c)
+    assert all("bf16[2,256,4,192]" in c for c in calls if "Backward" not in c)
 
 
 # --- a whole train step: a tiny llama with MLA on data 2 x fsdp 2 x tensor 2 against one device ---
