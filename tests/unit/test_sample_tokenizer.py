@@ -115,3 +115,11 @@ def test_sample_hook_says_why_and_skips(tiny):
     assert result.sample == "" and logged[-1].startswith("sample: skipped (data.source=tokens records no tokenizer")
     SampleHook(4, max_params=10).on_end(run(plan.cfg.data), result)
     assert result.sample == "" and "above the limit of 10" in logged[-1]
+
+
+def test_logged_samples_escape_control_characters():
+    """An early model's sample can hold any byte: the log shows escape and NUL bytes and line separators as
+    escapes, keeps newlines, tabs and printable text."""
+    from jaxpar.training.hooks.reporting import printable
+
+    assert printable("def f(x):\n\treturn x\x1b[2J\x00\u2028é") == "def f(x):\n\treturn x\\x1b[2J\\x00\\u2028é"

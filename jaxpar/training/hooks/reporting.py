@@ -184,4 +184,10 @@ class SampleHook(Hook):
         except SamplingUnavailable as e:
             run.log(f"sample: skipped ({e})")
             return
-        run.log("sample:\n" + result.sample)
+        run.log("sample:\n" + printable(result.sample))
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (other than newline and tab) written as escapes (\\x1b, \\u2028), so that
+    a sample of an early model cannot move the cursor or recolour the terminal it is logged to."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
