@@ -163,7 +163,8 @@ def load_config_with_sources(
     Args:
       path: YAML file, which may name a `base` file it extends; or the nested values themselves (e.g. a
         checkpoint's saved config, `Config.to_dict()`), copied, not changed, whose keys have no origin.
-      overrides: strings like `mesh.fsdp=4`; a key given twice takes the last value.
+      overrides: strings like `mesh.fsdp=4`; a key given twice takes the last value. A mapping value
+        (`model.moe={top_k: 4, every: 2}`) sets the keys it names, keeping the section's others.
       overrides_are: what the overrides are, as errors name them: "the override `mesh.fsdp=4`", or a command's
         `jaxpar.config.sources.COMMAND_LINE` ("the command-line override `mesh.fsdp=4`").
 
@@ -183,7 +184,11 @@ def load_config_with_sources(
             if not isinstance(sec, dict):
                 where = ".".join(parts[: depth + 1])
                 raise sources.explain(ConfigError(f"{where}: must be a mapping of keys, not {sec!r}", key=where))
-        sec[parts[-1]] = value
+        if isinstance(value, dict) and isinstance(sec.get(parts[-1]), dict):
+            # `model.moe={top_k: 4}` sets top_k and keeps the section's other keys, as a file extending a base
+            sec[parts[-1]] = _merge(sec[parts[-1]], value)
+        else:
+            sec[parts[-1]] = value
         sources.overridden(parts, value, override_origin(text, overrides_are))
     try:
         return config_from_dict(values), sources

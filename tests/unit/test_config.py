@@ -71,6 +71,16 @@ def test_base_chain_and_overrides():
     assert cfg.checkpoint.every_steps == 1000 and cfg.train.steps == 7
 
 
+def test_a_mapping_override_sets_its_keys_and_keeps_the_sections_others():
+    """`model.moe={num_experts: 4}` changes num_experts; tiny_moe.yaml's other moe keys stay (as a file extending a
+    base merges), and a scalar override of a whole section is still refused by the schema."""
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_moe.yaml"), ["model.moe={num_experts: 4, top_k: 1}"])
+    assert (cfg.model.moe.num_experts, cfg.model.moe.top_k) == (4, 1)
+    assert cfg.model.moe.expert_axes == ("data", "fsdp") and cfg.model.moe.d_expert == 128  # kept
+    with pytest.raises(ConfigError):
+        load_config(os.path.join(ROOT, "configs", "tiny_moe.yaml"), ["model.moe=4"])
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(TINY, ["mesh.fsdp=2", "mesh.data=4", "mesh.tensor=1", "optimizer.zero_stage=3"], num_devices=8)
     out = tmp_path / "config.yaml"
