@@ -262,7 +262,13 @@ def test_deepseek_v3_counts_as_published():
     """671B parameters in all (the report's Table 1, within 0.5%) and 36.6B activated per token without the input
     embedding (37.6B with it: the report's "37B" is rounded to whole billions)."""
     cfg = load_config(os.path.join(ROOT, "configs", "deepseek_v3.yaml"), validate=False)
-    params = plan(cfg, "gpu")["params"]
+    planned = plan(cfg, "gpu")
+    params = planned["params"]
+    # 58 MoE blocks over 16 stages: the first also runs the 3 dense blocks (each worth an MoE block's FLOPs), the
+    # last the head (0.97 of a block)
+    balance = planned["pipeline"]["stage_balance"]
+    assert sum(balance["balanced_split"]) == 58 and balance["balanced_split"][0] == 1
+    assert balance["split"] == balance["balanced_split"] and balance["balanced"] < 1.05
     total, active = _deepseek_v3_count()
     assert params["total"] == total and abs(total / 671e9 - 1) < 0.005
     assert params["active_without_input_embedding"] == active and round(active / 1e9) == 37

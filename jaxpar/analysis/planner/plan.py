@@ -179,23 +179,26 @@ def stage_balance(cfg: Config, d: Dims) -> dict | None:
     "head_flops", "head_in_layers", "even" (busiest / mean chunk), "balanced_split" (layers per chunk), "balanced"
     (its busiest / mean), "split" (the configured layers per chunk), "vocab_parallel" (`pipeline.vocab_parallel`:
     the head split over the stages alike), "configured" (the configured split's busiest / mean, the head spread with
-    vocab_parallel)}. None without a pipeline, and for mixture-of-experts models (a layer's active parameters are
-    not P/L)."""
+    vocab_parallel)}, in rows of the layer stack (`model.moe.every` blocks with MoE); the first chunk also runs the
+    `model.moe.first_dense` blocks, each costed as 1/`model.layers_per_unit` row (as `chunk_counts`). With MoE a row
+    costs its active parameters' FLOPs (`jaxpar.model.flops.active_non_embedding_params`). None without a
+    pipeline."""
     p, mdl = d.shape[PIPELINE], cfg.model
-    if p == 1 or mdl.moe.enabled:
+    if p == 1:
         return None
-    chunks = p * d.virtual
+    chunks, rows = p * d.virtual, mdl.stack_depth
     layer = row_flops_per_token(cfg, jax.eval_shape(lambda: init_params(mdl, 0)))
     head = 6 * mdl.d_model * mdl.vocab_size
+    embed = layer * mdl.first_dense / mdl.layers_per_unit
     spread = cfg.pipeline.vocab_parallel
-    balanced = balanced_split(mdl.n_layers, chunks, layer, 0.0 if spread else head)  # as chunk_counts
-    even = (mdl.n_layers // chunks,) * chunks if mdl.n_layers % chunks == 0 else None
+    balanced = balanced_split(rows, chunks, layer, 0.0 if spread else head, embed)  # as chunk_counts
+    even = (rows // chunks,) * chunks if rows % chunks == 0 else None
     split = d.layout.counts if d.layout is not None else even
 
     def busiest(counts: tuple[int, ...] | None, spread: bool = False) -> float | None:
         if counts is None:
             return None
-        loads = stage_flops(counts, layer, 0.0 if spread else head)
+        loads = stage_flops(counts, layer, 0.0 if spread else head, embed)
         loads = [x + (head / chunks if spread else 0.0) for x in loads]
         return max(loads) / (sum(loads) / chunks)
 
