@@ -19,6 +19,7 @@ import os
 import re
 
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, PIPELINE, TENSOR
+from jaxpar.config.mla import MLA_KEYS
 from jaxpar.config.precision import resolve_compute_dtype
 from jaxpar.config.schema import Config, ModelConfig, MoEConfig, OptimizerConfig
 from jaxpar.log import GB
@@ -56,11 +57,7 @@ OPTIONAL_MODEL_KEYS = (
     "attention_softcap",
     "final_softcap",
     "attention_scale_width",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
+    *MLA_KEYS,
 )
 # model.moe keys that count only away from their defaults (records made before the keys keep their fingerprints)
 DEFAULT_MOE_KEYS = (

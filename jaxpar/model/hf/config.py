@@ -51,6 +51,7 @@ import json
 import logging
 import os
 
+from jaxpar.config.mla import MLA_KEYS
 from jaxpar.config.paths import directory_problem
 from jaxpar.config.schema import ModelConfig, MoEConfig
 
@@ -109,11 +110,7 @@ IMPORTED_FIELDS = (
     "attention_softcap",
     "final_softcap",
     "attention_scale_width",
-    "kv_lora_rank",
-    "q_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
+    *MLA_KEYS,
 )
 _MLA_WIDTHS = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # ModelConfig.mla_widths' order
 # model.moe fields a Mixtral's or DeepSeek-V3's config.json fixes (the routing mode, capacity, loss weights and
