@@ -16,6 +16,7 @@ LAYERS_PER_UNIT = {"gemma2": 2}
 
 
 STACK_ATTRIBUTE = "blocks"  # the model attribute, and parameter key, holding the layer stack (jaxpar.model.interface)
+FIRST_DENSE = "first_dense_"  # attribute prefix of the dense blocks before the stack (MoEConfig.first_dense)
 
 
 @dataclass(frozen=True)

@@ -29,15 +29,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config.errors import ConfigError
-from jaxpar.config.schema import ModelConfig
+from jaxpar.config.schema import FIRST_DENSE, ModelConfig
 from jaxpar.model.layers import Attention, Embed, LMHead, RMSNorm, SwiGLU
 from jaxpar.model.mla import MLA
 from jaxpar.model.moe import MoE
 from jaxpar.model.rope import model_inverse_frequencies
 from jaxpar.model.stack import Gather, no_gather, run_layer, scan_layers, stack_layers
 from jaxpar.parallel.tensor import NO_TENSOR_PARALLEL, TensorParallel
-
-FIRST_DENSE = "first_dense_"  # attribute prefix of the dense blocks before the stack (model.moe.first_dense)
 
 
 @dataclasses.dataclass(frozen=True)

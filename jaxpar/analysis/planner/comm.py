@@ -96,8 +96,7 @@ from jaxpar.analysis.planner.experts import all_to_all_count, all_to_all_element
 from jaxpar.analysis.planner.pipeline import ZERO_BUBBLE
 from jaxpar.config.choices import REMAT_KEEPING_EXITS_ONLY
 from jaxpar.config.mesh_axes import CONTEXT, DATA, FSDP, MESH_AXES, PIPELINE, TENSOR
-from jaxpar.config.schema import Config
-from jaxpar.model.llama import FIRST_DENSE
+from jaxpar.config.schema import FIRST_DENSE, Config
 from jaxpar.parallel import schedule, zero_bubble
 from jaxpar.parallel.pipeline import chunk_routes  # the routes the step permutes its layers by
 from jaxpar.parallel.sharding import storage_axes

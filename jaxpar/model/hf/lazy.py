@@ -63,7 +63,7 @@ def hf_sources(cfg: ModelConfig, rope_interleave: bool = True) -> list[HFSource]
     out = [HFSource("model.embed_tokens.weight", ("embed", "table"), None, None, "vector")]
     for place in layer_places(cfg, rope_interleave):
         out += [
-            HFSource(f"model.layers.{place.index}.{e.suffix}", (*place.prefix, *e.path), place.row, e.expert, e.kind)
+            HFSource(f"model.layers.{place.layer}.{e.suffix}", (*place.prefix, *e.path), place.row, e.expert, e.kind)
             for e in place.entries
         ]
     out.append(HFSource("model.norm.weight", ("final_norm", "scale"), None, None, "vector"))

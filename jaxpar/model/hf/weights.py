@@ -86,7 +86,7 @@ from safetensors.numpy import save_file
 
 from jaxpar.config.paths import write_atomic
 from jaxpar.config.precision import DTYPE_BYTES
-from jaxpar.config.schema import ModelConfig
+from jaxpar.config.schema import FIRST_DENSE, ModelConfig
 from jaxpar.model.hf.config import HFConfigError, read_hf_config
 
 _LOGGER = logging.getLogger("jaxpar.model.hf")
@@ -111,11 +111,11 @@ class _Entry(NamedTuple):
 
 
 class LayerPlace(NamedTuple):
-    """Where Hugging Face layer `index` lives in jaxpar's parameters: its tensors `entries`, with paths beneath
+    """Where Hugging Face layer `layer` lives in jaxpar's parameters: its tensors `entries`, with paths beneath
     `prefix` (from the parameter tree's root, e.g. ("blocks",), ("blocks", "local"), ("first_dense_0",)), at row
     `row` of the stacked prefix, or None for an unstacked module (a dense block before the stack)."""
 
-    index: int
+    layer: int
     prefix: tuple[str, ...]
     row: int | None
     entries: list[_Entry]
@@ -138,7 +138,7 @@ def layer_places(cfg: ModelConfig, rope_interleave: bool = True) -> list[LayerPl
     first = cfg.first_dense
     dense = _deepseek_entries(cfg, (), moe=False, rope_interleave=rope_interleave)
     stacked = _deepseek_entries(cfg, ("moe",), moe=True, rope_interleave=rope_interleave) if cfg.moe.enabled else dense
-    return [LayerPlace(i, (f"first_dense_{i}",), None, dense) for i in range(first)] + [
+    return [LayerPlace(i, (f"{FIRST_DENSE}{i}",), None, dense) for i in range(first)] + [
         LayerPlace(i, ("blocks",), i - first, stacked) for i in range(first, cfg.n_layers)
     ]
 
@@ -334,7 +334,7 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     d, v = cfg.d_model, cfg.vocab_size
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
     for place in layer_places(cfg):
-        out.update({f"model.layers.{place.index}.{e.suffix}": e.hf_shape for e in place.entries})
+        out.update({f"model.layers.{place.layer}.{e.suffix}": e.hf_shape for e in place.entries})
     out["model.norm.weight"] = (d,)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (v, d)
@@ -513,10 +513,10 @@ def read_hf_params(hf_dir: str, cfg: ModelConfig) -> tuple[dict, str]:
     stacked: dict[tuple[str, ...], bool] = {}
     for place in layer_places(cfg, interleaved):  # rows in order within each prefix
         for e in place.entries:
-            w = _to_jaxpar(tensors.pop(f"model.layers.{place.index}.{e.suffix}"), e.kind, cfg)
-            path = (*place.prefix, *e.path)
-            per_layer = layers.setdefault(path, [])
-            stacked[path] = place.row is not None
+            w = _to_jaxpar(tensors.pop(f"model.layers.{place.layer}.{e.suffix}"), e.kind, cfg)
+            leaf = (*place.prefix, *e.path)
+            per_layer = layers.setdefault(leaf, [])
+            stacked[leaf] = place.row is not None
             if e.expert is None:
                 per_layer.append(w)
             else:  # experts 0, 1, ... of layer i in order
@@ -575,7 +575,7 @@ def hf_tensors(params: dict, cfg: ModelConfig, dtype: str) -> dict[str, np.ndarr
             layer = arrays[place.prefix + entry.path]
             layer = layer if place.row is None else layer[place.row]
             w = layer if entry.expert is None else layer[entry.expert]
-            name = f"model.layers.{place.index}.{entry.suffix}"
+            name = f"model.layers.{place.layer}.{entry.suffix}"
             out[name] = cast(_to_hf(w, entry.kind, cfg), name)
     out["model.norm.weight"] = cast(params["final_norm"]["scale"])
     if not cfg.tie_embeddings:
