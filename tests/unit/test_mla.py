@@ -297,3 +297,45 @@ def test_mla_train_step_equals_one_device(layout):
     del state
     got = run(plan, ref["host_state"])
     assert_step_equals(plan, got, ref, FP32_RTOL)
+
+
+@pytest.mark.slow  # three train-step compiles, ~30 s
+def test_mla_under_zero_bubble_schedules_over_uneven_stages(need_devices):
+    """5 MLA layers over 2 stages (pipeline.balance_stages: stored as 6 rows, the last zero) under zb-h1 and zb-v:
+    the split backward (B and W, `jaxpar.parallel.split_backward`) through MLA's latents and padded kernel equals
+    one device's step at fp32 parity (`step_helpers.FP32_RTOL`)."""
+    from step_helpers import (
+        FIRST_STEP_AT_PEAK,
+        FP32,
+        assert_step_equals,
+        compile_fast,
+        device_batch,
+        host_batch,
+        make_plan,
+        stepped,
+        to_host,
+    )
+
+    from jaxpar.training.state import init_state
+    from jaxpar.training.step import make_train_step
+
+    need_devices(2)
+    model = (*FP32, *FIRST_STEP_AT_PEAK, *STEP_MLA, "model.n_layers=5", "model.n_kv_heads=4", "data.seq_len=16")
+    model += ("optimizer.grad_clip_norm=0", "train.global_batch_size=8", "mesh.data=1", "mesh.fsdp=1")
+    valid = STEP_VALID
+    ref_plan = make_plan(list(model), jax.devices()[:1])
+    state = init_state(ref_plan, 5)
+    host = to_host(state)
+    batch = device_batch(ref_plan, host_batch(valid, 16, 5))
+    ref = {**stepped(compile_fast(make_train_step(ref_plan), state, batch), state, batch), "host_state": host}
+    for schedule in (("pipeline.schedule=zb-h1",), ("pipeline.schedule=zb-v", "pipeline.virtual_stages=2")):
+        split = ("mesh.pipeline=2", "pipeline.microbatches=4", "pipeline.balance_stages=true", *schedule)
+        plan = make_plan([*model, *split], jax.devices()[:2])
+        assert plan.stack_rows == 6
+        state = init_state(plan, params=host["params"])
+        batch = device_batch(plan, host_batch(valid, 16, 5))
+        got = stepped(compile_fast(make_train_step(plan), state, batch), state, batch)
+        for key in ("params", "mu", "nu"):
+            assert not any(np.any(a[5:]) for a in jax.tree.leaves(got[key]["blocks"]))  # the zero row stays zero
+            got[key] = {**got[key], "blocks": jax.tree.map(lambda a: a[:5], got[key]["blocks"])}
+        assert_step_equals(plan, got, ref, FP32_RTOL)
