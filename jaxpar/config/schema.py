@@ -349,9 +349,10 @@ class PipelineConfig:
         even split. The first stage also runs the embedding and the last the head and loss; in a lockstep
         pipeline the busiest stage sets every tick's pace, so giving the last stage fewer layers speeds the step
         (Megatron-LM's first/last-stage layer counts do the same). Every schedule runs it; the parameters stay
-        stored evenly over `pipeline` in model order (checkpoints do not depend on the split), so model.n_layers
-        must still divide by mesh.pipeline, and one permute per step moves the layers that change stage
-        (`jaxpar.parallel.layer_split`). Evaluation runs the even split.
+        stored evenly over `pipeline` in model order (checkpoints do not depend on the split), with zero rows
+        after the last layer when mesh.pipeline does not divide the stack, and one permute per step moves the
+        layers that change stage (`jaxpar.parallel.layer_split`). Evaluation runs the even split of the stored
+        rows (zero rows are the identity).
       balance_stages: `true` picks stage_layers itself: the whole-layer split that balances the model chunks'
         training FLOPs, the head's 6*D*V per token included (`jaxpar.parallel.layer_split.balanced_split`;
         `jaxpar-plan` prints it). Not together with stage_layers.

@@ -33,6 +33,7 @@ from jaxpar.data import IteratorLoader, build_loaders
 from jaxpar.data.iterator import StatefulIterator
 from jaxpar.data.loader import serves_segment_ids
 from jaxpar.model import flops as flops_lib
+from jaxpar.model.params import fit_stack
 from jaxpar.parallel import zero_bubble
 from jaxpar.parallel.distributed import describe_process
 from jaxpar.parallel.mesh import build_mesh, describe
@@ -147,8 +148,11 @@ def _loaders(cfg: Config, plan: StepPlan, data: StatefulIterator | None):
 def _model_flops(cfg: Config, state: dict) -> tuple[float, float | None, float | None]:
     """(model FLOPs per token, hardware FLOPs per token or None, peak FLOP/s per device or None), logged
     (`jaxpar.model.flops.model_flops`)."""
-    n_params = flops_lib.param_count(state["params"])
-    flops_per_token, hardware_flops = flops_lib.model_flops(cfg, state["params"])
+    # the model's own layers: a stack stored with zero rows past them (jaxpar.parallel.layer_split) counts without
+    depth = cfg.model.stack_depth
+    params = jax.eval_shape(lambda p: fit_stack(p, depth, depth), state["params"])
+    n_params = flops_lib.param_count(params)
+    flops_per_token, hardware_flops = flops_lib.model_flops(cfg, params)
     peak = flops_lib.peak_flops(jax.devices()[0].device_kind, cfg.train.peak_flops_per_device)
     hardware = (
         f"{hardware_flops:,.0f} hardware FLOPs/token with recompute (remat {cfg.model.remat})"
