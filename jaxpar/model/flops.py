@@ -155,7 +155,8 @@ def model_flops(cfg, params) -> tuple[float, float | None]:
     With a sliding window (`model.sliding_window` = W) a query's scores cover min(T, W) keys, so both counts take
     the mean attention span over the layers for T (`attention_span`; the same un-halved convention as PaLM's:
     `flops_per_token`). With Multi-head Latent Attention the attention products take its widths
-    (`attention_width`); the family's recompute count is the usual attention's (not MLA's).
+    (`attention_width`), and the built-in family's recompute count takes MLA's projections
+    (`jaxpar.model.llama.recompute_flops_per_token`).
 
     Raises:
       ConfigError: `model.name` is not a registered model family.
